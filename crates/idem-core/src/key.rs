@@ -1,0 +1,316 @@
+//! Record keys: `(scope, namespace, client_key)`.
+//!
+//! Every part is validated when it is built and is never truncated: a value that does not fit
+//! is rejected with a [`KeyError`] that names the part and the rule it broke, but never echoes
+//! the value itself (keys are secrets of a kind: they must not end up in logs).
+
+use std::fmt;
+
+/// The longest client key accepted, in bytes (the IETF Idempotency-Key draft and Stripe use 255).
+pub const MAX_CLIENT_KEY_LEN: usize = 255;
+/// The longest scope accepted, in bytes.
+pub const MAX_SCOPE_LEN: usize = 255;
+/// The longest namespace accepted, in bytes.
+pub const MAX_NAMESPACE_LEN: usize = 128;
+
+/// Which part of a key a [`KeyError`] is about.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum KeyPart {
+    /// The scope (tenant or principal).
+    Scope,
+    /// The namespace (the operation, `biz_type`).
+    Namespace,
+    /// The caller's key (`Idempotency-Key`, order number, message id).
+    ClientKey,
+}
+
+impl fmt::Display for KeyPart {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            KeyPart::Scope => "scope",
+            KeyPart::Namespace => "namespace",
+            KeyPart::ClientKey => "key",
+        })
+    }
+}
+
+/// Why a key part was rejected.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum KeyError {
+    /// The part is empty.
+    #[error("{part} must not be empty")]
+    Empty {
+        /// The part that was empty.
+        part: KeyPart,
+    },
+    /// The part is longer than its limit; it is rejected, never truncated.
+    #[error("{part} is {len} bytes long; at most {max} are allowed")]
+    TooLong {
+        /// The part that was too long.
+        part: KeyPart,
+        /// Its length in bytes.
+        len: usize,
+        /// The limit.
+        max: usize,
+    },
+    /// The part holds a character outside its alphabet.
+    #[error("{part} has a character that is not allowed at byte {position}: {rule}")]
+    InvalidChar {
+        /// The part with the bad character.
+        part: KeyPart,
+        /// Byte offset of the first bad character.
+        position: usize,
+        /// The rule the part must follow.
+        rule: &'static str,
+    },
+}
+
+const VISIBLE_ASCII: &str = "only visible ASCII characters (0x21 to 0x7E) are allowed";
+const NAMESPACE_CHARS: &str = "only ASCII letters, digits and . _ : - are allowed";
+
+fn check(
+    part: KeyPart,
+    value: &str,
+    max: usize,
+    allowed: fn(u8) -> bool,
+    rule: &'static str,
+) -> Result<(), KeyError> {
+    if value.is_empty() {
+        return Err(KeyError::Empty { part });
+    }
+    if value.len() > max {
+        return Err(KeyError::TooLong {
+            part,
+            len: value.len(),
+            max,
+        });
+    }
+    if let Some(position) = value.bytes().position(|b| !allowed(b)) {
+        return Err(KeyError::InvalidChar {
+            part,
+            position,
+            rule,
+        });
+    }
+    Ok(())
+}
+
+fn visible_ascii(b: u8) -> bool {
+    b.is_ascii_graphic()
+}
+
+fn namespace_char(b: u8) -> bool {
+    b.is_ascii_alphanumeric() || matches!(b, b'.' | b'_' | b':' | b'-')
+}
+
+macro_rules! key_part {
+    ($(#[$doc:meta])* $name:ident, $part:expr, $max:expr, $allowed:expr, $rule:expr) => {
+        $(#[$doc])*
+        #[derive(Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
+        pub struct $name(String);
+
+        impl $name {
+            /// Validates `value` and wraps it.
+            pub fn new(value: impl Into<String>) -> Result<Self, KeyError> {
+                let value = value.into();
+                check($part, &value, $max, $allowed, $rule)?;
+                Ok(Self(value))
+            }
+
+            /// The validated value.
+            pub fn as_str(&self) -> &str {
+                &self.0
+            }
+        }
+
+        impl fmt::Debug for $name {
+            fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                fmt::Debug::fmt(&self.0, f)
+            }
+        }
+
+        impl fmt::Display for $name {
+            fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                f.write_str(&self.0)
+            }
+        }
+
+        impl TryFrom<&str> for $name {
+            type Error = KeyError;
+            fn try_from(value: &str) -> Result<Self, KeyError> {
+                Self::new(value)
+            }
+        }
+
+        impl TryFrom<String> for $name {
+            type Error = KeyError;
+            fn try_from(value: String) -> Result<Self, KeyError> {
+                Self::new(value)
+            }
+        }
+    };
+}
+
+key_part!(
+    /// The tenant or principal that owns a record: keys never collide or replay across scopes.
+    /// 1 to 255 visible ASCII characters.
+    Scope,
+    KeyPart::Scope,
+    MAX_SCOPE_LEN,
+    visible_ascii,
+    VISIBLE_ASCII
+);
+key_part!(
+    /// The operation a key belongs to (`transfer`, `orders.create`): 1 to 128 ASCII letters,
+    /// digits, `.`, `_`, `:` or `-`.
+    Namespace,
+    KeyPart::Namespace,
+    MAX_NAMESPACE_LEN,
+    namespace_char,
+    NAMESPACE_CHARS
+);
+key_part!(
+    /// The caller's unique request id (an `Idempotency-Key`, an order number, a message id):
+    /// 1 to 255 visible ASCII characters.
+    ClientKey,
+    KeyPart::ClientKey,
+    MAX_CLIENT_KEY_LEN,
+    visible_ascii,
+    VISIBLE_ASCII
+);
+
+/// The identity of one idempotency record.
+///
+/// The `Debug` output hides the client key (it shows its hash), so a key can be logged safely.
+#[derive(Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct Key {
+    scope: Scope,
+    namespace: Namespace,
+    client_key: ClientKey,
+}
+
+impl Key {
+    /// Builds a key from validated parts.
+    pub fn new(scope: Scope, namespace: Namespace, client_key: ClientKey) -> Self {
+        Self {
+            scope,
+            namespace,
+            client_key,
+        }
+    }
+
+    /// Validates three strings and builds a key.
+    pub fn parse(scope: &str, namespace: &str, client_key: &str) -> Result<Self, KeyError> {
+        Ok(Self::new(
+            Scope::new(scope)?,
+            Namespace::new(namespace)?,
+            ClientKey::new(client_key)?,
+        ))
+    }
+
+    /// The scope.
+    pub fn scope(&self) -> &Scope {
+        &self.scope
+    }
+
+    /// The namespace.
+    pub fn namespace(&self) -> &Namespace {
+        &self.namespace
+    }
+
+    /// The client key.
+    pub fn client_key(&self) -> &ClientKey {
+        &self.client_key
+    }
+
+    /// A short, stable, non-reversible tag of the whole key for logs and metrics
+    /// (the first 8 bytes of SHA-256 over the three parts, in hex).
+    pub fn log_tag(&self) -> String {
+        let fp = crate::Fingerprint::builder()
+            .part(self.scope.as_str().as_bytes())
+            .part(self.namespace.as_str().as_bytes())
+            .part(self.client_key.as_str().as_bytes())
+            .finish();
+        fp.to_hex()[..16].to_owned()
+    }
+}
+
+impl fmt::Debug for Key {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Key")
+            .field("scope", &self.scope)
+            .field("namespace", &self.namespace)
+            .field("client_key_tag", &self.log_tag())
+            .finish()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    #[test]
+    fn accepts_visible_ascii_up_to_255() {
+        let k = "a".repeat(255);
+        assert_eq!(ClientKey::new(k.clone()).map(|c| c.0), Ok(k));
+        assert!(ClientKey::new("!~Az09-_./:?#%").is_ok());
+    }
+
+    #[test]
+    fn rejects_empty_long_and_invisible_without_truncating() {
+        assert_eq!(
+            ClientKey::new(""),
+            Err(KeyError::Empty {
+                part: KeyPart::ClientKey
+            })
+        );
+        assert_eq!(
+            ClientKey::new("a".repeat(256)),
+            Err(KeyError::TooLong {
+                part: KeyPart::ClientKey,
+                len: 256,
+                max: 255
+            })
+        );
+        for bad in ["a b", "tab\t", "é", "nl\n", "\u{7f}"] {
+            assert!(
+                matches!(
+                    ClientKey::new(bad),
+                    Err(KeyError::InvalidChar {
+                        part: KeyPart::ClientKey,
+                        ..
+                    })
+                ),
+                "{bad:?} accepted"
+            );
+        }
+    }
+
+    #[test]
+    fn namespace_alphabet_is_narrow() {
+        assert!(Namespace::new("orders.create:v2_x-y").is_ok());
+        assert!(Namespace::new("a/b").is_err());
+        assert!(Namespace::new("a".repeat(129)).is_err());
+    }
+
+    #[test]
+    fn errors_never_echo_the_value() {
+        let err = ClientKey::new("secret value").unwrap_err().to_string();
+        assert!(!err.contains("secret"), "{err}");
+        let debug = format!("{:?}", Key::parse("s", "n", "secret-key").unwrap());
+        assert!(!debug.contains("secret-key"), "{debug}");
+    }
+
+    proptest! {
+        #[test]
+        fn client_key_accepts_exactly_the_rule(s in "\\PC{0,300}") {
+            let ok = !s.is_empty() && s.len() <= 255 && s.bytes().all(|b| (0x21..=0x7e).contains(&b));
+            let got = ClientKey::new(s.clone());
+            prop_assert_eq!(got.is_ok(), ok);
+            if let Ok(k) = got { prop_assert_eq!(k.as_str(), s.as_str()); }
+        }
+    }
+}

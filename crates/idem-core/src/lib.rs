@@ -1,0 +1,41 @@
+//! The record model of idem: keys, request fingerprints, the idempotency record state
+//! machine, the [`Store`] trait every backend implements, and clocks.
+//!
+//! This crate does no I/O and needs no async runtime; stores (`idem-store`), the run-once API
+//! (`idem`) and the server plug into it.
+//!
+//! ```
+//! use idem_core::{BeginOutcome, BeginRequest, Fingerprint, Key, Record, Timestamp};
+//!
+//! let key = Key::parse("tenant-1", "transfer", "order-42").unwrap();
+//! let fp = Fingerprint::of_json_str(r#"{"amount": 100, "to": "bob"}"#).unwrap();
+//! let req = BeginRequest::new(key, fp);
+//! let now = Timestamp::from_millis(1_000);
+//!
+//! // The first attempt acquires the key...
+//! let step = Record::begin(None, &req, now);
+//! let BeginOutcome::Acquired(lease) = step.outcome else { panic!() };
+//! let record = step.write.unwrap();
+//! // ...a concurrent retry is told it is in progress...
+//! assert!(matches!(Record::begin(Some(&record), &req, now).outcome, BeginOutcome::InProgress { .. }));
+//! // ...and once completed, every retry gets the stored answer.
+//! let done = Record::complete(Some(&record), &lease, "sent".into(), now).unwrap().unwrap();
+//! assert!(matches!(Record::begin(Some(&done), &req, now).outcome, BeginOutcome::Replay(_)));
+//! ```
+
+pub mod clock;
+pub mod fingerprint;
+pub mod key;
+pub mod record;
+pub mod store;
+
+pub use clock::{Clock, ManualClock, SystemClock, Timestamp};
+pub use fingerprint::{Fingerprint, FingerprintBuilder};
+pub use key::{ClientKey, Key, KeyError, KeyPart, Namespace, Scope};
+pub use record::{
+    BeginOutcome, BeginRequest, BeginStep, DEFAULT_LEASE, DEFAULT_TTL, Lease, LeaseId, Record,
+    Replay, StaleLease, Status,
+};
+pub use store::{BoxFuture, DynStore, LeaseError, SharedStore, Store, StoreError};
+
+pub use bytes::Bytes;

@@ -1,0 +1,482 @@
+//! The idempotency record and its state machine.
+//!
+//! ```text
+//!               begin(fp)                    complete(lease, response)
+//!   (absent) ─────────────▶ IN_PROGRESS ───────────────────────────▶ COMPLETED ──ttl──▶ (absent)
+//!      ▲                         │ release(lease)
+//!      └──── RELEASED ◀──────────┘   (or the lease expires: the next begin takes over)
+//! ```
+//!
+//! The transitions are pure functions over [`Record`] so that every store which serialises
+//! access to a key (the memory store under a mutex, SQLite inside a write transaction) applies
+//! exactly the same rules; stores that compute a transition inside the database (a SQL
+//! statement, a Lua script) must agree with these functions, and the conformance suite checks
+//! that they do.
+
+use std::fmt;
+use std::time::Duration;
+
+use bytes::Bytes;
+
+use crate::{Fingerprint, Key, Timestamp, clock::duration_millis};
+
+/// How long a completed record is kept, unless the caller says otherwise: 24 hours.
+pub const DEFAULT_TTL: Duration = Duration::from_secs(24 * 60 * 60);
+/// How long a lease lasts, unless the caller says otherwise: 60 seconds.
+pub const DEFAULT_LEASE: Duration = Duration::from_secs(60);
+
+/// The lifecycle state of a record.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Status {
+    /// An attempt holds a lease and is running the work.
+    InProgress,
+    /// The work finished; its response is stored and replayed to every retry.
+    Completed,
+    /// The attempt gave the key back (a retryable failure). For `begin` the key is absent; the
+    /// record is kept only so that the next lease gets a higher fencing number.
+    Released,
+}
+
+impl Status {
+    /// The name used in storage and in the JSON API.
+    pub const fn as_str(self) -> &'static str {
+        match self {
+            Status::InProgress => "in_progress",
+            Status::Completed => "completed",
+            Status::Released => "released",
+        }
+    }
+
+    /// Parses [`Status::as_str`] back.
+    pub fn parse(s: &str) -> Option<Self> {
+        match s {
+            "in_progress" => Some(Status::InProgress),
+            "completed" => Some(Status::Completed),
+            "released" => Some(Status::Released),
+            _ => None,
+        }
+    }
+}
+
+impl fmt::Display for Status {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// The random identity of one lease: 128 bits, unguessable, shown as 32 hex digits.
+#[derive(Clone, Copy, PartialEq, Eq, Hash)]
+pub struct LeaseId(u128);
+
+impl LeaseId {
+    /// A fresh random lease id.
+    pub fn generate() -> Self {
+        Self(rand::random())
+    }
+
+    /// Wraps a raw value (for stores reading their rows back).
+    pub const fn from_u128(v: u128) -> Self {
+        Self(v)
+    }
+
+    /// The raw value.
+    pub const fn as_u128(self) -> u128 {
+        self.0
+    }
+
+    /// Big-endian bytes, for stores that keep it as a blob.
+    pub const fn to_bytes(self) -> [u8; 16] {
+        self.0.to_be_bytes()
+    }
+
+    /// Reads [`LeaseId::to_bytes`] back.
+    pub const fn from_bytes(b: [u8; 16]) -> Self {
+        Self(u128::from_be_bytes(b))
+    }
+
+    /// Parses 32 hexadecimal digits.
+    pub fn parse(s: &str) -> Option<Self> {
+        if s.len() != 32 || !s.bytes().all(|b| b.is_ascii_hexdigit()) {
+            return None;
+        }
+        u128::from_str_radix(s, 16).ok().map(Self)
+    }
+}
+
+impl fmt::Display for LeaseId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{:032x}", self.0)
+    }
+}
+
+impl fmt::Debug for LeaseId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        // Only a prefix: a full lease id is a capability to complete the record.
+        write!(f, "LeaseId({:08x}…)", self.0 >> 96)
+    }
+}
+
+/// The right to run the work for one key, and to complete or release its record.
+///
+/// `fence` rises by at least one every time a key's record is acquired (a first begin, a begin
+/// after release or expiry, a takeover of an expired lease), so a resource that remembers the
+/// highest fence it has seen can refuse a holder that was overtaken.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Lease {
+    /// Which lease this is.
+    pub id: LeaseId,
+    /// The fencing number.
+    pub fence: u64,
+    /// When the lease runs out and another `begin` may take the key over.
+    pub expires_at: Timestamp,
+}
+
+/// What `begin` is asked to do.
+#[derive(Debug, Clone)]
+pub struct BeginRequest {
+    /// The record's key.
+    pub key: Key,
+    /// The request's fingerprint.
+    pub fingerprint: Fingerprint,
+    /// How long the lease lasts.
+    pub lease: Duration,
+    /// How long the record is kept after it completes (or is released).
+    pub ttl: Duration,
+}
+
+impl BeginRequest {
+    /// A request with the default lease and TTL.
+    pub fn new(key: Key, fingerprint: Fingerprint) -> Self {
+        Self {
+            key,
+            fingerprint,
+            lease: DEFAULT_LEASE,
+            ttl: DEFAULT_TTL,
+        }
+    }
+
+    /// Sets the lease length.
+    #[must_use]
+    pub fn with_lease(mut self, lease: Duration) -> Self {
+        self.lease = lease;
+        self
+    }
+
+    /// Sets the TTL.
+    #[must_use]
+    pub fn with_ttl(mut self, ttl: Duration) -> Self {
+        self.ttl = ttl;
+        self
+    }
+}
+
+/// A stored result handed back to a retry.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Replay {
+    /// The stored response, byte for byte.
+    pub response: Bytes,
+    /// The fence of the lease that completed it.
+    pub fence: u64,
+    /// When it was completed.
+    pub completed_at: Timestamp,
+}
+
+/// The answer of `begin`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum BeginOutcome {
+    /// The caller holds the key: run the work, then complete or release.
+    Acquired(Lease),
+    /// The work finished before with the same fingerprint: return the stored response.
+    Replay(Replay),
+    /// Another attempt holds a live lease on the key.
+    InProgress {
+        /// When that lease runs out (for `Retry-After`).
+        lease_expires_at: Timestamp,
+    },
+    /// The key was used with a different fingerprint.
+    Mismatch,
+}
+
+/// One idempotency record as stored.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Record {
+    /// Its key.
+    pub key: Key,
+    /// The fingerprint of the request that owns it.
+    pub fingerprint: Fingerprint,
+    /// Where it is in its lifecycle.
+    pub status: Status,
+    /// The fence of the latest lease.
+    pub fence: u64,
+    /// The id of the latest lease (kept after completion, so a repeated `complete` by the same
+    /// lease is recognised).
+    pub lease_id: LeaseId,
+    /// When the latest lease runs out.
+    pub lease_expires_at: Timestamp,
+    /// The stored response; `Some` exactly when completed.
+    pub response: Option<Bytes>,
+    /// The retention asked for at `begin`, in milliseconds.
+    pub ttl_ms: u64,
+    /// When the latest lease was acquired.
+    pub created_at: Timestamp,
+    /// When the record last changed.
+    pub updated_at: Timestamp,
+    /// When the record may be forgotten (see [`Record::is_live`]).
+    pub expires_at: Timestamp,
+}
+
+/// What a store must do after a `begin`: answer `outcome`, and write `write` if it is `Some`.
+#[derive(Debug, Clone)]
+pub struct BeginStep {
+    /// The answer.
+    pub outcome: BeginOutcome,
+    /// The record to store in place of the existing one, if anything changes.
+    pub write: Option<Record>,
+}
+
+/// Refusal of `complete` or `release` by the state machine.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+#[error("the lease is no longer current: the record expired, was released or was taken over")]
+pub struct StaleLease;
+
+impl Record {
+    /// Whether the record still exists for `begin` and `get` at `now`.
+    ///
+    /// A completed or released record lives until `expires_at`; an in-progress one lives while
+    /// its lease is live or its retention has not run out, whichever is later. A record that
+    /// is not live is absent: `get` does not return it, `begin` acquires over it and
+    /// `purge_expired` may delete it.
+    pub fn is_live(&self, now: Timestamp) -> bool {
+        match self.status {
+            Status::InProgress => self.lease_expires_at > now || self.expires_at > now,
+            Status::Completed | Status::Released => self.expires_at > now,
+        }
+    }
+
+    /// Whether this record holds exactly `lease`.
+    pub fn holds(&self, lease: &Lease) -> bool {
+        self.lease_id == lease.id && self.fence == lease.fence
+    }
+
+    /// The `begin` transition: `existing` is the stored record for `req.key`, if any (live or
+    /// not), and the store must apply the returned step atomically with having read `existing`.
+    pub fn begin(existing: Option<&Record>, req: &BeginRequest, now: Timestamp) -> BeginStep {
+        if let Some(r) = existing.filter(|r| r.is_live(now)) {
+            let outcome = match (r.status, r.fingerprint == req.fingerprint) {
+                (Status::Completed, true) => Some(BeginOutcome::Replay(Replay {
+                    response: r.response.clone().unwrap_or_default(),
+                    fence: r.fence,
+                    completed_at: r.updated_at,
+                })),
+                (Status::Completed | Status::InProgress, false) => Some(BeginOutcome::Mismatch),
+                (Status::InProgress, true) if r.lease_expires_at > now => {
+                    Some(BeginOutcome::InProgress {
+                        lease_expires_at: r.lease_expires_at,
+                    })
+                }
+                // An expired lease with the same fingerprint, or a released key: take over.
+                (Status::InProgress, true) | (Status::Released, _) => None,
+            };
+            if let Some(outcome) = outcome {
+                return BeginStep {
+                    outcome,
+                    write: None,
+                };
+            }
+        }
+        let fence = existing.map_or(0, |r| r.fence).saturating_add(1);
+        let lease = Lease {
+            id: LeaseId::generate(),
+            fence,
+            expires_at: now.saturating_add(req.lease),
+        };
+        let ttl_ms = duration_millis(req.ttl);
+        BeginStep {
+            outcome: BeginOutcome::Acquired(lease),
+            write: Some(Record {
+                key: req.key.clone(),
+                fingerprint: req.fingerprint,
+                status: Status::InProgress,
+                fence,
+                lease_id: lease.id,
+                lease_expires_at: lease.expires_at,
+                response: None,
+                ttl_ms,
+                created_at: now,
+                updated_at: now,
+                expires_at: now.saturating_add(req.ttl),
+            }),
+        }
+    }
+
+    /// The `complete` transition. `Ok(Some(r))`: store `r`. `Ok(None)`: this lease already
+    /// completed the record; nothing changes (the first response stays). `Err`: refused.
+    pub fn complete(
+        existing: Option<&Record>,
+        lease: &Lease,
+        response: Bytes,
+        now: Timestamp,
+    ) -> Result<Option<Record>, StaleLease> {
+        let r = existing
+            .filter(|r| r.is_live(now) && r.holds(lease))
+            .ok_or(StaleLease)?;
+        match r.status {
+            Status::InProgress => Ok(Some(Record {
+                status: Status::Completed,
+                response: Some(response),
+                updated_at: now,
+                expires_at: now.saturating_add(std::time::Duration::from_millis(r.ttl_ms)),
+                ..r.clone()
+            })),
+            Status::Completed => Ok(None),
+            Status::Released => Err(StaleLease),
+        }
+    }
+
+    /// The `release` transition: the attempt failed in a way that is safe to retry, so the key
+    /// is given back. `Ok(None)`: this lease already released it.
+    pub fn release(
+        existing: Option<&Record>,
+        lease: &Lease,
+        now: Timestamp,
+    ) -> Result<Option<Record>, StaleLease> {
+        let r = existing
+            .filter(|r| r.is_live(now) && r.holds(lease))
+            .ok_or(StaleLease)?;
+        match r.status {
+            Status::InProgress => Ok(Some(Record {
+                status: Status::Released,
+                response: None,
+                updated_at: now,
+                expires_at: now.saturating_add(std::time::Duration::from_millis(r.ttl_ms)),
+                ..r.clone()
+            })),
+            Status::Released => Ok(None),
+            Status::Completed => Err(StaleLease),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn req(fp: &[u8]) -> BeginRequest {
+        BeginRequest::new(
+            Key::parse("s", "n", "k").unwrap(),
+            Fingerprint::of_bytes(fp),
+        )
+        .with_lease(Duration::from_secs(10))
+        .with_ttl(Duration::from_secs(100))
+    }
+
+    fn t(s: u64) -> Timestamp {
+        Timestamp::from_millis(s * 1000)
+    }
+
+    fn acquire(existing: Option<&Record>, r: &BeginRequest, now: Timestamp) -> (Lease, Record) {
+        let step = Record::begin(existing, r, now);
+        match (step.outcome, step.write) {
+            (BeginOutcome::Acquired(l), Some(w)) => (l, w),
+            other => panic!("expected acquired, got {other:?}"),
+        }
+    }
+
+    #[test]
+    fn full_lifecycle() {
+        let r = req(b"a");
+        let (lease, rec) = acquire(None, &r, t(0));
+        assert_eq!(lease.fence, 1);
+        assert_eq!(rec.status, Status::InProgress);
+        let step = Record::begin(Some(&rec), &r, t(1));
+        assert_eq!(
+            step.outcome,
+            BeginOutcome::InProgress {
+                lease_expires_at: t(10)
+            }
+        );
+        let done = Record::complete(Some(&rec), &lease, Bytes::from_static(b"ok"), t(2))
+            .unwrap()
+            .unwrap();
+        assert_eq!(done.expires_at, t(102));
+        match Record::begin(Some(&done), &r, t(3)).outcome {
+            BeginOutcome::Replay(rep) => assert_eq!(&rep.response[..], b"ok"),
+            o => panic!("{o:?}"),
+        }
+        assert_eq!(
+            Record::begin(Some(&done), &req(b"b"), t(3)).outcome,
+            BeginOutcome::Mismatch
+        );
+        // after the TTL the key is free again, with a higher fence
+        let (lease2, _) = acquire(Some(&done), &req(b"b"), t(102));
+        assert_eq!(lease2.fence, 2);
+    }
+
+    #[test]
+    fn takeover_and_stale_lease() {
+        let r = req(b"a");
+        let (old, rec) = acquire(None, &r, t(0));
+        let (new, rec2) = acquire(Some(&rec), &r, t(10));
+        assert!(new.fence > old.fence);
+        assert_eq!(
+            Record::complete(Some(&rec2), &old, Bytes::new(), t(11)),
+            Err(StaleLease)
+        );
+        assert_eq!(Record::release(Some(&rec2), &old, t(11)), Err(StaleLease));
+        assert!(Record::release(Some(&rec2), &new, t(11)).unwrap().is_some());
+    }
+
+    #[test]
+    fn release_frees_the_key_for_any_fingerprint() {
+        let (lease, rec) = acquire(None, &req(b"a"), t(0));
+        let released = Record::release(Some(&rec), &lease, t(1)).unwrap().unwrap();
+        assert_eq!(Record::release(Some(&released), &lease, t(1)), Ok(None));
+        let (l2, _) = acquire(Some(&released), &req(b"other"), t(2));
+        assert_eq!(l2.fence, 2);
+    }
+
+    #[test]
+    fn repeated_complete_by_the_same_lease_keeps_the_first_response() {
+        let (lease, rec) = acquire(None, &req(b"a"), t(0));
+        let done = Record::complete(Some(&rec), &lease, Bytes::from_static(b"1"), t(1))
+            .unwrap()
+            .unwrap();
+        assert_eq!(
+            Record::complete(Some(&done), &lease, Bytes::from_static(b"2"), t(2)),
+            Ok(None)
+        );
+        assert_eq!(Record::release(Some(&done), &lease, t(2)), Err(StaleLease));
+    }
+
+    #[test]
+    fn expired_lease_not_taken_over_may_still_complete() {
+        let (lease, rec) = acquire(None, &req(b"a"), t(0));
+        assert!(
+            Record::complete(Some(&rec), &lease, Bytes::new(), t(50))
+                .unwrap()
+                .is_some()
+        );
+    }
+
+    #[test]
+    fn in_progress_with_other_fingerprint_is_a_mismatch_even_after_lease_expiry() {
+        let (_, rec) = acquire(None, &req(b"a"), t(0));
+        assert_eq!(
+            Record::begin(Some(&rec), &req(b"b"), t(20)).outcome,
+            BeginOutcome::Mismatch
+        );
+        // ...until its retention is over too
+        assert!(matches!(
+            Record::begin(Some(&rec), &req(b"b"), t(100)).outcome,
+            BeginOutcome::Acquired(_)
+        ));
+    }
+
+    #[test]
+    fn lease_id_text_round_trip() {
+        let id = LeaseId::generate();
+        assert_eq!(LeaseId::parse(&id.to_string()), Some(id));
+        assert_eq!(LeaseId::parse("xyz"), None);
+        assert_eq!(LeaseId::parse(&"+".repeat(32)), None);
+    }
+}

@@ -1,0 +1,273 @@
+//! The `Store` trait: where records live.
+
+use std::error::Error as StdError;
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::Arc;
+
+use bytes::Bytes;
+
+use crate::record::{BeginOutcome, BeginRequest, Lease, Record, StaleLease};
+use crate::{Key, Timestamp};
+
+/// A failure of the store itself (not a refusal by the state machine).
+///
+/// Callers must fail closed on any `StoreError`: the work does not run without its record.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum StoreError {
+    /// The store cannot be reached or is not accepting work now (connection refused, pool
+    /// exhausted, database locked for too long). Retrying later may succeed.
+    #[error("store unavailable: {message}")]
+    Unavailable {
+        /// What went wrong, without keys or payloads.
+        message: String,
+        /// The underlying error.
+        #[source]
+        source: Option<Box<dyn StdError + Send + Sync>>,
+    },
+    /// The store answered with an error that retrying will not fix (a schema from a newer
+    /// version, a full disk, a file that is not a database).
+    #[error("store error: {message}")]
+    Backend {
+        /// What went wrong, without keys or payloads.
+        message: String,
+        /// The underlying error.
+        #[source]
+        source: Option<Box<dyn StdError + Send + Sync>>,
+    },
+    /// A stored record could not be read back.
+    #[error("stored record is corrupt: {0}")]
+    Corrupt(String),
+}
+
+impl StoreError {
+    /// An [`StoreError::Unavailable`] with a source.
+    pub fn unavailable(
+        message: impl Into<String>,
+        source: impl Into<Box<dyn StdError + Send + Sync>>,
+    ) -> Self {
+        Self::Unavailable {
+            message: message.into(),
+            source: Some(source.into()),
+        }
+    }
+
+    /// A [`StoreError::Backend`] with a source.
+    pub fn backend(
+        message: impl Into<String>,
+        source: impl Into<Box<dyn StdError + Send + Sync>>,
+    ) -> Self {
+        Self::Backend {
+            message: message.into(),
+            source: Some(source.into()),
+        }
+    }
+
+    /// Whether retrying the operation later may succeed.
+    pub fn is_transient(&self) -> bool {
+        matches!(self, Self::Unavailable { .. })
+    }
+}
+
+/// The answer of `complete` and `release` when they do not succeed.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum LeaseError {
+    /// The lease is no longer the record's current lease.
+    #[error(transparent)]
+    Stale(#[from] StaleLease),
+    /// The store failed; whether the operation took effect is unknown.
+    #[error(transparent)]
+    Store(#[from] StoreError),
+}
+
+/// Where idempotency records live.
+///
+/// # Contract
+///
+/// Every implementation must behave exactly as the pure transitions on [`Record`]
+/// ([`Record::begin`], [`Record::complete`], [`Record::release`], [`Record::is_live`]) describe,
+/// and the conformance suite in `idem-testkit` checks that it does. In particular:
+///
+/// - **`begin` is one atomic step.** Reading the current record, deciding, and writing the new
+///   one happen as a single linearizable operation per key: for any set of concurrent `begin`s
+///   of one key whose records are absent, *exactly one* answers `Acquired`; every other answers
+///   `InProgress` (or `Replay`/`Mismatch` if the winner has completed meanwhile). Never two
+///   `Acquired` for leases that are live at the same time.
+/// - **Fencing.** Each `Acquired` lease for a key has a fence strictly greater than every fence
+///   issued before for that key while its record was kept (released and expired records keep
+///   their fence until they are purged).
+/// - **Stale leases are refused.** `complete` and `release` succeed only while the live record
+///   holds that very lease (same id and fence). A lease whose record was taken over, released,
+///   completed by another lease, expired or purged gets [`LeaseError::Stale`] and changes
+///   nothing. A lease that ran out but was *not* taken over may still complete. Repeating a
+///   successful `complete` or `release` with the same lease is a no-op success (the first
+///   response stays).
+/// - **Expiry is by the caller's clock.** Every operation takes `now`; a store never reads a
+///   clock to decide liveness. A completed or released record expires at `completed_at + ttl`;
+///   an expired record is absent to `begin` and `get`. Native TTLs (Redis) may be used only to
+///   reclaim space, never to decide an outcome before `now` says so.
+/// - **`purge_expired`** deletes at most `limit` records that are not live at `now` and
+///   returns how many it deleted; it never deletes a live record.
+/// - **Durability.** When `complete` returns `Ok`, the response survives a crash of the calling
+///   process (and, for stores that say so, of the machine).
+/// - **Failures fail closed.** Any error is reported as `Err`; a store never answers `Acquired`
+///   without having stored the in-progress record.
+/// - **Responses are opaque bytes**, returned by `Replay` exactly as stored.
+pub trait Store: Send + Sync + 'static {
+    /// A short name of the backend (`"memory"`, `"sqlite"`).
+    fn kind(&self) -> &'static str;
+
+    /// Claims the key, or reports why not. See the contract above.
+    fn begin(
+        &self,
+        req: &BeginRequest,
+        now: Timestamp,
+    ) -> impl Future<Output = Result<BeginOutcome, StoreError>> + Send;
+
+    /// Stores `response` as the record's result and marks it completed.
+    fn complete(
+        &self,
+        key: &Key,
+        lease: &Lease,
+        response: Bytes,
+        now: Timestamp,
+    ) -> impl Future<Output = Result<(), LeaseError>> + Send;
+
+    /// Gives the key back after a retryable failure, so that the next `begin` runs the work.
+    fn release(
+        &self,
+        key: &Key,
+        lease: &Lease,
+        now: Timestamp,
+    ) -> impl Future<Output = Result<(), LeaseError>> + Send;
+
+    /// The live record for `key`, if any.
+    fn get(
+        &self,
+        key: &Key,
+        now: Timestamp,
+    ) -> impl Future<Output = Result<Option<Record>, StoreError>> + Send;
+
+    /// Deletes up to `limit` records that are no longer live; returns how many.
+    fn purge_expired(
+        &self,
+        now: Timestamp,
+        limit: usize,
+    ) -> impl Future<Output = Result<u64, StoreError>> + Send;
+}
+
+/// A boxed, sendable future.
+pub type BoxFuture<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
+
+/// An object-safe [`Store`], for choosing the backend at run time (from a URL in a config).
+/// Every `Store` is a `DynStore`; `Arc<dyn DynStore>` is a `Store` again.
+pub trait DynStore: Send + Sync + 'static {
+    /// See [`Store::kind`].
+    fn kind(&self) -> &'static str;
+    /// See [`Store::begin`].
+    fn begin<'a>(
+        &'a self,
+        req: &'a BeginRequest,
+        now: Timestamp,
+    ) -> BoxFuture<'a, Result<BeginOutcome, StoreError>>;
+    /// See [`Store::complete`].
+    fn complete<'a>(
+        &'a self,
+        key: &'a Key,
+        lease: &'a Lease,
+        response: Bytes,
+        now: Timestamp,
+    ) -> BoxFuture<'a, Result<(), LeaseError>>;
+    /// See [`Store::release`].
+    fn release<'a>(
+        &'a self,
+        key: &'a Key,
+        lease: &'a Lease,
+        now: Timestamp,
+    ) -> BoxFuture<'a, Result<(), LeaseError>>;
+    /// See [`Store::get`].
+    fn get<'a>(
+        &'a self,
+        key: &'a Key,
+        now: Timestamp,
+    ) -> BoxFuture<'a, Result<Option<Record>, StoreError>>;
+    /// See [`Store::purge_expired`].
+    fn purge_expired(&self, now: Timestamp, limit: usize)
+    -> BoxFuture<'_, Result<u64, StoreError>>;
+}
+
+impl<S: Store> DynStore for S {
+    fn kind(&self) -> &'static str {
+        Store::kind(self)
+    }
+    fn begin<'a>(
+        &'a self,
+        req: &'a BeginRequest,
+        now: Timestamp,
+    ) -> BoxFuture<'a, Result<BeginOutcome, StoreError>> {
+        Box::pin(Store::begin(self, req, now))
+    }
+    fn complete<'a>(
+        &'a self,
+        key: &'a Key,
+        lease: &'a Lease,
+        response: Bytes,
+        now: Timestamp,
+    ) -> BoxFuture<'a, Result<(), LeaseError>> {
+        Box::pin(Store::complete(self, key, lease, response, now))
+    }
+    fn release<'a>(
+        &'a self,
+        key: &'a Key,
+        lease: &'a Lease,
+        now: Timestamp,
+    ) -> BoxFuture<'a, Result<(), LeaseError>> {
+        Box::pin(Store::release(self, key, lease, now))
+    }
+    fn get<'a>(
+        &'a self,
+        key: &'a Key,
+        now: Timestamp,
+    ) -> BoxFuture<'a, Result<Option<Record>, StoreError>> {
+        Box::pin(Store::get(self, key, now))
+    }
+    fn purge_expired(
+        &self,
+        now: Timestamp,
+        limit: usize,
+    ) -> BoxFuture<'_, Result<u64, StoreError>> {
+        Box::pin(Store::purge_expired(self, now, limit))
+    }
+}
+
+/// A store chosen at run time.
+pub type SharedStore = Arc<dyn DynStore>;
+
+impl Store for SharedStore {
+    fn kind(&self) -> &'static str {
+        DynStore::kind(&**self)
+    }
+    async fn begin(&self, req: &BeginRequest, now: Timestamp) -> Result<BeginOutcome, StoreError> {
+        DynStore::begin(&**self, req, now).await
+    }
+    async fn complete(
+        &self,
+        key: &Key,
+        lease: &Lease,
+        response: Bytes,
+        now: Timestamp,
+    ) -> Result<(), LeaseError> {
+        DynStore::complete(&**self, key, lease, response, now).await
+    }
+    async fn release(&self, key: &Key, lease: &Lease, now: Timestamp) -> Result<(), LeaseError> {
+        DynStore::release(&**self, key, lease, now).await
+    }
+    async fn get(&self, key: &Key, now: Timestamp) -> Result<Option<Record>, StoreError> {
+        DynStore::get(&**self, key, now).await
+    }
+    async fn purge_expired(&self, now: Timestamp, limit: usize) -> Result<u64, StoreError> {
+        DynStore::purge_expired(&**self, now, limit).await
+    }
+}

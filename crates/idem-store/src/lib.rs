@@ -1,0 +1,17 @@
+//! Stores for idem's idempotency records.
+//!
+//! - [`MemoryStore`]: in-process, for tests and throwaway use.
+//! - [`SqliteStore`] (feature `sqlite`, on by default): the embedded default. One file, nothing
+//!   to install; safe for many tasks and several processes on one file.
+//!
+//! [`open`] picks a store from a URL (`memory://`, `sqlite://PATH`), as `idem serve --store` does.
+
+mod memory;
+#[cfg(feature = "sqlite")]
+mod sqlite;
+mod url;
+
+pub use memory::MemoryStore;
+#[cfg(feature = "sqlite")]
+pub use sqlite::{SqliteOptions, SqliteStore, Synchronous};
+pub use url::{OpenError, StoreUrl, StoreUrlError, open};

@@ -1,0 +1,30 @@
+//! The conformance suite, run unchanged against every store in this crate.
+
+mod memory {
+    use idem_store::MemoryStore;
+    use idem_testkit::conformance::Fixture;
+
+    idem_testkit::conformance_tests!(async { Fixture::new(MemoryStore::new()) });
+}
+
+mod sqlite {
+    use idem_store::SqliteStore;
+    use idem_testkit::conformance::Fixture;
+
+    async fn fixture() -> Fixture<SqliteStore> {
+        let dir = tempfile::tempdir().expect("temporary directory");
+        let store = SqliteStore::open(dir.path().join("idem.db")).expect("open SQLite store");
+        Fixture::with_guard(store, dir)
+    }
+
+    idem_testkit::conformance_tests!(fixture());
+}
+
+/// The type-erased store the server uses passes too.
+mod shared {
+    use idem_testkit::conformance::Fixture;
+
+    idem_testkit::conformance_tests!(async {
+        Fixture::new(idem_store::open("memory://").expect("open memory://"))
+    });
+}

@@ -1,0 +1,578 @@
+//! The conformance suite: one function per case, each taking any [`Store`].
+//!
+//! Every case works in a scope of its own (random), so the suite can run against a shared
+//! server concurrently with other runs. Time is passed explicitly: cases start from the wall
+//! clock and move forward by adding to it, never by sleeping.
+
+use std::any::Any;
+use std::collections::HashSet;
+use std::sync::Arc;
+use std::time::Duration;
+
+use idem_core::{
+    BeginOutcome, BeginRequest, Bytes, Fingerprint, Key, Lease, LeaseError, LeaseId, Status, Store,
+    Timestamp,
+};
+
+/// A store under test, and whatever must outlive it (a temporary directory, a server).
+pub struct Fixture<S> {
+    /// The store.
+    pub store: S,
+    _guard: Option<Box<dyn Any + Send>>,
+}
+
+impl<S> Fixture<S> {
+    /// A fixture that needs nothing else.
+    pub fn new(store: S) -> Self {
+        Self {
+            store,
+            _guard: None,
+        }
+    }
+
+    /// A fixture that keeps `guard` alive as long as the store.
+    pub fn with_guard(store: S, guard: impl Any + Send) -> Self {
+        Self {
+            store,
+            _guard: Some(Box::new(guard)),
+        }
+    }
+}
+
+const LEASE: Duration = Duration::from_secs(10);
+const TTL: Duration = Duration::from_secs(100);
+
+/// A scope no other run uses.
+fn fresh_scope() -> String {
+    format!("conformance-{:016x}", rand::random::<u64>())
+}
+
+struct Case {
+    scope: String,
+    t0: Timestamp,
+}
+
+impl Case {
+    fn new() -> Self {
+        Self {
+            scope: fresh_scope(),
+            t0: Timestamp::now(),
+        }
+    }
+
+    fn key(&self, client_key: &str) -> Key {
+        Key::parse(&self.scope, "conformance", client_key).unwrap()
+    }
+
+    fn req(&self, client_key: &str, fp: &str) -> BeginRequest {
+        BeginRequest::new(self.key(client_key), Fingerprint::of_bytes(fp.as_bytes()))
+            .with_lease(LEASE)
+            .with_ttl(TTL)
+    }
+
+    /// `t0 + secs`.
+    fn at(&self, secs: u64) -> Timestamp {
+        self.t0.saturating_add(Duration::from_secs(secs))
+    }
+}
+
+async fn acquire<S: Store>(store: &S, req: &BeginRequest, now: Timestamp) -> Lease {
+    match store.begin(req, now).await.unwrap() {
+        BeginOutcome::Acquired(lease) => lease,
+        other => panic!("expected Acquired, got {other:?}"),
+    }
+}
+
+async fn replayed<S: Store>(store: &S, req: &BeginRequest, now: Timestamp) -> Bytes {
+    match store.begin(req, now).await.unwrap() {
+        BeginOutcome::Replay(r) => r.response,
+        other => panic!("expected Replay, got {other:?}"),
+    }
+}
+
+fn assert_stale(result: Result<(), LeaseError>) {
+    match result {
+        Err(LeaseError::Stale(_)) => {}
+        other => panic!("expected a stale-lease refusal, got {other:?}"),
+    }
+}
+
+/// The first `begin` of a key acquires it, with fence 1 and the asked lease length.
+pub async fn begin_on_absent_key_acquires<S: Store>(store: &S) {
+    let c = Case::new();
+    let lease = acquire(store, &c.req("k", "a"), c.at(0)).await;
+    assert_eq!(lease.fence, 1);
+    assert_eq!(lease.expires_at, c.at(0).saturating_add(LEASE));
+}
+
+/// While a lease is live, another `begin` with the same fingerprint is told "in progress"
+/// and when that lease runs out.
+pub async fn second_begin_is_in_progress<S: Store>(store: &S) {
+    let c = Case::new();
+    let lease = acquire(store, &c.req("k", "a"), c.at(0)).await;
+    for t in [0, 1, 9] {
+        assert_eq!(
+            store.begin(&c.req("k", "a"), c.at(t)).await.unwrap(),
+            BeginOutcome::InProgress {
+                lease_expires_at: lease.expires_at
+            }
+        );
+    }
+}
+
+/// After `complete`, every `begin` with the same fingerprint replays the stored response,
+/// with the completing fence and time.
+pub async fn complete_then_every_retry_replays<S: Store>(store: &S) {
+    let c = Case::new();
+    let req = c.req("k", "a");
+    let lease = acquire(store, &req, c.at(0)).await;
+    store
+        .complete(&req.key, &lease, Bytes::from_static(b"done"), c.at(1))
+        .await
+        .unwrap();
+    for t in [1, 2, 50, 100] {
+        match store.begin(&req, c.at(t)).await.unwrap() {
+            BeginOutcome::Replay(r) => {
+                assert_eq!(&r.response[..], b"done");
+                assert_eq!(r.fence, lease.fence);
+                assert_eq!(r.completed_at, c.at(1));
+            }
+            other => panic!("expected Replay at t={t}, got {other:?}"),
+        }
+    }
+}
+
+/// Responses are opaque bytes: empty, binary, and large ones come back exactly.
+pub async fn replay_returns_bytes_exactly<S: Store>(store: &S) {
+    let c = Case::new();
+    let binary: Vec<u8> = (0..=255u8).chain([0, 0, 255]).collect();
+    let large: Vec<u8> = (0..1024 * 1024)
+        .map(|i: u32| i.to_le_bytes()[0] ^ 0x5a)
+        .collect();
+    for (name, body) in [("empty", Vec::new()), ("binary", binary), ("large", large)] {
+        let req = c.req(name, "a");
+        let lease = acquire(store, &req, c.at(0)).await;
+        store
+            .complete(&req.key, &lease, Bytes::from(body.clone()), c.at(0))
+            .await
+            .unwrap();
+        assert_eq!(replayed(store, &req, c.at(1)).await, body, "{name}");
+    }
+}
+
+/// A key reused with a different fingerprint is a mismatch, whether the record is in progress
+/// (even with its lease run out) or completed; the record is left as it was.
+pub async fn other_fingerprint_is_a_mismatch<S: Store>(store: &S) {
+    let c = Case::new();
+    let lease = acquire(store, &c.req("k", "a"), c.at(0)).await;
+    assert_eq!(
+        store.begin(&c.req("k", "b"), c.at(1)).await.unwrap(),
+        BeginOutcome::Mismatch
+    );
+    assert_eq!(
+        store.begin(&c.req("k", "b"), c.at(20)).await.unwrap(),
+        BeginOutcome::Mismatch,
+        "an expired lease still binds the key to its fingerprint"
+    );
+    store
+        .complete(&c.key("k"), &lease, Bytes::from_static(b"r"), c.at(21))
+        .await
+        .unwrap();
+    assert_eq!(
+        store.begin(&c.req("k", "b"), c.at(22)).await.unwrap(),
+        BeginOutcome::Mismatch
+    );
+    assert_eq!(&replayed(store, &c.req("k", "a"), c.at(23)).await[..], b"r");
+}
+
+/// `release` gives the key back: the next `begin`, with any fingerprint, acquires it with a
+/// higher fence; the record is shown as released until then.
+pub async fn release_gives_the_key_back<S: Store>(store: &S) {
+    let c = Case::new();
+    let first = acquire(store, &c.req("k", "a"), c.at(0)).await;
+    store.release(&c.key("k"), &first, c.at(1)).await.unwrap();
+    // releasing again with the same lease is a no-op success
+    store.release(&c.key("k"), &first, c.at(1)).await.unwrap();
+    let rec = store.get(&c.key("k"), c.at(1)).await.unwrap().unwrap();
+    assert_eq!(rec.status, Status::Released);
+    let second = acquire(store, &c.req("k", "b"), c.at(2)).await;
+    assert!(second.fence > first.fence);
+    assert_stale(
+        store
+            .complete(&c.key("k"), &first, Bytes::new(), c.at(3))
+            .await,
+    );
+}
+
+/// An expired lease is taken over by the next `begin` with the same fingerprint, each time
+/// with a strictly higher fence.
+pub async fn expired_lease_is_taken_over_with_higher_fence<S: Store>(store: &S) {
+    let c = Case::new();
+    let req = c.req("k", "a");
+    let mut fence = 0;
+    for round in 0..5u64 {
+        let now = c.at(round * 11);
+        let lease = acquire(store, &req, now).await;
+        assert!(lease.fence > fence, "fence {} after {fence}", lease.fence);
+        fence = lease.fence;
+        assert!(matches!(
+            store.begin(&req, now).await.unwrap(),
+            BeginOutcome::InProgress { .. }
+        ));
+    }
+    let rec = store.get(&req.key, c.at(44)).await.unwrap().unwrap();
+    assert_eq!(rec.fence, fence);
+}
+
+/// A lease that expired and was taken over can neither complete nor release, and its attempts
+/// change nothing: the new holder still completes.
+pub async fn stale_lease_cannot_complete_or_release<S: Store>(store: &S) {
+    let c = Case::new();
+    let req = c.req("k", "a");
+    let old = acquire(store, &req, c.at(0)).await;
+    let new = acquire(store, &req, c.at(11)).await;
+    assert!(new.fence > old.fence);
+    assert_stale(
+        store
+            .complete(&req.key, &old, Bytes::from_static(b"old"), c.at(12))
+            .await,
+    );
+    assert_stale(store.release(&req.key, &old, c.at(12)).await);
+    let rec = store.get(&req.key, c.at(12)).await.unwrap().unwrap();
+    assert_eq!(rec.status, Status::InProgress);
+    assert_eq!(rec.fence, new.fence);
+    store
+        .complete(&req.key, &new, Bytes::from_static(b"new"), c.at(13))
+        .await
+        .unwrap();
+    assert_stale(
+        store
+            .complete(&req.key, &old, Bytes::from_static(b"old"), c.at(14))
+            .await,
+    );
+    assert_eq!(&replayed(store, &req, c.at(14)).await[..], b"new");
+}
+
+/// A lease that ran out but that nobody took over may still complete.
+pub async fn expired_lease_not_taken_over_may_complete<S: Store>(store: &S) {
+    let c = Case::new();
+    let req = c.req("k", "a");
+    let lease = acquire(store, &req, c.at(0)).await;
+    store
+        .complete(&req.key, &lease, Bytes::from_static(b"late"), c.at(30))
+        .await
+        .unwrap();
+    assert_eq!(&replayed(store, &req, c.at(31)).await[..], b"late");
+}
+
+/// Repeating `complete` with the same lease succeeds and keeps the first response;
+/// `release` after `complete` is refused.
+pub async fn repeated_complete_is_a_noop<S: Store>(store: &S) {
+    let c = Case::new();
+    let req = c.req("k", "a");
+    let lease = acquire(store, &req, c.at(0)).await;
+    store
+        .complete(&req.key, &lease, Bytes::from_static(b"first"), c.at(1))
+        .await
+        .unwrap();
+    store
+        .complete(&req.key, &lease, Bytes::from_static(b"second"), c.at(2))
+        .await
+        .unwrap();
+    assert_stale(store.release(&req.key, &lease, c.at(2)).await);
+    assert_eq!(&replayed(store, &req, c.at(3)).await[..], b"first");
+}
+
+/// A lease with a made-up id, or for a key that has no record, is stale.
+pub async fn forged_or_absent_lease_is_stale<S: Store>(store: &S) {
+    let c = Case::new();
+    let req = c.req("k", "a");
+    let real = acquire(store, &req, c.at(0)).await;
+    let forged = Lease {
+        id: LeaseId::generate(),
+        ..real
+    };
+    assert_stale(
+        store
+            .complete(&req.key, &forged, Bytes::new(), c.at(1))
+            .await,
+    );
+    assert_stale(store.release(&req.key, &forged, c.at(1)).await);
+    let wrong_fence = Lease {
+        fence: real.fence + 1,
+        ..real
+    };
+    assert_stale(
+        store
+            .complete(&req.key, &wrong_fence, Bytes::new(), c.at(1))
+            .await,
+    );
+    assert_stale(
+        store
+            .complete(&c.key("nobody"), &real, Bytes::new(), c.at(1))
+            .await,
+    );
+    assert_stale(store.release(&c.key("nobody"), &real, c.at(1)).await);
+    assert!(matches!(
+        store.begin(&req, c.at(1)).await.unwrap(),
+        BeginOutcome::InProgress { .. }
+    ));
+}
+
+/// A completed record is replayed until `completed_at + ttl`, and is absent from then on:
+/// `get` does not return it and `begin` acquires again (with a higher fence).
+pub async fn completed_record_expires_after_ttl<S: Store>(store: &S) {
+    let c = Case::new();
+    let req = c.req("k", "a");
+    let lease = acquire(store, &req, c.at(0)).await;
+    store
+        .complete(&req.key, &lease, Bytes::from_static(b"r"), c.at(5))
+        .await
+        .unwrap();
+    let expires = c.at(5).saturating_add(TTL);
+    let just_before = Timestamp::from_millis(expires.as_millis() - 1);
+    assert_eq!(&replayed(store, &req, just_before).await[..], b"r");
+    assert!(store.get(&req.key, just_before).await.unwrap().is_some());
+    assert!(store.get(&req.key, expires).await.unwrap().is_none());
+    let again = acquire(store, &c.req("k", "other"), expires).await;
+    assert!(again.fence > lease.fence);
+}
+
+/// An in-progress record whose lease and retention have both run out is absent: a different
+/// fingerprint may acquire the key.
+pub async fn in_progress_record_expires_after_lease_and_retention<S: Store>(store: &S) {
+    let c = Case::new();
+    acquire(store, &c.req("k", "a"), c.at(0)).await;
+    assert_eq!(
+        store.begin(&c.req("k", "b"), c.at(99)).await.unwrap(),
+        BeginOutcome::Mismatch
+    );
+    assert!(store.get(&c.key("k"), c.at(100)).await.unwrap().is_none());
+    acquire(store, &c.req("k", "b"), c.at(100)).await;
+}
+
+/// `purge_expired` deletes dead records and keeps live ones, including an in-progress record
+/// whose retention has passed but whose lease is still live.
+pub async fn purge_removes_only_dead_records<S: Store>(store: &S) {
+    let c = Case::new();
+    // done: completed at 0, expires at 100
+    let done = c.req("done", "a");
+    let l = acquire(store, &done, c.at(0)).await;
+    store
+        .complete(&done.key, &l, Bytes::new(), c.at(0))
+        .await
+        .unwrap();
+    // fresh: completed at 50, expires at 150
+    let fresh = c.req("fresh", "a");
+    let l = acquire(store, &fresh, c.at(50)).await;
+    store
+        .complete(&fresh.key, &l, Bytes::new(), c.at(50))
+        .await
+        .unwrap();
+    // long: in progress with a lease far beyond its retention
+    let long = c.req("long", "a").with_lease(Duration::from_secs(1000));
+    acquire(store, &long, c.at(0)).await;
+
+    let now = c.at(120);
+    // Other runs may share the store: purge until nothing dead is left.
+    while store.purge_expired(now, 1000).await.unwrap() > 0 {}
+    assert!(store.get(&done.key, now).await.unwrap().is_none());
+    assert!(store.get(&fresh.key, now).await.unwrap().is_some());
+    assert!(store.get(&long.key, now).await.unwrap().is_some());
+    // after the purge, "done" is a fresh key
+    acquire(store, &done, now).await;
+    assert!(matches!(
+        store.begin(&fresh, now).await.unwrap(),
+        BeginOutcome::Replay(_)
+    ));
+}
+
+/// `purge_expired` deletes no more than asked.
+pub async fn purge_respects_limit<S: Store>(store: &S) {
+    let c = Case::new();
+    for i in 0..10 {
+        let req = c.req(&format!("k{i}"), "a");
+        let l = acquire(store, &req, c.at(0)).await;
+        store
+            .complete(&req.key, &l, Bytes::new(), c.at(0))
+            .await
+            .unwrap();
+    }
+    let now = c.at(200);
+    assert!(store.purge_expired(now, 3).await.unwrap() <= 3);
+    assert_eq!(store.purge_expired(now, 0).await.unwrap(), 0);
+}
+
+/// `get` shows status, fence, fingerprint, lease and timestamps of the live record.
+pub async fn get_reports_the_record<S: Store>(store: &S) {
+    let c = Case::new();
+    let req = c.req("k", "a");
+    assert!(store.get(&req.key, c.at(0)).await.unwrap().is_none());
+    let lease = acquire(store, &req, c.at(0)).await;
+    let rec = store.get(&req.key, c.at(1)).await.unwrap().unwrap();
+    assert_eq!(rec.key, req.key);
+    assert_eq!(rec.status, Status::InProgress);
+    assert_eq!(rec.fingerprint, req.fingerprint);
+    assert_eq!(rec.fence, lease.fence);
+    assert_eq!(rec.lease_id, lease.id);
+    assert_eq!(rec.lease_expires_at, lease.expires_at);
+    assert_eq!(rec.created_at, c.at(0));
+    assert_eq!(rec.response, None);
+    store
+        .complete(&req.key, &lease, Bytes::from_static(b"x"), c.at(2))
+        .await
+        .unwrap();
+    let rec = store.get(&req.key, c.at(3)).await.unwrap().unwrap();
+    assert_eq!(rec.status, Status::Completed);
+    assert_eq!(rec.response.as_deref(), Some(&b"x"[..]));
+    assert_eq!(rec.updated_at, c.at(2));
+    assert_eq!(rec.expires_at, c.at(2).saturating_add(TTL));
+}
+
+/// The same namespace and client key in two scopes are two records: neither sees, blocks or
+/// replays the other.
+pub async fn scope_isolation<S: Store>(store: &S) {
+    let a = Case::new();
+    let b = Case {
+        scope: fresh_scope(),
+        t0: a.t0,
+    };
+    let la = acquire(store, &a.req("shared", "x"), a.at(0)).await;
+    // B's begin is not blocked by A's lease, and may even use another fingerprint.
+    let lb = acquire(store, &b.req("shared", "y"), a.at(0)).await;
+    store
+        .complete(&a.key("shared"), &la, Bytes::from_static(b"A"), a.at(1))
+        .await
+        .unwrap();
+    assert_stale(
+        store
+            .complete(&b.key("shared"), &la, Bytes::from_static(b"A"), a.at(1))
+            .await,
+    );
+    assert_eq!(
+        store
+            .get(&b.key("shared"), a.at(2))
+            .await
+            .unwrap()
+            .unwrap()
+            .status,
+        Status::InProgress
+    );
+    store
+        .complete(&b.key("shared"), &lb, Bytes::from_static(b"B"), a.at(2))
+        .await
+        .unwrap();
+    assert_eq!(
+        &replayed(store, &a.req("shared", "x"), a.at(3)).await[..],
+        b"A"
+    );
+    assert_eq!(
+        &replayed(store, &b.req("shared", "y"), a.at(3)).await[..],
+        b"B"
+    );
+}
+
+/// The same client key in two namespaces of one scope are two records.
+pub async fn namespace_isolation<S: Store>(store: &S) {
+    let c = Case::new();
+    let k1 = Key::parse(&c.scope, "ns1", "k").unwrap();
+    let k2 = Key::parse(&c.scope, "ns2", "k").unwrap();
+    let fp = Fingerprint::of_bytes(b"a");
+    acquire(store, &BeginRequest::new(k1, fp), c.at(0)).await;
+    acquire(store, &BeginRequest::new(k2, fp), c.at(0)).await;
+}
+
+const STORM: usize = 500;
+
+/// 500 concurrent `begin`s of one absent key: exactly one `Acquired`, every other answer
+/// `InProgress`.
+pub async fn duplicate_storm<S: Store + Clone>(store: &S) {
+    let c = Case::new();
+    let req = Arc::new(c.req("storm", "a"));
+    let now = c.at(0);
+    let barrier = Arc::new(tokio::sync::Barrier::new(STORM));
+    let tasks: Vec<_> = (0..STORM)
+        .map(|_| {
+            let (store, req, barrier) = (store.clone(), req.clone(), barrier.clone());
+            tokio::spawn(async move {
+                barrier.wait().await;
+                store.begin(&req, now).await.unwrap()
+            })
+        })
+        .collect();
+    let mut acquired = 0;
+    for t in tasks {
+        match t.await.unwrap() {
+            BeginOutcome::Acquired(_) => acquired += 1,
+            BeginOutcome::InProgress { .. } => {}
+            other => panic!("unexpected outcome in a storm: {other:?}"),
+        }
+    }
+    assert_eq!(acquired, 1, "exactly one begin may acquire");
+}
+
+/// 500 concurrent `begin`s of one key while the winner completes as soon as it wins: exactly
+/// one `Acquired`; the others see `InProgress` or the winner's `Replay`, nothing else.
+pub async fn duplicate_storm_with_completion<S: Store + Clone>(store: &S) {
+    let c = Case::new();
+    let req = Arc::new(c.req("storm", "a"));
+    let now = c.at(0);
+    let barrier = Arc::new(tokio::sync::Barrier::new(STORM));
+    let tasks: Vec<_> = (0..STORM)
+        .map(|_| {
+            let (store, req, barrier) = (store.clone(), req.clone(), barrier.clone());
+            tokio::spawn(async move {
+                barrier.wait().await;
+                let outcome = store.begin(&req, now).await.unwrap();
+                if let BeginOutcome::Acquired(lease) = &outcome {
+                    store
+                        .complete(&req.key, lease, Bytes::from_static(b"winner"), now)
+                        .await
+                        .unwrap();
+                }
+                outcome
+            })
+        })
+        .collect();
+    let (mut acquired, mut replays) = (0, 0);
+    for t in tasks {
+        match t.await.unwrap() {
+            BeginOutcome::Acquired(_) => acquired += 1,
+            BeginOutcome::InProgress { .. } => {}
+            BeginOutcome::Replay(r) => {
+                assert_eq!(&r.response[..], b"winner");
+                replays += 1;
+            }
+            BeginOutcome::Mismatch => panic!("a mismatch in a storm of one fingerprint"),
+        }
+    }
+    assert_eq!(acquired, 1, "exactly one begin may acquire");
+    assert!(replays < STORM);
+    assert_eq!(&replayed(store, &req, now).await[..], b"winner");
+}
+
+/// 50 keys, 20 concurrent attempts each, all interleaved: exactly one winner per key.
+pub async fn storm_over_many_keys<S: Store + Clone>(store: &S) {
+    let c = Case::new();
+    let now = c.at(0);
+    let tasks: Vec<_> = (0..1000)
+        .map(|i| {
+            let store = store.clone();
+            let req = c.req(&format!("key-{}", i % 50), "a");
+            tokio::spawn(async move {
+                match store.begin(&req, now).await.unwrap() {
+                    BeginOutcome::Acquired(_) => Some(req.key.client_key().to_string()),
+                    BeginOutcome::InProgress { .. } => None,
+                    other => panic!("unexpected outcome: {other:?}"),
+                }
+            })
+        })
+        .collect();
+    let mut winners = HashSet::new();
+    for t in tasks {
+        if let Some(k) = t.await.unwrap() {
+            assert!(winners.insert(k.clone()), "two winners for {k}");
+        }
+    }
+    assert_eq!(winners.len(), 50);
+}

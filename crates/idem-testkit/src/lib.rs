@@ -1,0 +1,73 @@
+//! Test support for idem stores.
+//!
+//! - [`conformance`]: the one suite every [`Store`](idem_core::Store) passes unchanged, and
+//!   [`conformance_tests!`] to run it as one `#[test]` per case.
+//! - [`FaultyStore`]: wraps a store and fails chosen operations, before or after they take
+//!   effect, to test that callers fail closed.
+
+// Test support: a failed expectation is meant to panic.
+#![allow(clippy::unwrap_used)]
+
+pub mod conformance;
+mod faulty;
+
+pub use faulty::{Fault, FaultyStore, Op};
+
+/// Runs `fut` to completion on a fresh multi-threaded runtime (four workers, so that storms
+/// really run in parallel).
+pub fn block_on<F: std::future::Future>(fut: F) -> F::Output {
+    tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(4)
+        .enable_all()
+        .build()
+        .expect("build a tokio runtime")
+        .block_on(fut)
+}
+
+/// Generates one `#[test]` per conformance case for a store.
+///
+/// The argument is an async expression (evaluated afresh for each case) that yields a
+/// [`Fixture`](conformance::Fixture): the store and whatever must live as long as it.
+///
+/// ```ignore
+/// idem_testkit::conformance_tests!(async { Fixture::new(MemoryStore::new()) });
+/// ```
+#[macro_export]
+macro_rules! conformance_tests {
+    ($fixture:expr) => {
+        $crate::conformance_tests!(@cases $fixture;
+            begin_on_absent_key_acquires,
+            second_begin_is_in_progress,
+            complete_then_every_retry_replays,
+            replay_returns_bytes_exactly,
+            other_fingerprint_is_a_mismatch,
+            release_gives_the_key_back,
+            expired_lease_is_taken_over_with_higher_fence,
+            stale_lease_cannot_complete_or_release,
+            expired_lease_not_taken_over_may_complete,
+            repeated_complete_is_a_noop,
+            forged_or_absent_lease_is_stale,
+            completed_record_expires_after_ttl,
+            in_progress_record_expires_after_lease_and_retention,
+            purge_removes_only_dead_records,
+            purge_respects_limit,
+            get_reports_the_record,
+            scope_isolation,
+            namespace_isolation,
+            duplicate_storm,
+            duplicate_storm_with_completion,
+            storm_over_many_keys,
+        );
+    };
+    (@cases $fixture:expr; $($case:ident,)*) => {
+        $(
+            #[test]
+            fn $case() {
+                $crate::block_on(async {
+                    let fixture = $fixture.await;
+                    $crate::conformance::$case(&fixture.store).await;
+                });
+            }
+        )*
+    };
+}
