@@ -1,5 +1,7 @@
 //! The conformance suite, run unchanged against every store in this crate.
 
+#![allow(clippy::unwrap_used)]
+
 mod memory {
     use idem_store::MemoryStore;
     use idem_testkit::conformance::Fixture;

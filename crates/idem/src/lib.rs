@@ -1,0 +1,60 @@
+//! idem makes writes safe to retry.
+//!
+//! A caller that timed out does not know whether its transfer happened. With idem the work
+//! runs under an idempotency key: the first attempt claims the key, runs, and stores its
+//! result; every retry with the same key gets that result back instead of running again; an
+//! attempt that fails in a retryable way gives the key back.
+//!
+//! This crate is the entry point: [`Idempotency`] runs a closure at most once per key (for jobs
+//! and message consumers), and it re-exports the record model ([`idem_core`]) and the stores
+//! ([`idem_store`]: memory, and SQLite as the embedded default).
+//!
+//! ```
+//! # async fn demo() -> Result<(), Box<dyn std::error::Error>> {
+//! use std::time::Duration;
+//! use idem::{Idempotency, InFlight, Key, RunError, SqliteStore};
+//!
+//! # let dir = tempfile_dir();
+//! let store = SqliteStore::open(dir.join("idem.db"))?;
+//! let idem = Idempotency::new(store);
+//! let key = Key::parse("shop", "stock.deduct", "order-1001")?;
+//!
+//! #[derive(Debug, serde::Serialize, serde::Deserialize)]
+//! enum StockError { Insufficient, DatabaseDown }
+//!
+//! let result = idem
+//!     .once(&key)
+//!     .input(&("sku-7", 2))?
+//!     .ttl(Duration::from_secs(3600))
+//!     .in_flight(InFlight::Wait(Duration::from_secs(2)))
+//!     // "insufficient stock" is an answer: store it and replay it to every retry;
+//!     // a database outage is not: release the key so that a retry runs again.
+//!     .permanent_if(|e: &StockError| matches!(e, StockError::Insufficient))
+//!     .run(|lease| async move {
+//!         // lease.fence can guard writes elsewhere
+//!         Err::<u32, _>(StockError::Insufficient)
+//!     })
+//!     .await;
+//! assert!(matches!(result, Err(RunError::Failed { error: StockError::Insufficient, replayed: false })));
+//! # Ok(()) }
+//! # fn tempfile_dir() -> std::path::PathBuf {
+//! #     let d = std::env::temp_dir().join(format!("idem-doc-{}", std::process::id()));
+//! #     std::fs::create_dir_all(&d).unwrap(); d
+//! # }
+//! # tokio::runtime::Runtime::new().unwrap().block_on(demo()).unwrap();
+//! ```
+
+mod run;
+
+pub use run::{
+    AllRetryable, Done, ErrorPolicy, Idempotency, InFlight, Once, PermanentIf, RunError,
+};
+
+pub use idem_core::{
+    self, BeginOutcome, BeginRequest, Bytes, Clock, DynStore, Fingerprint, Key, KeyError, Lease,
+    LeaseError, ManualClock, Record, SharedStore, Status, Store, StoreError, SystemClock,
+    Timestamp,
+};
+#[cfg(feature = "sqlite")]
+pub use idem_store::SqliteStore;
+pub use idem_store::{self, MemoryStore, StoreUrl, open};

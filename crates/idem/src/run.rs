@@ -1,0 +1,429 @@
+//! Run a piece of work at most once per key and replay its result to every repeat.
+
+use std::future::Future;
+use std::time::Duration;
+
+use idem_core::{
+    BeginOutcome, BeginRequest, Bytes, Clock, DEFAULT_LEASE, DEFAULT_TTL, Fingerprint, Key, Lease,
+    LeaseError, Store, StoreError, SystemClock,
+};
+use serde::de::DeserializeOwned;
+use serde::{Deserialize, Serialize};
+
+/// The engine: a store and a clock.
+///
+/// ```
+/// # async fn demo() -> Result<(), Box<dyn std::error::Error>> {
+/// use idem::{Idempotency, Key, MemoryStore};
+///
+/// let idem = Idempotency::new(MemoryStore::new());
+/// let key = Key::parse("tenant-1", "charge", "order-42")?;
+/// let charge = serde_json::json!({"amount": 500, "currency": "EUR"});
+///
+/// let first = idem
+///     .once(&key)
+///     .input(&charge)?
+///     .run(|_lease| async { Ok::<_, String>("ch_1".to_owned()) })
+///     .await?;
+/// let retry = idem
+///     .once(&key)
+///     .input(&charge)?
+///     .run(|_lease| async { Ok::<_, String>("ch_2".to_owned()) })
+///     .await?;
+/// assert_eq!(retry.value, "ch_1"); // the work ran once; the retry got the first answer
+/// assert!(retry.replayed && !first.replayed);
+/// # Ok(()) }
+/// # tokio::runtime::Runtime::new().unwrap().block_on(demo()).unwrap();
+/// ```
+#[derive(Debug, Clone)]
+pub struct Idempotency<S, C = SystemClock> {
+    store: S,
+    clock: C,
+}
+
+impl<S: Store + Clone> Idempotency<S> {
+    /// An engine over `store` with the system clock.
+    pub fn new(store: S) -> Self {
+        Self {
+            store,
+            clock: SystemClock,
+        }
+    }
+}
+
+impl<S: Store + Clone, C: Clock + Clone> Idempotency<S, C> {
+    /// The same engine with another clock (a [`ManualClock`](idem_core::ManualClock) in tests).
+    pub fn with_clock<C2: Clock + Clone>(self, clock: C2) -> Idempotency<S, C2> {
+        Idempotency {
+            store: self.store,
+            clock,
+        }
+    }
+
+    /// The store.
+    pub fn store(&self) -> &S {
+        &self.store
+    }
+
+    /// The clock.
+    pub fn clock(&self) -> &C {
+        &self.clock
+    }
+
+    /// Starts describing one run of work under `key`. The defaults: no input (an empty
+    /// fingerprint), the default lease (60 s) and TTL (24 h), every error retryable, and an
+    /// attempt in flight answered with [`RunError::InProgress`] at once.
+    pub fn once<'a>(&'a self, key: &'a Key) -> Once<'a, S, C> {
+        Once {
+            engine: self,
+            key,
+            fingerprint: Fingerprint::of_bytes(b""),
+            lease: DEFAULT_LEASE,
+            ttl: DEFAULT_TTL,
+            in_flight: InFlight::Reject,
+            classify: AllRetryable,
+        }
+    }
+}
+
+/// What to do when another attempt holds the key.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum InFlight {
+    /// Answer [`RunError::InProgress`] at once.
+    Reject,
+    /// Wait up to this long for the other attempt to finish and replay its result. If its
+    /// lease runs out meanwhile, this attempt takes the key over and runs the work itself.
+    Wait(Duration),
+}
+
+/// Decides whether an error of the work is permanent (stored and replayed to every retry) or
+/// retryable (the key is released so that a retry runs the work again).
+pub trait ErrorPolicy<E> {
+    /// `true`: store the error as the result; `false`: release the key.
+    fn is_permanent(&self, error: &E) -> bool;
+}
+
+/// The default policy: every error is retryable.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct AllRetryable;
+
+impl<E> ErrorPolicy<E> for AllRetryable {
+    fn is_permanent(&self, _: &E) -> bool {
+        false
+    }
+}
+
+/// A policy given as a function.
+#[derive(Debug, Clone, Copy)]
+pub struct PermanentIf<F>(F);
+
+impl<E, F: Fn(&E) -> bool> ErrorPolicy<E> for PermanentIf<F> {
+    fn is_permanent(&self, error: &E) -> bool {
+        (self.0)(error)
+    }
+}
+
+/// One run of work under a key: set options, then [`Once::run`].
+#[must_use = "nothing runs until `.run(work)` is awaited"]
+pub struct Once<'a, S, C, P = AllRetryable> {
+    engine: &'a Idempotency<S, C>,
+    key: &'a Key,
+    fingerprint: Fingerprint,
+    lease: Duration,
+    ttl: Duration,
+    in_flight: InFlight,
+    classify: P,
+}
+
+/// The result of a run.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Done<T> {
+    /// The work's value: computed now, or the stored one.
+    pub value: T,
+    /// `true` if the value was stored by an earlier run and is replayed.
+    pub replayed: bool,
+    /// The fence of the lease under which the value was computed.
+    pub fence: u64,
+}
+
+/// Why a run did not produce a value.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum RunError<E> {
+    /// The work failed. A permanent error is stored (and `replayed` on every retry); a
+    /// retryable one released the key, so a retry runs the work again.
+    #[error("the work failed ({})", if *.replayed { "stored failure replayed" } else { "this attempt" })]
+    Failed {
+        /// The work's error.
+        error: E,
+        /// `true` if this is a stored permanent failure from an earlier run.
+        replayed: bool,
+    },
+    /// Another attempt holds the key (and waiting, if asked for, did not see it finish).
+    #[error("another attempt is in progress; retry after {retry_after:?}")]
+    InProgress {
+        /// How long until that attempt's lease runs out.
+        retry_after: Duration,
+    },
+    /// The key was used before with a different input.
+    #[error("the key was used with a different input")]
+    Mismatch,
+    /// The work ran, but its lease had been taken over (it ran longer than the lease), so its
+    /// result was not stored: another attempt owns the key now.
+    #[error("the lease was lost while the work ran; its result was not stored")]
+    LeaseLost,
+    /// The work ran, but storing its result failed; the record stays in progress until its
+    /// lease runs out, and then a retry runs the work again.
+    #[error("the work ran but its result could not be stored: {0}")]
+    NotRecorded(#[source] StoreError),
+    /// The store failed before the work could be claimed: the work did not run.
+    #[error("the work did not run: {0}")]
+    Store(#[source] StoreError),
+    /// The value or the error could not be serialised, or a stored one could not be read back.
+    #[error("cannot encode or decode the stored result: {0}")]
+    Codec(#[source] serde_json::Error),
+}
+
+/// A result as stored: the work's value, or its permanent error.
+#[derive(Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+enum Stored<T, E> {
+    Ok(T),
+    Err(E),
+}
+
+/// How many times `complete`/`release` is tried when the store is unavailable; both are
+/// idempotent for one lease, so repeating them is safe.
+const SETTLE_ATTEMPTS: u32 = 3;
+
+impl<'a, S: Store + Clone, C: Clock + Clone, P> Once<'a, S, C, P> {
+    /// The input that identifies the request: its canonical JSON is fingerprinted, and a
+    /// later run with the same key but another input is a [`RunError::Mismatch`].
+    pub fn input<I: Serialize + ?Sized>(mut self, input: &I) -> Result<Self, serde_json::Error> {
+        self.fingerprint = Fingerprint::of_serialize(input)?;
+        Ok(self)
+    }
+
+    /// Sets the fingerprint directly.
+    pub fn fingerprint(mut self, fingerprint: Fingerprint) -> Self {
+        self.fingerprint = fingerprint;
+        self
+    }
+
+    /// How long the work may run before another attempt may take the key over.
+    pub fn lease(mut self, lease: Duration) -> Self {
+        self.lease = lease;
+        self
+    }
+
+    /// How long the result is kept and replayed.
+    pub fn ttl(mut self, ttl: Duration) -> Self {
+        self.ttl = ttl;
+        self
+    }
+
+    /// What to do when another attempt holds the key.
+    pub fn in_flight(mut self, in_flight: InFlight) -> Self {
+        self.in_flight = in_flight;
+        self
+    }
+
+    /// Store (and replay) the errors for which `permanent` answers `true`; release the key
+    /// for the others.
+    pub fn permanent_if<E, F: Fn(&E) -> bool>(
+        self,
+        permanent: F,
+    ) -> Once<'a, S, C, PermanentIf<F>> {
+        Once {
+            engine: self.engine,
+            key: self.key,
+            fingerprint: self.fingerprint,
+            lease: self.lease,
+            ttl: self.ttl,
+            in_flight: self.in_flight,
+            classify: PermanentIf(permanent),
+        }
+    }
+
+    /// Runs `work` unless a result is stored, and stores its result.
+    ///
+    /// `work` gets the [`Lease`]; its `fence` can guard writes to other resources. If this
+    /// future is dropped while the work runs (a timeout, a cancelled request) or the work
+    /// panics, the key is released in the background so that a retry does not have to wait
+    /// for the lease to run out.
+    pub async fn run<T, E, F, Fut>(self, work: F) -> Result<Done<T>, RunError<E>>
+    where
+        T: Serialize + DeserializeOwned,
+        E: Serialize + DeserializeOwned,
+        P: ErrorPolicy<E>,
+        F: FnOnce(Lease) -> Fut,
+        Fut: Future<Output = Result<T, E>>,
+    {
+        let engine = self.engine;
+        let req = BeginRequest::new(self.key.clone(), self.fingerprint)
+            .with_lease(self.lease)
+            .with_ttl(self.ttl);
+        let lease = match self.claim(&req).await? {
+            Claim::Acquired(lease) => lease,
+            Claim::Replay { response, fence } => {
+                return match serde_json::from_slice(&response).map_err(RunError::Codec)? {
+                    Stored::Ok(value) => Ok(Done {
+                        value,
+                        replayed: true,
+                        fence,
+                    }),
+                    Stored::Err(error) => Err(RunError::Failed {
+                        error,
+                        replayed: true,
+                    }),
+                };
+            }
+        };
+
+        let mut guard = ReleaseOnDrop {
+            store: Some(engine.store.clone()),
+            clock: engine.clock.clone(),
+            key: self.key.clone(),
+            lease,
+        };
+        let result = work(lease).await;
+        guard.store = None; // the work finished: it is settled below
+
+        let store = &engine.store;
+        let settle = match &result {
+            Ok(value) => Some(encode(&Stored::<&T, &E>::Ok(value))),
+            Err(error) if self.classify.is_permanent(error) => {
+                Some(encode(&Stored::<&T, &E>::Err(error)))
+            }
+            Err(_) => None,
+        };
+        match settle {
+            Some(Ok(bytes)) => {
+                retry_unavailable(|| {
+                    store.complete(self.key, &lease, bytes.clone(), engine.clock.now())
+                })
+                .await
+                .map_err(lease_error)?;
+            }
+            Some(Err(codec)) => {
+                // The result cannot be stored: give the key back rather than leave it stuck.
+                let _ =
+                    retry_unavailable(|| store.release(self.key, &lease, engine.clock.now())).await;
+                return Err(RunError::Codec(codec));
+            }
+            None => {
+                retry_unavailable(|| store.release(self.key, &lease, engine.clock.now()))
+                    .await
+                    .map_err(lease_error)?;
+            }
+        }
+        match result {
+            Ok(value) => Ok(Done {
+                value,
+                replayed: false,
+                fence: lease.fence,
+            }),
+            Err(error) => Err(RunError::Failed {
+                error,
+                replayed: false,
+            }),
+        }
+    }
+
+    async fn claim<E>(&self, req: &BeginRequest) -> Result<Claim, RunError<E>> {
+        let engine = self.engine;
+        let deadline = match self.in_flight {
+            InFlight::Reject => None,
+            InFlight::Wait(max) => Some(tokio::time::Instant::now() + max),
+        };
+        let mut pause = Duration::from_millis(5);
+        loop {
+            let now = engine.clock.now();
+            match engine
+                .store
+                .begin(req, now)
+                .await
+                .map_err(RunError::Store)?
+            {
+                BeginOutcome::Acquired(lease) => return Ok(Claim::Acquired(lease)),
+                BeginOutcome::Replay(r) => {
+                    return Ok(Claim::Replay {
+                        response: r.response,
+                        fence: r.fence,
+                    });
+                }
+                BeginOutcome::Mismatch => return Err(RunError::Mismatch),
+                BeginOutcome::InProgress { lease_expires_at } => {
+                    let retry_after = lease_expires_at.saturating_since(now);
+                    let left = deadline.map_or(Duration::ZERO, |d| {
+                        d.saturating_duration_since(tokio::time::Instant::now())
+                    });
+                    if left.is_zero() {
+                        return Err(RunError::InProgress { retry_after });
+                    }
+                    // Poll with backoff; never past the deadline.
+                    tokio::time::sleep(pause.min(left)).await;
+                    pause = (pause * 2).min(Duration::from_millis(200));
+                }
+            }
+        }
+    }
+}
+
+enum Claim {
+    Acquired(Lease),
+    Replay { response: Bytes, fence: u64 },
+}
+
+fn encode<T: Serialize>(value: &T) -> Result<Bytes, serde_json::Error> {
+    serde_json::to_vec(value).map(Bytes::from)
+}
+
+fn lease_error<E>(e: LeaseError) -> RunError<E> {
+    match e {
+        LeaseError::Stale(_) => RunError::LeaseLost,
+        LeaseError::Store(e) => RunError::NotRecorded(e),
+        // `LeaseError` is non-exhaustive; an unknown refusal means the result was not stored.
+        _ => RunError::LeaseLost,
+    }
+}
+
+async fn retry_unavailable<F, Fut>(mut op: F) -> Result<(), LeaseError>
+where
+    F: FnMut() -> Fut,
+    Fut: Future<Output = Result<(), LeaseError>>,
+{
+    let mut attempt = 1;
+    loop {
+        match op().await {
+            Err(LeaseError::Store(e)) if e.is_transient() && attempt < SETTLE_ATTEMPTS => {
+                tokio::time::sleep(Duration::from_millis(20 << attempt)).await;
+                attempt += 1;
+            }
+            other => return other,
+        }
+    }
+}
+
+/// Releases the key if the work never finished (its future was dropped, or it panicked).
+struct ReleaseOnDrop<S: Store + Clone, C: Clock> {
+    store: Option<S>,
+    clock: C,
+    key: Key,
+    lease: Lease,
+}
+
+impl<S: Store + Clone, C: Clock> Drop for ReleaseOnDrop<S, C> {
+    fn drop(&mut self) {
+        let Some(store) = self.store.take() else {
+            return;
+        };
+        // Without a runtime the lease simply runs out.
+        if let Ok(handle) = tokio::runtime::Handle::try_current() {
+            let (key, lease, now) = (self.key.clone(), self.lease, self.clock.now());
+            handle.spawn(async move {
+                let _ = store.release(&key, &lease, now).await;
+            });
+        }
+    }
+}

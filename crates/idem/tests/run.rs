@@ -1,0 +1,410 @@
+//! The run-once API: at most once per key, stored results replayed, failures classified,
+//! in-flight attempts rejected or awaited, store failures failing closed.
+
+#![allow(clippy::unwrap_used)]
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::Duration;
+
+use idem::{
+    Idempotency, InFlight, Key, ManualClock, MemoryStore, RunError, Status, Store, Timestamp,
+};
+use idem_testkit::{Fault, FaultyStore, Op};
+use serde::{Deserialize, Serialize};
+
+fn key(k: &str) -> Key {
+    Key::parse("tests", "run", k).unwrap()
+}
+
+#[derive(Debug, PartialEq, Serialize, Deserialize)]
+enum PayError {
+    Declined,
+    Timeout,
+}
+
+#[tokio::test]
+async fn runs_once_and_replays_the_value() {
+    let idem = Idempotency::new(MemoryStore::new());
+    let runs = &AtomicUsize::new(0);
+    for i in 0..3 {
+        let done = idem
+            .once(&key("a"))
+            .input(&serde_json::json!({"amount": 5, "to": "bob"}))
+            .unwrap()
+            .run(|lease| async move {
+                runs.fetch_add(1, Ordering::SeqCst);
+                Ok::<_, PayError>(format!("tx-{}", lease.fence))
+            })
+            .await
+            .unwrap();
+        assert_eq!(done.value, "tx-1");
+        assert_eq!(done.replayed, i > 0);
+        assert_eq!(done.fence, 1);
+    }
+    assert_eq!(runs.load(Ordering::SeqCst), 1);
+}
+
+#[tokio::test]
+async fn input_key_order_does_not_matter_but_values_do() {
+    let idem = Idempotency::new(MemoryStore::new());
+    let run = |input: serde_json::Value| {
+        let idem = idem.clone();
+        async move {
+            idem.once(&key("b"))
+                .input(&input)
+                .unwrap()
+                .run(|_| async { Ok::<_, PayError>(1) })
+                .await
+        }
+    };
+    assert!(
+        !run(serde_json::json!({"a": 1, "b": 2}))
+            .await
+            .unwrap()
+            .replayed
+    );
+    assert!(
+        run(serde_json::json!({"b": 2, "a": 1}))
+            .await
+            .unwrap()
+            .replayed
+    );
+    assert!(matches!(
+        run(serde_json::json!({"a": 1, "b": 3})).await,
+        Err(RunError::Mismatch)
+    ));
+}
+
+#[tokio::test]
+async fn retryable_error_releases_the_key() {
+    let idem = Idempotency::new(MemoryStore::new());
+    let first = idem
+        .once(&key("c"))
+        .run(|_| async { Err::<u8, _>(PayError::Timeout) })
+        .await;
+    assert!(matches!(
+        first,
+        Err(RunError::Failed {
+            error: PayError::Timeout,
+            replayed: false
+        })
+    ));
+    let second = idem
+        .once(&key("c"))
+        .run(|lease| async move { Ok::<_, PayError>(lease.fence) })
+        .await
+        .unwrap();
+    assert_eq!(second.value, 2, "ran again, under a higher fence");
+    assert!(!second.replayed);
+}
+
+#[tokio::test]
+async fn permanent_error_is_stored_and_replayed() {
+    let idem = Idempotency::new(MemoryStore::new());
+    let runs = AtomicUsize::new(0);
+    for i in 0..2 {
+        let result = idem
+            .once(&key("d"))
+            .permanent_if(|e: &PayError| *e == PayError::Declined)
+            .run(|_| async {
+                runs.fetch_add(1, Ordering::SeqCst);
+                Err::<u8, _>(PayError::Declined)
+            })
+            .await;
+        match result {
+            Err(RunError::Failed { error, replayed }) => {
+                assert_eq!(error, PayError::Declined);
+                assert_eq!(replayed, i > 0);
+            }
+            other => panic!("{other:?}"),
+        }
+    }
+    assert_eq!(runs.load(Ordering::SeqCst), 1);
+}
+
+/// Starts a run whose work waits for `go`, and returns once it holds the key.
+async fn start_blocked<S: Store + Clone>(
+    idem: &Idempotency<S, ManualClock>,
+    k: &str,
+    lease: Duration,
+) -> (
+    tokio::sync::oneshot::Sender<()>,
+    tokio::task::JoinHandle<Result<idem::Done<String>, RunError<PayError>>>,
+) {
+    let (go, wait) = tokio::sync::oneshot::channel::<()>();
+    let (started_tx, started) = tokio::sync::oneshot::channel();
+    let idem = idem.clone();
+    let k = key(k);
+    let handle = tokio::spawn(async move {
+        idem.once(&k)
+            .lease(lease)
+            .run(|_| async move {
+                started_tx.send(()).unwrap();
+                let _ = wait.await;
+                Ok::<_, PayError>("first".to_owned())
+            })
+            .await
+    });
+    started.await.unwrap();
+    (go, handle)
+}
+
+#[tokio::test]
+async fn in_flight_is_rejected_with_retry_after() {
+    let clock = ManualClock::starting_now();
+    let idem = Idempotency::new(MemoryStore::new()).with_clock(clock.clone());
+    let (go, first) = start_blocked(&idem, "e", Duration::from_secs(30)).await;
+    clock.advance(Duration::from_secs(10));
+    let runs = AtomicUsize::new(0);
+    let second = idem
+        .once(&key("e"))
+        .run(|_| async {
+            runs.fetch_add(1, Ordering::SeqCst);
+            Ok::<_, PayError>("second".to_owned())
+        })
+        .await;
+    match second {
+        Err(RunError::InProgress { retry_after }) => {
+            assert_eq!(retry_after, Duration::from_secs(20));
+        }
+        other => panic!("{other:?}"),
+    }
+    assert_eq!(runs.load(Ordering::SeqCst), 0);
+    go.send(()).unwrap();
+    assert_eq!(first.await.unwrap().unwrap().value, "first");
+}
+
+#[tokio::test]
+async fn in_flight_wait_replays_the_first_result() {
+    let idem = Idempotency::new(MemoryStore::new()).with_clock(ManualClock::starting_now());
+    let (go, first) = start_blocked(&idem, "f", Duration::from_secs(30)).await;
+    let waiter = {
+        let idem = idem.clone();
+        tokio::spawn(async move {
+            idem.once(&key("f"))
+                .in_flight(InFlight::Wait(Duration::from_secs(10)))
+                .run(|_| async { Ok::<_, PayError>("waiter ran".to_owned()) })
+                .await
+        })
+    };
+    tokio::time::sleep(Duration::from_millis(30)).await;
+    go.send(()).unwrap();
+    let waited = waiter.await.unwrap().unwrap();
+    assert_eq!(waited.value, "first");
+    assert!(waited.replayed);
+    assert!(!first.await.unwrap().unwrap().replayed);
+}
+
+#[tokio::test]
+async fn in_flight_wait_gives_up_at_its_bound() {
+    let idem = Idempotency::new(MemoryStore::new()).with_clock(ManualClock::starting_now());
+    let (go, first) = start_blocked(&idem, "g", Duration::from_secs(30)).await;
+    let started = tokio::time::Instant::now();
+    let result = idem
+        .once(&key("g"))
+        .in_flight(InFlight::Wait(Duration::from_millis(50)))
+        .run(|_| async { Ok::<_, PayError>("waiter ran".to_owned()) })
+        .await;
+    assert!(
+        matches!(result, Err(RunError::InProgress { .. })),
+        "{result:?}"
+    );
+    assert!(started.elapsed() >= Duration::from_millis(50));
+    go.send(()).unwrap();
+    first.await.unwrap().unwrap();
+}
+
+#[tokio::test]
+async fn a_lease_that_runs_out_is_taken_over_and_the_old_result_is_refused() {
+    let clock = ManualClock::starting_now();
+    let idem = Idempotency::new(MemoryStore::new()).with_clock(clock.clone());
+    let (go, first) = start_blocked(&idem, "h", Duration::from_secs(5)).await;
+    clock.advance(Duration::from_secs(6));
+    let second = idem
+        .once(&key("h"))
+        .in_flight(InFlight::Wait(Duration::from_secs(1)))
+        .run(|lease| async move { Ok::<_, PayError>(format!("second@{}", lease.fence)) })
+        .await
+        .unwrap();
+    assert_eq!(second.value, "second@2");
+    go.send(()).unwrap();
+    assert!(matches!(first.await.unwrap(), Err(RunError::LeaseLost)));
+    let replay = idem
+        .once(&key("h"))
+        .run(|_| async { Ok::<_, PayError>(String::new()) })
+        .await
+        .unwrap();
+    assert_eq!(replay.value, "second@2");
+}
+
+#[tokio::test]
+async fn store_down_fails_closed_and_never_runs_the_work() {
+    let store = FaultyStore::new(MemoryStore::new());
+    store.set_down(true);
+    let idem = Idempotency::new(store.clone());
+    let runs = AtomicUsize::new(0);
+    let result = idem
+        .once(&key("i"))
+        .run(|_| async {
+            runs.fetch_add(1, Ordering::SeqCst);
+            Ok::<_, PayError>(())
+        })
+        .await;
+    assert!(matches!(result, Err(RunError::Store(_))), "{result:?}");
+    assert_eq!(runs.load(Ordering::SeqCst), 0);
+}
+
+#[tokio::test]
+async fn a_lost_complete_reply_is_retried_safely() {
+    let store = FaultyStore::new(MemoryStore::new());
+    store.fail_next(Op::Complete, Fault::LostReply);
+    let idem = Idempotency::new(store.clone());
+    let done = idem
+        .once(&key("j"))
+        .run(|_| async { Ok::<_, PayError>(7) })
+        .await
+        .unwrap();
+    assert_eq!(done.value, 7);
+    let rec = store
+        .inner()
+        .get(&key("j"), Timestamp::now())
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(rec.status, Status::Completed);
+}
+
+#[tokio::test]
+async fn a_complete_that_keeps_failing_is_reported_not_recorded() {
+    let store = FaultyStore::new(MemoryStore::new());
+    for _ in 0..3 {
+        store.fail_next(Op::Complete, Fault::Unavailable);
+    }
+    let idem = Idempotency::new(store.clone());
+    let result = idem
+        .once(&key("k"))
+        .run(|_| async { Ok::<_, PayError>(7) })
+        .await;
+    assert!(
+        matches!(result, Err(RunError::NotRecorded(_))),
+        "{result:?}"
+    );
+    let rec = store
+        .inner()
+        .get(&key("k"), Timestamp::now())
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(
+        rec.status,
+        Status::InProgress,
+        "left for its lease to run out"
+    );
+}
+
+#[tokio::test]
+async fn a_cancelled_run_releases_the_key() {
+    let idem = Idempotency::new(MemoryStore::new());
+    let cancelled = tokio::time::timeout(
+        Duration::from_millis(20),
+        idem.once(&key("l")).run(|_| async {
+            tokio::time::sleep(Duration::from_secs(3600)).await;
+            Ok::<_, PayError>(0)
+        }),
+    )
+    .await;
+    assert!(cancelled.is_err());
+    // the release runs in the background
+    let mut released = false;
+    for _ in 0..100 {
+        let rec = idem.store().get(&key("l"), Timestamp::now()).await.unwrap();
+        if rec.is_some_and(|r| r.status == Status::Released) {
+            released = true;
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    assert!(released);
+    let retry = idem
+        .once(&key("l"))
+        .run(|lease| async move { Ok::<_, PayError>(lease.fence) })
+        .await
+        .unwrap();
+    assert_eq!(retry.value, 2);
+}
+
+#[tokio::test]
+async fn a_panicking_run_releases_the_key() {
+    let idem = Idempotency::new(MemoryStore::new());
+    let panicked = {
+        let idem = idem.clone();
+        tokio::spawn(async move {
+            idem.once(&key("m"))
+                .run(|_| async {
+                    if true {
+                        panic!("work panicked");
+                    }
+                    Ok::<_, PayError>(0)
+                })
+                .await
+        })
+        .await
+    };
+    assert!(panicked.is_err());
+    // The release runs in the background; without it this would wait out the 60 s lease.
+    let retry = idem
+        .once(&key("m"))
+        .in_flight(InFlight::Wait(Duration::from_secs(5)))
+        .run(|_| async { Ok::<_, PayError>(1) })
+        .await
+        .unwrap();
+    assert!(!retry.replayed);
+}
+
+#[tokio::test]
+async fn concurrent_runs_execute_the_work_once() {
+    let store = MemoryStore::new();
+    let idem = Idempotency::new(store);
+    let runs = Arc::new(AtomicUsize::new(0));
+    let tasks: Vec<_> = (0..64)
+        .map(|_| {
+            let (idem, runs) = (idem.clone(), runs.clone());
+            tokio::spawn(async move {
+                idem.once(&key("n"))
+                    .in_flight(InFlight::Wait(Duration::from_secs(5)))
+                    .run(|_| async {
+                        runs.fetch_add(1, Ordering::SeqCst);
+                        tokio::time::sleep(Duration::from_millis(20)).await;
+                        Ok::<_, PayError>(42)
+                    })
+                    .await
+                    .unwrap()
+            })
+        })
+        .collect();
+    for t in tasks {
+        assert_eq!(t.await.unwrap().value, 42);
+    }
+    assert_eq!(runs.load(Ordering::SeqCst), 1);
+}
+
+#[tokio::test]
+async fn works_on_the_sqlite_store() {
+    let dir = tempfile::tempdir().unwrap();
+    let idem = Idempotency::new(idem::SqliteStore::open(dir.path().join("x.db")).unwrap());
+    let a = idem
+        .once(&key("o"))
+        .run(|_| async { Ok::<_, PayError>(vec![1, 2]) })
+        .await
+        .unwrap();
+    let b = idem
+        .once(&key("o"))
+        .run(|_| async { Ok::<_, PayError>(vec![3]) })
+        .await
+        .unwrap();
+    assert_eq!(
+        (a.value, b.value, b.replayed),
+        (vec![1, 2], vec![1, 2], true)
+    );
+}
