@@ -1,0 +1,338 @@
+//! The record API: begin, complete, release and get of idempotency records, for services in
+//! any language.
+
+use std::time::Duration;
+
+use axum::Json;
+use axum::extract::{Path, State};
+use axum::http::StatusCode;
+use axum::response::{IntoResponse, Response};
+use idem_core::{
+    BeginOutcome, BeginRequest, Bytes, ClientKey, Fingerprint, Key, KeyError, Lease, LeaseError,
+    LeaseId, Namespace, Record, Status, Timestamp,
+};
+use serde::Deserialize;
+use serde_json::{Value, json};
+use tracing::{debug, warn};
+
+use crate::AppState;
+use crate::auth::Caller;
+use crate::json::JsonBody;
+use crate::problem::Problem;
+
+/// The longest `fingerprint` string accepted.
+pub const MAX_FINGERPRINT_LEN: usize = 1024;
+/// The longest lease a caller may ask for: 24 hours.
+pub const MAX_LEASE: Duration = Duration::from_secs(24 * 60 * 60);
+/// The longest retention a caller may ask for: 365 days.
+pub const MAX_TTL: Duration = Duration::from_secs(365 * 24 * 60 * 60);
+
+fn rfc3339(t: Timestamp) -> String {
+    humantime::format_rfc3339_millis(t.to_system_time()).to_string()
+}
+
+fn key_problem(e: &KeyError) -> Problem {
+    Problem::new(
+        StatusCode::BAD_REQUEST,
+        "invalid_key",
+        "Invalid key",
+        format!("{e}."),
+    )
+}
+
+fn record_key(caller: &Caller, namespace: &str, key: &str) -> Result<Key, Problem> {
+    Ok(Key::new(
+        caller.scope.clone(),
+        Namespace::new(namespace).map_err(|e| key_problem(&e))?,
+        ClientKey::new(key).map_err(|e| key_problem(&e))?,
+    ))
+}
+
+fn duration_ms(
+    name: &str,
+    value: Option<u64>,
+    default: Duration,
+    max: Duration,
+) -> Result<Duration, Problem> {
+    let Some(ms) = value else {
+        return Ok(default);
+    };
+    let d = Duration::from_millis(ms);
+    if ms == 0 || d > max {
+        return Err(Problem::new(
+            StatusCode::BAD_REQUEST,
+            "invalid_duration",
+            "Invalid duration",
+            format!(
+                "{name} must be between 1 and {} milliseconds.",
+                max.as_millis()
+            ),
+        ));
+    }
+    Ok(d)
+}
+
+/// The lease as the API shows it: `"<fence>.<id>"`, one opaque token that `complete` and
+/// `release` take back.
+fn lease_token(lease: &Lease) -> String {
+    format!("{}.{}", lease.fence, lease.id)
+}
+
+fn parse_lease(token: &str) -> Result<Lease, Problem> {
+    let invalid = || {
+        Problem::new(
+            StatusCode::BAD_REQUEST,
+            "invalid_lease",
+            "Invalid lease",
+            "lease must be the token returned by begin (as in \"3.9f86d081884c7d65…\").",
+        )
+    };
+    let (fence, id) = token.split_once('.').ok_or_else(invalid)?;
+    Ok(Lease {
+        id: LeaseId::parse(id).ok_or_else(invalid)?,
+        fence: fence.parse().map_err(|_| invalid())?,
+        // Stores match a lease by id and fence; its expiry is not part of its identity.
+        expires_at: Timestamp::EPOCH,
+    })
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(crate) struct BeginBody {
+    namespace: String,
+    key: String,
+    fingerprint: Option<String>,
+    request: Option<Value>,
+    lease_ms: Option<u64>,
+    ttl_ms: Option<u64>,
+}
+
+pub(crate) async fn begin(
+    State(state): State<AppState>,
+    caller: Caller,
+    JsonBody(body): JsonBody<BeginBody>,
+) -> Result<Response, Problem> {
+    let key = record_key(&caller, &body.namespace, &body.key)?;
+    let fingerprint = match (&body.fingerprint, &body.request) {
+        (Some(fp), None) if !fp.is_empty() && fp.len() <= MAX_FINGERPRINT_LEN => {
+            Fingerprint::of_bytes(fp.as_bytes())
+        }
+        (Some(_), None) => {
+            return Err(Problem::new(
+                StatusCode::BAD_REQUEST,
+                "invalid_fingerprint",
+                "Invalid fingerprint",
+                format!("fingerprint must be 1 to {MAX_FINGERPRINT_LEN} bytes long."),
+            ));
+        }
+        (None, Some(request)) => Fingerprint::of_json(request),
+        _ => {
+            return Err(Problem::invalid_request(
+                "Give exactly one of `fingerprint` (a string that identifies the request) or \
+                 `request` (the request as JSON, fingerprinted in canonical form).",
+            ));
+        }
+    };
+    let req = BeginRequest::new(key, fingerprint)
+        .with_lease(duration_ms(
+            "lease_ms",
+            body.lease_ms,
+            state.default_lease,
+            MAX_LEASE,
+        )?)
+        .with_ttl(duration_ms(
+            "ttl_ms",
+            body.ttl_ms,
+            state.default_ttl,
+            MAX_TTL,
+        )?);
+    let now = state.clock.now();
+    let outcome = state.store.begin(&req, now).await.map_err(|e| {
+        warn!(key = %req.key.log_tag(), error = %e, "begin failed");
+        Problem::store(&e)
+    })?;
+    debug!(key = %req.key.log_tag(), outcome = outcome_name(&outcome), "begin");
+    match outcome {
+        BeginOutcome::Acquired(lease) => Ok(Json(json!({
+            "outcome": "acquired",
+            "lease": {
+                "id": lease_token(&lease),
+                "fence": lease.fence,
+                "expires_at": rfc3339(lease.expires_at),
+            },
+        }))
+        .into_response()),
+        BeginOutcome::Replay(replay) => {
+            let mut body = json!({
+                "outcome": "replay",
+                "fence": replay.fence,
+                "completed_at": rfc3339(replay.completed_at),
+            });
+            insert_response(&mut body, &replay.response);
+            Ok(Json(body).into_response())
+        }
+        BeginOutcome::InProgress { lease_expires_at } => Err(Problem::new(
+            StatusCode::CONFLICT,
+            "in_progress",
+            "Request in progress",
+            "Another attempt with this key is running; retry after it finishes.",
+        )
+        .retry_after(lease_expires_at.saturating_since(now))),
+        BeginOutcome::Mismatch => Err(Problem::new(
+            StatusCode::UNPROCESSABLE_ENTITY,
+            "fingerprint_mismatch",
+            "Key reused with a different request",
+            "This key was used with a different request; use a new key for a new request.",
+        )),
+    }
+}
+
+fn outcome_name(o: &BeginOutcome) -> &'static str {
+    match o {
+        BeginOutcome::Acquired(_) => "acquired",
+        BeginOutcome::Replay(_) => "replay",
+        BeginOutcome::InProgress { .. } => "in_progress",
+        BeginOutcome::Mismatch => "mismatch",
+    }
+}
+
+/// Stored responses are JSON written by `complete`; a record written by another client of the
+/// same store may hold other bytes, which are shown as text rather than refused.
+fn insert_response(body: &mut Value, stored: &Bytes) {
+    let Some(obj) = body.as_object_mut() else {
+        return;
+    };
+    match serde_json::from_slice::<Value>(stored) {
+        Ok(v) => obj.insert("response".into(), v),
+        Err(_) => obj.insert(
+            "response_text".into(),
+            String::from_utf8_lossy(stored).into_owned().into(),
+        ),
+    };
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(crate) struct CompleteBody {
+    namespace: String,
+    key: String,
+    lease: String,
+    response: Value,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(crate) struct ReleaseBody {
+    namespace: String,
+    key: String,
+    lease: String,
+}
+
+fn lease_problem(e: &LeaseError, key: &Key, op: &str) -> Problem {
+    match e {
+        LeaseError::Stale(_) => Problem::new(
+            StatusCode::CONFLICT,
+            "stale_lease",
+            "Stale lease",
+            "This lease no longer holds the record: it expired and was taken over, or the \
+             record was completed, released or expired. Nothing was changed.",
+        ),
+        LeaseError::Store(e) => {
+            warn!(key = %key.log_tag(), error = %e, "{op} failed");
+            Problem::store(e)
+        }
+        other => {
+            warn!(key = %key.log_tag(), error = %other, "{op} failed");
+            Problem::new(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "store_error",
+                "Store error",
+                other.to_string(),
+            )
+        }
+    }
+}
+
+pub(crate) async fn complete(
+    State(state): State<AppState>,
+    caller: Caller,
+    JsonBody(body): JsonBody<CompleteBody>,
+) -> Result<Response, Problem> {
+    let key = record_key(&caller, &body.namespace, &body.key)?;
+    let lease = parse_lease(&body.lease)?;
+    let response = Bytes::from(serde_json::to_vec(&body.response).unwrap_or_default());
+    state
+        .store
+        .complete(&key, &lease, response, state.clock.now())
+        .await
+        .map_err(|e| lease_problem(&e, &key, "complete"))?;
+    debug!(key = %key.log_tag(), "complete");
+    Ok(Json(json!({"status": "completed", "fence": lease.fence})).into_response())
+}
+
+pub(crate) async fn release(
+    State(state): State<AppState>,
+    caller: Caller,
+    JsonBody(body): JsonBody<ReleaseBody>,
+) -> Result<Response, Problem> {
+    let key = record_key(&caller, &body.namespace, &body.key)?;
+    let lease = parse_lease(&body.lease)?;
+    state
+        .store
+        .release(&key, &lease, state.clock.now())
+        .await
+        .map_err(|e| lease_problem(&e, &key, "release"))?;
+    debug!(key = %key.log_tag(), "release");
+    Ok(Json(json!({"status": "released", "fence": lease.fence})).into_response())
+}
+
+pub(crate) async fn get(
+    State(state): State<AppState>,
+    caller: Caller,
+    path: Result<Path<(String, String)>, axum::extract::rejection::PathRejection>,
+) -> Result<Response, Problem> {
+    let Path((namespace, client_key)) =
+        path.map_err(|e| Problem::invalid_request(format!("Bad record path: {e}.")))?;
+    let key = record_key(&caller, &namespace, &client_key)?;
+    let record = state
+        .store
+        .get(&key, state.clock.now())
+        .await
+        .map_err(|e| Problem::store(&e))?
+        .ok_or_else(|| Problem::not_found("There is no live record with this key."))?;
+    Ok(Json(record_json(&record)).into_response())
+}
+
+fn record_json(r: &Record) -> Value {
+    let mut body = json!({
+        "namespace": r.key.namespace().as_str(),
+        "key": r.key.client_key().as_str(),
+        "status": r.status.as_str(),
+        "fence": r.fence,
+        "fingerprint": r.fingerprint.to_hex(),
+        "created_at": rfc3339(r.created_at),
+        "updated_at": rfc3339(r.updated_at),
+        "expires_at": rfc3339(r.expires_at),
+    });
+    if let (Some(obj), Status::InProgress) = (body.as_object_mut(), r.status) {
+        obj.insert(
+            "lease_expires_at".into(),
+            rfc3339(r.lease_expires_at).into(),
+        );
+    }
+    if let Some(response) = &r.response {
+        insert_response(&mut body, response);
+    }
+    body
+}
+
+pub(crate) async fn health(State(state): State<AppState>) -> Response {
+    // A read of a key nobody uses proves the store answers.
+    let probe = Key::parse("idem.health", "health", "probe").expect("valid probe key");
+    match state.store.get(&probe, state.clock.now()).await {
+        Ok(_) => Json(json!({"status": "ok", "store": state.store.kind()})).into_response(),
+        Err(e) => Problem::store(&e)
+            .with("store", state.store.kind())
+            .into_response(),
+    }
+}

@@ -1,0 +1,112 @@
+//! The `idem` server: a JSON API over the idempotency record engine, so that services in any
+//! language can claim a key, run their work, and store the answer every retry gets.
+//!
+//! The API (all errors are RFC 9457 problem+json with a stable `code`):
+//!
+//! | method and path | what it does |
+//! | --- | --- |
+//! | `GET /healthz` | 200 `{"status":"ok","store":KIND}`; 503 if the store fails |
+//! | `POST /v1/records/begin` | claim a key: `acquired` with a lease, `replay` with the stored response, 409 `in_progress`, 422 `fingerprint_mismatch` |
+//! | `POST /v1/records/complete` | store the response under the lease; 409 `stale_lease` |
+//! | `POST /v1/records/release` | give the key back after a retryable failure; 409 `stale_lease` |
+//! | `GET /v1/records/{namespace}/{key}` | the caller's record, or 404 |
+
+pub mod api;
+pub mod auth;
+pub mod json;
+pub mod problem;
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use axum::Router;
+use axum::http::StatusCode;
+use axum::routing::{get, post};
+use idem_core::{Clock, DEFAULT_LEASE, DEFAULT_TTL, SharedStore, Store, SystemClock};
+use tracing::{info, warn};
+
+use crate::auth::Auth;
+use crate::problem::Problem;
+
+/// The default limit on request bodies: 1 MiB.
+pub const DEFAULT_MAX_BODY: usize = 1024 * 1024;
+
+/// What every handler shares.
+#[derive(Clone)]
+pub struct AppState {
+    /// Where records live.
+    pub store: SharedStore,
+    /// The engine's clock.
+    pub clock: Arc<dyn Clock>,
+    /// How callers are told apart.
+    pub auth: Arc<Auth>,
+    /// The largest request body accepted, in bytes.
+    pub max_body: usize,
+    /// The lease when a `begin` does not give one.
+    pub default_lease: Duration,
+    /// The retention when a `begin` does not give one.
+    pub default_ttl: Duration,
+}
+
+impl AppState {
+    /// A state over `store` with the system clock, anonymous callers and default limits.
+    pub fn new(store: SharedStore) -> Self {
+        Self {
+            store,
+            clock: Arc::new(SystemClock),
+            auth: Arc::new(Auth::anonymous()),
+            max_body: DEFAULT_MAX_BODY,
+            default_lease: DEFAULT_LEASE,
+            default_ttl: DEFAULT_TTL,
+        }
+    }
+}
+
+/// The API's routes.
+pub fn router(state: AppState) -> Router {
+    Router::new()
+        .route("/healthz", get(api::health))
+        .route("/v1/records/begin", post(api::begin))
+        .route("/v1/records/complete", post(api::complete))
+        .route("/v1/records/release", post(api::release))
+        .route("/v1/records/{namespace}/{key}", get(api::get))
+        .fallback(|| async { Problem::not_found("There is no such endpoint.") })
+        .method_not_allowed_fallback(|| async {
+            Problem::new(
+                StatusCode::METHOD_NOT_ALLOWED,
+                "method_not_allowed",
+                "Method not allowed",
+                "This endpoint does not take that method.",
+            )
+        })
+        .with_state(state)
+}
+
+/// Deletes expired records in bounded batches, every `every`, until the process ends.
+pub async fn purge_loop(store: SharedStore, clock: Arc<dyn Clock>, every: Duration) {
+    const BATCH: usize = 10_000;
+    let mut tick = tokio::time::interval(every);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tick.tick().await;
+        let mut total = 0u64;
+        loop {
+            match store.purge_expired(clock.now(), BATCH).await {
+                Ok(n) => {
+                    total += n;
+                    if n < BATCH as u64 {
+                        break;
+                    }
+                    tokio::task::yield_now().await;
+                }
+                Err(e) => {
+                    warn!(error = %e, "purging expired records failed; will try again");
+                    break;
+                }
+            }
+        }
+        if total > 0 {
+            info!(purged = total, "purged expired records");
+        }
+    }
+}

@@ -1,0 +1,178 @@
+//! The `idem` command.
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::sync::Arc;
+use std::time::Duration;
+
+use clap::{Parser, Subcommand};
+use idem_core::{Clock, SystemClock};
+use idem_server::auth::Auth;
+use idem_server::{AppState, DEFAULT_MAX_BODY, purge_loop, router};
+use idem_store::StoreUrl;
+use tracing::{info, warn};
+
+/// idem: make every write safe to retry.
+///
+/// idem keeps one idempotency record per key: the first attempt claims it, runs the work and
+/// stores the answer; every retry gets that answer back instead of running the work again.
+#[derive(Parser)]
+#[command(name = "idem", version, propagate_version = true)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Serve the JSON API (records, health) over HTTP.
+    ///
+    /// Services in any language claim a key with POST /v1/records/begin, run their work, and
+    /// store its answer with /v1/records/complete (or give the key back with /release).
+    /// See the README for the endpoints and examples.
+    Serve(ServeArgs),
+}
+
+#[derive(clap::Args)]
+struct ServeArgs {
+    /// Where records live: memory://, or sqlite://PATH (the embedded default).
+    #[arg(long, env = "IDEM_STORE", default_value = "sqlite://idem.db")]
+    store: String,
+
+    /// The address to listen on.
+    #[arg(long, env = "IDEM_LISTEN", default_value = "127.0.0.1:7070")]
+    listen: SocketAddr,
+
+    /// A file of API keys, one `SCOPE API_KEY` pair per line. Each caller's records live in
+    /// its key's scope. Without keys all callers share one scope, and only a loopback
+    /// address may be used unless --allow-anonymous is given.
+    #[arg(long, env = "IDEM_API_KEYS_FILE", value_name = "FILE")]
+    api_keys: Option<PathBuf>,
+
+    /// Serve a non-loopback address without API keys (every caller shares one scope).
+    #[arg(long)]
+    allow_anonymous: bool,
+
+    /// The largest request body accepted, in bytes.
+    #[arg(long, env = "IDEM_MAX_BODY", default_value_t = DEFAULT_MAX_BODY)]
+    max_body: usize,
+
+    /// How long a record is kept when a begin does not say (e.g. 24h, 90m).
+    #[arg(long, env = "IDEM_TTL", default_value = "24h", value_parser = parse_duration)]
+    ttl: Duration,
+
+    /// How long a lease lasts when a begin does not say (e.g. 60s).
+    #[arg(long, env = "IDEM_LEASE", default_value = "60s", value_parser = parse_duration)]
+    lease: Duration,
+
+    /// How often expired records are purged.
+    #[arg(long, env = "IDEM_PURGE_INTERVAL", default_value = "60s", value_parser = parse_duration)]
+    purge_interval: Duration,
+}
+
+fn parse_duration(s: &str) -> Result<Duration, String> {
+    let d = humantime::parse_duration(s).map_err(|e| format!("{e} (try 30s, 5m, 24h)"))?;
+    if d.is_zero() {
+        return Err("must be longer than zero".into());
+    }
+    Ok(d)
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_env("IDEM_LOG")
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
+        )
+        .with_writer(std::io::stderr)
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
+        .init();
+    let result = match cli.command {
+        Command::Serve(args) => serve(&args),
+    };
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(message) => {
+            eprintln!("idem: error: {message}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+fn serve(args: &ServeArgs) -> Result<(), String> {
+    let url: StoreUrl = args
+        .store
+        .parse()
+        .map_err(|e| format!("invalid --store: {e}"))?;
+    let auth = match &args.api_keys {
+        Some(path) => Auth::from_file(path).map_err(|e| e.to_string())?,
+        None => Auth::anonymous(),
+    };
+    if auth.is_anonymous() && !args.listen.ip().is_loopback() && !args.allow_anonymous {
+        return Err(format!(
+            "refusing to serve {} without API keys: give --api-keys FILE, or \
+             --allow-anonymous if every caller may share one scope",
+            args.listen
+        ));
+    }
+    let store = url.open().map_err(|e| e.to_string())?;
+    if auth.is_anonymous() {
+        warn!(
+            "no API keys configured: every caller shares the scope `default`; \
+             give --api-keys FILE to separate callers"
+        );
+    }
+    let clock: Arc<dyn Clock> = Arc::new(SystemClock);
+    let state = AppState {
+        store: store.clone(),
+        clock: clock.clone(),
+        auth: Arc::new(auth),
+        max_body: args.max_body,
+        default_lease: args.lease,
+        default_ttl: args.ttl,
+    };
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+        .map_err(|e| format!("cannot start the runtime: {e}"))?;
+    runtime.block_on(async move {
+        let listener = tokio::net::TcpListener::bind(args.listen)
+            .await
+            .map_err(|e| format!("cannot listen on {}: {e}", args.listen))?;
+        let local = listener
+            .local_addr()
+            .map_err(|e| format!("cannot read the listening address: {e}"))?;
+        tokio::spawn(purge_loop(store.clone(), clock, args.purge_interval));
+        info!(store = store.kind(), "listening on http://{local}");
+        axum::serve(listener, router(state))
+            .with_graceful_shutdown(shutdown_signal())
+            .await
+            .map_err(|e| format!("server failed: {e}"))?;
+        info!("stopped");
+        Ok(())
+    })
+}
+
+async fn shutdown_signal() {
+    let ctrl_c = async {
+        let _ = tokio::signal::ctrl_c().await;
+    };
+    #[cfg(unix)]
+    let term = async {
+        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+            Ok(mut s) => {
+                s.recv().await;
+            }
+            Err(_) => std::future::pending::<()>().await,
+        }
+    };
+    #[cfg(not(unix))]
+    let term = std::future::pending::<()>();
+    tokio::select! {
+        () = ctrl_c => {},
+        () = term => {},
+    }
+    info!("shutting down");
+}

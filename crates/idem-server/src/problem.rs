@@ -1,0 +1,127 @@
+//! RFC 9457 problem details: every error the API returns.
+//!
+//! Each problem has a stable machine-readable `code` (also in `type` as
+//! `urn:idem:problem:<code>`), a short `title`, and a `detail` sentence for people. Details
+//! never contain keys, tokens or bodies.
+
+use std::time::Duration;
+
+use axum::http::{HeaderValue, StatusCode, header};
+use axum::response::{IntoResponse, Response};
+use serde_json::{Map, Value, json};
+
+/// An error answer.
+#[derive(Debug)]
+pub struct Problem {
+    status: StatusCode,
+    code: &'static str,
+    title: &'static str,
+    detail: String,
+    retry_after: Option<Duration>,
+    extra: Map<String, Value>,
+}
+
+impl Problem {
+    /// A problem with a status, a stable code, a title and a detail sentence.
+    pub fn new(
+        status: StatusCode,
+        code: &'static str,
+        title: &'static str,
+        detail: impl Into<String>,
+    ) -> Self {
+        Self {
+            status,
+            code,
+            title,
+            detail: detail.into(),
+            retry_after: None,
+            extra: Map::new(),
+        }
+    }
+
+    /// Adds a `Retry-After` header (whole seconds, rounded up) and a `retry_after_ms` member.
+    #[must_use]
+    pub fn retry_after(mut self, d: Duration) -> Self {
+        self.retry_after = Some(d);
+        self
+    }
+
+    /// Adds an extension member.
+    #[must_use]
+    pub fn with(mut self, name: &str, value: impl Into<Value>) -> Self {
+        self.extra.insert(name.to_owned(), value.into());
+        self
+    }
+
+    /// The HTTP status.
+    pub fn status(&self) -> StatusCode {
+        self.status
+    }
+
+    /// The stable code.
+    pub fn code(&self) -> &'static str {
+        self.code
+    }
+
+    /// 400 `invalid_request`.
+    pub fn invalid_request(detail: impl Into<String>) -> Self {
+        Self::new(
+            StatusCode::BAD_REQUEST,
+            "invalid_request",
+            "Invalid request",
+            detail,
+        )
+    }
+
+    /// 404 `not_found`.
+    pub fn not_found(detail: impl Into<String>) -> Self {
+        Self::new(StatusCode::NOT_FOUND, "not_found", "Not found", detail)
+    }
+
+    /// 503 for a store failure: the work must not run.
+    pub fn store(e: &idem_core::StoreError) -> Self {
+        let code = if e.is_transient() {
+            "store_unavailable"
+        } else {
+            "store_error"
+        };
+        Self::new(
+            StatusCode::SERVICE_UNAVAILABLE,
+            code,
+            "Store unavailable",
+            format!("The record store failed, so nothing was done: {e}"),
+        )
+    }
+}
+
+impl IntoResponse for Problem {
+    fn into_response(self) -> Response {
+        let mut body = json!({
+            "type": format!("urn:idem:problem:{}", self.code),
+            "title": self.title,
+            "status": self.status.as_u16(),
+            "detail": self.detail,
+            "code": self.code,
+        });
+        if let (Some(obj), Some(d)) = (body.as_object_mut(), self.retry_after) {
+            obj.insert(
+                "retry_after_ms".into(),
+                u64::try_from(d.as_millis()).unwrap_or(u64::MAX).into(),
+            );
+        }
+        if let Some(obj) = body.as_object_mut() {
+            obj.extend(self.extra);
+        }
+        let mut res = (self.status, body.to_string()).into_response();
+        let headers = res.headers_mut();
+        headers.insert(
+            header::CONTENT_TYPE,
+            HeaderValue::from_static("application/problem+json"),
+        );
+        if let Some(d) = self.retry_after {
+            let secs = d.as_secs() + u64::from(d.subsec_nanos() > 0);
+            headers.insert(header::RETRY_AFTER, HeaderValue::from(secs.max(1)));
+        }
+        res
+    }
+}
