@@ -5,6 +5,8 @@
 //! the value itself (keys are secrets of a kind: they must not end up in logs).
 
 use std::fmt;
+use std::hash::{BuildHasher, Hash, Hasher, RandomState};
+use std::sync::{Arc, OnceLock};
 
 /// The longest client key accepted, in bytes (the IETF Idempotency-Key draft and Stripe use 255).
 pub const MAX_CLIENT_KEY_LEN: usize = 255;
@@ -183,22 +185,81 @@ key_part!(
 
 /// The identity of one idempotency record.
 ///
-/// The `Debug` output hides the client key (it shows its hash), so a key can be logged safely.
-#[derive(Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
+/// Cloning is cheap (the parts are shared), and so is hashing: the key is hashed once when it
+/// is built (SipHash with a per-process random key, as `HashMap` does), and `Hash` feeds only
+/// that digest, so a map of keys pays for the long strings once. The `Debug` output hides the
+/// client key (it shows a hash), so a key can be logged safely.
+#[derive(Clone)]
 pub struct Key {
+    // Kept beside the pointer, not behind it: rehashing a large map then touches no parts.
+    digest: u64,
+    parts: Arc<Parts>,
+}
+
+struct Parts {
     scope: Scope,
     namespace: Namespace,
     client_key: ClientKey,
+}
+
+fn digest(scope: &Scope, namespace: &Namespace, client_key: &ClientKey) -> u64 {
+    static SEED: OnceLock<RandomState> = OnceLock::new();
+    SEED.get_or_init(RandomState::new)
+        .hash_one((scope, namespace, client_key))
+}
+
+impl PartialEq for Key {
+    fn eq(&self, other: &Self) -> bool {
+        self.digest == other.digest
+            && (Arc::ptr_eq(&self.parts, &other.parts) || self.parts() == other.parts())
+    }
+}
+
+impl Eq for Key {}
+
+impl Hash for Key {
+    fn hash<H: Hasher>(&self, state: &mut H) {
+        state.write_u64(self.digest);
+    }
+}
+
+impl PartialOrd for Key {
+    fn partial_cmp(&self, other: &Self) -> Option<std::cmp::Ordering> {
+        Some(self.cmp(other))
+    }
+}
+
+impl Ord for Key {
+    fn cmp(&self, other: &Self) -> std::cmp::Ordering {
+        self.parts().cmp(&other.parts())
+    }
 }
 
 impl Key {
     /// Builds a key from validated parts.
     pub fn new(scope: Scope, namespace: Namespace, client_key: ClientKey) -> Self {
         Self {
-            scope,
-            namespace,
-            client_key,
+            digest: digest(&scope, &namespace, &client_key),
+            parts: Arc::new(Parts {
+                scope,
+                namespace,
+                client_key,
+            }),
         }
+    }
+
+    /// The key's 64-bit digest: SipHash of its parts under a per-process random key (the
+    /// same value `Hash` feeds). Stable within a process only; for spreading keys over shards.
+    pub fn digest(&self) -> u64 {
+        self.digest
+    }
+
+    fn parts(&self) -> (&Scope, &Namespace, &ClientKey) {
+        (
+            &self.parts.scope,
+            &self.parts.namespace,
+            &self.parts.client_key,
+        )
     }
 
     /// Validates three strings and builds a key.
@@ -212,26 +273,26 @@ impl Key {
 
     /// The scope.
     pub fn scope(&self) -> &Scope {
-        &self.scope
+        &self.parts.scope
     }
 
     /// The namespace.
     pub fn namespace(&self) -> &Namespace {
-        &self.namespace
+        &self.parts.namespace
     }
 
     /// The client key.
     pub fn client_key(&self) -> &ClientKey {
-        &self.client_key
+        &self.parts.client_key
     }
 
     /// A short, stable, non-reversible tag of the whole key for logs and metrics
     /// (the first 8 bytes of SHA-256 over the three parts, in hex).
     pub fn log_tag(&self) -> String {
         let fp = crate::Fingerprint::builder()
-            .part(self.scope.as_str().as_bytes())
-            .part(self.namespace.as_str().as_bytes())
-            .part(self.client_key.as_str().as_bytes())
+            .part(self.scope().as_str().as_bytes())
+            .part(self.namespace().as_str().as_bytes())
+            .part(self.client_key().as_str().as_bytes())
             .finish();
         fp.to_hex()[..16].to_owned()
     }
@@ -240,8 +301,8 @@ impl Key {
 impl fmt::Debug for Key {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("Key")
-            .field("scope", &self.scope)
-            .field("namespace", &self.namespace)
+            .field("scope", self.scope())
+            .field("namespace", self.namespace())
             .field("client_key_tag", &self.log_tag())
             .finish()
     }
@@ -294,6 +355,24 @@ mod tests {
         assert!(Namespace::new("orders.create:v2_x-y").is_ok());
         assert!(Namespace::new("a/b").is_err());
         assert!(Namespace::new("a".repeat(129)).is_err());
+    }
+
+    #[test]
+    fn keys_compare_by_all_parts() {
+        use std::collections::HashSet;
+        let a = Key::parse("s", "n", "k").unwrap();
+        assert_eq!(a, Key::parse("s", "n", "k").unwrap());
+        let others = [
+            Key::parse("t", "n", "k").unwrap(),
+            Key::parse("s", "m", "k").unwrap(),
+            Key::parse("s", "n", "j").unwrap(),
+        ];
+        let mut set: HashSet<Key> = others.iter().cloned().collect();
+        assert!(!set.contains(&a));
+        assert!(set.insert(a.clone()));
+        assert!(!set.insert(Key::parse("s", "n", "k").unwrap()));
+        assert!(others.iter().all(|o| *o != a));
+        assert!(Key::parse("a", "n", "k").unwrap() < Key::parse("b", "a", "a").unwrap());
     }
 
     #[test]

@@ -317,18 +317,28 @@ impl Record {
         response: Bytes,
         now: Timestamp,
     ) -> Result<Option<Record>, StaleLease> {
-        let r = existing
-            .filter(|r| r.is_live(now) && r.holds(lease))
-            .ok_or(StaleLease)?;
-        match r.status {
-            Status::InProgress => Ok(Some(Record {
-                status: Status::Completed,
-                response: Some(response),
-                updated_at: now,
-                expires_at: now.saturating_add(std::time::Duration::from_millis(r.ttl_ms)),
-                ..r.clone()
-            })),
-            Status::Completed => Ok(None),
+        let mut r = existing.ok_or(StaleLease)?.clone();
+        Ok(r.complete_in_place(lease, response, now)?.then_some(r))
+    }
+
+    /// [`Record::complete`] on the record itself: `Ok(true)` if it changed.
+    pub fn complete_in_place(
+        &mut self,
+        lease: &Lease,
+        response: Bytes,
+        now: Timestamp,
+    ) -> Result<bool, StaleLease> {
+        if !(self.is_live(now) && self.holds(lease)) {
+            return Err(StaleLease);
+        }
+        match self.status {
+            Status::InProgress => {
+                self.status = Status::Completed;
+                self.response = Some(response);
+                self.settle(now);
+                Ok(true)
+            }
+            Status::Completed => Ok(false),
             Status::Released => Err(StaleLease),
         }
     }
@@ -340,20 +350,31 @@ impl Record {
         lease: &Lease,
         now: Timestamp,
     ) -> Result<Option<Record>, StaleLease> {
-        let r = existing
-            .filter(|r| r.is_live(now) && r.holds(lease))
-            .ok_or(StaleLease)?;
-        match r.status {
-            Status::InProgress => Ok(Some(Record {
-                status: Status::Released,
-                response: None,
-                updated_at: now,
-                expires_at: now.saturating_add(std::time::Duration::from_millis(r.ttl_ms)),
-                ..r.clone()
-            })),
-            Status::Released => Ok(None),
+        let mut r = existing.ok_or(StaleLease)?.clone();
+        Ok(r.release_in_place(lease, now)?.then_some(r))
+    }
+
+    /// [`Record::release`] on the record itself: `Ok(true)` if it changed.
+    pub fn release_in_place(&mut self, lease: &Lease, now: Timestamp) -> Result<bool, StaleLease> {
+        if !(self.is_live(now) && self.holds(lease)) {
+            return Err(StaleLease);
+        }
+        match self.status {
+            Status::InProgress => {
+                self.status = Status::Released;
+                self.response = None;
+                self.settle(now);
+                Ok(true)
+            }
+            Status::Released => Ok(false),
             Status::Completed => Err(StaleLease),
         }
+    }
+
+    /// Stamps a completion or release: retention runs from now.
+    fn settle(&mut self, now: Timestamp) {
+        self.updated_at = now;
+        self.expires_at = now.saturating_add(Duration::from_millis(self.ttl_ms));
     }
 }
 

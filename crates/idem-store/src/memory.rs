@@ -2,16 +2,17 @@
 //! everything when it stops.
 
 use std::collections::HashMap;
-use std::hash::{BuildHasher, RandomState};
+use std::collections::hash_map::Entry;
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use idem_core::{
-    BeginOutcome, BeginRequest, Bytes, Key, Lease, LeaseError, Record, Store, StoreError, Timestamp,
+    BeginOutcome, BeginRequest, Bytes, Key, Lease, LeaseError, Record, StaleLease, Store,
+    StoreError, Timestamp,
 };
 
 const SHARDS: usize = 16;
 
-type Shard = Mutex<HashMap<Key, Record>>;
+type Shard = Mutex<HashMap<Key, Box<Record>>>;
 
 /// Records in a sharded hash map. Clones share the same records.
 ///
@@ -24,7 +25,6 @@ pub struct MemoryStore {
 
 #[derive(Debug)]
 struct Inner {
-    hasher: RandomState,
     shards: Vec<Shard>,
 }
 
@@ -39,7 +39,6 @@ impl MemoryStore {
     pub fn new() -> Self {
         Self {
             inner: Arc::new(Inner {
-                hasher: RandomState::new(),
                 shards: (0..SHARDS).map(|_| Mutex::default()).collect(),
             }),
         }
@@ -55,17 +54,19 @@ impl MemoryStore {
         self.len() == 0
     }
 
-    fn shard(&self, key: &Key) -> MutexGuard<'_, HashMap<Key, Record>> {
+    fn shard(&self, key: &Key) -> MutexGuard<'_, HashMap<Key, Box<Record>>> {
+        // The digest is keyed SipHash: callers cannot crowd one shard on purpose.
+        let h = key.digest() >> 32;
         // The modulo keeps the index below SHARDS, so it fits in usize.
         #[allow(clippy::cast_possible_truncation)]
-        let i = (self.inner.hasher.hash_one(key) % SHARDS as u64) as usize;
+        let i = (h % SHARDS as u64) as usize;
         lock(&self.inner.shards[i])
     }
 }
 
 /// A poisoned shard only means another thread panicked while holding it; every write to the
 /// map is a single `insert`, so the map itself is consistent and we keep serving.
-fn lock(shard: &Shard) -> MutexGuard<'_, HashMap<Key, Record>> {
+fn lock(shard: &Shard) -> MutexGuard<'_, HashMap<Key, Box<Record>>> {
     shard
         .lock()
         .unwrap_or_else(std::sync::PoisonError::into_inner)
@@ -75,12 +76,11 @@ impl MemoryStore {
     fn update(
         &self,
         key: &Key,
-        transition: impl FnOnce(Option<&Record>) -> Result<Option<Record>, idem_core::StaleLease>,
+        transition: impl FnOnce(&mut Record) -> Result<bool, StaleLease>,
     ) -> Result<(), LeaseError> {
         let mut shard = self.shard(key);
-        if let Some(new) = transition(shard.get(key))? {
-            shard.insert(key.clone(), new);
-        }
+        let record = shard.get_mut(key).ok_or(StaleLease)?;
+        transition(record)?;
         Ok(())
     }
 }
@@ -92,16 +92,23 @@ impl Store for MemoryStore {
 
     async fn begin(&self, req: &BeginRequest, now: Timestamp) -> Result<BeginOutcome, StoreError> {
         let mut shard = self.shard(&req.key);
-        let step = Record::begin(shard.get(&req.key), req, now);
-        if let Some(new) = step.write {
-            match shard.get_mut(&req.key) {
-                Some(slot) => *slot = new,
-                None => {
-                    shard.insert(req.key.clone(), new);
+        // One lookup: keys are reference-counted, so the clone for `entry` is cheap.
+        Ok(match shard.entry(req.key.clone()) {
+            Entry::Occupied(mut slot) => {
+                let step = Record::begin(Some(slot.get()), req, now);
+                if let Some(new) = step.write {
+                    **slot.get_mut() = new;
                 }
+                step.outcome
             }
-        }
-        Ok(step.outcome)
+            Entry::Vacant(slot) => {
+                let step = Record::begin(None, req, now);
+                if let Some(new) = step.write {
+                    slot.insert(Box::new(new));
+                }
+                step.outcome
+            }
+        })
     }
 
     async fn complete(
@@ -111,15 +118,19 @@ impl Store for MemoryStore {
         response: Bytes,
         now: Timestamp,
     ) -> Result<(), LeaseError> {
-        self.update(key, |r| Record::complete(r, lease, response, now))
+        self.update(key, |r| r.complete_in_place(lease, response, now))
     }
 
     async fn release(&self, key: &Key, lease: &Lease, now: Timestamp) -> Result<(), LeaseError> {
-        self.update(key, |r| Record::release(r, lease, now))
+        self.update(key, |r| r.release_in_place(lease, now))
     }
 
     async fn get(&self, key: &Key, now: Timestamp) -> Result<Option<Record>, StoreError> {
-        Ok(self.shard(key).get(key).filter(|r| r.is_live(now)).cloned())
+        Ok(self
+            .shard(key)
+            .get(key)
+            .filter(|r| r.is_live(now))
+            .map(|r| Record::clone(r)))
     }
 
     async fn purge_expired(&self, now: Timestamp, limit: usize) -> Result<u64, StoreError> {
