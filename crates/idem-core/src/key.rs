@@ -108,17 +108,17 @@ fn namespace_char(b: u8) -> bool {
 }
 
 macro_rules! key_part {
-    ($(#[$doc:meta])* $name:ident, $part:expr, $max:expr, $allowed:expr, $rule:expr) => {
+    ($(#[$doc:meta])* $name:ident($store:ty), $part:expr, $max:expr, $allowed:expr, $rule:expr) => {
         $(#[$doc])*
         #[derive(Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
-        pub struct $name(String);
+        pub struct $name($store);
 
         impl $name {
             /// Validates `value` and wraps it.
             pub fn new(value: impl Into<String>) -> Result<Self, KeyError> {
                 let value = value.into();
                 check($part, &value, $max, $allowed, $rule)?;
-                Ok(Self(value))
+                Ok(Self(value.into()))
             }
 
             /// The validated value.
@@ -157,8 +157,8 @@ macro_rules! key_part {
 
 key_part!(
     /// The tenant or principal that owns a record: keys never collide or replay across scopes.
-    /// 1 to 255 visible ASCII characters.
-    Scope,
+    /// 1 to 255 visible ASCII characters. Cloning is cheap (the text is shared).
+    Scope(Arc<str>),
     KeyPart::Scope,
     MAX_SCOPE_LEN,
     visible_ascii,
@@ -166,8 +166,8 @@ key_part!(
 );
 key_part!(
     /// The operation a key belongs to (`transfer`, `orders.create`): 1 to 128 ASCII letters,
-    /// digits, `.`, `_`, `:` or `-`.
-    Namespace,
+    /// digits, `.`, `_`, `:` or `-`. Cloning is cheap (the text is shared).
+    Namespace(Arc<str>),
     KeyPart::Namespace,
     MAX_NAMESPACE_LEN,
     namespace_char,
@@ -176,7 +176,7 @@ key_part!(
 key_part!(
     /// The caller's unique request id (an `Idempotency-Key`, an order number, a message id):
     /// 1 to 255 visible ASCII characters.
-    ClientKey,
+    ClientKey(String),
     KeyPart::ClientKey,
     MAX_CLIENT_KEY_LEN,
     visible_ascii,
@@ -317,6 +317,7 @@ mod tests {
     fn accepts_visible_ascii_up_to_255() {
         let k = "a".repeat(255);
         assert_eq!(ClientKey::new(k.clone()).map(|c| c.0), Ok(k));
+        assert_eq!(Scope::new("s").unwrap().as_str(), "s");
         assert!(ClientKey::new("!~Az09-_./:?#%").is_ok());
     }
 
