@@ -433,3 +433,35 @@ async fn a_failing_store_fails_closed_with_503() {
         StatusCode::NOT_FOUND
     );
 }
+
+#[tokio::test]
+async fn the_purge_loop_deletes_expired_records() {
+    let store = MemoryStore::new();
+    let api = Api::with(Arc::new(store.clone()), Auth::anonymous());
+    for key in ["p1", "p2"] {
+        let lease = lease_of(
+            &api.post(
+                "/v1/records/begin",
+                None,
+                &json!({"namespace": "pay", "key": key, "fingerprint": "f", "ttl_ms": 1000}),
+            )
+            .await,
+        );
+        api.complete(None, key, &lease, json!(1)).await;
+    }
+    assert_eq!(store.len(), 2);
+    api.clock.advance(Duration::from_secs(2));
+    let purger = tokio::spawn(idem_server::purge_loop(
+        Arc::new(store.clone()),
+        Arc::new(api.clock.clone()),
+        Duration::from_millis(10),
+    ));
+    for _ in 0..200 {
+        if store.is_empty() {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    purger.abort();
+    assert!(store.is_empty(), "expired records were not purged");
+}
