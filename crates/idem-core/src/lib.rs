@@ -33,8 +33,8 @@ pub use clock::{Clock, ManualClock, SystemClock, Timestamp};
 pub use fingerprint::{Fingerprint, FingerprintBuilder};
 pub use key::{ClientKey, Key, KeyError, KeyPart, Namespace, Scope};
 pub use record::{
-    BeginOutcome, BeginRequest, BeginStep, DEFAULT_LEASE, DEFAULT_TTL, Lease, LeaseId, Record,
-    Replay, StaleLease, Status,
+    BeginOutcome, BeginRequest, BeginStep, DEFAULT_LEASE, DEFAULT_TTL, Lease, LeaseId,
+    MIN_DURATION, Record, Replay, StaleLease, Status,
 };
 pub use store::{BoxFuture, DynStore, LeaseError, SharedStore, Store, StoreError};
 

@@ -24,6 +24,9 @@ use crate::{Fingerprint, Key, Timestamp, clock::duration_millis};
 pub const DEFAULT_TTL: Duration = Duration::from_secs(24 * 60 * 60);
 /// How long a lease lasts, unless the caller says otherwise: 60 seconds.
 pub const DEFAULT_LEASE: Duration = Duration::from_secs(60);
+/// The shortest lease and TTL: shorter ones (zero, or under a millisecond) are raised to this,
+/// since a lease that has run out when it is granted would let two attempts in at once.
+pub const MIN_DURATION: Duration = Duration::from_millis(1);
 
 /// The lifecycle state of a record.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -138,9 +141,10 @@ pub struct BeginRequest {
     pub key: Key,
     /// The request's fingerprint.
     pub fingerprint: Fingerprint,
-    /// How long the lease lasts.
+    /// How long the lease lasts (at least [`MIN_DURATION`]).
     pub lease: Duration,
-    /// How long the record is kept after it completes (or is released).
+    /// How long the record is kept after it completes, is released, or its lease runs out
+    /// (at least [`MIN_DURATION`]).
     pub ttl: Duration,
 }
 
@@ -242,8 +246,8 @@ pub struct StaleLease;
 impl Record {
     /// Whether the record still exists for `begin` and `get` at `now`.
     ///
-    /// A completed or released record lives until `expires_at`; an in-progress one lives while
-    /// its lease is live or its retention has not run out, whichever is later. A record that
+    /// A completed or released record lives until `expires_at` (its completion or release plus
+    /// the TTL); an in-progress one until its lease has run out *and* a whole TTL after that. A record that
     /// is not live is absent: `get` does not return it, `begin` acquires over it and
     /// `purge_expired` may delete it.
     pub fn is_live(&self, now: Timestamp) -> bool {
@@ -288,9 +292,10 @@ impl Record {
         let lease = Lease {
             id: LeaseId::generate(),
             fence,
-            expires_at: now.saturating_add(req.lease),
+            expires_at: now.saturating_add(req.lease.max(MIN_DURATION)),
         };
-        let ttl_ms = duration_millis(req.ttl);
+        let ttl = req.ttl.max(MIN_DURATION);
+        let ttl_ms = duration_millis(ttl);
         BeginStep {
             outcome: BeginOutcome::Acquired(lease),
             write: Some(Record {
@@ -304,7 +309,9 @@ impl Record {
                 ttl_ms,
                 created_at: now,
                 updated_at: now,
-                expires_at: now.saturating_add(req.ttl),
+                // Kept for a whole TTL after the lease runs out: a holder that stalls past its
+                // lease finds the record (and its fence) still there for that long.
+                expires_at: lease.expires_at.saturating_add(ttl),
             }),
         }
     }
@@ -486,11 +493,29 @@ mod tests {
             Record::begin(Some(&rec), &req(b"b"), t(20)).outcome,
             BeginOutcome::Mismatch
         );
-        // ...until its retention is over too
+        assert_eq!(
+            Record::begin(Some(&rec), &req(b"b"), t(109)).outcome,
+            BeginOutcome::Mismatch
+        );
+        // ...until a whole TTL has passed since the lease ran out
         assert!(matches!(
-            Record::begin(Some(&rec), &req(b"b"), t(100)).outcome,
+            Record::begin(Some(&rec), &req(b"b"), t(110)).outcome,
             BeginOutcome::Acquired(_)
         ));
+    }
+
+    #[test]
+    fn zero_lease_and_ttl_are_raised_to_a_millisecond() {
+        let r = req(b"a")
+            .with_lease(Duration::ZERO)
+            .with_ttl(Duration::ZERO);
+        let (lease, rec) = acquire(None, &r, t(0));
+        assert_eq!(lease.expires_at, Timestamp::from_millis(1));
+        assert!(matches!(
+            Record::begin(Some(&rec), &r, t(0)).outcome,
+            BeginOutcome::InProgress { .. }
+        ));
+        assert_eq!(rec.ttl_ms, 1);
     }
 
     #[test]

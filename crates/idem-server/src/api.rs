@@ -27,8 +27,12 @@ pub const MAX_LEASE: Duration = Duration::from_secs(24 * 60 * 60);
 /// The longest retention a caller may ask for: 365 days.
 pub const MAX_TTL: Duration = Duration::from_secs(365 * 24 * 60 * 60);
 
+/// The last instant RFC 3339 can write (9999-12-31T23:59:59.999Z); later ones, which only a
+/// library caller with an enormous TTL can make, are shown as that.
+const LAST_RFC3339: Timestamp = Timestamp::from_millis(253_402_300_799_999);
+
 fn rfc3339(t: Timestamp) -> String {
-    humantime::format_rfc3339_millis(t.to_system_time()).to_string()
+    humantime::format_rfc3339_millis(t.min(LAST_RFC3339).to_system_time()).to_string()
 }
 
 fn key_problem(e: &KeyError) -> Problem {
@@ -102,9 +106,15 @@ pub(crate) struct BeginBody {
     namespace: String,
     key: String,
     fingerprint: Option<String>,
+    /// `Some` whenever the member is present, even as `null` (a valid request to fingerprint).
+    #[serde(default, deserialize_with = "present")]
     request: Option<Value>,
     lease_ms: Option<u64>,
     ttl_ms: Option<u64>,
+}
+
+fn present<'de, D: serde::Deserializer<'de>>(d: D) -> Result<Option<Value>, D::Error> {
+    Value::deserialize(d).map(Some)
 }
 
 pub(crate) async fn begin(
@@ -328,7 +338,7 @@ fn record_json(r: &Record) -> Value {
 
 pub(crate) async fn health(State(state): State<AppState>) -> Response {
     // A read of a key nobody uses proves the store answers.
-    let probe = Key::parse("idem.health", "health", "probe").expect("valid probe key");
+    let probe = Key::parse("idem.health", "health", "probe").expect("a valid key");
     match state.store.get(&probe, state.clock.now()).await {
         Ok(_) => Json(json!({"status": "ok", "store": state.store.kind()})).into_response(),
         Err(e) => Problem::store(&e)

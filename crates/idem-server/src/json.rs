@@ -63,10 +63,55 @@ impl<T: DeserializeOwned> FromRequest<AppState> for JsonBody<T> {
                     "Malformed JSON",
                     format!("The body is not valid JSON: {e}."),
                 ),
-                Category::Data => Problem::invalid_request(format!(
-                    "The body does not have the expected shape: {e}."
-                )),
+                Category::Data => Problem::invalid_request(shape_error(&e)),
             }
         })
+    }
+}
+
+/// Describes a body of the wrong shape without repeating the values it holds: serde's messages
+/// quote the offending value (`invalid type: string "…"`), and a body may carry secrets.
+fn shape_error(e: &serde_json::Error) -> String {
+    let message = e.to_string();
+    let names_a_field = ["missing field", "unknown field", "duplicate field"]
+        .iter()
+        .any(|p| message.starts_with(p));
+    let what = if names_a_field {
+        // Field names are the API's own (or, for an unknown field, the caller's member name).
+        message
+            .split(" at line ")
+            .next()
+            .unwrap_or_default()
+            .to_owned()
+    } else {
+        "a member has the wrong type or value".to_owned()
+    };
+    format!(
+        "The body does not have the expected shape: {what} (line {}, column {}).",
+        e.line(),
+        e.column()
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn shape_errors_do_not_repeat_values() {
+        #[derive(serde::Deserialize, Debug)]
+        #[serde(deny_unknown_fields)]
+        #[allow(dead_code)]
+        struct B {
+            key: String,
+            n: Option<u64>,
+        }
+        let err = |body: &str| shape_error(&serde_json::from_str::<B>(body).unwrap_err());
+        let m = err(r#"{"key": 4111111111111111}"#);
+        assert!(!m.contains("4111"), "{m}");
+        let m = err(r#"{"key": "k", "n": "tok-SECRET"}"#);
+        assert!(!m.contains("SECRET"), "{m}");
+        assert!(err(r#"{}"#).contains("missing field `key`"));
+        assert!(err(r#"{"key": "k", "x": 1}"#).contains("unknown field `x`"));
     }
 }

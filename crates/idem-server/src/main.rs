@@ -58,12 +58,12 @@ struct ServeArgs {
     #[arg(long, env = "IDEM_MAX_BODY", default_value_t = DEFAULT_MAX_BODY)]
     max_body: usize,
 
-    /// How long a record is kept when a begin does not say (e.g. 24h, 90m).
-    #[arg(long, env = "IDEM_TTL", default_value = "24h", value_parser = parse_duration)]
+    /// How long a record is kept when a begin does not say (e.g. 24h, 90m; at most 365d).
+    #[arg(long, env = "IDEM_TTL", default_value = "24h", value_parser = parse_ttl)]
     ttl: Duration,
 
-    /// How long a lease lasts when a begin does not say (e.g. 60s).
-    #[arg(long, env = "IDEM_LEASE", default_value = "60s", value_parser = parse_duration)]
+    /// How long a lease lasts when a begin does not say (e.g. 60s; at most 24h).
+    #[arg(long, env = "IDEM_LEASE", default_value = "60s", value_parser = parse_lease)]
     lease: Duration,
 
     /// How often expired records are purged.
@@ -77,6 +77,25 @@ fn parse_duration(s: &str) -> Result<Duration, String> {
         return Err("must be longer than zero".into());
     }
     Ok(d)
+}
+
+fn parse_bounded(s: &str, max: Duration) -> Result<Duration, String> {
+    let d = parse_duration(s)?;
+    if d > max {
+        return Err(format!(
+            "must be at most {}",
+            humantime::format_duration(max)
+        ));
+    }
+    Ok(d)
+}
+
+fn parse_ttl(s: &str) -> Result<Duration, String> {
+    parse_bounded(s, idem_server::api::MAX_TTL)
+}
+
+fn parse_lease(s: &str) -> Result<Duration, String> {
+    parse_bounded(s, idem_server::api::MAX_LEASE)
 }
 
 fn main() -> ExitCode {

@@ -217,6 +217,21 @@ async fn stale_lease_is_refused_after_takeover() {
 }
 
 #[tokio::test]
+async fn a_null_request_is_a_request() {
+    let api = Api::new();
+    let lease = lease_of(&api.begin(None, "null", Value::Null).await);
+    api.complete(None, "null", &lease, json!("done")).await;
+    assert_eq!(
+        api.begin(None, "null", Value::Null).await.body["outcome"],
+        "replay"
+    );
+    assert_eq!(
+        api.begin(None, "null", json!(0)).await.code(),
+        "fingerprint_mismatch"
+    );
+}
+
+#[tokio::test]
 async fn fingerprint_string_mode() {
     let api = Api::new();
     let begin = |fp: &'static str| {
@@ -464,4 +479,21 @@ async fn the_purge_loop_deletes_expired_records() {
     }
     purger.abort();
     assert!(store.is_empty(), "expired records were not purged");
+}
+
+#[tokio::test]
+async fn records_kept_beyond_year_9999_are_still_shown() {
+    use idem_core::{BeginRequest, Fingerprint, Key, Store, Timestamp};
+    let store = MemoryStore::new();
+    let api = Api::with(Arc::new(store.clone()), Auth::anonymous());
+    let req = BeginRequest::new(
+        Key::parse("default", "pay", "forever").unwrap(),
+        Fingerprint::of_bytes(b"f"),
+    )
+    .with_lease(Duration::MAX)
+    .with_ttl(Duration::MAX);
+    store.begin(&req, Timestamp::now()).await.unwrap();
+    let r = api.get("/v1/records/pay/forever", None).await;
+    assert_eq!(r.status, StatusCode::OK, "{}", r.body);
+    assert_eq!(r.body["expires_at"], "9999-12-31T23:59:59.999Z");
 }

@@ -38,6 +38,7 @@ fn bad_flags_and_stores_get_readable_errors() {
     fails_with(&["serve", "--store", &not_db], "not a SQLite database");
     fails_with(&["serve", "--listen", "everywhere"], "invalid value");
     fails_with(&["serve", "--ttl", "soon"], "invalid value");
+    fails_with(&["serve", "--lease", "1000y"], "at most");
     fails_with(
         &["serve", "--listen", "0.0.0.0:0", "--store", "memory://"],
         "refusing to serve",

@@ -88,36 +88,40 @@ const MIGRATIONS: &[&str] = &[
 /// Idempotency records in a SQLite database file. Clones share one writer thread.
 #[derive(Clone, Debug)]
 pub struct SqliteStore {
-    tx: mpsc::Sender<Op>,
+    tx: mpsc::SyncSender<Op>,
     path: PathBuf,
 }
 
-enum Op {
-    Begin(
-        BeginRequest,
-        Timestamp,
-        oneshot::Sender<Result<BeginOutcome, StoreError>>,
-    ),
-    Complete(
-        Key,
-        Lease,
-        Bytes,
-        Timestamp,
-        oneshot::Sender<Result<(), LeaseError>>,
-    ),
-    Release(
-        Key,
-        Lease,
-        Timestamp,
-        oneshot::Sender<Result<(), LeaseError>>,
-    ),
-    Get(
-        Key,
-        Timestamp,
-        oneshot::Sender<Result<Option<Record>, StoreError>>,
-    ),
-    Purge(Timestamp, usize, oneshot::Sender<Result<u64, StoreError>>),
+/// One operation for the writer thread: what to do, and where to send the answer.
+struct Op {
+    request: Request,
+    responder: Responder,
 }
+
+enum Request {
+    Begin(BeginRequest, Timestamp),
+    Complete(Key, Lease, Bytes, Timestamp),
+    Release(Key, Lease, Timestamp),
+    Get(Key, Timestamp),
+    Purge(Timestamp, usize),
+}
+
+enum Responder {
+    Begin(oneshot::Sender<Result<BeginOutcome, StoreError>>),
+    Lease(oneshot::Sender<Result<(), LeaseError>>),
+    Get(oneshot::Sender<Result<Option<Record>, StoreError>>),
+    Purge(oneshot::Sender<Result<u64, StoreError>>),
+}
+
+enum Answer {
+    Begin(Result<BeginOutcome, StoreError>),
+    Lease(Result<(), LeaseError>),
+    Get(Result<Option<Record>, StoreError>),
+    Purge(Result<u64, StoreError>),
+}
+
+/// How many operations may wait for the writer before callers are told the store is busy.
+const QUEUE_LIMIT: usize = 16 * 1024;
 
 impl SqliteStore {
     /// Opens (creating if needed) the database at `path` with default options.
@@ -130,7 +134,7 @@ impl SqliteStore {
     pub fn open_with(path: impl AsRef<Path>, options: SqliteOptions) -> Result<Self, StoreError> {
         let path = path.as_ref().to_path_buf();
         let conn = connect(&path, &options)?;
-        let (tx, rx) = mpsc::channel();
+        let (tx, rx) = mpsc::sync_channel(QUEUE_LIMIT);
         let max_batch = options.max_batch.max(1);
         thread::Builder::new()
             .name("idem-sqlite".into())
@@ -146,14 +150,25 @@ impl SqliteStore {
 
     async fn call<T>(
         &self,
-        op: impl FnOnce(oneshot::Sender<T>) -> Op,
-        stopped: impl FnOnce() -> T,
+        request: Request,
+        responder: impl FnOnce(oneshot::Sender<T>) -> Responder,
+        failed: impl FnOnce(StoreError) -> T,
     ) -> T {
         let (reply, rx) = oneshot::channel();
-        if self.tx.send(op(reply)).is_err() {
-            return stopped();
+        let op = Op {
+            request,
+            responder: responder(reply),
+        };
+        match self.tx.try_send(op) {
+            Ok(()) => rx.await.unwrap_or_else(|_| failed(writer_stopped())),
+            Err(mpsc::TrySendError::Full(_)) => failed(StoreError::Unavailable {
+                message: format!(
+                    "the SQLite store has {QUEUE_LIMIT} operations waiting; try again shortly"
+                ),
+                source: None,
+            }),
+            Err(mpsc::TrySendError::Disconnected(_)) => failed(writer_stopped()),
         }
-        rx.await.unwrap_or_else(|_| stopped())
     }
 }
 
@@ -232,48 +247,6 @@ struct Writer {
     max_batch: usize,
 }
 
-/// The answer to one operation, sent once the batch has committed.
-enum Reply {
-    Begin(
-        oneshot::Sender<Result<BeginOutcome, StoreError>>,
-        Result<BeginOutcome, StoreError>,
-    ),
-    Lease(
-        oneshot::Sender<Result<(), LeaseError>>,
-        Result<(), LeaseError>,
-    ),
-    Get(
-        oneshot::Sender<Result<Option<Record>, StoreError>>,
-        Result<Option<Record>, StoreError>,
-    ),
-    Purge(
-        oneshot::Sender<Result<u64, StoreError>>,
-        Result<u64, StoreError>,
-    ),
-}
-
-impl Reply {
-    fn send(self) {
-        // A caller that stopped waiting is not an error.
-        let _ = match self {
-            Reply::Begin(tx, r) => tx.send(r).map_err(drop),
-            Reply::Lease(tx, r) => tx.send(r).map_err(drop),
-            Reply::Get(tx, r) => tx.send(r).map_err(drop),
-            Reply::Purge(tx, r) => tx.send(r).map_err(drop),
-        };
-    }
-
-    /// The same caller, told that the batch failed.
-    fn fail(self, e: &rusqlite::Error) {
-        match self {
-            Reply::Begin(tx, _) => drop(tx.send(Err(store_error(e)))),
-            Reply::Lease(tx, _) => drop(tx.send(Err(store_error(e).into()))),
-            Reply::Get(tx, _) => drop(tx.send(Err(store_error(e)))),
-            Reply::Purge(tx, _) => drop(tx.send(Err(store_error(e)))),
-        }
-    }
-}
-
 fn store_error(e: &rusqlite::Error) -> StoreError {
     let message = format!("SQLite: {e}");
     match e.sqlite_error_code() {
@@ -288,11 +261,46 @@ fn store_error(e: &rusqlite::Error) -> StoreError {
     }
 }
 
+impl Responder {
+    /// Whether the caller has stopped waiting.
+    fn is_closed(&self) -> bool {
+        match self {
+            Responder::Begin(tx) => tx.is_closed(),
+            Responder::Lease(tx) => tx.is_closed(),
+            Responder::Get(tx) => tx.is_closed(),
+            Responder::Purge(tx) => tx.is_closed(),
+        }
+    }
+
+    /// Sends the answer; gives it back if the caller has gone.
+    fn send(self, answer: Answer) -> Option<Answer> {
+        match (self, answer) {
+            (Responder::Begin(tx), Answer::Begin(a)) => tx.send(a).err().map(Answer::Begin),
+            (Responder::Lease(tx), Answer::Lease(a)) => tx.send(a).err().map(Answer::Lease),
+            (Responder::Get(tx), Answer::Get(a)) => tx.send(a).err().map(Answer::Get),
+            (Responder::Purge(tx), Answer::Purge(a)) => tx.send(a).err().map(Answer::Purge),
+            // `apply` answers each request with its own kind; nothing else reaches here.
+            (_, answer) => Some(answer),
+        }
+    }
+
+    /// Tells the caller that its batch failed.
+    fn fail(self, e: &rusqlite::Error) {
+        let e = store_error(e);
+        let _ = match self {
+            Responder::Begin(tx) => tx.send(Err(e)).map_err(drop),
+            Responder::Lease(tx) => tx.send(Err(e.into())).map_err(drop),
+            Responder::Get(tx) => tx.send(Err(e)).map_err(drop),
+            Responder::Purge(tx) => tx.send(Err(e)).map_err(drop),
+        };
+    }
+}
+
 impl Writer {
     fn run(mut self, rx: &mpsc::Receiver<Op>) {
-        let mut batch = Vec::with_capacity(self.max_batch);
         // Ends when every SqliteStore clone has been dropped.
         while let Ok(first) = rx.recv() {
+            let mut batch = Vec::with_capacity(self.max_batch);
             batch.push(first);
             while batch.len() < self.max_batch {
                 match rx.try_recv() {
@@ -300,80 +308,98 @@ impl Writer {
                     Err(_) => break,
                 }
             }
-            self.run_batch(&mut batch);
+            let orphans = self.run_batch(batch);
+            if !orphans.is_empty() {
+                // A key claimed for a caller that stopped waiting (a timeout, a dropped
+                // request) is given back at once rather than held for a whole lease.
+                let releases = orphans
+                    .into_iter()
+                    .map(|(key, lease, now)| Op {
+                        request: Request::Release(key, lease, now),
+                        responder: Responder::Lease(oneshot::channel().0),
+                    })
+                    .collect();
+                self.run_batch(releases);
+            }
         }
     }
 
-    fn run_batch(&mut self, batch: &mut Vec<Op>) {
-        let mut replies = Vec::with_capacity(batch.len());
+    /// Runs `batch` in one transaction and answers every caller. Returns the leases acquired
+    /// for callers that stopped waiting before the answer came.
+    fn run_batch(&mut self, batch: Vec<Op>) -> Vec<(Key, Lease, Timestamp)> {
+        // A caller that stopped waiting before its claim or read ran needs neither; writes of
+        // a result (complete, release) are made regardless: the work is done.
+        let batch: Vec<Op> = batch
+            .into_iter()
+            .filter(|op| {
+                !(op.responder.is_closed()
+                    && matches!(
+                        op.request,
+                        Request::Begin(..) | Request::Get(..) | Request::Purge(..)
+                    ))
+            })
+            .collect();
+        let mut answers = Vec::with_capacity(batch.len());
         let result = (|| {
             let tx = self
                 .conn
                 .transaction_with_behavior(TransactionBehavior::Immediate)?;
-            for op in batch.drain(..) {
-                replies.push(apply(&tx, op)?);
+            for op in &batch {
+                answers.push(apply(&tx, &op.request)?);
             }
             tx.commit()
         })();
+        let mut orphans = Vec::new();
         match result {
-            Ok(()) => replies.into_iter().for_each(Reply::send),
+            Ok(()) => {
+                for (op, answer) in batch.into_iter().zip(answers) {
+                    let returned = op.responder.send(answer);
+                    if let (
+                        Request::Begin(req, now),
+                        Some(Answer::Begin(Ok(BeginOutcome::Acquired(lease)))),
+                    ) = (op.request, returned)
+                    {
+                        orphans.push((req.key, lease, now));
+                    }
+                }
+            }
             Err(e) => {
-                // Nothing of this batch was committed: every caller gets the error (fail closed),
-                // including those whose operation had not been reached.
-                for r in replies {
-                    r.fail(&e);
-                }
-                for op in batch.drain(..) {
-                    op.fail(&e);
+                // Nothing of this batch was committed: every caller gets the error (fail closed).
+                for op in batch {
+                    op.responder.fail(&e);
                 }
             }
         }
-    }
-}
-
-impl Op {
-    fn fail(self, e: &rusqlite::Error) {
-        match self {
-            Op::Begin(_, _, tx) => drop(tx.send(Err(store_error(e)))),
-            Op::Complete(_, _, _, _, tx) | Op::Release(_, _, _, tx) => {
-                drop(tx.send(Err(store_error(e).into())));
-            }
-            Op::Get(_, _, tx) => drop(tx.send(Err(store_error(e)))),
-            Op::Purge(_, _, tx) => drop(tx.send(Err(store_error(e)))),
-        }
+        orphans
     }
 }
 
 /// Runs one operation inside the batch's transaction. `Err` is a SQL failure that aborts the
-/// whole batch; refusals and corrupt rows are part of the reply.
-fn apply(tx: &rusqlite::Transaction<'_>, op: Op) -> rusqlite::Result<Reply> {
-    Ok(match op {
-        Op::Begin(req, now, reply) => {
-            let existing = match load(tx, &req.key)? {
-                Ok(r) => r,
-                Err(e) => return Ok(Reply::Begin(reply, Err(e))),
-            };
-            let step = Record::begin(existing.as_ref(), &req, now);
-            if let Some(new) = &step.write {
-                save(tx, new)?;
+/// whole batch; refusals and corrupt rows are part of the answer.
+fn apply(tx: &rusqlite::Transaction<'_>, request: &Request) -> rusqlite::Result<Answer> {
+    Ok(match request {
+        Request::Begin(req, now) => Answer::Begin(match load(tx, &req.key)? {
+            Ok(existing) => {
+                let step = Record::begin(existing.as_ref(), req, *now);
+                if let Some(new) = &step.write {
+                    save(tx, new)?;
+                }
+                Ok(step.outcome)
             }
-            Reply::Begin(reply, Ok(step.outcome))
+            Err(e) => Err(e),
+        }),
+        Request::Complete(key, lease, response, now) => Answer::Lease(transition(tx, key, |r| {
+            Record::complete(r, lease, response.clone(), *now)
+        })?),
+        Request::Release(key, lease, now) => {
+            Answer::Lease(transition(tx, key, |r| Record::release(r, lease, *now))?)
         }
-        Op::Complete(key, lease, response, now, reply) => {
-            let result = transition(tx, &key, |r| Record::complete(r, &lease, response, now))?;
-            Reply::Lease(reply, result)
+        Request::Get(key, now) => {
+            Answer::Get(load(tx, key)?.map(|r| r.filter(|r| r.is_live(*now))))
         }
-        Op::Release(key, lease, now, reply) => {
-            let result = transition(tx, &key, |r| Record::release(r, &lease, now))?;
-            Reply::Lease(reply, result)
-        }
-        Op::Get(key, now, reply) => {
-            let result = load(tx, &key)?.map(|r| r.filter(|r| r.is_live(now)));
-            Reply::Get(reply, result)
-        }
-        Op::Purge(now, limit, reply) => {
+        Request::Purge(now, limit) => {
             let now = sql_int(now.as_millis());
-            let limit = i64::try_from(limit).unwrap_or(i64::MAX);
+            let limit = i64::try_from(*limit).unwrap_or(i64::MAX);
             let n = tx
                 .prepare_cached(
                     "DELETE FROM idem_records WHERE rowid IN (
@@ -382,7 +408,7 @@ fn apply(tx: &rusqlite::Transaction<'_>, op: Op) -> rusqlite::Result<Reply> {
                         LIMIT ?2)",
                 )?
                 .execute(params![now, limit])?;
-            Reply::Purge(reply, Ok(n as u64))
+            Answer::Purge(Ok(n as u64))
         }
     })
 }
@@ -528,8 +554,7 @@ impl Store for SqliteStore {
     }
 
     async fn begin(&self, req: &BeginRequest, now: Timestamp) -> Result<BeginOutcome, StoreError> {
-        let req = req.clone();
-        self.call(|tx| Op::Begin(req, now, tx), || Err(writer_stopped()))
+        self.call(Request::Begin(req.clone(), now), Responder::Begin, Err)
             .await
     }
 
@@ -540,31 +565,24 @@ impl Store for SqliteStore {
         response: Bytes,
         now: Timestamp,
     ) -> Result<(), LeaseError> {
-        let (key, lease) = (key.clone(), *lease);
-        self.call(
-            |tx| Op::Complete(key, lease, response, now, tx),
-            || Err(writer_stopped().into()),
-        )
-        .await
+        let request = Request::Complete(key.clone(), *lease, response, now);
+        self.call(request, Responder::Lease, |e| Err(e.into()))
+            .await
     }
 
     async fn release(&self, key: &Key, lease: &Lease, now: Timestamp) -> Result<(), LeaseError> {
-        let (key, lease) = (key.clone(), *lease);
-        self.call(
-            |tx| Op::Release(key, lease, now, tx),
-            || Err(writer_stopped().into()),
-        )
-        .await
+        let request = Request::Release(key.clone(), *lease, now);
+        self.call(request, Responder::Lease, |e| Err(e.into()))
+            .await
     }
 
     async fn get(&self, key: &Key, now: Timestamp) -> Result<Option<Record>, StoreError> {
-        let key = key.clone();
-        self.call(|tx| Op::Get(key, now, tx), || Err(writer_stopped()))
+        self.call(Request::Get(key.clone(), now), Responder::Get, Err)
             .await
     }
 
     async fn purge_expired(&self, now: Timestamp, limit: usize) -> Result<u64, StoreError> {
-        self.call(|tx| Op::Purge(now, limit, tx), || Err(writer_stopped()))
+        self.call(Request::Purge(now, limit), Responder::Purge, Err)
             .await
     }
 }

@@ -338,17 +338,34 @@ pub async fn completed_record_expires_after_ttl<S: Store>(store: &S) {
     assert!(again.fence > lease.fence);
 }
 
-/// An in-progress record whose lease and retention have both run out is absent: a different
-/// fingerprint may acquire the key.
+/// An in-progress record is kept a whole TTL after its lease runs out (so its fence is
+/// remembered); then it is absent and a different fingerprint may acquire the key.
 pub async fn in_progress_record_expires_after_lease_and_retention<S: Store>(store: &S) {
     let c = Case::new();
     acquire(store, &c.req("k", "a"), c.at(0)).await;
+    // lease ends at 10, retention at 110
     assert_eq!(
-        store.begin(&c.req("k", "b"), c.at(99)).await.unwrap(),
+        store.begin(&c.req("k", "b"), c.at(109)).await.unwrap(),
         BeginOutcome::Mismatch
     );
-    assert!(store.get(&c.key("k"), c.at(100)).await.unwrap().is_none());
-    acquire(store, &c.req("k", "b"), c.at(100)).await;
+    assert_eq!(store.purge_expired(c.at(109), 1000).await.unwrap(), 0);
+    assert!(store.get(&c.key("k"), c.at(110)).await.unwrap().is_none());
+    acquire(store, &c.req("k", "b"), c.at(110)).await;
+}
+
+/// A zero lease is raised to one millisecond: two `begin`s in the same millisecond are not
+/// both acquired.
+pub async fn zero_lease_still_excludes<S: Store>(store: &S) {
+    let c = Case::new();
+    let req = c.req("k", "a").with_lease(Duration::ZERO);
+    let lease = acquire(store, &req, c.at(0)).await;
+    assert_eq!(
+        store.begin(&req, c.at(0)).await.unwrap(),
+        BeginOutcome::InProgress {
+            lease_expires_at: lease.expires_at
+        }
+    );
+    assert_eq!(lease.expires_at.as_millis(), c.at(0).as_millis() + 1);
 }
 
 /// `purge_expired` deletes dead records and keeps live ones, including an in-progress record

@@ -49,6 +49,7 @@ macro_rules! conformance_tests {
             forged_or_absent_lease_is_stale,
             completed_record_expires_after_ttl,
             in_progress_record_expires_after_lease_and_retention,
+            zero_lease_still_excludes,
             purge_removes_only_dead_records,
             purge_respects_limit,
             get_reports_the_record,

@@ -7,7 +7,7 @@ use idem_core::{
     BeginOutcome, BeginRequest, Bytes, Clock, DEFAULT_LEASE, DEFAULT_TTL, Fingerprint, Key, Lease,
     LeaseError, Store, StoreError, SystemClock,
 };
-use serde::de::DeserializeOwned;
+use serde::de::{DeserializeOwned, Error as _};
 use serde::{Deserialize, Serialize};
 
 /// The engine: a store and a clock.
@@ -179,7 +179,9 @@ pub enum RunError<E> {
     /// The store failed before the work could be claimed: the work did not run.
     #[error("the work did not run: {0}")]
     Store(#[source] StoreError),
-    /// The value or the error could not be serialised, or a stored one could not be read back.
+    /// The value or the error could not be serialised (the work ran; a marker is stored so
+    /// that retries get this error instead of running the work again), or a stored one could
+    /// not be read back.
     #[error("cannot encode or decode the stored result: {0}")]
     Codec(#[source] serde_json::Error),
 }
@@ -190,6 +192,8 @@ pub enum RunError<E> {
 enum Stored<T, E> {
     Ok(T),
     Err(E),
+    /// The work ran, but its result could not be serialised.
+    Unencodable(String),
 }
 
 /// How many times `complete`/`release` is tried when the store is unavailable; both are
@@ -276,6 +280,9 @@ impl<'a, S: Store + Clone, C: Clock + Clone, P> Once<'a, S, C, P> {
                         error,
                         replayed: true,
                     }),
+                    Stored::Unencodable(why) => Err(RunError::Codec(serde_json::Error::custom(
+                        format!("the first run's result could not be stored: {why}"),
+                    ))),
                 };
             }
         };
@@ -287,34 +294,42 @@ impl<'a, S: Store + Clone, C: Clock + Clone, P> Once<'a, S, C, P> {
             lease,
         };
         let result = work(lease).await;
-        guard.store = None; // the work finished: it is settled below
 
-        let store = &engine.store;
-        let settle = match &result {
+        // Decide what to store while the guard is still armed: a panic in the error policy or
+        // in a `Serialize` impl gives the key back like a panic in the work.
+        let stored = match &result {
             Ok(value) => Some(encode(&Stored::<&T, &E>::Ok(value))),
             Err(error) if self.classify.is_permanent(error) => {
                 Some(encode(&Stored::<&T, &E>::Err(error)))
             }
             Err(_) => None,
         };
-        match settle {
+        // From here the outcome is known and is settled below; a retry must not run the work
+        // again just because this future is dropped while the store answers.
+        guard.store = None;
+
+        let store = &engine.store;
+        let now = || engine.clock.now();
+        match stored {
             Some(Ok(bytes)) => {
-                retry_unavailable(|| {
-                    store.complete(self.key, &lease, bytes.clone(), engine.clock.now())
-                })
-                .await
-                .map_err(lease_error)?;
+                retry_unavailable(|| store.complete(self.key, &lease, bytes.clone(), now()))
+                    .await
+                    .map_err(lease_error)?;
             }
             Some(Err(codec)) => {
-                // The result cannot be stored: give the key back rather than leave it stuck.
-                let _ =
-                    retry_unavailable(|| store.release(self.key, &lease, engine.clock.now())).await;
+                // The work ran but its result cannot be encoded. Releasing the key would let a
+                // retry run the work again; store a marker instead, replayed as this error.
+                let marker = encode(&Stored::<(), ()>::Unencodable(codec.to_string()))
+                    .map_err(RunError::Codec)?;
+                retry_unavailable(|| store.complete(self.key, &lease, marker.clone(), now()))
+                    .await
+                    .map_err(lease_error)?;
                 return Err(RunError::Codec(codec));
             }
             None => {
-                retry_unavailable(|| store.release(self.key, &lease, engine.clock.now()))
-                    .await
-                    .map_err(lease_error)?;
+                // If the release fails the key frees itself when the lease runs out; the
+                // caller still gets the work's own error.
+                let _ = retry_unavailable(|| store.release(self.key, &lease, now())).await;
             }
         }
         match result {
@@ -334,7 +349,13 @@ impl<'a, S: Store + Clone, C: Clock + Clone, P> Once<'a, S, C, P> {
         let engine = self.engine;
         let deadline = match self.in_flight {
             InFlight::Reject => None,
-            InFlight::Wait(max) => Some(tokio::time::Instant::now() + max),
+            // A bound too far to represent is no bound: wait until the other attempt finishes
+            // or its lease runs out and this one takes over.
+            InFlight::Wait(max) => Some(
+                tokio::time::Instant::now()
+                    .checked_add(max)
+                    .unwrap_or_else(far_future),
+            ),
         };
         let mut pause = Duration::from_millis(5);
         loop {
@@ -368,6 +389,11 @@ impl<'a, S: Store + Clone, C: Clock + Clone, P> Once<'a, S, C, P> {
             }
         }
     }
+}
+
+fn far_future() -> tokio::time::Instant {
+    // About 30 years: tokio's own "far future".
+    tokio::time::Instant::now() + Duration::from_secs(86_400 * 365 * 30)
 }
 
 enum Claim {

@@ -408,3 +408,87 @@ async fn works_on_the_sqlite_store() {
         (vec![1, 2], vec![1, 2], true)
     );
 }
+
+#[tokio::test]
+async fn an_unencodable_result_is_not_run_again() {
+    use std::collections::HashMap;
+    let idem = Idempotency::new(MemoryStore::new());
+    let runs = &AtomicUsize::new(0);
+    for _ in 0..2 {
+        let result = idem
+            .once(&key("p"))
+            .run(|_| async {
+                runs.fetch_add(1, Ordering::SeqCst);
+                // JSON object keys must be strings: this map cannot be serialised.
+                Ok::<_, PayError>(HashMap::from([(vec![1u8], 1u8)]))
+            })
+            .await;
+        assert!(matches!(result, Err(RunError::Codec(_))), "{result:?}");
+    }
+    assert_eq!(runs.load(Ordering::SeqCst), 1);
+}
+
+#[tokio::test]
+async fn a_panicking_error_policy_releases_the_key() {
+    let idem = Idempotency::new(MemoryStore::new());
+    let panicked = {
+        let idem = idem.clone();
+        tokio::spawn(async move {
+            idem.once(&key("q"))
+                .permanent_if(|_: &PayError| panic!("policy panicked"))
+                .run(|_| async { Err::<u8, _>(PayError::Declined) })
+                .await
+        })
+        .await
+    };
+    assert!(panicked.is_err());
+    let retry = idem
+        .once(&key("q"))
+        .in_flight(InFlight::Wait(Duration::from_secs(5)))
+        .run(|lease| async move { Ok::<_, PayError>(lease.fence) })
+        .await
+        .unwrap();
+    assert_eq!(retry.value, 2);
+}
+
+#[tokio::test]
+async fn an_unbounded_wait_does_not_overflow() {
+    let idem = Idempotency::new(MemoryStore::new()).with_clock(ManualClock::starting_now());
+    let (go, first) = start_blocked(&idem, "r", Duration::from_secs(30)).await;
+    let waiter = {
+        let idem = idem.clone();
+        tokio::spawn(async move {
+            idem.once(&key("r"))
+                .in_flight(InFlight::Wait(Duration::MAX))
+                .run(|_| async { Ok::<_, PayError>("waiter ran".to_owned()) })
+                .await
+        })
+    };
+    tokio::time::sleep(Duration::from_millis(20)).await;
+    go.send(()).unwrap();
+    assert_eq!(waiter.await.unwrap().unwrap().value, "first");
+    first.await.unwrap().unwrap();
+}
+
+#[tokio::test]
+async fn a_failed_release_still_reports_the_works_error() {
+    let store = FaultyStore::new(MemoryStore::new());
+    for _ in 0..3 {
+        store.fail_next(Op::Release, Fault::Unavailable);
+    }
+    let idem = Idempotency::new(store);
+    let result = idem
+        .once(&key("s"))
+        .run(|_| async { Err::<u8, _>(PayError::Timeout) })
+        .await;
+    assert!(
+        matches!(
+            result,
+            Err(RunError::Failed {
+                error: PayError::Timeout,
+                replayed: false
+            })
+        ),
+        "{result:?}"
+    );
+}
