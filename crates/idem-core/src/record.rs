@@ -77,16 +77,6 @@ impl LeaseId {
         Self(rand::random())
     }
 
-    /// Wraps a raw value (for stores reading their rows back).
-    pub const fn from_u128(v: u128) -> Self {
-        Self(v)
-    }
-
-    /// The raw value.
-    pub const fn as_u128(self) -> u128 {
-        self.0
-    }
-
     /// Big-endian bytes, for stores that keep it as a blob.
     pub const fn to_bytes(self) -> [u8; 16] {
         self.0.to_be_bytes()

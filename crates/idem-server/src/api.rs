@@ -248,11 +248,11 @@ fn lease_problem(e: &LeaseError, key: &Key, op: &str) -> Problem {
              record was completed, released or expired. Nothing was changed.",
         ),
         LeaseError::Store(e) => {
-            warn!(key = %key.log_tag(), error = %e, "{op} failed");
+            warn!(key = %key.log_tag(), error = %e, "record not {op}");
             Problem::store(e)
         }
         other => {
-            warn!(key = %key.log_tag(), error = %other, "{op} failed");
+            warn!(key = %key.log_tag(), error = %other, "record not {op}");
             Problem::new(
                 StatusCode::SERVICE_UNAVAILABLE,
                 "store_error",
@@ -268,16 +268,16 @@ pub(crate) async fn complete(
     caller: Caller,
     JsonBody(body): JsonBody<CompleteBody>,
 ) -> Result<Response, Problem> {
-    let key = record_key(&caller, &body.namespace, &body.key)?;
-    let lease = parse_lease(&body.lease)?;
     let response = Bytes::from(serde_json::to_vec(&body.response).unwrap_or_default());
-    state
-        .store
-        .complete(&key, &lease, response, state.clock.now())
-        .await
-        .map_err(|e| lease_problem(&e, &key, "complete"))?;
-    debug!(key = %key.log_tag(), "complete");
-    Ok(Json(json!({"status": "completed", "fence": lease.fence})).into_response())
+    settle(
+        &state,
+        &caller,
+        &body.namespace,
+        &body.key,
+        &body.lease,
+        Some(response),
+    )
+    .await
 }
 
 pub(crate) async fn release(
@@ -285,15 +285,39 @@ pub(crate) async fn release(
     caller: Caller,
     JsonBody(body): JsonBody<ReleaseBody>,
 ) -> Result<Response, Problem> {
-    let key = record_key(&caller, &body.namespace, &body.key)?;
-    let lease = parse_lease(&body.lease)?;
-    state
-        .store
-        .release(&key, &lease, state.clock.now())
-        .await
-        .map_err(|e| lease_problem(&e, &key, "release"))?;
-    debug!(key = %key.log_tag(), "release");
-    Ok(Json(json!({"status": "released", "fence": lease.fence})).into_response())
+    settle(
+        &state,
+        &caller,
+        &body.namespace,
+        &body.key,
+        &body.lease,
+        None,
+    )
+    .await
+}
+
+/// Completes the record with `response`, or releases it when there is none.
+async fn settle(
+    state: &AppState,
+    caller: &Caller,
+    namespace: &str,
+    client_key: &str,
+    lease: &str,
+    response: Option<Bytes>,
+) -> Result<Response, Problem> {
+    let key = record_key(caller, namespace, client_key)?;
+    let lease = parse_lease(lease)?;
+    let now = state.clock.now();
+    let (op, result) = match response {
+        Some(response) => (
+            "completed",
+            state.store.complete(&key, &lease, response, now).await,
+        ),
+        None => ("released", state.store.release(&key, &lease, now).await),
+    };
+    result.map_err(|e| lease_problem(&e, &key, op))?;
+    debug!(key = %key.log_tag(), "{op}");
+    Ok(Json(json!({"status": op, "fence": lease.fence})).into_response())
 }
 
 pub(crate) async fn get(

@@ -51,7 +51,7 @@ struct ServeArgs {
     api_keys: Option<PathBuf>,
 
     /// Serve a non-loopback address without API keys (every caller shares one scope).
-    #[arg(long)]
+    #[arg(long, env = "IDEM_ALLOW_ANONYMOUS")]
     allow_anonymous: bool,
 
     /// The largest request body accepted, in bytes.
@@ -66,8 +66,8 @@ struct ServeArgs {
     #[arg(long, env = "IDEM_LEASE", default_value = "60s", value_parser = parse_lease)]
     lease: Duration,
 
-    /// How often expired records are purged.
-    #[arg(long, env = "IDEM_PURGE_INTERVAL", default_value = "60s", value_parser = parse_duration)]
+    /// How often expired records are purged (at most 24h).
+    #[arg(long, env = "IDEM_PURGE_INTERVAL", default_value = "60s", value_parser = parse_purge_interval)]
     purge_interval: Duration,
 }
 
@@ -96,6 +96,10 @@ fn parse_ttl(s: &str) -> Result<Duration, String> {
 
 fn parse_lease(s: &str) -> Result<Duration, String> {
     parse_bounded(s, idem_server::api::MAX_LEASE)
+}
+
+fn parse_purge_interval(s: &str) -> Result<Duration, String> {
+    parse_bounded(s, Duration::from_secs(24 * 60 * 60))
 }
 
 fn main() -> ExitCode {

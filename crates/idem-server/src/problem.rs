@@ -53,16 +53,6 @@ impl Problem {
         self
     }
 
-    /// The HTTP status.
-    pub fn status(&self) -> StatusCode {
-        self.status
-    }
-
-    /// The stable code.
-    pub fn code(&self) -> &'static str {
-        self.code
-    }
-
     /// 400 `invalid_request`.
     pub fn invalid_request(detail: impl Into<String>) -> Self {
         Self::new(

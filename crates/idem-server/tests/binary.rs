@@ -172,3 +172,21 @@ fn chunked_bodies_over_the_limit_are_refused() {
     assert_eq!(status, 413, "{body}");
     assert!(body.contains("body_too_large"), "{body}");
 }
+
+#[test]
+fn sigterm_shuts_down_cleanly() {
+    let mut server = start(&["--store", "memory://"]);
+    let (status, _) = http(
+        &server.addr,
+        "GET /healthz HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n",
+    );
+    assert_eq!(status, 200);
+    let killed = Command::new("kill")
+        .args(["-TERM", &server.child.id().to_string()])
+        .status()
+        .unwrap();
+    assert!(killed.success());
+    // Without a handler SIGTERM would end the process by signal, not with status 0.
+    let exit = server.child.wait().unwrap();
+    assert!(exit.success(), "{exit:?}");
+}

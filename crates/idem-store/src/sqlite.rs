@@ -50,6 +50,9 @@ pub struct SqliteOptions {
     pub busy_timeout: Duration,
     /// The most operations committed in one transaction.
     pub max_batch: usize,
+    /// The most operations that may wait for the writer; beyond that, callers get
+    /// `StoreError::Unavailable` at once rather than queueing without bound.
+    pub max_queue: usize,
 }
 
 impl Default for SqliteOptions {
@@ -58,6 +61,7 @@ impl Default for SqliteOptions {
             synchronous: Synchronous::Full,
             busy_timeout: Duration::from_secs(5),
             max_batch: 512,
+            max_queue: 16 * 1024,
         }
     }
 }
@@ -89,6 +93,7 @@ const MIGRATIONS: &[&str] = &[
 #[derive(Clone, Debug)]
 pub struct SqliteStore {
     tx: mpsc::SyncSender<Op>,
+    max_queue: usize,
     path: PathBuf,
 }
 
@@ -120,9 +125,6 @@ enum Answer {
     Purge(Result<u64, StoreError>),
 }
 
-/// How many operations may wait for the writer before callers are told the store is busy.
-const QUEUE_LIMIT: usize = 16 * 1024;
-
 impl SqliteStore {
     /// Opens (creating if needed) the database at `path` with default options.
     pub fn open(path: impl AsRef<Path>) -> Result<Self, StoreError> {
@@ -134,13 +136,18 @@ impl SqliteStore {
     pub fn open_with(path: impl AsRef<Path>, options: SqliteOptions) -> Result<Self, StoreError> {
         let path = path.as_ref().to_path_buf();
         let conn = connect(&path, &options)?;
-        let (tx, rx) = mpsc::sync_channel(QUEUE_LIMIT);
+        let max_queue = options.max_queue.max(1);
+        let (tx, rx) = mpsc::sync_channel(max_queue);
         let max_batch = options.max_batch.max(1);
         thread::Builder::new()
             .name("idem-sqlite".into())
             .spawn(move || Writer { conn, max_batch }.run(&rx))
             .map_err(|e| StoreError::backend("cannot start the SQLite writer thread", e))?;
-        Ok(Self { tx, path })
+        Ok(Self {
+            tx,
+            max_queue,
+            path,
+        })
     }
 
     /// The database file.
@@ -163,7 +170,8 @@ impl SqliteStore {
             Ok(()) => rx.await.unwrap_or_else(|_| failed(writer_stopped())),
             Err(mpsc::TrySendError::Full(_)) => failed(StoreError::Unavailable {
                 message: format!(
-                    "the SQLite store has {QUEUE_LIMIT} operations waiting; try again shortly"
+                    "the SQLite store has {} operations waiting; try again shortly",
+                    self.max_queue
                 ),
                 source: None,
             }),
