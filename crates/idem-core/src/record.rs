@@ -368,6 +368,24 @@ impl Record {
         }
     }
 
+    /// The `reopen` transition: a completed record whose stored result must not be replayed
+    /// any more (an outcome recorded as unknown, repaired by an operator or a policy) is turned
+    /// into a released one, so that the next `begin` runs the work again with a higher fence.
+    ///
+    /// Applies only while the record is live, completed, and completed by the lease with
+    /// `fence`; answers whether it changed. Naming the fence makes concurrent reopens safe: once
+    /// one of them has reopened the record (and perhaps a new attempt has acquired it), the
+    /// others change nothing.
+    pub fn reopen_in_place(&mut self, fence: u64, now: Timestamp) -> bool {
+        if !(self.is_live(now) && self.status == Status::Completed && self.fence == fence) {
+            return false;
+        }
+        self.status = Status::Released;
+        self.response = None;
+        self.settle(now);
+        true
+    }
+
     /// Stamps a completion or release: retention runs from now.
     fn settle(&mut self, now: Timestamp) {
         self.updated_at = now;

@@ -108,6 +108,8 @@ pub enum LeaseError {
 ///   clock to decide liveness. A completed or released record expires at `completed_at + ttl`;
 ///   an expired record is absent to `begin` and `get`. Native TTLs (Redis) may be used only to
 ///   reclaim space, never to decide an outcome before `now` says so.
+/// - **`reopen`** turns a live record completed by the lease with that fence into a released
+///   one, atomically, and does nothing to any other record.
 /// - **`purge_expired`** deletes at most `limit` records that are not live at `now` and
 ///   returns how many it deleted; it never deletes a live record.
 /// - **Durability.** When `complete` returns `Ok`, the response survives a crash of the calling
@@ -142,6 +144,15 @@ pub trait Store: Send + Sync + 'static {
         lease: &Lease,
         now: Timestamp,
     ) -> impl Future<Output = Result<(), LeaseError>> + Send;
+
+    /// Turns the live record for `key`, if it is completed with `fence`, into a released one
+    /// (see [`Record::reopen_in_place`]); answers whether it changed.
+    fn reopen(
+        &self,
+        key: &Key,
+        fence: u64,
+        now: Timestamp,
+    ) -> impl Future<Output = Result<bool, StoreError>> + Send;
 
     /// The live record for `key`, if any.
     fn get(
@@ -187,6 +198,13 @@ pub trait DynStore: Send + Sync + 'static {
         lease: &'a Lease,
         now: Timestamp,
     ) -> BoxFuture<'a, Result<(), LeaseError>>;
+    /// See [`Store::reopen`].
+    fn reopen<'a>(
+        &'a self,
+        key: &'a Key,
+        fence: u64,
+        now: Timestamp,
+    ) -> BoxFuture<'a, Result<bool, StoreError>>;
     /// See [`Store::get`].
     fn get<'a>(
         &'a self,
@@ -226,6 +244,14 @@ impl<S: Store> DynStore for S {
     ) -> BoxFuture<'a, Result<(), LeaseError>> {
         Box::pin(Store::release(self, key, lease, now))
     }
+    fn reopen<'a>(
+        &'a self,
+        key: &'a Key,
+        fence: u64,
+        now: Timestamp,
+    ) -> BoxFuture<'a, Result<bool, StoreError>> {
+        Box::pin(Store::reopen(self, key, fence, now))
+    }
     fn get<'a>(
         &'a self,
         key: &'a Key,
@@ -263,6 +289,9 @@ impl Store for SharedStore {
     }
     async fn release(&self, key: &Key, lease: &Lease, now: Timestamp) -> Result<(), LeaseError> {
         DynStore::release(&**self, key, lease, now).await
+    }
+    async fn reopen(&self, key: &Key, fence: u64, now: Timestamp) -> Result<bool, StoreError> {
+        DynStore::reopen(&**self, key, fence, now).await
     }
     async fn get(&self, key: &Key, now: Timestamp) -> Result<Option<Record>, StoreError> {
         DynStore::get(&**self, key, now).await

@@ -125,6 +125,13 @@ impl Store for MemoryStore {
         self.update(key, |r| r.release_in_place(lease, now))
     }
 
+    async fn reopen(&self, key: &Key, fence: u64, now: Timestamp) -> Result<bool, StoreError> {
+        Ok(self
+            .shard(key)
+            .get_mut(key)
+            .is_some_and(|r| r.reopen_in_place(fence, now)))
+    }
+
     async fn get(&self, key: &Key, now: Timestamp) -> Result<Option<Record>, StoreError> {
         Ok(self
             .shard(key)

@@ -107,6 +107,7 @@ enum Request {
     Begin(BeginRequest, Timestamp),
     Complete(Key, Lease, Bytes, Timestamp),
     Release(Key, Lease, Timestamp),
+    Reopen(Key, u64, Timestamp),
     Get(Key, Timestamp),
     Purge(Timestamp, usize),
 }
@@ -114,6 +115,7 @@ enum Request {
 enum Responder {
     Begin(oneshot::Sender<Result<BeginOutcome, StoreError>>),
     Lease(oneshot::Sender<Result<(), LeaseError>>),
+    Reopen(oneshot::Sender<Result<bool, StoreError>>),
     Get(oneshot::Sender<Result<Option<Record>, StoreError>>),
     Purge(oneshot::Sender<Result<u64, StoreError>>),
 }
@@ -121,6 +123,7 @@ enum Responder {
 enum Answer {
     Begin(Result<BeginOutcome, StoreError>),
     Lease(Result<(), LeaseError>),
+    Reopen(Result<bool, StoreError>),
     Get(Result<Option<Record>, StoreError>),
     Purge(Result<u64, StoreError>),
 }
@@ -275,6 +278,7 @@ impl Responder {
         match self {
             Responder::Begin(tx) => tx.is_closed(),
             Responder::Lease(tx) => tx.is_closed(),
+            Responder::Reopen(tx) => tx.is_closed(),
             Responder::Get(tx) => tx.is_closed(),
             Responder::Purge(tx) => tx.is_closed(),
         }
@@ -285,6 +289,7 @@ impl Responder {
         match (self, answer) {
             (Responder::Begin(tx), Answer::Begin(a)) => tx.send(a).err().map(Answer::Begin),
             (Responder::Lease(tx), Answer::Lease(a)) => tx.send(a).err().map(Answer::Lease),
+            (Responder::Reopen(tx), Answer::Reopen(a)) => tx.send(a).err().map(Answer::Reopen),
             (Responder::Get(tx), Answer::Get(a)) => tx.send(a).err().map(Answer::Get),
             (Responder::Purge(tx), Answer::Purge(a)) => tx.send(a).err().map(Answer::Purge),
             // `apply` answers each request with its own kind; nothing else reaches here.
@@ -298,6 +303,7 @@ impl Responder {
         let _ = match self {
             Responder::Begin(tx) => tx.send(Err(e)).map_err(drop),
             Responder::Lease(tx) => tx.send(Err(e.into())).map_err(drop),
+            Responder::Reopen(tx) => tx.send(Err(e)).map_err(drop),
             Responder::Get(tx) => tx.send(Err(e)).map_err(drop),
             Responder::Purge(tx) => tx.send(Err(e)).map_err(drop),
         };
@@ -402,6 +408,17 @@ fn apply(tx: &rusqlite::Transaction<'_>, request: &Request) -> rusqlite::Result<
         Request::Release(key, lease, now) => {
             Answer::Lease(transition(tx, key, |r| Record::release(r, lease, *now))?)
         }
+        Request::Reopen(key, fence, now) => Answer::Reopen(match load(tx, key)? {
+            Ok(Some(mut r)) => {
+                let changed = r.reopen_in_place(*fence, *now);
+                if changed {
+                    save(tx, &r)?;
+                }
+                Ok(changed)
+            }
+            Ok(None) => Ok(false),
+            Err(e) => Err(e),
+        }),
         Request::Get(key, now) => {
             Answer::Get(load(tx, key)?.map(|r| r.filter(|r| r.is_live(*now))))
         }
@@ -582,6 +599,11 @@ impl Store for SqliteStore {
         let request = Request::Release(key.clone(), *lease, now);
         self.call(request, Responder::Lease, |e| Err(e.into()))
             .await
+    }
+
+    async fn reopen(&self, key: &Key, fence: u64, now: Timestamp) -> Result<bool, StoreError> {
+        let request = Request::Reopen(key.clone(), fence, now);
+        self.call(request, Responder::Reopen, Err).await
     }
 
     async fn get(&self, key: &Key, now: Timestamp) -> Result<Option<Record>, StoreError> {

@@ -204,6 +204,47 @@ pub async fn release_gives_the_key_back<S: Store>(store: &S) {
     );
 }
 
+/// `reopen` turns a completed record back into a released one only when named by its fence:
+/// the next `begin` runs again with a higher fence, and a second `reopen` with the old fence
+/// (racing, or late) changes nothing, not even the new attempt.
+pub async fn reopen_reruns_a_completed_record<S: Store>(store: &S) {
+    let c = Case::new();
+    let req = c.req("k", "a");
+    // Nothing to reopen: absent, in progress.
+    assert!(!store.reopen(&req.key, 1, c.at(0)).await.unwrap());
+    let first = acquire(store, &req, c.at(0)).await;
+    assert!(!store.reopen(&req.key, first.fence, c.at(1)).await.unwrap());
+    store
+        .complete(&req.key, &first, Bytes::from_static(b"unknown"), c.at(1))
+        .await
+        .unwrap();
+    // A wrong fence changes nothing.
+    assert!(
+        !store
+            .reopen(&req.key, first.fence + 1, c.at(2))
+            .await
+            .unwrap()
+    );
+    assert_eq!(&replayed(store, &req, c.at(2)).await[..], b"unknown");
+    assert!(store.reopen(&req.key, first.fence, c.at(3)).await.unwrap());
+    let rec = store.get(&req.key, c.at(3)).await.unwrap().unwrap();
+    assert_eq!(rec.status, Status::Released);
+    assert_eq!(rec.response, None);
+    assert!(!store.reopen(&req.key, first.fence, c.at(3)).await.unwrap());
+    let second = acquire(store, &req, c.at(4)).await;
+    assert!(second.fence > first.fence);
+    assert!(!store.reopen(&req.key, first.fence, c.at(5)).await.unwrap());
+    store
+        .complete(&req.key, &second, Bytes::from_static(b"ok"), c.at(5))
+        .await
+        .unwrap();
+    assert!(!store.reopen(&req.key, first.fence, c.at(6)).await.unwrap());
+    assert_eq!(&replayed(store, &req, c.at(6)).await[..], b"ok");
+    // An expired record is not reopened.
+    let after = c.at(5).saturating_add(TTL);
+    assert!(!store.reopen(&req.key, second.fence, after).await.unwrap());
+}
+
 /// An expired lease is taken over by the next `begin` with the same fingerprint, each time
 /// with a strictly higher fence.
 pub async fn expired_lease_is_taken_over_with_higher_fence<S: Store>(store: &S) {

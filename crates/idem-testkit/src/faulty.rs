@@ -122,6 +122,10 @@ impl<S: Store> Store for FaultyStore<S> {
             .await
     }
 
+    async fn reopen(&self, key: &Key, fence: u64, now: Timestamp) -> Result<bool, StoreError> {
+        self.inner.reopen(key, fence, now).await
+    }
+
     async fn get(&self, key: &Key, now: Timestamp) -> Result<Option<Record>, StoreError> {
         self.with_fault(Op::Get, self.inner.get(key, now)).await
     }

@@ -42,6 +42,7 @@ macro_rules! conformance_tests {
             replay_returns_bytes_exactly,
             other_fingerprint_is_a_mismatch,
             release_gives_the_key_back,
+            reopen_reruns_a_completed_record,
             expired_lease_is_taken_over_with_higher_fence,
             stale_lease_cannot_complete_or_release,
             expired_lease_not_taken_over_may_complete,
