@@ -18,7 +18,7 @@ use tracing::{debug, warn};
 use crate::AppState;
 use crate::auth::Caller;
 use crate::json::JsonBody;
-use crate::problem::Problem;
+use idem_http::Problem;
 
 /// The longest `fingerprint` string accepted.
 pub const MAX_FINGERPRINT_LEN: usize = 1024;

@@ -16,7 +16,7 @@ use axum::http::{StatusCode, header};
 use idem_core::{Fingerprint, Scope};
 
 use crate::AppState;
-use crate::problem::Problem;
+use idem_http::Problem;
 
 /// The scope used when no API keys are configured.
 pub const DEFAULT_SCOPE: &str = "default";

@@ -6,7 +6,7 @@ use axum::http::{StatusCode, header};
 use serde::de::DeserializeOwned;
 
 use crate::AppState;
-use crate::problem::Problem;
+use idem_http::Problem;
 
 /// A JSON request body of at most `AppState::max_body` bytes.
 pub struct JsonBody<T>(pub T);

@@ -14,7 +14,6 @@
 pub mod api;
 pub mod auth;
 pub mod json;
-pub mod problem;
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -26,7 +25,7 @@ use idem_core::{Clock, DEFAULT_LEASE, DEFAULT_TTL, SharedStore, Store, SystemClo
 use tracing::{info, warn};
 
 use crate::auth::Auth;
-use crate::problem::Problem;
+use idem_http::Problem;
 
 /// The default limit on request bodies: 1 MiB.
 pub const DEFAULT_MAX_BODY: usize = 1024 * 1024;

@@ -48,6 +48,15 @@ fn known_schemes() -> &'static str {
     }
 }
 
+/// The `name=value` pairs of a URL query.
+#[cfg_attr(not(feature = "sqlite"), allow(dead_code))]
+fn params(query: &str) -> impl Iterator<Item = (&str, &str)> {
+    query
+        .split('&')
+        .filter(|p| !p.is_empty())
+        .map(|p| p.split_once('=').unwrap_or((p, "")))
+}
+
 impl FromStr for StoreUrl {
     type Err = StoreUrlError;
 
@@ -59,10 +68,6 @@ impl FromStr for StoreUrl {
             ))
         })?;
         let (location, query) = rest.split_once('?').unwrap_or((rest, ""));
-        let params = query
-            .split('&')
-            .filter(|p| !p.is_empty())
-            .map(|p| p.split_once('=').unwrap_or((p, "")));
         match scheme {
             "memory" => {
                 if !location.is_empty() || !query.is_empty() {
@@ -79,7 +84,7 @@ impl FromStr for StoreUrl {
                 }
                 let mut synchronous = crate::Synchronous::Full;
                 let mut busy_timeout_ms = 5_000;
-                for (name, value) in params {
+                for (name, value) in params(query) {
                     match name {
                         "synchronous" => {
                             synchronous = match value.to_ascii_lowercase().as_str() {

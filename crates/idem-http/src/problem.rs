@@ -6,8 +6,8 @@
 
 use std::time::Duration;
 
-use axum::http::{HeaderValue, StatusCode, header};
-use axum::response::{IntoResponse, Response};
+use bytes::Bytes;
+use http::{HeaderValue, Response, StatusCode, header};
 use serde_json::{Map, Value, json};
 
 /// An error answer.
@@ -46,6 +46,13 @@ impl Problem {
         self
     }
 
+    /// Replaces the stable code.
+    #[must_use]
+    pub fn with_code(mut self, code: &'static str) -> Self {
+        self.code = code;
+        self
+    }
+
     /// Adds an extension member.
     #[must_use]
     pub fn with(mut self, name: &str, value: impl Into<Value>) -> Self {
@@ -68,6 +75,16 @@ impl Problem {
         Self::new(StatusCode::NOT_FOUND, "not_found", "Not found", detail)
     }
 
+    /// The HTTP status.
+    pub fn status(&self) -> StatusCode {
+        self.status
+    }
+
+    /// The stable code.
+    pub fn code(&self) -> &'static str {
+        self.code
+    }
+
     /// 503 for a store failure: the work must not run.
     pub fn store(e: &idem_core::StoreError) -> Self {
         let code = if e.is_transient() {
@@ -84,8 +101,9 @@ impl Problem {
     }
 }
 
-impl IntoResponse for Problem {
-    fn into_response(self) -> Response {
+impl Problem {
+    /// The problem as an HTTP response with an `application/problem+json` body.
+    pub fn into_http<B: From<Bytes>>(self) -> Response<B> {
         let mut body = json!({
             "type": format!("urn:idem:problem:{}", self.code),
             "title": self.title,
@@ -102,7 +120,8 @@ impl IntoResponse for Problem {
         if let Some(obj) = body.as_object_mut() {
             obj.extend(self.extra);
         }
-        let mut res = (self.status, body.to_string()).into_response();
+        let mut res = Response::new(B::from(Bytes::from(body.to_string())));
+        *res.status_mut() = self.status;
         let headers = res.headers_mut();
         headers.insert(
             header::CONTENT_TYPE,
@@ -113,5 +132,12 @@ impl IntoResponse for Problem {
             headers.insert(header::RETRY_AFTER, HeaderValue::from(secs.max(1)));
         }
         res
+    }
+}
+
+#[cfg(feature = "axum")]
+impl axum::response::IntoResponse for Problem {
+    fn into_response(self) -> axum::response::Response {
+        self.into_http()
     }
 }

@@ -1,0 +1,98 @@
+//! Response bodies the layer hands back.
+
+use std::pin::Pin;
+use std::task::{Context, Poll};
+
+use bytes::Bytes;
+use http_body::{Body, Frame, SizeHint};
+use http_body_util::BodyExt;
+use http_body_util::combinators::UnsyncBoxBody;
+
+/// A boxed error.
+pub type BoxError = Box<dyn std::error::Error + Send + Sync>;
+
+/// The body of every response the layer returns: the handler's own, a stored one, or a problem.
+pub type ResponseBody = UnsyncBoxBody<Bytes, BoxError>;
+
+/// Boxes any body into a [`ResponseBody`].
+pub fn boxed<B>(body: B) -> ResponseBody
+where
+    B: Body<Data = Bytes> + Send + 'static,
+    B::Error: Into<BoxError>,
+{
+    body.map_err(Into::into).boxed_unsync()
+}
+
+/// A body whose first bytes were already read: yields them, then the rest.
+pub(crate) struct Prefixed {
+    prefix: Option<Bytes>,
+    rest: ResponseBody,
+}
+
+impl Prefixed {
+    pub(crate) fn new(prefix: Bytes, rest: ResponseBody) -> Self {
+        Self {
+            prefix: (!prefix.is_empty()).then_some(prefix),
+            rest,
+        }
+    }
+}
+
+impl Body for Prefixed {
+    type Data = Bytes;
+    type Error = BoxError;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
+        if let Some(prefix) = self.prefix.take() {
+            return Poll::Ready(Some(Ok(Frame::data(prefix))));
+        }
+        Pin::new(&mut self.rest).poll_frame(cx)
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.prefix.is_none() && self.rest.is_end_stream()
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        let rest = self.rest.size_hint();
+        let extra = self.prefix.as_ref().map_or(0, |p| p.len() as u64);
+        let mut hint = SizeHint::new();
+        hint.set_lower(rest.lower().saturating_add(extra));
+        if let Some(upper) = rest.upper() {
+            hint.set_upper(upper.saturating_add(extra));
+        }
+        hint
+    }
+}
+
+/// The outcome of reading a body with a limit.
+pub(crate) enum Collected {
+    /// The whole body, within the limit.
+    Full(Bytes),
+    /// The limit was passed: what was read, and the unread rest.
+    TooLarge(Bytes, ResponseBody),
+    /// The body failed part way.
+    Failed,
+}
+
+/// Reads `body` up to `limit` bytes. Trailers are not kept.
+pub(crate) async fn collect_limited(mut body: ResponseBody, limit: usize) -> Collected {
+    let mut buf = bytes::BytesMut::new();
+    loop {
+        match body.frame().await {
+            None => return Collected::Full(buf.freeze()),
+            Some(Err(_)) => return Collected::Failed,
+            Some(Ok(frame)) => {
+                if let Ok(data) = frame.into_data() {
+                    buf.extend_from_slice(&data);
+                    if buf.len() > limit {
+                        return Collected::TooLarge(buf.freeze(), body);
+                    }
+                }
+            }
+        }
+    }
+}

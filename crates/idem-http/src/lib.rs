@@ -1,0 +1,35 @@
+//! HTTP `Idempotency-Key` semantics over the idem record engine, as a [`tower_layer::Layer`].
+//!
+//! Follows the IETF httpapi `Idempotency-Key` draft, with Stripe's behaviour as a
+//! [`Preset`]:
+//!
+//! - POST and PATCH are guarded (configurable); other methods pass through untouched.
+//! - The key is the `Idempotency-Key` header, as an RFC 8941 string or a bare token. A
+//!   repeated or invalid header is 400; a missing one is 400 on routes that require it.
+//! - Keys are scoped to the caller ([`ScopeSource`]) and fingerprinted with the request
+//!   (method, path, query, body, and chosen headers): the same key with another request is 422
+//!   (400 under the Stripe preset).
+//! - A request whose key is held by a running attempt gets 409 with `Retry-After`, or waits
+//!   for it ([`InFlight`]).
+//! - The handler's answer is stored and replayed with `Idempotent-Replayed: true`, except 5xx
+//!   (IETF preset), 408, 425 and 429, which release the key so a retry runs again.
+//! - Errors are RFC 9457 problem details with a stable `code`.
+//!
+//! See `docs/design.md` in the repository for the reasoning behind each choice.
+
+mod body;
+pub mod header;
+mod layer;
+pub mod policy;
+mod problem;
+pub mod scope;
+mod stored;
+
+pub use body::{BoxError, ResponseBody, boxed};
+pub use header::{
+    IDEMPOTENCY_KEY, IDEMPOTENT_REPLAYED, KeyHeaderError, key_from_headers, parse_key,
+};
+pub use layer::{Guarded, IdempotencyLayer, Idempotent, Settle};
+pub use policy::{InFlight, KeyRequirement, OnUnknown, Policy, Preset, ReplayHeaders};
+pub use problem::Problem;
+pub use scope::ScopeSource;

@@ -1,0 +1,190 @@
+//! How an HTTP answer is kept in a record.
+//!
+//! A small length-prefixed binary layout, written by hand: it stores bodies as they are (JSON
+//! would need base64 and grow them by a third) and it is a few dozen lines. Every stored
+//! value starts with a version tag so a later layout can read old records.
+
+use bytes::{Buf, BufMut, Bytes, BytesMut};
+use http::{HeaderMap, HeaderName, HeaderValue, StatusCode};
+use idem_core::Timestamp;
+
+const TAG: &[u8; 4] = b"IDH1";
+const RESPONSE: u8 = 0;
+const UNKNOWN: u8 = 1;
+const TOO_LARGE: u8 = 2;
+
+/// What a completed HTTP record holds.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) enum Stored {
+    /// The answer to replay.
+    Response {
+        status: StatusCode,
+        headers: HeaderMap,
+        body: Bytes,
+    },
+    /// The request may or may not have taken effect. `until`: when a retry may run it again
+    /// (`None`: never by itself).
+    Unknown { until: Option<Timestamp> },
+    /// The answer was delivered but was too large to keep.
+    TooLarge { status: StatusCode },
+}
+
+/// A stored value that is not in this layout.
+#[derive(Debug, thiserror::Error)]
+#[error("the stored HTTP response is corrupt")]
+pub(crate) struct Corrupt;
+
+impl Stored {
+    pub(crate) fn encode(&self) -> Bytes {
+        let mut out = BytesMut::new();
+        out.put_slice(TAG);
+        match self {
+            Self::Response {
+                status,
+                headers,
+                body,
+            } => {
+                out.put_u8(RESPONSE);
+                out.put_u16(status.as_u16());
+                // `HeaderMap` holds at most 32768 entries, so the count fits.
+                out.put_u16(u16::try_from(headers.len()).unwrap_or(u16::MAX));
+                for (name, value) in headers.iter().take(usize::from(u16::MAX)) {
+                    put_field(&mut out, name.as_str().as_bytes());
+                    put_field(&mut out, value.as_bytes());
+                }
+                out.put_slice(body);
+            }
+            Self::Unknown { until } => {
+                out.put_u8(UNKNOWN);
+                out.put_u64(until.map_or(0, Timestamp::as_millis));
+            }
+            Self::TooLarge { status } => {
+                out.put_u8(TOO_LARGE);
+                out.put_u16(status.as_u16());
+            }
+        }
+        out.freeze()
+    }
+
+    pub(crate) fn decode(mut b: Bytes) -> Result<Self, Corrupt> {
+        if b.len() < 5 || &b[..4] != TAG {
+            return Err(Corrupt);
+        }
+        b.advance(4);
+        match b.get_u8() {
+            RESPONSE => {
+                let status = status(get_u16(&mut b)?)?;
+                let count = get_u16(&mut b)?;
+                let mut headers = HeaderMap::with_capacity(usize::from(count));
+                for _ in 0..count {
+                    let name = HeaderName::from_bytes(&get_field(&mut b)?).map_err(|_| Corrupt)?;
+                    let value =
+                        HeaderValue::from_maybe_shared(get_field(&mut b)?).map_err(|_| Corrupt)?;
+                    headers.append(name, value);
+                }
+                Ok(Self::Response {
+                    status,
+                    headers,
+                    body: b,
+                })
+            }
+            UNKNOWN if b.len() == 8 => {
+                let until = b.get_u64();
+                Ok(Self::Unknown {
+                    until: (until != 0).then(|| Timestamp::from_millis(until)),
+                })
+            }
+            TOO_LARGE if b.len() == 2 => Ok(Self::TooLarge {
+                status: status(b.get_u16())?,
+            }),
+            _ => Err(Corrupt),
+        }
+    }
+}
+
+fn put_field(out: &mut BytesMut, v: &[u8]) {
+    // Header names and values are far below 4 GiB: hyper limits a whole head to far less.
+    out.put_u32(u32::try_from(v.len()).unwrap_or(u32::MAX));
+    out.put_slice(v);
+}
+
+fn get_u16(b: &mut Bytes) -> Result<u16, Corrupt> {
+    if b.len() < 2 {
+        return Err(Corrupt);
+    }
+    Ok(b.get_u16())
+}
+
+fn get_field(b: &mut Bytes) -> Result<Bytes, Corrupt> {
+    if b.len() < 4 {
+        return Err(Corrupt);
+    }
+    let len = usize::try_from(b.get_u32()).map_err(|_| Corrupt)?;
+    if b.len() < len {
+        return Err(Corrupt);
+    }
+    Ok(b.split_to(len))
+}
+
+fn status(code: u16) -> Result<StatusCode, Corrupt> {
+    StatusCode::from_u16(code).map_err(|_| Corrupt)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn round_trips() {
+        let mut headers = HeaderMap::new();
+        headers.insert("content-type", HeaderValue::from_static("application/json"));
+        headers.append("x-multi", HeaderValue::from_static("a"));
+        headers.append("x-multi", HeaderValue::from_static("b"));
+        for s in [
+            Stored::Response {
+                status: StatusCode::CREATED,
+                headers,
+                body: Bytes::from_static(b"{\"id\":1}\0\xff"),
+            },
+            Stored::Response {
+                status: StatusCode::NO_CONTENT,
+                headers: HeaderMap::new(),
+                body: Bytes::new(),
+            },
+            Stored::Unknown { until: None },
+            Stored::Unknown {
+                until: Some(Timestamp::from_millis(42)),
+            },
+            Stored::TooLarge {
+                status: StatusCode::OK,
+            },
+        ] {
+            assert_eq!(Stored::decode(s.encode()).unwrap(), s);
+        }
+    }
+
+    #[test]
+    fn corrupt_values_are_refused() {
+        let good = Stored::TooLarge {
+            status: StatusCode::OK,
+        }
+        .encode();
+        for bad in [
+            &b""[..],
+            b"IDH1",
+            b"IDH2\x02\x00\xc8",
+            b"IDH1\x09",
+            b"IDH1\x02\x00",
+            b"IDH1\x00\x00\xc8\x00\x01\x00\x00\x00\x09ab",
+            b"IDH1\x00\x03\xe8\x00\x00",
+        ] {
+            assert!(
+                Stored::decode(Bytes::copy_from_slice(bad)).is_err(),
+                "{bad:?}"
+            );
+        }
+        let mut truncated = good.to_vec();
+        truncated.pop();
+        assert!(Stored::decode(Bytes::from(truncated)).is_err());
+    }
+}
