@@ -172,10 +172,24 @@ where
     ResBody: Body<Data = Bytes> + Send + 'static,
     ResBody::Error: Into<BoxError>,
 {
+    count("passed_through");
     Ok(inner.call(req).await?.map(boxed))
 }
 
+/// Counts a request by what the layer did with it: `passed_through`, `executed`,
+/// `replayed`, or the code of the problem it answered with.
+fn count(outcome: &'static str) {
+    metrics::counter!("idem_http_requests_total", "outcome" => outcome).increment(1);
+}
+
+/// Counts how records were settled: `stored`, `released`, `unknown`, `too_large`, or
+/// `failed` when the store could not be told.
+fn count_settled(result: &'static str) {
+    metrics::counter!("idem_http_settled_total", "result" => result).increment(1);
+}
+
 fn reject(problem: Problem) -> Response<ResponseBody> {
+    count(problem.code());
     problem.into_http::<Full<Bytes>>().map(boxed)
 }
 
@@ -323,7 +337,10 @@ async fn claim(cfg: &Config, begin: &BeginRequest) -> Result<Lease, Response<Res
             .await
             .map_err(|e| reject(Problem::store(&e)))?;
         match outcome {
-            BeginOutcome::Acquired(lease) => return Ok(lease),
+            BeginOutcome::Acquired(lease) => {
+                count("executed");
+                return Ok(lease);
+            }
             BeginOutcome::Mismatch => return Err(reject(problems::mismatch(policy))),
             BeginOutcome::Replay(r) => {
                 let stored = Stored::decode(r.response).map_err(|_| reject(problems::corrupt()))?;
@@ -368,6 +385,7 @@ async fn claim(cfg: &Config, begin: &BeginRequest) -> Result<Lease, Response<Res
 }
 
 fn replay(status: StatusCode, headers: HeaderMap, body: Bytes) -> Response<ResponseBody> {
+    count("replayed");
     let mut res = Response::new(boxed(Full::new(body)));
     *res.status_mut() = status;
     *res.headers_mut() = headers;
@@ -482,6 +500,11 @@ const SETTLE_ATTEMPTS: u32 = 3;
 impl Settler {
     async fn complete(mut self, stored: Stored) {
         self.settled = true;
+        count_settled(match stored {
+            Stored::Response { .. } => "stored",
+            Stored::Unknown { .. } => "unknown",
+            Stored::TooLarge { .. } => "too_large",
+        });
         let response = stored.encode();
         let (cfg, key, lease) = (&self.cfg, &self.key, &self.lease);
         let result = with_retries(|| {
@@ -490,6 +513,7 @@ impl Settler {
         })
         .await;
         if let Err(e) = result {
+            count_settled("failed");
             // The answer still goes to the caller; the record stays in progress until its
             // lease ends, after which a retry may run again.
             tracing::warn!(key = %key.log_tag(), error = %e, "could not store the answer");
@@ -512,8 +536,10 @@ impl Settler {
 }
 
 async fn release(cfg: &Config, key: &Key, lease: &Lease) {
+    count_settled("released");
     let result = with_retries(|| cfg.store.release(key, lease, cfg.clock.now())).await;
     if let Err(e) = result {
+        count_settled("failed");
         // The key stays held until the lease ends; then a retry takes over.
         tracing::warn!(key = %key.log_tag(), error = %e, "could not release the key");
     }
@@ -572,7 +598,7 @@ mod problems {
     pub(super) fn too_large(max: usize) -> Problem {
         Problem::new(
             StatusCode::PAYLOAD_TOO_LARGE,
-            "payload_too_large",
+            "body_too_large",
             "Request body too large",
             format!("The request body exceeds the limit of {max} bytes."),
         )

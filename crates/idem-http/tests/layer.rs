@@ -487,7 +487,7 @@ async fn an_oversized_request_is_refused_and_stores_nothing() {
     let app = app(Policy::default().max_body(16));
     let r = app.send(post_with("/orders", "k", &"x".repeat(17))).await;
     assert_eq!(r.status, StatusCode::PAYLOAD_TOO_LARGE);
-    assert_eq!(r.code(), "payload_too_large");
+    assert_eq!(r.code(), "body_too_large");
     // without a declared length (a streamed body), the limit holds too
     let stream = futures_stream(vec!["x".repeat(10), "x".repeat(10)]);
     let mut streamed = req(Method::POST, "/orders", &[("idempotency-key", "k")], "");

@@ -13,7 +13,9 @@
 
 pub mod api;
 pub mod auth;
+pub mod gateway;
 pub mod json;
+pub mod metrics;
 
 use std::sync::Arc;
 use std::time::Duration;

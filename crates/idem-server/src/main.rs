@@ -7,8 +7,9 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use clap::{Parser, Subcommand};
-use idem_core::{Clock, SystemClock};
+use idem_core::{Clock, SharedStore, SystemClock};
 use idem_server::auth::Auth;
+use idem_server::gateway::{FileConfig, Gateway, Upstream};
 use idem_server::{AppState, DEFAULT_MAX_BODY, purge_loop, router};
 use idem_store::StoreUrl;
 use tracing::{info, warn};
@@ -32,6 +33,45 @@ enum Command {
     /// store its answer with /v1/records/complete (or give the key back with /release).
     /// See the README for the endpoints and examples.
     Serve(ServeArgs),
+
+    /// Run a reverse proxy that makes an existing HTTP API safe to retry.
+    ///
+    /// Forwards every request to --upstream. POST and PATCH requests that carry an
+    /// Idempotency-Key run once: retries get the first answer (with Idempotent-Replayed:
+    /// true) without reaching the upstream. Routes, presets and limits go in --config (TOML).
+    /// The gateway's own /health and /metrics live under --admin-prefix (/_idem).
+    Gateway(GatewayArgs),
+}
+
+#[derive(clap::Args)]
+struct GatewayArgs {
+    /// The API to protect: an http:// URL, optionally with a base path.
+    #[arg(long, env = "IDEM_UPSTREAM")]
+    upstream: Option<String>,
+
+    /// The address to listen on [default: 127.0.0.1:7080].
+    #[arg(long, env = "IDEM_GATEWAY_LISTEN")]
+    listen: Option<SocketAddr>,
+
+    /// Where records live: memory://, or sqlite://PATH [default: sqlite://idem.db].
+    #[arg(long, env = "IDEM_STORE")]
+    store: Option<String>,
+
+    /// A TOML file of gateway settings and per-route policies (see the README).
+    #[arg(long, env = "IDEM_GATEWAY_CONFIG", value_name = "FILE")]
+    config: Option<PathBuf>,
+
+    /// The reserved path prefix of the gateway's own endpoints [default: /_idem].
+    #[arg(long, env = "IDEM_ADMIN_PREFIX")]
+    admin_prefix: Option<String>,
+
+    /// How long to wait for the upstream's answer [default: 30s].
+    #[arg(long, env = "IDEM_UPSTREAM_TIMEOUT", value_parser = parse_duration)]
+    upstream_timeout: Option<Duration>,
+
+    /// How often expired records are purged (at most 24h).
+    #[arg(long, env = "IDEM_PURGE_INTERVAL", default_value = "60s", value_parser = parse_purge_interval)]
+    purge_interval: Duration,
 }
 
 #[derive(clap::Args)]
@@ -114,6 +154,7 @@ fn main() -> ExitCode {
         .init();
     let result = match cli.command {
         Command::Serve(args) => serve(&args),
+        Command::Gateway(args) => gateway(args),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,
@@ -156,20 +197,84 @@ fn serve(args: &ServeArgs) -> Result<(), String> {
         default_lease: args.lease,
         default_ttl: args.ttl,
     };
+    run(
+        args.listen,
+        router(state),
+        store,
+        clock,
+        args.purge_interval,
+    )
+}
+
+fn gateway(args: GatewayArgs) -> Result<(), String> {
+    let mut file = match &args.config {
+        Some(path) => {
+            let text = std::fs::read_to_string(path)
+                .map_err(|e| format!("cannot read {}: {e}", path.display()))?;
+            FileConfig::parse(&text).map_err(|e| format!("{}: {e}", path.display()))?
+        }
+        None => FileConfig::default(),
+    };
+    let upstream = args
+        .upstream
+        .or(file.upstream.clone())
+        .ok_or("no upstream: give --upstream URL (or upstream = \"...\" in --config)")?;
+    let upstream = Upstream::parse(&upstream)?;
+    let listen = match (args.listen, &file.listen) {
+        (Some(addr), _) => addr,
+        (None, Some(text)) => text
+            .parse()
+            .map_err(|e| format!("listen = {text:?} in the config file: {e}"))?,
+        (None, None) => SocketAddr::from(([127, 0, 0, 1], 7080)),
+    };
+    let store_url = args
+        .store
+        .or(file.store.clone())
+        .unwrap_or_else(|| "sqlite://idem.db".to_owned());
+    let url: StoreUrl = store_url
+        .parse()
+        .map_err(|e| format!("invalid store: {e}"))?;
+    let store = url.open().map_err(|e| e.to_string())?;
+    // The command line wins over the file.
+    if let Some(t) = args.upstream_timeout {
+        file.upstream_timeout = Some(humantime::format_duration(t).to_string());
+    }
+    if args.admin_prefix.is_some() {
+        file.admin_prefix = args.admin_prefix;
+    }
+    let gateway = Gateway::new(upstream, store.clone()).configure(&file)?;
+    info!(
+        admin = %gateway.admin_prefix,
+        routes = gateway.routes.len(),
+        "gateway to the upstream"
+    );
+    let clock = gateway.clock.clone();
+    run(listen, gateway.router(), store, clock, args.purge_interval)
+}
+
+/// Serves `app` on `listen` until SIGTERM or Ctrl-C, purging expired records meanwhile.
+fn run(
+    listen: SocketAddr,
+    app: axum::Router,
+    store: SharedStore,
+    clock: Arc<dyn Clock>,
+    purge_interval: Duration,
+) -> Result<(), String> {
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()
         .map_err(|e| format!("cannot start the runtime: {e}"))?;
     runtime.block_on(async move {
-        let listener = tokio::net::TcpListener::bind(args.listen)
+        let listener = tokio::net::TcpListener::bind(listen)
             .await
-            .map_err(|e| format!("cannot listen on {}: {e}", args.listen))?;
+            .map_err(|e| format!("cannot listen on {listen}: {e}"))?;
         let local = listener
             .local_addr()
             .map_err(|e| format!("cannot read the listening address: {e}"))?;
-        tokio::spawn(purge_loop(store.clone(), clock, args.purge_interval));
+        tokio::spawn(purge_loop(store.clone(), clock, purge_interval));
         info!(store = store.kind(), "listening on http://{local}");
-        axum::serve(listener, router(state))
+        let app = app.into_make_service_with_connect_info::<SocketAddr>();
+        axum::serve(listener, app)
             .with_graceful_shutdown(shutdown_signal())
             .await
             .map_err(|e| format!("server failed: {e}"))?;

@@ -1,0 +1,340 @@
+//! The gateway's configuration file (TOML) and its validation.
+//!
+//! ```toml
+//! upstream = "http://127.0.0.1:8080"
+//! upstream_timeout = "30s"
+//! scope_header = "authorization"
+//! admin_prefix = "/_idem"
+//!
+//! [defaults]              # every route, and requests no route matches
+//! methods = ["POST", "PATCH"]
+//! key = "optional"
+//!
+//! [[route]]               # the first route whose path matches wins
+//! path = "/v1/payments/**"
+//! key = "required"
+//! preset = "stripe"
+//! ttl = "48h"
+//! wait = "5s"
+//! ```
+
+use std::time::Duration;
+
+use axum::http::{HeaderName, Method};
+use idem_core::Namespace;
+use idem_http::{InFlight, KeyRequirement, OnUnknown, Policy, Preset, ReplayHeaders};
+use serde::Deserialize;
+
+/// The file as written.
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct FileConfig {
+    /// The upstream URL.
+    pub upstream: Option<String>,
+    /// The address to listen on.
+    pub listen: Option<String>,
+    /// The store URL.
+    pub store: Option<String>,
+    /// The reserved path prefix of the gateway's own endpoints.
+    pub admin_prefix: Option<String>,
+    /// How long to wait for the upstream's answer.
+    pub upstream_timeout: Option<String>,
+    /// The header whose (hashed) value scopes keys.
+    pub scope_header: Option<String>,
+    /// How often expired records are purged.
+    pub purge_interval: Option<String>,
+    /// Settings for every route.
+    #[serde(default)]
+    pub defaults: RouteSettings,
+    /// Per-route settings, first match wins.
+    #[serde(default, rename = "route")]
+    pub routes: Vec<RouteSettings>,
+}
+
+/// One route's settings as written; anything left out comes from `[defaults]`, then from the
+/// built-in defaults.
+#[derive(Debug, Default, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RouteSettings {
+    /// The path pattern (routes only): `/exact`, `*` for one segment, a final `**` for any rest.
+    pub path: Option<String>,
+    /// The guarded methods.
+    pub methods: Option<Vec<String>>,
+    /// `required` or `optional`.
+    pub key: Option<String>,
+    /// `ietf` or `stripe`.
+    pub preset: Option<String>,
+    /// Retention of stored answers.
+    pub ttl: Option<String>,
+    /// How long an attempt holds the key; longer than `upstream_timeout`.
+    pub lease: Option<String>,
+    /// How long a request whose key is in flight waits for the first answer (0: 409 at once).
+    pub wait: Option<String>,
+    /// `hold` or `release_after_lease`.
+    pub on_unknown: Option<String>,
+    /// The key namespace.
+    pub namespace: Option<String>,
+    /// The largest request body on guarded requests, in bytes.
+    pub max_body: Option<usize>,
+    /// The largest response body stored, in bytes.
+    pub max_response: Option<usize>,
+    /// Request headers in the fingerprint.
+    pub fingerprint_headers: Option<Vec<String>>,
+    /// JSON Pointers fingerprinted instead of the whole JSON body.
+    pub fingerprint_json_fields: Option<Vec<String>>,
+    /// Only these response headers are replayed.
+    pub replay_headers: Option<Vec<String>>,
+}
+
+impl FileConfig {
+    /// Parses the file's text.
+    pub fn parse(text: &str) -> Result<Self, String> {
+        toml::from_str(text).map_err(|e| e.to_string())
+    }
+}
+
+/// A path pattern: segments, each literal or `*`; a final `**` matches any rest (even none).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PathPattern {
+    segments: Vec<String>,
+    rest: bool,
+}
+
+impl PathPattern {
+    /// Parses a pattern such as `/v1/orders/*/capture` or `/v1/**`.
+    pub fn parse(pattern: &str) -> Result<Self, String> {
+        let Some(body) = pattern.strip_prefix('/') else {
+            return Err(format!("route path {pattern:?} must start with /"));
+        };
+        let mut segments: Vec<String> = body.split('/').map(str::to_owned).collect();
+        if segments.last().is_some_and(String::is_empty) {
+            segments.pop();
+        }
+        let rest = segments.last().is_some_and(|s| s == "**");
+        if rest {
+            segments.pop();
+        }
+        if segments.iter().any(|s| s == "**") {
+            return Err(format!(
+                "route path {pattern:?}: ** may only be the last segment"
+            ));
+        }
+        if segments.iter().any(String::is_empty) {
+            return Err(format!("route path {pattern:?} has an empty segment"));
+        }
+        Ok(Self { segments, rest })
+    }
+
+    /// Whether `path` matches.
+    pub fn matches(&self, path: &str) -> bool {
+        let mut parts = path.strip_prefix('/').unwrap_or(path).split('/');
+        for want in &self.segments {
+            match parts.next() {
+                Some(got) if !got.is_empty() && (want == "*" || want == got) => {}
+                _ => return false,
+            }
+        }
+        let rest: Vec<&str> = parts.collect();
+        self.rest || rest.is_empty() || rest == [""]
+    }
+}
+
+/// Parses a duration such as `30s`, `5m`, `24h`.
+pub fn duration(what: &str, s: &str) -> Result<Duration, String> {
+    humantime::parse_duration(s).map_err(|e| format!("{what} {s:?}: {e} (try 30s, 5m, 24h)"))
+}
+
+/// Builds a route's policy from its settings over the defaults.
+pub fn policy(
+    route: &RouteSettings,
+    defaults: &RouteSettings,
+    upstream_timeout: Duration,
+) -> Result<Policy, String> {
+    macro_rules! pick {
+        ($field:ident) => {
+            route.$field.as_ref().or(defaults.$field.as_ref())
+        };
+    }
+    let mut p = Policy::default();
+    if let Some(methods) = pick!(methods) {
+        let parsed: Result<Vec<Method>, String> = methods
+            .iter()
+            .map(|m| {
+                Method::from_bytes(m.to_ascii_uppercase().as_bytes())
+                    .map_err(|_| format!("method {m:?} is not an HTTP method"))
+            })
+            .collect();
+        p = p.methods(parsed?);
+    }
+    if let Some(key) = pick!(key) {
+        p = p.key(match key.as_str() {
+            "required" => KeyRequirement::Required,
+            "optional" => KeyRequirement::Optional,
+            other => return Err(format!("key = {other:?}: expected required or optional")),
+        });
+    }
+    if let Some(preset) = pick!(preset) {
+        p = p.preset(match preset.as_str() {
+            "ietf" => Preset::Ietf,
+            "stripe" => Preset::Stripe,
+            other => return Err(format!("preset = {other:?}: expected ietf or stripe")),
+        });
+    }
+    if let Some(ttl) = pick!(ttl) {
+        p = p.ttl(positive("ttl", ttl)?);
+    }
+    let lease = match pick!(lease) {
+        Some(lease) => positive("lease", lease)?,
+        None => p.lease.max(upstream_timeout * 2),
+    };
+    p = p.lease(lease);
+    if p.lease <= upstream_timeout {
+        return Err(format!(
+            "lease ({}) must be longer than upstream_timeout ({}): otherwise a retry could run \
+             while the first attempt is still waiting for the upstream",
+            humantime::format_duration(p.lease),
+            humantime::format_duration(upstream_timeout)
+        ));
+    }
+    if let Some(wait) = pick!(wait) {
+        let d = duration("wait", wait)?;
+        p = p.in_flight(if d.is_zero() {
+            InFlight::Reject
+        } else {
+            InFlight::Wait(d)
+        });
+    }
+    if let Some(on_unknown) = pick!(on_unknown) {
+        p = p.on_unknown(match on_unknown.as_str() {
+            "hold" => OnUnknown::Hold,
+            "release_after_lease" => OnUnknown::ReleaseAfterLease,
+            other => {
+                return Err(format!(
+                    "on_unknown = {other:?}: expected hold or release_after_lease"
+                ));
+            }
+        });
+    }
+    if let Some(ns) = pick!(namespace) {
+        p = p.namespace(Namespace::new(ns.as_str()).map_err(|e| format!("namespace: {e}"))?);
+    }
+    if let Some(&n) = pick!(max_body) {
+        p = p.max_body(n);
+    }
+    if let Some(&n) = pick!(max_response) {
+        p = p.max_response(n);
+    }
+    if let Some(names) = pick!(fingerprint_headers) {
+        p = p.fingerprint_headers(header_names(names)?);
+    }
+    if let Some(pointers) = pick!(fingerprint_json_fields) {
+        if let Some(bad) = pointers
+            .iter()
+            .find(|p| !p.is_empty() && !p.starts_with('/'))
+        {
+            return Err(format!(
+                "fingerprint_json_fields: {bad:?} is not a JSON Pointer (they start with /)"
+            ));
+        }
+        p = p.fingerprint_json_fields(pointers.iter().cloned());
+    }
+    if let Some(names) = pick!(replay_headers) {
+        p = p.replay_headers(ReplayHeaders::Only(header_names(names)?));
+    }
+    Ok(p)
+}
+
+fn positive(what: &str, s: &str) -> Result<Duration, String> {
+    let d = duration(what, s)?;
+    if d.is_zero() {
+        return Err(format!("{what} must be longer than zero"));
+    }
+    Ok(d)
+}
+
+fn header_names(names: &[String]) -> Result<Vec<HeaderName>, String> {
+    names
+        .iter()
+        .map(|n| {
+            HeaderName::from_bytes(n.as_bytes()).map_err(|_| format!("{n:?} is not a header name"))
+        })
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn patterns() {
+        let p = PathPattern::parse("/v1/orders/*/capture").unwrap();
+        assert!(p.matches("/v1/orders/42/capture"));
+        assert!(p.matches("/v1/orders/42/capture/"));
+        assert!(!p.matches("/v1/orders//capture"));
+        assert!(!p.matches("/v1/orders/42"));
+        assert!(!p.matches("/v1/orders/42/capture/x"));
+        let any = PathPattern::parse("/v1/**").unwrap();
+        assert!(any.matches("/v1"));
+        assert!(any.matches("/v1/a/b/c"));
+        assert!(!any.matches("/v2/a"));
+        assert!(
+            PathPattern::parse("/**")
+                .unwrap()
+                .matches("/anything/at/all")
+        );
+        assert!(PathPattern::parse("/exact").unwrap().matches("/exact"));
+        for bad in ["v1", "/a/**/b", "/a//b"] {
+            assert!(PathPattern::parse(bad).is_err(), "{bad}");
+        }
+    }
+
+    #[test]
+    fn routes_inherit_defaults() {
+        let file = FileConfig::parse(
+            r#"
+            upstream = "http://127.0.0.1:1"
+            [defaults]
+            key = "required"
+            ttl = "1h"
+            [[route]]
+            path = "/pay/**"
+            preset = "stripe"
+            wait = "2s"
+            methods = ["post", "put"]
+            "#,
+        )
+        .unwrap();
+        let t = Duration::from_secs(30);
+        let route = policy(&file.routes[0], &file.defaults, t).unwrap();
+        assert_eq!(route.key, KeyRequirement::Required);
+        assert_eq!(route.preset, Preset::Stripe);
+        assert_eq!(route.ttl, Duration::from_secs(3600));
+        assert_eq!(route.in_flight, InFlight::Wait(Duration::from_secs(2)));
+        assert_eq!(route.methods, [Method::POST, Method::PUT]);
+        assert!(route.lease > t);
+        let default = policy(&file.defaults, &RouteSettings::default(), t).unwrap();
+        assert_eq!(default.preset, Preset::Ietf);
+    }
+
+    #[test]
+    fn bad_settings_are_explained() {
+        let t = Duration::from_secs(30);
+        let d = RouteSettings::default();
+        for (toml, needle) in [
+            ("key = \"maybe\"", "required or optional"),
+            ("preset = \"paypal\"", "ietf or stripe"),
+            ("lease = \"10s\"", "longer than upstream_timeout"),
+            ("ttl = \"soon\"", "ttl"),
+            ("on_unknown = \"retry\"", "hold or release_after_lease"),
+            ("fingerprint_json_fields = [\"amount\"]", "JSON Pointer"),
+            ("methods = [\"PO ST\"]", "not an HTTP method"),
+            ("namespace = \"a b\"", "namespace"),
+        ] {
+            let route: RouteSettings = toml::from_str(toml).unwrap();
+            let err = policy(&route, &d, t).unwrap_err();
+            assert!(err.contains(needle), "{toml}: {err}");
+        }
+        assert!(FileConfig::parse("unknown_setting = 1").is_err());
+        assert!(FileConfig::parse("[[route]]\npath = \"/a\"\nkeys = \"required\"").is_err());
+    }
+}

@@ -1,0 +1,229 @@
+//! `idem gateway`: a reverse proxy that gives an existing HTTP API `Idempotency-Key`
+//! semantics without touching its code.
+//!
+//! Every request is forwarded to the upstream; requests on guarded routes (POST and PATCH by
+//! default) that carry a key go through [`idem_http::IdempotencyLayer`], so a retry gets the
+//! first answer instead of reaching the upstream again. The gateway's own endpoints live under
+//! one reserved prefix (`/_idem` by default), which is never forwarded:
+//!
+//! | path | what |
+//! | --- | --- |
+//! | `{prefix}/health` | 200 `{"status":"ok","store":KIND}`, 503 if the store fails |
+//! | `{prefix}/metrics` | Prometheus text |
+
+pub mod config;
+pub mod proxy;
+
+use std::convert::Infallible;
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::task::{Context, Poll};
+use std::time::Duration;
+
+use axum::Router;
+use axum::body::Body;
+use axum::extract::State;
+use axum::http::{HeaderName, Request, Response, StatusCode, header};
+use axum::response::IntoResponse;
+use axum::routing::get;
+use idem_core::{Clock, Key, SharedStore, Store, SystemClock};
+use idem_http::{IdempotencyLayer, Idempotent, Policy, Problem, ResponseBody, ScopeSource};
+use tower_layer::Layer;
+use tower_service::Service;
+
+use crate::metrics::Registry;
+pub use config::{FileConfig, PathPattern, RouteSettings};
+pub use proxy::{Proxy, Upstream};
+
+/// The default reserved prefix.
+pub const DEFAULT_ADMIN_PREFIX: &str = "/_idem";
+
+/// Everything the gateway needs, validated.
+#[derive(Clone)]
+pub struct Gateway {
+    /// Where requests go.
+    pub upstream: Upstream,
+    /// How long to wait for the upstream.
+    pub upstream_timeout: Duration,
+    /// Where records live.
+    pub store: SharedStore,
+    /// The engine's clock.
+    pub clock: Arc<dyn Clock>,
+    /// The reserved prefix, such as `/_idem`.
+    pub admin_prefix: String,
+    /// Where each caller's scope comes from.
+    pub scope: ScopeSource,
+    /// Routes, first match wins.
+    pub routes: Vec<(PathPattern, Policy)>,
+    /// The policy of requests no route matches.
+    pub default_policy: Policy,
+}
+
+impl Gateway {
+    /// A gateway to `upstream` with default settings.
+    pub fn new(upstream: Upstream, store: SharedStore) -> Self {
+        Self {
+            upstream,
+            upstream_timeout: Duration::from_secs(30),
+            store,
+            clock: Arc::new(SystemClock),
+            admin_prefix: DEFAULT_ADMIN_PREFIX.to_owned(),
+            scope: ScopeSource::default(),
+            routes: Vec::new(),
+            default_policy: Policy::default(),
+        }
+    }
+
+    /// Applies a configuration file's settings (other than upstream, listen and store, which
+    /// the command line resolves).
+    pub fn configure(mut self, file: &FileConfig) -> Result<Self, String> {
+        if let Some(t) = &file.upstream_timeout {
+            self.upstream_timeout = config::duration("upstream_timeout", t)?;
+            if self.upstream_timeout.is_zero() {
+                return Err("upstream_timeout must be longer than zero".into());
+            }
+        }
+        if let Some(prefix) = &file.admin_prefix {
+            self.admin_prefix = admin_prefix(prefix)?;
+        }
+        if let Some(name) = &file.scope_header {
+            let name = HeaderName::from_bytes(name.as_bytes())
+                .map_err(|_| format!("scope_header {name:?} is not a header name"))?;
+            self.scope = ScopeSource::Header(name);
+        }
+        if file.defaults.path.is_some() {
+            return Err("[defaults] takes no path; put it in a [[route]]".into());
+        }
+        let none = RouteSettings::default();
+        self.default_policy = config::policy(&file.defaults, &none, self.upstream_timeout)
+            .map_err(|e| format!("[defaults]: {e}"))?;
+        self.routes = file
+            .routes
+            .iter()
+            .enumerate()
+            .map(|(i, r)| {
+                let at = || format!("[[route]] #{}", i + 1);
+                let path = r
+                    .path
+                    .as_deref()
+                    .ok_or_else(|| format!("{}: needs a path", at()))?;
+                let pattern = PathPattern::parse(path).map_err(|e| format!("{}: {e}", at()))?;
+                let policy = config::policy(r, &file.defaults, self.upstream_timeout)
+                    .map_err(|e| format!("{}: {e}", at()))?;
+                Ok((pattern, policy))
+            })
+            .collect::<Result<_, String>>()?;
+        Ok(self)
+    }
+
+    /// The gateway's routes: its own endpoints under the reserved prefix, everything else
+    /// to the upstream.
+    pub fn router(&self) -> Router {
+        let proxy = Proxy::new(self.upstream.clone(), self.upstream_timeout);
+        let guard = |policy: &Policy| {
+            IdempotencyLayer::new(self.store.clone(), policy.clone())
+                .scope(self.scope.clone())
+                .clock(ClockRef(self.clock.clone()))
+                .layer(proxy.clone())
+        };
+        let dispatch = Dispatch {
+            routes: self
+                .routes
+                .iter()
+                .map(|(pattern, policy)| (pattern.clone(), guard(policy)))
+                .collect::<Vec<_>>()
+                .into(),
+            default: guard(&self.default_policy),
+        };
+        let admin = Router::new()
+            .route("/health", get(health))
+            .route("/metrics", get(metrics))
+            .fallback(|| async { Problem::not_found("There is no such gateway endpoint.") })
+            .with_state(AdminState {
+                store: self.store.clone(),
+                clock: self.clock.clone(),
+                registry: Registry::global(),
+            });
+        Router::new()
+            .nest(&self.admin_prefix, admin)
+            .fallback_service(dispatch)
+    }
+}
+
+/// Checks a reserved prefix: `/` and at least one segment, no trailing slash.
+pub fn admin_prefix(prefix: &str) -> Result<String, String> {
+    let trimmed = prefix.trim_end_matches('/');
+    if !trimmed.starts_with('/') || trimmed.len() < 2 || trimmed.contains(['*', '{', '}']) {
+        return Err(format!(
+            "admin prefix {prefix:?} must be a path such as /_idem (not / and without wildcards)"
+        ));
+    }
+    Ok(trimmed.to_owned())
+}
+
+/// A shared clock as a `Clock`.
+struct ClockRef(Arc<dyn Clock>);
+
+impl Clock for ClockRef {
+    fn now(&self) -> idem_core::Timestamp {
+        self.0.now()
+    }
+}
+
+/// Picks the first route whose pattern matches the path.
+#[derive(Clone)]
+struct Dispatch {
+    routes: Arc<[(PathPattern, Idempotent<Proxy>)]>,
+    default: Idempotent<Proxy>,
+}
+
+type BoxFuture<T> = Pin<Box<dyn Future<Output = T> + Send>>;
+
+impl Service<Request<Body>> for Dispatch {
+    type Response = Response<ResponseBody>;
+    type Error = Infallible;
+    type Future = BoxFuture<Result<Response<ResponseBody>, Infallible>>;
+
+    fn poll_ready(&mut self, _: &mut Context<'_>) -> Poll<Result<(), Infallible>> {
+        // The proxy is always ready, and so is every layer over it.
+        Poll::Ready(Ok(()))
+    }
+
+    fn call(&mut self, req: Request<Body>) -> Self::Future {
+        let path = req.uri().path();
+        let mut svc = self
+            .routes
+            .iter()
+            .find(|(pattern, _)| pattern.matches(path))
+            .map_or_else(|| self.default.clone(), |(_, svc)| svc.clone());
+        Box::pin(svc.call(req))
+    }
+}
+
+#[derive(Clone)]
+struct AdminState {
+    store: SharedStore,
+    clock: Arc<dyn Clock>,
+    registry: Registry,
+}
+
+async fn health(State(s): State<AdminState>) -> axum::response::Response {
+    // A read of a key no one uses: it proves the store answers without touching any record.
+    let probe = Key::parse("idem-gateway", "health", "probe").expect("a valid key");
+    match s.store.get(&probe, s.clock.now()).await {
+        Ok(_) => {
+            axum::Json(serde_json::json!({"status": "ok", "store": s.store.kind()})).into_response()
+        }
+        Err(e) => Problem::store(&e).into_response(),
+    }
+}
+
+async fn metrics(State(s): State<AdminState>) -> axum::response::Response {
+    (
+        StatusCode::OK,
+        [(header::CONTENT_TYPE, "text/plain; version=0.0.4")],
+        s.registry.render(),
+    )
+        .into_response()
+}

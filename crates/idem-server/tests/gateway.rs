@@ -1,0 +1,429 @@
+//! `idem gateway` over real sockets: a counting upstream, the gateway in front of it, and a
+//! real HTTP client, for every rule and every way the upstream can fail.
+
+#![allow(clippy::unwrap_used)]
+
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use axum::Router;
+use axum::body::{Body, Bytes};
+use axum::extract::State;
+use axum::http::{HeaderMap, Method, Request, StatusCode};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post as route_post};
+use http_body_util::{BodyExt, Full};
+use hyper_util::client::legacy::Client;
+use hyper_util::client::legacy::connect::HttpConnector;
+use hyper_util::rt::TokioExecutor;
+use idem_core::SharedStore;
+use idem_server::gateway::{FileConfig, Gateway, Upstream as UpstreamUrl};
+use idem_store::MemoryStore;
+use serde_json::Value;
+use tokio::net::TcpListener;
+
+#[derive(Clone, Default)]
+struct Seen {
+    runs: Arc<AtomicUsize>,
+    headers: Arc<Mutex<Vec<HeaderMap>>>,
+}
+
+impl Seen {
+    fn runs(&self) -> usize {
+        self.runs.load(Ordering::SeqCst)
+    }
+}
+
+/// Counts the request, waits `x-delay-ms` if asked, and answers 201 with the run number.
+async fn orders(State(seen): State<Seen>, headers: HeaderMap, body: Bytes) -> Response {
+    let n = seen.runs.fetch_add(1, Ordering::SeqCst) + 1;
+    seen.headers.lock().unwrap().push(headers.clone());
+    if let Some(ms) = headers.get("x-delay-ms") {
+        let ms: u64 = ms.to_str().unwrap().parse().unwrap();
+        tokio::time::sleep(Duration::from_millis(ms)).await;
+    }
+    let body = String::from_utf8_lossy(&body).into_owned();
+    (
+        StatusCode::CREATED,
+        [("x-upstream", "yes"), ("set-cookie", "s=1")],
+        axum::Json(serde_json::json!({"run": n, "body": body})),
+    )
+        .into_response()
+}
+
+/// Counts the request, then breaks the connection half way through the answer.
+async fn broken(State(seen): State<Seen>) -> Response {
+    seen.runs.fetch_add(1, Ordering::SeqCst);
+    let chunks: Vec<Result<Bytes, std::io::Error>> = vec![
+        Ok(Bytes::from_static(b"{\"partial\":")),
+        Err(std::io::Error::other("upstream crashed")),
+    ];
+    Response::new(Body::from_stream(futures_iter(chunks)))
+}
+
+fn futures_iter<T: Unpin>(items: Vec<T>) -> impl futures_core::Stream<Item = T> {
+    struct Iter<T>(std::vec::IntoIter<T>);
+    impl<T: Unpin> futures_core::Stream for Iter<T> {
+        type Item = T;
+        fn poll_next(
+            mut self: std::pin::Pin<&mut Self>,
+            _: &mut std::task::Context<'_>,
+        ) -> std::task::Poll<Option<T>> {
+            std::task::Poll::Ready(self.0.next())
+        }
+    }
+    Iter(items.into_iter())
+}
+
+async fn start_upstream_on(listener: TcpListener) -> Seen {
+    let seen = Seen::default();
+    let app = Router::new()
+        .route("/orders", route_post(orders).get(orders))
+        .route("/v1/payments", route_post(orders))
+        .route("/broken", route_post(broken))
+        .route("/_idem/health", get(|| async { "the upstream's own path" }))
+        .with_state(seen.clone());
+    tokio::spawn(async move { axum::serve(listener, app).await.unwrap() });
+    seen
+}
+
+async fn start_upstream() -> (Seen, SocketAddr) {
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    (start_upstream_on(listener).await, addr)
+}
+
+async fn start_gateway(upstream: SocketAddr, store: SharedStore, config: &str) -> SocketAddr {
+    let file = FileConfig::parse(config).unwrap();
+    let url = UpstreamUrl::parse(&format!("http://{upstream}")).unwrap();
+    let gateway = Gateway::new(url, store).configure(&file).unwrap();
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let app = gateway
+        .router()
+        .into_make_service_with_connect_info::<SocketAddr>();
+    tokio::spawn(async move { axum::serve(listener, app).await.unwrap() });
+    addr
+}
+
+struct Reply {
+    status: StatusCode,
+    headers: HeaderMap,
+    body: String,
+}
+
+impl Reply {
+    fn json(&self) -> Value {
+        serde_json::from_str(&self.body).unwrap_or(Value::Null)
+    }
+    fn code(&self) -> String {
+        self.json()["code"].as_str().unwrap_or_default().to_owned()
+    }
+    fn replayed(&self) -> bool {
+        self.headers
+            .get("idempotent-replayed")
+            .is_some_and(|v| v == "true")
+    }
+}
+
+fn client() -> Client<HttpConnector, Full<Bytes>> {
+    Client::builder(TokioExecutor::new()).build(HttpConnector::new())
+}
+
+async fn send(
+    addr: SocketAddr,
+    method: Method,
+    path: &str,
+    headers: &[(&str, &str)],
+    body: &str,
+) -> Reply {
+    let mut req = Request::builder()
+        .method(method)
+        .uri(format!("http://{addr}{path}"));
+    for (k, v) in headers {
+        req = req.header(*k, *v);
+    }
+    let req = req.body(Full::new(Bytes::from(body.to_owned()))).unwrap();
+    let res = client().request(req).await.unwrap();
+    let (parts, body) = res.into_parts();
+    let body = body.collect().await.unwrap().to_bytes();
+    Reply {
+        status: parts.status,
+        headers: parts.headers,
+        body: String::from_utf8_lossy(&body).into_owned(),
+    }
+}
+
+async fn post(addr: SocketAddr, path: &str, key: &str, body: &str) -> Reply {
+    send(addr, Method::POST, path, &[("idempotency-key", key)], body).await
+}
+
+fn memory() -> SharedStore {
+    Arc::new(MemoryStore::new())
+}
+
+#[tokio::test]
+async fn a_retry_is_answered_by_the_gateway_without_reaching_the_upstream() {
+    let (seen, up) = start_upstream().await;
+    let gw = start_gateway(up, memory(), "").await;
+    let first = post(gw, "/orders", "k1", "pay 10").await;
+    assert_eq!(first.status, StatusCode::CREATED);
+    assert!(!first.replayed());
+    let again = post(gw, "/orders", "k1", "pay 10").await;
+    assert_eq!(again.status, StatusCode::CREATED);
+    assert!(again.replayed());
+    assert_eq!(again.json(), first.json());
+    assert_eq!(again.headers["x-upstream"], "yes");
+    assert!(again.headers.get("set-cookie").is_none());
+    assert_eq!(seen.runs(), 1);
+    // without a key, or with GET, every request reaches the upstream
+    send(gw, Method::POST, "/orders", &[], "x").await;
+    send(gw, Method::GET, "/orders", &[("idempotency-key", "k1")], "").await;
+    assert_eq!(seen.runs(), 3);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_duplicate_storm_reaches_the_upstream_once() {
+    let (seen, up) = start_upstream().await;
+    let gw = start_gateway(up, memory(), "").await;
+    let requests = (0..200).map(|_| {
+        tokio::spawn(async move {
+            send(
+                gw,
+                Method::POST,
+                "/orders",
+                &[("idempotency-key", "storm"), ("x-delay-ms", "50")],
+                "once",
+            )
+            .await
+        })
+    });
+    let mut executed = 0;
+    let mut replayed = 0;
+    let mut in_progress = 0;
+    for r in requests {
+        let r = r.await.unwrap();
+        match r.status {
+            StatusCode::CREATED if r.replayed() => replayed += 1,
+            StatusCode::CREATED => executed += 1,
+            StatusCode::CONFLICT => {
+                assert_eq!(r.code(), "request_in_progress");
+                assert!(r.headers.contains_key("retry-after"));
+                in_progress += 1;
+            }
+            other => panic!("unexpected {other}: {}", r.body),
+        }
+    }
+    assert_eq!(executed, 1);
+    assert_eq!(executed + replayed + in_progress, 200);
+    assert_eq!(seen.runs(), 1);
+}
+
+#[tokio::test]
+async fn a_lost_response_is_replayed_to_the_retry() {
+    let (seen, up) = start_upstream().await;
+    let gw = start_gateway(up, memory(), "[defaults]\nwait = \"10s\"").await;
+    // The client gives up (its connection closes) while the upstream is still working.
+    let impatient = tokio::time::timeout(
+        Duration::from_millis(100),
+        send(
+            gw,
+            Method::POST,
+            "/orders",
+            &[("idempotency-key", "lost"), ("x-delay-ms", "400")],
+            "pay",
+        ),
+    )
+    .await;
+    assert!(impatient.is_err(), "the first answer arrived after all");
+    // The retry waits for the first attempt and gets its answer.
+    let retry = send(
+        gw,
+        Method::POST,
+        "/orders",
+        &[("idempotency-key", "lost"), ("x-delay-ms", "400")],
+        "pay",
+    )
+    .await;
+    assert_eq!(retry.status, StatusCode::CREATED);
+    assert!(retry.replayed());
+    assert_eq!(retry.json()["run"], 1);
+    assert_eq!(seen.runs(), 1);
+}
+
+#[tokio::test]
+async fn the_same_key_with_another_request_is_refused() {
+    let (seen, up) = start_upstream().await;
+    let gw = start_gateway(up, memory(), "").await;
+    post(gw, "/orders", "k", "pay 10").await;
+    let r = post(gw, "/orders", "k", "pay 1000").await;
+    assert_eq!(r.status, StatusCode::UNPROCESSABLE_ENTITY);
+    assert_eq!(r.code(), "idempotency_key_mismatch");
+    assert_eq!(r.headers["content-type"], "application/problem+json");
+    assert_eq!(seen.runs(), 1);
+}
+
+#[tokio::test]
+async fn callers_are_kept_apart() {
+    let (seen, up) = start_upstream().await;
+    let gw = start_gateway(up, memory(), "").await;
+    let as_caller = |who: &'static str| async move {
+        send(
+            gw,
+            Method::POST,
+            "/orders",
+            &[("idempotency-key", "same"), ("authorization", who)],
+            "same body",
+        )
+        .await
+    };
+    let a = as_caller("Bearer alice").await;
+    let b = as_caller("Bearer bob").await;
+    assert!(!b.replayed(), "bob got alice's stored answer");
+    assert_ne!(a.json()["run"], b.json()["run"]);
+    assert!(as_caller("Bearer alice").await.replayed());
+    assert_eq!(seen.runs(), 2);
+}
+
+#[tokio::test]
+async fn an_unreachable_upstream_releases_the_key() {
+    // A port with nothing behind it.
+    let spare = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let up = spare.local_addr().unwrap();
+    drop(spare);
+    let gw = start_gateway(up, memory(), "").await;
+    let r = post(gw, "/orders", "k", "pay").await;
+    assert_eq!(r.status, StatusCode::BAD_GATEWAY);
+    assert_eq!(r.code(), "upstream_unreachable");
+    // The upstream comes up: the retry runs, since nothing was sent before.
+    let seen = start_upstream_on(TcpListener::bind(up).await.unwrap()).await;
+    let r = post(gw, "/orders", "k", "pay").await;
+    assert_eq!(r.status, StatusCode::CREATED);
+    assert!(!r.replayed());
+    assert_eq!(seen.runs(), 1);
+}
+
+#[tokio::test]
+async fn an_upstream_timeout_is_an_unknown_outcome_and_never_rerun_silently() {
+    let (seen, up) = start_upstream().await;
+    let gw = start_gateway(up, memory(), "upstream_timeout = \"200ms\"").await;
+    let slow = [("idempotency-key", "t"), ("x-delay-ms", "1000")];
+    let r = send(gw, Method::POST, "/orders", &slow, "pay").await;
+    assert_eq!(r.status, StatusCode::GATEWAY_TIMEOUT);
+    assert_eq!(r.code(), "upstream_timeout");
+    for _ in 0..2 {
+        let r = send(gw, Method::POST, "/orders", &slow, "pay").await;
+        assert_eq!(r.status, StatusCode::CONFLICT);
+        assert_eq!(r.code(), "outcome_unknown");
+    }
+    assert_eq!(seen.runs(), 1);
+}
+
+#[tokio::test]
+async fn an_unknown_outcome_may_run_again_after_the_lease() {
+    let (seen, up) = start_upstream().await;
+    let config = "upstream_timeout = \"100ms\"\n[defaults]\nlease = \"300ms\"\non_unknown = \"release_after_lease\"";
+    let gw = start_gateway(up, memory(), config).await;
+    let slow = [("idempotency-key", "t"), ("x-delay-ms", "150")];
+    assert_eq!(
+        send(gw, Method::POST, "/orders", &slow, "pay").await.status,
+        StatusCode::GATEWAY_TIMEOUT
+    );
+    let r = send(gw, Method::POST, "/orders", &slow, "pay").await;
+    assert_eq!(r.code(), "outcome_unknown");
+    assert!(r.headers.contains_key("retry-after"));
+    tokio::time::sleep(Duration::from_millis(400)).await;
+    let fast = [("idempotency-key", "t"), ("x-delay-ms", "0")];
+    // The delay header is not part of the fingerprint by default, so this is the same request.
+    let r = send(gw, Method::POST, "/orders", &fast, "pay").await;
+    assert_eq!(r.status, StatusCode::CREATED, "{}", r.body);
+    assert_eq!(seen.runs(), 2);
+    assert!(
+        send(gw, Method::POST, "/orders", &fast, "pay")
+            .await
+            .replayed()
+    );
+}
+
+#[tokio::test]
+async fn a_connection_broken_after_sending_is_an_unknown_outcome() {
+    let (seen, up) = start_upstream().await;
+    let gw = start_gateway(up, memory(), "").await;
+    let r = post(gw, "/broken", "b", "").await;
+    assert_eq!(r.status, StatusCode::BAD_GATEWAY);
+    assert_eq!(r.code(), "upstream_failed");
+    let r = post(gw, "/broken", "b", "").await;
+    assert_eq!(r.code(), "outcome_unknown");
+    assert_eq!(seen.runs(), 1);
+}
+
+#[tokio::test]
+async fn routes_choose_their_policy() {
+    let (seen, up) = start_upstream().await;
+    let config = r#"
+        [[route]]
+        path = "/v1/payments"
+        key = "required"
+        preset = "stripe"
+    "#;
+    let gw = start_gateway(up, memory(), config).await;
+    let r = send(gw, Method::POST, "/v1/payments", &[], "pay").await;
+    assert_eq!(r.status, StatusCode::BAD_REQUEST);
+    assert_eq!(r.code(), "idempotency_key_missing");
+    assert_eq!(seen.runs(), 0);
+    post(gw, "/v1/payments", "p", "pay").await;
+    let r = post(gw, "/v1/payments", "p", "pay more").await;
+    assert_eq!(
+        r.status,
+        StatusCode::BAD_REQUEST,
+        "the stripe preset answers 400"
+    );
+    // other paths keep the defaults: optional key
+    assert_eq!(
+        send(gw, Method::POST, "/orders", &[], "x").await.status,
+        StatusCode::CREATED
+    );
+}
+
+#[tokio::test]
+async fn the_gateway_owns_only_its_prefix_and_forwards_clean_headers() {
+    let (seen, up) = start_upstream().await;
+    let gw = start_gateway(up, memory(), "").await;
+    let health = send(gw, Method::GET, "/_idem/health", &[], "").await;
+    assert_eq!(health.status, StatusCode::OK);
+    assert_eq!(health.json()["store"], "memory");
+    let metrics = send(gw, Method::GET, "/_idem/metrics", &[], "").await;
+    assert!(metrics.body.contains("# TYPE"), "{}", metrics.body);
+
+    let moved = start_gateway(up, memory(), "admin_prefix = \"/_gateway\"").await;
+    let r = send(moved, Method::GET, "/_idem/health", &[], "").await;
+    assert_eq!(r.body, "the upstream's own path");
+    assert_eq!(
+        send(moved, Method::GET, "/_gateway/health", &[], "")
+            .await
+            .status,
+        StatusCode::OK
+    );
+
+    send(
+        gw,
+        Method::POST,
+        "/orders",
+        &[
+            ("connection", "x-hop"),
+            ("x-hop", "secret"),
+            ("keep-alive", "timeout=5"),
+            ("x-end-to-end", "kept"),
+        ],
+        "",
+    )
+    .await;
+    let headers = seen.headers.lock().unwrap().last().cloned().unwrap();
+    assert!(headers.get("x-hop").is_none());
+    assert!(headers.get("keep-alive").is_none());
+    assert_eq!(headers["x-end-to-end"], "kept");
+    assert_eq!(headers["x-forwarded-for"], "127.0.0.1");
+    assert_eq!(headers["host"], up.to_string());
+}
