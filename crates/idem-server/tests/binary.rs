@@ -11,7 +11,9 @@ fn idem() -> Command {
     let mut cmd = Command::new(env!("CARGO_BIN_EXE_idem"));
     cmd.env_remove("IDEM_STORE")
         .env_remove("IDEM_LISTEN")
-        .env_remove("IDEM_API_KEYS_FILE");
+        .env_remove("IDEM_API_KEYS_FILE")
+        .env_remove("IDEM_UPSTREAM")
+        .env_remove("IDEM_GATEWAY_CONFIG");
     cmd
 }
 
@@ -48,6 +50,50 @@ fn bad_flags_and_stores_get_readable_errors() {
         "cannot read API keys file",
     );
     fails_with(&["frobnicate"], "unrecognized subcommand");
+    fails_with(&["gateway", "--store", "memory://"], "no upstream");
+    fails_with(
+        &["gateway", "--upstream", "https://api.example"],
+        "must be an http:// URL",
+    );
+    fails_with(
+        &[
+            "gateway",
+            "--upstream",
+            "http://127.0.0.1:1",
+            "--config",
+            "/nonexistent.toml",
+        ],
+        "cannot read /nonexistent.toml",
+    );
+    let config = dir.path().join("gateway.toml");
+    for (text, expected) in [
+        (
+            "upstream_timeout = \"60s\"\n[defaults]\nlease = \"30s\"",
+            "longer than upstream_timeout",
+        ),
+        ("[[route]]\npath = \"orders\"", "must start with /"),
+        (
+            "[[route]]\npath = \"/a\"\nkey = \"sometimes\"",
+            "route]] #1",
+        ),
+        ("upstream = 5", "invalid type"),
+        ("admin_prefix = \"/\"", "admin prefix"),
+    ] {
+        std::fs::write(&config, text).unwrap();
+        let config = config.to_str().unwrap();
+        fails_with(
+            &[
+                "gateway",
+                "--upstream",
+                "http://127.0.0.1:1",
+                "--store",
+                "memory://",
+                "--config",
+                config,
+            ],
+            expected,
+        );
+    }
 }
 
 #[test]
@@ -83,8 +129,12 @@ impl Drop for Server {
 }
 
 fn start(args: &[&str]) -> Server {
+    start_command("serve", args)
+}
+
+fn start_command(command: &str, args: &[&str]) -> Server {
     let mut child = idem()
-        .args(["serve", "--listen", "127.0.0.1:0"])
+        .args([command, "--listen", "127.0.0.1:0"])
         .args(args)
         .env("IDEM_LOG", "info")
         .stderr(Stdio::piped())
@@ -189,4 +239,113 @@ fn sigterm_shuts_down_cleanly() {
     // Without a handler SIGTERM would end the process by signal, not with status 0.
     let exit = server.child.wait().unwrap();
     assert!(exit.success(), "{exit:?}");
+}
+
+/// A one-thread HTTP upstream that counts requests; the first one takes 800 ms.
+fn counting_upstream() -> (String, std::sync::Arc<std::sync::atomic::AtomicUsize>) {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = listener.local_addr().unwrap().to_string();
+    let runs = std::sync::Arc::new(AtomicUsize::new(0));
+    let counter = runs.clone();
+    std::thread::spawn(move || {
+        for stream in listener.incoming() {
+            let Ok(mut stream) = stream else { continue };
+            let counter = counter.clone();
+            std::thread::spawn(move || {
+                let mut reader = BufReader::new(stream.try_clone().unwrap());
+                let mut length = 0;
+                loop {
+                    let mut line = String::new();
+                    if reader.read_line(&mut line).unwrap_or(0) == 0 {
+                        return;
+                    }
+                    if let Some(v) = line.to_ascii_lowercase().strip_prefix("content-length:") {
+                        length = v.trim().parse().unwrap();
+                    }
+                    if line == "\r\n" {
+                        break;
+                    }
+                }
+                let mut body = vec![0; length];
+                reader.read_exact(&mut body).unwrap();
+                let n = counter.fetch_add(1, Ordering::SeqCst) + 1;
+                if n == 1 {
+                    std::thread::sleep(Duration::from_millis(800));
+                }
+                let out = format!("{{\"run\":{n}}}");
+                let _ = write!(
+                    stream,
+                    "HTTP/1.1 201 Created\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{out}",
+                    out.len()
+                );
+            });
+        }
+    });
+    (addr, runs)
+}
+
+fn order(addr: &str) -> (u16, String) {
+    http(
+        addr,
+        "POST /orders HTTP/1.1\r\nHost: x\r\nConnection: close\r\nIdempotency-Key: order-7\r\nContent-Length: 6\r\n\r\npay 10",
+    )
+}
+
+#[test]
+fn a_gateway_killed_mid_request_neither_runs_it_twice_at_once_nor_loses_the_answer() {
+    use std::sync::atomic::Ordering;
+    let dir = tempfile::tempdir().unwrap();
+    let store = format!("sqlite://{}", dir.path().join("idem.db").display());
+    let config = dir.path().join("gateway.toml");
+    std::fs::write(
+        &config,
+        "upstream_timeout = \"1s\"\n[defaults]\nlease = \"2s\"\n",
+    )
+    .unwrap();
+    let (upstream, runs) = counting_upstream();
+    let upstream = format!("http://{upstream}");
+    let args = [
+        "--upstream",
+        upstream.as_str(),
+        "--store",
+        store.as_str(),
+        "--config",
+        config.to_str().unwrap(),
+    ];
+
+    // The first attempt reaches the upstream; the gateway dies before it answers.
+    let mut gateway = start_command("gateway", &args);
+    let addr = gateway.addr.clone();
+    let first = std::thread::spawn(move || {
+        let mut s = TcpStream::connect(&addr).unwrap();
+        let _ = s.write_all(b"POST /orders HTTP/1.1\r\nHost: x\r\nIdempotency-Key: order-7\r\nContent-Length: 6\r\n\r\npay 10");
+        let mut out = Vec::new();
+        let _ = s.read_to_end(&mut out);
+    });
+    while runs.load(Ordering::SeqCst) == 0 {
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    gateway.child.kill().unwrap(); // SIGKILL: no clean-up of any kind
+    gateway.child.wait().unwrap();
+    first.join().unwrap();
+
+    // Restarted on the same file: while the first attempt's lease lasts, a retry is told to
+    // wait rather than run the order a second time alongside the first.
+    let gateway = start_command("gateway", &args);
+    let (status, body) = order(&gateway.addr);
+    assert_eq!(status, 409, "{body}");
+    assert!(body.contains("request_in_progress"), "{body}");
+    assert_eq!(runs.load(Ordering::SeqCst), 1);
+
+    // After the lease, the retry takes the key over and runs (the gateway never learned the
+    // first outcome), and from then on every retry gets that answer, across restarts too.
+    std::thread::sleep(Duration::from_millis(2100));
+    let (status, body) = order(&gateway.addr);
+    assert_eq!((status, body.as_str()), (201, "{\"run\":2}"));
+    drop(gateway);
+    let gateway = start_command("gateway", &args);
+    let (status, body) = order(&gateway.addr);
+    assert_eq!((status, body.as_str()), (201, "{\"run\":2}"));
+    assert_eq!(runs.load(Ordering::SeqCst), 2);
 }
