@@ -133,7 +133,7 @@ async fn load(target: SocketAddr, keys: Keys, args: &Args, run: &str) -> Outcome
                     match keys {
                         Keys::None => {}
                         Keys::Fresh => {
-                            req = req.header("idempotency-key", format!("{run}-{task}-{i}"))
+                            req = req.header("idempotency-key", format!("{run}-{task}-{i}"));
                         }
                         Keys::Replayed => {
                             req = req.header(
@@ -169,11 +169,12 @@ async fn load(target: SocketAddr, keys: Keys, args: &Args, run: &str) -> Outcome
     }
     let elapsed = started.elapsed().as_secs_f64();
     all.sort_unstable();
-    let at = |q: f64| all[((all.len() as f64 * q) as usize).min(all.len() - 1)];
+    // the q-quantile, q in per mille
+    let at = |q: usize| all[(all.len() * q / 1000).min(all.len() - 1)];
     Outcome {
         rps: all.len() as f64 / elapsed,
-        p50_us: at(0.50),
-        p99_us: at(0.99),
+        p50_us: at(500),
+        p99_us: at(990),
     }
 }
 
