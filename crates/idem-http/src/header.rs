@@ -18,8 +18,8 @@ pub const IDEMPOTENCY_KEY: HeaderName = HeaderName::from_static("idempotency-key
 /// `Idempotent-Replayed`, set to `true` on every replayed response.
 pub const IDEMPOTENT_REPLAYED: HeaderName = HeaderName::from_static("idempotent-replayed");
 
-/// The longest accepted key, in characters.
-pub const MAX_KEY_LEN: usize = 255;
+/// The longest accepted key, in characters (the engine's limit on a client key).
+pub const MAX_KEY_LEN: usize = idem_core::key::MAX_CLIENT_KEY_LEN;
 
 /// Why an `Idempotency-Key` header was refused. Messages never repeat the value.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
@@ -80,7 +80,7 @@ pub fn parse_key(value: &[u8]) -> Result<String, KeyHeaderError> {
 }
 
 fn is_visible(b: u8) -> bool {
-    (0x21..=0x7e).contains(&b)
+    b.is_ascii_graphic()
 }
 
 fn trim_ows(mut v: &[u8]) -> &[u8] {

@@ -6,21 +6,23 @@ use std::sync::Arc;
 use std::task::{Context, Poll};
 use std::time::Duration;
 
+use idem::claim::{begin_waiting, settle_retrying};
+
 use bytes::Bytes;
-use http::header::{CONNECTION, CONTENT_LENGTH, CONTENT_TYPE};
-use http::{HeaderMap, HeaderValue, Request, Response, StatusCode};
+use http::header::{CONTENT_LENGTH, CONTENT_TYPE};
+use http::{HeaderMap, HeaderName, HeaderValue, Request, Response, StatusCode};
 use http_body::Body;
 use http_body_util::{BodyExt, Full, LengthLimitError, Limited};
 use idem_core::{
-    BeginOutcome, BeginRequest, ClientKey, Clock, Fingerprint, Key, Lease, LeaseError, SharedStore,
-    Store, SystemClock,
+    BeginOutcome, BeginRequest, ClientKey, Clock, Fingerprint, Key, Lease, SharedStore, Store,
+    SystemClock,
 };
 use tower_layer::Layer;
 use tower_service::Service;
 
 use crate::body::{BoxError, Collected, Prefixed, ResponseBody, boxed, collect_limited};
 use crate::header::{IDEMPOTENT_REPLAYED, KeyHeaderError, key_from_headers};
-use crate::policy::{InFlight, KeyRequirement, OnUnknown, Policy, ReplayHeaders};
+use crate::policy::{KeyRequirement, OnUnknown, Policy, ReplayHeaders, remove_hop_by_hop};
 use crate::problem::Problem;
 use crate::scope::ScopeSource;
 use crate::stored::Stored;
@@ -176,14 +178,26 @@ where
     Ok(inner.call(req).await?.map(boxed))
 }
 
+/// Registers the help text of the layer's metrics with the installed `metrics` recorder.
+pub fn describe_metrics() {
+    metrics::describe_counter!(
+        "idem_http_requests_total",
+        "Guarded-route requests by what the layer did: passed_through, executed, replayed, or the problem code."
+    );
+    metrics::describe_counter!(
+        "idem_http_settled_total",
+        "Records settled after the handler ran: stored, released, unknown, too_large, failed."
+    );
+}
+
 /// Counts a request by what the layer did with it: `passed_through`, `executed`,
 /// `replayed`, or the code of the problem it answered with.
 fn count(outcome: &'static str) {
     metrics::counter!("idem_http_requests_total", "outcome" => outcome).increment(1);
 }
 
-/// Counts how records were settled: `stored`, `released`, `unknown`, `too_large`, or
-/// `failed` when the store could not be told.
+/// Counts how records were settled, once each: `stored`, `released`, `unknown`,
+/// `too_large`, or `failed` when the store could not be told.
 fn count_settled(result: &'static str) {
     metrics::counter!("idem_http_settled_total", "result" => result).increment(1);
 }
@@ -277,16 +291,18 @@ where
 /// some, the raw bytes otherwise.
 fn fingerprint(policy: &Policy, parts: &http::request::Parts, body: &Bytes) -> Fingerprint {
     let mut fp = Fingerprint::builder()
-        .part(b"idem-http/1")
+        .part(b"idem-http/2")
         .part(parts.method.as_str().as_bytes())
         .part(parts.uri.path().as_bytes())
         .part(parts.uri.query().unwrap_or("").as_bytes());
     for name in &policy.fingerprint_headers {
-        fp = fp.part(name.as_str().as_bytes());
-        for value in parts.headers.get_all(name) {
+        let values = parts.headers.get_all(name);
+        // The count frames the values, so no split of values between headers collides.
+        let count = values.iter().count() as u64;
+        fp = fp.part(name.as_str().as_bytes()).part(&count.to_be_bytes());
+        for value in values {
             fp = fp.part(value.as_bytes());
         }
-        fp = fp.part(b"");
     }
     let json = parts
         .headers
@@ -310,75 +326,66 @@ fn fingerprint(policy: &Policy, parts: &http::request::Parts, body: &Bytes) -> F
 }
 
 /// `application/json`, or any `+json` type, with or without parameters.
-fn is_json(content_type: &[u8]) -> bool {
+pub(crate) fn is_json(content_type: &[u8]) -> bool {
     let essence = content_type
         .split(|&b| b == b';')
         .next()
         .unwrap_or_default()
-        .trim_ascii()
-        .to_ascii_lowercase();
-    essence == b"application/json" || essence.ends_with(b"+json")
+        .trim_ascii();
+    essence.eq_ignore_ascii_case(b"application/json")
+        || essence.len() >= 5 && essence[essence.len() - 5..].eq_ignore_ascii_case(b"+json")
 }
 
 /// Begins the record: `Ok(lease)` to run the handler, `Err(answer)` for anything else.
 async fn claim(cfg: &Config, begin: &BeginRequest) -> Result<Lease, Response<ResponseBody>> {
     let policy = &cfg.policy;
-    let deadline = match policy.in_flight {
-        InFlight::Wait(d) => Some(tokio::time::Instant::now() + d),
-        InFlight::Reject => None,
-    };
-    let mut pause = Duration::from_millis(5);
     let mut reopened = false;
     loop {
+        // Boxed to name the future's type: inferring `Send` through the generic call on
+        // `Arc<dyn DynStore>` trips over higher-ranked lifetimes otherwise.
+        let waiting: idem_core::BoxFuture<'_, _> = Box::pin(begin_waiting(
+            &cfg.store,
+            &*cfg.clock,
+            begin,
+            policy.in_flight,
+        ));
+        let outcome = waiting.await.map_err(|e| reject(Problem::store(&e)))?;
         let now = cfg.clock.now();
-        let outcome = cfg
-            .store
-            .begin(begin, now)
-            .await
-            .map_err(|e| reject(Problem::store(&e)))?;
-        match outcome {
+        let r = match outcome {
             BeginOutcome::Acquired(lease) => {
                 count("executed");
                 return Ok(lease);
             }
             BeginOutcome::Mismatch => return Err(reject(problems::mismatch(policy))),
-            BeginOutcome::Replay(r) => {
-                let stored = Stored::decode(r.response).map_err(|_| reject(problems::corrupt()))?;
-                match stored {
-                    Stored::Response {
-                        status,
-                        headers,
-                        body,
-                    } => return Err(replay(status, headers, body)),
-                    Stored::TooLarge { status } => {
-                        return Err(reject(problems::not_replayable(status)));
-                    }
-                    Stored::Unknown { until: Some(until) } if until <= now && !reopened => {
-                        // The attempt's lease is over: run again (at-least-once).
-                        reopened = true;
-                        cfg.store
-                            .reopen(&begin.key, r.fence, now)
-                            .await
-                            .map_err(|e| reject(Problem::store(&e)))?;
-                    }
-                    Stored::Unknown { until } => {
-                        return Err(reject(problems::unknown(
-                            until.map(|u| u.saturating_since(now)),
-                        )));
-                    }
-                }
-            }
             BeginOutcome::InProgress { lease_expires_at } => {
-                let left = deadline
-                    .map(|d| d.saturating_duration_since(tokio::time::Instant::now()))
-                    .unwrap_or_default();
-                if left.is_zero() {
-                    return Err(reject(problems::in_progress(
-                        lease_expires_at.saturating_since(now),
-                    )));
-                }
-                tokio::time::sleep(pause.min(left)).await;
-                pause = (pause * 2).min(Duration::from_millis(200));
+                return Err(reject(problems::in_progress(
+                    lease_expires_at.saturating_since(now),
+                )));
+            }
+            BeginOutcome::Replay(r) => r,
+        };
+        match Stored::decode(r.response).map_err(|_| reject(problems::corrupt()))? {
+            Stored::Response {
+                status,
+                headers,
+                body,
+            } => return Err(replay(status, headers, body)),
+            Stored::TooLarge { status } => {
+                return Err(reject(problems::not_replayable(status)));
+            }
+            Stored::Unknown { until: Some(until) } if until <= now && !reopened => {
+                // The attempt's lease is over: run again (at-least-once). Once only: if
+                // another retry reopened and completed it meanwhile, its answer stands.
+                reopened = true;
+                cfg.store
+                    .reopen(&begin.key, r.fence, now)
+                    .await
+                    .map_err(|e| reject(Problem::store(&e)))?;
+            }
+            Stored::Unknown { until } => {
+                return Err(reject(problems::unknown(
+                    until.map(|u| u.saturating_since(now)),
+                )));
             }
         }
     }
@@ -423,13 +430,17 @@ where
     };
     let policy = &cfg.policy;
     let (parts, body) = res.into_parts();
-    let settle = parts.extensions.get::<Settle>().copied().unwrap_or({
-        if policy.preset.stores(parts.status) {
-            Settle::Store
-        } else {
-            Settle::Release
-        }
-    });
+    let settle = parts
+        .extensions
+        .get::<Settle>()
+        .copied()
+        .unwrap_or_else(|| {
+            if policy.preset.stores(parts.status) {
+                Settle::Store
+            } else {
+                Settle::Release
+            }
+        });
     let body = boxed(body);
     match settle {
         Settle::Release => {
@@ -466,21 +477,13 @@ where
     }
 }
 
-/// The response headers kept for replay: the policy's choice, minus any named in
-/// `Connection` (those describe the connection, not the answer).
+/// The response headers kept for replay: the policy's choice, never a hop-by-hop field.
 fn stored_headers(headers: &HeaderMap, keep: &ReplayHeaders) -> HeaderMap {
-    let nominated: Vec<String> = headers
-        .get_all(CONNECTION)
-        .iter()
-        .filter_map(|v| v.to_str().ok())
-        .flat_map(|v| v.split(','))
-        .map(|s| s.trim().to_ascii_lowercase())
-        .collect();
-    let mut out = HeaderMap::new();
-    for (name, value) in headers {
-        if keep.keeps(name) && !nominated.iter().any(|n| n == name.as_str()) {
-            out.append(name.clone(), value.clone());
-        }
+    let mut out = headers.clone();
+    remove_hop_by_hop(&mut out);
+    let dropped: Vec<HeaderName> = out.keys().filter(|n| !keep.keeps(n)).cloned().collect();
+    for name in dropped {
+        out.remove(name);
     }
     out
 }
@@ -494,29 +497,29 @@ struct Settler {
     settled: bool,
 }
 
-/// Tries a settling operation up to three times while the store is unavailable.
-const SETTLE_ATTEMPTS: u32 = 3;
-
 impl Settler {
     async fn complete(mut self, stored: Stored) {
         self.settled = true;
-        count_settled(match stored {
+        let kind = match stored {
             Stored::Response { .. } => "stored",
             Stored::Unknown { .. } => "unknown",
             Stored::TooLarge { .. } => "too_large",
-        });
+        };
         let response = stored.encode();
         let (cfg, key, lease) = (&self.cfg, &self.key, &self.lease);
-        let result = with_retries(|| {
+        let result = settle_retrying(|| {
             cfg.store
                 .complete(key, lease, response.clone(), cfg.clock.now())
         })
         .await;
-        if let Err(e) = result {
-            count_settled("failed");
-            // The answer still goes to the caller; the record stays in progress until its
-            // lease ends, after which a retry may run again.
-            tracing::warn!(key = %key.log_tag(), error = %e, "could not store the answer");
+        match result {
+            Ok(()) => count_settled(kind),
+            Err(e) => {
+                count_settled("failed");
+                // The answer still goes to the caller; the record stays in progress until
+                // its lease ends, after which a retry may run again.
+                tracing::warn!(key = %key.log_tag(), error = %e, "could not store the answer");
+            }
         }
     }
 
@@ -536,12 +539,14 @@ impl Settler {
 }
 
 async fn release(cfg: &Config, key: &Key, lease: &Lease) {
-    count_settled("released");
-    let result = with_retries(|| cfg.store.release(key, lease, cfg.clock.now())).await;
-    if let Err(e) = result {
-        count_settled("failed");
-        // The key stays held until the lease ends; then a retry takes over.
-        tracing::warn!(key = %key.log_tag(), error = %e, "could not release the key");
+    let result = settle_retrying(|| cfg.store.release(key, lease, cfg.clock.now())).await;
+    match result {
+        Ok(()) => count_settled("released"),
+        Err(e) => {
+            count_settled("failed");
+            // The key stays held until the lease ends; then a retry takes over.
+            tracing::warn!(key = %key.log_tag(), error = %e, "could not release the key");
+        }
     }
 }
 
@@ -552,23 +557,6 @@ impl Drop for Settler {
             if let Ok(rt) = tokio::runtime::Handle::try_current() {
                 rt.spawn(async move { release(&cfg, &key, &lease).await });
             }
-        }
-    }
-}
-
-async fn with_retries<F, Fut>(mut op: F) -> Result<(), LeaseError>
-where
-    F: FnMut() -> Fut,
-    Fut: Future<Output = Result<(), LeaseError>>,
-{
-    let mut attempt = 1;
-    loop {
-        match op().await {
-            Err(LeaseError::Store(e)) if e.is_transient() && attempt < SETTLE_ATTEMPTS => {
-                tokio::time::sleep(Duration::from_millis(20 << attempt)).await;
-                attempt += 1;
-            }
-            other => return other,
         }
     }
 }

@@ -29,7 +29,7 @@ pub use body::{BoxError, ResponseBody, boxed};
 pub use header::{
     IDEMPOTENCY_KEY, IDEMPOTENT_REPLAYED, KeyHeaderError, key_from_headers, parse_key,
 };
-pub use layer::{Guarded, IdempotencyLayer, Idempotent, Settle};
+pub use layer::{Guarded, IdempotencyLayer, Idempotent, Settle, describe_metrics};
 pub use policy::{InFlight, KeyRequirement, OnUnknown, Policy, Preset, ReplayHeaders};
 pub use problem::Problem;
 pub use scope::ScopeSource;

@@ -3,6 +3,7 @@
 use std::time::Duration;
 
 use http::{HeaderName, Method, StatusCode};
+pub use idem::InFlight;
 use idem_core::Namespace;
 
 /// Which rules to follow where the IETF draft and Stripe differ.
@@ -49,18 +50,6 @@ pub enum KeyRequirement {
     Required,
 }
 
-/// What to do with a request whose key is held by an attempt still running.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-#[non_exhaustive]
-pub enum InFlight {
-    /// Answer 409 `request_in_progress` with `Retry-After`.
-    #[default]
-    Reject,
-    /// Wait up to this long for the first attempt to finish and replay its answer (or run, if
-    /// it released the key); 409 after that.
-    Wait(Duration),
-}
-
 /// What a record whose outcome is unknown (the request may or may not have taken effect:
 /// an upstream that timed out after the request was sent) answers to a retry.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -99,8 +88,31 @@ impl ReplayHeaders {
     }
 }
 
-/// RFC 9110 §7.6.1: fields that describe one connection, never forwarded or stored (the ones
-/// named in `Connection` are handled where that header is read).
+/// RFC 9110 §7.6.1: removes the fields that describe one connection: the fixed hop-by-hop
+/// ones and those the `Connection` field names.
+pub fn remove_hop_by_hop(headers: &mut http::HeaderMap) {
+    let nominated: Vec<HeaderName> = headers
+        .get_all(http::header::CONNECTION)
+        .iter()
+        .filter_map(|v| v.to_str().ok())
+        .flat_map(|v| v.split(','))
+        .filter_map(|name| HeaderName::from_bytes(name.trim().as_bytes()).ok())
+        .collect();
+    for name in nominated {
+        headers.remove(name);
+    }
+    let fixed: Vec<HeaderName> = headers
+        .keys()
+        .filter(|n| is_hop_by_hop(n))
+        .cloned()
+        .collect();
+    for name in fixed {
+        headers.remove(name);
+    }
+}
+
+/// The fixed hop-by-hop fields of RFC 9110 §7.6.1 (and the old `Keep-Alive` and
+/// `Proxy-Connection`); see [`remove_hop_by_hop`] for the ones `Connection` names.
 pub fn is_hop_by_hop(name: &HeaderName) -> bool {
     use http::header::{
         CONNECTION, PROXY_AUTHENTICATE, PROXY_AUTHORIZATION, TE, TRAILER, TRANSFER_ENCODING,

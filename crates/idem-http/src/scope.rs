@@ -4,12 +4,12 @@
 //! caller can never read another's stored response by guessing or reusing its key.
 
 use std::fmt;
-use std::sync::Arc;
+use std::sync::{Arc, LazyLock};
 
 use http::HeaderName;
 use http::request::Parts;
+use idem_core::Fingerprint;
 use idem_core::Scope;
-use sha2::{Digest, Sha256};
 
 /// The scope of requests that carry no credential under a [`ScopeSource::Header`] source.
 pub const ANONYMOUS: &str = "anonymous";
@@ -53,30 +53,31 @@ impl ScopeSource {
 
     /// The scope of a request.
     pub fn scope_of(&self, parts: &Parts) -> Scope {
+        static ANONYMOUS_SCOPE: LazyLock<Scope> =
+            LazyLock::new(|| Scope::new(ANONYMOUS).expect("a valid scope"));
         match self {
-            Self::Header(name) => match parts.headers.get(name) {
-                Some(value) => hashed(value.as_bytes()),
-                None => Scope::new(ANONYMOUS).expect("a valid scope"),
-            },
+            Self::Header(name) => {
+                let values = parts.headers.get_all(name);
+                if values.iter().next().is_none() {
+                    return ANONYMOUS_SCOPE.clone();
+                }
+                hashed(values)
+            }
             Self::Fixed(scope) => scope.clone(),
             Self::Fn(f) => f(parts),
         }
     }
 }
 
-/// `cred-` and the first 128 bits of the credential's SHA-256, in hex.
-fn hashed(credential: &[u8]) -> Scope {
-    let digest = Sha256::new()
-        .chain_update(b"idem-http scope\0")
-        .chain_update(credential)
-        .finalize();
-    let mut s = String::with_capacity(5 + 32);
-    s.push_str("cred-");
-    for b in &digest[..16] {
-        s.push(char::from(b"0123456789abcdef"[usize::from(b >> 4)]));
-        s.push(char::from(b"0123456789abcdef"[usize::from(b & 15)]));
+/// `cred-` and the first 128 bits of a SHA-256 over the credential, in hex. Every value of a
+/// repeated header counts, so no caller shares a scope by adding a second line.
+fn hashed(credential: http::header::GetAll<'_, http::HeaderValue>) -> Scope {
+    let mut fp = Fingerprint::builder().part(b"idem-http scope");
+    for value in credential {
+        fp = fp.part(value.as_bytes());
     }
-    Scope::new(s).expect("a valid scope")
+    let hex = fp.finish().to_hex();
+    Scope::new(format!("cred-{}", &hex[..32])).expect("a valid scope")
 }
 
 #[cfg(test)]
@@ -101,5 +102,12 @@ mod tests {
         assert_eq!(a, s.scope_of(&parts(Some("Bearer alice-secret"))));
         assert!(!a.as_str().contains("alice"));
         assert_eq!(s.scope_of(&parts(None)).as_str(), ANONYMOUS);
+        // a second credential line makes another scope, never the first line's
+        let mut twice = parts(Some("Bearer alice-secret"));
+        twice.headers.append(
+            "authorization",
+            http::HeaderValue::from_static("Bearer bob"),
+        );
+        assert_ne!(s.scope_of(&twice), a);
     }
 }

@@ -75,12 +75,14 @@ impl Stored {
             RESPONSE => {
                 let status = status(get_u16(&mut b)?)?;
                 let count = get_u16(&mut b)?;
-                let mut headers = HeaderMap::with_capacity(usize::from(count));
+                // `try_`: a corrupt count or too many fields is an error, never a panic.
+                let mut headers =
+                    HeaderMap::try_with_capacity(usize::from(count)).map_err(|_| Corrupt)?;
                 for _ in 0..count {
                     let name = HeaderName::from_bytes(&get_field(&mut b)?).map_err(|_| Corrupt)?;
                     let value =
                         HeaderValue::from_maybe_shared(get_field(&mut b)?).map_err(|_| Corrupt)?;
-                    headers.append(name, value);
+                    headers.try_append(name, value).map_err(|_| Corrupt)?;
                 }
                 Ok(Self::Response {
                     status,
@@ -177,6 +179,7 @@ mod tests {
             b"IDH1\x02\x00",
             b"IDH1\x00\x00\xc8\x00\x01\x00\x00\x00\x09ab",
             b"IDH1\x00\x03\xe8\x00\x00",
+            b"IDH1\x00\x00\xc8\xff\xff",
         ] {
             assert!(
                 Stored::decode(Bytes::copy_from_slice(bad)).is_err(),

@@ -88,6 +88,44 @@ async fn unknown(State(c): State<Counters>) -> Response {
 }
 
 /// Fails on its first run, then succeeds; answers with the fence it was given.
+/// Fails with 503 on its first run, after the gate opens; answers at once afterwards.
+async fn slow_then_fail(State(c): State<Counters>) -> Response {
+    if c.runs.fetch_add(1, Ordering::SeqCst) == 0 {
+        c.entered.notify_one();
+        c.gate.notified().await;
+        return StatusCode::SERVICE_UNAVAILABLE.into_response();
+    }
+    "ran again".into_response()
+}
+
+/// Names a private header in `Connection`: it describes the connection, not the answer.
+async fn private(State(c): State<Counters>) -> Response {
+    c.runs.fetch_add(1, Ordering::SeqCst);
+    (
+        [
+            ("connection", "x-private"),
+            ("x-private", "1"),
+            ("x-public", "1"),
+        ],
+        "ok",
+    )
+        .into_response()
+}
+
+/// Answers with a body that breaks off half way.
+async fn breaks(State(c): State<Counters>) -> Response {
+    c.runs.fetch_add(1, Ordering::SeqCst);
+    let chunks = vec![
+        Ok(http_body::Frame::data(bytes::Bytes::from_static(
+            b"{\"half\":",
+        ))),
+        Err(std::io::Error::other("the handler's stream failed")),
+    ];
+    Response::new(Body::new(http_body_util::StreamBody::new(
+        tokio_stream_iter(chunks.into_iter()),
+    )))
+}
+
 async fn fence(State(c): State<Counters>, Extension(g): Extension<Guarded>) -> Response {
     let status = if c.runs.fetch_add(1, Ordering::SeqCst) == 0 {
         StatusCode::INTERNAL_SERVER_ERROR
@@ -121,6 +159,9 @@ fn app_on(store: SharedStore, policy: Policy) -> App {
         .route("/slow", post(slow))
         .route("/unknown", post(unknown))
         .route("/fence", post(fence))
+        .route("/slow-then-fail", post(slow_then_fail))
+        .route("/private", post(private))
+        .route("/breaks", post(breaks))
         .route_layer(layer)
         .with_state(counters.clone());
     App {
@@ -175,6 +216,12 @@ impl App {
             headers,
             body: String::from_utf8_lossy(&body).into_owned(),
         }
+    }
+
+    /// Sends a keyed POST from a task of its own.
+    fn spawn(&self, path: &'static str, key: &'static str) -> tokio::task::JoinHandle<Response> {
+        let router = self.router.clone();
+        tokio::spawn(async move { router.oneshot(post_with(path, key, "")).await.unwrap() })
     }
 
     fn runs(&self) -> usize {
@@ -428,10 +475,7 @@ async fn a_handler_may_decline_to_store_its_answer() {
 #[tokio::test]
 async fn a_request_in_flight_is_refused_with_retry_after() {
     let app = app(Policy::default().lease(Duration::from_secs(30)));
-    let first = tokio::spawn({
-        let router = app.router.clone();
-        async move { router.oneshot(post_with("/slow", "k", "")).await.unwrap() }
-    });
+    let first = app.spawn("/slow", "k");
     app.counters.entered.notified().await;
     let r = app.send(post_with("/slow", "k", "")).await;
     assert_eq!(r.status, StatusCode::CONFLICT);
@@ -448,15 +492,9 @@ async fn a_request_in_flight_is_refused_with_retry_after() {
 #[tokio::test]
 async fn a_request_in_flight_can_wait_for_the_first_answer() {
     let app = app(Policy::default().in_flight(InFlight::Wait(Duration::from_secs(30))));
-    let first = tokio::spawn({
-        let router = app.router.clone();
-        async move { router.oneshot(post_with("/slow", "k", "")).await.unwrap() }
-    });
+    let first = app.spawn("/slow", "k");
     app.counters.entered.notified().await;
-    let second = tokio::spawn({
-        let router = app.router.clone();
-        async move { router.oneshot(post_with("/slow", "k", "")).await.unwrap() }
-    });
+    let second = app.spawn("/slow", "k");
     tokio::time::sleep(Duration::from_millis(50)).await;
     app.counters.gate.notify_one();
     first.await.unwrap();
@@ -469,10 +507,7 @@ async fn a_request_in_flight_can_wait_for_the_first_answer() {
 #[tokio::test]
 async fn a_client_that_hangs_up_does_not_cancel_the_work() {
     let app = app(Policy::default().in_flight(InFlight::Wait(Duration::from_secs(30))));
-    let first = tokio::spawn({
-        let router = app.router.clone();
-        async move { router.oneshot(post_with("/slow", "k", "")).await }
-    });
+    let first = app.spawn("/slow", "k");
     app.counters.entered.notified().await;
     first.abort(); // the connection is gone
     app.counters.gate.notify_one();
@@ -489,7 +524,7 @@ async fn an_oversized_request_is_refused_and_stores_nothing() {
     assert_eq!(r.status, StatusCode::PAYLOAD_TOO_LARGE);
     assert_eq!(r.code(), "body_too_large");
     // without a declared length (a streamed body), the limit holds too
-    let stream = futures_stream(vec!["x".repeat(10), "x".repeat(10)]);
+    let stream = frames(vec![data("x".repeat(10)), data("x".repeat(10))]);
     let mut streamed = req(Method::POST, "/orders", &[("idempotency-key", "k")], "");
     *streamed.body_mut() = stream;
     assert_eq!(
@@ -503,11 +538,15 @@ async fn an_oversized_request_is_refused_and_stores_nothing() {
     assert!(!r.replayed());
 }
 
-fn futures_stream(chunks: Vec<String>) -> Body {
-    let frames = chunks
-        .into_iter()
-        .map(|c| Ok::<_, std::io::Error>(http_body::Frame::data(bytes::Bytes::from(c))));
-    Body::new(http_body_util::StreamBody::new(tokio_stream_iter(frames)))
+/// A body of these frames, with no declared length.
+fn frames(frames: Vec<Result<http_body::Frame<bytes::Bytes>, std::io::Error>>) -> Body {
+    Body::new(http_body_util::StreamBody::new(tokio_stream_iter(
+        frames.into_iter(),
+    )))
+}
+
+fn data(chunk: impl Into<bytes::Bytes>) -> Result<http_body::Frame<bytes::Bytes>, std::io::Error> {
+    Ok(http_body::Frame::data(chunk.into()))
 }
 
 fn tokio_stream_iter<I: Iterator + Unpin>(it: I) -> impl futures_core::Stream<Item = I::Item> {
@@ -612,4 +651,61 @@ async fn the_handler_sees_a_rising_fence() {
     let r = app.send(post_with("/fence", "k", "")).await;
     assert_eq!((r.status, r.body.as_str()), (StatusCode::OK, "2"));
     assert_eq!(app.send(post_with("/fence", "other", "")).await.body, "1");
+}
+
+#[tokio::test]
+async fn a_declared_length_over_the_limit_is_refused_without_reading_the_body() {
+    let app = app(Policy::default().max_body(16));
+    // A body that fails if read: only the declared length can decide.
+    let mut r = req(
+        Method::POST,
+        "/orders",
+        &[("idempotency-key", "k"), ("content-length", "1000")],
+        "",
+    );
+    *r.body_mut() = frames(vec![Err(std::io::Error::other("unread"))]);
+    let r = app.send(r).await;
+    assert_eq!(r.status, StatusCode::PAYLOAD_TOO_LARGE);
+    assert_eq!(app.runs(), 0);
+}
+
+#[tokio::test]
+async fn a_waiter_runs_the_request_itself_when_the_first_attempt_gives_the_key_back() {
+    let app = app(Policy::default().in_flight(InFlight::Wait(Duration::from_secs(30))));
+    let first = app.spawn("/slow-then-fail", "k");
+    app.counters.entered.notified().await;
+    let second = app.spawn("/slow-then-fail", "k");
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    app.counters.gate.notify_one();
+    assert_eq!(
+        first.await.unwrap().status(),
+        StatusCode::SERVICE_UNAVAILABLE
+    );
+    let second = second.await.unwrap();
+    assert_eq!(second.status(), StatusCode::OK);
+    assert!(second.headers().get("idempotent-replayed").is_none());
+    assert_eq!(app.runs(), 2);
+}
+
+#[tokio::test]
+async fn headers_named_in_connection_are_not_replayed() {
+    let app = app(Policy::default());
+    let first = app.send(post_with("/private", "k", "")).await;
+    assert_eq!(first.headers["x-private"], "1");
+    let again = app.send(post_with("/private", "k", "")).await;
+    assert!(again.replayed());
+    assert!(again.headers.get("x-private").is_none());
+    assert!(again.headers.get("connection").is_none());
+    assert_eq!(again.headers["x-public"], "1");
+}
+
+#[tokio::test]
+async fn an_answer_that_breaks_off_is_an_unknown_outcome() {
+    let app = app(Policy::default());
+    let r = app.send(post_with("/breaks", "k", "")).await;
+    assert_eq!(r.status, StatusCode::BAD_GATEWAY);
+    assert_eq!(r.code(), "response_failed");
+    let r = app.send(post_with("/breaks", "k", "")).await;
+    assert_eq!(r.code(), "outcome_unknown");
+    assert_eq!(app.runs(), 1);
 }

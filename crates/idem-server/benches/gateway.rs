@@ -94,7 +94,10 @@ async fn gateway(upstream: SocketAddr, store: SharedStore) -> SocketAddr {
         .unwrap();
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();
-    let app = gw.router();
+    // As the binary serves it: with the peer address, for X-Forwarded-For.
+    let app = gw
+        .router()
+        .into_make_service_with_connect_info::<SocketAddr>();
     tokio::spawn(async move { axum::serve(listener, app).await.unwrap() });
     addr
 }

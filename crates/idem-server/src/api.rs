@@ -1,6 +1,7 @@
 //! The record API: begin, complete, release and get of idempotency records, for services in
 //! any language.
 
+use std::sync::LazyLock;
 use std::time::Duration;
 
 use axum::Json;
@@ -8,8 +9,8 @@ use axum::extract::{Path, State};
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 use idem_core::{
-    BeginOutcome, BeginRequest, Bytes, ClientKey, Fingerprint, Key, KeyError, Lease, LeaseError,
-    LeaseId, Namespace, Record, Status, Timestamp,
+    BeginOutcome, BeginRequest, Bytes, ClientKey, Clock, Fingerprint, Key, KeyError, Lease,
+    LeaseError, LeaseId, Namespace, Record, SharedStore, Status, Store, Timestamp,
 };
 use serde::Deserialize;
 use serde_json::{Value, json};
@@ -361,12 +362,18 @@ fn record_json(r: &Record) -> Value {
 }
 
 pub(crate) async fn health(State(state): State<AppState>) -> Response {
-    // A read of a key nobody uses proves the store answers.
-    let probe = Key::parse("idem.health", "health", "probe").expect("a valid key");
-    match state.store.get(&probe, state.clock.now()).await {
-        Ok(_) => Json(json!({"status": "ok", "store": state.store.kind()})).into_response(),
+    store_health(&state.store, &*state.clock).await
+}
+
+/// 200 `{"status":"ok","store":KIND}` if the store answers a read, else 503 with the problem.
+pub(crate) async fn store_health(store: &SharedStore, clock: &dyn Clock) -> Response {
+    // A read of a key nobody uses proves the store answers without touching any record.
+    static PROBE: LazyLock<Key> =
+        LazyLock::new(|| Key::parse("idem.health", "health", "probe").expect("a valid key"));
+    match store.get(&PROBE, clock.now()).await {
+        Ok(_) => Json(json!({"status": "ok", "store": store.kind()})).into_response(),
         Err(e) => Problem::store(&e)
-            .with("store", state.store.kind())
+            .with("store", store.kind())
             .into_response(),
     }
 }

@@ -122,9 +122,10 @@ impl Auth {
         let token = value
             .to_str()
             .ok()
+            // RFC 9110 §11.1: the scheme name is case-insensitive.
             .and_then(|v| {
-                v.strip_prefix("Bearer ")
-                    .or_else(|| v.strip_prefix("bearer "))
+                let (scheme, token) = v.split_once(' ')?;
+                scheme.eq_ignore_ascii_case("bearer").then_some(token)
             })
             .map(str::trim)
             .ok_or_else(|| unauthorized("The Authorization header must be `Bearer <key>`."))?;

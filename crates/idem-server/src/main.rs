@@ -65,13 +65,13 @@ struct GatewayArgs {
     #[arg(long, env = "IDEM_ADMIN_PREFIX")]
     admin_prefix: Option<String>,
 
-    /// How long to wait for the upstream's answer [default: 30s].
-    #[arg(long, env = "IDEM_UPSTREAM_TIMEOUT", value_parser = parse_duration)]
+    /// How long to wait for the upstream's answer (at most 1h) [default: 30s].
+    #[arg(long, env = "IDEM_UPSTREAM_TIMEOUT", value_parser = parse_upstream_timeout)]
     upstream_timeout: Option<Duration>,
 
-    /// How often expired records are purged (at most 24h).
-    #[arg(long, env = "IDEM_PURGE_INTERVAL", default_value = "60s", value_parser = parse_purge_interval)]
-    purge_interval: Duration,
+    /// How often expired records are purged (at most 24h) [default: 60s].
+    #[arg(long, env = "IDEM_PURGE_INTERVAL", value_parser = parse_purge_interval)]
+    purge_interval: Option<Duration>,
 }
 
 #[derive(clap::Args)]
@@ -136,6 +136,10 @@ fn parse_ttl(s: &str) -> Result<Duration, String> {
 
 fn parse_lease(s: &str) -> Result<Duration, String> {
     parse_bounded(s, idem_server::api::MAX_LEASE)
+}
+
+fn parse_upstream_timeout(s: &str) -> Result<Duration, String> {
+    parse_bounded(s, idem_server::gateway::config::MAX_UPSTREAM_TIMEOUT)
 }
 
 fn parse_purge_interval(s: &str) -> Result<Duration, String> {
@@ -231,25 +235,31 @@ fn gateway(args: GatewayArgs) -> Result<(), String> {
         .store
         .or(file.store.clone())
         .unwrap_or_else(|| "sqlite://idem.db".to_owned());
-    let url: StoreUrl = store_url
-        .parse()
-        .map_err(|e| format!("invalid store: {e}"))?;
-    let store = url.open().map_err(|e| e.to_string())?;
+    let store = idem_store::open(&store_url).map_err(|e| format!("store {store_url:?}: {e}"))?;
     // The command line wins over the file.
+    let mut gateway = Gateway::new(upstream, store.clone());
     if let Some(t) = args.upstream_timeout {
-        file.upstream_timeout = Some(humantime::format_duration(t).to_string());
+        gateway.upstream_timeout = t;
+        file.upstream_timeout = None;
     }
     if args.admin_prefix.is_some() {
         file.admin_prefix = args.admin_prefix;
     }
-    let gateway = Gateway::new(upstream, store.clone()).configure(&file)?;
+    let purge_interval = match (args.purge_interval, &file.purge_interval) {
+        (Some(d), _) => d,
+        (None, Some(text)) => {
+            parse_purge_interval(text).map_err(|e| format!("purge_interval = {text:?}: {e}"))?
+        }
+        (None, None) => Duration::from_secs(60),
+    };
+    let gateway = gateway.configure(&file)?;
     info!(
         admin = %gateway.admin_prefix,
         routes = gateway.routes.len(),
         "gateway to the upstream"
     );
     let clock = gateway.clock.clone();
-    run(listen, gateway.router(), store, clock, args.purge_interval)
+    run(listen, gateway.router(), store, clock, purge_interval)
 }
 
 /// Serves `app` on `listen` until SIGTERM or Ctrl-C, purging expired records meanwhile.

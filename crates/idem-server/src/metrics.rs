@@ -8,7 +8,7 @@
 use std::collections::BTreeMap;
 use std::fmt::Write as _;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, OnceLock, PoisonError};
+use std::sync::{Arc, OnceLock, PoisonError, RwLock, RwLockReadGuard};
 
 use metrics::{
     Counter, Gauge, Histogram, HistogramFn, Key, KeyName, Metadata, Recorder, SharedString, Unit,
@@ -43,15 +43,22 @@ impl HistogramFn for Buckets {
 
 #[derive(Default)]
 struct Families {
-    counters: BTreeMap<Key, Arc<AtomicU64>>,
-    gauges: BTreeMap<Key, Arc<AtomicU64>>,
-    histograms: BTreeMap<Key, Arc<Buckets>>,
+    counters: Family<AtomicU64>,
+    gauges: Family<AtomicU64>,
+    histograms: Family<Buckets>,
     help: BTreeMap<String, String>,
 }
 
+/// One kind of metric, by key.
+type Family<T> = BTreeMap<Key, Arc<T>>;
+
 /// The process's metrics. Clones share them.
+///
+/// The `metrics` macros register a handle on every call, so the lookup is the hot path: it
+/// takes a shared read lock and clones nothing; only a key seen for the first time takes the
+/// write lock.
 #[derive(Clone, Default)]
-pub struct Registry(Arc<Mutex<Families>>);
+pub struct Registry(Arc<RwLock<Families>>);
 
 impl Registry {
     /// The registry installed as the process's `metrics` recorder (installed on first use).
@@ -68,8 +75,21 @@ impl Registry {
             .clone()
     }
 
-    fn families(&self) -> std::sync::MutexGuard<'_, Families> {
-        self.0.lock().unwrap_or_else(PoisonError::into_inner)
+    fn families(&self) -> RwLockReadGuard<'_, Families> {
+        self.0.read().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    fn handle<T: Default>(
+        &self,
+        key: &Key,
+        family: fn(&Families) -> &Family<T>,
+        family_mut: fn(&mut Families) -> &mut Family<T>,
+    ) -> Arc<T> {
+        if let Some(handle) = family(&self.families()).get(key) {
+            return handle.clone();
+        }
+        let mut all = self.0.write().unwrap_or_else(PoisonError::into_inner);
+        family_mut(&mut all).entry(key.clone()).or_default().clone()
     }
 
     /// Everything recorded so far, in the Prometheus text exposition format.
@@ -159,37 +179,21 @@ impl Recorder for Registry {
         self.describe(&key, &description);
     }
     fn register_counter(&self, key: &Key, _: &Metadata<'_>) -> Counter {
-        Counter::from_arc(
-            self.families()
-                .counters
-                .entry(key.clone())
-                .or_default()
-                .clone(),
-        )
+        Counter::from_arc(self.handle(key, |f| &f.counters, |f| &mut f.counters))
     }
     fn register_gauge(&self, key: &Key, _: &Metadata<'_>) -> Gauge {
-        Gauge::from_arc(
-            self.families()
-                .gauges
-                .entry(key.clone())
-                .or_default()
-                .clone(),
-        )
+        Gauge::from_arc(self.handle(key, |f| &f.gauges, |f| &mut f.gauges))
     }
     fn register_histogram(&self, key: &Key, _: &Metadata<'_>) -> Histogram {
-        Histogram::from_arc(
-            self.families()
-                .histograms
-                .entry(key.clone())
-                .or_default()
-                .clone(),
-        )
+        Histogram::from_arc(self.handle(key, |f| &f.histograms, |f| &mut f.histograms))
     }
 }
 
 impl Registry {
     fn describe(&self, key: &KeyName, description: &SharedString) {
-        self.families()
+        self.0
+            .write()
+            .unwrap_or_else(PoisonError::into_inner)
             .help
             .insert(key.as_str().to_owned(), description.replace('\n', " "));
     }

@@ -294,6 +294,13 @@ async fn unknown_or_missing_api_keys_are_unauthorized() {
         .body(Body::from("{}"))
         .unwrap();
     assert_eq!(api.send(raw).await.code(), "unauthorized");
+    // the scheme name is case-insensitive (RFC 9110 §11.1)
+    let shouting = Request::post("/v1/records/begin")
+        .header(header::AUTHORIZATION, format!("BEARER {KEY_A}"))
+        .header(header::CONTENT_TYPE, "application/json")
+        .body(Body::from(r#"{"namespace":"pay","key":"k","request":1}"#))
+        .unwrap();
+    assert_eq!(api.send(shouting).await.status, StatusCode::OK);
 }
 
 #[tokio::test]

@@ -78,6 +78,12 @@ fn bad_flags_and_stores_get_readable_errors() {
         ),
         ("upstream = 5", "invalid type"),
         ("admin_prefix = \"/\"", "admin prefix"),
+        ("[defaults]\npath = \"/a\"", "[defaults] takes no path"),
+        ("[[route]]\nkey = \"required\"", "needs a path"),
+        ("scope_header = \"bad header\"", "not a header name"),
+        ("upstream_timeout = \"300000000000y\"", "upstream_timeout"),
+        ("upstream_timeout = \"2h\"", "at most"),
+        ("purge_interval = \"often\"", "purge_interval"),
     ] {
         std::fs::write(&config, text).unwrap();
         let config = config.to_str().unwrap();

@@ -77,12 +77,50 @@ fn futures_iter<T: Unpin>(items: Vec<T>) -> impl futures_core::Stream<Item = T> 
     Iter(items.into_iter())
 }
 
+/// A 10 kB answer.
+async fn big(State(seen): State<Seen>) -> String {
+    seen.runs.fetch_add(1, Ordering::SeqCst);
+    "x".repeat(10_000)
+}
+
+/// Sends its head at once and the rest of its body only after a second.
+async fn stalls(State(seen): State<Seen>) -> Response {
+    seen.runs.fetch_add(1, Ordering::SeqCst);
+    let (tx, rx) = tokio::sync::mpsc::channel::<Result<Bytes, std::io::Error>>(1);
+    tokio::spawn(async move {
+        let _ = tx.send(Ok(Bytes::from_static(b"{\"slow\":"))).await;
+        tokio::time::sleep(Duration::from_secs(1)).await;
+        let _ = tx.send(Ok(Bytes::from_static(b"true}"))).await;
+    });
+    Response::new(Body::from_stream(Receiver(rx)))
+}
+
+struct Receiver<T>(tokio::sync::mpsc::Receiver<T>);
+
+impl<T> futures_core::Stream for Receiver<T> {
+    type Item = T;
+    fn poll_next(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Option<T>> {
+        self.0.poll_recv(cx)
+    }
+}
+
+/// Names a private header in `Connection`.
+async fn private() -> Response {
+    ([("connection", "x-secret"), ("x-secret", "1")], "ok").into_response()
+}
+
 async fn start_upstream_on(listener: TcpListener) -> Seen {
     let seen = Seen::default();
     let app = Router::new()
         .route("/orders", route_post(orders).get(orders))
         .route("/v1/payments", route_post(orders))
         .route("/broken", route_post(broken))
+        .route("/big", route_post(big))
+        .route("/stalls", route_post(stalls))
+        .route("/private", route_post(private))
         .route("/_idem/health", get(|| async { "the upstream's own path" }))
         .with_state(seen.clone());
     tokio::spawn(async move { axum::serve(listener, app).await.unwrap() });
@@ -425,5 +463,55 @@ async fn the_gateway_owns_only_its_prefix_and_forwards_clean_headers() {
     assert!(headers.get("keep-alive").is_none());
     assert_eq!(headers["x-end-to-end"], "kept");
     assert_eq!(headers["x-forwarded-for"], "127.0.0.1");
+    assert_eq!(headers["x-forwarded-proto"], "http");
     assert_eq!(headers["host"], up.to_string());
+}
+
+#[tokio::test]
+async fn an_upstream_answer_too_large_to_store_is_delivered_once_and_never_rerun() {
+    let (seen, up) = start_upstream().await;
+    let gw = start_gateway(up, memory(), "[defaults]\nmax_response = 1000").await;
+    let r = post(gw, "/big", "k", "").await;
+    assert_eq!(r.status, StatusCode::OK);
+    assert_eq!(r.body.len(), 10_000);
+    let r = post(gw, "/big", "k", "").await;
+    assert_eq!(r.status, StatusCode::CONFLICT);
+    assert_eq!(r.code(), "response_not_replayable");
+    assert_eq!(seen.runs(), 1);
+}
+
+#[tokio::test]
+async fn an_answer_body_that_stalls_past_the_timeout_is_an_unknown_outcome() {
+    let (seen, up) = start_upstream().await;
+    let gw = start_gateway(up, memory(), "upstream_timeout = \"200ms\"").await;
+    let r = post(gw, "/stalls", "s", "").await;
+    assert_eq!(r.status, StatusCode::BAD_GATEWAY, "{}", r.body);
+    assert_eq!(r.code(), "response_failed");
+    assert_eq!(post(gw, "/stalls", "s", "").await.code(), "outcome_unknown");
+    // unguarded, the same answer streams through whole, however long it takes
+    let r = send(gw, Method::POST, "/stalls", &[], "").await;
+    assert_eq!(r.body, "{\"slow\":true}");
+    assert_eq!(seen.runs(), 2);
+}
+
+#[tokio::test]
+async fn answers_lose_their_hop_by_hop_fields_and_metrics_are_named() {
+    let (_, up) = start_upstream().await;
+    let gw = start_gateway(up, memory(), "").await;
+    for _ in 0..2 {
+        let r = post(gw, "/private", "p", "").await;
+        assert!(r.headers.get("x-secret").is_none(), "{:?}", r.headers);
+    }
+    let r = send(gw, Method::GET, "/_idem/nothing-here", &[], "").await;
+    assert_eq!(r.status, StatusCode::NOT_FOUND);
+    let metrics = send(gw, Method::GET, "/_idem/metrics", &[], "").await.body;
+    for line in [
+        "# HELP idem_http_requests_total ",
+        "idem_http_requests_total{outcome=\"replayed\"} ",
+        "idem_http_settled_total{result=\"stored\"} ",
+        "idem_gateway_upstream_total{outcome=\"answered\"} ",
+        "idem_gateway_upstream_seconds_count ",
+    ] {
+        assert!(metrics.contains(line), "no {line:?} in\n{metrics}");
+    }
 }

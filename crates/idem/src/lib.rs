@@ -44,11 +44,12 @@
 //! # tokio::runtime::Runtime::new().unwrap().block_on(demo()).unwrap();
 //! ```
 
+pub mod claim;
 mod run;
 
-pub use run::{
-    AllRetryable, Done, ErrorPolicy, Idempotency, InFlight, Once, PermanentIf, RunError,
-};
+pub use claim::InFlight;
+
+pub use run::{AllRetryable, Done, ErrorPolicy, Idempotency, Once, PermanentIf, RunError};
 
 pub use idem_core::{
     self, BeginOutcome, BeginRequest, Bytes, Clock, DynStore, Fingerprint, Key, KeyError, Lease,

@@ -3,6 +3,7 @@
 use std::future::Future;
 use std::time::Duration;
 
+use crate::claim::{InFlight, begin_waiting, settle_retrying};
 use idem_core::{
     BeginOutcome, BeginRequest, Bytes, Clock, DEFAULT_LEASE, DEFAULT_TTL, Fingerprint, Key, Lease,
     LeaseError, Store, StoreError, SystemClock,
@@ -84,16 +85,6 @@ impl<S: Store + Clone, C: Clock + Clone> Idempotency<S, C> {
             classify: AllRetryable,
         }
     }
-}
-
-/// What to do when another attempt holds the key.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum InFlight {
-    /// Answer [`RunError::InProgress`] at once.
-    Reject,
-    /// Wait up to this long for the other attempt to finish and replay its result. If its
-    /// lease runs out meanwhile, this attempt takes the key over and runs the work itself.
-    Wait(Duration),
 }
 
 /// Decides whether an error of the work is permanent (stored and replayed to every retry) or
@@ -195,10 +186,6 @@ enum Stored<T, E> {
     /// The work ran, but its result could not be serialised.
     Unencodable(String),
 }
-
-/// How many times `complete`/`release` is tried when the store is unavailable; both are
-/// idempotent for one lease, so repeating them is safe.
-const SETTLE_ATTEMPTS: u32 = 3;
 
 impl<'a, S: Store + Clone, C: Clock + Clone, P> Once<'a, S, C, P> {
     /// The input that identifies the request: its canonical JSON is fingerprinted, and a
@@ -312,7 +299,7 @@ impl<'a, S: Store + Clone, C: Clock + Clone, P> Once<'a, S, C, P> {
         let now = || engine.clock.now();
         match stored {
             Some(Ok(bytes)) => {
-                retry_unavailable(|| store.complete(self.key, &lease, bytes.clone(), now()))
+                settle_retrying(|| store.complete(self.key, &lease, bytes.clone(), now()))
                     .await
                     .map_err(lease_error)?;
             }
@@ -321,7 +308,7 @@ impl<'a, S: Store + Clone, C: Clock + Clone, P> Once<'a, S, C, P> {
                 // retry run the work again; store a marker instead, replayed as this error.
                 let marker = encode(&Stored::<(), ()>::Unencodable(codec.to_string()))
                     .map_err(RunError::Codec)?;
-                retry_unavailable(|| store.complete(self.key, &lease, marker.clone(), now()))
+                settle_retrying(|| store.complete(self.key, &lease, marker.clone(), now()))
                     .await
                     .map_err(lease_error)?;
                 return Err(RunError::Codec(codec));
@@ -329,7 +316,7 @@ impl<'a, S: Store + Clone, C: Clock + Clone, P> Once<'a, S, C, P> {
             None => {
                 // If the release fails the key frees itself when the lease runs out; the
                 // caller still gets the work's own error.
-                let _ = retry_unavailable(|| store.release(self.key, &lease, now())).await;
+                let _ = settle_retrying(|| store.release(self.key, &lease, now())).await;
             }
         }
         match result {
@@ -347,53 +334,21 @@ impl<'a, S: Store + Clone, C: Clock + Clone, P> Once<'a, S, C, P> {
 
     async fn claim<E>(&self, req: &BeginRequest) -> Result<Claim, RunError<E>> {
         let engine = self.engine;
-        let deadline = match self.in_flight {
-            InFlight::Reject => None,
-            // A bound too far to represent is no bound: wait until the other attempt finishes
-            // or its lease runs out and this one takes over.
-            InFlight::Wait(max) => Some(
-                tokio::time::Instant::now()
-                    .checked_add(max)
-                    .unwrap_or_else(far_future),
-            ),
-        };
-        let mut pause = Duration::from_millis(5);
-        loop {
-            let now = engine.clock.now();
-            match engine
-                .store
-                .begin(req, now)
-                .await
-                .map_err(RunError::Store)?
-            {
-                BeginOutcome::Acquired(lease) => return Ok(Claim::Acquired(lease)),
-                BeginOutcome::Replay(r) => {
-                    return Ok(Claim::Replay {
-                        response: r.response,
-                        fence: r.fence,
-                    });
-                }
-                BeginOutcome::Mismatch => return Err(RunError::Mismatch),
-                BeginOutcome::InProgress { lease_expires_at } => {
-                    let retry_after = lease_expires_at.saturating_since(now);
-                    let left = deadline.map_or(Duration::ZERO, |d| {
-                        d.saturating_duration_since(tokio::time::Instant::now())
-                    });
-                    if left.is_zero() {
-                        return Err(RunError::InProgress { retry_after });
-                    }
-                    // Poll with backoff; never past the deadline.
-                    tokio::time::sleep(pause.min(left)).await;
-                    pause = (pause * 2).min(Duration::from_millis(200));
-                }
-            }
+        let outcome = begin_waiting(&engine.store, &engine.clock, req, self.in_flight)
+            .await
+            .map_err(RunError::Store)?;
+        match outcome {
+            BeginOutcome::Acquired(lease) => Ok(Claim::Acquired(lease)),
+            BeginOutcome::Replay(r) => Ok(Claim::Replay {
+                response: r.response,
+                fence: r.fence,
+            }),
+            BeginOutcome::Mismatch => Err(RunError::Mismatch),
+            BeginOutcome::InProgress { lease_expires_at } => Err(RunError::InProgress {
+                retry_after: lease_expires_at.saturating_since(engine.clock.now()),
+            }),
         }
     }
-}
-
-fn far_future() -> tokio::time::Instant {
-    // About 30 years: tokio's own "far future".
-    tokio::time::Instant::now() + Duration::from_secs(86_400 * 365 * 30)
 }
 
 enum Claim {
@@ -411,23 +366,6 @@ fn lease_error<E>(e: LeaseError) -> RunError<E> {
         LeaseError::Store(e) => RunError::NotRecorded(e),
         // `LeaseError` is non-exhaustive; an unknown refusal means the result was not stored.
         _ => RunError::LeaseLost,
-    }
-}
-
-async fn retry_unavailable<F, Fut>(mut op: F) -> Result<(), LeaseError>
-where
-    F: FnMut() -> Fut,
-    Fut: Future<Output = Result<(), LeaseError>>,
-{
-    let mut attempt = 1;
-    loop {
-        match op().await {
-            Err(LeaseError::Store(e)) if e.is_transient() && attempt < SETTLE_ATTEMPTS => {
-                tokio::time::sleep(Duration::from_millis(20 << attempt)).await;
-                attempt += 1;
-            }
-            other => return other,
-        }
     }
 }
 

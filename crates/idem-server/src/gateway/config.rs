@@ -22,6 +22,8 @@ use std::time::Duration;
 
 use axum::http::{HeaderName, Method};
 use idem_core::Namespace;
+
+use crate::api::{MAX_LEASE, MAX_TTL};
 use idem_http::{InFlight, KeyRequirement, OnUnknown, Policy, Preset, ReplayHeaders};
 use serde::Deserialize;
 
@@ -125,18 +127,44 @@ impl PathPattern {
         Ok(Self { segments, rest })
     }
 
-    /// Whether `path` matches.
+    /// Whether `path` matches. Empty segments are skipped and percent-encodings decoded
+    /// before comparing (`//v1/%70ayments` matches `/v1/payments`), so a request cannot slip
+    /// past its route's policy by spelling the path differently from the upstream's router.
     pub fn matches(&self, path: &str) -> bool {
-        let mut parts = path.strip_prefix('/').unwrap_or(path).split('/');
+        let mut parts = path.split('/').filter(|s| !s.is_empty());
         for want in &self.segments {
             match parts.next() {
-                Some(got) if !got.is_empty() && (want == "*" || want == got) => {}
+                Some(got) if want == "*" || decoded_eq(got, want) => {}
                 _ => return false,
             }
         }
-        let rest: Vec<&str> = parts.collect();
-        self.rest || rest.is_empty() || rest == [""]
+        self.rest || parts.next().is_none()
     }
+}
+
+/// Whether a path segment, percent-decoded, equals `want`. Allocates nothing.
+fn decoded_eq(got: &str, want: &str) -> bool {
+    let (mut got, mut want) = (got.as_bytes(), want.as_bytes());
+    loop {
+        let (byte, rest) = match got {
+            [] => return want.is_empty(),
+            [b'%', h, l, rest @ ..] => match (hex(*h), hex(*l)) {
+                (Some(h), Some(l)) => (h << 4 | l, rest),
+                _ => (b'%', &got[1..]),
+            },
+            [b, rest @ ..] => (*b, rest),
+        };
+        match want {
+            [w, wrest @ ..] if *w == byte => (got, want) = (rest, wrest),
+            _ => return false,
+        }
+    }
+}
+
+fn hex(b: u8) -> Option<u8> {
+    char::from(b)
+        .to_digit(16)
+        .and_then(|d| u8::try_from(d).ok())
 }
 
 /// Parses a duration such as `30s`, `5m`, `24h`.
@@ -164,6 +192,9 @@ pub fn policy(
                     .map_err(|_| format!("method {m:?} is not an HTTP method"))
             })
             .collect();
+        if methods.is_empty() {
+            return Err("methods = []: a route must guard at least one method".into());
+        }
         p = p.methods(parsed?);
     }
     if let Some(key) = pick!(key) {
@@ -181,11 +212,14 @@ pub fn policy(
         });
     }
     if let Some(ttl) = pick!(ttl) {
-        p = p.ttl(positive("ttl", ttl)?);
+        p = p.ttl(bounded("ttl", ttl, MAX_TTL)?);
     }
     let lease = match pick!(lease) {
-        Some(lease) => positive("lease", lease)?,
-        None => p.lease.max(upstream_timeout * 2),
+        Some(lease) => bounded("lease", lease, MAX_LEASE)?,
+        None => p
+            .lease
+            .max(upstream_timeout.saturating_mul(2))
+            .min(MAX_LEASE),
     };
     p = p.lease(lease);
     if p.lease <= upstream_timeout {
@@ -198,6 +232,12 @@ pub fn policy(
     }
     if let Some(wait) = pick!(wait) {
         let d = duration("wait", wait)?;
+        if d > MAX_LEASE {
+            return Err(format!(
+                "wait must be at most {}",
+                humantime::format_duration(MAX_LEASE)
+            ));
+        }
         p = p.in_flight(if d.is_zero() {
             InFlight::Reject
         } else {
@@ -228,6 +268,13 @@ pub fn policy(
         p = p.fingerprint_headers(header_names(names)?);
     }
     if let Some(pointers) = pick!(fingerprint_json_fields) {
+        if pointers.is_empty() {
+            return Err(
+                "fingerprint_json_fields = []: with no fields every JSON body would match; \
+                 leave the setting out to fingerprint the whole body"
+                    .into(),
+            );
+        }
         if let Some(bad) = pointers
             .iter()
             .find(|p| !p.is_empty() && !p.starts_with('/'))
@@ -244,10 +291,20 @@ pub fn policy(
     Ok(p)
 }
 
-fn positive(what: &str, s: &str) -> Result<Duration, String> {
+/// The longest `upstream_timeout`: any longer and a lease (at most 24 h) could not cover it.
+pub const MAX_UPSTREAM_TIMEOUT: Duration = Duration::from_secs(60 * 60);
+
+/// A duration longer than zero and at most `max`.
+pub fn bounded(what: &str, s: &str, max: Duration) -> Result<Duration, String> {
     let d = duration(what, s)?;
     if d.is_zero() {
         return Err(format!("{what} must be longer than zero"));
+    }
+    if d > max {
+        return Err(format!(
+            "{what} must be at most {}",
+            humantime::format_duration(max)
+        ));
     }
     Ok(d)
 }
@@ -270,7 +327,10 @@ mod tests {
         let p = PathPattern::parse("/v1/orders/*/capture").unwrap();
         assert!(p.matches("/v1/orders/42/capture"));
         assert!(p.matches("/v1/orders/42/capture/"));
+        assert!(p.matches("/v1/orders//42/capture"));
+        assert!(p.matches("//v1/%6Frders/42/capture"));
         assert!(!p.matches("/v1/orders//capture"));
+        assert!(!p.matches("/v1/order%/42/capture"));
         assert!(!p.matches("/v1/orders/42"));
         assert!(!p.matches("/v1/orders/42/capture/x"));
         let any = PathPattern::parse("/v1/**").unwrap();
@@ -329,6 +389,14 @@ mod tests {
             ("fingerprint_json_fields = [\"amount\"]", "JSON Pointer"),
             ("methods = [\"PO ST\"]", "not an HTTP method"),
             ("namespace = \"a b\"", "namespace"),
+            ("methods = []", "at least one method"),
+            (
+                "fingerprint_json_fields = []",
+                "every JSON body would match",
+            ),
+            ("ttl = \"1000y\"", "at most"),
+            ("lease = \"300000000000y\"", "at most"),
+            ("wait = \"2d\"", "at most"),
         ] {
             let route: RouteSettings = toml::from_str(toml).unwrap();
             let err = policy(&route, &d, t).unwrap_err();

@@ -27,7 +27,7 @@ use axum::extract::State;
 use axum::http::{HeaderName, Request, Response, StatusCode, header};
 use axum::response::IntoResponse;
 use axum::routing::get;
-use idem_core::{Clock, Key, SharedStore, Store, SystemClock};
+use idem_core::{Clock, SharedStore, SystemClock};
 use idem_http::{IdempotencyLayer, Idempotent, Policy, Problem, ResponseBody, ScopeSource};
 use tower_layer::Layer;
 use tower_service::Service;
@@ -75,14 +75,13 @@ impl Gateway {
         }
     }
 
-    /// Applies a configuration file's settings (other than upstream, listen and store, which
-    /// the command line resolves).
+    /// Applies a configuration file's settings (other than upstream, listen, store and
+    /// purge_interval, which the command line resolves). An `upstream_timeout` set before
+    /// (from the command line) stays unless the file gives one.
     pub fn configure(mut self, file: &FileConfig) -> Result<Self, String> {
         if let Some(t) = &file.upstream_timeout {
-            self.upstream_timeout = config::duration("upstream_timeout", t)?;
-            if self.upstream_timeout.is_zero() {
-                return Err("upstream_timeout must be longer than zero".into());
-            }
+            self.upstream_timeout =
+                config::bounded("upstream_timeout", t, config::MAX_UPSTREAM_TIMEOUT)?;
         }
         if let Some(prefix) = &file.admin_prefix {
             self.admin_prefix = admin_prefix(prefix)?;
@@ -120,11 +119,12 @@ impl Gateway {
     /// The gateway's routes: its own endpoints under the reserved prefix, everything else
     /// to the upstream.
     pub fn router(&self) -> Router {
+        describe_metrics();
         let proxy = Proxy::new(self.upstream.clone(), self.upstream_timeout);
         let guard = |policy: &Policy| {
             IdempotencyLayer::new(self.store.clone(), policy.clone())
                 .scope(self.scope.clone())
-                .clock(ClockRef(self.clock.clone()))
+                .clock(self.clock.clone())
                 .layer(proxy.clone())
         };
         let dispatch = Dispatch {
@@ -160,15 +160,6 @@ pub fn admin_prefix(prefix: &str) -> Result<String, String> {
         ));
     }
     Ok(trimmed.to_owned())
-}
-
-/// A shared clock as a `Clock`.
-struct ClockRef(Arc<dyn Clock>);
-
-impl Clock for ClockRef {
-    fn now(&self) -> idem_core::Timestamp {
-        self.0.now()
-    }
 }
 
 /// Picks the first route whose pattern matches the path.
@@ -209,14 +200,7 @@ struct AdminState {
 }
 
 async fn health(State(s): State<AdminState>) -> axum::response::Response {
-    // A read of a key no one uses: it proves the store answers without touching any record.
-    let probe = Key::parse("idem-gateway", "health", "probe").expect("a valid key");
-    match s.store.get(&probe, s.clock.now()).await {
-        Ok(_) => {
-            axum::Json(serde_json::json!({"status": "ok", "store": s.store.kind()})).into_response()
-        }
-        Err(e) => Problem::store(&e).into_response(),
-    }
+    crate::api::store_health(&s.store, &*s.clock).await
 }
 
 async fn metrics(State(s): State<AdminState>) -> axum::response::Response {
@@ -226,4 +210,17 @@ async fn metrics(State(s): State<AdminState>) -> axum::response::Response {
         s.registry.render(),
     )
         .into_response()
+}
+
+/// Registers the help text of the gateway's metrics (and the layer's) with the recorder.
+fn describe_metrics() {
+    idem_http::describe_metrics();
+    metrics::describe_counter!(
+        "idem_gateway_upstream_total",
+        "Exchanges with the upstream, by outcome: answered, unreachable, timeout, failed."
+    );
+    metrics::describe_histogram!(
+        "idem_gateway_upstream_seconds",
+        "Time until the upstream's answer head (or the failure), in seconds."
+    );
 }

@@ -4,25 +4,29 @@ use std::convert::Infallible;
 use std::future::Future;
 use std::net::SocketAddr;
 use std::pin::Pin;
+use std::sync::Arc;
 use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
 
 use axum::body::Body;
+use axum::body::Bytes;
 use axum::extract::ConnectInfo;
 use axum::http::uri::{Authority, PathAndQuery, Scheme};
 use axum::http::{HeaderMap, HeaderName, HeaderValue, Request, Response, StatusCode, Uri, header};
-use http_body_util::BodyExt;
+use http_body::Frame;
+use hyper::body::Incoming;
 use hyper_util::client::legacy::Client;
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::TokioExecutor;
-use idem_http::{Guarded, Problem, Settle};
+use idem_http::policy::remove_hop_by_hop;
+use idem_http::{BoxError, Guarded, Problem, Settle};
 use tower_service::Service;
 
 /// Where requests go: an `http://` origin and an optional base path.
 #[derive(Debug, Clone)]
 pub struct Upstream {
     authority: Authority,
-    base_path: String,
+    base_path: Arc<str>,
 }
 
 impl Upstream {
@@ -45,7 +49,7 @@ impl Upstream {
         }
         Ok(Self {
             authority,
-            base_path: uri.path().trim_end_matches('/').to_owned(),
+            base_path: uri.path().trim_end_matches('/').into(),
         })
     }
 
@@ -67,8 +71,10 @@ impl Upstream {
 /// - Timed out, or broken after the request was sent: 504 `upstream_timeout` or 502
 ///   `upstream_failed`, and the outcome is recorded as unknown.
 ///
-/// For guarded requests the whole answer is read within the timeout, so that a body that
-/// stalls half way counts as a timeout; other requests stream both ways.
+/// The timeout covers the answer's head; for guarded requests it also covers the body, which
+/// then fails at the deadline (the layer records a body that breaks off as an unknown
+/// outcome). Other requests stream both ways without a deadline on the body. Nothing is
+/// buffered here: the layer reads a guarded answer up to its `max_response`.
 #[derive(Clone)]
 pub struct Proxy {
     client: Client<HttpConnector, Body>,
@@ -126,27 +132,24 @@ impl Proxy {
         parts.version = axum::http::Version::HTTP_11;
         parts.extensions = Default::default();
         let started = Instant::now();
-        let exchange = async {
-            let res = self
-                .client
-                .request(Request::from_parts(parts, body))
-                .await?;
-            let (mut head, body) = res.into_parts();
-            strip_hop_by_hop(&mut head.headers);
-            head.version = axum::http::Version::default();
-            let body = if guarded {
-                Body::from(body.collect().await?.to_bytes())
-            } else {
-                Body::new(body)
-            };
-            Ok::<_, Failure>(Response::from_parts(head, body))
-        };
-        let result = tokio::time::timeout(self.timeout, exchange).await;
+        let deadline = tokio::time::Instant::from_std(started) + self.timeout;
+        let sent = self.client.request(Request::from_parts(parts, body));
+        let result = tokio::time::timeout_at(deadline, sent).await;
         metrics::histogram!("idem_gateway_upstream_seconds")
             .record(started.elapsed().as_secs_f64());
         let (outcome, res) = match result {
-            Ok(Ok(res)) => ("answered", res),
-            Ok(Err(Failure::Client(e))) if e.is_connect() => (
+            Ok(Ok(res)) => {
+                let (mut head, body) = res.into_parts();
+                remove_hop_by_hop(&mut head.headers);
+                head.version = axum::http::Version::default();
+                let body = if guarded {
+                    Body::new(Deadline::new(body, deadline))
+                } else {
+                    Body::new(body)
+                };
+                ("answered", Response::from_parts(head, body))
+            }
+            Ok(Err(e)) if e.is_connect() => (
                 "unreachable",
                 failure(
                     StatusCode::BAD_GATEWAY,
@@ -184,21 +187,44 @@ impl Proxy {
     }
 }
 
-/// How an exchange with the upstream failed.
-enum Failure {
-    Client(hyper_util::client::legacy::Error),
-    Body,
+/// A response body that fails if it has not ended by a deadline.
+struct Deadline {
+    body: Incoming,
+    sleep: Pin<Box<tokio::time::Sleep>>,
 }
 
-impl From<hyper_util::client::legacy::Error> for Failure {
-    fn from(e: hyper_util::client::legacy::Error) -> Self {
-        Self::Client(e)
+impl Deadline {
+    fn new(body: Incoming, deadline: tokio::time::Instant) -> Self {
+        Self {
+            body,
+            sleep: Box::pin(tokio::time::sleep_until(deadline)),
+        }
     }
 }
 
-impl From<hyper::Error> for Failure {
-    fn from(_: hyper::Error) -> Self {
-        Self::Body
+impl http_body::Body for Deadline {
+    type Data = Bytes;
+    type Error = BoxError;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
+        if let Poll::Ready(frame) = Pin::new(&mut self.body).poll_frame(cx) {
+            return Poll::Ready(frame.map(|f| f.map_err(Into::into)));
+        }
+        match self.sleep.as_mut().poll(cx) {
+            Poll::Ready(()) => Poll::Ready(Some(Err("the upstream's answer timed out".into()))),
+            Poll::Pending => Poll::Pending,
+        }
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.body.is_end_stream()
+    }
+
+    fn size_hint(&self) -> http_body::SizeHint {
+        self.body.size_hint()
     }
 }
 
@@ -214,47 +240,30 @@ fn failure(
     res
 }
 
-/// RFC 9110 §7.6.1: drops the fields that describe one connection, including those the
-/// `Connection` field names.
-fn strip_hop_by_hop(headers: &mut HeaderMap) {
-    let nominated: Vec<HeaderName> = headers
-        .get_all(header::CONNECTION)
-        .iter()
-        .filter_map(|v| v.to_str().ok())
-        .flat_map(|v| v.split(','))
-        .filter_map(|name| HeaderName::from_bytes(name.trim().as_bytes()).ok())
-        .collect();
-    for name in nominated {
-        headers.remove(name);
-    }
-    let hop: Vec<HeaderName> = headers
-        .keys()
-        .filter(|n| idem_http::policy::is_hop_by_hop(n))
-        .cloned()
-        .collect();
-    for name in hop {
-        headers.remove(name);
-    }
-}
-
 /// Prepares a request's header for the upstream: no hop-by-hop fields, `Host` set from the
-/// upstream URL by the client, and the original host and client in `X-Forwarded-*`.
+/// upstream URL by the client, and the original host, scheme and client in `X-Forwarded-*`.
+/// Values a proxy in front already set (a TLS terminator's `X-Forwarded-Proto: https`) are
+/// kept; this hop's client address is appended to `X-Forwarded-For`.
 fn forwarded_headers(headers: &mut HeaderMap, peer: Option<std::net::IpAddr>) {
-    strip_hop_by_hop(headers);
-    if let Some(host) = headers.remove(header::HOST) {
-        headers.insert(HeaderName::from_static("x-forwarded-host"), host);
+    remove_hop_by_hop(headers);
+    let host = headers.remove(header::HOST);
+    let forwarded_host = HeaderName::from_static("x-forwarded-host");
+    if let (Some(host), false) = (host, headers.contains_key(&forwarded_host)) {
+        headers.insert(forwarded_host, host);
     }
-    headers.insert(
-        HeaderName::from_static("x-forwarded-proto"),
-        HeaderValue::from_static("http"),
-    );
+    headers
+        .entry(HeaderName::from_static("x-forwarded-proto"))
+        .or_insert(HeaderValue::from_static("http"));
     if let Some(ip) = peer {
         let xff = HeaderName::from_static("x-forwarded-for");
-        let value = match headers.get(&xff).and_then(|v| v.to_str().ok()) {
-            Some(prior) => format!("{prior}, {ip}"),
-            None => ip.to_string(),
-        };
-        if let Ok(v) = HeaderValue::from_str(&value) {
+        let mut chain: Vec<&str> = headers
+            .get_all(&xff)
+            .iter()
+            .filter_map(|v| v.to_str().ok())
+            .collect();
+        let ip = ip.to_string();
+        chain.push(&ip);
+        if let Ok(v) = HeaderValue::from_str(&chain.join(", ")) {
             headers.insert(xff, v);
         }
     }
@@ -292,7 +301,9 @@ mod tests {
         );
         h.insert(header::HOST, HeaderValue::from_static("api.example"));
         h.insert(header::AUTHORIZATION, HeaderValue::from_static("Bearer t"));
-        h.insert("x-forwarded-for", HeaderValue::from_static("10.0.0.1"));
+        h.append("x-forwarded-for", HeaderValue::from_static("10.0.0.1"));
+        h.append("x-forwarded-for", HeaderValue::from_static("10.0.0.2"));
+        h.insert("x-forwarded-proto", HeaderValue::from_static("https"));
         forwarded_headers(&mut h, Some([127, 0, 0, 1].into()));
         assert!(h.get("x-private").is_none());
         assert!(h.get("keep-alive").is_none());
@@ -300,7 +311,14 @@ mod tests {
         assert!(h.get(header::TRANSFER_ENCODING).is_none());
         assert!(h.get(header::HOST).is_none());
         assert_eq!(h["x-forwarded-host"], "api.example");
-        assert_eq!(h["x-forwarded-for"], "10.0.0.1, 127.0.0.1");
+        assert_eq!(h["x-forwarded-for"], "10.0.0.1, 10.0.0.2, 127.0.0.1");
+        assert_eq!(
+            h["x-forwarded-proto"], "https",
+            "a front proxy's value is kept"
+        );
+        let mut plain = HeaderMap::new();
+        forwarded_headers(&mut plain, None);
+        assert_eq!(plain["x-forwarded-proto"], "http");
         assert_eq!(h[header::AUTHORIZATION], "Bearer t");
     }
 }
