@@ -355,3 +355,26 @@ fn a_gateway_killed_mid_request_neither_runs_it_twice_at_once_nor_loses_the_answ
     assert_eq!((status, body.as_str()), (201, "{\"run\":2}"));
     assert_eq!(runs.load(Ordering::SeqCst), 2);
 }
+
+#[test]
+fn a_fresh_gateway_process_describes_its_metrics() {
+    // A process of its own: the recorder is installed by this gateway, not by an earlier test.
+    let gateway = start_command(
+        "gateway",
+        &["--upstream", "http://127.0.0.1:1", "--store", "memory://"],
+    );
+    // one guarded request, to an upstream that is not there: a metric of each family
+    let (status, _) = order(&gateway.addr);
+    assert_eq!(status, 502);
+    let (status, body) = http(
+        &gateway.addr,
+        "GET /_idem/metrics HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n",
+    );
+    assert_eq!(status, 200);
+    for help in [
+        "# HELP idem_http_requests_total ",
+        "# HELP idem_gateway_upstream_total ",
+    ] {
+        assert!(body.contains(help), "no {help:?} in\n{body}");
+    }
+}

@@ -119,6 +119,8 @@ impl Gateway {
     /// The gateway's routes: its own endpoints under the reserved prefix, everything else
     /// to the upstream.
     pub fn router(&self) -> Router {
+        // The recorder first: descriptions sent before it is installed are lost.
+        let registry = Registry::global();
         describe_metrics();
         let proxy = Proxy::new(self.upstream.clone(), self.upstream_timeout);
         let guard = |policy: &Policy| {
@@ -143,7 +145,7 @@ impl Gateway {
             .with_state(AdminState {
                 store: self.store.clone(),
                 clock: self.clock.clone(),
-                registry: Registry::global(),
+                registry,
             });
         Router::new()
             .nest(&self.admin_prefix, admin)
