@@ -15,6 +15,9 @@
 //!   (IETF preset), 408, 425 and 429, which release the key so a retry runs again.
 //! - Errors are RFC 9457 problem details with a stable `code`.
 //!
+//! Expired records stay in the store until deleted: a service spawns
+//! `idem::purge::purge_loop` next to its server.
+//!
 //! See `docs/design.md` in the repository for the reasoning behind each choice.
 
 mod body;

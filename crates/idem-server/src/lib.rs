@@ -23,8 +23,7 @@ use std::time::Duration;
 use axum::Router;
 use axum::http::StatusCode;
 use axum::routing::{get, post};
-use idem_core::{Clock, DEFAULT_LEASE, DEFAULT_TTL, SharedStore, Store, SystemClock};
-use tracing::{info, warn};
+use idem_core::{Clock, DEFAULT_LEASE, DEFAULT_TTL, SharedStore, SystemClock};
 
 use crate::auth::Auth;
 use idem_http::Problem;
@@ -83,31 +82,4 @@ pub fn router(state: AppState) -> Router {
         .with_state(state)
 }
 
-/// Deletes expired records in bounded batches, every `every`, until the process ends.
-pub async fn purge_loop(store: SharedStore, clock: Arc<dyn Clock>, every: Duration) {
-    const BATCH: usize = 10_000;
-    let mut tick = tokio::time::interval(every);
-    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-    loop {
-        tick.tick().await;
-        let mut total = 0u64;
-        loop {
-            match store.purge_expired(clock.now(), BATCH).await {
-                Ok(n) => {
-                    total += n;
-                    if n < BATCH as u64 {
-                        break;
-                    }
-                    tokio::task::yield_now().await;
-                }
-                Err(e) => {
-                    warn!(error = %e, "purging expired records failed; will try again");
-                    break;
-                }
-            }
-        }
-        if total > 0 {
-            info!(purged = total, "purged expired records");
-        }
-    }
-}
+pub use idem::purge::purge_loop;

@@ -15,8 +15,12 @@ pub enum Op {
     Complete,
     /// `release`
     Release,
+    /// `reopen`
+    Reopen,
     /// `get`
     Get,
+    /// `purge_expired`
+    Purge,
 }
 
 /// What goes wrong.
@@ -123,7 +127,8 @@ impl<S: Store> Store for FaultyStore<S> {
     }
 
     async fn reopen(&self, key: &Key, fence: u64, now: Timestamp) -> Result<bool, StoreError> {
-        self.inner.reopen(key, fence, now).await
+        self.with_fault(Op::Reopen, self.inner.reopen(key, fence, now))
+            .await
     }
 
     async fn get(&self, key: &Key, now: Timestamp) -> Result<Option<Record>, StoreError> {
@@ -131,6 +136,7 @@ impl<S: Store> Store for FaultyStore<S> {
     }
 
     async fn purge_expired(&self, now: Timestamp, limit: usize) -> Result<u64, StoreError> {
-        self.inner.purge_expired(now, limit).await
+        self.with_fault(Op::Purge, self.inner.purge_expired(now, limit))
+            .await
     }
 }

@@ -6,7 +6,7 @@
 //! attempt that fails in a retryable way gives the key back.
 //!
 //! This crate is the entry point: [`Idempotency`] runs a closure at most once per key (for jobs
-//! and message consumers), and it re-exports the record model ([`idem_core`]) and the stores
+//! and message consumers), [`purge::purge_loop`] deletes expired records in the background, and it re-exports the record model ([`idem_core`]) and the stores
 //! ([`idem_store`]: memory, and SQLite as the embedded default).
 //!
 //! ```
@@ -45,6 +45,7 @@
 //! ```
 
 pub mod claim;
+pub mod purge;
 mod run;
 
 pub use claim::InFlight;
