@@ -528,7 +528,15 @@ impl Settler {
             OnUnknown::Hold => None,
             OnUnknown::ReleaseAfterLease => Some(self.lease.expires_at),
         };
-        tracing::warn!(key = %self.key.log_tag(), "outcome unknown");
+        // Scope and namespace (never the client's key) let an operator find the record
+        // (`records::reopen_unknown`) once the caller reports its key.
+        tracing::warn!(
+            key = %self.key.log_tag(),
+            scope = %self.key.scope(),
+            namespace = %self.key.namespace(),
+            fence = self.lease.fence,
+            "outcome unknown; held until resolved"
+        );
         self.complete(Stored::Unknown { until }).await;
     }
 

@@ -25,6 +25,7 @@ pub mod header;
 mod layer;
 pub mod policy;
 mod problem;
+pub mod records;
 pub mod scope;
 mod stored;
 

@@ -624,6 +624,48 @@ async fn an_unknown_outcome_runs_again_after_the_lease_when_so_configured() {
 }
 
 #[tokio::test]
+async fn an_operator_reopens_a_held_unknown_outcome_and_nothing_else() {
+    use idem_core::{Clock, Key};
+    use idem_http::records::{RecordState, Reopened, inspect, reopen_unknown};
+    let store: SharedStore = Arc::new(MemoryStore::new());
+    let app = app_on(store.clone(), Policy::default());
+    let key = |k: &str| Key::parse("anonymous", "http", k).unwrap();
+    let now = || app.clock.now();
+
+    app.send(post_with("/unknown", "k", "")).await;
+    let view = inspect(&*store, &key("k"), now()).await.unwrap().unwrap();
+    assert_eq!(view.state, RecordState::Unknown { until: None });
+    assert_eq!(view.fence, 1);
+
+    let r = reopen_unknown(&*store, &key("k"), now()).await.unwrap();
+    assert_eq!(r, Reopened::Reopened { fence: 1 });
+    let r = app.send(post_with("/unknown", "k", "")).await;
+    assert_eq!(r.status, StatusCode::GATEWAY_TIMEOUT, "the retry ran again");
+    assert_eq!(app.runs(), 2);
+    let view = inspect(&*store, &key("k"), now()).await.unwrap().unwrap();
+    assert_eq!(view.fence, 2);
+
+    // A stored answer is never reopened; a missing record is reported as such.
+    app.send(post_with("/orders", "o", "{}")).await;
+    let Reopened::NotUnknown(view) = reopen_unknown(&*store, &key("o"), now()).await.unwrap()
+    else {
+        panic!("a stored answer was reopened");
+    };
+    assert_eq!(
+        view.state,
+        RecordState::Stored {
+            status: StatusCode::CREATED
+        }
+    );
+    let r = app.send(post_with("/orders", "o", "{}")).await;
+    assert!(r.replayed());
+    assert_eq!(
+        reopen_unknown(&*store, &key("none"), now()).await.unwrap(),
+        Reopened::NotFound
+    );
+}
+
+#[tokio::test]
 async fn a_failing_store_fails_closed() {
     let store = Arc::new(FaultyStore::new(MemoryStore::new()));
     let app = app_on(store.clone(), Policy::default());

@@ -32,7 +32,7 @@ pub const MAX_TTL: Duration = Duration::from_secs(365 * 24 * 60 * 60);
 /// library caller with an enormous TTL can make, are shown as that.
 const LAST_RFC3339: Timestamp = Timestamp::from_millis(253_402_300_799_999);
 
-fn rfc3339(t: Timestamp) -> String {
+pub(crate) fn rfc3339(t: Timestamp) -> String {
     humantime::format_rfc3339_millis(t.min(LAST_RFC3339).to_system_time()).to_string()
 }
 

@@ -115,24 +115,27 @@ impl Auth {
                 detail,
             )
         };
-        let value = parts
-            .headers
-            .get(header::AUTHORIZATION)
-            .ok_or_else(|| unauthorized("Send an API key as `Authorization: Bearer <key>`."))?;
-        let token = value
-            .to_str()
-            .ok()
-            // RFC 9110 §11.1: the scheme name is case-insensitive.
-            .and_then(|v| {
-                let (scheme, token) = v.split_once(' ')?;
-                scheme.eq_ignore_ascii_case("bearer").then_some(token)
-            })
-            .map(str::trim)
+        if !parts.headers.contains_key(header::AUTHORIZATION) {
+            return Err(unauthorized(
+                "Send an API key as `Authorization: Bearer <key>`.",
+            ));
+        }
+        let token = bearer(parts)
             .ok_or_else(|| unauthorized("The Authorization header must be `Bearer <key>`."))?;
         keys.get(&hash(token))
             .cloned()
             .ok_or_else(|| unauthorized("The API key is not known."))
     }
+}
+
+/// The token of an `Authorization: Bearer <token>` header, if the request has one.
+pub(crate) fn bearer(parts: &Parts) -> Option<&str> {
+    let value = parts.headers.get(header::AUTHORIZATION)?.to_str().ok()?;
+    let (scheme, token) = value.split_once(' ')?;
+    // RFC 9110 §11.1: the scheme name is case-insensitive.
+    scheme
+        .eq_ignore_ascii_case("bearer")
+        .then_some(token.trim())
 }
 
 /// The authenticated caller of a request.

@@ -8,13 +8,25 @@ use serde::de::DeserializeOwned;
 use crate::AppState;
 use idem_http::Problem;
 
-/// A JSON request body of at most `AppState::max_body` bytes.
+/// A JSON request body of at most [`BodyLimit::max_body`] bytes.
 pub struct JsonBody<T>(pub T);
 
-impl<T: DeserializeOwned> FromRequest<AppState> for JsonBody<T> {
+/// A handler state that bounds request bodies.
+pub trait BodyLimit {
+    /// The largest request body accepted, in bytes.
+    fn max_body(&self) -> usize;
+}
+
+impl BodyLimit for AppState {
+    fn max_body(&self) -> usize {
+        self.max_body
+    }
+}
+
+impl<T: DeserializeOwned, S: BodyLimit + Sync> FromRequest<S> for JsonBody<T> {
     type Rejection = Problem;
 
-    async fn from_request(req: Request<Body>, state: &AppState) -> Result<Self, Problem> {
+    async fn from_request(req: Request<Body>, state: &S) -> Result<Self, Problem> {
         let is_json = req
             .headers()
             .get(header::CONTENT_TYPE)
@@ -33,7 +45,7 @@ impl<T: DeserializeOwned> FromRequest<AppState> for JsonBody<T> {
                 "The body must be JSON, sent with `Content-Type: application/json`.",
             ));
         }
-        let limit = state.max_body;
+        let limit = state.max_body();
         let too_large = || {
             Problem::new(
                 StatusCode::PAYLOAD_TOO_LARGE,

@@ -39,7 +39,7 @@ enum Command {
     /// Forwards every request to --upstream. POST and PATCH requests that carry an
     /// Idempotency-Key run once: retries get the first answer (with Idempotent-Replayed:
     /// true) without reaching the upstream. Routes, presets and limits go in --config (TOML).
-    /// The gateway's own /health and /metrics live under --admin-prefix (/_idem).
+    /// The gateway's own /health, /metrics and record tools live under --admin-prefix (/_idem).
     Gateway(GatewayArgs),
 }
 
@@ -64,6 +64,11 @@ struct GatewayArgs {
     /// The reserved path prefix of the gateway's own endpoints [default: /_idem].
     #[arg(long, env = "IDEM_ADMIN_PREFIX")]
     admin_prefix: Option<String>,
+
+    /// A file holding the operator's token for the record tools under the admin prefix
+    /// (inspect, reopen an unknown outcome); without it they are disabled.
+    #[arg(long, env = "IDEM_ADMIN_TOKEN_FILE", value_name = "FILE")]
+    admin_token_file: Option<PathBuf>,
 
     /// How long to wait for the upstream's answer (at most 1h) [default: 30s].
     #[arg(long, env = "IDEM_UPSTREAM_TIMEOUT", value_parser = parse_upstream_timeout)]
@@ -244,6 +249,9 @@ fn gateway(args: GatewayArgs) -> Result<(), String> {
     }
     if args.admin_prefix.is_some() {
         file.admin_prefix = args.admin_prefix;
+    }
+    if args.admin_token_file.is_some() {
+        file.admin_token_file = args.admin_token_file;
     }
     let purge_interval = match (args.purge_interval, &file.purge_interval) {
         (Some(d), _) => d,

@@ -66,6 +66,9 @@ fn bad_flags_and_stores_get_readable_errors() {
         "cannot read /nonexistent.toml",
     );
     let config = dir.path().join("gateway.toml");
+    let token = dir.path().join("token");
+    std::fs::write(&token, "short\n").unwrap();
+    let short_token = format!("admin_token_file = {:?}", token.display());
     for (text, expected) in [
         (
             "upstream_timeout = \"60s\"\n[defaults]\nlease = \"30s\"",
@@ -84,6 +87,11 @@ fn bad_flags_and_stores_get_readable_errors() {
         ("upstream_timeout = \"300000000000y\"", "upstream_timeout"),
         ("upstream_timeout = \"2h\"", "at most"),
         ("purge_interval = \"often\"", "purge_interval"),
+        (
+            "admin_token_file = \"/nonexistent-token\"",
+            "cannot read admin token file",
+        ),
+        (&short_token, "at least 16 characters"),
     ] {
         std::fs::write(&config, text).unwrap();
         let config = config.to_str().unwrap();

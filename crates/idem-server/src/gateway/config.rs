@@ -5,6 +5,7 @@
 //! upstream_timeout = "30s"
 //! scope_header = "authorization"
 //! admin_prefix = "/_idem"
+//! admin_token_file = "/etc/idem/admin-token"   # enables the record tools
 //!
 //! [defaults]              # every route, and requests no route matches
 //! methods = ["POST", "PATCH"]
@@ -39,6 +40,8 @@ pub struct FileConfig {
     pub store: Option<String>,
     /// The reserved path prefix of the gateway's own endpoints.
     pub admin_prefix: Option<String>,
+    /// A file holding the operator's token for the record tools.
+    pub admin_token_file: Option<std::path::PathBuf>,
     /// How long to wait for the upstream's answer.
     pub upstream_timeout: Option<String>,
     /// The header whose (hashed) value scopes keys.

@@ -10,7 +10,10 @@
 //! | --- | --- |
 //! | `{prefix}/health` | 200 `{"status":"ok","store":KIND}`, 503 if the store fails |
 //! | `{prefix}/metrics` | Prometheus text |
+//! | `POST {prefix}/records/inspect` | what a record holds (admin token) |
+//! | `POST {prefix}/records/reopen` | run an unknown outcome again on the next retry (admin token) |
 
+pub mod admin;
 pub mod config;
 pub mod proxy;
 
@@ -23,16 +26,15 @@ use std::time::Duration;
 
 use axum::Router;
 use axum::body::Body;
-use axum::extract::State;
-use axum::http::{HeaderName, Request, Response, StatusCode, header};
-use axum::response::IntoResponse;
-use axum::routing::get;
+use axum::http::{HeaderName, Request, Response};
 use idem_core::{Clock, SharedStore, SystemClock};
-use idem_http::{IdempotencyLayer, Idempotent, Policy, Problem, ResponseBody, ScopeSource};
+use idem_http::{IdempotencyLayer, Idempotent, Policy, ResponseBody, ScopeSource};
 use tower_layer::Layer;
 use tower_service::Service;
 
 use crate::metrics::Registry;
+use admin::AdminState;
+pub use admin::AdminToken;
 pub use config::{FileConfig, PathPattern, RouteSettings};
 pub use proxy::{Proxy, Upstream};
 
@@ -58,6 +60,8 @@ pub struct Gateway {
     pub routes: Vec<(PathPattern, Policy)>,
     /// The policy of requests no route matches.
     pub default_policy: Policy,
+    /// The operator's token for the record tools; `None` disables them.
+    pub admin_token: Option<AdminToken>,
 }
 
 impl Gateway {
@@ -72,6 +76,7 @@ impl Gateway {
             scope: ScopeSource::default(),
             routes: Vec::new(),
             default_policy: Policy::default(),
+            admin_token: None,
         }
     }
 
@@ -85,6 +90,9 @@ impl Gateway {
         }
         if let Some(prefix) = &file.admin_prefix {
             self.admin_prefix = admin_prefix(prefix)?;
+        }
+        if let Some(path) = &file.admin_token_file {
+            self.admin_token = Some(AdminToken::from_file(path)?);
         }
         if let Some(name) = &file.scope_header {
             let name = HeaderName::from_bytes(name.as_bytes())
@@ -138,15 +146,19 @@ impl Gateway {
                 .into(),
             default: guard(&self.default_policy),
         };
-        let admin = Router::new()
-            .route("/health", get(health))
-            .route("/metrics", get(metrics))
-            .fallback(|| async { Problem::not_found("There is no such gateway endpoint.") })
-            .with_state(AdminState {
-                store: self.store.clone(),
-                clock: self.clock.clone(),
-                registry,
-            });
+        let namespaces = self
+            .routes
+            .iter()
+            .map(|(pattern, policy)| (pattern.clone(), policy.namespace.clone()))
+            .collect();
+        let admin = admin::router(AdminState {
+            store: self.store.clone(),
+            clock: self.clock.clone(),
+            registry,
+            token: self.admin_token.clone(),
+            scope: self.scope.clone(),
+            namespaces: Arc::new((namespaces, self.default_policy.namespace.clone())),
+        });
         Router::new()
             .nest(&self.admin_prefix, admin)
             .fallback_service(dispatch)
@@ -192,26 +204,6 @@ impl Service<Request<Body>> for Dispatch {
             .map_or_else(|| self.default.clone(), |(_, svc)| svc.clone());
         Box::pin(svc.call(req))
     }
-}
-
-#[derive(Clone)]
-struct AdminState {
-    store: SharedStore,
-    clock: Arc<dyn Clock>,
-    registry: Registry,
-}
-
-async fn health(State(s): State<AdminState>) -> axum::response::Response {
-    crate::api::store_health(&s.store, &*s.clock).await
-}
-
-async fn metrics(State(s): State<AdminState>) -> axum::response::Response {
-    (
-        StatusCode::OK,
-        [(header::CONTENT_TYPE, "text/plain; version=0.0.4")],
-        s.registry.render(),
-    )
-        .into_response()
 }
 
 /// Registers the help text of the gateway's metrics (and the layer's) with the recorder.

@@ -1,0 +1,291 @@
+//! The gateway's own endpoints, under its reserved prefix: health, metrics, and the operator's
+//! record tools.
+//!
+//! The record tools resolve outcomes the gateway could not know: after an upstream timeout the
+//! record is held as unknown (`outcome_unknown` to every retry). An operator who has checked
+//! the upstream's data and found the request did *not* take effect reopens the record, and the
+//! client's next retry runs it. They need an admin token (`admin_token_file`); without one
+//! they answer 403.
+
+use std::sync::Arc;
+
+use axum::extract::{FromRequestParts, State};
+use axum::http::request::Parts;
+use axum::http::{HeaderValue, Request, StatusCode, header};
+use axum::response::{IntoResponse, Response};
+use axum::{Json, Router};
+use idem_core::{ClientKey, Clock, Fingerprint, Key, Namespace, Scope, SharedStore};
+use idem_http::records::{self, RecordState, RecordView, Reopened};
+use idem_http::{Problem, ScopeSource};
+use serde::Deserialize;
+use serde_json::{Value, json};
+use tracing::info;
+
+use super::PathPattern;
+use crate::api::rfc3339;
+use crate::json::{BodyLimit, JsonBody};
+use crate::metrics::Registry;
+
+/// The shortest admin token accepted.
+pub const MIN_ADMIN_TOKEN_LEN: usize = 16;
+
+/// The operator's credential, kept only as a hash.
+#[derive(Clone)]
+pub struct AdminToken([u8; 32]);
+
+impl AdminToken {
+    /// A token from its text (surrounding whitespace, such as a file's final newline, is
+    /// ignored); at least [`MIN_ADMIN_TOKEN_LEN`] characters.
+    pub fn new(text: &str) -> Result<Self, String> {
+        let text = text.trim();
+        if text.len() < MIN_ADMIN_TOKEN_LEN || text.contains(char::is_whitespace) {
+            return Err(format!(
+                "the admin token must be one word of at least {MIN_ADMIN_TOKEN_LEN} characters; \
+                 use a long random string"
+            ));
+        }
+        Ok(Self(hash(text)))
+    }
+
+    /// Reads the token from a file.
+    pub fn from_file(path: &std::path::Path) -> Result<Self, String> {
+        let text = std::fs::read_to_string(path)
+            .map_err(|e| format!("cannot read admin token file {}: {e}", path.display()))?;
+        Self::new(&text).map_err(|e| format!("{}: {e}", path.display()))
+    }
+
+    /// Whether `presented` is this token. Compares hashes, in time independent of where
+    /// they differ.
+    fn matches(&self, presented: &str) -> bool {
+        let other = hash(presented);
+        self.0
+            .iter()
+            .zip(other.iter())
+            .fold(0u8, |acc, (a, b)| acc | (a ^ b))
+            == 0
+    }
+}
+
+impl std::fmt::Debug for AdminToken {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("AdminToken(..)")
+    }
+}
+
+fn hash(text: &str) -> [u8; 32] {
+    *Fingerprint::builder()
+        .part(b"idem admin token")
+        .part(text.as_bytes())
+        .finish()
+        .as_bytes()
+}
+
+/// The largest body the record tools accept.
+const MAX_ADMIN_BODY: usize = 16 * 1024;
+
+/// What the admin endpoints share.
+#[derive(Clone)]
+pub(super) struct AdminState {
+    pub(super) store: SharedStore,
+    pub(super) clock: Arc<dyn Clock>,
+    pub(super) registry: Registry,
+    pub(super) token: Option<AdminToken>,
+    pub(super) scope: ScopeSource,
+    /// Each route's pattern and key namespace, then the namespace of requests no route matches.
+    pub(super) namespaces: Arc<(Vec<(PathPattern, Namespace)>, Namespace)>,
+}
+
+impl BodyLimit for AdminState {
+    fn max_body(&self) -> usize {
+        MAX_ADMIN_BODY
+    }
+}
+
+pub(super) fn router(state: AdminState) -> Router {
+    use axum::routing::{get, post};
+    Router::new()
+        .route("/health", get(health))
+        .route("/metrics", get(metrics))
+        .route("/records/inspect", post(inspect))
+        .route("/records/reopen", post(reopen))
+        .fallback(|| async { Problem::not_found("There is no such gateway endpoint.") })
+        .with_state(state)
+}
+
+async fn health(State(s): State<AdminState>) -> Response {
+    crate::api::store_health(&s.store, &*s.clock).await
+}
+
+async fn metrics(State(s): State<AdminState>) -> Response {
+    (
+        StatusCode::OK,
+        [(header::CONTENT_TYPE, "text/plain; version=0.0.4")],
+        s.registry.render(),
+    )
+        .into_response()
+}
+
+/// A request that presented the admin token.
+struct Operator;
+
+impl FromRequestParts<AdminState> for Operator {
+    type Rejection = Problem;
+
+    async fn from_request_parts(parts: &mut Parts, s: &AdminState) -> Result<Self, Problem> {
+        let Some(token) = &s.token else {
+            return Err(Problem::new(
+                StatusCode::FORBIDDEN,
+                "admin_disabled",
+                "Admin endpoints disabled",
+                "The record tools need an admin token: set admin_token_file (or \
+                 --admin-token-file) and send it as `Authorization: Bearer <token>`.",
+            ));
+        };
+        match crate::auth::bearer(parts) {
+            Some(p) if token.matches(p) => Ok(Operator),
+            _ => Err(Problem::new(
+                StatusCode::UNAUTHORIZED,
+                "unauthorized",
+                "Unauthorized",
+                "Send the admin token as `Authorization: Bearer <token>`.",
+            )),
+        }
+    }
+}
+
+/// Names a record the way its client made it.
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RecordRef {
+    /// The request's path; its route gives the key namespace.
+    path: String,
+    /// The client's `Idempotency-Key` value (unquoted).
+    key: String,
+    /// The caller's scope as logged (`cred-…`, or `anonymous`).
+    scope: Option<String>,
+    /// Or the caller's credential header value, hashed here as on a request.
+    credential: Option<String>,
+}
+
+impl AdminState {
+    fn key_of(&self, r: RecordRef) -> Result<Key, Problem> {
+        if !r.path.starts_with('/') {
+            return Err(Problem::invalid_request("`path` must start with /."));
+        }
+        let scope = match (r.scope, r.credential) {
+            (Some(scope), None) => Scope::new(scope).map_err(|e| {
+                Problem::invalid_request(format!("`scope` is not a valid scope: {e}."))
+            })?,
+            (None, Some(credential)) => self.scope_of_credential(&credential)?,
+            _ => {
+                return Err(Problem::invalid_request(
+                    "Give exactly one of `scope` (as logged with the outcome) and `credential` \
+                     (the caller's credential header value).",
+                ));
+            }
+        };
+        let client_key = ClientKey::new(r.key).map_err(|e| {
+            Problem::new(
+                StatusCode::BAD_REQUEST,
+                "invalid_key",
+                "Invalid key",
+                format!("`key`: {e}."),
+            )
+        })?;
+        let (routes, default) = &*self.namespaces;
+        let namespace = routes
+            .iter()
+            .find(|(pattern, _)| pattern.matches(&r.path))
+            .map_or(default, |(_, ns)| ns);
+        Ok(Key::new(scope, namespace.clone(), client_key))
+    }
+
+    fn scope_of_credential(&self, credential: &str) -> Result<Scope, Problem> {
+        let ScopeSource::Header(name) = &self.scope else {
+            return Err(Problem::invalid_request(
+                "This gateway does not scope by a header; give `scope`.",
+            ));
+        };
+        let value = HeaderValue::from_str(credential)
+            .map_err(|_| Problem::invalid_request("`credential` is not a valid header value."))?;
+        let mut parts = Request::new(()).into_parts().0;
+        parts.headers.insert(name.clone(), value);
+        Ok(self.scope.scope_of(&parts))
+    }
+}
+
+fn view_json(view: &RecordView) -> Value {
+    let mut v = json!({
+        "state": view.state.name(),
+        "fence": view.fence,
+        "created_at": rfc3339(view.created_at),
+        "expires_at": rfc3339(view.expires_at),
+    });
+    match &view.state {
+        RecordState::InProgress { lease_expires_at } => {
+            v["lease_expires_at"] = rfc3339(*lease_expires_at).into();
+        }
+        RecordState::Stored { status } | RecordState::TooLarge { status } => {
+            v["status"] = status.as_u16().into();
+        }
+        RecordState::Unknown { until } => {
+            v["until"] = until.map(rfc3339).into();
+        }
+        _ => {}
+    }
+    v
+}
+
+fn not_found() -> Problem {
+    Problem::new(
+        StatusCode::NOT_FOUND,
+        "record_not_found",
+        "No such record",
+        "There is no live record for this path, key and scope.",
+    )
+}
+
+async fn inspect(
+    State(s): State<AdminState>,
+    _: Operator,
+    JsonBody(r): JsonBody<RecordRef>,
+) -> Result<Json<Value>, Problem> {
+    let key = s.key_of(r)?;
+    match records::inspect(&*s.store, &key, s.clock.now()).await {
+        Ok(Some(view)) => Ok(Json(view_json(&view))),
+        Ok(None) => Err(not_found()),
+        Err(e) => Err(Problem::store(&e)),
+    }
+}
+
+async fn reopen(
+    State(s): State<AdminState>,
+    _: Operator,
+    JsonBody(r): JsonBody<RecordRef>,
+) -> Result<Json<Value>, Problem> {
+    let key = s.key_of(r)?;
+    match records::reopen_unknown(&*s.store, &key, s.clock.now()).await {
+        Ok(Reopened::Reopened { fence }) => {
+            info!(
+                key = %key.log_tag(),
+                scope = %key.scope(),
+                namespace = %key.namespace(),
+                fence,
+                "an operator reopened an unknown outcome; the next retry runs it"
+            );
+            Ok(Json(json!({"reopened": true, "fence": fence})))
+        }
+        Ok(Reopened::NotFound) => Err(not_found()),
+        Ok(Reopened::NotUnknown(view)) => Err(Problem::new(
+            StatusCode::CONFLICT,
+            "not_unknown",
+            "Outcome not unknown",
+            format!(
+                "The record is {}, not an unknown outcome; only unknown outcomes are reopened.",
+                view.state.name()
+            ),
+        )
+        .with("record", view_json(&view))),
+        Err(e) => Err(Problem::store(&e)),
+    }
+}
