@@ -161,10 +161,18 @@ fn main() -> ExitCode {
         .with_writer(std::io::stderr)
         .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .init();
-    let result = match cli.command {
-        Command::Serve(args) => serve(&args),
-        Command::Gateway(args) => gateway(args),
-    };
+    let result = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+        .map_err(|e| format!("cannot start the runtime: {e}"))
+        .and_then(|runtime| {
+            runtime.block_on(async {
+                match cli.command {
+                    Command::Serve(args) => serve(&args).await,
+                    Command::Gateway(args) => gateway(args).await,
+                }
+            })
+        });
     match result {
         Ok(()) => ExitCode::SUCCESS,
         Err(message) => {
@@ -174,7 +182,7 @@ fn main() -> ExitCode {
     }
 }
 
-fn serve(args: &ServeArgs) -> Result<(), String> {
+async fn serve(args: &ServeArgs) -> Result<(), String> {
     let url: StoreUrl = args
         .store
         .parse()
@@ -190,7 +198,7 @@ fn serve(args: &ServeArgs) -> Result<(), String> {
             args.listen
         ));
     }
-    let store = url.open().map_err(|e| e.to_string())?;
+    let store = url.open().await.map_err(|e| e.to_string())?;
     if auth.is_anonymous() {
         warn!(
             "no API keys configured: every caller shares the scope `default`; \
@@ -213,9 +221,10 @@ fn serve(args: &ServeArgs) -> Result<(), String> {
         clock,
         args.purge_interval,
     )
+    .await
 }
 
-fn gateway(args: GatewayArgs) -> Result<(), String> {
+async fn gateway(args: GatewayArgs) -> Result<(), String> {
     let mut file = match &args.config {
         Some(path) => {
             let text = std::fs::read_to_string(path)
@@ -240,7 +249,9 @@ fn gateway(args: GatewayArgs) -> Result<(), String> {
         .store
         .or(file.store.clone())
         .unwrap_or_else(|| "sqlite://idem.db".to_owned());
-    let store = idem_store::open(&store_url).map_err(|e| format!("store {store_url:?}: {e}"))?;
+    let store = idem_store::open(&store_url)
+        .await
+        .map_err(|e| format!("store {store_url:?}: {e}"))?;
     // The command line wins over the file.
     let mut gateway = Gateway::new(upstream, store.clone());
     if let Some(t) = args.upstream_timeout {
@@ -267,38 +278,32 @@ fn gateway(args: GatewayArgs) -> Result<(), String> {
         "gateway to the upstream"
     );
     let clock = gateway.clock.clone();
-    run(listen, gateway.router(), store, clock, purge_interval)
+    run(listen, gateway.router(), store, clock, purge_interval).await
 }
 
 /// Serves `app` on `listen` until SIGTERM or Ctrl-C, purging expired records meanwhile.
-fn run(
+async fn run(
     listen: SocketAddr,
     app: axum::Router,
     store: SharedStore,
     clock: Arc<dyn Clock>,
     purge_interval: Duration,
 ) -> Result<(), String> {
-    let runtime = tokio::runtime::Builder::new_multi_thread()
-        .enable_all()
-        .build()
-        .map_err(|e| format!("cannot start the runtime: {e}"))?;
-    runtime.block_on(async move {
-        let listener = tokio::net::TcpListener::bind(listen)
-            .await
-            .map_err(|e| format!("cannot listen on {listen}: {e}"))?;
-        let local = listener
-            .local_addr()
-            .map_err(|e| format!("cannot read the listening address: {e}"))?;
-        tokio::spawn(purge_loop(store.clone(), clock, purge_interval));
-        info!(store = store.kind(), "listening on http://{local}");
-        let app = app.into_make_service_with_connect_info::<SocketAddr>();
-        axum::serve(listener, app)
-            .with_graceful_shutdown(shutdown_signal())
-            .await
-            .map_err(|e| format!("server failed: {e}"))?;
-        info!("stopped");
-        Ok(())
-    })
+    let listener = tokio::net::TcpListener::bind(listen)
+        .await
+        .map_err(|e| format!("cannot listen on {listen}: {e}"))?;
+    let local = listener
+        .local_addr()
+        .map_err(|e| format!("cannot read the listening address: {e}"))?;
+    tokio::spawn(purge_loop(store.clone(), clock, purge_interval));
+    info!(store = store.kind(), "listening on http://{local}");
+    let app = app.into_make_service_with_connect_info::<SocketAddr>();
+    axum::serve(listener, app)
+        .with_graceful_shutdown(shutdown_signal())
+        .await
+        .map_err(|e| format!("server failed: {e}"))?;
+    info!("stopped");
+    Ok(())
 }
 
 async fn shutdown_signal() {

@@ -7,11 +7,19 @@
 //! [`open`] picks a store from a URL (`memory://`, `sqlite://PATH`), as `idem serve --store` does.
 
 mod memory;
+#[cfg(feature = "postgres")]
+mod postgres;
+#[cfg(any(feature = "sqlite", feature = "postgres", feature = "mysql"))]
+mod row;
+#[cfg(any(feature = "postgres", feature = "mysql"))]
+mod sql;
 #[cfg(feature = "sqlite")]
 mod sqlite;
 mod url;
 
 pub use memory::MemoryStore;
+#[cfg(feature = "postgres")]
+pub use postgres::{PostgresOptions, PostgresStore};
 #[cfg(feature = "sqlite")]
 pub use sqlite::{SqliteOptions, SqliteStore, Synchronous};
 pub use url::{OpenError, StoreUrl, StoreUrlError, open};

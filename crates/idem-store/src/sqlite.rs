@@ -21,9 +21,10 @@ use std::sync::mpsc;
 use std::thread;
 use std::time::Duration;
 
+use crate::row::{RawRow, sql_int};
 use idem_core::{
-    BeginOutcome, BeginRequest, Bytes, Fingerprint, Key, Lease, LeaseError, LeaseId, Record,
-    StaleLease, Status, Store, StoreError, Timestamp,
+    BeginOutcome, BeginRequest, Bytes, Key, Lease, LeaseError, Record, StaleLease, Store,
+    StoreError, Timestamp,
 };
 use rusqlite::{Connection, ErrorCode, OptionalExtension, TransactionBehavior, params};
 use tokio::sync::oneshot;
@@ -457,12 +458,6 @@ fn transition(
     }
 }
 
-/// SQLite integers are signed 64-bit; timestamps beyond `i64::MAX` ms (292 million years)
-/// are stored as `i64::MAX`.
-fn sql_int(v: u64) -> i64 {
-    i64::try_from(v).unwrap_or(i64::MAX)
-}
-
 fn load(
     tx: &rusqlite::Transaction<'_>,
     key: &Key,
@@ -496,51 +491,6 @@ fn load(
         )
         .optional()?;
     Ok(row.map(|raw| raw.into_record(key)).transpose())
-}
-
-struct RawRow {
-    fingerprint: Vec<u8>,
-    status: String,
-    fence: i64,
-    lease_id: Vec<u8>,
-    lease_expires_at: i64,
-    response: Option<Vec<u8>>,
-    ttl_ms: i64,
-    created_at: i64,
-    updated_at: i64,
-    expires_at: i64,
-}
-
-impl RawRow {
-    fn into_record(self, key: &Key) -> Result<Record, StoreError> {
-        let corrupt = |what: &str| StoreError::Corrupt(format!("SQLite record has a bad {what}"));
-        let uint = |v: i64, what: &str| u64::try_from(v).map_err(|_| corrupt(what));
-        let ts = |v: i64, what: &str| uint(v, what).map(Timestamp::from_millis);
-        let status = Status::parse(&self.status).ok_or_else(|| corrupt("status"))?;
-        let response = self.response.map(Bytes::from);
-        if (status == Status::Completed) != response.is_some() {
-            return Err(corrupt("response"));
-        }
-        Ok(Record {
-            key: key.clone(),
-            fingerprint: Fingerprint::from_bytes(
-                self.fingerprint
-                    .try_into()
-                    .map_err(|_| corrupt("fingerprint"))?,
-            ),
-            status,
-            fence: uint(self.fence, "fence")?,
-            lease_id: LeaseId::from_bytes(
-                self.lease_id.try_into().map_err(|_| corrupt("lease id"))?,
-            ),
-            lease_expires_at: ts(self.lease_expires_at, "lease expiry")?,
-            response,
-            ttl_ms: uint(self.ttl_ms, "ttl")?,
-            created_at: ts(self.created_at, "creation time")?,
-            updated_at: ts(self.updated_at, "update time")?,
-            expires_at: ts(self.expires_at, "expiry")?,
-        })
-    }
 }
 
 fn save(tx: &rusqlite::Transaction<'_>, r: &Record) -> rusqlite::Result<()> {

@@ -4,6 +4,9 @@
 //! - `sqlite://PATH`: a SQLite file; `sqlite://idem.db` is relative to the working directory,
 //!   `sqlite:///var/lib/idem/idem.db` is absolute. Options as a query string:
 //!   `synchronous=full|normal` and `busy_timeout_ms=N`.
+//! - `postgres://user:password@host:port/database` (feature `postgres`): PostgreSQL. Besides
+//!   the driver's own options, `idem_table=NAME` names the records table (default
+//!   `idem_records`) and `idem_pool=N` caps the connection pool (default 16).
 
 use std::str::FromStr;
 use std::sync::Arc;
@@ -28,6 +31,14 @@ pub enum StoreUrl {
         /// How long to wait for another writer's lock, in milliseconds.
         busy_timeout_ms: u64,
     },
+    /// `postgres://…` or `postgresql://…`
+    #[cfg(feature = "postgres")]
+    Postgres {
+        /// The URL as the driver takes it (idem's own options removed).
+        url: String,
+        /// The store's options.
+        options: crate::PostgresOptions,
+    },
 }
 
 /// Why a store URL was refused. The message is meant for a person.
@@ -40,16 +51,45 @@ fn err(msg: impl Into<String>) -> StoreUrlError {
 }
 
 /// The schemes this build understands, for error messages.
-fn known_schemes() -> &'static str {
+fn known_schemes() -> String {
+    let mut schemes = vec!["memory://"];
     if cfg!(feature = "sqlite") {
-        "memory://, sqlite://PATH"
-    } else {
-        "memory://"
+        schemes.push("sqlite://PATH");
     }
+    if cfg!(feature = "postgres") {
+        schemes.push("postgres://");
+    }
+    schemes.join(", ")
+}
+
+/// Splits idem's own `idem_*` options off a server URL's query: returns the URL without them,
+/// and them as pairs.
+#[cfg_attr(not(feature = "postgres"), allow(dead_code))]
+fn split_idem_options(url: &str) -> (String, Vec<(String, String)>) {
+    let Some((base, query)) = url.split_once('?') else {
+        return (url.to_owned(), Vec::new());
+    };
+    let (ours, theirs): (Vec<_>, Vec<_>) = query
+        .split('&')
+        .filter(|p| !p.is_empty())
+        .partition(|p| p.starts_with("idem_"));
+    let ours = ours
+        .into_iter()
+        .map(|p| {
+            let (k, v) = p.split_once('=').unwrap_or((p, ""));
+            (k.to_owned(), v.to_owned())
+        })
+        .collect();
+    let url = if theirs.is_empty() {
+        base.to_owned()
+    } else {
+        format!("{base}?{}", theirs.join("&"))
+    };
+    (url, ours)
 }
 
 /// The `name=value` pairs of a URL query.
-#[cfg_attr(not(feature = "sqlite"), allow(dead_code))]
+#[cfg_attr(not(any(feature = "sqlite", feature = "postgres")), allow(dead_code))]
 fn params(query: &str) -> impl Iterator<Item = (&str, &str)> {
     query
         .split('&')
@@ -115,6 +155,30 @@ impl FromStr for StoreUrl {
                     busy_timeout_ms,
                 })
             }
+            #[cfg(feature = "postgres")]
+            "postgres" | "postgresql" => {
+                let (url, ours) = split_idem_options(url);
+                let mut options = crate::PostgresOptions::default();
+                for (name, value) in ours {
+                    match name.as_str() {
+                        "idem_table" => options.table = value,
+                        "idem_pool" => {
+                            options.max_connections =
+                                value.parse().ok().filter(|n| *n > 0).ok_or_else(|| {
+                                    err(format!(
+                                        "idem_pool={value:?} is not a positive whole number"
+                                    ))
+                                })?;
+                        }
+                        _ => {
+                            return Err(err(format!(
+                                "unknown option {name:?}; idem's own are idem_table, idem_pool"
+                            )));
+                        }
+                    }
+                }
+                Ok(StoreUrl::Postgres { url, options })
+            }
             other => Err(err(format!(
                 "unknown store scheme {other:?}; this build knows {}",
                 known_schemes()
@@ -124,8 +188,9 @@ impl FromStr for StoreUrl {
 }
 
 impl StoreUrl {
-    /// Opens the store this URL names.
-    pub fn open(&self) -> Result<SharedStore, StoreError> {
+    /// Opens the store this URL names (connecting, and applying migrations, for server
+    /// stores).
+    pub async fn open(&self) -> Result<SharedStore, StoreError> {
         match self {
             StoreUrl::Memory => Ok(Arc::new(MemoryStore::new())),
             #[cfg(feature = "sqlite")]
@@ -141,6 +206,10 @@ impl StoreUrl {
                 };
                 Ok(Arc::new(crate::SqliteStore::open_with(path, options)?))
             }
+            #[cfg(feature = "postgres")]
+            StoreUrl::Postgres { url, options } => Ok(Arc::new(
+                crate::PostgresStore::connect_with(url, options.clone()).await?,
+            )),
         }
     }
 }
@@ -148,12 +217,14 @@ impl StoreUrl {
 /// Parses `url` and opens the store it names.
 ///
 /// ```
-/// let store = idem_store::open("memory://").unwrap();
+/// # async fn demo() {
+/// let store = idem_store::open("memory://").await.unwrap();
 /// assert_eq!(store.kind(), "memory");
-/// assert!(idem_store::open("mongodb://x").is_err());
+/// assert!(idem_store::open("mongodb://x").await.is_err());
+/// # }
 /// ```
-pub fn open(url: &str) -> Result<SharedStore, OpenError> {
-    Ok(url.parse::<StoreUrl>()?.open()?)
+pub async fn open(url: &str) -> Result<SharedStore, OpenError> {
+    Ok(url.parse::<StoreUrl>()?.open().await?)
 }
 
 /// Why [`open`] failed.
@@ -203,6 +274,30 @@ mod tests {
         ] {
             let e = bad.parse::<StoreUrl>().unwrap_err();
             assert!(!e.to_string().is_empty(), "{bad}");
+        }
+    }
+
+    #[cfg(feature = "postgres")]
+    #[test]
+    fn parses_postgres_urls_and_takes_out_idem_options() {
+        let parsed = "postgres://u@db/app?sslmode=disable&idem_table=idem.records&idem_pool=4"
+            .parse::<StoreUrl>()
+            .unwrap();
+        let StoreUrl::Postgres { url, options } = parsed else {
+            panic!("not postgres: {parsed:?}");
+        };
+        assert_eq!(url, "postgres://u@db/app?sslmode=disable");
+        assert_eq!(options.table, "idem.records");
+        assert_eq!(options.max_connections, 4);
+        assert!(matches!(
+            "postgresql://db/app".parse(),
+            Ok(StoreUrl::Postgres { url, .. }) if url == "postgresql://db/app"
+        ));
+        for bad in [
+            "postgres://db/app?idem_pool=0",
+            "postgres://db/app?idem_color=red",
+        ] {
+            assert!(bad.parse::<StoreUrl>().is_err(), "{bad}");
         }
     }
 }

@@ -27,6 +27,6 @@ mod shared {
     use idem_testkit::conformance::Fixture;
 
     idem_testkit::conformance_tests!(async {
-        Fixture::new(idem_store::open("memory://").expect("open memory://"))
+        Fixture::new(idem_store::open("memory://").await.expect("open memory://"))
     });
 }

@@ -1,0 +1,452 @@
+//! Idempotency records in PostgreSQL.
+//!
+//! Each operation is one conditional statement that PostgreSQL applies atomically per row:
+//! `begin` is an `INSERT … ON CONFLICT DO UPDATE … WHERE <the key may be acquired>`, so of
+//! any number of concurrent `begin`s exactly one gets a row back; `complete`, `release` and
+//! `reopen` are `UPDATE`s conditioned on the lease (id and fence) and the record's state. Only
+//! when a conditional statement changed nothing is the row read, to tell the caller why (and
+//! that read is decided by the same pure transitions as every other store).
+//!
+//! Expiry follows the caller's clock (`now`), as everywhere; expired rows are deleted in
+//! bounded batches by `purge_expired`, which an index on `expires_at` keeps cheap.
+
+use std::time::Duration;
+
+use idem_core::{
+    BeginOutcome, BeginRequest, Bytes, Key, Lease, LeaseError, Record, StaleLease, Store,
+    StoreError, Timestamp,
+};
+use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
+use sqlx::{
+    AssertSqlSafe, ConnectOptions, Connection, PgConnection, PgPool, Row, SqlSafeStr, SqlStr,
+};
+
+use crate::row::{RawRow, sql_int};
+use crate::sql::{self, Migration, TableName};
+
+/// The schema, one migration per version; applied in order, each once.
+const MIGRATIONS: &[Migration] = &[Migration {
+    version: 1,
+    description: "records table and expiry index",
+    statements: &[
+        "CREATE TABLE IF NOT EXISTS {table} (
+            scope            TEXT    NOT NULL,
+            namespace        TEXT    NOT NULL,
+            client_key       TEXT    NOT NULL,
+            fingerprint      BYTEA   NOT NULL,
+            status           TEXT    NOT NULL
+                CHECK (status IN ('in_progress', 'completed', 'released')),
+            fence            BIGINT  NOT NULL,
+            lease_id         BYTEA   NOT NULL,
+            lease_expires_at BIGINT  NOT NULL,
+            response         BYTEA,
+            ttl_ms           BIGINT  NOT NULL,
+            created_at       BIGINT  NOT NULL,
+            updated_at       BIGINT  NOT NULL,
+            expires_at       BIGINT  NOT NULL,
+            PRIMARY KEY (scope, namespace, client_key)
+        )",
+        "CREATE INDEX IF NOT EXISTS {table}_expires_at ON {table} (expires_at)",
+    ],
+}];
+
+/// How a [`PostgresStore`] connects.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PostgresOptions {
+    /// The records table (created on first use); letters, digits and `_`, optionally
+    /// schema-qualified (`idem.records`). Default `idem_records`.
+    pub table: String,
+    /// The most connections the pool opens. Default 16.
+    pub max_connections: u32,
+    /// How long an operation waits for a free connection (or a new one) before failing with
+    /// [`StoreError::Unavailable`]. Default 5 s.
+    pub acquire_timeout: Duration,
+}
+
+impl Default for PostgresOptions {
+    fn default() -> Self {
+        Self {
+            table: "idem_records".to_owned(),
+            max_connections: 16,
+            acquire_timeout: Duration::from_secs(5),
+        }
+    }
+}
+
+/// Idempotency records in a PostgreSQL table. Clones share one connection pool.
+///
+/// The pool reconnects by itself: while the server is down every operation fails with
+/// [`StoreError::Unavailable`] (the work does not run), and once it is back operations succeed
+/// again without a restart.
+#[derive(Clone, Debug)]
+pub struct PostgresStore {
+    pool: PgPool,
+    sql: Statements,
+}
+
+#[derive(Clone, Debug)]
+struct Statements {
+    begin: SqlStr,
+    load: SqlStr,
+    complete: SqlStr,
+    release: SqlStr,
+    reopen: SqlStr,
+    get: SqlStr,
+    purge: SqlStr,
+}
+
+/// The columns [`RawRow`] is read from, in its order.
+const COLUMNS: &str = "fingerprint, status, fence, lease_id, lease_expires_at, response, ttl_ms,
+    created_at, updated_at, expires_at";
+
+/// `expires_at` for a record settled at `$now`: `now + ttl_ms`, capped at `i64::MAX`.
+const SETTLED_EXPIRY: &str = "LEAST(ttl_ms, 9223372036854775807 - $4) + $4";
+
+impl Statements {
+    fn new(t: &TableName) -> Self {
+        let s = |sql: String| AssertSqlSafe(sql).into_sql_str();
+        let key = "scope = $1 AND namespace = $2 AND client_key = $3";
+        Self {
+            // A fresh row has fence 1; an existing one is taken over only when it may be
+            // acquired: expired, released, or in progress for the same request with its lease
+            // run out (`Record::begin`).
+            begin: s(format!(
+                "INSERT INTO {t} AS r (scope, namespace, client_key, fingerprint, status, fence,
+                     lease_id, lease_expires_at, response, ttl_ms, created_at, updated_at,
+                     expires_at)
+                 VALUES ($1, $2, $3, $5, 'in_progress', 1, $6, $7, NULL, $8, $4, $4, $9)
+                 ON CONFLICT (scope, namespace, client_key) DO UPDATE SET
+                     fingerprint = EXCLUDED.fingerprint, status = 'in_progress',
+                     fence = r.fence + 1, lease_id = EXCLUDED.lease_id,
+                     lease_expires_at = EXCLUDED.lease_expires_at, response = NULL,
+                     ttl_ms = EXCLUDED.ttl_ms, created_at = EXCLUDED.created_at,
+                     updated_at = EXCLUDED.updated_at, expires_at = EXCLUDED.expires_at
+                 WHERE r.expires_at <= $4
+                    OR r.status = 'released'
+                    OR (r.status = 'in_progress' AND r.fingerprint = EXCLUDED.fingerprint
+                        AND r.lease_expires_at <= $4)
+                 RETURNING fence"
+            )),
+            load: s(format!("SELECT {COLUMNS} FROM {t} WHERE {key}")),
+            complete: s(format!(
+                "UPDATE {t} SET status = 'completed', response = $7, updated_at = $4,
+                     expires_at = {SETTLED_EXPIRY}
+                 WHERE {key} AND lease_id = $5 AND fence = $6 AND status = 'in_progress'
+                   AND expires_at > $4"
+            )),
+            release: s(format!(
+                "UPDATE {t} SET status = 'released', response = NULL, updated_at = $4,
+                     expires_at = {SETTLED_EXPIRY}
+                 WHERE {key} AND lease_id = $5 AND fence = $6 AND status = 'in_progress'
+                   AND expires_at > $4"
+            )),
+            reopen: s(format!(
+                "UPDATE {t} SET status = 'released', response = NULL, updated_at = $4,
+                     expires_at = {SETTLED_EXPIRY}
+                 WHERE {key} AND fence = $5 AND status = 'completed' AND expires_at > $4"
+            )),
+            get: s(format!(
+                "SELECT {COLUMNS} FROM {t} WHERE {key} AND expires_at > $4"
+            )),
+            purge: s(format!(
+                "DELETE FROM {t} WHERE ctid = ANY(ARRAY(
+                     SELECT ctid FROM {t} WHERE expires_at <= $1 LIMIT $2))"
+            )),
+        }
+    }
+}
+
+impl PostgresStore {
+    /// Connects to `url` (`postgres://user@host/db`) with default options and applies pending
+    /// migrations.
+    pub async fn connect(url: &str) -> Result<Self, StoreError> {
+        Self::connect_with(url, PostgresOptions::default()).await
+    }
+
+    /// Connects with `options` and applies pending migrations.
+    pub async fn connect_with(url: &str, options: PostgresOptions) -> Result<Self, StoreError> {
+        let connect: PgConnectOptions = url
+            .parse()
+            .map_err(|e| StoreError::backend("the PostgreSQL URL is not valid", e))?;
+        let table = TableName::parse(&options.table)?;
+        // One direct connection first: it reports why a server cannot be reached (the pool
+        // would only say it timed out), and it applies the migrations.
+        let mut first = connect
+            .connect()
+            .await
+            .map_err(|e| error("cannot connect to PostgreSQL", e))?;
+        migrate(&mut first, &table).await?;
+        let _ = first.close().await;
+        let pool = PgPoolOptions::new()
+            .max_connections(options.max_connections.max(1))
+            .acquire_timeout(options.acquire_timeout)
+            .connect_lazy_with(connect);
+        Ok(Self {
+            sql: Statements::new(&table),
+            pool,
+        })
+    }
+
+    /// The connection pool, for running business writes next to the records.
+    pub fn pool(&self) -> &PgPool {
+        &self.pool
+    }
+
+    async fn conn(&self) -> Result<sqlx::pool::PoolConnection<sqlx::Postgres>, StoreError> {
+        self.pool
+            .acquire()
+            .await
+            .map_err(|e| error("no PostgreSQL connection", e))
+    }
+
+    async fn load(&self, c: &mut PgConnection, key: &Key) -> Result<Option<Record>, StoreError> {
+        let row = sqlx::query(self.sql.load.clone())
+            .bind(key.scope().as_str())
+            .bind(key.namespace().as_str())
+            .bind(key.client_key().as_str())
+            .fetch_optional(c)
+            .await
+            .map_err(|e| error("cannot read the record", e))?;
+        row.map(|r| raw(&r)?.into_record(key)).transpose()
+    }
+
+    /// `begin` on one connection (of the pool, or a caller's transaction).
+    async fn begin_on(
+        &self,
+        c: &mut PgConnection,
+        req: &BeginRequest,
+        now: Timestamp,
+    ) -> Result<BeginOutcome, StoreError> {
+        // The record a fresh acquisition writes; its fence comes from the database.
+        let (lease, fresh) = sql::fresh(req, now);
+        // A bounded number of rounds: another begin may change the row between our refused
+        // upsert and our read (released, expired); then the upsert is tried again.
+        for _ in 0..8 {
+            let fence: Option<i64> = sqlx::query_scalar(self.sql.begin.clone())
+                .bind(req.key.scope().as_str())
+                .bind(req.key.namespace().as_str())
+                .bind(req.key.client_key().as_str())
+                .bind(sql_int(now.as_millis()))
+                .bind(&fresh.fingerprint.as_bytes()[..])
+                .bind(&lease.id.to_bytes()[..])
+                .bind(sql_int(lease.expires_at.as_millis()))
+                .bind(sql_int(fresh.ttl_ms))
+                .bind(sql_int(fresh.expires_at.as_millis()))
+                .fetch_optional(&mut *c)
+                .await
+                .map_err(|e| error("cannot begin the record", e))?;
+            if let Some(fence) = fence {
+                let fence = u64::try_from(fence)
+                    .map_err(|_| StoreError::Corrupt("the stored fence is negative".into()))?;
+                return Ok(BeginOutcome::Acquired(Lease { fence, ..lease }));
+            }
+            let existing = self.load(c, &req.key).await?;
+            let step = Record::begin(existing.as_ref(), req, now);
+            if !matches!(step.outcome, BeginOutcome::Acquired(_)) {
+                return Ok(step.outcome);
+            }
+        }
+        Err(StoreError::Unavailable {
+            message: "the record kept changing under contention; try again".into(),
+            source: None,
+        })
+    }
+
+    /// Runs a lease-conditioned update; if it changed nothing, reads the row to tell a
+    /// repeated call by the same lease (`Ok`) from a stale lease.
+    async fn settle_on(
+        &self,
+        c: &mut PgConnection,
+        statement: &SqlStr,
+        key: &Key,
+        lease: &Lease,
+        response: Option<Bytes>,
+        now: Timestamp,
+    ) -> Result<(), LeaseError> {
+        let mut q = sqlx::query(statement.clone())
+            .bind(key.scope().as_str())
+            .bind(key.namespace().as_str())
+            .bind(key.client_key().as_str())
+            .bind(sql_int(now.as_millis()))
+            .bind(&lease.id.to_bytes()[..])
+            .bind(sql_int(lease.fence));
+        let completing = response.is_some();
+        if let Some(r) = response {
+            q = q.bind(r.to_vec());
+        }
+        let done = q
+            .execute(&mut *c)
+            .await
+            .map_err(|e| error("cannot settle the record", e))?;
+        if done.rows_affected() == 1 {
+            return Ok(());
+        }
+        let Some(mut record) = self.load(c, key).await? else {
+            return Err(StaleLease.into());
+        };
+        // Nothing changed above, so only a repeat by the same lease can be `Ok` here.
+        let repeat = if completing {
+            record.complete_in_place(lease, Bytes::new(), now)?
+        } else {
+            record.release_in_place(lease, now)?
+        };
+        if repeat {
+            // The row would change now: it moved between the update and the read.
+            return Err(StoreError::Unavailable {
+                message: "the record changed while it was settled; try again".into(),
+                source: None,
+            }
+            .into());
+        }
+        Ok(())
+    }
+}
+
+/// Applies pending migrations in one transaction, under an advisory lock so that
+/// processes starting together apply each migration once.
+async fn migrate(c: &mut PgConnection, table: &TableName) -> Result<(), StoreError> {
+    let fail = |e| error("cannot apply the PostgreSQL schema", e);
+    let mut tx = c.begin().await.map_err(fail)?;
+    sqlx::query("SELECT pg_advisory_xact_lock(hashtext($1))")
+        .bind(format!("idem migrations {table}"))
+        .execute(&mut *tx)
+        .await
+        .map_err(fail)?;
+    let versions = table.migrations_table();
+    sqlx::query(AssertSqlSafe(format!(
+        "CREATE TABLE IF NOT EXISTS {versions} (
+             version BIGINT PRIMARY KEY, description TEXT NOT NULL, applied_at BIGINT NOT NULL)"
+    )))
+    .execute(&mut *tx)
+    .await
+    .map_err(fail)?;
+    let applied: Vec<i64> = sqlx::query_scalar(AssertSqlSafe(format!(
+        "SELECT version FROM {versions} ORDER BY version"
+    )))
+    .fetch_all(&mut *tx)
+    .await
+    .map_err(fail)?;
+    for m in sql::pending(MIGRATIONS, &applied)? {
+        for statement in m.statements {
+            sqlx::query(AssertSqlSafe(statement.replace("{table}", table.as_str())))
+                .execute(&mut *tx)
+                .await
+                .map_err(fail)?;
+        }
+        sqlx::query(AssertSqlSafe(format!(
+            "INSERT INTO {versions} (version, description, applied_at) VALUES ($1, $2, $3)"
+        )))
+        .bind(m.version)
+        .bind(m.description)
+        .bind(sql_int(Timestamp::now().as_millis()))
+        .execute(&mut *tx)
+        .await
+        .map_err(fail)?;
+    }
+    tx.commit().await.map_err(fail)
+}
+
+fn raw(r: &sqlx::postgres::PgRow) -> Result<RawRow, StoreError> {
+    let bad = |e| StoreError::backend("the records table has an unexpected shape", e);
+    Ok(RawRow {
+        fingerprint: r.try_get(0).map_err(bad)?,
+        status: r.try_get(1).map_err(bad)?,
+        fence: r.try_get(2).map_err(bad)?,
+        lease_id: r.try_get(3).map_err(bad)?,
+        lease_expires_at: r.try_get(4).map_err(bad)?,
+        response: r.try_get(5).map_err(bad)?,
+        ttl_ms: r.try_get(6).map_err(bad)?,
+        created_at: r.try_get(7).map_err(bad)?,
+        updated_at: r.try_get(8).map_err(bad)?,
+        expires_at: r.try_get(9).map_err(bad)?,
+    })
+}
+
+/// Classifies a database error: the server or the network failing (connection errors, SQLSTATE
+/// class 08, shutdown 57P, out of resources 53, serialization and deadlock 40) may pass; the
+/// rest is a backend error.
+fn error(what: &str, e: sqlx::Error) -> StoreError {
+    let transient = match &e {
+        sqlx::Error::Database(db) => db.code().is_some_and(|c| {
+            ["08", "53", "40", "57P"]
+                .iter()
+                .any(|class| c.starts_with(class))
+        }),
+        other => sql::is_transient(other),
+    };
+    // The driver's text names the failure (refused, timed out, the server's message), never
+    // the values bound to a statement.
+    let message = format!("{what}: {e}");
+    if transient {
+        StoreError::unavailable(message, e)
+    } else {
+        StoreError::backend(message, e)
+    }
+}
+
+impl Store for PostgresStore {
+    fn kind(&self) -> &'static str {
+        "postgres"
+    }
+
+    async fn begin(&self, req: &BeginRequest, now: Timestamp) -> Result<BeginOutcome, StoreError> {
+        let mut c = self.conn().await?;
+        self.begin_on(&mut c, req, now).await
+    }
+
+    async fn complete(
+        &self,
+        key: &Key,
+        lease: &Lease,
+        response: Bytes,
+        now: Timestamp,
+    ) -> Result<(), LeaseError> {
+        let mut c = self.conn().await?;
+        self.settle_on(&mut c, &self.sql.complete, key, lease, Some(response), now)
+            .await
+    }
+
+    async fn release(&self, key: &Key, lease: &Lease, now: Timestamp) -> Result<(), LeaseError> {
+        let mut c = self.conn().await?;
+        self.settle_on(&mut c, &self.sql.release, key, lease, None, now)
+            .await
+    }
+
+    async fn reopen(&self, key: &Key, fence: u64, now: Timestamp) -> Result<bool, StoreError> {
+        let done = sqlx::query(self.sql.reopen.clone())
+            .bind(key.scope().as_str())
+            .bind(key.namespace().as_str())
+            .bind(key.client_key().as_str())
+            .bind(sql_int(now.as_millis()))
+            .bind(sql_int(fence))
+            .execute(&self.pool)
+            .await
+            .map_err(|e| error("cannot reopen the record", e))?;
+        Ok(done.rows_affected() == 1)
+    }
+
+    async fn get(&self, key: &Key, now: Timestamp) -> Result<Option<Record>, StoreError> {
+        let row = sqlx::query(self.sql.get.clone())
+            .bind(key.scope().as_str())
+            .bind(key.namespace().as_str())
+            .bind(key.client_key().as_str())
+            .bind(sql_int(now.as_millis()))
+            .fetch_optional(&self.pool)
+            .await
+            .map_err(|e| error("cannot read the record", e))?;
+        row.map(|r| raw(&r)?.into_record(key)).transpose()
+    }
+
+    async fn purge_expired(&self, now: Timestamp, limit: usize) -> Result<u64, StoreError> {
+        if limit == 0 {
+            return Ok(0);
+        }
+        let done = sqlx::query(self.sql.purge.clone())
+            .bind(sql_int(now.as_millis()))
+            .bind(i64::try_from(limit).unwrap_or(i64::MAX))
+            .execute(&self.pool)
+            .await
+            .map_err(|e| error("cannot purge expired records", e))?;
+        Ok(done.rows_affected())
+    }
+}

@@ -1,0 +1,155 @@
+//! What the server-based SQL stores (PostgreSQL, MySQL/MariaDB) share: table names, versioned
+//! migrations, and the record a fresh `begin` writes.
+
+use std::fmt;
+
+use idem_core::{BeginOutcome, BeginRequest, Lease, Record, StoreError, Timestamp};
+
+/// A table name safe to put into SQL text: one or two (schema-qualified) identifiers of ASCII
+/// letters, digits and `_`, not starting with a digit, at most 48 characters each (room for
+/// the suffixes of the index and migrations table).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct TableName(String);
+
+impl TableName {
+    pub(crate) fn parse(name: &str) -> Result<Self, StoreError> {
+        let ident_ok = |part: &str| {
+            !part.is_empty()
+                && part.len() <= 48
+                && !part.starts_with(|c: char| c.is_ascii_digit())
+                && part.chars().all(|c| c.is_ascii_alphanumeric() || c == '_')
+        };
+        let parts: Vec<&str> = name.split('.').collect();
+        if parts.len() > 2 || !parts.iter().all(|p| ident_ok(p)) {
+            return Err(StoreError::Backend {
+                message: format!(
+                    "table name {name:?} must be letters, digits and _ (optionally schema.table), \
+                     at most 48 characters each"
+                ),
+                source: None,
+            });
+        }
+        Ok(Self(name.to_owned()))
+    }
+
+    pub(crate) fn as_str(&self) -> &str {
+        &self.0
+    }
+
+    /// The table that lists applied migrations: `<table>_migrations`.
+    pub(crate) fn migrations_table(&self) -> String {
+        format!("{}_migrations", self.0)
+    }
+}
+
+impl fmt::Display for TableName {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+/// One schema version: statements with `{table}` standing for the records table.
+pub(crate) struct Migration {
+    pub(crate) version: i64,
+    pub(crate) description: &'static str,
+    pub(crate) statements: &'static [&'static str],
+}
+
+/// The migrations not yet in `applied`, in order. A database that has a version this build
+/// does not know was migrated by a newer idem: refused rather than guessed at.
+pub(crate) fn pending<'m>(
+    all: &'m [Migration],
+    applied: &[i64],
+) -> Result<Vec<&'m Migration>, StoreError> {
+    let newest = all.iter().map(|m| m.version).max().unwrap_or(0);
+    if let Some(v) = applied.iter().find(|v| **v > newest) {
+        return Err(StoreError::Backend {
+            message: format!(
+                "the records table is at schema version {v}, newer than this idem knows \
+                 ({newest}); upgrade idem"
+            ),
+            source: None,
+        });
+    }
+    Ok(all
+        .iter()
+        .filter(|m| !applied.contains(&m.version))
+        .collect())
+}
+
+/// The lease and record a `begin` writes when it acquires a key nobody holds (fence 1; a store
+/// that takes an existing row over puts its own fence in).
+pub(crate) fn fresh(req: &BeginRequest, now: Timestamp) -> (Lease, Record) {
+    let step = Record::begin(None, req, now);
+    match (step.outcome, step.write) {
+        (BeginOutcome::Acquired(lease), Some(record)) => (lease, record),
+        // `Record::begin` on an absent record always acquires.
+        _ => unreachable!("begin on an absent record acquires"),
+    }
+}
+
+/// Whether a sqlx error that is not a database error means the server or the network failed
+/// (worth retrying later) rather than a mistake.
+pub(crate) fn is_transient(e: &sqlx::Error) -> bool {
+    matches!(
+        e,
+        sqlx::Error::Io(_)
+            | sqlx::Error::Tls(_)
+            | sqlx::Error::Protocol(_)
+            | sqlx::Error::PoolTimedOut
+            | sqlx::Error::PoolClosed
+            | sqlx::Error::WorkerCrashed
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn table_names_are_plain_identifiers() {
+        for ok in ["idem_records", "idem.records", "t1", "_x"] {
+            assert!(TableName::parse(ok).is_ok(), "{ok}");
+        }
+        for bad in [
+            "",
+            "1t",
+            "a.b.c",
+            "idem records",
+            "t;drop table x",
+            "t\"",
+            "a.",
+            &"x".repeat(49),
+        ] {
+            assert!(TableName::parse(bad).is_err(), "{bad}");
+        }
+    }
+
+    #[test]
+    fn pending_migrations_skip_applied_and_refuse_newer_schemas() {
+        const ALL: &[Migration] = &[
+            Migration {
+                version: 1,
+                description: "one",
+                statements: &[],
+            },
+            Migration {
+                version: 2,
+                description: "two",
+                statements: &[],
+            },
+        ];
+        let versions = |applied: &[i64]| -> Vec<i64> {
+            pending(ALL, applied)
+                .unwrap()
+                .iter()
+                .map(|m| m.version)
+                .collect()
+        };
+        assert_eq!(versions(&[]), [1, 2]);
+        assert_eq!(versions(&[1]), [2]);
+        assert!(versions(&[1, 2]).is_empty());
+        let e = pending(ALL, &[1, 2, 3]).err().unwrap().to_string();
+        assert!(e.contains("newer"), "{e}");
+    }
+}
