@@ -279,31 +279,39 @@ impl Record {
             }
         }
         let fence = existing.map_or(0, |r| r.fence).saturating_add(1);
+        let (lease, record) = Self::acquired(req, now, fence);
+        BeginStep {
+            outcome: BeginOutcome::Acquired(lease),
+            write: Some(record),
+        }
+    }
+
+    /// The lease and the record a `begin` that acquires writes, given the fence. Stores that
+    /// decide `begin` inside the database (a SQL statement, a Lua script) take every value but
+    /// the fence from here, so they agree with [`Record::begin`] to the millisecond.
+    pub fn acquired(req: &BeginRequest, now: Timestamp, fence: u64) -> (Lease, Record) {
         let lease = Lease {
             id: LeaseId::generate(),
             fence,
             expires_at: now.saturating_add(req.lease.max(MIN_DURATION)),
         };
         let ttl = req.ttl.max(MIN_DURATION);
-        let ttl_ms = duration_millis(ttl);
-        BeginStep {
-            outcome: BeginOutcome::Acquired(lease),
-            write: Some(Record {
-                key: req.key.clone(),
-                fingerprint: req.fingerprint,
-                status: Status::InProgress,
-                fence,
-                lease_id: lease.id,
-                lease_expires_at: lease.expires_at,
-                response: None,
-                ttl_ms,
-                created_at: now,
-                updated_at: now,
-                // Kept for a whole TTL after the lease runs out: a holder that stalls past its
-                // lease finds the record (and its fence) still there for that long.
-                expires_at: lease.expires_at.saturating_add(ttl),
-            }),
-        }
+        let record = Record {
+            key: req.key.clone(),
+            fingerprint: req.fingerprint,
+            status: Status::InProgress,
+            fence,
+            lease_id: lease.id,
+            lease_expires_at: lease.expires_at,
+            response: None,
+            ttl_ms: duration_millis(ttl),
+            created_at: now,
+            updated_at: now,
+            // Kept for a whole TTL after the lease runs out: a holder that stalls past its
+            // lease finds the record (and its fence) still there for that long.
+            expires_at: lease.expires_at.saturating_add(ttl),
+        };
+        (lease, record)
     }
 
     /// The `complete` transition. `Ok(Some(r))`: store `r`. `Ok(None)`: this lease already

@@ -218,7 +218,7 @@ impl PostgresStore {
         now: Timestamp,
     ) -> Result<BeginOutcome, StoreError> {
         // The record a fresh acquisition writes; its fence comes from the database.
-        let (lease, fresh) = sql::fresh(req, now);
+        let (lease, fresh) = Record::acquired(req, now, 1);
         // A bounded number of rounds: another begin may change the row between our refused
         // upsert and our read (released, expired); then the upsert is tried again.
         for _ in 0..8 {

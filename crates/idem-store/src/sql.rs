@@ -3,7 +3,7 @@
 
 use std::fmt;
 
-use idem_core::{BeginOutcome, BeginRequest, Lease, Record, StoreError, Timestamp};
+use idem_core::StoreError;
 
 /// A table name safe to put into SQL text: one or two (schema-qualified) identifiers of ASCII
 /// letters, digits and `_`, not starting with a digit, at most 48 characters each (room for
@@ -75,17 +75,6 @@ pub(crate) fn pending<'m>(
         .iter()
         .filter(|m| !applied.contains(&m.version))
         .collect())
-}
-
-/// The lease and record a `begin` writes when it acquires a key nobody holds (fence 1; a store
-/// that takes an existing row over puts its own fence in).
-pub(crate) fn fresh(req: &BeginRequest, now: Timestamp) -> (Lease, Record) {
-    let step = Record::begin(None, req, now);
-    match (step.outcome, step.write) {
-        (BeginOutcome::Acquired(lease), Some(record)) => (lease, record),
-        // `Record::begin` on an absent record always acquires.
-        _ => unreachable!("begin on an absent record acquires"),
-    }
 }
 
 /// Whether a sqlx error that is not a database error means the server or the network failed

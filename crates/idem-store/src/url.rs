@@ -7,6 +7,9 @@
 //! - `postgres://user:password@host:port/database` (feature `postgres`): PostgreSQL. Besides
 //!   the driver's own options, `idem_table=NAME` names the records table (default
 //!   `idem_records`) and `idem_pool=N` caps the connection pool (default 16).
+//! - `redis://[:password@]host:port[/db]` (feature `redis`): one Redis server;
+//!   `redis+cluster://host:port[,host:port…]`: a Redis Cluster, reached through any of the
+//!   listed nodes. `idem_prefix=P` puts `P` before every key (default `idem:`).
 
 use std::str::FromStr;
 use std::sync::Arc;
@@ -30,6 +33,16 @@ pub enum StoreUrl {
         synchronous: crate::Synchronous,
         /// How long to wait for another writer's lock, in milliseconds.
         busy_timeout_ms: u64,
+    },
+    /// `redis://…` (one server) or `redis+cluster://…` (a Cluster, through these nodes).
+    #[cfg(feature = "redis")]
+    Redis {
+        /// The server's URL, or each listed Cluster node's.
+        nodes: Vec<String>,
+        /// Whether it is a Cluster.
+        cluster: bool,
+        /// The store's options.
+        options: crate::RedisOptions,
     },
     /// `postgres://…` or `postgresql://…`
     #[cfg(feature = "postgres")]
@@ -59,12 +72,15 @@ fn known_schemes() -> String {
     if cfg!(feature = "postgres") {
         schemes.push("postgres://");
     }
+    if cfg!(feature = "redis") {
+        schemes.extend(["redis://", "redis+cluster://"]);
+    }
     schemes.join(", ")
 }
 
 /// Splits idem's own `idem_*` options off a server URL's query: returns the URL without them,
 /// and them as pairs.
-#[cfg_attr(not(feature = "postgres"), allow(dead_code))]
+#[cfg_attr(not(any(feature = "postgres", feature = "redis")), allow(dead_code))]
 fn split_idem_options(url: &str) -> (String, Vec<(String, String)>) {
     let Some((base, query)) = url.split_once('?') else {
         return (url.to_owned(), Vec::new());
@@ -179,6 +195,42 @@ impl FromStr for StoreUrl {
                 }
                 Ok(StoreUrl::Postgres { url, options })
             }
+            #[cfg(feature = "redis")]
+            "redis" | "redis+cluster" => {
+                let (url, ours) = split_idem_options(url);
+                let mut options = crate::RedisOptions::default();
+                for (name, value) in ours {
+                    match name.as_str() {
+                        "idem_prefix" => options.prefix = value,
+                        _ => {
+                            return Err(err(format!(
+                                "unknown option {name:?}; idem's own is idem_prefix"
+                            )));
+                        }
+                    }
+                }
+                let cluster = scheme == "redis+cluster";
+                let nodes = if cluster {
+                    let rest = &url["redis+cluster://".len()..];
+                    let (hosts, tail) = rest.split_once('/').map_or((rest, ""), |(h, t)| (h, t));
+                    if !tail.is_empty() {
+                        return Err(err("a Redis Cluster has no databases: drop the /db part"));
+                    }
+                    hosts.split(',').map(|h| format!("redis://{h}")).collect()
+                } else {
+                    vec![url]
+                };
+                if nodes.iter().any(|n| n.len() <= "redis://".len()) {
+                    return Err(err(format!(
+                        "{scheme}:// needs a host, as in {scheme}://127.0.0.1:6379"
+                    )));
+                }
+                Ok(StoreUrl::Redis {
+                    nodes,
+                    cluster,
+                    options,
+                })
+            }
             other => Err(err(format!(
                 "unknown store scheme {other:?}; this build knows {}",
                 known_schemes()
@@ -206,6 +258,22 @@ impl StoreUrl {
                 };
                 Ok(Arc::new(crate::SqliteStore::open_with(path, options)?))
             }
+            #[cfg(feature = "redis")]
+            StoreUrl::Redis {
+                nodes,
+                cluster: false,
+                options,
+            } => Ok(Arc::new(
+                crate::RedisStore::connect(&nodes[0], options.clone()).await?,
+            )),
+            #[cfg(feature = "redis")]
+            StoreUrl::Redis {
+                nodes,
+                cluster: true,
+                options,
+            } => Ok(Arc::new(
+                crate::RedisStore::connect_cluster(nodes, options.clone()).await?,
+            )),
             #[cfg(feature = "postgres")]
             StoreUrl::Postgres { url, options } => Ok(Arc::new(
                 crate::PostgresStore::connect_with(url, options.clone()).await?,
@@ -296,6 +364,39 @@ mod tests {
         for bad in [
             "postgres://db/app?idem_pool=0",
             "postgres://db/app?idem_color=red",
+        ] {
+            assert!(bad.parse::<StoreUrl>().is_err(), "{bad}");
+        }
+    }
+
+    #[cfg(feature = "redis")]
+    #[test]
+    fn parses_redis_and_cluster_urls() {
+        let parsed = "redis://:pw@cache:6380/2?idem_prefix=app:"
+            .parse::<StoreUrl>()
+            .unwrap();
+        let StoreUrl::Redis {
+            nodes,
+            cluster,
+            options,
+        } = parsed
+        else {
+            panic!("not redis: {parsed:?}");
+        };
+        assert_eq!(nodes, ["redis://:pw@cache:6380/2"]);
+        assert!(!cluster);
+        assert_eq!(options.prefix, "app:");
+        let parsed = "redis+cluster://a:7000,b:7001".parse::<StoreUrl>().unwrap();
+        let StoreUrl::Redis { nodes, cluster, .. } = parsed else {
+            panic!("not redis: {parsed:?}");
+        };
+        assert_eq!(nodes, ["redis://a:7000", "redis://b:7001"]);
+        assert!(cluster);
+        for bad in [
+            "redis://",
+            "redis+cluster://a:1/0",
+            "redis://a?idem_x=1",
+            "redis+cluster://a:1,",
         ] {
             assert!(bad.parse::<StoreUrl>().is_err(), "{bad}");
         }

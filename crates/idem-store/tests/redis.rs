@@ -1,0 +1,103 @@
+//! The Redis store against real servers: the conformance suite on the project's Redis, and on
+//! a single-node Redis Cluster this test starts itself. Skipped (with a note) when there is no
+//! Redis, except under `CI=true`.
+
+#![cfg(feature = "redis")]
+#![allow(clippy::unwrap_used)]
+
+use idem_store::{RedisOptions, RedisStore};
+use idem_testkit::conformance::Fixture;
+use idem_testkit::services::REDIS;
+
+fn options() -> RedisOptions {
+    RedisOptions {
+        prefix: "idem-test:".into(),
+        ..RedisOptions::default()
+    }
+}
+
+mod single {
+    use super::*;
+
+    async fn fixture() -> Option<Fixture<RedisStore>> {
+        let url = REDIS.url()?;
+        Some(Fixture::new(
+            RedisStore::connect(&url, options()).await.unwrap(),
+        ))
+    }
+
+    idem_testkit::conformance_tests!(fixture());
+}
+
+mod cluster {
+    use super::*;
+    use idem_testkit::services::RedisServer;
+
+    async fn fixture() -> Option<Fixture<RedisStore>> {
+        let server = RedisServer::shared_cluster()?;
+        let store = RedisStore::connect_cluster(&[server.url()], options())
+            .await
+            .unwrap();
+        Some(Fixture::new(store))
+    }
+
+    idem_testkit::conformance_tests!(fixture());
+}
+
+/// A Redis that goes away makes every operation fail closed, with an error that says to try
+/// again; when it is back, the same store works again without being rebuilt.
+#[test]
+fn an_outage_fails_closed_and_the_store_recovers_by_itself() {
+    use std::time::Duration;
+
+    use idem_core::{BeginOutcome, BeginRequest, Fingerprint, Key, Store, Timestamp};
+    use idem_testkit::services::RedisServer;
+
+    idem_testkit::block_on(async {
+        let Some(mut server) = RedisServer::start() else {
+            return;
+        };
+        let options = RedisOptions {
+            response_timeout: Duration::from_secs(1),
+            ..options()
+        };
+        let store = RedisStore::connect(&server.url(), options).await.unwrap();
+        let req = |k: &str| {
+            BeginRequest::new(
+                Key::parse("s", "outage", k).unwrap(),
+                Fingerprint::of_bytes(b"x"),
+            )
+        };
+        assert!(matches!(
+            store.begin(&req("before"), Timestamp::now()).await.unwrap(),
+            BeginOutcome::Acquired(_)
+        ));
+
+        server.stop();
+        for k in ["during-1", "during-2"] {
+            let e = store.begin(&req(k), Timestamp::now()).await.unwrap_err();
+            assert!(e.is_transient(), "{e}");
+        }
+        assert!(
+            store
+                .get(&req("before").key, Timestamp::now())
+                .await
+                .is_err()
+        );
+
+        server.restart();
+        // The connection comes back by itself; give it a few tries.
+        let mut outcome = None;
+        for _ in 0..50 {
+            if let Ok(o) = store.begin(&req("after"), Timestamp::now()).await {
+                outcome = Some(o);
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        assert!(
+            matches!(outcome, Some(BeginOutcome::Acquired(_))),
+            "{outcome:?}"
+        );
+    });
+}
