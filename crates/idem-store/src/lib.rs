@@ -7,6 +7,8 @@
 //! [`open`] picks a store from a URL (`memory://`, `sqlite://PATH`), as `idem serve --store` does.
 
 mod memory;
+#[cfg(feature = "mysql")]
+mod mysql;
 #[cfg(feature = "postgres")]
 mod postgres;
 #[cfg(feature = "redis")]
@@ -20,6 +22,8 @@ mod sqlite;
 mod url;
 
 pub use memory::MemoryStore;
+#[cfg(feature = "mysql")]
+pub use mysql::{MySqlOptions, MySqlStore};
 #[cfg(feature = "postgres")]
 pub use postgres::{PostgresOptions, PostgresStore};
 #[cfg(feature = "redis")]

@@ -284,21 +284,7 @@ impl PostgresStore {
         let Some(mut record) = self.load(c, key).await? else {
             return Err(StaleLease.into());
         };
-        // Nothing changed above, so only a repeat by the same lease can be `Ok` here.
-        let repeat = if completing {
-            record.complete_in_place(lease, Bytes::new(), now)?
-        } else {
-            record.release_in_place(lease, now)?
-        };
-        if repeat {
-            // The row would change now: it moved between the update and the read.
-            return Err(StoreError::Unavailable {
-                message: "the record changed while it was settled; try again".into(),
-                source: None,
-            }
-            .into());
-        }
-        Ok(())
+        sql::repeated_settle(&mut record, lease, completing, now)
     }
 }
 

@@ -3,7 +3,7 @@
 
 use std::fmt;
 
-use idem_core::StoreError;
+use idem_core::{Bytes, Lease, LeaseError, Record, StoreError, Timestamp};
 
 /// A table name safe to put into SQL text: one or two (schema-qualified) identifiers of ASCII
 /// letters, digits and `_`, not starting with a digit, at most 48 characters each (room for
@@ -75,6 +75,30 @@ pub(crate) fn pending<'m>(
         .iter()
         .filter(|m| !applied.contains(&m.version))
         .collect())
+}
+
+/// After a lease-conditioned update changed nothing, decides from the row as read: a repeat by
+/// the same lease of what it already did is `Ok`, anything else is stale. If the row as read
+/// would change after all, it moved between the update and the read: try again.
+pub(crate) fn repeated_settle(
+    record: &mut Record,
+    lease: &Lease,
+    completing: bool,
+    now: Timestamp,
+) -> Result<(), LeaseError> {
+    let would_change = if completing {
+        record.complete_in_place(lease, Bytes::new(), now)?
+    } else {
+        record.release_in_place(lease, now)?
+    };
+    if would_change {
+        return Err(StoreError::Unavailable {
+            message: "the record changed while it was settled; try again".into(),
+            source: None,
+        }
+        .into());
+    }
+    Ok(())
 }
 
 /// Whether a sqlx error that is not a database error means the server or the network failed

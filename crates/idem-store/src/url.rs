@@ -7,6 +7,8 @@
 //! - `postgres://user:password@host:port/database` (feature `postgres`): PostgreSQL. Besides
 //!   the driver's own options, `idem_table=NAME` names the records table (default
 //!   `idem_records`) and `idem_pool=N` caps the connection pool (default 16).
+//! - `mysql://user:password@host:port/database` (feature `mysql`): MySQL or MariaDB, with the
+//!   same `idem_table` and `idem_pool` options (`mariadb://` is accepted too).
 //! - `redis://[:password@]host:port[/db]` (feature `redis`): one Redis server;
 //!   `redis+cluster://host:port[,host:port…]`: a Redis Cluster, reached through any of the
 //!   listed nodes. `idem_prefix=P` puts `P` before every key (default `idem:`).
@@ -44,6 +46,14 @@ pub enum StoreUrl {
         /// The store's options.
         options: crate::RedisOptions,
     },
+    /// `mysql://…` or `mariadb://…`
+    #[cfg(feature = "mysql")]
+    MySql {
+        /// The URL as the driver takes it (idem's own options removed).
+        url: String,
+        /// The store's options.
+        options: crate::MySqlOptions,
+    },
     /// `postgres://…` or `postgresql://…`
     #[cfg(feature = "postgres")]
     Postgres {
@@ -72,6 +82,9 @@ fn known_schemes() -> String {
     if cfg!(feature = "postgres") {
         schemes.push("postgres://");
     }
+    if cfg!(feature = "mysql") {
+        schemes.push("mysql://");
+    }
     if cfg!(feature = "redis") {
         schemes.extend(["redis://", "redis+cluster://"]);
     }
@@ -80,7 +93,10 @@ fn known_schemes() -> String {
 
 /// Splits idem's own `idem_*` options off a server URL's query: returns the URL without them,
 /// and them as pairs.
-#[cfg_attr(not(any(feature = "postgres", feature = "redis")), allow(dead_code))]
+#[cfg_attr(
+    not(any(feature = "postgres", feature = "mysql", feature = "redis")),
+    allow(dead_code)
+)]
 fn split_idem_options(url: &str) -> (String, Vec<(String, String)>) {
     let Some((base, query)) = url.split_once('?') else {
         return (url.to_owned(), Vec::new());
@@ -173,27 +189,21 @@ impl FromStr for StoreUrl {
             }
             #[cfg(feature = "postgres")]
             "postgres" | "postgresql" => {
-                let (url, ours) = split_idem_options(url);
+                let (url, table, pool) = sql_options(url)?;
                 let mut options = crate::PostgresOptions::default();
-                for (name, value) in ours {
-                    match name.as_str() {
-                        "idem_table" => options.table = value,
-                        "idem_pool" => {
-                            options.max_connections =
-                                value.parse().ok().filter(|n| *n > 0).ok_or_else(|| {
-                                    err(format!(
-                                        "idem_pool={value:?} is not a positive whole number"
-                                    ))
-                                })?;
-                        }
-                        _ => {
-                            return Err(err(format!(
-                                "unknown option {name:?}; idem's own are idem_table, idem_pool"
-                            )));
-                        }
-                    }
-                }
+                options.table = table.unwrap_or(options.table);
+                options.max_connections = pool.unwrap_or(options.max_connections);
                 Ok(StoreUrl::Postgres { url, options })
+            }
+            #[cfg(feature = "mysql")]
+            "mysql" | "mariadb" => {
+                let (url, table, pool) = sql_options(url)?;
+                // The driver knows only `mysql://`; MariaDB speaks the same protocol.
+                let url = url.replacen("mariadb://", "mysql://", 1);
+                let mut options = crate::MySqlOptions::default();
+                options.table = table.unwrap_or(options.table);
+                options.max_connections = pool.unwrap_or(options.max_connections);
+                Ok(StoreUrl::MySql { url, options })
             }
             #[cfg(feature = "redis")]
             "redis" | "redis+cluster" => {
@@ -239,6 +249,31 @@ impl FromStr for StoreUrl {
     }
 }
 
+/// A SQL server URL without idem's options, and the `idem_table` and `idem_pool` they gave.
+#[cfg(any(feature = "postgres", feature = "mysql"))]
+fn sql_options(url: &str) -> Result<(String, Option<String>, Option<u32>), StoreUrlError> {
+    let (url, ours) = split_idem_options(url);
+    let (mut table, mut pool) = (None, None);
+    for (name, value) in ours {
+        match name.as_str() {
+            "idem_table" => table = Some(value),
+            "idem_pool" => {
+                pool = Some(value.parse().ok().filter(|n| *n > 0).ok_or_else(|| {
+                    err(format!(
+                        "idem_pool={value:?} is not a positive whole number"
+                    ))
+                })?);
+            }
+            _ => {
+                return Err(err(format!(
+                    "unknown option {name:?}; idem's own are idem_table, idem_pool"
+                )));
+            }
+        }
+    }
+    Ok((url, table, pool))
+}
+
 impl StoreUrl {
     /// Opens the store this URL names (connecting, and applying migrations, for server
     /// stores).
@@ -273,6 +308,10 @@ impl StoreUrl {
                 options,
             } => Ok(Arc::new(
                 crate::RedisStore::connect_cluster(nodes, options.clone()).await?,
+            )),
+            #[cfg(feature = "mysql")]
+            StoreUrl::MySql { url, options } => Ok(Arc::new(
+                crate::MySqlStore::connect_with(url, options.clone()).await?,
             )),
             #[cfg(feature = "postgres")]
             StoreUrl::Postgres { url, options } => Ok(Arc::new(
@@ -400,5 +439,19 @@ mod tests {
         ] {
             assert!(bad.parse::<StoreUrl>().is_err(), "{bad}");
         }
+    }
+
+    #[cfg(feature = "mysql")]
+    #[test]
+    fn parses_mysql_and_mariadb_urls() {
+        let parsed = "mariadb://root@db/app?idem_table=t&ssl-mode=disabled"
+            .parse::<StoreUrl>()
+            .unwrap();
+        let StoreUrl::MySql { url, options } = parsed else {
+            panic!("not mysql: {parsed:?}");
+        };
+        assert_eq!(url, "mysql://root@db/app?ssl-mode=disabled");
+        assert_eq!(options.table, "t");
+        assert!("mysql://db/app?idem_pool=x".parse::<StoreUrl>().is_err());
     }
 }

@@ -9,9 +9,6 @@ use idem_store::{PostgresOptions, PostgresStore};
 use idem_testkit::conformance::Fixture;
 use idem_testkit::services::POSTGRES;
 
-/// The table the suite uses; cases keep apart by their random scopes.
-const TABLE: &str = "idem_test_conformance";
-
 async fn store(table: &str) -> Option<PostgresStore> {
     let url = POSTGRES.url()?;
     let options = PostgresOptions {
@@ -25,7 +22,13 @@ mod conformance {
     use super::*;
 
     async fn fixture() -> Option<Fixture<PostgresStore>> {
-        store(TABLE).await.map(Fixture::new)
+        // A table per case (the same in every run): purges must not reach other cases.
+        let table = idem_testkit::conformance::case_table("idem_test_case");
+        let store = store(&table).await?;
+        idem_core::Store::purge_expired(&store, idem_core::Timestamp::now(), 100_000)
+            .await
+            .unwrap();
+        Some(Fixture::new(store))
     }
 
     idem_testkit::conformance_tests!(fixture());

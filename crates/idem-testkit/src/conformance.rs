@@ -1,7 +1,8 @@
 //! The conformance suite: one function per case, each taking any [`Store`].
 //!
 //! Every case works in a scope of its own (random), so the suite can run against a shared
-//! server concurrently with other runs. Time is passed explicitly: cases start from the wall
+//! server concurrently with other runs; only purges reach across scopes, so a fixture on a
+//! shared server gives each case a table of its own ([`case_table`]). Time is passed explicitly: cases start from the wall
 //! clock and move forward by adding to it, never by sleeping.
 
 use std::any::Any;
@@ -37,6 +38,22 @@ impl<S> Fixture<S> {
             _guard: Some(Box::new(guard)),
         }
     }
+}
+
+thread_local! {
+    /// The name of the case [`conformance_tests!`](crate::conformance_tests) is running on
+    /// this thread, for fixtures that give each case a store of its own.
+    pub static CASE: std::cell::Cell<&'static str> = const { std::cell::Cell::new("") };
+}
+
+/// A table name (or key prefix) of the current case's own: `<prefix>_<8 hex digits>`, the
+/// same in every run. Stores on a shared server need one per case, since a purge deletes
+/// whatever has expired by its clock, other cases' records included.
+pub fn case_table(prefix: &str) -> String {
+    use std::hash::{Hash, Hasher};
+    let mut h = std::collections::hash_map::DefaultHasher::new();
+    CASE.get().hash(&mut h);
+    format!("{prefix}_{:08x}", h.finish() & 0xffff_ffff)
 }
 
 /// What a fixture expression may yield: a [`Fixture`], or `Option<Fixture>` where `None`
@@ -632,6 +649,26 @@ pub async fn duplicate_storm_with_completion<S: Store + Clone>(store: &S) {
     assert_eq!(acquired, 1, "exactly one begin may acquire");
     assert!(replays < STORM);
     assert_eq!(&replayed(store, &req, now).await[..], b"winner");
+}
+
+/// Keys are compared byte for byte: keys that differ only in letter case name different
+/// records (a case-insensitive SQL collation would fold them into one).
+pub async fn keys_are_compared_exactly<S: Store>(store: &S) {
+    let c = Case::new();
+    let now = c.at(0);
+    let lease = acquire(store, &c.req("Order-1", "a"), now).await;
+    store
+        .complete(&c.key("Order-1"), &lease, Bytes::from_static(b"upper"), now)
+        .await
+        .unwrap();
+    for other in ["order-1", "ORDER-1"] {
+        let l = acquire(store, &c.req(other, "b"), now).await;
+        assert_eq!(l.fence, 1, "{other:?} shares a record with Order-1");
+    }
+    assert_eq!(
+        &replayed(store, &c.req("Order-1", "a"), now).await[..],
+        b"upper"
+    );
 }
 
 /// 50 keys, 20 concurrent attempts each, all interleaved: exactly one winner per key.

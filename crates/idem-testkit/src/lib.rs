@@ -57,6 +57,7 @@ macro_rules! conformance_tests {
             get_reports_the_record,
             scope_isolation,
             namespace_isolation,
+            keys_are_compared_exactly,
             duplicate_storm,
             duplicate_storm_with_completion,
             storm_over_many_keys,
@@ -66,6 +67,7 @@ macro_rules! conformance_tests {
         $(
             #[test]
             fn $case() {
+                $crate::conformance::CASE.set(stringify!($case));
                 $crate::block_on(async {
                     // `Option<Fixture>`: `None` skips (a backend suite without its server).
                     let Some(fixture) = $crate::conformance::IntoFixture::into_fixture($fixture.await) else {

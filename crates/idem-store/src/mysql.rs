@@ -1,0 +1,457 @@
+//! Idempotency records in MySQL or MariaDB.
+//!
+//! Each decision is one statement InnoDB applies atomically per row. `begin` is an
+//! `INSERT … ON DUPLICATE KEY UPDATE` whose assignments take the row over only when the key may
+//! be acquired (expired, released, or in progress for the same request with its lease run
+//! out), and report the new fence through `LAST_INSERT_ID(expr)`, which the server returns with
+//! the statement's result: 0 means nothing was acquired. MySQL has no `RETURNING` for this
+//! statement, and this is its documented way to hand a value computed in an upsert back to the
+//! client. `complete`, `release` and `reopen` are `UPDATE`s conditioned on the lease and state.
+//!
+//! Keys are `VARBINARY`, so they compare byte for byte: under the usual case-insensitive
+//! collations `Order-1` and `order-1` would be one key.
+
+use std::time::Duration;
+
+use idem_core::{
+    BeginOutcome, BeginRequest, Bytes, Key, Lease, LeaseError, Record, StaleLease, Store,
+    StoreError, Timestamp,
+};
+use sqlx::mysql::{MySqlConnectOptions, MySqlDatabaseError, MySqlPoolOptions};
+use sqlx::{
+    AssertSqlSafe, ConnectOptions, Connection, MySqlConnection, MySqlPool, Row, SqlSafeStr, SqlStr,
+};
+
+use crate::row::{RawRow, sql_int};
+use crate::sql::{self, Migration, TableName};
+
+/// The schema, one migration per version; applied in order, each once.
+const MIGRATIONS: &[Migration] = &[Migration {
+    version: 1,
+    description: "records table and expiry index",
+    statements: &["CREATE TABLE IF NOT EXISTS {table} (
+        scope            VARBINARY(255) NOT NULL,
+        namespace        VARBINARY(255) NOT NULL,
+        client_key       VARBINARY(255) NOT NULL,
+        fingerprint      BINARY(32)     NOT NULL,
+        status           VARCHAR(16) CHARACTER SET ascii NOT NULL,
+        fence            BIGINT         NOT NULL,
+        lease_id         BINARY(16)     NOT NULL,
+        lease_expires_at BIGINT         NOT NULL,
+        response         LONGBLOB       NULL,
+        ttl_ms           BIGINT         NOT NULL,
+        created_at       BIGINT         NOT NULL,
+        updated_at       BIGINT         NOT NULL,
+        expires_at       BIGINT         NOT NULL,
+        PRIMARY KEY (scope, namespace, client_key),
+        KEY expires_at (expires_at)
+    ) ENGINE = InnoDB"],
+}];
+
+/// How a [`MySqlStore`] connects.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct MySqlOptions {
+    /// The records table (created on first use); letters, digits and `_`, optionally
+    /// database-qualified (`idem.records`). Default `idem_records`.
+    pub table: String,
+    /// The most connections the pool opens. Default 16.
+    pub max_connections: u32,
+    /// How long an operation waits for a free connection (or a new one) before failing with
+    /// [`StoreError::Unavailable`]. Default 5 s.
+    pub acquire_timeout: Duration,
+}
+
+impl Default for MySqlOptions {
+    fn default() -> Self {
+        Self {
+            table: "idem_records".to_owned(),
+            max_connections: 16,
+            acquire_timeout: Duration::from_secs(5),
+        }
+    }
+}
+
+/// Idempotency records in a MySQL or MariaDB table. Clones share one connection pool, which
+/// reconnects by itself after an outage.
+#[derive(Clone, Debug)]
+pub struct MySqlStore {
+    pool: MySqlPool,
+    sql: Statements,
+}
+
+#[derive(Clone, Debug)]
+struct Statements {
+    begin: SqlStr,
+    load: SqlStr,
+    complete: SqlStr,
+    release: SqlStr,
+    reopen: SqlStr,
+    get: SqlStr,
+    purge: SqlStr,
+}
+
+/// The columns [`RawRow`] is read from, in its order.
+const COLUMNS: &str = "fingerprint, status, fence, lease_id, lease_expires_at, response, ttl_ms,
+    created_at, updated_at, expires_at";
+
+/// `expires_at` for a record settled at `?` (bound twice): `now + ttl_ms`, capped.
+const SETTLED_EXPIRY: &str = "LEAST(ttl_ms, 9223372036854775807 - ?) + ?";
+
+impl Statements {
+    fn new(t: &TableName) -> Self {
+        let s = |sql: String| AssertSqlSafe(sql).into_sql_str();
+        let key = "scope = ? AND namespace = ? AND client_key = ?";
+        // Set first, to our new lease id only if the key may be acquired; every later
+        // assignment checks it, so they all see one decision (MySQL applies the assignments
+        // left to right, each seeing the ones before).
+        let ours = "lease_id = VALUES(lease_id)";
+        Self {
+            begin: s(format!(
+                "INSERT INTO {t} (scope, namespace, client_key, fingerprint, status, fence,
+                     lease_id, lease_expires_at, response, ttl_ms, created_at, updated_at,
+                     expires_at)
+                 VALUES (?, ?, ?, ?, 'in_progress', LAST_INSERT_ID(1), ?, ?, NULL, ?, ?, ?, ?)
+                 ON DUPLICATE KEY UPDATE
+                     lease_id = IF(expires_at <= ? OR status = 'released'
+                         OR (status = 'in_progress' AND fingerprint = VALUES(fingerprint)
+                             AND lease_expires_at <= ?),
+                         VALUES(lease_id), lease_id),
+                     fence = IF({ours}, LAST_INSERT_ID(fence + 1), fence + LAST_INSERT_ID(0)),
+                     fingerprint = IF({ours}, VALUES(fingerprint), fingerprint),
+                     status = IF({ours}, 'in_progress', status),
+                     lease_expires_at = IF({ours}, VALUES(lease_expires_at), lease_expires_at),
+                     response = IF({ours}, NULL, response),
+                     ttl_ms = IF({ours}, VALUES(ttl_ms), ttl_ms),
+                     created_at = IF({ours}, VALUES(created_at), created_at),
+                     updated_at = IF({ours}, VALUES(updated_at), updated_at),
+                     expires_at = IF({ours}, VALUES(expires_at), expires_at)"
+            )),
+            load: s(format!("SELECT {COLUMNS} FROM {t} WHERE {key}")),
+            complete: s(format!(
+                "UPDATE {t} SET status = 'completed', response = ?, updated_at = ?,
+                     expires_at = {SETTLED_EXPIRY}
+                 WHERE {key} AND lease_id = ? AND fence = ? AND status = 'in_progress'
+                   AND expires_at > ?"
+            )),
+            release: s(format!(
+                "UPDATE {t} SET status = 'released', response = NULL, updated_at = ?,
+                     expires_at = {SETTLED_EXPIRY}
+                 WHERE {key} AND lease_id = ? AND fence = ? AND status = 'in_progress'
+                   AND expires_at > ?"
+            )),
+            reopen: s(format!(
+                "UPDATE {t} SET status = 'released', response = NULL, updated_at = ?,
+                     expires_at = {SETTLED_EXPIRY}
+                 WHERE {key} AND fence = ? AND status = 'completed' AND expires_at > ?"
+            )),
+            get: s(format!(
+                "SELECT {COLUMNS} FROM {t} WHERE {key} AND expires_at > ?"
+            )),
+            purge: s(format!(
+                "DELETE FROM {t} WHERE expires_at <= ? ORDER BY expires_at LIMIT ?"
+            )),
+        }
+    }
+}
+
+type Query<'q> = sqlx::query::Query<'q, sqlx::MySql, sqlx::mysql::MySqlArguments>;
+
+/// Binds a record's key (the three `?` of `scope = ? AND namespace = ? AND client_key = ?`).
+fn keyed<'q>(q: Query<'q>, key: &'q Key) -> Query<'q> {
+    q.bind(key.scope().as_str().as_bytes())
+        .bind(key.namespace().as_str().as_bytes())
+        .bind(key.client_key().as_str().as_bytes())
+}
+
+impl MySqlStore {
+    /// Connects to `url` (`mysql://user:password@host/database`) with default options and
+    /// applies pending migrations.
+    pub async fn connect(url: &str) -> Result<Self, StoreError> {
+        Self::connect_with(url, MySqlOptions::default()).await
+    }
+
+    /// Connects with `options` and applies pending migrations.
+    pub async fn connect_with(url: &str, options: MySqlOptions) -> Result<Self, StoreError> {
+        let connect: MySqlConnectOptions = url
+            .parse()
+            .map_err(|e| StoreError::backend("the MySQL URL is not valid", e))?;
+        let table = TableName::parse(&options.table)?;
+        // One direct connection first: it reports why a server cannot be reached (the pool
+        // would only say it timed out), and it applies the migrations.
+        let mut first = connect
+            .connect()
+            .await
+            .map_err(|e| error("cannot connect to MySQL", e))?;
+        migrate(&mut first, &table).await?;
+        let _ = first.close().await;
+        let pool = MySqlPoolOptions::new()
+            .max_connections(options.max_connections.max(1))
+            .acquire_timeout(options.acquire_timeout)
+            .connect_lazy_with(connect);
+        Ok(Self {
+            sql: Statements::new(&table),
+            pool,
+        })
+    }
+
+    /// The connection pool, for running business writes next to the records.
+    pub fn pool(&self) -> &MySqlPool {
+        &self.pool
+    }
+
+    async fn conn(&self) -> Result<sqlx::pool::PoolConnection<sqlx::MySql>, StoreError> {
+        self.pool
+            .acquire()
+            .await
+            .map_err(|e| error("no MySQL connection", e))
+    }
+
+    async fn load(&self, c: &mut MySqlConnection, key: &Key) -> Result<Option<Record>, StoreError> {
+        let row = keyed(sqlx::query(self.sql.load.clone()), key)
+            .fetch_optional(c)
+            .await
+            .map_err(|e| error("cannot read the record", e))?;
+        row.map(|r| raw(&r)?.into_record(key)).transpose()
+    }
+
+    /// `begin` on one connection (of the pool, or a caller's transaction).
+    async fn begin_on(
+        &self,
+        c: &mut MySqlConnection,
+        req: &BeginRequest,
+        now: Timestamp,
+    ) -> Result<BeginOutcome, StoreError> {
+        let (lease, fresh) = Record::acquired(req, now, 1);
+        let now_ms = sql_int(now.as_millis());
+        for _ in 0..8 {
+            let done = keyed(sqlx::query(self.sql.begin.clone()), &req.key)
+                .bind(&fresh.fingerprint.as_bytes()[..])
+                .bind(&lease.id.to_bytes()[..])
+                .bind(sql_int(lease.expires_at.as_millis()))
+                .bind(sql_int(fresh.ttl_ms))
+                .bind(now_ms)
+                .bind(now_ms)
+                .bind(sql_int(fresh.expires_at.as_millis()))
+                .bind(now_ms)
+                .bind(now_ms)
+                .execute(&mut *c)
+                .await
+                .map_err(|e| error("cannot begin the record", e))?;
+            let fence = done.last_insert_id();
+            if fence > 0 {
+                return Ok(BeginOutcome::Acquired(Lease { fence, ..lease }));
+            }
+            let existing = self.load(c, &req.key).await?;
+            let step = Record::begin(existing.as_ref(), req, now);
+            if !matches!(step.outcome, BeginOutcome::Acquired(_)) {
+                return Ok(step.outcome);
+            }
+        }
+        Err(StoreError::Unavailable {
+            message: "the record kept changing under contention; try again".into(),
+            source: None,
+        })
+    }
+
+    /// Runs a lease-conditioned update; if it changed nothing, reads the row to tell a
+    /// repeated call by the same lease (`Ok`) from a stale lease.
+    async fn settle_on(
+        &self,
+        c: &mut MySqlConnection,
+        key: &Key,
+        lease: &Lease,
+        response: Option<Bytes>,
+        now: Timestamp,
+    ) -> Result<(), LeaseError> {
+        let now_ms = sql_int(now.as_millis());
+        let completing = response.is_some();
+        let q = match &response {
+            Some(r) => sqlx::query(self.sql.complete.clone()).bind(&r[..]),
+            None => sqlx::query(self.sql.release.clone()),
+        };
+        let q = q.bind(now_ms).bind(now_ms).bind(now_ms);
+        let done = keyed(q, key)
+            .bind(&lease.id.to_bytes()[..])
+            .bind(sql_int(lease.fence))
+            .bind(now_ms)
+            .execute(&mut *c)
+            .await
+            .map_err(|e| error("cannot settle the record", e))?;
+        if done.rows_affected() == 1 {
+            return Ok(());
+        }
+        let Some(mut record) = self.load(c, key).await? else {
+            return Err(StaleLease.into());
+        };
+        sql::repeated_settle(&mut record, lease, completing, now)
+    }
+}
+
+/// Applies pending migrations while holding a named lock, so that processes starting together
+/// apply each migration once. (MySQL commits DDL at once, so each step is also written to be
+/// safe to repeat.)
+async fn migrate(c: &mut MySqlConnection, table: &TableName) -> Result<(), StoreError> {
+    let fail = |e| error("cannot apply the MySQL schema", e);
+    let lock = format!("idem migrations {table}");
+    let locked: Option<i64> = sqlx::query_scalar("SELECT GET_LOCK(?, 60)")
+        .bind(&lock)
+        .fetch_one(&mut *c)
+        .await
+        .map_err(fail)?;
+    if locked != Some(1) {
+        return Err(StoreError::Unavailable {
+            message: "another process held the migration lock for a minute".into(),
+            source: None,
+        });
+    }
+    let result = apply(c, table).await;
+    let released = sqlx::query("SELECT RELEASE_LOCK(?)")
+        .bind(&lock)
+        .execute(&mut *c)
+        .await;
+    result?;
+    released.map(drop).map_err(fail)
+}
+
+async fn apply(c: &mut MySqlConnection, table: &TableName) -> Result<(), StoreError> {
+    let fail = |e| error("cannot apply the MySQL schema", e);
+    let versions = table.migrations_table();
+    sqlx::query(AssertSqlSafe(format!(
+        "CREATE TABLE IF NOT EXISTS {versions} (
+             version BIGINT PRIMARY KEY, description TEXT NOT NULL, applied_at BIGINT NOT NULL)
+         ENGINE = InnoDB"
+    )))
+    .execute(&mut *c)
+    .await
+    .map_err(fail)?;
+    let applied: Vec<i64> = sqlx::query_scalar(AssertSqlSafe(format!(
+        "SELECT version FROM {versions} ORDER BY version"
+    )))
+    .fetch_all(&mut *c)
+    .await
+    .map_err(fail)?;
+    for m in sql::pending(MIGRATIONS, &applied)? {
+        for statement in m.statements {
+            sqlx::query(AssertSqlSafe(statement.replace("{table}", table.as_str())))
+                .execute(&mut *c)
+                .await
+                .map_err(fail)?;
+        }
+        sqlx::query(AssertSqlSafe(format!(
+            "INSERT INTO {versions} (version, description, applied_at) VALUES (?, ?, ?)"
+        )))
+        .bind(m.version)
+        .bind(m.description)
+        .bind(sql_int(Timestamp::now().as_millis()))
+        .execute(&mut *c)
+        .await
+        .map_err(fail)?;
+    }
+    Ok(())
+}
+
+fn raw(r: &sqlx::mysql::MySqlRow) -> Result<RawRow, StoreError> {
+    let bad = |e| StoreError::backend("the records table has an unexpected shape", e);
+    Ok(RawRow {
+        fingerprint: r.try_get(0).map_err(bad)?,
+        status: r.try_get(1).map_err(bad)?,
+        fence: r.try_get(2).map_err(bad)?,
+        lease_id: r.try_get(3).map_err(bad)?,
+        lease_expires_at: r.try_get(4).map_err(bad)?,
+        response: r.try_get(5).map_err(bad)?,
+        ttl_ms: r.try_get(6).map_err(bad)?,
+        created_at: r.try_get(7).map_err(bad)?,
+        updated_at: r.try_get(8).map_err(bad)?,
+        expires_at: r.try_get(9).map_err(bad)?,
+    })
+}
+
+/// MySQL error numbers that mean the server is busy, shutting down or failing over, not that
+/// the statement is wrong: too many connections (1040), shutdown in progress (1053), lock wait
+/// timeout (1205), deadlock (1213), read-only (1290, 1836), connection killed (1927), and the
+/// client's lost-connection numbers (2002, 2003, 2006, 2013).
+const TRANSIENT: &[u16] = &[
+    1040, 1053, 1205, 1213, 1290, 1836, 1927, 2002, 2003, 2006, 2013,
+];
+
+/// Classifies a database error by its error number, never by its message.
+fn error(what: &str, e: sqlx::Error) -> StoreError {
+    let transient = match &e {
+        sqlx::Error::Database(db) => db
+            .try_downcast_ref::<MySqlDatabaseError>()
+            .is_some_and(|m| TRANSIENT.contains(&m.number())),
+        other => sql::is_transient(other),
+    };
+    // The driver's text names the failure, never the values bound to a statement.
+    let message = format!("{what}: {e}");
+    if transient {
+        StoreError::unavailable(message, e)
+    } else {
+        StoreError::backend(message, e)
+    }
+}
+
+impl Store for MySqlStore {
+    fn kind(&self) -> &'static str {
+        "mysql"
+    }
+
+    async fn begin(&self, req: &BeginRequest, now: Timestamp) -> Result<BeginOutcome, StoreError> {
+        let mut c = self.conn().await?;
+        self.begin_on(&mut c, req, now).await
+    }
+
+    async fn complete(
+        &self,
+        key: &Key,
+        lease: &Lease,
+        response: Bytes,
+        now: Timestamp,
+    ) -> Result<(), LeaseError> {
+        let mut c = self.conn().await?;
+        self.settle_on(&mut c, key, lease, Some(response), now)
+            .await
+    }
+
+    async fn release(&self, key: &Key, lease: &Lease, now: Timestamp) -> Result<(), LeaseError> {
+        let mut c = self.conn().await?;
+        self.settle_on(&mut c, key, lease, None, now).await
+    }
+
+    async fn reopen(&self, key: &Key, fence: u64, now: Timestamp) -> Result<bool, StoreError> {
+        let now_ms = sql_int(now.as_millis());
+        let q = sqlx::query(self.sql.reopen.clone())
+            .bind(now_ms)
+            .bind(now_ms)
+            .bind(now_ms);
+        let done = keyed(q, key)
+            .bind(sql_int(fence))
+            .bind(now_ms)
+            .execute(&self.pool)
+            .await
+            .map_err(|e| error("cannot reopen the record", e))?;
+        Ok(done.rows_affected() == 1)
+    }
+
+    async fn get(&self, key: &Key, now: Timestamp) -> Result<Option<Record>, StoreError> {
+        let row = keyed(sqlx::query(self.sql.get.clone()), key)
+            .bind(sql_int(now.as_millis()))
+            .fetch_optional(&self.pool)
+            .await
+            .map_err(|e| error("cannot read the record", e))?;
+        row.map(|r| raw(&r)?.into_record(key)).transpose()
+    }
+
+    async fn purge_expired(&self, now: Timestamp, limit: usize) -> Result<u64, StoreError> {
+        if limit == 0 {
+            return Ok(0);
+        }
+        let done = sqlx::query(self.sql.purge.clone())
+            .bind(sql_int(now.as_millis()))
+            .bind(u64::try_from(limit).unwrap_or(u64::MAX))
+            .execute(&self.pool)
+            .await
+            .map_err(|e| error("cannot purge expired records", e))?;
+        Ok(done.rows_affected())
+    }
+}
