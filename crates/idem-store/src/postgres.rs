@@ -192,6 +192,41 @@ impl PostgresStore {
         &self.pool
     }
 
+    /// Completes the record inside the caller's transaction (same-transaction mode): the
+    /// caller's business writes and the completion commit together, or neither does, so a
+    /// crash can never leave one without the other.
+    ///
+    /// Call [`Store::begin`] first, on its own (the in-progress record must be visible to
+    /// other attempts while the work runs); then open a transaction on [`Self::pool`], do the
+    /// work in it, call this, and commit. If this returns an error, roll back: a
+    /// [`LeaseError::Stale`] means another attempt took the key over, and the work must not
+    /// commit. Until the commit the record's row is locked, so a concurrent `begin` of the key
+    /// waits for the outcome.
+    ///
+    /// ```no_run
+    /// # async fn demo(store: &idem_store::PostgresStore, key: &idem_core::Key, lease: &idem_core::Lease)
+    /// # -> Result<(), Box<dyn std::error::Error>> {
+    /// let mut tx = store.pool().begin().await?;
+    /// sqlx::query("UPDATE accounts SET balance = balance - 10 WHERE id = 7")
+    ///     .execute(&mut *tx)
+    ///     .await?;
+    /// let now = idem_core::Timestamp::now();
+    /// store.complete_in(&mut tx, key, lease, b"{\"ok\":true}".to_vec().into(), now).await?;
+    /// tx.commit().await?;
+    /// # Ok(()) }
+    /// ```
+    pub async fn complete_in(
+        &self,
+        tx: &mut PgConnection,
+        key: &Key,
+        lease: &Lease,
+        response: Bytes,
+        now: Timestamp,
+    ) -> Result<(), LeaseError> {
+        self.settle_on(tx, &self.sql.complete, key, lease, Some(response), now)
+            .await
+    }
+
     async fn conn(&self) -> Result<sqlx::pool::PoolConnection<sqlx::Postgres>, StoreError> {
         self.pool
             .acquire()

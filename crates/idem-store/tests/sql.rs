@@ -1,0 +1,260 @@
+//! The PostgreSQL and MySQL/MariaDB stores against real servers: the conformance suite,
+//! migrations, failures, and same-transaction mode. Each suite is skipped (with a note) when
+//! its server does not answer, except under `CI=true`.
+
+#![allow(clippy::unwrap_used)]
+
+/// The tests of one SQL store; the statements are in the backend's dialect.
+macro_rules! sql_store_tests {
+    (
+        store: $store:ident,
+        options: $options:ident,
+        service: $service:ident,
+        unreachable: $unreachable:literal,
+        ledger: $ledger:literal,
+        insert: $insert:literal,
+        count: $count:literal $(,)?
+    ) => {
+        use std::sync::Arc;
+        use std::time::Duration;
+
+        use idem_core::{
+            BeginOutcome, BeginRequest, Bytes, Fingerprint, Key, LeaseError, Status, Store,
+            Timestamp,
+        };
+        use idem_store::{$options, $store};
+        use idem_testkit::conformance::Fixture;
+        use idem_testkit::services::$service;
+        use sqlx::AssertSqlSafe;
+
+        async fn store(table: &str) -> Option<$store> {
+            let url = $service.url()?;
+            let options = $options {
+                table: table.to_owned(),
+                ..$options::default()
+            };
+            Some($store::connect_with(&url, options).await.unwrap())
+        }
+
+        /// A name no other run uses.
+        fn fresh_name(prefix: &str) -> String {
+            use std::hash::{BuildHasher, RandomState};
+            let n = RandomState::new().hash_one(std::process::id()) & 0xffff_ffff;
+            format!("{prefix}_{n:08x}")
+        }
+
+        async fn drop_tables(store: &$store, tables: &[String]) {
+            for t in tables {
+                sqlx::query(AssertSqlSafe(format!("DROP TABLE IF EXISTS {t}")))
+                    .execute(store.pool())
+                    .await
+                    .unwrap();
+            }
+        }
+
+        mod conformance {
+            use super::*;
+
+            async fn fixture() -> Option<Fixture<$store>> {
+                // A table per case (the same in every run): purges must not reach other cases.
+                let table = idem_testkit::conformance::case_table("idem_test_case");
+                let store = store(&table).await?;
+                store.purge_expired(Timestamp::now(), 100_000).await.unwrap();
+                Some(Fixture::new(store))
+            }
+
+            idem_testkit::conformance_tests!(fixture());
+        }
+
+        #[test]
+        fn migrations_apply_once_even_when_processes_start_together() {
+            idem_testkit::block_on(async {
+                let table = fresh_name("idem_test");
+                let Some(first) = store(&table).await else {
+                    return;
+                };
+                let tables = [table.clone(), format!("{table}_migrations")];
+                drop_tables(&first, &tables).await;
+                // Eight stores start at once on a table that does not exist yet.
+                let starts: Vec<_> = (0..8)
+                    .map(|_| {
+                        let table = table.clone();
+                        tokio::spawn(async move { store(&table).await.unwrap() })
+                    })
+                    .collect();
+                for s in starts {
+                    s.await.unwrap();
+                }
+                let versions: Vec<i64> = sqlx::query_scalar(AssertSqlSafe(format!(
+                    "SELECT version FROM {table}_migrations"
+                )))
+                .fetch_all(first.pool())
+                .await
+                .unwrap();
+                assert_eq!(versions, [1]);
+
+                // A schema from a newer idem is refused, not guessed at.
+                sqlx::query(AssertSqlSafe(format!(
+                    "INSERT INTO {table}_migrations VALUES (99, 'from the future', 0)"
+                )))
+                .execute(first.pool())
+                .await
+                .unwrap();
+                let options = $options {
+                    table: table.clone(),
+                    ..$options::default()
+                };
+                let e = $store::connect_with(&$service.url().unwrap(), options)
+                    .await
+                    .unwrap_err();
+                assert!(e.to_string().contains("newer"), "{e}");
+                drop_tables(&first, &tables).await;
+            });
+        }
+
+        #[test]
+        fn bad_table_names_and_unreachable_servers_are_clear_errors() {
+            idem_testkit::block_on(async {
+                let Some(url) = $service.url() else {
+                    return;
+                };
+                let options = $options {
+                    table: "x; drop table y".into(),
+                    ..$options::default()
+                };
+                let e = $store::connect_with(&url, options).await.unwrap_err();
+                assert!(e.to_string().contains("table name"), "{e}");
+                // Nothing listens on port 1: unavailable, so callers fail closed and may retry.
+                let e = $store::connect_with($unreachable, $options::default())
+                    .await
+                    .unwrap_err();
+                assert!(e.is_transient(), "{e}");
+                assert!(e.to_string().contains("refused"), "{e}");
+            });
+        }
+
+        /// The work's write and the record's completion commit together: an attempt killed
+        /// after both ran but before its commit leaves neither, and the retry (after the
+        /// lease) runs the work exactly once more. Had the completion been committed on its
+        /// own, the kill would leave a completed record over a transfer that never happened,
+        /// and every retry would replay a success.
+        #[test]
+        fn same_transaction_mode_commits_the_work_and_the_record_together() {
+            idem_testkit::block_on(async {
+                let table = fresh_name("idem_test_tx");
+                let ledger = format!("{table}_ledger");
+                let Some(store) = store(&table).await else {
+                    return;
+                };
+                let store = Arc::new(store);
+                sqlx::query(AssertSqlSafe(format!($ledger, ledger)))
+                    .execute(store.pool())
+                    .await
+                    .unwrap();
+                let key = Key::parse("tx", "transfer", "t-1").unwrap();
+                let req = BeginRequest::new(key.clone(), Fingerprint::of_bytes(b"10"))
+                    .with_lease(Duration::from_secs(30));
+                let t0 = Timestamp::now();
+
+                // The first attempt writes and completes in one transaction, and is killed
+                // before it commits.
+                let BeginOutcome::Acquired(lease) = store.begin(&req, t0).await.unwrap() else {
+                    panic!("not acquired");
+                };
+                let (wrote, written) = tokio::sync::oneshot::channel();
+                let work = tokio::spawn({
+                    let (store, ledger) = (store.clone(), ledger.clone());
+                    async move {
+                        let mut tx = store.pool().begin().await.unwrap();
+                        sqlx::query(AssertSqlSafe(format!($insert, ledger)))
+                            .bind("t-1")
+                            .execute(&mut *tx)
+                            .await
+                            .unwrap();
+                        store
+                            .complete_in(&mut tx, &key, &lease, Bytes::from_static(b"done"), t0)
+                            .await
+                            .unwrap();
+                        wrote.send(()).unwrap();
+                        // Killed here: both statements ran, nothing is committed.
+                        std::future::pending::<()>().await;
+                        tx.commit().await.unwrap();
+                    }
+                });
+                written.await.unwrap();
+                work.abort();
+                let _ = work.await;
+
+                let count = || async {
+                    let n: i64 = sqlx::query_scalar(AssertSqlSafe(format!($count, ledger)))
+                        .bind("t-1")
+                        .fetch_one(store.pool())
+                        .await
+                        .unwrap();
+                    n
+                };
+                assert_eq!(count().await, 0, "the killed attempt's write was kept");
+                let r = store.get(&req.key, t0).await.unwrap().unwrap();
+                assert_eq!(r.status, Status::InProgress);
+
+                // The retry after the lease takes over, and its write and completion commit.
+                let later = t0.saturating_add(Duration::from_secs(31));
+                let BeginOutcome::Acquired(retry) = store.begin(&req, later).await.unwrap()
+                else {
+                    panic!("the retry did not take over");
+                };
+                assert!(retry.fence > lease.fence);
+                let mut tx = store.pool().begin().await.unwrap();
+                sqlx::query(AssertSqlSafe(format!($insert, ledger)))
+                    .bind("t-1")
+                    .execute(&mut *tx)
+                    .await
+                    .unwrap();
+                // The overtaken lease cannot complete in a transaction either.
+                let stale = store
+                    .complete_in(&mut tx, &req.key, &lease, Bytes::new(), later)
+                    .await;
+                assert!(matches!(stale, Err(LeaseError::Stale(_))), "{stale:?}");
+                store
+                    .complete_in(&mut tx, &req.key, &retry, Bytes::from_static(b"done"), later)
+                    .await
+                    .unwrap();
+                tx.commit().await.unwrap();
+
+                assert_eq!(count().await, 1);
+                assert!(matches!(
+                    store.begin(&req, later).await.unwrap(),
+                    BeginOutcome::Replay(r) if &r.response[..] == b"done"
+                ));
+                drop_tables(&store, &[table.clone(), format!("{table}_migrations"), ledger])
+                    .await;
+            });
+        }
+    };
+}
+
+#[cfg(feature = "postgres")]
+mod postgres {
+    sql_store_tests! {
+        store: PostgresStore,
+        options: PostgresOptions,
+        service: POSTGRES,
+        unreachable: "postgres://postgres@127.0.0.1:1/test",
+        ledger: "CREATE TABLE {} (transfer TEXT NOT NULL)",
+        insert: "INSERT INTO {} (transfer) VALUES ($1)",
+        count: "SELECT COUNT(*) FROM {} WHERE transfer = $1",
+    }
+}
+
+#[cfg(feature = "mysql")]
+mod mysql {
+    sql_store_tests! {
+        store: MySqlStore,
+        options: MySqlOptions,
+        service: MYSQL,
+        unreachable: "mysql://root@127.0.0.1:1/test",
+        ledger: "CREATE TABLE {} (transfer VARCHAR(64) NOT NULL) ENGINE = InnoDB",
+        insert: "INSERT INTO {} (transfer) VALUES (?)",
+        count: "SELECT COUNT(*) FROM {} WHERE transfer = ?",
+    }
+}
