@@ -19,10 +19,10 @@ use idem_core::{
 };
 use sqlx::mysql::{MySqlConnectOptions, MySqlDatabaseError, MySqlPoolOptions};
 use sqlx::{
-    AssertSqlSafe, ConnectOptions, Connection, MySqlConnection, MySqlPool, Row, SqlSafeStr, SqlStr,
+    AssertSqlSafe, ConnectOptions, Connection, MySqlConnection, MySqlPool, SqlSafeStr, SqlStr,
 };
 
-use crate::row::{RawRow, sql_int};
+use crate::row::sql_int;
 use crate::sql::{self, Migration, TableName};
 
 /// The schema, one migration per version; applied in order, each once.
@@ -245,7 +245,7 @@ impl MySqlStore {
             .fetch_optional(c)
             .await
             .map_err(|e| error("cannot read the record", e))?;
-        row.map(|r| raw(&r)?.into_record(key)).transpose()
+        row.map(|r| sql::raw(&r)?.into_record(key)).transpose()
     }
 
     /// `begin` on one connection (of the pool, or a caller's transaction).
@@ -384,22 +384,6 @@ async fn apply(c: &mut MySqlConnection, table: &TableName) -> Result<(), StoreEr
     Ok(())
 }
 
-fn raw(r: &sqlx::mysql::MySqlRow) -> Result<RawRow, StoreError> {
-    let bad = |e| StoreError::backend("the records table has an unexpected shape", e);
-    Ok(RawRow {
-        fingerprint: r.try_get(0).map_err(bad)?,
-        status: r.try_get(1).map_err(bad)?,
-        fence: r.try_get(2).map_err(bad)?,
-        lease_id: r.try_get(3).map_err(bad)?,
-        lease_expires_at: r.try_get(4).map_err(bad)?,
-        response: r.try_get(5).map_err(bad)?,
-        ttl_ms: r.try_get(6).map_err(bad)?,
-        created_at: r.try_get(7).map_err(bad)?,
-        updated_at: r.try_get(8).map_err(bad)?,
-        expires_at: r.try_get(9).map_err(bad)?,
-    })
-}
-
 /// MySQL error numbers that mean the server is busy, shutting down or failing over, not that
 /// the statement is wrong: too many connections (1040), shutdown in progress (1053), lock wait
 /// timeout (1205), deadlock (1213), read-only (1290, 1836), connection killed (1927), and the
@@ -473,7 +457,7 @@ impl Store for MySqlStore {
             .fetch_optional(&self.pool)
             .await
             .map_err(|e| error("cannot read the record", e))?;
-        row.map(|r| raw(&r)?.into_record(key)).transpose()
+        row.map(|r| sql::raw(&r)?.into_record(key)).transpose()
     }
 
     async fn purge_expired(&self, now: Timestamp, limit: usize) -> Result<u64, StoreError> {

@@ -17,11 +17,9 @@ use idem_core::{
     StoreError, Timestamp,
 };
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
-use sqlx::{
-    AssertSqlSafe, ConnectOptions, Connection, PgConnection, PgPool, Row, SqlSafeStr, SqlStr,
-};
+use sqlx::{AssertSqlSafe, ConnectOptions, Connection, PgConnection, PgPool, SqlSafeStr, SqlStr};
 
-use crate::row::{RawRow, sql_int};
+use crate::row::sql_int;
 use crate::sql::{self, Migration, TableName};
 
 /// The schema, one migration per version; applied in order, each once.
@@ -242,7 +240,7 @@ impl PostgresStore {
             .fetch_optional(c)
             .await
             .map_err(|e| error("cannot read the record", e))?;
-        row.map(|r| raw(&r)?.into_record(key)).transpose()
+        row.map(|r| sql::raw(&r)?.into_record(key)).transpose()
     }
 
     /// `begin` on one connection (of the pool, or a caller's transaction).
@@ -367,22 +365,6 @@ async fn migrate(c: &mut PgConnection, table: &TableName) -> Result<(), StoreErr
     tx.commit().await.map_err(fail)
 }
 
-fn raw(r: &sqlx::postgres::PgRow) -> Result<RawRow, StoreError> {
-    let bad = |e| StoreError::backend("the records table has an unexpected shape", e);
-    Ok(RawRow {
-        fingerprint: r.try_get(0).map_err(bad)?,
-        status: r.try_get(1).map_err(bad)?,
-        fence: r.try_get(2).map_err(bad)?,
-        lease_id: r.try_get(3).map_err(bad)?,
-        lease_expires_at: r.try_get(4).map_err(bad)?,
-        response: r.try_get(5).map_err(bad)?,
-        ttl_ms: r.try_get(6).map_err(bad)?,
-        created_at: r.try_get(7).map_err(bad)?,
-        updated_at: r.try_get(8).map_err(bad)?,
-        expires_at: r.try_get(9).map_err(bad)?,
-    })
-}
-
 /// Classifies a database error: the server or the network failing (connection errors, SQLSTATE
 /// class 08, shutdown 57P, out of resources 53, serialization and deadlock 40) may pass; the
 /// rest is a backend error.
@@ -455,7 +437,7 @@ impl Store for PostgresStore {
             .fetch_optional(&self.pool)
             .await
             .map_err(|e| error("cannot read the record", e))?;
-        row.map(|r| raw(&r)?.into_record(key)).transpose()
+        row.map(|r| sql::raw(&r)?.into_record(key)).transpose()
     }
 
     async fn purge_expired(&self, now: Timestamp, limit: usize) -> Result<u64, StoreError> {

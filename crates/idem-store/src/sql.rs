@@ -5,6 +5,8 @@ use std::fmt;
 
 use idem_core::{Bytes, Lease, LeaseError, Record, StoreError, Timestamp};
 
+use crate::row::RawRow;
+
 /// A table name safe to put into SQL text: one or two (schema-qualified) identifiers of ASCII
 /// letters, digits and `_`, not starting with a digit, at most 48 characters each (room for
 /// the suffixes of the index and migrations table).
@@ -99,6 +101,29 @@ pub(crate) fn repeated_settle(
         .into());
     }
     Ok(())
+}
+
+/// Reads a row of the records table's columns in [`RawRow`]'s order.
+pub(crate) fn raw<R: sqlx::Row>(r: &R) -> Result<RawRow, StoreError>
+where
+    usize: sqlx::ColumnIndex<R>,
+    for<'r> Vec<u8>: sqlx::Decode<'r, R::Database> + sqlx::Type<R::Database>,
+    for<'r> String: sqlx::Decode<'r, R::Database> + sqlx::Type<R::Database>,
+    for<'r> i64: sqlx::Decode<'r, R::Database> + sqlx::Type<R::Database>,
+{
+    let bad = |e| StoreError::backend("the records table has an unexpected shape", e);
+    Ok(RawRow {
+        fingerprint: r.try_get(0).map_err(bad)?,
+        status: r.try_get(1).map_err(bad)?,
+        fence: r.try_get(2).map_err(bad)?,
+        lease_id: r.try_get(3).map_err(bad)?,
+        lease_expires_at: r.try_get(4).map_err(bad)?,
+        response: r.try_get(5).map_err(bad)?,
+        ttl_ms: r.try_get(6).map_err(bad)?,
+        created_at: r.try_get(7).map_err(bad)?,
+        updated_at: r.try_get(8).map_err(bad)?,
+        expires_at: r.try_get(9).map_err(bad)?,
+    })
 }
 
 /// Whether a sqlx error that is not a database error means the server or the network failed
