@@ -1,12 +1,17 @@
 //! Store throughput and latency: begin+complete per second for each store, one task and 64
 //! concurrent tasks, with the p50/p99 latency of `begin`, next to a baseline in the same run.
 //!
-//! `cargo bench -p idem-store --bench store` (add `-- --quick` for a short run).
+//! `cargo bench -p idem-store --all-features --bench store` (add `-- --quick` for a short run).
+//! The server stores are measured when their servers answer (the URLs of
+//! `idem_testkit::services`), and skipped with a note otherwise.
 //!
 //! Baselines: for memory, a bare `Mutex<HashMap>` doing the same insert-then-update per key
 //! (no state machine, no leases); for SQLite, the classic dedupe table done by hand: one
 //! `INSERT … ON CONFLICT DO NOTHING` and one `UPDATE`, each committed on its own, with the same
-//! `synchronous` setting.
+//! `synchronous` setting; for PostgreSQL and MySQL/MariaDB, the engine's own limit: one
+//! single-statement upsert per key through the same driver and pool at the same concurrency;
+//! for Redis, `redis-benchmark` running `EVAL` of a one-line script and `SET NX` with as many
+//! connections as the store has tasks.
 
 #![allow(clippy::unwrap_used, clippy::print_stdout, clippy::cast_precision_loss)]
 
@@ -18,7 +23,11 @@ use idem_core::{
     BeginOutcome, BeginRequest, Bytes, ClientKey, Fingerprint, Key, Namespace, Scope, Store,
     Timestamp,
 };
-use idem_store::{MemoryStore, SqliteOptions, SqliteStore, Synchronous};
+use idem_store::{
+    MemoryStore, MySqlOptions, MySqlStore, PostgresOptions, PostgresStore, RedisOptions,
+    RedisStore, SqliteOptions, SqliteStore, Synchronous,
+};
+use idem_testkit::services::{MYSQL, POSTGRES, REDIS};
 
 struct Figures {
     pairs: usize,
@@ -159,6 +168,63 @@ fn bare_sqlite(path: &std::path::Path, sync: &str, pairs: usize) -> Figures {
     }
 }
 
+/// The SQL baseline: `tasks` tasks each run one upsert per fresh key, autocommitted.
+async fn bare_upsert<DB: sqlx::Database>(
+    pool: &sqlx::Pool<DB>,
+    sql: &'static str,
+    tasks: usize,
+    per_task: usize,
+) -> Figures
+where
+    for<'q> String: sqlx::Encode<'q, DB> + sqlx::Type<DB>,
+    for<'q> <DB as sqlx::Database>::Arguments: sqlx::IntoArguments<DB>,
+    for<'c> &'c sqlx::Pool<DB>: sqlx::Executor<'c, Database = DB>,
+{
+    let run = rand_u64();
+    let started = Instant::now();
+    let handles: Vec<_> = (0..tasks)
+        .map(|t| {
+            let pool = pool.clone();
+            tokio::spawn(async move {
+                for i in 0..per_task {
+                    sqlx::query(sql)
+                        .bind(format!("r{run}-t{t}-k{i}"))
+                        .execute(&pool)
+                        .await
+                        .unwrap();
+                }
+            })
+        })
+        .collect();
+    for h in handles {
+        h.await.unwrap();
+    }
+    Figures {
+        pairs: tasks * per_task,
+        elapsed: started.elapsed(),
+        begin_ns: Vec::new(),
+    }
+}
+
+/// `redis-benchmark`'s requests per second for `command` with `clients` connections.
+fn redis_benchmark(url: &str, clients: usize, requests: usize, command: &[&str]) -> Option<f64> {
+    let port = url.rsplit(':').next()?.trim_end_matches('/');
+    let out = std::process::Command::new("redis-benchmark")
+        .args(["-h", "127.0.0.1", "-p", port, "-q", "-r", "100000000"])
+        .args(["-c", &clients.to_string(), "-n", &requests.to_string()])
+        .args(command)
+        .output()
+        .ok()?;
+    // "EVAL …: 41050.90 requests per second, p50=…"
+    let text = String::from_utf8_lossy(&out.stdout);
+    let line = text
+        .lines()
+        .rev()
+        .find(|l| l.contains("requests per second"))?;
+    let figure = line.split("requests per second").next()?;
+    figure.rsplit(' ').find(|w| !w.is_empty())?.parse().ok()
+}
+
 fn row(name: &str, tasks: usize, f: &mut Figures, baseline: Option<(&str, f64)>) {
     let (p50, p99) = (f.percentile(50), f.percentile(99));
     let lat = if f.begin_ns.is_empty() {
@@ -177,6 +243,13 @@ fn row(name: &str, tasks: usize, f: &mut Figures, baseline: Option<(&str, f64)>)
 
 fn main() {
     let quick = std::env::args().any(|a| a == "--quick");
+    // `--only NAME`: just the rows of that store (memory, sqlite, postgres, mysql, redis).
+    let args: Vec<String> = std::env::args().collect();
+    let only = args
+        .iter()
+        .position(|a| a == "--only")
+        .and_then(|i| args.get(i + 1).cloned());
+    let wanted = |name: &str| only.as_deref().is_none_or(|o| o == name);
     let scale = if quick { 10 } else { 1 };
     let cores = std::thread::available_parallelism().map_or(1, usize::from);
     println!("store bench: begin+complete pairs per second, p50/p99 latency of begin");
@@ -186,6 +259,7 @@ fn main() {
 
     // Memory, single task: a current-thread runtime, as a job loop would run it.
     let single = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
         .build()
         .unwrap();
     let multi = tokio::runtime::Builder::new_multi_thread()
@@ -193,17 +267,22 @@ fn main() {
         .build()
         .unwrap();
 
-    let n = 1_000_000 / scale;
-    let mut base = bare_map(n);
-    row("bare Mutex<HashMap> (baseline)", 1, &mut base, None);
-    let mem = MemoryStore::new();
-    let mut f = single.block_on(run_store(&mem, 1, n));
-    row("memory", 1, &mut f, Some(("bare map", base.per_sec())));
-    let mem = MemoryStore::new();
-    let mut f = multi.block_on(run_store(&mem, 64, n / 64));
-    row("memory", 64, &mut f, Some(("bare map", base.per_sec())));
+    if wanted("memory") {
+        let n = 1_000_000 / scale;
+        let mut base = bare_map(n);
+        row("bare Mutex<HashMap> (baseline)", 1, &mut base, None);
+        let mem = MemoryStore::new();
+        let mut f = single.block_on(run_store(&mem, 1, n));
+        row("memory", 1, &mut f, Some(("bare map", base.per_sec())));
+        let mem = MemoryStore::new();
+        let mut f = multi.block_on(run_store(&mem, 64, n / 64));
+        row("memory", 64, &mut f, Some(("bare map", base.per_sec())));
+    }
 
     for (sync, label) in [(Synchronous::Full, "FULL"), (Synchronous::Normal, "NORMAL")] {
+        if !wanted("sqlite") {
+            break;
+        }
         let dir = tempfile::tempdir().unwrap();
         let single_n = if sync == Synchronous::Full {
             2_000
@@ -234,5 +313,130 @@ fn main() {
             &mut f,
             Some(("dedupe table", base.per_sec())),
         );
+    }
+
+    // One task runs on a current-thread runtime, as a job loop would; 64 on all cores.
+    for (runtime, tasks) in [(&single, 1), (&multi, 64)] {
+        runtime.block_on(servers(scale, tasks, &wanted));
+    }
+}
+
+/// The stores on servers, each beside its engine's own limit.
+async fn servers(scale: usize, tasks: usize, wanted: &dyn Fn(&str) -> bool) {
+    const TABLE: &str = "idem_bench_records";
+    if let Some(url) = POSTGRES.url().filter(|_| wanted("postgres")) {
+        let options = PostgresOptions {
+            table: TABLE.into(),
+            ..PostgresOptions::default()
+        };
+        let store = PostgresStore::connect_with(&url, options).await.unwrap();
+        sqlx::query("CREATE TABLE IF NOT EXISTS idem_bench_upsert (k TEXT PRIMARY KEY, v TEXT)")
+            .execute(store.pool())
+            .await
+            .unwrap();
+        let upsert =
+            "INSERT INTO idem_bench_upsert (k, v) VALUES ($1, 'x') ON CONFLICT (k) DO NOTHING";
+        sql_rows("postgres", &store, store.pool(), upsert, scale, tasks).await;
+        for t in ["idem_bench_upsert", TABLE, "idem_bench_records_migrations"] {
+            sqlx::query(sqlx::AssertSqlSafe(format!("DROP TABLE {t}")))
+                .execute(store.pool())
+                .await
+                .unwrap();
+        }
+    }
+    if let Some(url) = MYSQL.url().filter(|_| wanted("mysql")) {
+        let options = MySqlOptions {
+            table: TABLE.into(),
+            ..MySqlOptions::default()
+        };
+        let store = MySqlStore::connect_with(&url, options).await.unwrap();
+        sqlx::query(
+            "CREATE TABLE IF NOT EXISTS idem_bench_upsert (k VARBINARY(255) PRIMARY KEY, v TEXT)",
+        )
+        .execute(store.pool())
+        .await
+        .unwrap();
+        let upsert =
+            "INSERT INTO idem_bench_upsert (k, v) VALUES (?, 'x') ON DUPLICATE KEY UPDATE k = k";
+        sql_rows("mysql", &store, store.pool(), upsert, scale, tasks).await;
+        for t in ["idem_bench_upsert", TABLE, "idem_bench_records_migrations"] {
+            sqlx::query(sqlx::AssertSqlSafe(format!("DROP TABLE {t}")))
+                .execute(store.pool())
+                .await
+                .unwrap();
+        }
+    }
+    if let Some(url) = REDIS.url().filter(|_| wanted("redis")) {
+        let options = RedisOptions {
+            prefix: "idem-bench:".into(),
+            ..RedisOptions::default()
+        };
+        let store = RedisStore::connect(&url, options).await.unwrap();
+        {
+            let n = if tasks == 1 { 20_000 } else { 200_000 } / scale;
+            let eval = redis_benchmark(
+                &url,
+                tasks,
+                n,
+                &[
+                    "EVAL",
+                    "return redis.call('SET', KEYS[1], ARGV[1], 'NX')",
+                    "1",
+                    "idem-bench:k:__rand_int__",
+                    "v",
+                ],
+            );
+            let setnx = redis_benchmark(
+                &url,
+                tasks,
+                n,
+                &["SET", "idem-bench:s:__rand_int__", "v", "NX"],
+            );
+            for (what, rate) in [("EVAL", eval), ("SET NX", setnx)] {
+                match rate {
+                    Some(r) => println!(
+                        "| redis-benchmark {what} (baseline) | {tasks} | {r:>12.0} | – |  |"
+                    ),
+                    None => println!(
+                        "| redis-benchmark {what}: not run (is it installed?) | {tasks} | | | |"
+                    ),
+                }
+            }
+            let mut f = run_store(&store, tasks, n / tasks).await;
+            row("redis", tasks, &mut f, eval.map(|r| ("EVAL", r)));
+        }
+        // Leave nothing behind (the records would otherwise live for their 24 h TTL).
+        let _ = std::process::Command::new("sh")
+            .arg("-c")
+            .arg("redis-cli -u \"$0\" --scan --pattern 'idem-bench:*' | xargs -r -n 1000 redis-cli -u \"$0\" unlink >/dev/null")
+            .arg(&url)
+            .status();
+    }
+}
+
+/// One SQL store at `tasks` tasks, beside the single-statement upsert.
+async fn sql_rows<DB: sqlx::Database, S: Store + Clone>(
+    name: &str,
+    store: &S,
+    pool: &sqlx::Pool<DB>,
+    upsert: &'static str,
+    scale: usize,
+    tasks: usize,
+) where
+    for<'q> String: sqlx::Encode<'q, DB> + sqlx::Type<DB>,
+    for<'q> <DB as sqlx::Database>::Arguments: sqlx::IntoArguments<DB>,
+    for<'c> &'c sqlx::Pool<DB>: sqlx::Executor<'c, Database = DB>,
+{
+    {
+        let n = if tasks == 1 { 2_000 } else { 20_000 } / scale;
+        let mut base = bare_upsert(pool, upsert, tasks, n / tasks).await;
+        row(
+            &format!("{name} single-statement upsert (baseline)"),
+            tasks,
+            &mut base,
+            None,
+        );
+        let mut f = run_store(store, tasks, n / tasks).await;
+        row(name, tasks, &mut f, Some(("upsert", base.per_sec())));
     }
 }

@@ -8,6 +8,9 @@
 //! statement, and this is its documented way to hand a value computed in an upsert back to the
 //! client. `complete`, `release` and `reopen` are `UPDATE`s conditioned on the lease and state.
 //!
+//! Purges find expired rows through an index on `purge_after`, the latest moment a row can
+//! expire (fixed when a lease is granted), so completing a record touches no secondary index.
+//!
 //! Keys are `VARBINARY`, so they compare byte for byte: under the usual case-insensitive
 //! collations `Order-1` and `order-1` would be one key.
 
@@ -28,7 +31,7 @@ use crate::sql::{self, Migration, TableName};
 /// The schema, one migration per version; applied in order, each once.
 const MIGRATIONS: &[Migration] = &[Migration {
     version: 1,
-    description: "records table and expiry index",
+    description: "records table and purge index",
     statements: &["CREATE TABLE IF NOT EXISTS {table} (
         scope            VARBINARY(255) NOT NULL,
         namespace        VARBINARY(255) NOT NULL,
@@ -43,8 +46,9 @@ const MIGRATIONS: &[Migration] = &[Migration {
         created_at       BIGINT         NOT NULL,
         updated_at       BIGINT         NOT NULL,
         expires_at       BIGINT         NOT NULL,
+        purge_after      BIGINT         NOT NULL,
         PRIMARY KEY (scope, namespace, client_key),
-        KEY expires_at (expires_at)
+        KEY purge_after (purge_after)
     ) ENGINE = InnoDB"],
 }];
 
@@ -109,8 +113,9 @@ impl Statements {
             begin: s(format!(
                 "INSERT INTO {t} (scope, namespace, client_key, fingerprint, status, fence,
                      lease_id, lease_expires_at, response, ttl_ms, created_at, updated_at,
-                     expires_at)
-                 VALUES (?, ?, ?, ?, 'in_progress', LAST_INSERT_ID(1), ?, ?, NULL, ?, ?, ?, ?)
+                     expires_at, purge_after)
+                 VALUES (?, ?, ?, ?, 'in_progress', LAST_INSERT_ID(1), ?, ?, NULL, ?, ?, ?, ?,
+                     ?)
                  ON DUPLICATE KEY UPDATE
                      lease_id = IF(expires_at <= ? OR status = 'released'
                          OR (status = 'in_progress' AND fingerprint = VALUES(fingerprint)
@@ -124,7 +129,8 @@ impl Statements {
                      ttl_ms = IF({ours}, VALUES(ttl_ms), ttl_ms),
                      created_at = IF({ours}, VALUES(created_at), created_at),
                      updated_at = IF({ours}, VALUES(updated_at), updated_at),
-                     expires_at = IF({ours}, VALUES(expires_at), expires_at)"
+                     expires_at = IF({ours}, VALUES(expires_at), expires_at),
+                     purge_after = IF({ours}, VALUES(purge_after), purge_after)"
             )),
             load: s(format!("SELECT {COLUMNS} FROM {t} WHERE {key}")),
             complete: s(format!(
@@ -148,7 +154,8 @@ impl Statements {
                 "SELECT {COLUMNS} FROM {t} WHERE {key} AND expires_at > ?"
             )),
             purge: s(format!(
-                "DELETE FROM {t} WHERE expires_at <= ? ORDER BY expires_at LIMIT ?"
+                "DELETE FROM {t} WHERE purge_after <= ? AND expires_at <= ?
+                 ORDER BY purge_after LIMIT ?"
             )),
         }
     }
@@ -266,6 +273,7 @@ impl MySqlStore {
                 .bind(now_ms)
                 .bind(now_ms)
                 .bind(sql_int(fresh.expires_at.as_millis()))
+                .bind(sql_int(fresh.expires_at.as_millis()))
                 .bind(now_ms)
                 .bind(now_ms)
                 .execute(&mut *c)
@@ -366,7 +374,7 @@ async fn apply(c: &mut MySqlConnection, table: &TableName) -> Result<(), StoreEr
     .map_err(fail)?;
     for m in sql::pending(MIGRATIONS, &applied)? {
         for statement in m.statements {
-            sqlx::query(AssertSqlSafe(statement.replace("{table}", table.as_str())))
+            sqlx::query(AssertSqlSafe(table.fill(statement)))
                 .execute(&mut *c)
                 .await
                 .map_err(fail)?;
@@ -465,6 +473,7 @@ impl Store for MySqlStore {
             return Ok(0);
         }
         let done = sqlx::query(self.sql.purge.clone())
+            .bind(sql_int(now.as_millis()))
             .bind(sql_int(now.as_millis()))
             .bind(u64::try_from(limit).unwrap_or(u64::MAX))
             .execute(&self.pool)

@@ -8,7 +8,11 @@
 //! that read is decided by the same pure transitions as every other store).
 //!
 //! Expiry follows the caller's clock (`now`), as everywhere; expired rows are deleted in
-//! bounded batches by `purge_expired`, which an index on `expires_at` keeps cheap.
+//! bounded batches by `purge_expired`, found through an index on `purge_after`: the latest
+//! moment the row can expire, fixed when a lease is granted (lease end plus TTL). Completing or
+//! releasing moves `expires_at` earlier but leaves every indexed column alone, so it is a HOT
+//! update (the table keeps free space in each page for it), and a purge deletes a row once
+//! both times have passed.
 
 use std::time::Duration;
 
@@ -25,7 +29,7 @@ use crate::sql::{self, Migration, TableName};
 /// The schema, one migration per version; applied in order, each once.
 const MIGRATIONS: &[Migration] = &[Migration {
     version: 1,
-    description: "records table and expiry index",
+    description: "records table and purge index",
     statements: &[
         "CREATE TABLE IF NOT EXISTS {table} (
             scope            TEXT    NOT NULL,
@@ -42,9 +46,10 @@ const MIGRATIONS: &[Migration] = &[Migration {
             created_at       BIGINT  NOT NULL,
             updated_at       BIGINT  NOT NULL,
             expires_at       BIGINT  NOT NULL,
+            purge_after      BIGINT  NOT NULL,
             PRIMARY KEY (scope, namespace, client_key)
-        )",
-        "CREATE INDEX IF NOT EXISTS {table}_expires_at ON {table} (expires_at)",
+        ) WITH (fillfactor = 80)",
+        "CREATE INDEX IF NOT EXISTS {name}_purge_after ON {table} (purge_after)",
     ],
 }];
 
@@ -111,14 +116,15 @@ impl Statements {
             begin: s(format!(
                 "INSERT INTO {t} AS r (scope, namespace, client_key, fingerprint, status, fence,
                      lease_id, lease_expires_at, response, ttl_ms, created_at, updated_at,
-                     expires_at)
-                 VALUES ($1, $2, $3, $5, 'in_progress', 1, $6, $7, NULL, $8, $4, $4, $9)
+                     expires_at, purge_after)
+                 VALUES ($1, $2, $3, $5, 'in_progress', 1, $6, $7, NULL, $8, $4, $4, $9, $9)
                  ON CONFLICT (scope, namespace, client_key) DO UPDATE SET
                      fingerprint = EXCLUDED.fingerprint, status = 'in_progress',
                      fence = r.fence + 1, lease_id = EXCLUDED.lease_id,
                      lease_expires_at = EXCLUDED.lease_expires_at, response = NULL,
                      ttl_ms = EXCLUDED.ttl_ms, created_at = EXCLUDED.created_at,
-                     updated_at = EXCLUDED.updated_at, expires_at = EXCLUDED.expires_at
+                     updated_at = EXCLUDED.updated_at, expires_at = EXCLUDED.expires_at,
+                     purge_after = EXCLUDED.purge_after
                  WHERE r.expires_at <= $4
                     OR r.status = 'released'
                     OR (r.status = 'in_progress' AND r.fingerprint = EXCLUDED.fingerprint
@@ -148,7 +154,8 @@ impl Statements {
             )),
             purge: s(format!(
                 "DELETE FROM {t} WHERE ctid = ANY(ARRAY(
-                     SELECT ctid FROM {t} WHERE expires_at <= $1 LIMIT $2))"
+                     SELECT ctid FROM {t} WHERE purge_after <= $1 AND expires_at <= $1
+                     LIMIT $2))"
             )),
         }
     }
@@ -347,7 +354,7 @@ async fn migrate(c: &mut PgConnection, table: &TableName) -> Result<(), StoreErr
     .map_err(fail)?;
     for m in sql::pending(MIGRATIONS, &applied)? {
         for statement in m.statements {
-            sqlx::query(AssertSqlSafe(statement.replace("{table}", table.as_str())))
+            sqlx::query(AssertSqlSafe(table.fill(statement)))
                 .execute(&mut *tx)
                 .await
                 .map_err(fail)?;

@@ -52,7 +52,7 @@ end
 local f = (fence or 0) + 1
 redis.call('HSET', k, 'st', 'in_progress', 'fp', ARGV[2], 'fence', f, 'lid', ARGV[3],
   'lexp', ARGV[4], 'ttl', ARGV[5], 'cat', ARGV[1], 'uat', ARGV[1], 'exp', ARGV[6])
-redis.call('HDEL', k, 'resp')
+if st then redis.call('HDEL', k, 'resp') end
 redis.call('PEXPIRE', k, ARGV[7])
 return {'acquired', f}
 ";
@@ -69,9 +69,10 @@ end
 if r[1] == ARGV[5] then return 'ok' end
 if r[1] ~= 'in_progress' then return 'stale' end
 local exp = now + tonumber(r[5])
-redis.call('HSET', k, 'st', ARGV[5], 'uat', ARGV[1], 'exp', exp)
 if ARGV[5] == 'completed' then
-  redis.call('HSET', k, 'resp', ARGV[6])
+  redis.call('HSET', k, 'st', ARGV[5], 'uat', ARGV[1], 'exp', exp, 'resp', ARGV[6])
+else
+  redis.call('HSET', k, 'st', ARGV[5], 'uat', ARGV[1], 'exp', exp)
 end
 redis.call('PEXPIRE', k, exp - now + tonumber(ARGV[4]))
 return 'ok'

@@ -34,8 +34,13 @@ impl TableName {
         Ok(Self(name.to_owned()))
     }
 
-    pub(crate) fn as_str(&self) -> &str {
-        &self.0
+    /// A migration statement with `{table}` (the name as given) and `{name}` (its last
+    /// part, for naming indexes, which cannot be schema-qualified) filled in.
+    pub(crate) fn fill(&self, statement: &str) -> String {
+        let name = self.0.rsplit('.').next().unwrap_or(&self.0);
+        statement
+            .replace("{table}", &self.0)
+            .replace("{name}", name)
     }
 
     /// The table that lists applied migrations: `<table>_migrations`.

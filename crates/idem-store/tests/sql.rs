@@ -11,6 +11,7 @@ macro_rules! sql_store_tests {
         options: $options:ident,
         service: $service:ident,
         unreachable: $unreachable:literal,
+        schema: $schema:literal,
         ledger: $ledger:literal,
         insert: $insert:literal,
         count: $count:literal $(,)?
@@ -109,6 +110,27 @@ macro_rules! sql_store_tests {
                     .unwrap_err();
                 assert!(e.to_string().contains("newer"), "{e}");
                 drop_tables(&first, &tables).await;
+            });
+        }
+
+        /// A schema-qualified table works (its index is named after the table's last part).
+        #[test]
+        fn a_qualified_table_name_works() {
+            idem_testkit::block_on(async {
+                let table = format!("{}.{}", $schema, fresh_name("idem_test_q"));
+                let Some(store) = store(&table).await else {
+                    return;
+                };
+                let req = BeginRequest::new(
+                    Key::parse("q", "q", "q").unwrap(),
+                    Fingerprint::of_bytes(b"q"),
+                );
+                let now = Timestamp::now();
+                assert!(matches!(
+                    store.begin(&req, now).await.unwrap(),
+                    BeginOutcome::Acquired(_)
+                ));
+                drop_tables(&store, &[table.clone(), format!("{table}_migrations")]).await;
             });
         }
 
@@ -240,6 +262,7 @@ mod postgres {
         options: PostgresOptions,
         service: POSTGRES,
         unreachable: "postgres://postgres@127.0.0.1:1/test",
+        schema: "public",
         ledger: "CREATE TABLE {} (transfer TEXT NOT NULL)",
         insert: "INSERT INTO {} (transfer) VALUES ($1)",
         count: "SELECT COUNT(*) FROM {} WHERE transfer = $1",
@@ -253,6 +276,7 @@ mod mysql {
         options: MySqlOptions,
         service: MYSQL,
         unreachable: "mysql://root@127.0.0.1:1/test",
+        schema: "test",
         ledger: "CREATE TABLE {} (transfer VARCHAR(64) NOT NULL) ENGINE = InnoDB",
         insert: "INSERT INTO {} (transfer) VALUES (?)",
         count: "SELECT COUNT(*) FROM {} WHERE transfer = ?",

@@ -7,7 +7,8 @@
 //!
 //! This crate is the entry point: [`Idempotency`] runs a closure at most once per key (for jobs
 //! and message consumers), [`purge::purge_loop`] deletes expired records in the background, and it re-exports the record model ([`idem_core`]) and the stores
-//! ([`idem_store`]: memory, and SQLite as the embedded default).
+//! ([`idem_store`]: memory, SQLite as the embedded default, and with features `postgres`,
+//! `mysql` and `redis` the server stores).
 //!
 //! ```
 //! # async fn demo() -> Result<(), Box<dyn std::error::Error>> {
@@ -60,3 +61,9 @@ pub use idem_core::{
 #[cfg(feature = "sqlite")]
 pub use idem_store::SqliteStore;
 pub use idem_store::{self, MemoryStore, StoreUrl, open};
+#[cfg(feature = "mysql")]
+pub use idem_store::{MySqlOptions, MySqlStore};
+#[cfg(feature = "postgres")]
+pub use idem_store::{PostgresOptions, PostgresStore};
+#[cfg(feature = "redis")]
+pub use idem_store::{RedisOptions, RedisStore};
