@@ -12,6 +12,7 @@ macro_rules! sql_store_tests {
         service: $service:ident,
         unreachable: $unreachable:literal,
         schema: $schema:literal,
+        own_server: $kind:ident,
         ledger: $ledger:literal,
         insert: $insert:literal,
         count: $count:literal $(,)?
@@ -155,6 +156,70 @@ macro_rules! sql_store_tests {
             });
         }
 
+        /// A server that goes away (killed) makes every operation fail closed with an error
+        /// that says to try again; when it is back, the same store works again by itself, and
+        /// the records from before are there.
+        #[test]
+        fn an_outage_fails_closed_and_the_store_recovers_by_itself() {
+            use idem_testkit::services::{SqlKind, SqlServer};
+            // The project's server is shared with other tests: this one kills its own.
+            if $service.url().is_none() {
+                return;
+            }
+            let Some(mut server) = SqlServer::start(SqlKind::$kind) else {
+                return;
+            };
+            idem_testkit::block_on(async {
+                let options = $options {
+                    acquire_timeout: Duration::from_secs(1),
+                    ..$options::default()
+                };
+                let store = $store::connect_with(&server.url(), options).await.unwrap();
+                let req = |k: &str| {
+                    BeginRequest::new(
+                        Key::parse("s", "outage", k).unwrap(),
+                        Fingerprint::of_bytes(b"x"),
+                    )
+                };
+                let now = Timestamp::now();
+                let BeginOutcome::Acquired(lease) = store.begin(&req("before"), now).await.unwrap()
+                else {
+                    panic!("not acquired");
+                };
+
+                server.stop();
+                for k in ["during-1", "during-2"] {
+                    let e = store.begin(&req(k), now).await.unwrap_err();
+                    assert!(e.is_transient(), "{e}");
+                }
+                let e = store
+                    .complete(&req("before").key, &lease, Bytes::new(), now)
+                    .await
+                    .unwrap_err();
+                assert!(matches!(e, LeaseError::Store(ref s) if s.is_transient()), "{e}");
+
+                server.restart();
+                let mut outcome = None;
+                for _ in 0..50 {
+                    if let Ok(o) = store.begin(&req("after"), now).await {
+                        outcome = Some(o);
+                        break;
+                    }
+                    tokio::time::sleep(Duration::from_millis(100)).await;
+                }
+                assert!(matches!(outcome, Some(BeginOutcome::Acquired(_))), "{outcome:?}");
+                // The record from before the outage is still held, and its lease completes.
+                assert!(matches!(
+                    store.begin(&req("before"), now).await.unwrap(),
+                    BeginOutcome::InProgress { .. }
+                ));
+                store
+                    .complete(&req("before").key, &lease, Bytes::from_static(b"ok"), now)
+                    .await
+                    .unwrap();
+            });
+        }
+
         /// The work's write and the record's completion commit together: an attempt killed
         /// after both ran but before its commit leaves neither, and the retry (after the
         /// lease) runs the work exactly once more. Had the completion been committed on its
@@ -263,6 +328,7 @@ mod postgres {
         service: POSTGRES,
         unreachable: "postgres://postgres@127.0.0.1:1/test",
         schema: "public",
+        own_server: Postgres,
         ledger: "CREATE TABLE {} (transfer TEXT NOT NULL)",
         insert: "INSERT INTO {} (transfer) VALUES ($1)",
         count: "SELECT COUNT(*) FROM {} WHERE transfer = $1",
@@ -277,6 +343,7 @@ mod mysql {
         service: MYSQL,
         unreachable: "mysql://root@127.0.0.1:1/test",
         schema: "test",
+        own_server: MariaDb,
         ledger: "CREATE TABLE {} (transfer VARCHAR(64) NOT NULL) ENGINE = InnoDB",
         insert: "INSERT INTO {} (transfer) VALUES (?)",
         count: "SELECT COUNT(*) FROM {} WHERE transfer = ?",

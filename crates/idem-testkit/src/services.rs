@@ -101,20 +101,112 @@ fn note_once(note: &str) {
     }
 }
 
+/// A server process of the test's own, killed with SIGKILL when stopped, when dropped, and
+/// also when the test process ends in any way: a watchdog shell kills it once this process's
+/// end of a pipe closes, so a panicking test or a server kept in a `static` leaves nothing
+/// running.
+struct Supervised {
+    watchdog: std::process::Child,
+    pid: String,
+}
+
+impl Supervised {
+    fn spawn(command: &[String], dir: &std::path::Path) -> std::io::Result<Self> {
+        use std::io::BufRead;
+        use std::process::{Command, Stdio};
+        let mut watchdog = Command::new("sh")
+            .arg("-c")
+            .arg("\"$@\" >/dev/null 2>&1 & echo $!; read _; kill -9 $! 2>/dev/null")
+            .arg("sh")
+            .args(command)
+            .current_dir(dir)
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .spawn()?;
+        let mut pid = String::new();
+        if let Some(out) = watchdog.stdout.take() {
+            std::io::BufReader::new(out).read_line(&mut pid)?;
+        }
+        Ok(Self {
+            watchdog,
+            pid: pid.trim().to_owned(),
+        })
+    }
+
+    fn kill(mut self) {
+        let _ = std::process::Command::new("kill")
+            .args(["-9", &self.pid])
+            .status();
+        drop(self.watchdog.stdin.take());
+        let _ = self.watchdog.wait();
+    }
+}
+
+/// A free loopback port.
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .map(|a| a.port())
+        .expect("a free loopback port")
+}
+
+/// Reports that a suite which runs its own server cannot, and skips it (or fails under CI).
+fn cannot_run(what: &str, e: &std::io::Error) {
+    let why = format!("tests that run their own {what} skipped: {e}");
+    if std::env::var("CI").is_ok_and(|v| v == "true") {
+        panic!("{why}; under CI=true a missing service is a failure");
+    }
+    note_once(&why);
+}
+
+/// Runs `program args`, and fails unless it succeeds.
+fn run(program: &str, args: &[&str], dir: &std::path::Path) -> std::io::Result<()> {
+    let out = std::process::Command::new(program)
+        .args(args)
+        .current_dir(dir)
+        .output()?;
+    if out.status.success() {
+        Ok(())
+    } else {
+        Err(std::io::Error::other(format!(
+            "{program} failed: {}",
+            String::from_utf8_lossy(&out.stderr).trim()
+        )))
+    }
+}
+
+/// Polls `probe` until it succeeds (up to 20 s).
+fn wait_for(what: &str, mut probe: impl FnMut() -> bool) {
+    for _ in 0..800 {
+        if probe() {
+            return;
+        }
+        std::thread::sleep(Duration::from_millis(25));
+    }
+    panic!("{what} never became ready");
+}
+
+/// Whether `program` runs (is on the `PATH` and executable).
+fn which(program: &str) -> std::io::Result<()> {
+    let found = std::env::var_os("PATH")
+        .is_some_and(|path| std::env::split_paths(&path).any(|dir| dir.join(program).is_file()));
+    if found {
+        Ok(())
+    } else {
+        Err(std::io::Error::new(
+            std::io::ErrorKind::NotFound,
+            format!("{program} is not on the PATH"),
+        ))
+    }
+}
+
 /// A `redis-server` of the test's own on a free loopback port, for tests that stop and start
-/// their server or need cluster mode. It stops when dropped, and also when the test process
-/// ends in any way (a watchdog shell kills it once the process's end of a pipe closes), so a
-/// panicking test or a shared server in a `static` leaves nothing running.
+/// their server or need cluster mode.
 pub struct RedisServer {
     port: u16,
     cluster: bool,
     dir: tempfile::TempDir,
-    running: Option<Running>,
-}
-
-struct Running {
-    watchdog: std::process::Child,
-    pid: String,
+    running: Option<Supervised>,
 }
 
 impl RedisServer {
@@ -137,45 +229,35 @@ impl RedisServer {
     }
 
     fn launch(cluster: bool) -> Option<Self> {
-        let port = std::net::TcpListener::bind("127.0.0.1:0")
-            .and_then(|l| l.local_addr())
-            .map(|a| a.port())
-            .expect("a free loopback port");
         let mut server = Self {
-            port,
+            port: free_port(),
             cluster,
             dir: tempfile::tempdir().expect("a temporary directory"),
             running: None,
         };
-        if let Err(e) = server.spawn() {
-            let why = format!(
-                "Redis tests that run their own server skipped: cannot run redis-server ({e})"
-            );
-            if std::env::var("CI").is_ok_and(|v| v == "true") {
-                panic!("{why}; under CI=true a missing service is a failure");
-            }
-            note_once(&why);
+        if let Err(e) = which("redis-server").and_then(|()| server.spawn()) {
+            cannot_run("redis-server", &e);
             return None;
         }
         Some(server)
     }
 
     fn spawn(&mut self) -> std::io::Result<()> {
-        use std::io::BufRead;
-        use std::process::{Command, Stdio};
-        which("redis-server")?;
-        let mut args = vec![
-            "--bind".to_owned(),
-            "127.0.0.1".into(),
-            "--port".into(),
-            self.port.to_string(),
-            "--save".into(),
-            String::new(),
-            "--appendonly".into(),
-            "no".into(),
-        ];
+        let mut command: Vec<String> = [
+            "redis-server",
+            "--bind",
+            "127.0.0.1",
+            "--port",
+            &self.port.to_string(),
+            "--save",
+            "",
+            "--appendonly",
+            "no",
+        ]
+        .map(String::from)
+        .into();
         if self.cluster {
-            args.extend(
+            command.extend(
                 [
                     "--cluster-enabled",
                     "yes",
@@ -185,29 +267,13 @@ impl RedisServer {
                 .map(String::from),
             );
         }
-        // The shell starts the server, prints its pid, and kills it when our end of its
-        // standard input closes: when this process ends, however it ends.
-        let mut watchdog = Command::new("sh")
-            .arg("-c")
-            .arg("redis-server \"$@\" >/dev/null 2>&1 & echo $!; read _; kill -9 $! 2>/dev/null")
-            .arg("sh")
-            .args(&args)
-            .current_dir(self.dir.path())
-            .stdin(Stdio::piped())
-            .stdout(Stdio::piped())
-            .spawn()?;
-        let mut pid = String::new();
-        if let Some(out) = watchdog.stdout.take() {
-            std::io::BufReader::new(out).read_line(&mut pid)?;
-        }
-        self.running = Some(Running {
-            watchdog,
-            pid: pid.trim().to_owned(),
-        });
-        self.wait_until("PONG", &["PING"]);
+        self.running = Some(Supervised::spawn(&command, self.dir.path())?);
+        wait_for("redis-server", || self.cli(&["PING"]).contains("PONG"));
         if self.cluster {
             self.cli(&["CLUSTER", "ADDSLOTSRANGE", "0", "16383"]);
-            self.wait_until("cluster_state:ok", &["CLUSTER", "INFO"]);
+            wait_for("the Redis Cluster", || {
+                self.cli(&["CLUSTER", "INFO"]).contains("cluster_state:ok")
+            });
         }
         Ok(())
     }
@@ -219,12 +285,8 @@ impl RedisServer {
 
     /// Stops the server as a crash would (SIGKILL).
     pub fn stop(&mut self) {
-        if let Some(mut running) = self.running.take() {
-            let _ = std::process::Command::new("kill")
-                .args(["-9", &running.pid])
-                .status();
-            drop(running.watchdog.stdin.take());
-            let _ = running.watchdog.wait();
+        if let Some(running) = self.running.take() {
+            running.kill();
         }
     }
 
@@ -244,39 +306,259 @@ impl RedisServer {
             .map(|o| String::from_utf8_lossy(&o.stdout).into_owned())
             .unwrap_or_default()
     }
-
-    fn wait_until(&self, expected: &str, args: &[&str]) {
-        for _ in 0..400 {
-            if self.cli(args).contains(expected) {
-                return;
-            }
-            std::thread::sleep(Duration::from_millis(25));
-        }
-        panic!(
-            "redis-server on port {} never answered {expected}",
-            self.port
-        );
-    }
-}
-
-/// Whether `program` is on the `PATH`.
-fn which(program: &str) -> std::io::Result<()> {
-    let found = std::env::var_os("PATH")
-        .is_some_and(|path| std::env::split_paths(&path).any(|dir| dir.join(program).is_file()));
-    if found {
-        Ok(())
-    } else {
-        Err(std::io::Error::new(
-            std::io::ErrorKind::NotFound,
-            format!("{program} is not on the PATH"),
-        ))
-    }
 }
 
 impl Drop for RedisServer {
     fn drop(&mut self) {
         self.stop();
     }
+}
+
+/// Which kind of SQL server a [`SqlServer`] runs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SqlKind {
+    /// PostgreSQL (`initdb` and `postgres` from the installed server packages).
+    Postgres,
+    /// MariaDB (`mariadb-install-db` and `mariadbd`).
+    MariaDb,
+}
+
+/// A PostgreSQL or MariaDB server of the test's own, with its data in a temporary directory
+/// and listening on a free loopback port: a test may kill it and start it again (its data
+/// stays) without disturbing the shared servers other tests use.
+pub struct SqlServer {
+    kind: SqlKind,
+    port: u16,
+    dir: tempfile::TempDir,
+    /// Run the server as this user (PostgreSQL refuses to run as root).
+    run_as: Option<&'static str>,
+    bin: std::path::PathBuf,
+    running: Option<Supervised>,
+}
+
+impl SqlServer {
+    /// Creates the data directory and starts the server, or `None` (with a note; a panic under
+    /// `CI=true`) if the server's programs are not installed.
+    pub fn start(kind: SqlKind) -> Option<Self> {
+        match Self::create(kind) {
+            Ok(server) => Some(server),
+            Err(e) => {
+                cannot_run(
+                    match kind {
+                        SqlKind::Postgres => "PostgreSQL server",
+                        SqlKind::MariaDb => "MariaDB server",
+                    },
+                    &e,
+                );
+                None
+            }
+        }
+    }
+
+    fn create(kind: SqlKind) -> std::io::Result<Self> {
+        let root = std::process::Command::new("id")
+            .arg("-u")
+            .output()
+            .is_ok_and(|o| o.stdout.trim_ascii() == b"0");
+        let dir = tempfile::tempdir()?;
+        let mut server = Self {
+            kind,
+            port: free_port(),
+            run_as: None,
+            bin: std::path::PathBuf::new(),
+            dir,
+            running: None,
+        };
+        let data = server.dir.path().join("data");
+        let data = data.to_str().expect("a UTF-8 temporary path").to_owned();
+        match kind {
+            SqlKind::Postgres => {
+                server.bin = postgres_bin()?;
+                if root {
+                    server.run_as = Some("postgres");
+                    run(
+                        "chown",
+                        &["-R", "postgres", path(server.dir.path())],
+                        server.dir.path(),
+                    )?;
+                }
+                let initdb = server.bin.join("initdb");
+                let initdb = [
+                    path(&initdb),
+                    "-D",
+                    &data,
+                    "-U",
+                    "postgres",
+                    "-A",
+                    "trust",
+                    "--no-sync",
+                ];
+                server.run_as_user(&initdb)?;
+            }
+            SqlKind::MariaDb => {
+                which("mariadb-install-db")?;
+                which("mariadbd")?;
+                let datadir = format!("--datadir={data}");
+                let mut args = vec![
+                    "--no-defaults",
+                    &datadir,
+                    "--skip-test-db",
+                    "--auth-root-authentication-method=normal",
+                ];
+                if root {
+                    args.push("--user=root");
+                }
+                run("mariadb-install-db", &args, server.dir.path())?;
+            }
+        }
+        server.spawn()?;
+        Ok(server)
+    }
+
+    fn run_as_user(&self, command: &[&str]) -> std::io::Result<()> {
+        match self.run_as {
+            Some(user) => {
+                let mut args = vec!["--reuid", user, "--regid", user, "--init-groups", "--"];
+                args.extend(command);
+                run("setpriv", &args, self.dir.path())
+            }
+            None => run(command[0], &command[1..], self.dir.path()),
+        }
+    }
+
+    fn spawn(&mut self) -> std::io::Result<()> {
+        let dir = path(self.dir.path()).to_owned();
+        let data = format!("{dir}/data");
+        let port = self.port.to_string();
+        let mut command: Vec<String> = Vec::new();
+        if let Some(user) = self.run_as {
+            command.extend(
+                [
+                    "setpriv",
+                    "--reuid",
+                    user,
+                    "--regid",
+                    user,
+                    "--init-groups",
+                    "--",
+                ]
+                .map(String::from),
+            );
+        }
+        match self.kind {
+            SqlKind::Postgres => command.extend([
+                path(&self.bin.join("postgres")).to_owned(),
+                "-D".into(),
+                data,
+                "-p".into(),
+                port,
+                "-k".into(),
+                dir,
+                "-c".into(),
+                "listen_addresses=127.0.0.1".into(),
+                "-c".into(),
+                "fsync=off".into(),
+            ]),
+            SqlKind::MariaDb => command.extend([
+                "mariadbd".into(),
+                "--no-defaults".into(),
+                format!("--datadir={data}"),
+                format!("--port={port}"),
+                "--bind-address=127.0.0.1".into(),
+                format!("--socket={dir}/mariadb.sock"),
+                "--skip-grant-tables".into(),
+                "--user=root".into(),
+                "--innodb-flush-log-at-trx-commit=2".into(),
+            ]),
+        }
+        self.running = Some(Supervised::spawn(&command, self.dir.path())?);
+        let port = self.port.to_string();
+        let ready: Box<dyn Fn() -> bool> = match self.kind {
+            SqlKind::Postgres => Box::new(move || {
+                run(
+                    "pg_isready",
+                    &["-q", "-h", "127.0.0.1", "-p", &port],
+                    std::path::Path::new("/"),
+                )
+                .is_ok()
+            }),
+            SqlKind::MariaDb => Box::new(move || {
+                run(
+                    "mariadb-admin",
+                    &[
+                        "--no-defaults",
+                        "-h",
+                        "127.0.0.1",
+                        "-P",
+                        &port,
+                        "-u",
+                        "root",
+                        "ping",
+                    ],
+                    std::path::Path::new("/"),
+                )
+                .is_ok()
+            }),
+        };
+        wait_for("the SQL server", ready);
+        Ok(())
+    }
+
+    /// Its URL (database `postgres` or `mysql`, user with every right).
+    pub fn url(&self) -> String {
+        match self.kind {
+            SqlKind::Postgres => format!("postgres://postgres@127.0.0.1:{}/postgres", self.port),
+            SqlKind::MariaDb => format!("mysql://root@127.0.0.1:{}/mysql", self.port),
+        }
+    }
+
+    /// Stops the server as a crash would (SIGKILL).
+    pub fn stop(&mut self) {
+        if let Some(running) = self.running.take() {
+            running.kill();
+        }
+    }
+
+    /// Starts it again on the same port, with its data.
+    pub fn restart(&mut self) {
+        self.stop();
+        self.spawn().expect("restart the SQL server");
+    }
+}
+
+impl Drop for SqlServer {
+    fn drop(&mut self) {
+        self.stop();
+    }
+}
+
+fn path(p: &std::path::Path) -> &str {
+    p.to_str().expect("a UTF-8 path")
+}
+
+/// The directory of PostgreSQL's server programs: where `initdb` is on the `PATH`, or the
+/// newest `/usr/lib/postgresql/<version>/bin` (Debian keeps them off the `PATH`).
+fn postgres_bin() -> std::io::Result<std::path::PathBuf> {
+    if let Some(dir) = std::env::var_os("PATH")
+        .and_then(|path| std::env::split_paths(&path).find(|dir| dir.join("initdb").is_file()))
+    {
+        return Ok(dir);
+    }
+    let mut versions: Vec<std::path::PathBuf> = std::fs::read_dir("/usr/lib/postgresql")
+        .map(|entries| {
+            entries
+                .filter_map(|e| e.ok().map(|e| e.path().join("bin")))
+                .collect()
+        })
+        .unwrap_or_default();
+    versions.retain(|d| d.join("initdb").is_file());
+    versions.sort();
+    versions.pop().ok_or_else(|| {
+        std::io::Error::new(
+            std::io::ErrorKind::NotFound,
+            "PostgreSQL's initdb is not installed",
+        )
+    })
 }
 
 #[cfg(test)]
