@@ -216,18 +216,6 @@ impl RedisServer {
         Self::launch(false)
     }
 
-    /// A single-node Redis Cluster owning all 16384 slots.
-    pub fn start_cluster() -> Option<Self> {
-        Self::launch(true)
-    }
-
-    /// One single-node Cluster shared by every test of the process (a cluster takes a couple
-    /// of seconds to come up).
-    pub fn shared_cluster() -> Option<&'static Self> {
-        static CLUSTER: std::sync::OnceLock<Option<RedisServer>> = std::sync::OnceLock::new();
-        CLUSTER.get_or_init(Self::start_cluster).as_ref()
-    }
-
     fn launch(cluster: bool) -> Option<Self> {
         let mut server = Self {
             port: free_port(),
@@ -269,12 +257,6 @@ impl RedisServer {
         }
         self.running = Some(Supervised::spawn(&command, self.dir.path())?);
         wait_for("redis-server", || self.cli(&["PING"]).contains("PONG"));
-        if self.cluster {
-            self.cli(&["CLUSTER", "ADDSLOTSRANGE", "0", "16383"]);
-            wait_for("the Redis Cluster", || {
-                self.cli(&["CLUSTER", "INFO"]).contains("cluster_state:ok")
-            });
-        }
         Ok(())
     }
 
@@ -293,8 +275,6 @@ impl RedisServer {
     /// Starts it again on the same port, empty (it keeps nothing on disk).
     pub fn restart(&mut self) {
         self.stop();
-        // A cluster node must forget its old configuration to take the slots again.
-        let _ = std::fs::remove_file(self.dir.path().join("nodes.conf"));
         self.spawn().expect("restart redis-server");
     }
 
@@ -311,6 +291,50 @@ impl RedisServer {
 impl Drop for RedisServer {
     fn drop(&mut self) {
         self.stop();
+    }
+}
+
+/// A Redis Cluster of three primaries of the test's own, the slots split between them by
+/// `redis-cli --cluster create`, so that keys really live on different nodes and clients
+/// follow `MOVED` redirects.
+pub struct RedisCluster {
+    nodes: Vec<RedisServer>,
+}
+
+impl RedisCluster {
+    /// One cluster shared by every test of the process (a cluster takes seconds to form), or
+    /// `None` (with a note; a panic under `CI=true`) if `redis-server` cannot be run.
+    pub fn shared() -> Option<&'static Self> {
+        static CLUSTER: std::sync::OnceLock<Option<RedisCluster>> = std::sync::OnceLock::new();
+        CLUSTER.get_or_init(Self::start).as_ref()
+    }
+
+    fn start() -> Option<Self> {
+        let nodes = (0..3)
+            .map(|_| RedisServer::launch(true))
+            .collect::<Option<Vec<_>>>()?;
+        let addrs: Vec<String> = nodes
+            .iter()
+            .map(|n| format!("127.0.0.1:{}", n.port))
+            .collect();
+        let mut args = vec!["--cluster", "create"];
+        args.extend(addrs.iter().map(String::as_str));
+        args.extend(["--cluster-replicas", "0", "--cluster-yes"]);
+        if let Err(e) = run("redis-cli", &args, nodes[0].dir.path()) {
+            cannot_run("Redis Cluster", &e);
+            return None;
+        }
+        for node in &nodes {
+            wait_for("the Redis Cluster", || {
+                node.cli(&["CLUSTER", "INFO"]).contains("cluster_state:ok")
+            });
+        }
+        Some(Self { nodes })
+    }
+
+    /// The URL of every node.
+    pub fn urls(&self) -> Vec<String> {
+        self.nodes.iter().map(RedisServer::url).collect()
     }
 }
 
