@@ -41,6 +41,20 @@ enum Command {
     /// true) without reaching the upstream. Routes, presets and limits go in --config (TOML).
     /// The gateway's own /health, /metrics and record tools live under --admin-prefix (/_idem).
     Gateway(GatewayArgs),
+
+    /// Create or upgrade a store's schema, then exit.
+    ///
+    /// `idem serve` and `idem gateway` do this on start too; run it on its own to apply the
+    /// schema as a database user that may change it, and run the services as one that may
+    /// only read and write rows. Stores without a schema (memory, Redis) need nothing.
+    Migrate(MigrateArgs),
+}
+
+#[derive(clap::Args)]
+struct MigrateArgs {
+    /// The store, as for serve: sqlite://PATH, postgres://…, mysql://…, redis://…
+    #[arg(long, env = "IDEM_STORE")]
+    store: String,
 }
 
 #[derive(clap::Args)]
@@ -170,6 +184,7 @@ fn main() -> ExitCode {
                 match cli.command {
                     Command::Serve(args) => serve(&args).await,
                     Command::Gateway(args) => gateway(args).await,
+                    Command::Migrate(args) => migrate(&args).await,
                 }
             })
         });
@@ -180,6 +195,15 @@ fn main() -> ExitCode {
             ExitCode::FAILURE
         }
     }
+}
+
+async fn migrate(args: &MigrateArgs) -> Result<(), String> {
+    // Opening a store applies whatever migrations it lacks, under the store's own lock.
+    let store = idem_store::open(&args.store)
+        .await
+        .map_err(|e| format!("store {:?}: {e}", args.store))?;
+    info!(store = store.kind(), "the store's schema is up to date");
+    Ok(())
 }
 
 async fn serve(args: &ServeArgs) -> Result<(), String> {

@@ -32,6 +32,11 @@ fn bad_flags_and_stores_get_readable_errors() {
     std::fs::write(&not_db, vec![b'x'; 4096]).unwrap();
     let not_db = format!("sqlite://{}", not_db.display());
     fails_with(&["serve", "--store", "mongodb://x"], "unknown store scheme");
+    fails_with(
+        &["migrate", "--store", "mongodb://x"],
+        "unknown store scheme",
+    );
+    fails_with(&["migrate", "--store", &not_db], "not a SQLite database");
     fails_with(&["serve", "--store", "idem.db"], "has no scheme");
     fails_with(
         &["serve", "--store", "sqlite:///nonexistent-dir/x/idem.db"],
@@ -128,6 +133,31 @@ fn help_explains_each_command() {
     ] {
         assert!(text.contains(flag), "serve --help lacks {flag}");
     }
+}
+
+#[test]
+fn migrate_creates_the_schema_and_exits() {
+    let dir = tempfile::tempdir().unwrap();
+    let db = dir.path().join("idem.db");
+    let out = idem()
+        .args(["migrate", "--store", &format!("sqlite://{}", db.display())])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(String::from_utf8_lossy(&out.stderr).contains("up to date"));
+    let conn = rusqlite::Connection::open(&db).unwrap();
+    let tables: i64 = conn
+        .query_row(
+            "SELECT COUNT(*) FROM sqlite_master WHERE name = 'idem_records'",
+            [],
+            |r| r.get(0),
+        )
+        .unwrap();
+    assert_eq!(tables, 1);
 }
 
 struct Server {

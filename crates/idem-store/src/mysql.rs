@@ -329,10 +329,26 @@ impl MySqlStore {
     }
 }
 
+/// Whether every migration is applied (false if that cannot be read).
+async fn current(c: &mut MySqlConnection, table: &TableName) -> bool {
+    let applied: Result<Vec<i64>, _> = sqlx::query_scalar(AssertSqlSafe(format!(
+        "SELECT version FROM {}",
+        table.migrations_table()
+    )))
+    .fetch_all(&mut *c)
+    .await;
+    applied.is_ok_and(|a| sql::pending(MIGRATIONS, &a).is_ok_and(|p| p.is_empty()))
+}
+
 /// Applies pending migrations while holding a named lock, so that processes starting together
 /// apply each migration once. (MySQL commits DDL at once, so each step is also written to be
 /// safe to repeat.)
 async fn migrate(c: &mut MySqlConnection, table: &TableName) -> Result<(), StoreError> {
+    // Up to date already: nothing to lock or create, so a service may run as a user without
+    // the right to change the schema (after `idem migrate` ran as one with it).
+    if current(c, table).await {
+        return Ok(());
+    }
     let fail = |e| error("cannot apply the MySQL schema", e);
     let lock = format!("idem migrations {table}");
     let locked: Option<i64> = sqlx::query_scalar("SELECT GET_LOCK(?, 60)")

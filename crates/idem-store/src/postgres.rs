@@ -328,9 +328,25 @@ impl PostgresStore {
     }
 }
 
+/// Whether every migration is applied (false if that cannot be read).
+async fn current(c: &mut PgConnection, table: &TableName) -> bool {
+    let applied: Result<Vec<i64>, _> = sqlx::query_scalar(AssertSqlSafe(format!(
+        "SELECT version FROM {}",
+        table.migrations_table()
+    )))
+    .fetch_all(&mut *c)
+    .await;
+    applied.is_ok_and(|a| sql::pending(MIGRATIONS, &a).is_ok_and(|p| p.is_empty()))
+}
+
 /// Applies pending migrations in one transaction, under an advisory lock so that
 /// processes starting together apply each migration once.
 async fn migrate(c: &mut PgConnection, table: &TableName) -> Result<(), StoreError> {
+    // Up to date already: nothing to lock or create, so a service may run as a user without
+    // the right to change the schema (after `idem migrate` ran as one with it).
+    if current(c, table).await {
+        return Ok(());
+    }
     let fail = |e| error("cannot apply the PostgreSQL schema", e);
     let mut tx = c.begin().await.map_err(fail)?;
     sqlx::query("SELECT pg_advisory_xact_lock(hashtext($1))")

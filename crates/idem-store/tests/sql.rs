@@ -322,6 +322,58 @@ macro_rules! sql_store_tests {
 
 #[cfg(feature = "postgres")]
 mod postgres {
+    /// Once the schema is current, a store connects without touching it, so services can run
+    /// as a user that may only read and write rows (the schema applied by `idem migrate`).
+    #[test]
+    fn a_current_schema_needs_no_schema_rights() {
+        idem_testkit::block_on(async {
+            let table = fresh_name("idem_test_rights");
+            let Some(admin) = store(&table).await else {
+                return;
+            };
+            let role = fresh_name("idem_test_role");
+            let grant = format!(
+                "GRANT SELECT, INSERT, UPDATE, DELETE ON {table}, {table}_migrations TO {role}"
+            );
+            for statement in [format!("CREATE ROLE {role} LOGIN"), grant] {
+                sqlx::query(AssertSqlSafe(statement))
+                    .execute(admin.pool())
+                    .await
+                    .unwrap();
+            }
+            // The same server and database, as the limited role.
+            let url = POSTGRES.url().unwrap();
+            let (scheme, rest) = url.split_once("://").unwrap();
+            let host = rest.rsplit_once('@').map_or(rest, |(_, h)| h);
+            let options = PostgresOptions {
+                table: table.clone(),
+                ..PostgresOptions::default()
+            };
+            let limited =
+                PostgresStore::connect_with(&format!("{scheme}://{role}@{host}"), options).await;
+            let began = match &limited {
+                Ok(store) => {
+                    let req = BeginRequest::new(
+                        Key::parse("r", "r", "r").unwrap(),
+                        Fingerprint::of_bytes(b"r"),
+                    );
+                    Some(store.begin(&req, Timestamp::now()).await)
+                }
+                Err(_) => None,
+            };
+            drop(limited);
+            drop_tables(&admin, &[table.clone(), format!("{table}_migrations")]).await;
+            sqlx::query(AssertSqlSafe(format!("DROP ROLE {role}")))
+                .execute(admin.pool())
+                .await
+                .unwrap();
+            assert!(
+                matches!(began, Some(Ok(BeginOutcome::Acquired(_)))),
+                "{began:?}"
+            );
+        });
+    }
+
     sql_store_tests! {
         store: PostgresStore,
         options: PostgresOptions,
