@@ -101,6 +101,12 @@ fn note_once(note: &str) {
     }
 }
 
+/// Kills the server `$!` and the processes it forked, as a machine crash would: stopped
+/// first so it forks no more, then its children (PostgreSQL's backends, which lead process
+/// groups of their own, so a group kill would miss them), then itself.
+const KILL_TREE: &str =
+    "kill -STOP $! 2>/dev/null; pkill -KILL -P $! 2>/dev/null; kill -KILL $! 2>/dev/null";
+
 /// A server process of the test's own, killed with SIGKILL when stopped, when dropped, and
 /// also when the test process ends in any way: a watchdog shell kills it once this process's
 /// end of a pipe closes, so a panicking test or a server kept in a `static` leaves nothing
@@ -116,7 +122,9 @@ impl Supervised {
         use std::process::{Command, Stdio};
         let mut watchdog = Command::new("sh")
             .arg("-c")
-            .arg("\"$@\" >/dev/null 2>&1 & echo $!; read _; kill -9 $! 2>/dev/null")
+            .arg(format!(
+                "\"$@\" >/dev/null 2>&1 & echo $!; read _; {KILL_TREE}"
+            ))
             .arg("sh")
             .args(command)
             .current_dir(dir)
@@ -134,8 +142,11 @@ impl Supervised {
     }
 
     fn kill(mut self) {
-        let _ = std::process::Command::new("kill")
-            .args(["-9", &self.pid])
+        let _ = std::process::Command::new("sh")
+            .arg("-c")
+            .arg(KILL_TREE.replace("$!", "$1"))
+            .arg("sh")
+            .arg(&self.pid)
             .status();
         drop(self.watchdog.stdin.take());
         let _ = self.watchdog.wait();
