@@ -1,0 +1,294 @@
+//! The Snowflake generator.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::time::{Duration, Instant, SystemTime};
+
+use crate::layout::{Layout, LayoutError};
+
+/// Why no id was issued.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum IdError {
+    /// The layout or a value for it is wrong.
+    #[error(transparent)]
+    Layout(#[from] LayoutError),
+    /// Ids are being asked for faster than the layout allows for longer than the borrowing
+    /// bound: try again after `retry_after`.
+    #[error("ids are asked for faster than the layout allows; try again in {retry_after:?}")]
+    Exhausted {
+        /// When the clock will have caught up enough.
+        retry_after: Duration,
+    },
+    /// The timestamp no longer fits the layout: its epoch is too far back.
+    #[error("the layout's timestamp bits are used up; a new layout (epoch) is needed")]
+    LayoutExhausted,
+    /// The generator's worker id is no longer its own (its lease was lost): it issues nothing.
+    #[error("the worker id's lease was lost; this generator issues no more ids")]
+    WorkerLost,
+}
+
+/// How a [`Snowflake`] behaves.
+#[derive(Debug, Clone, Copy)]
+pub struct SnowflakeOptions {
+    /// How far ahead of the clock the generator may run when a millisecond's sequence is used
+    /// up: ids of the next milliseconds are issued at once, up to this far ahead, instead of
+    /// waiting. Default 1 s.
+    pub max_borrow: Duration,
+    /// No id is issued with a timestamp below this (milliseconds since the layout's epoch):
+    /// set it above every id issued before (a durable time fence) so a process restarted after
+    /// the wall clock went back still issues larger ids. Default 0.
+    pub floor_millis: u64,
+}
+
+impl Default for SnowflakeOptions {
+    fn default() -> Self {
+        Self {
+            max_borrow: Duration::from_secs(1),
+            floor_millis: 0,
+        }
+    }
+}
+
+/// Where the generator's time comes from: the wall clock is read once, when the generator is
+/// made, and from then on time is that reading plus the monotonic clock's progress, so a wall
+/// clock stepped back (NTP, a VM resumed, an operator) changes nothing.
+pub trait TimeSource: Send + Sync {
+    /// The wall clock, read once.
+    fn wall(&self) -> SystemTime;
+    /// Time elapsed since the source was made; never goes backward.
+    fn elapsed(&self) -> Duration;
+}
+
+/// The system's clocks.
+#[derive(Debug)]
+pub struct SystemTimeSource {
+    start: Instant,
+}
+
+impl Default for SystemTimeSource {
+    fn default() -> Self {
+        Self {
+            start: Instant::now(),
+        }
+    }
+}
+
+impl TimeSource for SystemTimeSource {
+    fn wall(&self) -> SystemTime {
+        SystemTime::now()
+    }
+    fn elapsed(&self) -> Duration {
+        self.start.elapsed()
+    }
+}
+
+/// A Snowflake id generator for one worker id. Cheap to share (`Arc`) between threads; the
+/// hot path is one clock read and one compare-and-swap, with no lock.
+///
+/// Ids are unique and strictly increasing per generator: the last issued time and sequence
+/// live in one atomic word, and each id takes the larger of "now, sequence 0" and "the last
+/// one plus one". When a millisecond's sequence runs out, the next millisecond is borrowed
+/// (up to [`SnowflakeOptions::max_borrow`] ahead of the clock) rather than wrapping or
+/// sleeping under a lock.
+pub struct Snowflake {
+    layout: Layout,
+    worker: u64,
+    time: Arc<dyn TimeSource>,
+    /// The layout's milliseconds at `time`'s start.
+    anchor_ms: u64,
+    max_borrow_ms: u64,
+    /// `(millis << sequence_bits) | sequence` of the last id issued.
+    last: AtomicU64,
+    lost: AtomicBool,
+}
+
+impl std::fmt::Debug for Snowflake {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Snowflake")
+            .field("layout", &self.layout)
+            .field("worker", &self.worker)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Snowflake {
+    /// A generator for `worker` on the system clocks.
+    pub fn new(layout: Layout, worker: u64, options: SnowflakeOptions) -> Result<Self, IdError> {
+        Self::with_time(
+            layout,
+            worker,
+            options,
+            Arc::new(SystemTimeSource::default()),
+        )
+    }
+
+    /// A generator on a given time source (for tests, or another clock).
+    pub fn with_time(
+        layout: Layout,
+        worker: u64,
+        options: SnowflakeOptions,
+        time: Arc<dyn TimeSource>,
+    ) -> Result<Self, IdError> {
+        layout.encode(0, worker, 0)?;
+        let wall_ms = layout.millis_at(time.wall())?;
+        let anchor_ms = wall_ms.max(options.floor_millis);
+        if anchor_ms > layout.max_millis() {
+            return Err(IdError::LayoutExhausted);
+        }
+        let floor = options.floor_millis << layout.sequence_bits();
+        Ok(Self {
+            layout,
+            worker,
+            time,
+            anchor_ms,
+            max_borrow_ms: u64::try_from(options.max_borrow.as_millis()).unwrap_or(u64::MAX),
+            // The first id is at least `floor`.
+            last: AtomicU64::new(floor.saturating_sub(1)),
+            lost: AtomicBool::new(false),
+        })
+    }
+
+    /// The layout.
+    pub fn layout(&self) -> &Layout {
+        &self.layout
+    }
+
+    /// The worker id.
+    pub fn worker(&self) -> u64 {
+        self.worker
+    }
+
+    /// Milliseconds since the layout's epoch, by the generator's clock.
+    pub fn now_millis(&self) -> u64 {
+        let elapsed = u64::try_from(self.time.elapsed().as_millis()).unwrap_or(u64::MAX);
+        self.anchor_ms.saturating_add(elapsed)
+    }
+
+    /// The timestamp of the last id issued (0 before the first): a durable time fence must be
+    /// kept above this.
+    pub fn last_millis(&self) -> u64 {
+        self.last.load(Ordering::Acquire) >> self.layout.sequence_bits()
+    }
+
+    /// Marks the worker id as lost (its lease ran out or was taken): from now on every call
+    /// fails with [`IdError::WorkerLost`].
+    pub fn mark_lost(&self) {
+        self.lost.store(true, Ordering::Release);
+    }
+
+    /// The next id, or why there is none. Never blocks.
+    pub fn try_next(&self) -> Result<u64, IdError> {
+        let start = self.reserve(1)?;
+        Ok(self.id_of(start))
+    }
+
+    /// The next id, waiting (without holding any lock) while ids are asked for faster than
+    /// the layout allows for longer than the borrowing bound.
+    pub fn next(&self) -> Result<u64, IdError> {
+        loop {
+            match self.try_next() {
+                Err(IdError::Exhausted { retry_after }) => std::thread::sleep(retry_after),
+                other => return other,
+            }
+        }
+    }
+
+    /// Reserves `n` ids in one step (fewer than the layout issues within the borrowing bound),
+    /// at the cost of one id.
+    pub fn try_next_batch(&self, n: u32) -> Result<Batch, IdError> {
+        if n == 0 {
+            return Ok(Batch {
+                generator_layout: self.layout,
+                worker: self.worker,
+                next: 0,
+                remaining: 0,
+            });
+        }
+        let start = self.reserve(u64::from(n))?;
+        Ok(Batch {
+            generator_layout: self.layout,
+            worker: self.worker,
+            next: start,
+            remaining: n,
+        })
+    }
+
+    fn id_of(&self, stamp: u64) -> u64 {
+        let bits = self.layout.sequence_bits();
+        self.layout.pack(
+            stamp >> bits,
+            self.worker,
+            stamp & self.layout.max_sequence(),
+        )
+    }
+
+    /// Takes `n` stamps `(millis << sequence_bits) | sequence` after the last one; returns the
+    /// first.
+    fn reserve(&self, n: u64) -> Result<u64, IdError> {
+        if self.lost.load(Ordering::Acquire) {
+            return Err(IdError::WorkerLost);
+        }
+        let bits = self.layout.sequence_bits();
+        let now = self.now_millis();
+        if now > self.layout.max_millis() {
+            return Err(IdError::LayoutExhausted);
+        }
+        let now_stamp = now << bits;
+        let mut last = self.last.load(Ordering::Acquire);
+        loop {
+            let first = now_stamp.max(last.wrapping_add(1));
+            let end = first + (n - 1);
+            let end_ms = end >> bits;
+            if end_ms > self.layout.max_millis() {
+                return Err(IdError::LayoutExhausted);
+            }
+            let limit = now.saturating_add(self.max_borrow_ms);
+            if end_ms > limit {
+                let ahead = end_ms - limit;
+                return Err(IdError::Exhausted {
+                    retry_after: Duration::from_millis(ahead),
+                });
+            }
+            match self
+                .last
+                .compare_exchange_weak(last, end, Ordering::AcqRel, Ordering::Acquire)
+            {
+                Ok(_) => return Ok(first),
+                Err(actual) => last = actual,
+            }
+        }
+    }
+}
+
+/// Ids reserved together by [`Snowflake::try_next_batch`], in increasing order.
+#[derive(Debug, Clone)]
+pub struct Batch {
+    generator_layout: Layout,
+    worker: u64,
+    next: u64,
+    remaining: u32,
+}
+
+impl Iterator for Batch {
+    type Item = u64;
+
+    fn next(&mut self) -> Option<u64> {
+        if self.remaining == 0 {
+            return None;
+        }
+        let stamp = self.next;
+        self.next += 1;
+        self.remaining -= 1;
+        let l = &self.generator_layout;
+        Some(l.pack(
+            stamp >> l.sequence_bits(),
+            self.worker,
+            stamp & l.max_sequence(),
+        ))
+    }
+
+    fn size_hint(&self) -> (usize, Option<usize>) {
+        let n = usize::try_from(self.remaining).unwrap_or(usize::MAX);
+        (n, Some(n))
+    }
+}
