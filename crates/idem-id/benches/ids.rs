@@ -1,0 +1,99 @@
+//! Id generation cost: `cargo bench -p idem-id --bench ids`.
+//!
+//! Snowflake on the default layout, below its limit (one id per call, paced so the sequence
+//! never runs out), at its limit (as fast as it will issue, 10 s), from two threads, and per
+//! id of a 1,000-id batch.
+
+#![allow(clippy::unwrap_used, clippy::print_stdout, clippy::cast_precision_loss)]
+
+use std::hint::black_box;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use idem_id::{Layout, Snowflake, SnowflakeOptions};
+
+fn generator() -> Arc<Snowflake> {
+    Arc::new(Snowflake::new(Layout::default(), 1, SnowflakeOptions::default()).unwrap())
+}
+
+fn main() {
+    let quick = std::env::args().any(|a| a == "--quick");
+    let secs = if quick { 1 } else { 10 };
+
+    // Below the limit: 1,000 ids, then wait for the next millisecond, so no call borrows.
+    let g = generator();
+    let mut spent = Duration::ZERO;
+    let mut n = 0u64;
+    let until = Instant::now() + Duration::from_secs(secs.min(3));
+    while Instant::now() < until {
+        let t = Instant::now();
+        for _ in 0..1000 {
+            black_box(g.try_next().unwrap());
+        }
+        spent += t.elapsed();
+        n += 1000;
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    println!(
+        "snowflake, one thread, below the limit: {:.1} ns/id",
+        spent.as_nanos() as f64 / n as f64
+    );
+
+    // At the limit: as many as it issues for `secs` seconds.
+    let g = generator();
+    let start = Instant::now();
+    let mut n = 0u64;
+    while start.elapsed() < Duration::from_secs(secs) {
+        for _ in 0..1000 {
+            black_box(g.next().unwrap());
+        }
+        n += 1000;
+    }
+    let rate = n as f64 / start.elapsed().as_secs_f64();
+    let limit = Layout::default().ids_per_second() as f64;
+    println!(
+        "snowflake, one thread, at the limit for {secs} s: {rate:.0} ids/s = {:.1}% of the layout's {limit:.0}",
+        rate / limit * 100.0
+    );
+
+    // Two threads, below the limit together.
+    let g = generator();
+    let threads: Vec<_> = (0..2)
+        .map(|_| {
+            let g = g.clone();
+            std::thread::spawn(move || {
+                let mut spent = Duration::ZERO;
+                for _ in 0..1000 {
+                    let t = Instant::now();
+                    for _ in 0..1000 {
+                        black_box(g.try_next().unwrap());
+                    }
+                    spent += t.elapsed();
+                    std::thread::sleep(Duration::from_millis(1));
+                }
+                spent
+            })
+        })
+        .collect();
+    let spent: Duration = threads.into_iter().map(|t| t.join().unwrap()).sum();
+    println!(
+        "snowflake, two threads: {:.1} ns/id per thread",
+        spent.as_nanos() as f64 / 2_000_000.0
+    );
+
+    // Batches of 1,000.
+    let g = generator();
+    let mut spent = Duration::ZERO;
+    for _ in 0..1000 {
+        let t = Instant::now();
+        for id in g.try_next_batch(1000).unwrap() {
+            black_box(id);
+        }
+        spent += t.elapsed();
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    println!(
+        "snowflake, batches of 1,000: {:.2} ns/id",
+        spent.as_nanos() as f64 / 1_000_000.0
+    );
+}
