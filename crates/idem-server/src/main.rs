@@ -201,7 +201,7 @@ async fn migrate(args: &MigrateArgs) -> Result<(), String> {
     // Opening a store applies whatever migrations it lacks, under the store's own lock.
     let store = idem_store::open(&args.store)
         .await
-        .map_err(|e| format!("store {:?}: {e}", args.store))?;
+        .map_err(|e| format!("store {:?}: {e}", idem_store::redact(&args.store)))?;
     info!(store = store.kind(), "the store's schema is up to date");
     Ok(())
 }
@@ -275,7 +275,7 @@ async fn gateway(args: GatewayArgs) -> Result<(), String> {
         .unwrap_or_else(|| "sqlite://idem.db".to_owned());
     let store = idem_store::open(&store_url)
         .await
-        .map_err(|e| format!("store {store_url:?}: {e}"))?;
+        .map_err(|e| format!("store {:?}: {e}", idem_store::redact(&store_url)))?;
     // The command line wins over the file.
     let mut gateway = Gateway::new(upstream, store.clone());
     if let Some(t) = args.upstream_timeout {

@@ -30,4 +30,4 @@ pub use postgres::{PostgresOptions, PostgresStore};
 pub use redis_store::{EXPIRY_MARGIN, RedisOptions, RedisStore};
 #[cfg(feature = "sqlite")]
 pub use sqlite::{SqliteOptions, SqliteStore, Synchronous};
-pub use url::{OpenError, StoreUrl, StoreUrlError, open};
+pub use url::{OpenError, StoreUrl, StoreUrlError, open, redact};

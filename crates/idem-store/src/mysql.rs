@@ -14,6 +14,7 @@
 //! Keys are `VARBINARY`, so they compare byte for byte: under the usual case-insensitive
 //! collations `Order-1` and `order-1` would be one key.
 
+use std::sync::Arc;
 use std::time::Duration;
 
 use idem_core::{
@@ -22,7 +23,8 @@ use idem_core::{
 };
 use sqlx::mysql::{MySqlConnectOptions, MySqlDatabaseError, MySqlPoolOptions};
 use sqlx::{
-    AssertSqlSafe, ConnectOptions, Connection, MySqlConnection, MySqlPool, SqlSafeStr, SqlStr,
+    AssertSqlSafe, ConnectOptions, Connection, Executor, MySqlConnection, MySqlPool, SqlSafeStr,
+    SqlStr,
 };
 
 use crate::row::sql_int;
@@ -63,6 +65,11 @@ pub struct MySqlOptions {
     /// How long an operation waits for a free connection (or a new one) before failing with
     /// [`StoreError::Unavailable`]. Default 5 s.
     pub acquire_timeout: Duration,
+    /// How long a statement waits for a row lock (`innodb_lock_wait_timeout`, whole seconds,
+    /// at least 1) before failing with [`StoreError::Unavailable`]: a `begin` of a key whose
+    /// record a caller's open transaction holds waits at most this long. It applies to every
+    /// statement on the store's connections. Default 5 s.
+    pub lock_timeout: Duration,
 }
 
 impl Default for MySqlOptions {
@@ -71,6 +78,7 @@ impl Default for MySqlOptions {
             table: "idem_records".to_owned(),
             max_connections: 16,
             acquire_timeout: Duration::from_secs(5),
+            lock_timeout: Duration::from_secs(5),
         }
     }
 }
@@ -132,7 +140,11 @@ impl Statements {
                      expires_at = IF({ours}, VALUES(expires_at), expires_at),
                      purge_after = IF({ours}, VALUES(purge_after), purge_after)"
             )),
-            load: s(format!("SELECT {COLUMNS} FROM {t} WHERE {key}")),
+            // A locking read: inside a caller's transaction (same-transaction mode) a plain
+            // read would see the transaction's old snapshot, not the row the update just saw.
+            load: s(format!(
+                "SELECT {COLUMNS} FROM {t} WHERE {key} LOCK IN SHARE MODE"
+            )),
             complete: s(format!(
                 "UPDATE {t} SET status = 'completed', response = ?, updated_at = ?,
                      expires_at = {SETTLED_EXPIRY}
@@ -189,11 +201,24 @@ impl MySqlStore {
             .connect()
             .await
             .map_err(|e| error("cannot connect to MySQL", e))?;
+        let session = Arc::new(session_settings(&options));
+        first
+            .execute(AssertSqlSafe(session.as_str().to_owned()))
+            .await
+            .map_err(|e| error("cannot set up the MySQL session", e))?;
         migrate(&mut first, &table).await?;
         let _ = first.close().await;
         let pool = MySqlPoolOptions::new()
             .max_connections(options.max_connections.max(1))
             .acquire_timeout(options.acquire_timeout)
+            .after_connect(move |c, _| {
+                let session = session.clone();
+                Box::pin(async move {
+                    c.execute(AssertSqlSafe(session.as_str().to_owned()))
+                        .await?;
+                    Ok(())
+                })
+            })
             .connect_lazy_with(connect);
         Ok(Self {
             sql: Statements::new(&table),
@@ -340,6 +365,17 @@ async fn current(c: &mut MySqlConnection, table: &TableName) -> bool {
     applied.is_ok_and(|a| sql::pending(MIGRATIONS, &a).is_ok_and(|p| p.is_empty()))
 }
 
+/// What every connection sets first: the lock wait bound, and assignments applied left to
+/// right (`begin` depends on it; MariaDB's `SIMULTANEOUS_ASSIGNMENT` mode would evaluate
+/// them all against the old row).
+fn session_settings(options: &MySqlOptions) -> String {
+    let wait = options.lock_timeout.as_secs().max(1);
+    format!(
+        "SET SESSION innodb_lock_wait_timeout = {wait}, \
+         sql_mode = REPLACE(@@SESSION.sql_mode, 'SIMULTANEOUS_ASSIGNMENT', '')"
+    )
+}
+
 /// Applies pending migrations while holding a named lock, so that processes starting together
 /// apply each migration once. (MySQL commits DDL at once, so each step is also written to be
 /// safe to repeat.)
@@ -350,7 +386,11 @@ async fn migrate(c: &mut MySqlConnection, table: &TableName) -> Result<(), Store
         return Ok(());
     }
     let fail = |e| error("cannot apply the MySQL schema", e);
-    let lock = format!("idem migrations {table}");
+    // MySQL takes lock names of at most 64 characters: a digest of the table's name.
+    let lock = format!(
+        "idem:{}",
+        &idem_core::Fingerprint::of_bytes(table.to_string().as_bytes()).to_hex()[..32]
+    );
     let locked: Option<i64> = sqlx::query_scalar("SELECT GET_LOCK(?, 60)")
         .bind(&lock)
         .fetch_one(&mut *c)
@@ -410,11 +450,9 @@ async fn apply(c: &mut MySqlConnection, table: &TableName) -> Result<(), StoreEr
 
 /// MySQL error numbers that mean the server is busy, shutting down or failing over, not that
 /// the statement is wrong: too many connections (1040), shutdown in progress (1053), lock wait
-/// timeout (1205), deadlock (1213), read-only (1290, 1836), connection killed (1927), and the
-/// client's lost-connection numbers (2002, 2003, 2006, 2013).
-const TRANSIENT: &[u16] = &[
-    1040, 1053, 1205, 1213, 1290, 1836, 1927, 2002, 2003, 2006, 2013,
-];
+/// timeout (1205), deadlock (1213), read-only (1290, 1836), connection killed (1927). A lost
+/// connection is an I/O error, classified as such.
+const TRANSIENT: &[u16] = &[1040, 1053, 1205, 1213, 1290, 1836, 1927];
 
 /// Classifies a database error by its error number, never by its message.
 fn error(what: &str, e: sqlx::Error) -> StoreError {

@@ -64,6 +64,12 @@ pub struct PostgresOptions {
     /// How long an operation waits for a free connection (or a new one) before failing with
     /// [`StoreError::Unavailable`]. Default 5 s.
     pub acquire_timeout: Duration,
+    /// How long a statement waits for a row lock (`lock_timeout`) before failing with
+    /// [`StoreError::Unavailable`]: a `begin` of a key whose record a caller's open
+    /// transaction holds (same-transaction mode) waits at most this long instead of holding a
+    /// pooled connection without bound. It applies to every statement on the store's
+    /// connections, business writes run through [`PostgresStore::pool`] included. Default 5 s.
+    pub lock_timeout: Duration,
 }
 
 impl Default for PostgresOptions {
@@ -72,6 +78,7 @@ impl Default for PostgresOptions {
             table: "idem_records".to_owned(),
             max_connections: 16,
             acquire_timeout: Duration::from_secs(5),
+            lock_timeout: Duration::from_secs(5),
         }
     }
 }
@@ -153,9 +160,12 @@ impl Statements {
                 "SELECT {COLUMNS} FROM {t} WHERE {key} AND expires_at > $4"
             )),
             purge: s(format!(
+                // The condition is repeated outside: a row a concurrent `begin` took over
+                // while this waited for its lock is rechecked against it and kept.
                 "DELETE FROM {t} WHERE ctid = ANY(ARRAY(
                      SELECT ctid FROM {t} WHERE purge_after <= $1 AND expires_at <= $1
-                     LIMIT $2))"
+                     LIMIT $2))
+                   AND purge_after <= $1 AND expires_at <= $1"
             )),
         }
     }
@@ -174,6 +184,15 @@ impl PostgresStore {
             .parse()
             .map_err(|e| StoreError::backend("the PostgreSQL URL is not valid", e))?;
         let table = TableName::parse(&options.table)?;
+        // Read committed whatever the server's default: under repeatable read a contended
+        // upsert fails with a serialization error instead of waiting and deciding.
+        let connect = connect.options([
+            (
+                "lock_timeout",
+                format!("{}ms", options.lock_timeout.as_millis().max(1)),
+            ),
+            ("default_transaction_isolation", "read committed".to_owned()),
+        ]);
         // One direct connection first: it reports why a server cannot be reached (the pool
         // would only say it timed out), and it applies the migrations.
         let mut first = connect
@@ -388,15 +407,16 @@ async fn migrate(c: &mut PgConnection, table: &TableName) -> Result<(), StoreErr
     tx.commit().await.map_err(fail)
 }
 
-/// Classifies a database error: the server or the network failing (connection errors, SQLSTATE
-/// class 08, shutdown 57P, out of resources 53, serialization and deadlock 40) may pass; the
-/// rest is a backend error.
+/// Classifies a database error by SQLSTATE: the server or the network failing may pass
+/// (connection errors 08, shutdown 57P, out of memory or connections 53 but not a full disk,
+/// serialization and deadlock 40, a lock or statement timeout 55P03 and 57014, a read-only
+/// server after a failover 25006); the rest is a backend error.
 fn error(what: &str, e: sqlx::Error) -> StoreError {
     let transient = match &e {
         sqlx::Error::Database(db) => db.code().is_some_and(|c| {
-            ["08", "53", "40", "57P"]
-                .iter()
-                .any(|class| c.starts_with(class))
+            let class = |prefix: &str| c.starts_with(prefix);
+            (class("08") || class("53") || class("40") || class("57P")) && c != "53100"
+                || ["55P03", "57014", "25006"].contains(&c.as_ref())
         }),
         other => sql::is_transient(other),
     };

@@ -15,6 +15,9 @@
 //! [`EXPIRY_MARGIN`], so servers whose clocks differ a little never see a record vanish early.
 //! `purge_expired` has nothing to do.
 //!
+//! **Eviction** would forget records: a server with `maxmemory` set and a policy other than
+//! `noeviction` is refused at connect unless [`RedisOptions::allow_eviction`] says otherwise.
+//!
 //! **Durability** is Redis's: with `appendonly yes` and `appendfsync always` a completed record
 //! survives a crash of the server; with the defaults the last second may be lost, and with a
 //! replica failover the last writes may be lost too. Choose the store for what it may forget.
@@ -38,7 +41,7 @@ const MAX_EXACT: u64 = (1 << 53) - 1;
 const BEGIN: &str = r"
 local k = KEYS[1]
 local now = tonumber(ARGV[1])
-local r = redis.call('HMGET', k, 'st', 'fp', 'fence', 'lexp', 'exp', 'resp', 'uat')
+local r = redis.call('HMGET', k, 'st', 'fp', 'fence', 'lexp', 'exp', 'resp', 'uat', 'lid')
 local st, fence, lexp, exp = r[1], tonumber(r[3]), tonumber(r[4]), tonumber(r[5])
 if st and exp > now then
   if st == 'completed' then
@@ -46,6 +49,8 @@ if st and exp > now then
     return {'mismatch'}
   elseif st == 'in_progress' then
     if r[2] ~= ARGV[2] then return {'mismatch'} end
+    -- This very begin, sent again after its answer was lost: it holds the lease.
+    if r[8] == ARGV[3] then return {'acquired', fence} end
     if lexp > now then return {'in_progress', lexp} end
   end
 end
@@ -141,6 +146,10 @@ pub struct RedisOptions {
     /// How long a command waits for its answer before failing with
     /// [`StoreError::Unavailable`]. Default 5 s.
     pub response_timeout: Duration,
+    /// Accept a server that may evict keys when full (`maxmemory` set with a policy other
+    /// than `noeviction`). An evicted record is a key forgotten: its work runs again. Default
+    /// false: such a server is refused at connect.
+    pub allow_eviction: bool,
 }
 
 impl Default for RedisOptions {
@@ -148,6 +157,7 @@ impl Default for RedisOptions {
         Self {
             prefix: "idem:".to_owned(),
             response_timeout: Duration::from_secs(5),
+            allow_eviction: false,
         }
     }
 }
@@ -188,7 +198,9 @@ impl RedisStore {
             .get_connection_manager_with_config(config)
             .await
             .map_err(|e| error("cannot connect to Redis", e))?;
-        Ok(Self::with(Conn::Single(conn), options))
+        Self::with(Conn::Single(conn), options.clone())
+            .checked(&options)
+            .await
     }
 
     /// Connects to a Cluster through any of its nodes (`redis://host:port` each).
@@ -207,7 +219,9 @@ impl RedisStore {
             .get_async_connection()
             .await
             .map_err(|e| error("cannot connect to the Redis Cluster", e))?;
-        Ok(Self::with(Conn::Cluster(conn), options))
+        Self::with(Conn::Cluster(conn), options.clone())
+            .checked(&options)
+            .await
     }
 
     fn with(conn: Conn, options: RedisOptions) -> Self {
@@ -218,6 +232,47 @@ impl RedisStore {
             settle: Script::new(SETTLE),
             reopen: Script::new(REOPEN),
         }
+    }
+
+    /// Checks the options, and that the server will not evict records.
+    async fn checked(self, options: &RedisOptions) -> Result<Self, StoreError> {
+        if self.prefix.contains(['{', '}']) {
+            return Err(StoreError::Backend {
+                message: "the Redis key prefix may not contain { or }: they would make it the \
+                          hash tag and put every record in one Cluster slot"
+                    .into(),
+                source: None,
+            });
+        }
+        if !options.allow_eviction {
+            // Servers that disable CONFIG (some managed services) cannot be asked; go on.
+            let config: Result<Vec<String>, _> = redis::cmd("CONFIG")
+                .arg("GET")
+                .arg("maxmemory*")
+                .query_async(&mut self.conn.clone())
+                .await;
+            if let Ok(pairs) = config {
+                let get = |name: &str| {
+                    pairs
+                        .chunks(2)
+                        .find(|p| p[0] == name)
+                        .and_then(|p| p.get(1).cloned())
+                };
+                let limited = get("maxmemory").is_some_and(|m| m != "0");
+                let policy = get("maxmemory-policy").unwrap_or_default();
+                if limited && policy != "noeviction" {
+                    return Err(StoreError::Backend {
+                        message: format!(
+                            "this Redis evicts keys when full (maxmemory-policy {policy}): an \
+                             evicted record would let its work run again; set \
+                             maxmemory-policy noeviction, or allow eviction explicitly"
+                        ),
+                        source: None,
+                    });
+                }
+            }
+        }
+        Ok(self)
     }
 
     /// The Redis key of a record: the prefix, then a 128-bit digest as its own hash tag.

@@ -134,8 +134,9 @@ impl FromStr for StoreUrl {
 
     fn from_str(url: &str) -> Result<Self, StoreUrlError> {
         let (scheme, rest) = url.split_once("://").ok_or_else(|| {
+            // Not echoed: a URL may carry a password.
             err(format!(
-                "store URL {url:?} has no scheme; expected one of {}",
+                "the store URL has no scheme; expected one of {}",
                 known_schemes()
             ))
         })?;
@@ -332,6 +333,27 @@ impl StoreUrl {
 /// ```
 pub async fn open(url: &str) -> Result<SharedStore, OpenError> {
     Ok(url.parse::<StoreUrl>()?.open().await?)
+}
+
+/// `url` with any password replaced by `***`, for messages and logs.
+///
+/// ```
+/// assert_eq!(idem_store::redact("postgres://app:s3cret@db/app"), "postgres://app:***@db/app");
+/// assert_eq!(idem_store::redact("redis://:pw@cache:6379"), "redis://:***@cache:6379");
+/// assert_eq!(idem_store::redact("sqlite://idem.db"), "sqlite://idem.db");
+/// ```
+pub fn redact(url: &str) -> String {
+    let Some((scheme, rest)) = url.split_once("://") else {
+        return url.to_owned();
+    };
+    let authority_end = rest.find(['/', '?']).unwrap_or(rest.len());
+    let (authority, tail) = rest.split_at(authority_end);
+    let Some((userinfo, hosts)) = authority.rsplit_once('@') else {
+        return url.to_owned();
+    };
+    let user = userinfo.split_once(':').map_or(userinfo, |(u, _)| u);
+    let hidden = if userinfo.contains(':') { ":***" } else { "" };
+    format!("{scheme}://{user}{hidden}@{hosts}{tail}")
 }
 
 /// Why [`open`] failed.

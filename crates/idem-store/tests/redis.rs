@@ -102,3 +102,45 @@ fn an_outage_fails_closed_and_the_store_recovers_by_itself() {
         );
     });
 }
+
+/// A server that may evict keys when full is refused (an evicted record lets its work run
+/// again) unless eviction is allowed explicitly; a prefix with braces is refused.
+#[test]
+fn an_evicting_server_and_a_braced_prefix_are_refused() {
+    use idem_testkit::services::RedisServer;
+
+    idem_testkit::block_on(async {
+        let Some(server) = RedisServer::start() else {
+            return;
+        };
+        let client = redis::Client::open(server.url()).unwrap();
+        let mut c = client.get_multiplexed_async_connection().await.unwrap();
+        for (name, value) in [("maxmemory", "100mb"), ("maxmemory-policy", "allkeys-lru")] {
+            let _: () = redis::cmd("CONFIG")
+                .arg("SET")
+                .arg(name)
+                .arg(value)
+                .query_async(&mut c)
+                .await
+                .unwrap();
+        }
+        let e = RedisStore::connect(&server.url(), options())
+            .await
+            .unwrap_err();
+        assert!(e.to_string().contains("evicts keys"), "{e}");
+        let allowed = RedisOptions {
+            allow_eviction: true,
+            ..options()
+        };
+        assert!(RedisStore::connect(&server.url(), allowed).await.is_ok());
+
+        let braced = RedisOptions {
+            prefix: "app:{x}:".into(),
+            ..options()
+        };
+        let e = RedisStore::connect(&REDIS.url().unwrap_or(server.url()), braced)
+            .await
+            .unwrap_err();
+        assert!(e.to_string().contains("prefix"), "{e}");
+    });
+}

@@ -220,6 +220,51 @@ macro_rules! sql_store_tests {
             });
         }
 
+        /// A record held by a caller's open transaction makes a `begin` of its key wait at
+        /// most the lock timeout, then fail closed (not hold a connection without bound); once
+        /// the transaction commits, the begin replays.
+        #[test]
+        fn a_begin_waits_for_an_open_transaction_at_most_the_lock_timeout() {
+            idem_testkit::block_on(async {
+                let table = fresh_name("idem_test_lock");
+                let Some(url) = $service.url() else {
+                    return;
+                };
+                let options = $options {
+                    table: table.clone(),
+                    lock_timeout: Duration::from_secs(1),
+                    ..$options::default()
+                };
+                let store = $store::connect_with(&url, options).await.unwrap();
+                let req = BeginRequest::new(
+                    Key::parse("lock", "lock", "k").unwrap(),
+                    Fingerprint::of_bytes(b"k"),
+                );
+                let now = Timestamp::now();
+                let BeginOutcome::Acquired(lease) = store.begin(&req, now).await.unwrap() else {
+                    panic!("not acquired");
+                };
+                let mut tx = store.pool().begin().await.unwrap();
+                store
+                    .complete_in(&mut tx, &req.key, &lease, Bytes::from_static(b"ok"), now)
+                    .await
+                    .unwrap();
+                // Far past the lease, so the begin would take over if it could decide.
+                let later = now.saturating_add(Duration::from_secs(3600));
+                let waited = tokio::time::timeout(Duration::from_secs(20), store.begin(&req, later))
+                    .await
+                    .expect("the begin waited without bound");
+                let e = waited.unwrap_err();
+                assert!(e.is_transient(), "{e}");
+                tx.commit().await.unwrap();
+                assert!(matches!(
+                    store.begin(&req, now).await.unwrap(),
+                    BeginOutcome::Replay(_)
+                ));
+                drop_tables(&store, &[table.clone(), format!("{table}_migrations")]).await;
+            });
+        }
+
         /// The work's write and the record's completion commit together: an attempt killed
         /// after both ran but before its commit leaves neither, and the retry (after the
         /// lease) runs the work exactly once more. Had the completion been committed on its
