@@ -85,18 +85,26 @@ impl Problem {
         self.code
     }
 
-    /// 503 for a store failure: the work must not run.
+    /// 503 for a store failure: the work must not run. The store's own message (which may
+    /// name a database user or host) is logged, not sent to the client.
     pub fn store(e: &idem_core::StoreError) -> Self {
-        let code = if e.is_transient() {
-            "store_unavailable"
+        let (code, detail) = if e.is_transient() {
+            (
+                "store_unavailable",
+                "The record store cannot be reached, so nothing was done; try again shortly.",
+            )
         } else {
-            "store_error"
+            (
+                "store_error",
+                "The record store failed, so nothing was done; the server's log says why.",
+            )
         };
+        tracing::warn!(error = %e, "the record store failed; answered {code}");
         Self::new(
             StatusCode::SERVICE_UNAVAILABLE,
             code,
             "Store unavailable",
-            format!("The record store failed, so nothing was done: {e}"),
+            detail,
         )
     }
 }

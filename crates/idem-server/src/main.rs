@@ -67,7 +67,8 @@ struct GatewayArgs {
     #[arg(long, env = "IDEM_GATEWAY_LISTEN")]
     listen: Option<SocketAddr>,
 
-    /// Where records live: memory://, or sqlite://PATH [default: sqlite://idem.db].
+    /// Where records live: sqlite://PATH, memory://, postgres://…, mysql://…, redis://… or
+    /// redis+cluster://… (see the README) [default: sqlite://idem.db].
     #[arg(long, env = "IDEM_STORE")]
     store: Option<String>,
 
@@ -95,7 +96,8 @@ struct GatewayArgs {
 
 #[derive(clap::Args)]
 struct ServeArgs {
-    /// Where records live: memory://, or sqlite://PATH (the embedded default).
+    /// Where records live: sqlite://PATH (the embedded default), memory://, postgres://…,
+    /// mysql://…, redis://… or redis+cluster://host:port,host:port (see the README).
     #[arg(long, env = "IDEM_STORE", default_value = "sqlite://idem.db")]
     store: String,
 

@@ -3,8 +3,12 @@
 //! - [`MemoryStore`]: in-process, for tests and throwaway use.
 //! - [`SqliteStore`] (feature `sqlite`, on by default): the embedded default. One file, nothing
 //!   to install; safe for many tasks and several processes on one file.
+//! - `PostgresStore` (feature `postgres`), `MySqlStore` (feature `mysql`, MySQL and MariaDB)
+//!   and `RedisStore` (feature `redis`, single node or Cluster): for many processes sharing
+//!   records on the servers they already run.
 //!
-//! [`open`] picks a store from a URL (`memory://`, `sqlite://PATH`), as `idem serve --store` does.
+//! [`open`] picks a store from a URL (`sqlite://PATH`, `memory://`, `postgres://…`,
+//! `mysql://…`, `redis://…`, `redis+cluster://…`), as `idem serve --store` does.
 
 mod memory;
 #[cfg(feature = "mysql")]

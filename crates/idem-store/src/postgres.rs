@@ -10,9 +10,8 @@
 //! Expiry follows the caller's clock (`now`), as everywhere; expired rows are deleted in
 //! bounded batches by `purge_expired`, found through an index on `purge_after`: the latest
 //! moment the row can expire, fixed when a lease is granted (lease end plus TTL). Completing or
-//! releasing moves `expires_at` earlier but leaves every indexed column alone, so it is a HOT
-//! update (the table keeps free space in each page for it), and a purge deletes a row once
-//! both times have passed.
+//! releasing changes `expires_at` but no indexed column, so it is a HOT update (the table keeps
+//! free space in each page for it), and a purge deletes a row once both times have passed.
 
 use std::time::Duration;
 

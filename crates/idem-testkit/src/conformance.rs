@@ -51,8 +51,13 @@ thread_local! {
 /// whatever has expired by its clock, other cases' records included.
 pub fn case_table(prefix: &str) -> String {
     use std::hash::{Hash, Hasher};
+    let case = CASE.get();
+    assert!(
+        !case.is_empty(),
+        "case_table is for fixtures of conformance_tests!, on the case's own thread"
+    );
     let mut h = std::collections::hash_map::DefaultHasher::new();
-    CASE.get().hash(&mut h);
+    case.hash(&mut h);
     format!("{prefix}_{:08x}", h.finish() & 0xffff_ffff)
 }
 

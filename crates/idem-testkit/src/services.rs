@@ -101,29 +101,44 @@ fn note_once(note: &str) {
     }
 }
 
-/// Kills the server `$!` and the processes it forked, as a machine crash would: stopped
+/// Kills the server `$1` and the processes it forked, as a machine crash would: stopped
 /// first so it forks no more, then its children (PostgreSQL's backends, which lead process
 /// groups of their own, so a group kill would miss them), then itself.
 const KILL_TREE: &str =
-    "kill -STOP $! 2>/dev/null; pkill -KILL -P $! 2>/dev/null; kill -KILL $! 2>/dev/null";
+    "kill -STOP $1 2>/dev/null; pkill -KILL -P $1 2>/dev/null; kill -KILL $1 2>/dev/null";
 
 /// A server process of the test's own, killed with SIGKILL when stopped, when dropped, and
-/// also when the test process ends in any way: a watchdog shell kills it once this process's
-/// end of a pipe closes, so a panicking test or a server kept in a `static` leaves nothing
-/// running.
+/// also when the test process ends in any way: a watchdog shell kills it (and removes its
+/// directory, given) once this process's end of a pipe closes, so a panicking test, a runner
+/// killed by a timeout, or a server kept in a `static` leaves nothing behind. The server runs
+/// in a session of its own and the watchdog ignores hang-ups and interrupts, so a signal sent
+/// to the test's process group reaches neither before the kill.
 struct Supervised {
     watchdog: std::process::Child,
     pid: String,
 }
 
 impl Supervised {
-    fn spawn(command: &[String], dir: &std::path::Path) -> std::io::Result<Self> {
+    fn spawn(
+        command: &[String],
+        dir: &std::path::Path,
+        remove_at_exit: Option<&std::path::Path>,
+    ) -> std::io::Result<Self> {
         use std::io::BufRead;
         use std::process::{Command, Stdio};
+        // Removed only when this process ended without saying "keep" (an explicit stop keeps
+        // the data for a restart).
+        let cleanup = remove_at_exit.map_or(String::new(), |d| {
+            format!(
+                "; if [ \"$cmd\" != keep ]; then rm -rf '{}'; fi",
+                d.display().to_string().replace('\'', "")
+            )
+        });
         let mut watchdog = Command::new("sh")
             .arg("-c")
             .arg(format!(
-                "\"$@\" >/dev/null 2>&1 & echo $!; read _; {KILL_TREE}"
+                "setsid \"$@\" >>server.log 2>&1 & pid=$!; trap '' HUP INT TERM; echo $pid; \
+                 read cmd; set -- $pid; {KILL_TREE}{cleanup}"
             ))
             .arg("sh")
             .args(command)
@@ -141,10 +156,22 @@ impl Supervised {
         })
     }
 
+    /// Whether the server process still runs.
+    fn alive(&self) -> bool {
+        std::process::Command::new("kill")
+            .args(["-0", &self.pid])
+            .status()
+            .is_ok_and(|s| s.success())
+    }
+
     fn kill(mut self) {
+        use std::io::Write;
+        if let Some(mut stdin) = self.watchdog.stdin.take() {
+            let _ = stdin.write_all(b"keep\n");
+        }
         let _ = std::process::Command::new("sh")
             .arg("-c")
-            .arg(KILL_TREE.replace("$!", "$1"))
+            .arg(KILL_TREE)
             .arg("sh")
             .arg(&self.pid)
             .status();
@@ -186,15 +213,29 @@ fn run(program: &str, args: &[&str], dir: &std::path::Path) -> std::io::Result<(
     }
 }
 
-/// Polls `probe` until it succeeds (up to 20 s).
-fn wait_for(what: &str, mut probe: impl FnMut() -> bool) {
+/// Polls `probe` until it succeeds (up to 20 s), failing early if the server died; the
+/// error quotes the end of the server's log.
+fn wait_for(
+    what: &str,
+    server: Option<&Supervised>,
+    dir: &std::path::Path,
+    mut probe: impl FnMut() -> bool,
+) -> std::io::Result<()> {
     for _ in 0..800 {
         if probe() {
-            return;
+            return Ok(());
+        }
+        if server.is_some_and(|s| !s.alive()) {
+            break;
         }
         std::thread::sleep(Duration::from_millis(25));
     }
-    panic!("{what} never became ready");
+    let log = std::fs::read_to_string(dir.join("server.log")).unwrap_or_default();
+    let tail: Vec<&str> = log.lines().rev().take(5).collect();
+    Err(std::io::Error::other(format!(
+        "{what} never became ready; its log ends: {}",
+        tail.into_iter().rev().collect::<Vec<_>>().join(" | ")
+    )))
 }
 
 /// Whether `program` runs (is on the `PATH` and executable).
@@ -234,7 +275,12 @@ impl RedisServer {
             dir: tempfile::tempdir().expect("a temporary directory"),
             running: None,
         };
-        if let Err(e) = which("redis-server").and_then(|()| server.spawn()) {
+        let programs = ["redis-server", "redis-cli", "pkill", "setsid", "timeout"];
+        if let Err(e) = programs
+            .iter()
+            .try_for_each(|p| which(p))
+            .and_then(|()| server.spawn())
+        {
             cannot_run("redis-server", &e);
             return None;
         }
@@ -262,13 +308,19 @@ impl RedisServer {
                     "yes",
                     "--cluster-config-file",
                     "nodes.conf",
+                    // The bus port (port + 10000 by default) might be taken or out of range.
+                    "--cluster-port",
+                    &free_port().to_string(),
                 ]
                 .map(String::from),
             );
         }
-        self.running = Some(Supervised::spawn(&command, self.dir.path())?);
-        wait_for("redis-server", || self.cli(&["PING"]).contains("PONG"));
-        Ok(())
+        let running = Supervised::spawn(&command, self.dir.path(), Some(self.dir.path()))?;
+        let ready = wait_for("redis-server", Some(&running), self.dir.path(), || {
+            self.cli(&["PING"]).contains("PONG")
+        });
+        self.running = Some(running);
+        ready
     }
 
     /// Its URL.
@@ -290,8 +342,16 @@ impl RedisServer {
     }
 
     fn cli(&self, args: &[&str]) -> String {
-        std::process::Command::new("redis-cli")
-            .args(["-h", "127.0.0.1", "-p", &self.port.to_string()])
+        // redis-cli has no connect timeout of its own.
+        std::process::Command::new("timeout")
+            .args([
+                "2",
+                "redis-cli",
+                "-h",
+                "127.0.0.1",
+                "-p",
+                &self.port.to_string(),
+            ])
             .args(args)
             .output()
             .map(|o| String::from_utf8_lossy(&o.stdout).into_owned())
@@ -331,14 +391,19 @@ impl RedisCluster {
         let mut args = vec!["--cluster", "create"];
         args.extend(addrs.iter().map(String::as_str));
         args.extend(["--cluster-replicas", "0", "--cluster-yes"]);
-        if let Err(e) = run("redis-cli", &args, nodes[0].dir.path()) {
+        let formed = run("redis-cli", &args, nodes[0].dir.path()).and_then(|()| {
+            nodes.iter().try_for_each(|node| {
+                wait_for(
+                    "the Redis Cluster",
+                    node.running.as_ref(),
+                    node.dir.path(),
+                    || node.cli(&["CLUSTER", "INFO"]).contains("cluster_state:ok"),
+                )
+            })
+        });
+        if let Err(e) = formed {
             cannot_run("Redis Cluster", &e);
             return None;
-        }
-        for node in &nodes {
-            wait_for("the Redis Cluster", || {
-                node.cli(&["CLUSTER", "INFO"]).contains("cluster_state:ok")
-            });
         }
         Some(Self { nodes })
     }
@@ -391,6 +456,9 @@ impl SqlServer {
     }
 
     fn create(kind: SqlKind) -> std::io::Result<Self> {
+        for program in ["pkill", "setsid"] {
+            which(program)?;
+        }
         let root = std::process::Command::new("id")
             .arg("-u")
             .output()
@@ -410,6 +478,7 @@ impl SqlServer {
             SqlKind::Postgres => {
                 server.bin = postgres_bin()?;
                 if root {
+                    which("setpriv")?;
                     server.run_as = Some("postgres");
                     run(
                         "chown",
@@ -431,8 +500,9 @@ impl SqlServer {
                 server.run_as_user(&initdb)?;
             }
             SqlKind::MariaDb => {
-                which("mariadb-install-db")?;
-                which("mariadbd")?;
+                for program in ["mariadb-install-db", "mariadbd", "mariadb-admin"] {
+                    which(program)?;
+                }
                 let datadir = format!("--datadir={data}");
                 let mut args = vec![
                     "--no-defaults",
@@ -506,37 +576,36 @@ impl SqlServer {
                 "--innodb-flush-log-at-trx-commit=2".into(),
             ]),
         }
-        self.running = Some(Supervised::spawn(&command, self.dir.path())?);
+        let running = Supervised::spawn(&command, self.dir.path(), Some(self.dir.path()))?;
         let port = self.port.to_string();
-        let ready: Box<dyn Fn() -> bool> = match self.kind {
-            SqlKind::Postgres => Box::new(move || {
-                run(
-                    "pg_isready",
-                    &["-q", "-h", "127.0.0.1", "-p", &port],
-                    std::path::Path::new("/"),
-                )
-                .is_ok()
-            }),
-            SqlKind::MariaDb => Box::new(move || {
-                run(
-                    "mariadb-admin",
-                    &[
-                        "--no-defaults",
-                        "-h",
-                        "127.0.0.1",
-                        "-P",
-                        &port,
-                        "-u",
-                        "root",
-                        "ping",
-                    ],
-                    std::path::Path::new("/"),
-                )
-                .is_ok()
-            }),
+        let pg_isready = self.bin.join("pg_isready");
+        let probe = || match self.kind {
+            SqlKind::Postgres => run(
+                path(&pg_isready),
+                &["-q", "-t", "2", "-h", "127.0.0.1", "-p", &port],
+                self.dir.path(),
+            ),
+            SqlKind::MariaDb => run(
+                "mariadb-admin",
+                &[
+                    "--no-defaults",
+                    "--connect-timeout=2",
+                    "-h",
+                    "127.0.0.1",
+                    "-P",
+                    &port,
+                    "-u",
+                    "root",
+                    "ping",
+                ],
+                self.dir.path(),
+            ),
         };
-        wait_for("the SQL server", ready);
-        Ok(())
+        let ready = wait_for("the SQL server", Some(&running), self.dir.path(), || {
+            probe().is_ok()
+        });
+        self.running = Some(running);
+        ready
     }
 
     /// Its URL (database `postgres` or `mysql`, user with every right).
@@ -577,7 +646,9 @@ fn postgres_bin() -> std::io::Result<std::path::PathBuf> {
     if let Some(dir) = std::env::var_os("PATH")
         .and_then(|path| std::env::split_paths(&path).find(|dir| dir.join("initdb").is_file()))
     {
-        return Ok(dir);
+        // A link on the PATH (`/usr/local/bin/initdb`): the real directory has the others.
+        let real = std::fs::canonicalize(dir.join("initdb"))?;
+        return Ok(real.parent().map_or(dir, std::path::Path::to_path_buf));
     }
     let mut versions: Vec<std::path::PathBuf> = std::fs::read_dir("/usr/lib/postgresql")
         .map(|entries| {
