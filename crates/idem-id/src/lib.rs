@@ -8,6 +8,7 @@
 
 mod layout;
 mod snowflake;
+mod ticker;
 
 pub use layout::{DEFAULT_EPOCH_MS, Layout, LayoutError, Parts};
 pub use snowflake::{Batch, IdError, Snowflake, SnowflakeOptions, SystemTimeSource, TimeSource};

@@ -2,9 +2,10 @@
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::time::{Duration, Instant, SystemTime};
+use std::time::{Duration, SystemTime};
 
 use crate::layout::{Layout, LayoutError};
+use crate::ticker::Ticker;
 
 /// Why no id was issued.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -59,16 +60,25 @@ pub trait TimeSource: Send + Sync {
     fn elapsed(&self) -> Duration;
 }
 
-/// The system's clocks.
-#[derive(Debug)]
+/// The system's clocks: the wall clock, and the monotonic clock read through a ticker that
+/// makes a read one atomic load (see the crate's notes).
 pub struct SystemTimeSource {
-    start: Instant,
+    ticker: &'static Arc<Ticker>,
+    base_ms: u64,
+}
+
+impl std::fmt::Debug for SystemTimeSource {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("SystemTimeSource").finish_non_exhaustive()
+    }
 }
 
 impl Default for SystemTimeSource {
     fn default() -> Self {
+        let ticker = Ticker::global();
         Self {
-            start: Instant::now(),
+            ticker,
+            base_ms: ticker.now_ms(),
         }
     }
 }
@@ -78,7 +88,7 @@ impl TimeSource for SystemTimeSource {
         SystemTime::now()
     }
     fn elapsed(&self) -> Duration {
-        self.start.elapsed()
+        Duration::from_millis(self.ticker.now_ms().saturating_sub(self.base_ms))
     }
 }
 
