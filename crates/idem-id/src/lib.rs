@@ -5,10 +5,19 @@
 //! - [`Snowflake`]: a generator whose time never goes backward (anchored to the monotonic
 //!   clock, so a wall clock stepped back neither stops it nor repeats an id), lock-free, that
 //!   borrows the next milliseconds (up to a bound) when a millisecond's sequence is used up.
+//! - [`uuid7`] / [`Uuid7`]: RFC 9562 version 7 UUIDs that strictly increase within the
+//!   process, and [`token`]: 128 random bits for ids that must not be guessable.
+//!
+//! Both generators read time through a ticker thread that keeps the elapsed milliseconds in
+//! an atomic while ids are being made (a clock read costs more than an id), and parks after a
+//! second without readers.
 
 mod layout;
 mod snowflake;
 mod ticker;
+mod uuid7;
 
 pub use layout::{DEFAULT_EPOCH_MS, Layout, LayoutError, Parts};
 pub use snowflake::{Batch, IdError, Snowflake, SnowflakeOptions, SystemTimeSource, TimeSource};
+pub use uuid::Uuid;
+pub use uuid7::{Uuid7, token, uuid7};
