@@ -376,6 +376,31 @@ impl Record {
         }
     }
 
+    /// The `renew` transition: the holder of an in-progress record's lease extends it to
+    /// `now + length` (at least [`MIN_DURATION`]), keeping its id and fence; retention runs on
+    /// from the new lease end. Refused unless the live record is in progress under exactly
+    /// this lease. A lease that ran out but was not taken over may still renew (as it may
+    /// still complete): nobody else holds the key.
+    pub fn renew_in_place(
+        &mut self,
+        lease: &Lease,
+        length: Duration,
+        now: Timestamp,
+    ) -> Result<Lease, StaleLease> {
+        if !(self.is_live(now) && self.holds(lease) && self.status == Status::InProgress) {
+            return Err(StaleLease);
+        }
+        self.lease_expires_at = now.saturating_add(length.max(MIN_DURATION));
+        self.expires_at = self
+            .lease_expires_at
+            .saturating_add(Duration::from_millis(self.ttl_ms));
+        self.updated_at = now;
+        Ok(Lease {
+            expires_at: self.lease_expires_at,
+            ..*lease
+        })
+    }
+
     /// The `reopen` transition: a completed record whose stored result must not be replayed
     /// any more (an outcome recorded as unknown, repaired by an operator or a policy) is turned
     /// into a released one, so that the next `begin` runs the work again with a higher fence.

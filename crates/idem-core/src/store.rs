@@ -4,6 +4,7 @@ use std::error::Error as StdError;
 use std::future::Future;
 use std::pin::Pin;
 use std::sync::Arc;
+use std::time::Duration;
 
 use bytes::Bytes;
 
@@ -108,6 +109,8 @@ pub enum LeaseError {
 ///   clock to decide liveness. A completed or released record expires at `completed_at + ttl`;
 ///   an expired record is absent to `begin` and `get`. Native TTLs (Redis) may be used only to
 ///   reclaim space, never to decide an outcome before `now` says so.
+/// - **`renew`** extends the lease of a live in-progress record held by exactly that lease,
+///   atomically, keeping its id and fence.
 /// - **`reopen`** turns a live record completed by the lease with that fence into a released
 ///   one, atomically, and does nothing to any other record.
 /// - **`purge_expired`** deletes at most `limit` records that are not live at `now` and
@@ -144,6 +147,16 @@ pub trait Store: Send + Sync + 'static {
         lease: &Lease,
         now: Timestamp,
     ) -> impl Future<Output = Result<(), LeaseError>> + Send;
+
+    /// Extends `lease` to `now + length` (see [`Record::renew_in_place`]) and returns it with
+    /// its new end; [`LeaseError::Stale`] if the record is not in progress under this lease.
+    fn renew(
+        &self,
+        key: &Key,
+        lease: &Lease,
+        length: Duration,
+        now: Timestamp,
+    ) -> impl Future<Output = Result<Lease, LeaseError>> + Send;
 
     /// Turns the live record for `key`, if it is completed with `fence`, into a released one
     /// (see [`Record::reopen_in_place`]); answers whether it changed.
@@ -198,6 +211,14 @@ pub trait DynStore: Send + Sync + 'static {
         lease: &'a Lease,
         now: Timestamp,
     ) -> BoxFuture<'a, Result<(), LeaseError>>;
+    /// See [`Store::renew`].
+    fn renew<'a>(
+        &'a self,
+        key: &'a Key,
+        lease: &'a Lease,
+        length: Duration,
+        now: Timestamp,
+    ) -> BoxFuture<'a, Result<Lease, LeaseError>>;
     /// See [`Store::reopen`].
     fn reopen<'a>(
         &'a self,
@@ -244,6 +265,15 @@ impl<S: Store> DynStore for S {
     ) -> BoxFuture<'a, Result<(), LeaseError>> {
         Box::pin(Store::release(self, key, lease, now))
     }
+    fn renew<'a>(
+        &'a self,
+        key: &'a Key,
+        lease: &'a Lease,
+        length: Duration,
+        now: Timestamp,
+    ) -> BoxFuture<'a, Result<Lease, LeaseError>> {
+        Box::pin(Store::renew(self, key, lease, length, now))
+    }
     fn reopen<'a>(
         &'a self,
         key: &'a Key,
@@ -289,6 +319,15 @@ impl Store for SharedStore {
     }
     async fn release(&self, key: &Key, lease: &Lease, now: Timestamp) -> Result<(), LeaseError> {
         DynStore::release(&**self, key, lease, now).await
+    }
+    async fn renew(
+        &self,
+        key: &Key,
+        lease: &Lease,
+        length: Duration,
+        now: Timestamp,
+    ) -> Result<Lease, LeaseError> {
+        DynStore::renew(&**self, key, lease, length, now).await
     }
     async fn reopen(&self, key: &Key, fence: u64, now: Timestamp) -> Result<bool, StoreError> {
         DynStore::reopen(&**self, key, fence, now).await

@@ -125,6 +125,18 @@ impl Store for MemoryStore {
         self.update(key, |r| r.release_in_place(lease, now))
     }
 
+    async fn renew(
+        &self,
+        key: &Key,
+        lease: &Lease,
+        length: std::time::Duration,
+        now: Timestamp,
+    ) -> Result<Lease, LeaseError> {
+        let mut shard = self.shard(key);
+        let record = shard.get_mut(key).ok_or(StaleLease)?;
+        Ok(record.renew_in_place(lease, length, now)?)
+    }
+
     async fn reopen(&self, key: &Key, fence: u64, now: Timestamp) -> Result<bool, StoreError> {
         Ok(self
             .shard(key)

@@ -97,6 +97,7 @@ struct Statements {
     load: SqlStr,
     complete: SqlStr,
     release: SqlStr,
+    renew: SqlStr,
     reopen: SqlStr,
     get: SqlStr,
     purge: SqlStr,
@@ -154,6 +155,14 @@ impl Statements {
             release: s(format!(
                 "UPDATE {t} SET status = 'released', response = NULL, updated_at = ?,
                      expires_at = {SETTLED_EXPIRY}
+                 WHERE {key} AND lease_id = ? AND fence = ? AND status = 'in_progress'
+                   AND expires_at > ?"
+            )),
+            renew: s(format!(
+                "UPDATE {t} SET updated_at = ?, lease_expires_at = ?,
+                     expires_at = LEAST(ttl_ms, 9223372036854775807 - lease_expires_at)
+                         + lease_expires_at,
+                     purge_after = GREATEST(purge_after, expires_at)
                  WHERE {key} AND lease_id = ? AND fence = ? AND status = 'in_progress'
                    AND expires_at > ?"
             )),
@@ -496,6 +505,37 @@ impl Store for MySqlStore {
     async fn release(&self, key: &Key, lease: &Lease, now: Timestamp) -> Result<(), LeaseError> {
         let mut c = self.conn().await?;
         self.settle_on(&mut c, key, lease, None, now).await
+    }
+
+    async fn renew(
+        &self,
+        key: &Key,
+        lease: &Lease,
+        length: Duration,
+        now: Timestamp,
+    ) -> Result<Lease, LeaseError> {
+        let ends = now.saturating_add(length.max(idem_core::MIN_DURATION));
+        let now_ms = sql_int(now.as_millis());
+        // MySQL applies the assignments left to right: `expires_at` sees the new lease end,
+        // and `purge_after` the new `expires_at`.
+        let q = sqlx::query(self.sql.renew.clone())
+            .bind(now_ms)
+            .bind(sql_int(ends.as_millis()));
+        let done = keyed(q, key)
+            .bind(&lease.id.to_bytes()[..])
+            .bind(sql_int(lease.fence))
+            .bind(now_ms)
+            .execute(&self.pool)
+            .await
+            .map_err(|e| error("cannot renew the lease", e))?;
+        if done.rows_affected() == 1 {
+            Ok(Lease {
+                expires_at: ends,
+                ..*lease
+            })
+        } else {
+            Err(StaleLease.into())
+        }
     }
 
     async fn reopen(&self, key: &Key, fence: u64, now: Timestamp) -> Result<bool, StoreError> {

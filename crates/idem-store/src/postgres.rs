@@ -99,6 +99,7 @@ struct Statements {
     load: SqlStr,
     complete: SqlStr,
     release: SqlStr,
+    renew: SqlStr,
     reopen: SqlStr,
     get: SqlStr,
     purge: SqlStr,
@@ -148,6 +149,15 @@ impl Statements {
                 "UPDATE {t} SET status = 'released', response = NULL, updated_at = $4,
                      expires_at = {SETTLED_EXPIRY}
                  WHERE {key} AND lease_id = $5 AND fence = $6 AND status = 'in_progress'
+                   AND expires_at > $4"
+            )),
+            // $6: the new lease end. Retention runs on from it, and the purge index follows
+            // if it must move later.
+            renew: s(format!(
+                "UPDATE {t} SET lease_expires_at = $6, updated_at = $4,
+                     expires_at = LEAST(ttl_ms, 9223372036854775807 - $6) + $6,
+                     purge_after = GREATEST(purge_after, LEAST(ttl_ms, 9223372036854775807 - $6) + $6)
+                 WHERE {key} AND lease_id = $5 AND fence = $7 AND status = 'in_progress'
                    AND expires_at > $4"
             )),
             reopen: s(format!(
@@ -455,6 +465,35 @@ impl Store for PostgresStore {
         let mut c = self.conn().await?;
         self.settle_on(&mut c, &self.sql.release, key, lease, None, now)
             .await
+    }
+
+    async fn renew(
+        &self,
+        key: &Key,
+        lease: &Lease,
+        length: Duration,
+        now: Timestamp,
+    ) -> Result<Lease, LeaseError> {
+        let ends = now.saturating_add(length.max(idem_core::MIN_DURATION));
+        let done = sqlx::query(self.sql.renew.clone())
+            .bind(key.scope().as_str())
+            .bind(key.namespace().as_str())
+            .bind(key.client_key().as_str())
+            .bind(sql_int(now.as_millis()))
+            .bind(&lease.id.to_bytes()[..])
+            .bind(sql_int(ends.as_millis()))
+            .bind(sql_int(lease.fence))
+            .execute(&self.pool)
+            .await
+            .map_err(|e| error("cannot renew the lease", e))?;
+        if done.rows_affected() == 1 {
+            Ok(Lease {
+                expires_at: ends,
+                ..*lease
+            })
+        } else {
+            Err(StaleLease.into())
+        }
     }
 
     async fn reopen(&self, key: &Key, fence: u64, now: Timestamp) -> Result<bool, StoreError> {

@@ -83,6 +83,22 @@ redis.call('PEXPIRE', k, exp - now + tonumber(ARGV[4]))
 return 'ok'
 ";
 
+/// ARGV = now, lease id, fence, new lease end, margin. Answers 1 if it renewed the lease.
+const RENEW: &str = r"
+local k = KEYS[1]
+local now = tonumber(ARGV[1])
+local r = redis.call('HMGET', k, 'st', 'lid', 'fence', 'exp', 'ttl')
+if r[1] ~= 'in_progress' or tonumber(r[4]) <= now or r[2] ~= ARGV[2]
+    or tonumber(r[3]) ~= tonumber(ARGV[3]) then
+  return 0
+end
+local lexp = tonumber(ARGV[4])
+local exp = lexp + tonumber(r[5])
+redis.call('HSET', k, 'lexp', lexp, 'exp', exp, 'uat', ARGV[1])
+redis.call('PEXPIRE', k, exp - now + tonumber(ARGV[5]))
+return 1
+";
+
 /// ARGV = now, fence, margin. Answers 1 if it reopened the record.
 const REOPEN: &str = r"
 local k = KEYS[1]
@@ -169,6 +185,7 @@ pub struct RedisStore {
     prefix: String,
     begin: Script,
     settle: Script,
+    renew: Script,
     reopen: Script,
 }
 
@@ -230,6 +247,7 @@ impl RedisStore {
             prefix: options.prefix,
             begin: Script::new(BEGIN),
             settle: Script::new(SETTLE),
+            renew: Script::new(RENEW),
             reopen: Script::new(REOPEN),
         }
     }
@@ -421,6 +439,35 @@ impl Store for RedisStore {
     async fn release(&self, key: &Key, lease: &Lease, now: Timestamp) -> Result<(), LeaseError> {
         self.settle_as(key, lease, Status::Released, None, now)
             .await
+    }
+
+    async fn renew(
+        &self,
+        key: &Key,
+        lease: &Lease,
+        length: Duration,
+        now: Timestamp,
+    ) -> Result<Lease, LeaseError> {
+        let ends = now.saturating_add(length.max(idem_core::MIN_DURATION));
+        let done: i64 = self
+            .renew
+            .key(self.redis_key(key))
+            .arg(exact(now.as_millis()))
+            .arg(&lease.id.to_bytes()[..])
+            .arg(lease.fence)
+            .arg(exact(ends.as_millis()))
+            .arg(millis(EXPIRY_MARGIN))
+            .invoke_async(&mut self.conn.clone())
+            .await
+            .map_err(|e| error("cannot renew the lease", e))?;
+        if done == 1 {
+            Ok(Lease {
+                expires_at: ends,
+                ..*lease
+            })
+        } else {
+            Err(StaleLease.into())
+        }
     }
 
     async fn reopen(&self, key: &Key, fence: u64, now: Timestamp) -> Result<bool, StoreError> {

@@ -108,6 +108,7 @@ enum Request {
     Begin(BeginRequest, Timestamp),
     Complete(Key, Lease, Bytes, Timestamp),
     Release(Key, Lease, Timestamp),
+    Renew(Key, Lease, Duration, Timestamp),
     Reopen(Key, u64, Timestamp),
     Get(Key, Timestamp),
     Purge(Timestamp, usize),
@@ -116,6 +117,7 @@ enum Request {
 enum Responder {
     Begin(oneshot::Sender<Result<BeginOutcome, StoreError>>),
     Lease(oneshot::Sender<Result<(), LeaseError>>),
+    Renew(oneshot::Sender<Result<Lease, LeaseError>>),
     Reopen(oneshot::Sender<Result<bool, StoreError>>),
     Get(oneshot::Sender<Result<Option<Record>, StoreError>>),
     Purge(oneshot::Sender<Result<u64, StoreError>>),
@@ -124,6 +126,7 @@ enum Responder {
 enum Answer {
     Begin(Result<BeginOutcome, StoreError>),
     Lease(Result<(), LeaseError>),
+    Renew(Result<Lease, LeaseError>),
     Reopen(Result<bool, StoreError>),
     Get(Result<Option<Record>, StoreError>),
     Purge(Result<u64, StoreError>),
@@ -279,6 +282,7 @@ impl Responder {
         match self {
             Responder::Begin(tx) => tx.is_closed(),
             Responder::Lease(tx) => tx.is_closed(),
+            Responder::Renew(tx) => tx.is_closed(),
             Responder::Reopen(tx) => tx.is_closed(),
             Responder::Get(tx) => tx.is_closed(),
             Responder::Purge(tx) => tx.is_closed(),
@@ -290,6 +294,7 @@ impl Responder {
         match (self, answer) {
             (Responder::Begin(tx), Answer::Begin(a)) => tx.send(a).err().map(Answer::Begin),
             (Responder::Lease(tx), Answer::Lease(a)) => tx.send(a).err().map(Answer::Lease),
+            (Responder::Renew(tx), Answer::Renew(a)) => tx.send(a).err().map(Answer::Renew),
             (Responder::Reopen(tx), Answer::Reopen(a)) => tx.send(a).err().map(Answer::Reopen),
             (Responder::Get(tx), Answer::Get(a)) => tx.send(a).err().map(Answer::Get),
             (Responder::Purge(tx), Answer::Purge(a)) => tx.send(a).err().map(Answer::Purge),
@@ -304,6 +309,7 @@ impl Responder {
         let _ = match self {
             Responder::Begin(tx) => tx.send(Err(e)).map_err(drop),
             Responder::Lease(tx) => tx.send(Err(e.into())).map_err(drop),
+            Responder::Renew(tx) => tx.send(Err(e.into())).map_err(drop),
             Responder::Reopen(tx) => tx.send(Err(e)).map_err(drop),
             Responder::Get(tx) => tx.send(Err(e)).map_err(drop),
             Responder::Purge(tx) => tx.send(Err(e)).map_err(drop),
@@ -409,6 +415,17 @@ fn apply(tx: &rusqlite::Transaction<'_>, request: &Request) -> rusqlite::Result<
         Request::Release(key, lease, now) => {
             Answer::Lease(transition(tx, key, |r| Record::release(r, lease, *now))?)
         }
+        Request::Renew(key, lease, length, now) => Answer::Renew(match load(tx, key)? {
+            Ok(Some(mut r)) => match r.renew_in_place(lease, *length, *now) {
+                Ok(renewed) => {
+                    save(tx, &r)?;
+                    Ok(renewed)
+                }
+                Err(stale) => Err(stale.into()),
+            },
+            Ok(None) => Err(StaleLease.into()),
+            Err(e) => Err(e.into()),
+        }),
         Request::Reopen(key, fence, now) => Answer::Reopen(match load(tx, key)? {
             Ok(Some(mut r)) => {
                 let changed = r.reopen_in_place(*fence, *now);
@@ -548,6 +565,18 @@ impl Store for SqliteStore {
     async fn release(&self, key: &Key, lease: &Lease, now: Timestamp) -> Result<(), LeaseError> {
         let request = Request::Release(key.clone(), *lease, now);
         self.call(request, Responder::Lease, |e| Err(e.into()))
+            .await
+    }
+
+    async fn renew(
+        &self,
+        key: &Key,
+        lease: &Lease,
+        length: Duration,
+        now: Timestamp,
+    ) -> Result<Lease, LeaseError> {
+        let request = Request::Renew(key.clone(), *lease, length, now);
+        self.call(request, Responder::Renew, |e| Err(e.into()))
             .await
     }
 

@@ -656,6 +656,81 @@ pub async fn duplicate_storm_with_completion<S: Store + Clone>(store: &S) {
     assert_eq!(&replayed(store, &req, now).await[..], b"winner");
 }
 
+/// `renew` extends the holder's lease (same id and fence): until the new end other begins get
+/// `InProgress`, and the renewed lease completes. Renewing a lease that ran out but was not
+/// taken over works too.
+pub async fn renew_extends_the_lease<S: Store>(store: &S) {
+    let c = Case::new();
+    let req = c.req("k", "a");
+    let lease = acquire(store, &req, c.at(0)).await;
+    let renewed = store
+        .renew(&req.key, &lease, Duration::from_secs(30), c.at(8))
+        .await
+        .unwrap();
+    assert_eq!((renewed.id, renewed.fence), (lease.id, lease.fence));
+    assert_eq!(renewed.expires_at, c.at(38));
+    // Past the old lease end, the key is still held.
+    assert_eq!(
+        store.begin(&req, c.at(20)).await.unwrap(),
+        BeginOutcome::InProgress {
+            lease_expires_at: c.at(38)
+        }
+    );
+    let r = store.get(&req.key, c.at(20)).await.unwrap().unwrap();
+    assert_eq!(r.lease_expires_at, c.at(38));
+    // Ran out at 38, nobody took over: renewing at 50 still works.
+    let again = store
+        .renew(&req.key, &renewed, Duration::from_secs(10), c.at(50))
+        .await
+        .unwrap();
+    assert_eq!(again.expires_at, c.at(60));
+    store
+        .complete(&req.key, &again, Bytes::from_static(b"done"), c.at(55))
+        .await
+        .unwrap();
+    assert_eq!(&replayed(store, &req, c.at(56)).await[..], b"done");
+}
+
+/// `renew` is refused to a lease that was taken over, completed, released or never existed.
+pub async fn stale_lease_cannot_renew<S: Store>(store: &S) {
+    let c = Case::new();
+    let req = c.req("k", "a");
+    let old = acquire(store, &req, c.at(0)).await;
+    let new = acquire(store, &req, c.at(10)).await; // took over at the end of the old lease
+    let ten = Duration::from_secs(10);
+    assert!(matches!(
+        store.renew(&req.key, &old, ten, c.at(11)).await,
+        Err(LeaseError::Stale(_))
+    ));
+    store
+        .complete(&req.key, &new, Bytes::new(), c.at(12))
+        .await
+        .unwrap();
+    assert!(matches!(
+        store.renew(&req.key, &new, ten, c.at(13)).await,
+        Err(LeaseError::Stale(_))
+    ));
+    let other = c.req("released", "a");
+    let l = acquire(store, &other, c.at(0)).await;
+    store.release(&other.key, &l, c.at(1)).await.unwrap();
+    assert!(matches!(
+        store
+            .renew(&other.key, &l, Duration::from_secs(10), c.at(2))
+            .await,
+        Err(LeaseError::Stale(_))
+    ));
+    let forged = Lease {
+        id: LeaseId::generate(),
+        ..new
+    };
+    assert!(matches!(
+        store
+            .renew(&c.key("absent"), &forged, Duration::from_secs(10), c.at(2))
+            .await,
+        Err(LeaseError::Stale(_))
+    ));
+}
+
 /// Keys are compared byte for byte: keys that differ only in letter case name different
 /// records (a case-insensitive SQL collation would fold them into one).
 pub async fn keys_are_compared_exactly<S: Store>(store: &S) {

@@ -15,6 +15,8 @@ pub enum Op {
     Complete,
     /// `release`
     Release,
+    /// `renew`
+    Renew,
     /// `reopen`
     Reopen,
     /// `get`
@@ -123,6 +125,17 @@ impl<S: Store> Store for FaultyStore<S> {
 
     async fn release(&self, key: &Key, lease: &Lease, now: Timestamp) -> Result<(), LeaseError> {
         self.with_fault(Op::Release, self.inner.release(key, lease, now))
+            .await
+    }
+
+    async fn renew(
+        &self,
+        key: &Key,
+        lease: &Lease,
+        length: std::time::Duration,
+        now: Timestamp,
+    ) -> Result<Lease, LeaseError> {
+        self.with_fault(Op::Renew, self.inner.renew(key, lease, length, now))
             .await
     }
 

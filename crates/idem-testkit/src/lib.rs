@@ -58,6 +58,8 @@ macro_rules! conformance_tests {
             scope_isolation,
             namespace_isolation,
             keys_are_compared_exactly,
+            renew_extends_the_lease,
+            stale_lease_cannot_renew,
             duplicate_storm,
             duplicate_storm_with_completion,
             storm_over_many_keys,
