@@ -16,8 +16,10 @@ mod layout;
 mod snowflake;
 mod ticker;
 mod uuid7;
+mod workers;
 
 pub use layout::{DEFAULT_EPOCH_MS, Layout, LayoutError, Parts};
 pub use snowflake::{Batch, IdError, Snowflake, SnowflakeOptions, SystemTimeSource, TimeSource};
 pub use uuid::Uuid;
 pub use uuid7::{Uuid7, token, uuid7};
+pub use workers::{LeasedSnowflake, WorkerPool};

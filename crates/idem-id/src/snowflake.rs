@@ -26,6 +26,17 @@ pub enum IdError {
     /// The generator's worker id is no longer its own (its lease was lost): it issues nothing.
     #[error("the worker id's lease was lost; this generator issues no more ids")]
     WorkerLost,
+    /// The worker id's lease has run out here and its renewal has not come through yet (the
+    /// store may be unreachable): no id is issued past the lease, where another process could
+    /// hold the worker id.
+    #[error("the worker id's lease ran out before it could be renewed; try again shortly")]
+    LeaseExpired,
+    /// Every worker id is held by a live process or waiting out its quarantine.
+    #[error("no worker id is free: all are held or in quarantine")]
+    NoWorkerFree,
+    /// The store failed while claiming a worker id.
+    #[error("the store failed while claiming a worker id: {0}")]
+    Store(String),
 }
 
 /// How a [`Snowflake`] behaves.
@@ -56,7 +67,7 @@ impl Default for SnowflakeOptions {
 pub trait TimeSource: Send + Sync {
     /// The wall clock, read once.
     fn wall(&self) -> SystemTime;
-    /// Time elapsed since the source was made; never goes backward.
+    /// Time elapsed since some fixed point (the source's making); never goes backward.
     fn elapsed(&self) -> Duration;
 }
 
@@ -104,12 +115,16 @@ pub struct Snowflake {
     layout: Layout,
     worker: u64,
     time: Arc<dyn TimeSource>,
-    /// The layout's milliseconds at `time`'s start.
+    /// The layout's milliseconds when the generator was made.
     anchor_ms: u64,
+    /// `time.elapsed()` when the generator was made (a source may be shared, and older).
+    anchor_elapsed_ms: u64,
     max_borrow_ms: u64,
     /// `(millis << sequence_bits) | sequence` of the last id issued.
     last: AtomicU64,
     lost: AtomicBool,
+    /// No id is issued with a timestamp above this (the worker id's lease end).
+    valid_until: AtomicU64,
 }
 
 impl std::fmt::Debug for Snowflake {
@@ -140,6 +155,7 @@ impl Snowflake {
         time: Arc<dyn TimeSource>,
     ) -> Result<Self, IdError> {
         layout.encode(0, worker, 0)?;
+        let anchor_elapsed_ms = u64::try_from(time.elapsed().as_millis()).unwrap_or(u64::MAX);
         let wall_ms = layout.millis_at(time.wall())?;
         let anchor_ms = wall_ms.max(options.floor_millis);
         if anchor_ms > layout.max_millis() {
@@ -151,10 +167,12 @@ impl Snowflake {
             worker,
             time,
             anchor_ms,
+            anchor_elapsed_ms,
             max_borrow_ms: u64::try_from(options.max_borrow.as_millis()).unwrap_or(u64::MAX),
             // The first id is at least `floor`.
             last: AtomicU64::new(floor.saturating_sub(1)),
             lost: AtomicBool::new(false),
+            valid_until: AtomicU64::new(u64::MAX),
         })
     }
 
@@ -171,13 +189,25 @@ impl Snowflake {
     /// Milliseconds since the layout's epoch, by the generator's clock.
     pub fn now_millis(&self) -> u64 {
         let elapsed = u64::try_from(self.time.elapsed().as_millis()).unwrap_or(u64::MAX);
-        self.anchor_ms.saturating_add(elapsed)
+        self.anchor_ms
+            .saturating_add(elapsed.saturating_sub(self.anchor_elapsed_ms))
     }
 
     /// The timestamp of the last id issued (0 before the first): a durable time fence must be
     /// kept above this.
     pub fn last_millis(&self) -> u64 {
         self.last.load(Ordering::Acquire) >> self.layout.sequence_bits()
+    }
+
+    /// Issues no id with a timestamp above `millis` (since the layout's epoch) until told
+    /// otherwise: the end of the worker id's lease, moved on at each renewal.
+    pub fn set_valid_until(&self, millis: u64) {
+        self.valid_until.store(millis, Ordering::Release);
+    }
+
+    /// Whether the worker id was marked lost.
+    pub fn is_lost(&self) -> bool {
+        self.lost.load(Ordering::Acquire)
     }
 
     /// Marks the worker id as lost (its lease ran out or was taken): from now on every call
@@ -251,6 +281,9 @@ impl Snowflake {
             let end_ms = end >> bits;
             if end_ms > self.layout.max_millis() {
                 return Err(IdError::LayoutExhausted);
+            }
+            if end_ms > self.valid_until.load(Ordering::Acquire) {
+                return Err(IdError::LeaseExpired);
             }
             let limit = now.saturating_add(self.max_borrow_ms);
             if end_ms > limit {

@@ -1,0 +1,254 @@
+//! Worker ids leased from a store, so that no two live processes ever issue Snowflake ids
+//! under one worker id.
+//!
+//! Each worker id is a record (`idem.ids` / `snowflake.<name>` / `worker-<n>`) in any idem
+//! store. A process claims one with a single `begin` (the store's atomic conditional write):
+//! it gets a worker id nobody holds, or none. A heartbeat renews the lease; the generator
+//! issues no id with a timestamp past the lease's end, so a process that pauses past its lease
+//! (and might be overtaken meanwhile) stops issuing by itself until a renewal succeeds, and a
+//! renewal that answers "stale" marks the worker id lost for good. Releasing a worker id
+//! completes its record instead of deleting it: the record lives on for the quarantine, during
+//! which nobody can claim the id, and its timestamps stay a fence above every id issued under
+//! it (a claim is only possible once the store's clock is past them).
+
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use idem_core::{
+    BeginOutcome, BeginRequest, Bytes, Clock, Fingerprint, Key, Lease, LeaseError, SharedStore,
+    Store,
+};
+
+use crate::{IdError, Layout, Snowflake, SnowflakeOptions, TimeSource};
+
+/// Where worker ids of one generator family are leased, and for how long.
+#[derive(Clone)]
+pub struct WorkerPool {
+    store: SharedStore,
+    clock: Arc<dyn Clock>,
+    name: String,
+    lease: Duration,
+    quarantine: Duration,
+    time: Option<Arc<dyn TimeSource>>,
+}
+
+impl std::fmt::Debug for WorkerPool {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("WorkerPool")
+            .field("name", &self.name)
+            .field("lease", &self.lease)
+            .field("quarantine", &self.quarantine)
+            .finish_non_exhaustive()
+    }
+}
+
+impl WorkerPool {
+    /// Worker ids named `name` (generators of one id space share a name) in `store`, leased
+    /// for 30 s and renewed every 10 s, with a quarantine of 60 s after release.
+    pub fn new(store: SharedStore, clock: Arc<dyn Clock>, name: &str) -> Self {
+        Self {
+            store,
+            clock,
+            name: name.to_owned(),
+            lease: Duration::from_secs(30),
+            quarantine: Duration::from_secs(60),
+            time: None,
+        }
+    }
+
+    /// The generators' time source (default: the system's clocks). It must agree with the
+    /// store's clock: a worker id is claimed only once the claimer's clock is past every time
+    /// the previous holder recorded, and that is what keeps the new holder's ids above the old
+    /// one's.
+    #[must_use]
+    pub fn time_source(mut self, time: Arc<dyn TimeSource>) -> Self {
+        self.time = Some(time);
+        self
+    }
+
+    /// Sets the lease length (renewed every third of it).
+    #[must_use]
+    pub fn lease(mut self, lease: Duration) -> Self {
+        self.lease = lease;
+        self
+    }
+
+    /// Sets how long a released worker id stays unclaimable.
+    #[must_use]
+    pub fn quarantine(mut self, quarantine: Duration) -> Self {
+        self.quarantine = quarantine;
+        self
+    }
+
+    fn key(&self, worker: u64) -> Result<Key, IdError> {
+        Key::parse(
+            "idem.ids",
+            &format!("snowflake.{}", self.name),
+            &format!("worker-{worker}"),
+        )
+        .map_err(|e| IdError::Store(e.to_string()))
+    }
+
+    /// Claims a free worker id and makes a generator on it, or fails with
+    /// [`IdError::NoWorkerFree`]. Ids are tried from a random starting point, so processes
+    /// starting together spread out. Call [`LeasedSnowflake::heartbeat`] every third of the
+    /// lease (or [`LeasedSnowflake::spawn_heartbeat`] on a Tokio runtime).
+    pub async fn claim(
+        &self,
+        layout: Layout,
+        options: SnowflakeOptions,
+    ) -> Result<Arc<LeasedSnowflake>, IdError> {
+        let count = layout.max_worker() + 1;
+        let start = rand::random::<u64>() % count;
+        for i in 0..count {
+            let worker = (start + i) % count;
+            let key = self.key(worker)?;
+            let now = self.clock.now();
+            // What the last holder left: its lease end is a time fence for our ids.
+            let previous = self
+                .store
+                .get(&key, now)
+                .await
+                .map_err(|e| IdError::Store(e.to_string()))?;
+            let req = BeginRequest::new(key.clone(), Fingerprint::of_bytes(b"idem worker id"))
+                .with_lease(self.lease)
+                .with_ttl(self.quarantine);
+            let outcome = self
+                .store
+                .begin(&req, now)
+                .await
+                .map_err(|e| IdError::Store(e.to_string()))?;
+            let BeginOutcome::Acquired(lease) = outcome else {
+                continue; // held, or in quarantine
+            };
+            let fence = previous.map_or(0, |r| {
+                layout
+                    .millis_at(r.lease_expires_at.max(r.updated_at).to_system_time())
+                    .unwrap_or(0)
+            });
+            let options = SnowflakeOptions {
+                floor_millis: options.floor_millis.max(fence),
+                ..options
+            };
+            let made = match &self.time {
+                Some(time) => Snowflake::with_time(layout, worker, options, time.clone()),
+                None => Snowflake::new(layout, worker, options),
+            };
+            let generator = match made {
+                Ok(g) => g,
+                Err(e) => {
+                    let _ = self.store.release(&key, &lease, now).await;
+                    return Err(e);
+                }
+            };
+            let leased = LeasedSnowflake {
+                pool: self.clone(),
+                key,
+                lease: Mutex::new(lease),
+                generator,
+            };
+            leased.bound_by(&lease);
+            return Ok(Arc::new(leased));
+        }
+        Err(IdError::NoWorkerFree)
+    }
+}
+
+/// A Snowflake generator on a leased worker id.
+#[derive(Debug)]
+pub struct LeasedSnowflake {
+    pool: WorkerPool,
+    key: Key,
+    lease: Mutex<Lease>,
+    generator: Snowflake,
+}
+
+impl std::ops::Deref for LeasedSnowflake {
+    type Target = Snowflake;
+    fn deref(&self) -> &Snowflake {
+        &self.generator
+    }
+}
+
+impl LeasedSnowflake {
+    /// The current lease.
+    pub fn lease(&self) -> Lease {
+        *self
+            .lease
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    /// The generator issues nothing past the lease's end.
+    fn bound_by(&self, lease: &Lease) {
+        let end = self
+            .generator
+            .layout()
+            .millis_at(lease.expires_at.to_system_time())
+            .unwrap_or(0);
+        self.generator.set_valid_until(end);
+    }
+
+    /// Renews the lease. A store failure leaves the generator issuing until the current lease
+    /// ends (and then refusing until a renewal succeeds); a stale answer means another process
+    /// holds the worker id now, and the generator stops for good.
+    pub async fn heartbeat(&self) -> Result<(), IdError> {
+        if self.generator.is_lost() {
+            return Err(IdError::WorkerLost);
+        }
+        let lease = self.lease();
+        let renewed = self
+            .pool
+            .store
+            .renew(&self.key, &lease, self.pool.lease, self.pool.clock.now())
+            .await;
+        match renewed {
+            Ok(new) => {
+                *self
+                    .lease
+                    .lock()
+                    .unwrap_or_else(std::sync::PoisonError::into_inner) = new;
+                self.bound_by(&new);
+                Ok(())
+            }
+            Err(LeaseError::Stale(_)) => {
+                self.generator.mark_lost();
+                Err(IdError::WorkerLost)
+            }
+            Err(e) => Err(IdError::Store(e.to_string())),
+        }
+    }
+
+    /// Renews the lease every third of its length on the current Tokio runtime, until the
+    /// worker id is lost or released.
+    pub fn spawn_heartbeat(self: &Arc<Self>) -> tokio::task::JoinHandle<()> {
+        let this = Arc::clone(self);
+        tokio::spawn(async move {
+            let every = this.pool.lease / 3;
+            loop {
+                tokio::time::sleep(every).await;
+                if matches!(this.heartbeat().await, Err(IdError::WorkerLost)) {
+                    return;
+                }
+            }
+        })
+    }
+
+    /// Gives the worker id back: no more ids are issued, and its record is kept for the
+    /// quarantine (holding the time of the last id), so nobody reuses the id before then.
+    pub async fn release(&self) -> Result<(), IdError> {
+        self.generator.mark_lost();
+        let lease = self.lease();
+        let last = self.generator.last_millis();
+        self.pool
+            .store
+            .complete(
+                &self.key,
+                &lease,
+                Bytes::from(last.to_string()),
+                self.pool.clock.now(),
+            )
+            .await
+            .map_err(|e| IdError::Store(e.to_string()))
+    }
+}

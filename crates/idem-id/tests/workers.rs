@@ -1,0 +1,180 @@
+//! Leased worker ids: distinct per live process, given up by a process that lost its lease,
+//! kept from reuse during the quarantine, and a time fence for the next holder.
+
+#![allow(clippy::unwrap_used)]
+
+use std::collections::HashSet;
+use std::sync::Arc;
+use std::time::{Duration, UNIX_EPOCH};
+
+use idem_core::{Clock, ManualClock, SharedStore, SystemClock};
+use idem_id::{DEFAULT_EPOCH_MS, IdError, Layout, SnowflakeOptions, WorkerPool};
+use idem_store::MemoryStore;
+
+/// Two worker bits: four worker ids.
+fn small_layout() -> Layout {
+    Layout::new(
+        41,
+        2,
+        20,
+        UNIX_EPOCH + Duration::from_millis(DEFAULT_EPOCH_MS),
+    )
+    .unwrap()
+}
+
+/// The generators' clock, driven by the same manual clock as the store.
+struct ManualTime {
+    clock: ManualClock,
+    start: idem_core::Timestamp,
+}
+
+impl idem_id::TimeSource for ManualTime {
+    fn wall(&self) -> std::time::SystemTime {
+        self.clock.now().to_system_time()
+    }
+    fn elapsed(&self) -> Duration {
+        self.clock.now().saturating_since(self.start)
+    }
+}
+
+fn store() -> SharedStore {
+    Arc::new(MemoryStore::new())
+}
+
+#[tokio::test]
+async fn live_processes_never_share_a_worker_id() {
+    let store = store();
+    let clock: Arc<dyn Clock> = Arc::new(SystemClock);
+    // Four "processes" with pools of their own on one store.
+    let mut workers = HashSet::new();
+    let mut held = Vec::new();
+    for _ in 0..4 {
+        let pool = WorkerPool::new(store.clone(), clock.clone(), "orders");
+        let g = pool
+            .claim(small_layout(), SnowflakeOptions::default())
+            .await
+            .unwrap();
+        assert!(
+            workers.insert(g.worker()),
+            "worker {} given twice",
+            g.worker()
+        );
+        held.push(g);
+    }
+    let pool = WorkerPool::new(store.clone(), clock.clone(), "orders");
+    let e = pool
+        .claim(small_layout(), SnowflakeOptions::default())
+        .await
+        .unwrap_err();
+    assert_eq!(e, IdError::NoWorkerFree);
+    // Another name is another id space.
+    let other = WorkerPool::new(store, clock, "payments");
+    assert!(
+        other
+            .claim(small_layout(), SnowflakeOptions::default())
+            .await
+            .is_ok()
+    );
+}
+
+#[tokio::test]
+async fn a_process_past_its_lease_stops_issuing_and_a_stale_renewal_stops_it_for_good() {
+    let store = store();
+    let clock: Arc<dyn Clock> = Arc::new(SystemClock);
+    let lease = Duration::from_millis(300);
+    let pool = WorkerPool::new(store.clone(), clock.clone(), "orders").lease(lease);
+    let a = pool
+        .claim(small_layout(), SnowflakeOptions::default())
+        .await
+        .unwrap();
+    a.try_next().unwrap();
+    // A pauses past its lease without renewing: it refuses by itself.
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert_eq!(a.try_next(), Err(IdError::LeaseExpired));
+    // Others take every worker id, A's included.
+    let mut others = Vec::new();
+    for _ in 0..4 {
+        others.push(
+            pool.claim(small_layout(), SnowflakeOptions::default())
+                .await
+                .unwrap(),
+        );
+    }
+    assert!(others.iter().any(|g| g.worker() == a.worker()));
+    // A's renewal finds its lease taken: lost for good.
+    assert_eq!(a.heartbeat().await, Err(IdError::WorkerLost));
+    assert_eq!(a.try_next(), Err(IdError::WorkerLost));
+    // A holder that renews in time keeps issuing.
+    let b = &others[0];
+    for _ in 0..3 {
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        b.heartbeat().await.unwrap();
+    }
+    assert!(b.try_next().is_ok());
+}
+
+#[tokio::test]
+async fn a_released_worker_id_waits_out_its_quarantine_and_fences_the_next_holder() {
+    let store = store();
+    let clock = ManualClock::starting_now();
+    let shared: Arc<dyn Clock> = Arc::new(clock.clone());
+    let time = Arc::new(ManualTime {
+        clock: clock.clone(),
+        start: clock.now(),
+    });
+    let pool = WorkerPool::new(store.clone(), shared, "orders")
+        .lease(Duration::from_secs(30))
+        .quarantine(Duration::from_secs(60))
+        .time_source(time);
+    let a = pool
+        .claim(small_layout(), SnowflakeOptions::default())
+        .await
+        .unwrap();
+    let last_of_a = a.try_next().unwrap();
+    let a_lease_end = a.lease().expires_at;
+    a.release().await.unwrap();
+    assert_eq!(a.try_next(), Err(IdError::WorkerLost));
+
+    // During the quarantine nobody gets A's worker id: the other three, then none.
+    let mut during = Vec::new();
+    for _ in 0..3 {
+        during.push(
+            pool.claim(small_layout(), SnowflakeOptions::default())
+                .await
+                .unwrap(),
+        );
+    }
+    assert!(during.iter().all(|g| g.worker() != a.worker()));
+    assert_eq!(
+        pool.claim(small_layout(), SnowflakeOptions::default())
+            .await
+            .unwrap_err(),
+        IdError::NoWorkerFree
+    );
+
+    // After it (the others renewing meanwhile), the next holder of A's worker id issues ids
+    // above all of A's: it could claim only once its clock was past everything A recorded.
+    for step in [25, 25, 11] {
+        clock.advance(Duration::from_secs(step));
+        for g in &during {
+            g.heartbeat().await.unwrap();
+        }
+    }
+    let next = pool
+        .claim(small_layout(), SnowflakeOptions::default())
+        .await
+        .unwrap();
+    assert_eq!(next.worker(), a.worker());
+    let first = next.try_next().unwrap();
+    let l = small_layout();
+    assert!(
+        first > last_of_a,
+        "{:?} vs {:?}",
+        l.decode(first),
+        l.decode(last_of_a)
+    );
+    let fence = small_layout()
+        .millis_at(a_lease_end.to_system_time())
+        .unwrap();
+    assert!(small_layout().decode(first).millis >= fence);
+}
