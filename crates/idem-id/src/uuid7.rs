@@ -23,7 +23,8 @@ pub struct Uuid7 {
     /// Unix milliseconds at `base_ms` on the ticker.
     wall_ms: u64,
     base_ms: u64,
-    /// `(milliseconds since base << COUNTER_BITS) | counter` of the last UUID.
+    /// `((milliseconds since base + 1) << COUNTER_BITS) | counter` of the last UUID; 0 before
+    /// the first, so that the first one starts a fresh millisecond and seeds its counter.
     last: AtomicU64,
 }
 
@@ -59,7 +60,7 @@ impl Uuid7 {
 
     /// The next UUID.
     pub fn next(&self) -> Uuid {
-        let offset = self.ticker.now_ms().saturating_sub(self.base_ms);
+        let offset = self.ticker.now_ms().saturating_sub(self.base_ms) + 1;
         let fresh = offset << COUNTER_BITS;
         let mut last = self.last.load(Ordering::Acquire);
         let stamp = loop {
@@ -80,7 +81,7 @@ impl Uuid7 {
                 Err(actual) => last = actual,
             }
         };
-        let ms = u128::from(self.wall_ms + (stamp >> COUNTER_BITS)) & ((1 << 48) - 1);
+        let ms = u128::from(self.wall_ms + (stamp >> COUNTER_BITS) - 1) & ((1 << 48) - 1);
         let counter = u128::from(stamp & COUNTER_MASK);
         let random = u128::from(rand::random::<u64>() >> 12); // 52 bits
         let bits = (ms << 80)

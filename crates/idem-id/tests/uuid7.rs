@@ -68,3 +68,16 @@ fn the_process_generator_increases_and_tokens_do_not_repeat() {
             .all(|t| t.len() == 32 && t.bytes().all(|b| b.is_ascii_hexdigit()))
     );
 }
+
+/// Each millisecond's counter starts at a random point, the first one included, so a UUID
+/// does not tell how many were made before it.
+#[test]
+fn counters_start_at_random_points() {
+    let firsts: HashSet<u128> = (0..20)
+        .map(|_| {
+            let bits = Uuid7::new().next().as_u128();
+            ((bits >> 64) & 0xfff) << 10 | ((bits >> 52) & 0x3ff)
+        })
+        .collect();
+    assert!(firsts.len() > 10, "first counters repeat: {firsts:?}");
+}

@@ -10,10 +10,12 @@
 //! | `POST /v1/records/complete` | store the response under the lease; 409 `stale_lease` |
 //! | `POST /v1/records/release` | give the key back after a retryable failure; 409 `stale_lease` |
 //! | `GET /v1/records/{namespace}/{key}` | the caller's record, or 404 |
+//! | `GET /v1/ids/uuid7?count=N`, `GET /v1/ids/snowflake?count=N` | ids (see [`ids`]) |
 
 pub mod api;
 pub mod auth;
 pub mod gateway;
+pub mod ids;
 pub mod json;
 pub mod metrics;
 
@@ -46,6 +48,8 @@ pub struct AppState {
     pub default_lease: Duration,
     /// The retention when a `begin` does not give one.
     pub default_ttl: Duration,
+    /// The Snowflake generator on this server's leased worker id, if it got one.
+    pub snowflake: Option<Arc<idem_id::LeasedSnowflake>>,
 }
 
 impl AppState {
@@ -58,6 +62,7 @@ impl AppState {
             max_body: DEFAULT_MAX_BODY,
             default_lease: DEFAULT_LEASE,
             default_ttl: DEFAULT_TTL,
+            snowflake: None,
         }
     }
 }
@@ -70,6 +75,8 @@ pub fn router(state: AppState) -> Router {
         .route("/v1/records/complete", post(api::complete))
         .route("/v1/records/release", post(api::release))
         .route("/v1/records/{namespace}/{key}", get(api::get))
+        .route("/v1/ids/uuid7", get(ids::uuid7))
+        .route("/v1/ids/snowflake", get(ids::snowflake))
         .fallback(|| async { Problem::not_found("There is no such endpoint.") })
         .method_not_allowed_fallback(|| async {
             Problem::new(

@@ -48,6 +48,32 @@ enum Command {
     /// schema as a database user that may change it, and run the services as one that may
     /// only read and write rows. Stores without a schema (memory, Redis) need nothing.
     Migrate(MigrateArgs),
+
+    /// Print new ids, one per line.
+    ///
+    /// uuid7 (the default) and token need nothing; snowflake leases a worker id from --store
+    /// for as long as it runs, so it never repeats an id another process issues in the same
+    /// id space.
+    Id(IdArgs),
+}
+
+#[derive(clap::Args)]
+struct IdArgs {
+    /// What to print: uuid7, snowflake or token (128 random bits in hex).
+    #[arg(long, default_value = "uuid7", value_parser = ["uuid7", "snowflake", "token"])]
+    kind: String,
+
+    /// How many (1 to 1,000,000).
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=1_000_000))]
+    count: u32,
+
+    /// Where Snowflake worker ids are leased.
+    #[arg(long, env = "IDEM_STORE", default_value = "sqlite://idem.db")]
+    store: String,
+
+    /// The Snowflake id space.
+    #[arg(long, env = "IDEM_ID_SPACE", default_value = "default")]
+    id_space: String,
 }
 
 #[derive(clap::Args)]
@@ -130,6 +156,10 @@ struct ServeArgs {
     /// How often expired records are purged (at most 24h).
     #[arg(long, env = "IDEM_PURGE_INTERVAL", default_value = "60s", value_parser = parse_purge_interval)]
     purge_interval: Duration,
+
+    /// The Snowflake id space: servers sharing a store and a name never share a worker id.
+    #[arg(long, env = "IDEM_ID_SPACE", default_value = "default")]
+    id_space: String,
 }
 
 fn parse_duration(s: &str) -> Result<Duration, String> {
@@ -187,6 +217,7 @@ fn main() -> ExitCode {
                     Command::Serve(args) => serve(&args).await,
                     Command::Gateway(args) => gateway(args).await,
                     Command::Migrate(args) => migrate(&args).await,
+                    Command::Id(args) => print_ids(&args).await,
                 }
             })
         });
@@ -197,6 +228,36 @@ fn main() -> ExitCode {
             ExitCode::FAILURE
         }
     }
+}
+
+async fn print_ids(args: &IdArgs) -> Result<(), String> {
+    use std::io::Write;
+    let mut out = std::io::BufWriter::new(std::io::stdout().lock());
+    let mut line = |text: &str| writeln!(out, "{text}").map_err(|e| format!("cannot write: {e}"));
+    match args.kind.as_str() {
+        "snowflake" => {
+            let store = idem_store::open(&args.store)
+                .await
+                .map_err(|e| format!("store {:?}: {e}", idem_store::redact(&args.store)))?;
+            let pool = idem_id::WorkerPool::new(store, Arc::new(SystemClock), &args.id_space);
+            let g = pool
+                .claim(
+                    idem_id::Layout::default(),
+                    idem_id::SnowflakeOptions::default(),
+                )
+                .await
+                .map_err(|e| e.to_string())?;
+            let issued = (0..args.count).try_for_each(|_| {
+                let id = g.next().map_err(|e| e.to_string())?;
+                line(&id.to_string())
+            });
+            g.release().await.map_err(|e| e.to_string())?;
+            issued?;
+        }
+        "token" => (0..args.count).try_for_each(|_| line(&idem_id::token()))?,
+        _ => (0..args.count).try_for_each(|_| line(&idem_id::uuid7().to_string()))?,
+    }
+    out.flush().map_err(|e| format!("cannot write: {e}"))
 }
 
 async fn migrate(args: &MigrateArgs) -> Result<(), String> {
@@ -232,6 +293,25 @@ async fn serve(args: &ServeArgs) -> Result<(), String> {
         );
     }
     let clock: Arc<dyn Clock> = Arc::new(SystemClock);
+    // A Snowflake worker id of its own, leased from the store for as long as it runs.
+    let pool = idem_id::WorkerPool::new(store.clone(), clock.clone(), &args.id_space);
+    let snowflake = match pool
+        .claim(
+            idem_id::Layout::default(),
+            idem_id::SnowflakeOptions::default(),
+        )
+        .await
+    {
+        Ok(g) => {
+            info!(worker = g.worker(), "holding a Snowflake worker id");
+            g.spawn_heartbeat();
+            Some(g)
+        }
+        Err(e) => {
+            warn!(error = %e, "no Snowflake worker id: /v1/ids/snowflake will answer 503");
+            None
+        }
+    };
     let state = AppState {
         store: store.clone(),
         clock: clock.clone(),
@@ -239,15 +319,23 @@ async fn serve(args: &ServeArgs) -> Result<(), String> {
         max_body: args.max_body,
         default_lease: args.lease,
         default_ttl: args.ttl,
+        snowflake: snowflake.clone(),
     };
-    run(
+    let served = run(
         args.listen,
         router(state),
         store,
         clock,
         args.purge_interval,
     )
-    .await
+    .await;
+    if let Some(g) = snowflake {
+        // Into quarantine, so no other process reuses it at once.
+        if let Err(e) = g.release().await {
+            warn!(error = %e, "could not give the Snowflake worker id back; it expires with its lease");
+        }
+    }
+    served
 }
 
 async fn gateway(args: GatewayArgs) -> Result<(), String> {

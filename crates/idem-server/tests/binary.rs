@@ -160,6 +160,49 @@ fn migrate_creates_the_schema_and_exits() {
     assert_eq!(tables, 1);
 }
 
+#[test]
+fn id_prints_ids_one_per_line() {
+    let out = idem().args(["id", "--count", "3"]).output().unwrap();
+    assert!(out.status.success());
+    let text = String::from_utf8(out.stdout).unwrap();
+    let ids: Vec<&str> = text.lines().collect();
+    assert_eq!(ids.len(), 3);
+    assert!(
+        ids.iter()
+            .all(|u| u.len() == 36 && u.as_bytes()[14] == b'7')
+    );
+    assert!(ids.windows(2).all(|w| w[0] < w[1]));
+
+    let dir = tempfile::tempdir().unwrap();
+    let store = format!("sqlite://{}", dir.path().join("ids.db").display());
+    let out = idem()
+        .args([
+            "id",
+            "--kind",
+            "snowflake",
+            "--count",
+            "1000",
+            "--store",
+            &store,
+        ])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let ids: Vec<u64> = String::from_utf8(out.stdout)
+        .unwrap()
+        .lines()
+        .map(|l| l.parse().unwrap())
+        .collect();
+    assert_eq!(ids.len(), 1000);
+    assert!(ids.windows(2).all(|w| w[0] < w[1]));
+    fails_with(&["id", "--count", "0"], "invalid value");
+    fails_with(&["id", "--kind", "ulid"], "invalid value");
+}
+
 struct Server {
     child: Child,
     addr: String,

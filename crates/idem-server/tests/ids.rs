@@ -1,0 +1,102 @@
+//! The id endpoints: counts, shapes (64-bit ids as numbers and strings), bad queries, and a
+//! server without a worker id.
+
+#![allow(clippy::unwrap_used)]
+
+use std::collections::HashSet;
+use std::sync::Arc;
+
+use axum::body::Body;
+use axum::http::{Request, StatusCode};
+use idem_core::{Clock, SharedStore, SystemClock};
+use idem_id::{Layout, SnowflakeOptions, WorkerPool};
+use idem_server::{AppState, router};
+use idem_store::MemoryStore;
+use serde_json::Value;
+use tower::ServiceExt;
+
+async fn get(state: &AppState, uri: &str) -> (StatusCode, Value) {
+    let req = Request::get(uri).body(Body::empty()).unwrap();
+    let res = router(state.clone()).oneshot(req).await.unwrap();
+    let status = res.status();
+    let body = axum::body::to_bytes(res.into_body(), usize::MAX)
+        .await
+        .unwrap();
+    (status, serde_json::from_slice(&body).unwrap())
+}
+
+async fn state_with_worker() -> AppState {
+    let store: SharedStore = Arc::new(MemoryStore::new());
+    let clock: Arc<dyn Clock> = Arc::new(SystemClock);
+    let pool = WorkerPool::new(store.clone(), clock, "test");
+    let g = pool
+        .claim(Layout::default(), SnowflakeOptions::default())
+        .await
+        .unwrap();
+    let mut state = AppState::new(store);
+    state.snowflake = Some(g);
+    state
+}
+
+#[tokio::test]
+async fn snowflake_ids_come_as_numbers_and_strings_and_never_repeat() {
+    let state = state_with_worker().await;
+    let mut seen = HashSet::new();
+    for _ in 0..5 {
+        let (status, body) = get(&state, "/v1/ids/snowflake?count=1000").await;
+        assert_eq!(status, StatusCode::OK, "{body}");
+        let ids = body["ids"].as_array().unwrap();
+        let strings = body["id_strings"].as_array().unwrap();
+        assert_eq!(ids.len(), 1000);
+        for (n, s) in ids.iter().zip(strings) {
+            let n = n.as_u64().unwrap();
+            assert_eq!(s.as_str().unwrap(), n.to_string());
+            assert!(seen.insert(n), "repeated {n}");
+            assert_eq!(
+                Layout::default().decode(n).worker,
+                body["worker"].as_u64().unwrap()
+            );
+        }
+    }
+    let (_, body) = get(&state, "/v1/ids/snowflake").await;
+    assert_eq!(body["ids"].as_array().unwrap().len(), 1);
+}
+
+#[tokio::test]
+async fn uuids_come_in_order() {
+    let state = AppState::new(Arc::new(MemoryStore::new()));
+    let (status, body) = get(&state, "/v1/ids/uuid7?count=50").await;
+    assert_eq!(status, StatusCode::OK);
+    let ids: Vec<uuid::Uuid> = body["ids"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|v| v.as_str().unwrap().parse().unwrap())
+        .collect();
+    assert_eq!(ids.len(), 50);
+    assert!(ids.windows(2).all(|w| w[0] < w[1]));
+    assert!(ids.iter().all(|u| u.get_version_num() == 7));
+}
+
+#[tokio::test]
+async fn bad_counts_and_queries_are_refused_and_a_server_without_a_worker_id_says_so() {
+    let state = AppState::new(Arc::new(MemoryStore::new()));
+    for uri in [
+        "/v1/ids/uuid7?count=0",
+        "/v1/ids/uuid7?count=1001",
+        "/v1/ids/uuid7?count=-1",
+        "/v1/ids/uuid7?count=ten",
+    ] {
+        let (status, body) = get(&state, uri).await;
+        assert_eq!(status, StatusCode::BAD_REQUEST, "{uri}");
+        assert_eq!(body["code"], "invalid_count", "{uri}");
+    }
+    for uri in ["/v1/ids/uuid7?n=2", "/v1/ids/uuid7?count=1&count=2"] {
+        let (status, body) = get(&state, uri).await;
+        assert_eq!(status, StatusCode::BAD_REQUEST, "{uri}");
+        assert_eq!(body["code"], "invalid_request", "{uri}");
+    }
+    let (status, body) = get(&state, "/v1/ids/snowflake").await;
+    assert_eq!(status, StatusCode::SERVICE_UNAVAILABLE);
+    assert_eq!(body["code"], "no_worker_id");
+}
