@@ -203,6 +203,59 @@ fn id_prints_ids_one_per_line() {
     fails_with(&["id", "--kind", "ulid"], "invalid value");
 }
 
+/// Four processes sharing one SQLite store issue a million Snowflake ids each: no id twice,
+/// and each process under a worker id of its own.
+#[test]
+fn four_processes_on_one_store_never_issue_the_same_id() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = format!("sqlite://{}", dir.path().join("ids.db").display());
+    let children: Vec<_> = (0..4)
+        .map(|_| {
+            idem()
+                .args([
+                    "id",
+                    "--kind",
+                    "snowflake",
+                    "--count",
+                    "1000000",
+                    "--store",
+                    &store,
+                ])
+                .stdout(Stdio::piped())
+                .stderr(Stdio::piped())
+                .spawn()
+                .unwrap()
+        })
+        .collect();
+    let layout = idem_id::Layout::default();
+    let mut all = std::collections::HashSet::with_capacity(4_000_000);
+    let mut workers = std::collections::HashSet::new();
+    for child in children {
+        let out = child.wait_with_output().unwrap();
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let text = String::from_utf8(out.stdout).unwrap();
+        let mut worker = None;
+        let mut count = 0;
+        for line in text.lines() {
+            let id: u64 = line.parse().unwrap();
+            assert!(all.insert(id), "id {id} issued twice");
+            let w = layout.decode(id).worker;
+            assert_eq!(*worker.get_or_insert(w), w, "one process, two worker ids");
+            count += 1;
+        }
+        assert_eq!(count, 1_000_000);
+        assert!(
+            workers.insert(worker.unwrap()),
+            "two processes shared a worker id"
+        );
+    }
+    assert_eq!(all.len(), 4_000_000);
+}
+
 struct Server {
     child: Child,
     addr: String,
