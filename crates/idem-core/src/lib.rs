@@ -36,6 +36,6 @@ pub use record::{
     BeginOutcome, BeginRequest, BeginStep, DEFAULT_LEASE, DEFAULT_TTL, Lease, LeaseId,
     MIN_DURATION, Record, Replay, StaleLease, Status,
 };
-pub use store::{BoxFuture, DynStore, LeaseError, SharedStore, Store, StoreError};
+pub use store::{BoxFuture, DynStore, LeaseError, MAX_COUNTER, SharedStore, Store, StoreError};
 
 pub use bytes::Bytes;

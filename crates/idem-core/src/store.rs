@@ -11,6 +11,9 @@ use bytes::Bytes;
 use crate::record::{BeginOutcome, BeginRequest, Lease, Record, StaleLease};
 use crate::{Key, Timestamp};
 
+/// The largest value a counter reaches (`i64::MAX`, what every backend can hold).
+pub const MAX_COUNTER: u64 = i64::MAX.unsigned_abs();
+
 /// A failure of the store itself (not a refusal by the state machine).
 ///
 /// Callers must fail closed on any `StoreError`: the work does not run without its record.
@@ -37,6 +40,9 @@ pub enum StoreError {
         #[source]
         source: Option<Box<dyn StdError + Send + Sync>>,
     },
+    /// A counter would pass `i64::MAX` (what every backend can hold).
+    #[error("the counter is used up")]
+    CounterExhausted,
     /// A stored record could not be read back.
     #[error("stored record is corrupt: {0}")]
     Corrupt(String),
@@ -113,6 +119,8 @@ pub enum LeaseError {
 ///   atomically, keeping its id and fence.
 /// - **`reopen`** turns a live record completed by the lease with that fence into a released
 ///   one, atomically, and does nothing to any other record.
+/// - **`advance`** adds to a named counter and returns the new value in one atomic step, so
+///   concurrent callers get disjoint ranges; counters never expire.
 /// - **`purge_expired`** deletes at most `limit` records that are not live at `now` and
 ///   returns how many it deleted; it never deletes a live record.
 /// - **Durability.** When `complete` returns `Ok`, the response survives a crash of the calling
@@ -174,6 +182,11 @@ pub trait Store: Send + Sync + 'static {
         now: Timestamp,
     ) -> impl Future<Output = Result<Option<Record>, StoreError>> + Send;
 
+    /// Adds `by` (at least 1) to the counter named `key` (0 if it never moved) in one atomic
+    /// step and returns its new value, so the caller owns the range `new - by + 1 ..= new`.
+    /// Counters live apart from records: they never expire and purges never touch them.
+    fn advance(&self, key: &Key, by: u64) -> impl Future<Output = Result<u64, StoreError>> + Send;
+
     /// Deletes up to `limit` records that are no longer live; returns how many.
     fn purge_expired(
         &self,
@@ -232,6 +245,8 @@ pub trait DynStore: Send + Sync + 'static {
         key: &'a Key,
         now: Timestamp,
     ) -> BoxFuture<'a, Result<Option<Record>, StoreError>>;
+    /// See [`Store::advance`].
+    fn advance<'a>(&'a self, key: &'a Key, by: u64) -> BoxFuture<'a, Result<u64, StoreError>>;
     /// See [`Store::purge_expired`].
     fn purge_expired(&self, now: Timestamp, limit: usize)
     -> BoxFuture<'_, Result<u64, StoreError>>;
@@ -289,6 +304,9 @@ impl<S: Store> DynStore for S {
     ) -> BoxFuture<'a, Result<Option<Record>, StoreError>> {
         Box::pin(Store::get(self, key, now))
     }
+    fn advance<'a>(&'a self, key: &'a Key, by: u64) -> BoxFuture<'a, Result<u64, StoreError>> {
+        Box::pin(Store::advance(self, key, by))
+    }
     fn purge_expired(
         &self,
         now: Timestamp,
@@ -334,6 +352,9 @@ impl Store for SharedStore {
     }
     async fn get(&self, key: &Key, now: Timestamp) -> Result<Option<Record>, StoreError> {
         DynStore::get(&**self, key, now).await
+    }
+    async fn advance(&self, key: &Key, by: u64) -> Result<u64, StoreError> {
+        DynStore::advance(&**self, key, by).await
     }
     async fn purge_expired(&self, now: Timestamp, limit: usize) -> Result<u64, StoreError> {
         DynStore::purge_expired(&**self, now, limit).await

@@ -26,6 +26,7 @@ pub struct MemoryStore {
 #[derive(Debug)]
 struct Inner {
     shards: Vec<Shard>,
+    counters: Mutex<HashMap<Key, u64>>,
 }
 
 impl Default for MemoryStore {
@@ -40,6 +41,7 @@ impl MemoryStore {
         Self {
             inner: Arc::new(Inner {
                 shards: (0..SHARDS).map(|_| Mutex::default()).collect(),
+                counters: Mutex::default(),
             }),
         }
     }
@@ -142,6 +144,21 @@ impl Store for MemoryStore {
             .shard(key)
             .get_mut(key)
             .is_some_and(|r| r.reopen_in_place(fence, now)))
+    }
+
+    async fn advance(&self, key: &Key, by: u64) -> Result<u64, StoreError> {
+        let mut counters = self
+            .inner
+            .counters
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        let value = counters.entry(key.clone()).or_insert(0);
+        let next = value
+            .checked_add(by.max(1))
+            .filter(|n| *n <= idem_core::MAX_COUNTER)
+            .ok_or(StoreError::CounterExhausted)?;
+        *value = next;
+        Ok(next)
     }
 
     async fn get(&self, key: &Key, now: Timestamp) -> Result<Option<Record>, StoreError> {

@@ -31,10 +31,11 @@ use crate::row::sql_int;
 use crate::sql::{self, Migration, TableName};
 
 /// The schema, one migration per version; applied in order, each once.
-const MIGRATIONS: &[Migration] = &[Migration {
-    version: 1,
-    description: "records table and purge index",
-    statements: &["CREATE TABLE IF NOT EXISTS {table} (
+const MIGRATIONS: &[Migration] = &[
+    Migration {
+        version: 1,
+        description: "records table and purge index",
+        statements: &["CREATE TABLE IF NOT EXISTS {table} (
         scope            VARBINARY(255) NOT NULL,
         namespace        VARBINARY(255) NOT NULL,
         client_key       VARBINARY(255) NOT NULL,
@@ -52,7 +53,19 @@ const MIGRATIONS: &[Migration] = &[Migration {
         PRIMARY KEY (scope, namespace, client_key),
         KEY purge_after (purge_after)
     ) ENGINE = InnoDB"],
-}];
+    },
+    Migration {
+        version: 2,
+        description: "counters",
+        statements: &["CREATE TABLE IF NOT EXISTS {table}_counters (
+        scope      VARBINARY(255) NOT NULL,
+        namespace  VARBINARY(255) NOT NULL,
+        client_key VARBINARY(255) NOT NULL,
+        value      BIGINT         NOT NULL,
+        PRIMARY KEY (scope, namespace, client_key)
+    ) ENGINE = InnoDB"],
+    },
+];
 
 /// How a [`MySqlStore`] connects.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -101,6 +114,7 @@ struct Statements {
     reopen: SqlStr,
     get: SqlStr,
     purge: SqlStr,
+    advance: SqlStr,
 }
 
 /// The columns [`RawRow`] is read from, in its order.
@@ -173,6 +187,13 @@ impl Statements {
             )),
             get: s(format!(
                 "SELECT {COLUMNS} FROM {t} WHERE {key} AND expires_at > ?"
+            )),
+            // The new value comes back through LAST_INSERT_ID(expr), as in `begin`; a sum
+            // past i64::MAX fails with an out-of-range error (1690).
+            advance: s(format!(
+                "INSERT INTO {t}_counters (scope, namespace, client_key, value)
+                 VALUES (?, ?, ?, LAST_INSERT_ID(?))
+                 ON DUPLICATE KEY UPDATE value = LAST_INSERT_ID(value + VALUES(value))"
             )),
             purge: s(format!(
                 "DELETE FROM {t} WHERE purge_after <= ? AND expires_at <= ?
@@ -560,6 +581,23 @@ impl Store for MySqlStore {
             .await
             .map_err(|e| error("cannot read the record", e))?;
         row.map(|r| sql::raw(&r)?.into_record(key)).transpose()
+    }
+
+    async fn advance(&self, key: &Key, by: u64) -> Result<u64, StoreError> {
+        let done = keyed(sqlx::query(self.sql.advance.clone()), key)
+            .bind(sql_int(by.max(1)))
+            .execute(&self.pool)
+            .await
+            .map_err(|e| {
+                let exhausted = matches!(&e, sqlx::Error::Database(db)
+                    if db.try_downcast_ref::<MySqlDatabaseError>().is_some_and(|m| m.number() == 1690));
+                if exhausted {
+                    StoreError::CounterExhausted
+                } else {
+                    error("cannot advance the counter", e)
+                }
+            })?;
+        Ok(done.last_insert_id())
     }
 
     async fn purge_expired(&self, now: Timestamp, limit: usize) -> Result<u64, StoreError> {

@@ -26,11 +26,12 @@ use crate::row::sql_int;
 use crate::sql::{self, Migration, TableName};
 
 /// The schema, one migration per version; applied in order, each once.
-const MIGRATIONS: &[Migration] = &[Migration {
-    version: 1,
-    description: "records table and purge index",
-    statements: &[
-        "CREATE TABLE IF NOT EXISTS {table} (
+const MIGRATIONS: &[Migration] = &[
+    Migration {
+        version: 1,
+        description: "records table and purge index",
+        statements: &[
+            "CREATE TABLE IF NOT EXISTS {table} (
             scope            TEXT    NOT NULL,
             namespace        TEXT    NOT NULL,
             client_key       TEXT    NOT NULL,
@@ -48,9 +49,21 @@ const MIGRATIONS: &[Migration] = &[Migration {
             purge_after      BIGINT  NOT NULL,
             PRIMARY KEY (scope, namespace, client_key)
         ) WITH (fillfactor = 80)",
-        "CREATE INDEX IF NOT EXISTS {name}_purge_after ON {table} (purge_after)",
-    ],
-}];
+            "CREATE INDEX IF NOT EXISTS {name}_purge_after ON {table} (purge_after)",
+        ],
+    },
+    Migration {
+        version: 2,
+        description: "counters",
+        statements: &["CREATE TABLE IF NOT EXISTS {table}_counters (
+            scope      TEXT   NOT NULL,
+            namespace  TEXT   NOT NULL,
+            client_key TEXT   NOT NULL,
+            value      BIGINT NOT NULL,
+            PRIMARY KEY (scope, namespace, client_key)
+        )"],
+    },
+];
 
 /// How a [`PostgresStore`] connects.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -103,6 +116,7 @@ struct Statements {
     reopen: SqlStr,
     get: SqlStr,
     purge: SqlStr,
+    advance: SqlStr,
 }
 
 /// The columns [`RawRow`] is read from, in its order.
@@ -167,6 +181,15 @@ impl Statements {
             )),
             get: s(format!(
                 "SELECT {COLUMNS} FROM {t} WHERE {key} AND expires_at > $4"
+            )),
+            // No row back: the sum would pass i64::MAX.
+            advance: s(format!(
+                "INSERT INTO {t}_counters AS c (scope, namespace, client_key, value)
+                 VALUES ($1, $2, $3, $4)
+                 ON CONFLICT (scope, namespace, client_key) DO UPDATE
+                     SET value = c.value + EXCLUDED.value
+                     WHERE c.value <= 9223372036854775807 - EXCLUDED.value
+                 RETURNING value"
             )),
             purge: s(format!(
                 // The condition is repeated outside: a row a concurrent `begin` took over
@@ -519,6 +542,20 @@ impl Store for PostgresStore {
             .await
             .map_err(|e| error("cannot read the record", e))?;
         row.map(|r| sql::raw(&r)?.into_record(key)).transpose()
+    }
+
+    async fn advance(&self, key: &Key, by: u64) -> Result<u64, StoreError> {
+        let value: Option<i64> = sqlx::query_scalar(self.sql.advance.clone())
+            .bind(key.scope().as_str())
+            .bind(key.namespace().as_str())
+            .bind(key.client_key().as_str())
+            .bind(sql_int(by.max(1)))
+            .fetch_optional(&self.pool)
+            .await
+            .map_err(|e| error("cannot advance the counter", e))?;
+        value
+            .and_then(|v| u64::try_from(v).ok())
+            .ok_or(StoreError::CounterExhausted)
     }
 
     async fn purge_expired(&self, now: Timestamp, limit: usize) -> Result<u64, StoreError> {

@@ -528,6 +528,18 @@ impl Store for RedisStore {
         Ok(record.is_live(now).then_some(record))
     }
 
+    async fn advance(&self, key: &Key, by: u64) -> Result<u64, StoreError> {
+        // A key of its own beside the record's, in the same hash slot; no TTL.
+        let value: i64 = redis::cmd("INCRBY")
+            .arg(format!("{}:n", self.redis_key(key)))
+            .arg(by.max(1))
+            .query_async(&mut self.conn.clone())
+            .await
+            // Past i64::MAX Redis refuses the increment (a backend error).
+            .map_err(|e| error("cannot advance the counter", e))?;
+        u64::try_from(value).map_err(|_| corrupt("counter"))
+    }
+
     async fn purge_expired(&self, _now: Timestamp, _limit: usize) -> Result<u64, StoreError> {
         // Redis deletes expired records by itself (see the module's notes).
         Ok(0)

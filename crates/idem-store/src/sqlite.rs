@@ -88,6 +88,14 @@ const MIGRATIONS: &[&str] = &[
     );
     CREATE UNIQUE INDEX idem_records_key ON idem_records (scope, namespace, client_key);
     CREATE INDEX idem_records_expires_at ON idem_records (expires_at);",
+    // 2: counters (segment ids), apart from records: they never expire.
+    "CREATE TABLE idem_counters (
+        scope      TEXT    NOT NULL,
+        namespace  TEXT    NOT NULL,
+        client_key TEXT    NOT NULL,
+        value      INTEGER NOT NULL,
+        PRIMARY KEY (scope, namespace, client_key)
+    ) WITHOUT ROWID;",
 ];
 
 /// Idempotency records in a SQLite database file. Clones share one writer thread.
@@ -109,6 +117,7 @@ enum Request {
     Complete(Key, Lease, Bytes, Timestamp),
     Release(Key, Lease, Timestamp),
     Renew(Key, Lease, Duration, Timestamp),
+    Advance(Key, u64),
     Reopen(Key, u64, Timestamp),
     Get(Key, Timestamp),
     Purge(Timestamp, usize),
@@ -118,6 +127,7 @@ enum Responder {
     Begin(oneshot::Sender<Result<BeginOutcome, StoreError>>),
     Lease(oneshot::Sender<Result<(), LeaseError>>),
     Renew(oneshot::Sender<Result<Lease, LeaseError>>),
+    Advance(oneshot::Sender<Result<u64, StoreError>>),
     Reopen(oneshot::Sender<Result<bool, StoreError>>),
     Get(oneshot::Sender<Result<Option<Record>, StoreError>>),
     Purge(oneshot::Sender<Result<u64, StoreError>>),
@@ -127,6 +137,7 @@ enum Answer {
     Begin(Result<BeginOutcome, StoreError>),
     Lease(Result<(), LeaseError>),
     Renew(Result<Lease, LeaseError>),
+    Advance(Result<u64, StoreError>),
     Reopen(Result<bool, StoreError>),
     Get(Result<Option<Record>, StoreError>),
     Purge(Result<u64, StoreError>),
@@ -283,6 +294,7 @@ impl Responder {
             Responder::Begin(tx) => tx.is_closed(),
             Responder::Lease(tx) => tx.is_closed(),
             Responder::Renew(tx) => tx.is_closed(),
+            Responder::Advance(tx) => tx.is_closed(),
             Responder::Reopen(tx) => tx.is_closed(),
             Responder::Get(tx) => tx.is_closed(),
             Responder::Purge(tx) => tx.is_closed(),
@@ -295,6 +307,7 @@ impl Responder {
             (Responder::Begin(tx), Answer::Begin(a)) => tx.send(a).err().map(Answer::Begin),
             (Responder::Lease(tx), Answer::Lease(a)) => tx.send(a).err().map(Answer::Lease),
             (Responder::Renew(tx), Answer::Renew(a)) => tx.send(a).err().map(Answer::Renew),
+            (Responder::Advance(tx), Answer::Advance(a)) => tx.send(a).err().map(Answer::Advance),
             (Responder::Reopen(tx), Answer::Reopen(a)) => tx.send(a).err().map(Answer::Reopen),
             (Responder::Get(tx), Answer::Get(a)) => tx.send(a).err().map(Answer::Get),
             (Responder::Purge(tx), Answer::Purge(a)) => tx.send(a).err().map(Answer::Purge),
@@ -310,6 +323,7 @@ impl Responder {
             Responder::Begin(tx) => tx.send(Err(e)).map_err(drop),
             Responder::Lease(tx) => tx.send(Err(e.into())).map_err(drop),
             Responder::Renew(tx) => tx.send(Err(e.into())).map_err(drop),
+            Responder::Advance(tx) => tx.send(Err(e)).map_err(drop),
             Responder::Reopen(tx) => tx.send(Err(e)).map_err(drop),
             Responder::Get(tx) => tx.send(Err(e)).map_err(drop),
             Responder::Purge(tx) => tx.send(Err(e)).map_err(drop),
@@ -426,6 +440,34 @@ fn apply(tx: &rusqlite::Transaction<'_>, request: &Request) -> rusqlite::Result<
             Ok(None) => Err(StaleLease.into()),
             Err(e) => Err(e.into()),
         }),
+        Request::Advance(key, by) => {
+            // Guarded so the sum never leaves SQLite's integers (it would turn into a float).
+            let by = sql_int((*by).max(1));
+            let value: Option<i64> = tx
+                .prepare_cached(
+                    "INSERT INTO idem_counters (scope, namespace, client_key, value)
+                     VALUES (?1, ?2, ?3, ?4)
+                     ON CONFLICT (scope, namespace, client_key) DO UPDATE
+                         SET value = value + excluded.value
+                         WHERE value <= 9223372036854775807 - excluded.value
+                     RETURNING value",
+                )?
+                .query_row(
+                    params![
+                        key.scope().as_str(),
+                        key.namespace().as_str(),
+                        key.client_key().as_str(),
+                        by
+                    ],
+                    |row| row.get(0),
+                )
+                .optional()?;
+            Answer::Advance(
+                value
+                    .and_then(|v| u64::try_from(v).ok())
+                    .ok_or(StoreError::CounterExhausted),
+            )
+        }
         Request::Reopen(key, fence, now) => Answer::Reopen(match load(tx, key)? {
             Ok(Some(mut r)) => {
                 let changed = r.reopen_in_place(*fence, *now);
@@ -577,6 +619,11 @@ impl Store for SqliteStore {
     ) -> Result<Lease, LeaseError> {
         let request = Request::Renew(key.clone(), *lease, length, now);
         self.call(request, Responder::Renew, |e| Err(e.into()))
+            .await
+    }
+
+    async fn advance(&self, key: &Key, by: u64) -> Result<u64, StoreError> {
+        self.call(Request::Advance(key.clone(), by), Responder::Advance, Err)
             .await
     }
 

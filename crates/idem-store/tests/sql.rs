@@ -93,7 +93,7 @@ macro_rules! sql_store_tests {
                 .fetch_all(first.pool())
                 .await
                 .unwrap();
-                assert_eq!(versions, [1]);
+                assert_eq!(versions, [1, 2]);
 
                 // A schema from a newer idem is refused, not guessed at.
                 sqlx::query(AssertSqlSafe(format!(

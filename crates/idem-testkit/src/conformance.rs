@@ -731,6 +731,46 @@ pub async fn stale_lease_cannot_renew<S: Store>(store: &S) {
     ));
 }
 
+/// `advance` hands out disjoint ranges to concurrent callers, keeps counters apart from each
+/// other and from records, and never lets a purge reset one.
+pub async fn counters_advance_atomically<S: Store + Clone>(store: &S) {
+    let c = Case::new();
+    let key = c.key("counter");
+    let tasks: Vec<_> = (0..20)
+        .map(|_| {
+            let (store, key) = (store.clone(), key.clone());
+            tokio::spawn(async move {
+                let mut got = Vec::new();
+                for _ in 0..10 {
+                    got.push(store.advance(&key, 100).await.unwrap());
+                }
+                got
+            })
+        })
+        .collect();
+    let mut ends = HashSet::new();
+    for t in tasks {
+        for end in t.await.unwrap() {
+            assert_eq!(end % 100, 0, "ranges of 100 from 0");
+            assert!(
+                ends.insert(end),
+                "the range ending at {end} was handed out twice"
+            );
+        }
+    }
+    assert_eq!(ends.len(), 200);
+    assert_eq!(ends.iter().max(), Some(&20_000));
+    // Another counter starts from zero; a record under the same key is another thing.
+    assert_eq!(store.advance(&c.key("other"), 1).await.unwrap(), 1);
+    acquire(store, &c.req("counter", "a"), c.at(0)).await;
+    // Purges (at any time) leave counters alone.
+    store
+        .purge_expired(c.at(10 * 365 * 24 * 3600), 100_000)
+        .await
+        .unwrap();
+    assert_eq!(store.advance(&key, 1).await.unwrap(), 20_001);
+}
+
 /// Keys are compared byte for byte: keys that differ only in letter case name different
 /// records (a case-insensitive SQL collation would fold them into one).
 pub async fn keys_are_compared_exactly<S: Store>(store: &S) {

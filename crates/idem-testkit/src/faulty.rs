@@ -23,6 +23,8 @@ pub enum Op {
     Get,
     /// `purge_expired`
     Purge,
+    /// `advance`
+    Advance,
 }
 
 /// What goes wrong.
@@ -146,6 +148,11 @@ impl<S: Store> Store for FaultyStore<S> {
 
     async fn get(&self, key: &Key, now: Timestamp) -> Result<Option<Record>, StoreError> {
         self.with_fault(Op::Get, self.inner.get(key, now)).await
+    }
+
+    async fn advance(&self, key: &Key, by: u64) -> Result<u64, StoreError> {
+        self.with_fault(Op::Advance, self.inner.advance(key, by))
+            .await
     }
 
     async fn purge_expired(&self, now: Timestamp, limit: usize) -> Result<u64, StoreError> {

@@ -60,6 +60,7 @@ macro_rules! conformance_tests {
             keys_are_compared_exactly,
             renew_extends_the_lease,
             stale_lease_cannot_renew,
+            counters_advance_atomically,
             duplicate_storm,
             duplicate_storm_with_completion,
             storm_over_many_keys,
