@@ -134,4 +134,39 @@ fn main() {
         "rs-snowflake generate: {rs_ns:.1} ns/id = {:.0} ids/s",
         1e9 / rs_ns
     );
+
+    // Segment ids served from memory, one thread (ranges of 1,000,000 from a memory store).
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    let store: idem_core::SharedStore = Arc::new(idem_store::MemoryStore::new());
+    let options = idem_id::SegmentOptions {
+        initial_step: 1_000_000,
+        min_step: 1_000_000,
+        max_step: 1_000_000,
+        ..idem_id::SegmentOptions::default()
+    };
+    let segments = idem_id::Segments::new(store, "bench", options).unwrap();
+    let (n, elapsed) = runtime.block_on(async {
+        segments.next().await.unwrap();
+        let n = 20_000_000u64;
+        let t = Instant::now();
+        for _ in 0..n {
+            match segments.try_next() {
+                Some(id) => {
+                    black_box(id);
+                }
+                None => {
+                    black_box(segments.next().await.unwrap());
+                }
+            }
+        }
+        (n, t.elapsed())
+    });
+    println!(
+        "segment ids, one thread: {:.1} ns/id = {:.0} ids/s",
+        elapsed.as_nanos() as f64 / n as f64,
+        n as f64 / elapsed.as_secs_f64()
+    );
 }

@@ -1,0 +1,113 @@
+//! Segment ids: unique across allocators sharing a store, the next range fetched before the
+//! current one runs out, the step adapted to the pace, and serving from memory while the
+//! store is away.
+
+#![allow(clippy::unwrap_used)]
+
+use std::collections::HashSet;
+use std::sync::Arc;
+use std::time::Duration;
+
+use idem_core::{Key, SharedStore, Store};
+use idem_id::{IdError, SegmentOptions, Segments};
+use idem_store::MemoryStore;
+use idem_testkit::FaultyStore;
+
+fn options(step: u64) -> SegmentOptions {
+    SegmentOptions {
+        initial_step: step,
+        min_step: step,
+        max_step: step * 64,
+        ..SegmentOptions::default()
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn allocators_sharing_a_store_never_hand_out_one_id_twice() {
+    let store: SharedStore = Arc::new(MemoryStore::new());
+    let tasks: Vec<_> = (0..4)
+        .map(|_| {
+            // Each task is a process with an allocator of its own.
+            let segments = Segments::new(store.clone(), "orders", options(100)).unwrap();
+            tokio::spawn(async move {
+                let mut ids = Vec::new();
+                for _ in 0..5_000 {
+                    ids.push(segments.next().await.unwrap());
+                }
+                ids
+            })
+        })
+        .collect();
+    let mut all = HashSet::new();
+    for t in tasks {
+        let ids = t.await.unwrap();
+        assert!(
+            ids.windows(2).all(|w| w[0] < w[1]),
+            "not increasing within an allocator"
+        );
+        for id in ids {
+            assert!(all.insert(id), "{id} handed out twice");
+        }
+    }
+    assert_eq!(all.len(), 20_000);
+    // Another tag is another sequence.
+    let other = Segments::new(store, "invoices", options(100)).unwrap();
+    assert_eq!(other.next().await.unwrap(), 1);
+}
+
+#[tokio::test]
+async fn the_next_range_is_fetched_before_the_current_one_runs_out() {
+    let store = Arc::new(MemoryStore::new());
+    let segments = Segments::new(store.clone(), "orders", options(100)).unwrap();
+    let key = Key::parse("idem.ids", "segment", "orders").unwrap();
+    assert_eq!(segments.next().await.unwrap(), 1);
+    for _ in 0..20 {
+        segments.try_next().unwrap();
+    }
+    // A tenth used: the spare range arrives in the background.
+    for _ in 0..100 {
+        if segments.remaining() > 100 {
+            break;
+        }
+        tokio::task::yield_now().await;
+        tokio::time::sleep(Duration::from_millis(1)).await;
+    }
+    assert!(segments.remaining() > 100, "no range fetched ahead");
+    // The store's counter is past the range in use: someone else would start above it.
+    assert!(store.advance(&key, 1).await.unwrap() > 200);
+    // Used up quickly (far faster than the 60 s target), the step grows.
+    assert!(segments.step() > 100);
+}
+
+#[tokio::test]
+async fn a_store_outage_is_served_from_memory_until_it_runs_dry() {
+    let faulty = Arc::new(FaultyStore::new(MemoryStore::new()));
+    let store: SharedStore = faulty.clone();
+    let segments = Segments::new(store, "orders", options(100)).unwrap();
+    let first = segments.next().await.unwrap();
+    // Let the spare range arrive, then lose the store.
+    for _ in 0..30 {
+        segments.try_next().unwrap();
+    }
+    for _ in 0..100 {
+        if segments.remaining() > 100 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(1)).await;
+    }
+    faulty.set_down(true);
+    let runway = segments.remaining();
+    assert!(runway > 100);
+    assert!(segments.runway().is_some());
+    let mut last = first;
+    for _ in 0..runway {
+        let id = segments.next().await.unwrap();
+        assert!(id > last);
+        last = id;
+    }
+    // Dry, with the store away: a clear error, not a made-up id.
+    assert!(matches!(segments.next().await, Err(IdError::Store(_))));
+    assert!(segments.last_error().is_some());
+    faulty.set_down(false);
+    assert!(segments.next().await.unwrap() > last);
+}
