@@ -86,15 +86,25 @@ impl std::fmt::Debug for Segments {
 }
 
 impl Segments {
-    /// An allocator for `tag` (the counter `idem.ids` / `segment` / `tag` in the store). The
-    /// first range is fetched on first use.
+    /// An allocator for `tag` (the counter `idem.ids` / `idem.segment` / `tag` in the store).
+    /// The first range is fetched on first use.
     pub fn new(
         store: SharedStore,
         tag: &str,
         options: SegmentOptions,
     ) -> Result<Arc<Self>, IdError> {
+        Self::scoped(store, "idem.ids", tag, options)
+    }
+
+    /// An allocator for `tag` within `scope` (a caller's own sequences, as in `idem serve`).
+    pub fn scoped(
+        store: SharedStore,
+        scope: &str,
+        tag: &str,
+        options: SegmentOptions,
+    ) -> Result<Arc<Self>, IdError> {
         let key =
-            Key::parse("idem.ids", "segment", tag).map_err(|e| IdError::Store(e.to_string()))?;
+            Key::parse(scope, "idem.segment", tag).map_err(|e| IdError::Tag(e.to_string()))?;
         let step = options
             .initial_step
             .clamp(options.min_step.max(1), options.max_step.max(1));

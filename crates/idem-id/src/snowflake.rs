@@ -34,6 +34,9 @@ pub enum IdError {
     /// Every worker id is held by a live process or waiting out its quarantine.
     #[error("no worker id is free: all are held or in quarantine")]
     NoWorkerFree,
+    /// A segment tag that cannot name a counter (1 to 255 visible ASCII characters).
+    #[error("invalid tag: {0}")]
+    Tag(String),
     /// The store failed while claiming a worker id.
     #[error("the store failed while claiming a worker id: {0}")]
     Store(String),

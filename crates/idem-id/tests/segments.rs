@@ -59,7 +59,7 @@ async fn allocators_sharing_a_store_never_hand_out_one_id_twice() {
 async fn the_next_range_is_fetched_before_the_current_one_runs_out() {
     let store = Arc::new(MemoryStore::new());
     let segments = Segments::new(store.clone(), "orders", options(100)).unwrap();
-    let key = Key::parse("idem.ids", "segment", "orders").unwrap();
+    let key = Key::parse("idem.ids", "idem.segment", "orders").unwrap();
     assert_eq!(segments.next().await.unwrap(), 1);
     for _ in 0..20 {
         segments.try_next().unwrap();

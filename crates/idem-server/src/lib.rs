@@ -10,7 +10,7 @@
 //! | `POST /v1/records/complete` | store the response under the lease; 409 `stale_lease` |
 //! | `POST /v1/records/release` | give the key back after a retryable failure; 409 `stale_lease` |
 //! | `GET /v1/records/{namespace}/{key}` | the caller's record, or 404 |
-//! | `GET /v1/ids/uuid7?count=N`, `GET /v1/ids/snowflake?count=N` | ids (see [`ids`]) |
+//! | `GET /v1/ids/uuid7`, `/v1/ids/snowflake`, `/v1/ids/segment/{tag}` (`?count=N`) | ids (see [`ids`]) |
 
 pub mod api;
 pub mod auth;
@@ -50,6 +50,8 @@ pub struct AppState {
     pub default_ttl: Duration,
     /// The Snowflake generator on this server's leased worker id, if it got one.
     pub snowflake: Option<Arc<idem_id::LeasedSnowflake>>,
+    /// Segment allocators by caller scope and tag, made on first use.
+    pub segments: ids::SegmentTable,
 }
 
 impl AppState {
@@ -63,6 +65,7 @@ impl AppState {
             default_lease: DEFAULT_LEASE,
             default_ttl: DEFAULT_TTL,
             snowflake: None,
+            segments: ids::SegmentTable::default(),
         }
     }
 }
@@ -77,6 +80,7 @@ pub fn router(state: AppState) -> Router {
         .route("/v1/records/{namespace}/{key}", get(api::get))
         .route("/v1/ids/uuid7", get(ids::uuid7))
         .route("/v1/ids/snowflake", get(ids::snowflake))
+        .route("/v1/ids/segment/{tag}", get(ids::segment))
         .fallback(|| async { Problem::not_found("There is no such endpoint.") })
         .method_not_allowed_fallback(|| async {
             Problem::new(

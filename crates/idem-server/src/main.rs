@@ -320,6 +320,7 @@ async fn serve(args: &ServeArgs) -> Result<(), String> {
         default_lease: args.lease,
         default_ttl: args.ttl,
         snowflake: snowflake.clone(),
+        segments: idem_server::ids::SegmentTable::default(),
     };
     let served = run(
         args.listen,

@@ -100,3 +100,28 @@ async fn bad_counts_and_queries_are_refused_and_a_server_without_a_worker_id_say
     assert_eq!(status, StatusCode::SERVICE_UNAVAILABLE);
     assert_eq!(body["code"], "no_worker_id");
 }
+
+#[tokio::test]
+async fn segment_ids_increase_per_tag_and_bad_tags_are_refused() {
+    let state = AppState::new(Arc::new(MemoryStore::new()));
+    let (status, body) = get(&state, "/v1/ids/segment/orders?count=1000").await;
+    assert_eq!(status, StatusCode::OK, "{body}");
+    let ids: Vec<u64> = body["ids"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|v| v.as_u64().unwrap())
+        .collect();
+    assert_eq!(ids.first(), Some(&1));
+    assert!(ids.windows(2).all(|w| w[0] < w[1]));
+    let (_, body) = get(&state, "/v1/ids/segment/orders?count=5").await;
+    assert!(body["ids"][0].as_u64().unwrap() > *ids.last().unwrap());
+    assert_eq!(body["id_strings"][0], body["ids"][0].to_string());
+    // Another tag is another sequence.
+    let (_, body) = get(&state, "/v1/ids/segment/invoices").await;
+    assert_eq!(body["ids"][0], 1);
+    let (status, body) = get(&state, "/v1/ids/segment/%20bad").await;
+    assert_eq!(status, StatusCode::BAD_REQUEST, "{body}");
+    assert_eq!(body["code"], "invalid_tag");
+}
+
