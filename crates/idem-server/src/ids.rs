@@ -29,9 +29,12 @@ pub const MAX_COUNT: u32 = 1000;
 /// The most segment tags one server serves (each holds two ranges in memory).
 pub const MAX_TAGS: usize = 1024;
 
-/// Segment allocators by (caller scope, tag).
+/// A caller's scope and a tag.
+type ScopedTag = (String, String);
+
+/// Segment allocators by caller scope and tag.
 #[derive(Clone, Default)]
-pub struct SegmentTable(Arc<Mutex<HashMap<(String, String), Arc<idem_id::Segments>>>>);
+pub struct SegmentTable(Arc<Mutex<HashMap<ScopedTag, Arc<idem_id::Segments>>>>);
 
 impl SegmentTable {
     fn get(
