@@ -124,4 +124,3 @@ async fn segment_ids_increase_per_tag_and_bad_tags_are_refused() {
     assert_eq!(status, StatusCode::BAD_REQUEST, "{body}");
     assert_eq!(body["code"], "invalid_tag");
 }
-
