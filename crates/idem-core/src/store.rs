@@ -182,6 +182,11 @@ pub trait Store: Send + Sync + 'static {
         now: Timestamp,
     ) -> impl Future<Output = Result<Option<Record>, StoreError>> + Send;
 
+    /// Raises the counter named `key` to at least `to` in one atomic step and returns its
+    /// value (the larger of `to` and what it was). A durable high-water mark, such as a time
+    /// fence.
+    fn raise(&self, key: &Key, to: u64) -> impl Future<Output = Result<u64, StoreError>> + Send;
+
     /// Adds `by` (at least 1) to the counter named `key` (0 if it never moved) in one atomic
     /// step and returns its new value, so the caller owns the range `new - by + 1 ..= new`.
     /// Counters live apart from records: they never expire and purges never touch them.
@@ -247,6 +252,8 @@ pub trait DynStore: Send + Sync + 'static {
     ) -> BoxFuture<'a, Result<Option<Record>, StoreError>>;
     /// See [`Store::advance`].
     fn advance<'a>(&'a self, key: &'a Key, by: u64) -> BoxFuture<'a, Result<u64, StoreError>>;
+    /// See [`Store::raise`].
+    fn raise<'a>(&'a self, key: &'a Key, to: u64) -> BoxFuture<'a, Result<u64, StoreError>>;
     /// See [`Store::purge_expired`].
     fn purge_expired(&self, now: Timestamp, limit: usize)
     -> BoxFuture<'_, Result<u64, StoreError>>;
@@ -307,6 +314,9 @@ impl<S: Store> DynStore for S {
     fn advance<'a>(&'a self, key: &'a Key, by: u64) -> BoxFuture<'a, Result<u64, StoreError>> {
         Box::pin(Store::advance(self, key, by))
     }
+    fn raise<'a>(&'a self, key: &'a Key, to: u64) -> BoxFuture<'a, Result<u64, StoreError>> {
+        Box::pin(Store::raise(self, key, to))
+    }
     fn purge_expired(
         &self,
         now: Timestamp,
@@ -355,6 +365,9 @@ impl Store for SharedStore {
     }
     async fn advance(&self, key: &Key, by: u64) -> Result<u64, StoreError> {
         DynStore::advance(&**self, key, by).await
+    }
+    async fn raise(&self, key: &Key, to: u64) -> Result<u64, StoreError> {
+        DynStore::raise(&**self, key, to).await
     }
     async fn purge_expired(&self, now: Timestamp, limit: usize) -> Result<u64, StoreError> {
         DynStore::purge_expired(&**self, now, limit).await

@@ -161,6 +161,17 @@ impl Store for MemoryStore {
         Ok(next)
     }
 
+    async fn raise(&self, key: &Key, to: u64) -> Result<u64, StoreError> {
+        let mut counters = self
+            .inner
+            .counters
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        let value = counters.entry(key.clone()).or_insert(0);
+        *value = (*value).max(to.min(idem_core::MAX_COUNTER));
+        Ok(*value)
+    }
+
     async fn get(&self, key: &Key, now: Timestamp) -> Result<Option<Record>, StoreError> {
         Ok(self
             .shard(key)

@@ -115,6 +115,7 @@ struct Statements {
     get: SqlStr,
     purge: SqlStr,
     advance: SqlStr,
+    raise: SqlStr,
 }
 
 /// The columns [`RawRow`] is read from, in its order.
@@ -194,6 +195,12 @@ impl Statements {
                 "INSERT INTO {t}_counters (scope, namespace, client_key, value)
                  VALUES (?, ?, ?, LAST_INSERT_ID(?))
                  ON DUPLICATE KEY UPDATE value = LAST_INSERT_ID(value + VALUES(value))"
+            )),
+            raise: s(format!(
+                "INSERT INTO {t}_counters (scope, namespace, client_key, value)
+                 VALUES (?, ?, ?, LAST_INSERT_ID(?))
+                 ON DUPLICATE KEY UPDATE
+                     value = LAST_INSERT_ID(GREATEST(value, VALUES(value)))"
             )),
             purge: s(format!(
                 "DELETE FROM {t} WHERE purge_after <= ? AND expires_at <= ?
@@ -597,6 +604,15 @@ impl Store for MySqlStore {
                     error("cannot advance the counter", e)
                 }
             })?;
+        Ok(done.last_insert_id())
+    }
+
+    async fn raise(&self, key: &Key, to: u64) -> Result<u64, StoreError> {
+        let done = keyed(sqlx::query(self.sql.raise.clone()), key)
+            .bind(sql_int(to))
+            .execute(&self.pool)
+            .await
+            .map_err(|e| error("cannot raise the counter", e))?;
         Ok(done.last_insert_id())
     }
 

@@ -117,6 +117,7 @@ struct Statements {
     get: SqlStr,
     purge: SqlStr,
     advance: SqlStr,
+    raise: SqlStr,
 }
 
 /// The columns [`RawRow`] is read from, in its order.
@@ -189,6 +190,13 @@ impl Statements {
                  ON CONFLICT (scope, namespace, client_key) DO UPDATE
                      SET value = c.value + EXCLUDED.value
                      WHERE c.value <= 9223372036854775807 - EXCLUDED.value
+                 RETURNING value"
+            )),
+            raise: s(format!(
+                "INSERT INTO {t}_counters AS c (scope, namespace, client_key, value)
+                 VALUES ($1, $2, $3, $4)
+                 ON CONFLICT (scope, namespace, client_key) DO UPDATE
+                     SET value = GREATEST(c.value, EXCLUDED.value)
                  RETURNING value"
             )),
             purge: s(format!(
@@ -556,6 +564,18 @@ impl Store for PostgresStore {
         value
             .and_then(|v| u64::try_from(v).ok())
             .ok_or(StoreError::CounterExhausted)
+    }
+
+    async fn raise(&self, key: &Key, to: u64) -> Result<u64, StoreError> {
+        let value: i64 = sqlx::query_scalar(self.sql.raise.clone())
+            .bind(key.scope().as_str())
+            .bind(key.namespace().as_str())
+            .bind(key.client_key().as_str())
+            .bind(sql_int(to))
+            .fetch_one(&self.pool)
+            .await
+            .map_err(|e| error("cannot raise the counter", e))?;
+        u64::try_from(value).map_err(|_| StoreError::Corrupt("a negative counter".into()))
     }
 
     async fn purge_expired(&self, now: Timestamp, limit: usize) -> Result<u64, StoreError> {

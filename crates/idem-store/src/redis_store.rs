@@ -99,6 +99,17 @@ redis.call('PEXPIRE', k, exp - now + tonumber(ARGV[5]))
 return 1
 ";
 
+/// ARGV = the value to raise to (as text, exact). Answers the counter's value.
+const RAISE: &str = r"
+local cur = redis.call('GET', KEYS[1])
+if not cur or string.len(cur) < string.len(ARGV[1])
+    or (string.len(cur) == string.len(ARGV[1]) and cur < ARGV[1]) then
+  redis.call('SET', KEYS[1], ARGV[1])
+  return ARGV[1]
+end
+return cur
+";
+
 /// ARGV = now, fence, margin. Answers 1 if it reopened the record.
 const REOPEN: &str = r"
 local k = KEYS[1]
@@ -187,6 +198,7 @@ pub struct RedisStore {
     settle: Script,
     renew: Script,
     reopen: Script,
+    raise: Script,
 }
 
 impl std::fmt::Debug for RedisStore {
@@ -249,6 +261,7 @@ impl RedisStore {
             settle: Script::new(SETTLE),
             renew: Script::new(RENEW),
             reopen: Script::new(REOPEN),
+            raise: Script::new(RAISE),
         }
     }
 
@@ -538,6 +551,20 @@ impl Store for RedisStore {
             // Past i64::MAX Redis refuses the increment (a backend error).
             .map_err(|e| error("cannot advance the counter", e))?;
         u64::try_from(value).map_err(|_| corrupt("counter"))
+    }
+
+    async fn raise(&self, key: &Key, to: u64) -> Result<u64, StoreError> {
+        // Compared as decimal text in the script: Lua's numbers are doubles, exact only to
+        // 2^53, and counters go to 2^63.
+        let to = to.min(idem_core::MAX_COUNTER).to_string();
+        let value: String = self
+            .raise
+            .key(format!("{}:n", self.redis_key(key)))
+            .arg(to)
+            .invoke_async(&mut self.conn.clone())
+            .await
+            .map_err(|e| error("cannot raise the counter", e))?;
+        value.parse().map_err(|_| corrupt("counter"))
     }
 
     async fn purge_expired(&self, _now: Timestamp, _limit: usize) -> Result<u64, StoreError> {

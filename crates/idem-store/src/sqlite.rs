@@ -118,6 +118,7 @@ enum Request {
     Release(Key, Lease, Timestamp),
     Renew(Key, Lease, Duration, Timestamp),
     Advance(Key, u64),
+    Raise(Key, u64),
     Reopen(Key, u64, Timestamp),
     Get(Key, Timestamp),
     Purge(Timestamp, usize),
@@ -468,6 +469,26 @@ fn apply(tx: &rusqlite::Transaction<'_>, request: &Request) -> rusqlite::Result<
                     .ok_or(StoreError::CounterExhausted),
             )
         }
+        Request::Raise(key, to) => {
+            let value: i64 = tx
+                .prepare_cached(
+                    "INSERT INTO idem_counters (scope, namespace, client_key, value)
+                     VALUES (?1, ?2, ?3, ?4)
+                     ON CONFLICT (scope, namespace, client_key) DO UPDATE
+                         SET value = max(value, excluded.value)
+                     RETURNING value",
+                )?
+                .query_row(
+                    params![
+                        key.scope().as_str(),
+                        key.namespace().as_str(),
+                        key.client_key().as_str(),
+                        sql_int(*to)
+                    ],
+                    |row| row.get(0),
+                )?;
+            Answer::Advance(u64::try_from(value).map_err(|_| StoreError::CounterExhausted))
+        }
         Request::Reopen(key, fence, now) => Answer::Reopen(match load(tx, key)? {
             Ok(Some(mut r)) => {
                 let changed = r.reopen_in_place(*fence, *now);
@@ -624,6 +645,11 @@ impl Store for SqliteStore {
 
     async fn advance(&self, key: &Key, by: u64) -> Result<u64, StoreError> {
         self.call(Request::Advance(key.clone(), by), Responder::Advance, Err)
+            .await
+    }
+
+    async fn raise(&self, key: &Key, to: u64) -> Result<u64, StoreError> {
+        self.call(Request::Raise(key.clone(), to), Responder::Advance, Err)
             .await
     }
 

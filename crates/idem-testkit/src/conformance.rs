@@ -771,6 +771,39 @@ pub async fn counters_advance_atomically<S: Store + Clone>(store: &S) {
     assert_eq!(store.advance(&key, 1).await.unwrap(), 20_001);
 }
 
+/// `raise` keeps the highest value it was given, shares counters with `advance`, and never
+/// lowers one.
+pub async fn counters_only_rise<S: Store + Clone>(store: &S) {
+    let c = Case::new();
+    let key = c.key("mark");
+    assert_eq!(
+        store.raise(&key, 1_795_000_000_000).await.unwrap(),
+        1_795_000_000_000
+    );
+    assert_eq!(store.raise(&key, 5).await.unwrap(), 1_795_000_000_000);
+    assert_eq!(
+        store.raise(&key, 1_795_000_000_001).await.unwrap(),
+        1_795_000_000_001
+    );
+    // Beyond what a double holds exactly.
+    let big = (1u64 << 60) + 1;
+    assert_eq!(store.raise(&key, big).await.unwrap(), big);
+    assert_eq!(store.raise(&key, big - 1).await.unwrap(), big);
+    assert_eq!(store.advance(&key, 1).await.unwrap(), big + 1);
+    // Concurrent raises leave the largest.
+    let other = c.key("race");
+    let tasks: Vec<_> = (1..=50u64)
+        .map(|i| {
+            let (store, key) = (store.clone(), other.clone());
+            tokio::spawn(async move { store.raise(&key, i * 1000).await.unwrap() })
+        })
+        .collect();
+    for t in tasks {
+        t.await.unwrap();
+    }
+    assert_eq!(store.raise(&other, 0).await.unwrap(), 50_000);
+}
+
 /// Keys are compared byte for byte: keys that differ only in letter case name different
 /// records (a case-insensitive SQL collation would fold them into one).
 pub async fn keys_are_compared_exactly<S: Store>(store: &S) {

@@ -25,6 +25,8 @@ pub enum Op {
     Purge,
     /// `advance`
     Advance,
+    /// `raise`
+    Raise,
 }
 
 /// What goes wrong.
@@ -153,6 +155,10 @@ impl<S: Store> Store for FaultyStore<S> {
     async fn advance(&self, key: &Key, by: u64) -> Result<u64, StoreError> {
         self.with_fault(Op::Advance, self.inner.advance(key, by))
             .await
+    }
+
+    async fn raise(&self, key: &Key, to: u64) -> Result<u64, StoreError> {
+        self.with_fault(Op::Raise, self.inner.raise(key, to)).await
     }
 
     async fn purge_expired(&self, now: Timestamp, limit: usize) -> Result<u64, StoreError> {

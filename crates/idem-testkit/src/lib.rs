@@ -61,6 +61,7 @@ macro_rules! conformance_tests {
             renew_extends_the_lease,
             stale_lease_cannot_renew,
             counters_advance_atomically,
+            counters_only_rise,
             duplicate_storm,
             duplicate_storm_with_completion,
             storm_over_many_keys,
