@@ -8,8 +8,16 @@
 //! (and might be overtaken meanwhile) stops issuing by itself until a renewal succeeds, and a
 //! renewal that answers "stale" marks the worker id lost for good. Releasing a worker id
 //! completes its record instead of deleting it: the record lives on for the quarantine, during
-//! which nobody can claim the id, and its timestamps stay a fence above every id issued under
-//! it (a claim is only possible once the store's clock is past them).
+//! which nobody can claim the id.
+//!
+//! A time fence per id space (a counter raised with `Store::raise`) records the time of the
+//! last id each generator issued, every second and when it stops; a new generator starts above
+//! it, so a process restarted after the wall clock was set back still issues ids above the ids
+//! issued before. The one exception is a process that crashed: the ids of its last second may
+//! sort above a successor's first ones (they never collide: its worker id stays held until its
+//! lease runs out by the same clock). Keeping the fence ahead of the ids instead would close
+//! that second, but every restart would then start ahead of the fence and push it further, so
+//! the ids of a fleet that restarts often would drift into the future.
 
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -56,6 +64,15 @@ impl WorkerPool {
         }
     }
 
+    fn fence_key(&self) -> Result<Key, IdError> {
+        Key::parse(
+            "idem.ids",
+            &format!("snowflake.{}", self.name),
+            "time-fence",
+        )
+        .map_err(|e| IdError::Store(e.to_string()))
+    }
+
     /// The generators' time source (default: the system's clocks). It must agree with the
     /// store's clock: a worker id is claimed only once the claimer's clock is past every time
     /// the previous holder recorded, and that is what keeps the new holder's ids above the old
@@ -98,6 +115,13 @@ impl WorkerPool {
         layout: Layout,
         options: SnowflakeOptions,
     ) -> Result<Arc<LeasedSnowflake>, IdError> {
+        let store_err = |e: idem_core::StoreError| IdError::Store(e.to_string());
+        // Every id ever issued in this space is below the fence (Unix milliseconds).
+        let fence = self
+            .store
+            .raise(&self.fence_key()?, 0)
+            .await
+            .map_err(store_err)?;
         let count = layout.max_worker() + 1;
         let start = rand::random::<u64>() % count;
         for i in 0..count {
@@ -121,11 +145,8 @@ impl WorkerPool {
             let BeginOutcome::Acquired(lease) = outcome else {
                 continue; // held, or in quarantine
             };
-            let fence = previous.map_or(0, |r| {
-                layout
-                    .millis_at(r.lease_expires_at.max(r.updated_at).to_system_time())
-                    .unwrap_or(0)
-            });
+            let last_use = previous.map_or(0, |r| r.lease_expires_at.max(r.updated_at).as_millis());
+            let fence = fence.max(last_use).saturating_sub(layout.epoch_ms());
             let options = SnowflakeOptions {
                 floor_millis: options.floor_millis.max(fence),
                 ..options
@@ -144,10 +165,14 @@ impl WorkerPool {
             let leased = LeasedSnowflake {
                 pool: self.clone(),
                 key,
+                fence_key: self.fence_key()?,
                 lease: Mutex::new(lease),
                 generator,
             };
-            leased.bound_by(&lease);
+            if let Err(e) = leased.extend(&lease).await {
+                let _ = self.store.release(&leased.key, &lease, now).await;
+                return Err(e);
+            }
             return Ok(Arc::new(leased));
         }
         Err(IdError::NoWorkerFree)
@@ -159,6 +184,7 @@ impl WorkerPool {
 pub struct LeasedSnowflake {
     pool: WorkerPool,
     key: Key,
+    fence_key: Key,
     lease: Mutex<Lease>,
     generator: Snowflake,
 }
@@ -179,14 +205,27 @@ impl LeasedSnowflake {
             .unwrap_or_else(std::sync::PoisonError::into_inner)
     }
 
-    /// The generator issues nothing past the lease's end.
-    fn bound_by(&self, lease: &Lease) {
-        let end = self
-            .generator
-            .layout()
-            .millis_at(lease.expires_at.to_system_time())
-            .unwrap_or(0);
-        self.generator.set_valid_until(end);
+    /// Records the time of the last id issued in the id space's time fence, then lets the
+    /// generator issue until the lease's end.
+    async fn extend(&self, lease: &Lease) -> Result<(), IdError> {
+        let g = &self.generator;
+        self.raise_fence().await?;
+        let lease_left = lease.expires_at.saturating_since(self.pool.clock.now());
+        let lease_left = u64::try_from(lease_left.as_millis()).unwrap_or(u64::MAX);
+        g.set_valid_until(g.now_millis().saturating_add(lease_left));
+        Ok(())
+    }
+
+    /// Raises the id space's time fence to this generator's last id.
+    async fn raise_fence(&self) -> Result<(), IdError> {
+        let g = &self.generator;
+        let last = g.layout().epoch_ms().saturating_add(g.last_millis());
+        self.pool
+            .store
+            .raise(&self.fence_key, last)
+            .await
+            .map(drop)
+            .map_err(|e| IdError::Store(e.to_string()))
     }
 
     /// Renews the lease. A store failure leaves the generator issuing until the current lease
@@ -208,8 +247,7 @@ impl LeasedSnowflake {
                     .lease
                     .lock()
                     .unwrap_or_else(std::sync::PoisonError::into_inner) = new;
-                self.bound_by(&new);
-                Ok(())
+                self.extend(&new).await
             }
             Err(LeaseError::Stale(_)) => {
                 self.generator.mark_lost();
@@ -219,12 +257,12 @@ impl LeasedSnowflake {
         }
     }
 
-    /// Renews the lease every third of its length on the current Tokio runtime, until the
-    /// worker id is lost or released.
+    /// Renews the lease and records the last id's time every second (and at least every third
+    /// of the lease) on the current Tokio runtime, until the worker id is lost or released.
     pub fn spawn_heartbeat(self: &Arc<Self>) -> tokio::task::JoinHandle<()> {
         let this = Arc::clone(self);
         tokio::spawn(async move {
-            let every = this.pool.lease / 3;
+            let every = (this.pool.lease / 3).min(Duration::from_secs(1));
             loop {
                 tokio::time::sleep(every).await;
                 if matches!(this.heartbeat().await, Err(IdError::WorkerLost)) {
@@ -238,6 +276,7 @@ impl LeasedSnowflake {
     /// quarantine (holding the time of the last id), so nobody reuses the id before then.
     pub async fn release(&self) -> Result<(), IdError> {
         self.generator.mark_lost();
+        let fenced = self.raise_fence().await;
         let lease = self.lease();
         let last = self.generator.last_millis();
         self.pool
@@ -249,6 +288,7 @@ impl LeasedSnowflake {
                 self.pool.clock.now(),
             )
             .await
-            .map_err(|e| IdError::Store(e.to_string()))
+            .map_err(|e| IdError::Store(e.to_string()))?;
+        fenced
     }
 }

@@ -178,3 +178,36 @@ async fn a_released_worker_id_waits_out_its_quarantine_and_fences_the_next_holde
         .unwrap();
     assert!(small_layout().decode(first).millis >= fence);
 }
+
+/// A process restarted while the wall clock is an hour behind still issues ids above every id
+/// issued before (the id space's time fence), under another worker id (the old one still looks
+/// held by the rolled-back clock).
+#[tokio::test]
+async fn a_restart_after_a_clock_rollback_issues_above_everything_before() {
+    let store = store();
+    let before_clock = ManualClock::starting_now();
+    let pool = |clock: &ManualClock| {
+        let shared: Arc<dyn Clock> = Arc::new(clock.clone());
+        let time = Arc::new(ManualTime {
+            clock: clock.clone(),
+            start: clock.now(),
+        });
+        WorkerPool::new(store.clone(), shared, "orders").time_source(time)
+    };
+    let a = pool(&before_clock)
+        .claim(small_layout(), SnowflakeOptions::default())
+        .await
+        .unwrap();
+    let issued: Vec<u64> = (0..1000).map(|_| a.try_next().unwrap()).collect();
+    a.release().await.unwrap();
+
+    let hour_back = before_clock.now().as_millis() - 3_600_000;
+    let rolled_back = ManualClock::new(idem_core::Timestamp::from_millis(hour_back));
+    let b = pool(&rolled_back)
+        .claim(small_layout(), SnowflakeOptions::default())
+        .await
+        .unwrap();
+    assert_ne!(b.worker(), a.worker());
+    let first = b.try_next().unwrap();
+    assert!(issued.iter().all(|id| *id < first));
+}
