@@ -146,7 +146,11 @@ impl WorkerPool {
                 continue; // held, or in quarantine
             };
             let last_use = previous.map_or(0, |r| r.lease_expires_at.max(r.updated_at).as_millis());
-            let fence = fence.max(last_use).saturating_sub(layout.epoch_ms());
+            // Strictly after: ids of that millisecond under other worker ids may sort higher.
+            let fence = fence
+                .max(last_use)
+                .saturating_sub(layout.epoch_ms())
+                .saturating_add(1);
             let options = SnowflakeOptions {
                 floor_millis: options.floor_millis.max(fence),
                 ..options
