@@ -22,7 +22,8 @@ pub struct SegmentOptions {
     /// step, one lasting longer than twice this halves it. Default 60 s.
     pub target: Duration,
     /// The next range is fetched once this fraction of the current one is used. Default 0.1
-    /// (as in Leaf): nine tenths of a range is the time the store has to answer.
+    /// (as in Leaf): nine tenths of a range is the time the store has to answer. Above 1, no
+    /// range is fetched ahead.
     pub prefetch_at: f64,
 }
 

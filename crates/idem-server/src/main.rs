@@ -53,15 +53,20 @@ enum Command {
     ///
     /// uuid7 (the default) and token need nothing; snowflake leases a worker id from --store
     /// for as long as it runs, so it never repeats an id another process issues in the same
-    /// id space.
+    /// id space; segment takes a range of the sequence --tag from --store.
     Id(IdArgs),
 }
 
 #[derive(clap::Args)]
 struct IdArgs {
-    /// What to print: uuid7, snowflake or token (128 random bits in hex).
-    #[arg(long, default_value = "uuid7", value_parser = ["uuid7", "snowflake", "token"])]
+    /// What to print: uuid7, snowflake, segment (with --tag) or token (128 random bits in
+    /// hex).
+    #[arg(long, default_value = "uuid7", value_parser = ["uuid7", "snowflake", "segment", "token"])]
     kind: String,
+
+    /// The segment sequence to take ids from (--kind segment).
+    #[arg(long, required_if_eq("kind", "segment"))]
+    tag: Option<String>,
 
     /// How many (1 to 1,000,000).
     #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=1_000_000))]
@@ -253,6 +258,25 @@ async fn print_ids(args: &IdArgs) -> Result<(), String> {
             });
             g.release().await.map_err(|e| e.to_string())?;
             issued?;
+        }
+        "segment" => {
+            let store = idem_store::open(&args.store)
+                .await
+                .map_err(|e| format!("store {:?}: {e}", idem_store::redact(&args.store)))?;
+            let tag = args.tag.as_deref().unwrap_or_default();
+            // One range of exactly `count`, and no range fetched ahead: nothing is wasted.
+            let options = idem_id::SegmentOptions {
+                initial_step: u64::from(args.count),
+                min_step: u64::from(args.count),
+                prefetch_at: 2.0,
+                ..idem_id::SegmentOptions::default()
+            };
+            let segments =
+                idem_id::Segments::new(store, tag, options).map_err(|e| e.to_string())?;
+            for _ in 0..args.count {
+                let id = segments.next().await.map_err(|e| e.to_string())?;
+                line(&id.to_string())?;
+            }
         }
         "token" => (0..args.count).try_for_each(|_| line(&idem_id::token()))?,
         _ => (0..args.count).try_for_each(|_| line(&idem_id::uuid7().to_string()))?,

@@ -199,6 +199,28 @@ fn id_prints_ids_one_per_line() {
         .collect();
     assert_eq!(ids.len(), 1000);
     assert!(ids.windows(2).all(|w| w[0] < w[1]));
+    // Two runs of one segment sequence continue it.
+    let segment = |n: &str| {
+        let out = idem()
+            .args([
+                "id", "--kind", "segment", "--tag", "orders", "--count", n, "--store", &store,
+            ])
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        String::from_utf8(out.stdout)
+            .unwrap()
+            .lines()
+            .map(|l| l.parse::<u64>().unwrap())
+            .collect::<Vec<_>>()
+    };
+    assert_eq!(segment("3"), [1, 2, 3]);
+    assert_eq!(segment("2"), [4, 5]);
+    fails_with(&["id", "--kind", "segment"], "--tag");
     fails_with(&["id", "--count", "0"], "invalid value");
     fails_with(&["id", "--kind", "ulid"], "invalid value");
 }
