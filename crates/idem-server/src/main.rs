@@ -235,15 +235,20 @@ fn main() -> ExitCode {
     }
 }
 
+/// Opens the store at `url`; the error names it with any password hidden.
+async fn open_store(url: &str) -> Result<SharedStore, String> {
+    idem_store::open(url)
+        .await
+        .map_err(|e| format!("store {:?}: {e}", idem_store::redact(url)))
+}
+
 async fn print_ids(args: &IdArgs) -> Result<(), String> {
     use std::io::Write;
     let mut out = std::io::BufWriter::new(std::io::stdout().lock());
     let mut line = |text: &str| writeln!(out, "{text}").map_err(|e| format!("cannot write: {e}"));
     match args.kind.as_str() {
         "snowflake" => {
-            let store = idem_store::open(&args.store)
-                .await
-                .map_err(|e| format!("store {:?}: {e}", idem_store::redact(&args.store)))?;
+            let store = open_store(&args.store).await?;
             let pool = idem_id::WorkerPool::new(store, Arc::new(SystemClock), &args.id_space);
             let g = pool
                 .claim(
@@ -260,9 +265,7 @@ async fn print_ids(args: &IdArgs) -> Result<(), String> {
             issued?;
         }
         "segment" => {
-            let store = idem_store::open(&args.store)
-                .await
-                .map_err(|e| format!("store {:?}: {e}", idem_store::redact(&args.store)))?;
+            let store = open_store(&args.store).await?;
             let tag = args.tag.as_deref().unwrap_or_default();
             // One range of exactly `count`, and no range fetched ahead: nothing is wasted.
             let options = idem_id::SegmentOptions {
@@ -286,9 +289,7 @@ async fn print_ids(args: &IdArgs) -> Result<(), String> {
 
 async fn migrate(args: &MigrateArgs) -> Result<(), String> {
     // Opening a store applies whatever migrations it lacks, under the store's own lock.
-    let store = idem_store::open(&args.store)
-        .await
-        .map_err(|e| format!("store {:?}: {e}", idem_store::redact(&args.store)))?;
+    let store = open_store(&args.store).await?;
     info!(store = store.kind(), "the store's schema is up to date");
     Ok(())
 }
@@ -388,9 +389,7 @@ async fn gateway(args: GatewayArgs) -> Result<(), String> {
         .store
         .or(file.store.clone())
         .unwrap_or_else(|| "sqlite://idem.db".to_owned());
-    let store = idem_store::open(&store_url)
-        .await
-        .map_err(|e| format!("store {:?}: {e}", idem_store::redact(&store_url)))?;
+    let store = open_store(&store_url).await?;
     // The command line wins over the file.
     let mut gateway = Gateway::new(upstream, store.clone());
     if let Some(t) = args.upstream_timeout {
