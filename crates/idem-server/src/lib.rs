@@ -10,6 +10,7 @@
 //! | `POST /v1/records/complete` | store the response under the lease; 409 `stale_lease` |
 //! | `POST /v1/records/release` | give the key back after a retryable failure; 409 `stale_lease` |
 //! | `GET /v1/records/{namespace}/{key}` | the caller's record, or 404 |
+//! | `POST /v1/tokens`, `POST /v1/tokens/consume` | one-time tokens (see [`tokens`]) |
 //! | `GET /v1/ids/uuid7`, `/v1/ids/snowflake`, `/v1/ids/segment/{tag}` (`?count=N`) | ids (see [`ids`]) |
 
 pub mod api;
@@ -18,6 +19,7 @@ pub mod gateway;
 pub mod ids;
 pub mod json;
 pub mod metrics;
+pub mod tokens;
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -78,6 +80,8 @@ pub fn router(state: AppState) -> Router {
         .route("/v1/records/complete", post(api::complete))
         .route("/v1/records/release", post(api::release))
         .route("/v1/records/{namespace}/{key}", get(api::get))
+        .route("/v1/tokens", post(tokens::issue))
+        .route("/v1/tokens/consume", post(tokens::consume))
         .route("/v1/ids/uuid7", get(ids::uuid7))
         .route("/v1/ids/snowflake", get(ids::snowflake))
         .route("/v1/ids/segment/{tag}", get(ids::segment))

@@ -48,8 +48,10 @@
 pub mod claim;
 pub mod purge;
 mod run;
+pub mod tokens;
 
 pub use claim::InFlight;
+pub use tokens::{IssuedToken, TokenError, Tokens};
 
 pub use run::{AllRetryable, Done, ErrorPolicy, Idempotency, Once, PermanentIf, RunError};
 

@@ -1,0 +1,105 @@
+//! The token endpoints: issue, consume once, and the refusal codes.
+
+#![allow(clippy::unwrap_used)]
+
+use std::sync::Arc;
+
+use axum::body::Body;
+use axum::http::{Request, StatusCode, header};
+use idem_server::auth::Auth;
+use idem_server::{AppState, router};
+use idem_store::MemoryStore;
+use serde_json::{Value, json};
+use tower::ServiceExt;
+
+const SHOP: &str = "shop-key-0123456789abcdef";
+const BANK: &str = "bank-key-0123456789abcdef";
+
+async fn post(state: &AppState, key: &str, path: &str, body: Value) -> (StatusCode, Value) {
+    let req = Request::post(path)
+        .header(header::CONTENT_TYPE, "application/json")
+        .header(header::AUTHORIZATION, format!("Bearer {key}"))
+        .body(Body::from(body.to_string()))
+        .unwrap();
+    let res = router(state.clone()).oneshot(req).await.unwrap();
+    let status = res.status();
+    let bytes = axum::body::to_bytes(res.into_body(), usize::MAX)
+        .await
+        .unwrap();
+    (status, serde_json::from_slice(&bytes).unwrap())
+}
+
+fn state() -> AppState {
+    let mut state = AppState::new(Arc::new(MemoryStore::new()));
+    let keys = format!("shop {SHOP}\nbank {BANK}\n");
+    state.auth = Arc::new(Auth::parse_keys(&keys, "keys").unwrap());
+    state
+}
+
+#[tokio::test]
+async fn a_token_is_consumed_once_and_each_refusal_has_its_code() {
+    let state = state();
+    let (status, body) = post(&state, SHOP, "/v1/tokens", json!({"purpose": "order-form"})).await;
+    assert_eq!(status, StatusCode::CREATED, "{body}");
+    let token = body["token"].as_str().unwrap().to_owned();
+    assert_eq!(token.len(), 32);
+    assert!(body["expires_at"].is_string());
+
+    let consume = |key, purpose: &str| {
+        let (state, token, purpose) = (state.clone(), token.clone(), purpose.to_owned());
+        async move {
+            post(
+                &state,
+                key,
+                "/v1/tokens/consume",
+                json!({"token": token, "purpose": purpose}),
+            )
+            .await
+        }
+    };
+    let (status, body) = consume(SHOP, "password-reset").await;
+    assert_eq!(
+        (status, body["code"].as_str()),
+        (StatusCode::CONFLICT, Some("wrong_purpose"))
+    );
+    // Another caller is not told the token exists.
+    let (status, body) = consume(BANK, "order-form").await;
+    assert_eq!(
+        (status, body["code"].as_str()),
+        (StatusCode::CONFLICT, Some("unknown"))
+    );
+    let (status, body) = consume(SHOP, "order-form").await;
+    assert_eq!(status, StatusCode::OK, "{body}");
+    assert_eq!(body, json!({"consumed": true}));
+    let (status, body) = consume(SHOP, "order-form").await;
+    assert_eq!(
+        (status, body["code"].as_str()),
+        (StatusCode::CONFLICT, Some("already_used"))
+    );
+}
+
+#[tokio::test]
+async fn bad_requests_are_refused() {
+    let state = state();
+    for (body, code) in [
+        (json!({"purpose": "a b"}), "invalid_request"),
+        (json!({"purpose": "x", "ttl_ms": 0}), "invalid_request"),
+        (
+            json!({"purpose": "x", "ttl_ms": 40_000_000_000u64}),
+            "invalid_request",
+        ),
+        (json!({"purpose": "x", "extra": 1}), "invalid_request"),
+    ] {
+        let (status, reply) = post(&state, SHOP, "/v1/tokens", body.clone()).await;
+        assert_eq!(status, StatusCode::BAD_REQUEST, "{body}: {reply}");
+        assert_eq!(reply["code"], code, "{body}");
+    }
+    let (status, _) = post(
+        &state,
+        "nobody-0123456789abcdef",
+        "/v1/tokens",
+        json!({"purpose": "x"}),
+    )
+    .await;
+    assert_eq!(status, StatusCode::UNAUTHORIZED);
+}

@@ -1,0 +1,134 @@
+//! One-time tokens: one winner among racing consumers, and a distinct refusal for a second
+//! use, an expired token, another purpose, another caller and a made-up token.
+
+#![allow(clippy::unwrap_used)]
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::Duration;
+
+use idem::{ManualClock, MemoryStore, SharedStore, TokenError, Tokens};
+
+fn tokens() -> (Tokens, ManualClock) {
+    let store: SharedStore = Arc::new(MemoryStore::new());
+    let clock = ManualClock::starting_now();
+    (Tokens::new(store, Arc::new(clock.clone())), clock)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn of_many_racing_consumers_exactly_one_wins() {
+    let (tokens, _) = tokens();
+    let t = tokens
+        .issue("shop", "order-form", Duration::from_secs(600))
+        .await
+        .unwrap();
+    let wins = Arc::new(AtomicUsize::new(0));
+    let racers: Vec<_> = (0..50)
+        .map(|_| {
+            let (tokens, token, wins) = (tokens.clone(), t.token.clone(), wins.clone());
+            tokio::spawn(async move {
+                match tokens.consume("shop", &token, "order-form").await {
+                    Ok(()) => {
+                        wins.fetch_add(1, Ordering::SeqCst);
+                    }
+                    Err(TokenError::AlreadyUsed) => {}
+                    Err(e) => panic!("unexpected refusal: {e}"),
+                }
+            })
+        })
+        .collect();
+    for r in racers {
+        r.await.unwrap();
+    }
+    assert_eq!(wins.load(Ordering::SeqCst), 1);
+    assert!(matches!(
+        tokens.consume("shop", &t.token, "order-form").await,
+        Err(TokenError::AlreadyUsed)
+    ));
+}
+
+#[tokio::test]
+async fn each_refusal_has_its_own_reason() {
+    let (tokens, clock) = tokens();
+    let t = tokens
+        .issue("shop", "order-form", Duration::from_secs(60))
+        .await
+        .unwrap();
+    // Another purpose or caller is refused and consumes nothing.
+    assert!(matches!(
+        tokens.consume("shop", &t.token, "password-reset").await,
+        Err(TokenError::WrongPurpose)
+    ));
+    assert!(matches!(
+        tokens.consume("bank", &t.token, "order-form").await,
+        Err(TokenError::WrongScope)
+    ));
+    assert!(matches!(
+        tokens
+            .consume("shop", "0123456789abcdef0123456789abcdef", "order-form")
+            .await,
+        Err(TokenError::Unknown)
+    ));
+    assert!(matches!(
+        tokens.consume("shop", "not a token", "order-form").await,
+        Err(TokenError::Unknown)
+    ));
+    // Tokens are case-insensitive hex.
+    tokens
+        .consume("shop", &t.token.to_ascii_uppercase(), "order-form")
+        .await
+        .unwrap();
+
+    let late = tokens
+        .issue("shop", "order-form", Duration::from_secs(60))
+        .await
+        .unwrap();
+    clock.advance(Duration::from_secs(61));
+    assert!(matches!(
+        tokens.consume("shop", &late.token, "order-form").await,
+        Err(TokenError::Expired)
+    ));
+    // Long after (past the grace period) it is simply unknown.
+    clock.advance(Duration::from_secs(2 * 3600));
+    assert!(matches!(
+        tokens.consume("shop", &late.token, "order-form").await,
+        Err(TokenError::Unknown)
+    ));
+    assert!(matches!(
+        tokens
+            .issue("shop", "bad purpose", Duration::from_secs(1))
+            .await,
+        Err(TokenError::Invalid("purpose"))
+    ));
+}
+
+#[tokio::test]
+async fn the_store_never_holds_the_token_itself() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("idem.db");
+    let store: SharedStore = Arc::new(idem::SqliteStore::open(&path).unwrap());
+    let tokens = Tokens::new(store, Arc::new(idem::SystemClock));
+    let t = tokens
+        .issue("shop", "order-form", Duration::from_secs(60))
+        .await
+        .unwrap();
+    // Nothing the store wrote (database and write-ahead log) contains the token.
+    let mut written = Vec::new();
+    for entry in std::fs::read_dir(dir.path()).unwrap() {
+        written.extend(std::fs::read(entry.unwrap().path()).unwrap());
+    }
+    assert!(
+        written.windows(3).any(|w| w == b"shop"[..3].as_ref()),
+        "nothing written"
+    );
+    assert!(
+        !written
+            .windows(t.token.len())
+            .any(|w| w == t.token.as_bytes()),
+        "the token is stored in plain text"
+    );
+    tokens
+        .consume("shop", &t.token, "order-form")
+        .await
+        .unwrap();
+}
