@@ -21,6 +21,7 @@
 //! See `docs/design.md` in the repository for the reasoning behind each choice.
 
 mod body;
+pub mod form_token;
 pub mod header;
 mod layer;
 pub mod policy;
@@ -30,6 +31,7 @@ pub mod scope;
 mod stored;
 
 pub use body::{BoxError, ResponseBody, boxed};
+pub use form_token::{FORM_TOKEN, FormToken, FormTokenLayer, token_problem};
 pub use header::{
     IDEMPOTENCY_KEY, IDEMPOTENT_REPLAYED, KeyHeaderError, key_from_headers, parse_key,
 };

@@ -13,8 +13,8 @@ use axum::Json;
 use axum::extract::State;
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
-use idem::{TokenError, Tokens};
-use idem_http::Problem;
+use idem::Tokens;
+use idem_http::{Problem, token_problem};
 use serde::Deserialize;
 use serde_json::json;
 
@@ -43,31 +43,6 @@ fn tokens(state: &AppState) -> Tokens {
     Tokens::new(state.store.clone(), state.clock.clone())
 }
 
-fn problem(e: &TokenError) -> Problem {
-    let refused = |code, detail: &str| {
-        Problem::new(
-            StatusCode::CONFLICT,
-            code,
-            "Token refused",
-            detail.to_owned(),
-        )
-    };
-    match e {
-        TokenError::AlreadyUsed => refused("already_used", "The token was already used."),
-        TokenError::Expired => refused("expired", "The token expired."),
-        TokenError::WrongPurpose => {
-            refused("wrong_purpose", "The token was issued for another purpose.")
-        }
-        TokenError::WrongScope | TokenError::Unknown => {
-            refused("unknown", "There is no such token.")
-        }
-        TokenError::Invalid(what) => Problem::invalid_request(format!(
-            "`{what}` must be 1 to 128 visible ASCII characters."
-        )),
-        TokenError::Store(e) => Problem::store(e),
-    }
-}
-
 /// Issues a token.
 pub async fn issue(
     State(state): State<AppState>,
@@ -83,7 +58,7 @@ pub async fn issue(
     let issued = tokens(&state)
         .issue(caller.scope.as_str(), &body.purpose, ttl)
         .await
-        .map_err(|e| problem(&e))?;
+        .map_err(|e| token_problem(&e))?;
     let body = json!({"token": issued.token, "expires_at": rfc3339(issued.expires_at)});
     Ok((StatusCode::CREATED, Json(body)).into_response())
 }
@@ -97,6 +72,6 @@ pub async fn consume(
     tokens(&state)
         .consume(caller.scope.as_str(), &body.token, &body.purpose)
         .await
-        .map_err(|e| problem(&e))?;
+        .map_err(|e| token_problem(&e))?;
     Ok(Json(json!({"consumed": true})))
 }
