@@ -69,13 +69,15 @@ struct State {
 }
 
 /// Segment ids for one tag: unique across every process sharing the store, increasing within
-/// a process (not across processes), gap-free only until a process stops (the rest of its
-/// range is lost).
+/// a process (not across processes). A process that stops loses the rest of its ranges, so ids
+/// have gaps, never repeats.
 pub struct Segments {
     store: SharedStore,
     key: Key,
     options: SegmentOptions,
     state: Mutex<State>,
+    /// Woken when a fetch ends.
+    fetched: tokio::sync::Notify,
 }
 
 impl std::fmt::Debug for Segments {
@@ -123,6 +125,7 @@ impl Segments {
                 rate_since: Instant::now(),
                 last_error: None,
             }),
+            fetched: tokio::sync::Notify::new(),
         }))
     }
 
@@ -160,16 +163,16 @@ impl Segments {
                 let used = r.size - r.left();
                 used as f64 >= r.size as f64 * self.options.prefetch_at
             });
-        if want_spare {
-            s.fetching = true;
+        if want_spare && let Some(step) = Self::start_fetch(&mut s) {
             drop(s);
-            if let Ok(rt) = tokio::runtime::Handle::try_current() {
-                let this = Arc::clone(self);
-                rt.spawn(async move {
-                    let _ = this.fetch().await;
-                });
-            } else {
-                self.lock().fetching = false;
+            match tokio::runtime::Handle::try_current() {
+                Ok(rt) => {
+                    let this = Arc::clone(self);
+                    rt.spawn(async move {
+                        let _ = this.run_fetch(step).await;
+                    });
+                }
+                Err(_) => self.end_fetch(&mut self.lock()),
             }
         }
         id
@@ -185,22 +188,64 @@ impl Segments {
         }
     }
 
-    /// Takes the next range from the store (one atomic `advance`) into the spare slot, and
-    /// adapts the step to how fast the last range went.
+    /// Makes sure a range is on its way: takes one from the store, or waits for the fetch
+    /// already running (only one runs at a time, so no range is taken and then dropped).
     async fn fetch(self: &Arc<Self>) -> Result<(), IdError> {
-        let step = {
+        enum Then<'a> {
+            Done,
+            Fetch(u64),
+            Wait(std::pin::Pin<Box<tokio::sync::futures::Notified<'a>>>),
+        }
+        let then = {
             let mut s = self.lock();
             if s.spare.is_some() {
-                s.fetching = false;
-                return Ok(());
+                Then::Done
+            } else if let Some(step) = Self::start_fetch(&mut s) {
+                Then::Fetch(step)
+            } else {
+                // Registered before the lock is let go, so the fetch's end cannot be missed.
+                let mut waiting = Box::pin(self.fetched.notified());
+                waiting.as_mut().enable();
+                Then::Wait(waiting)
             }
-            s.fetching = true;
-            s.step
         };
+        let waiting = match then {
+            Then::Done => return Ok(()),
+            Then::Fetch(step) => return self.run_fetch(step).await,
+            Then::Wait(w) => w,
+        };
+        waiting.await;
+        let s = self.lock();
+        match &s.last_error {
+            Some(e) if s.spare.is_none() && s.current.is_none_or(|r| r.left() == 0) => {
+                Err(IdError::Store(e.clone()))
+            }
+            _ => Ok(()),
+        }
+    }
+
+    /// Claims the one fetch slot; the step to take, or `None` if a fetch is already running.
+    fn start_fetch(s: &mut State) -> Option<u64> {
+        if s.fetching || s.spare.is_some() {
+            return None;
+        }
+        s.fetching = true;
+        Some(s.step)
+    }
+
+    /// Gives the fetch slot back and wakes whoever waits for it.
+    fn end_fetch(&self, s: &mut State) {
+        s.fetching = false;
+        self.fetched.notify_waiters();
+    }
+
+    /// Takes a range of `step` from the store (one atomic `advance`), puts it where it is
+    /// needed (the current slot if that is used up, else the spare one, which only this fetch
+    /// fills), and adapts the step to how fast the last range went.
+    async fn run_fetch(self: &Arc<Self>, step: u64) -> Result<(), IdError> {
         let result = self.store.advance(&self.key, step).await;
         let mut s = self.lock();
-        s.fetching = false;
-        match result {
+        let answer = match result {
             Ok(end) => {
                 let range = Range {
                     next: end - step + 1,
@@ -234,7 +279,9 @@ impl Segments {
                 s.retry_at = Some(Instant::now() + Duration::from_millis(100));
                 Err(IdError::Store(e.to_string()))
             }
-        }
+        };
+        self.end_fetch(&mut s);
+        answer
     }
 
     /// Ids left in memory (current and spare ranges).

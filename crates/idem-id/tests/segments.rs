@@ -111,3 +111,31 @@ async fn a_store_outage_is_served_from_memory_until_it_runs_dry() {
     faulty.set_down(false);
     assert!(segments.next().await.unwrap() > last);
 }
+
+/// Many callers finding memory empty at once share one fetch: ranges are neither taken twice
+/// nor dropped (the store's counter moves by at most the range in use and one spare).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn callers_that_find_memory_empty_together_share_one_fetch() {
+    // SQLite answers from its writer thread, so callers really wait for it together.
+    let dir = tempfile::tempdir().unwrap();
+    let store: SharedStore =
+        Arc::new(idem_store::SqliteStore::open(dir.path().join("ids.db")).unwrap());
+    let segments = Segments::new(store.clone(), "orders", options(100)).unwrap();
+    let callers: Vec<_> = (0..16)
+        .map(|_| {
+            let segments = segments.clone();
+            tokio::spawn(async move { segments.next().await.unwrap() })
+        })
+        .collect();
+    let mut ids = HashSet::new();
+    for c in callers {
+        assert!(ids.insert(c.await.unwrap()));
+    }
+    let key = Key::parse("idem.ids", "idem.segment", "orders").unwrap();
+    let taken = store.advance(&key, 1).await.unwrap() - 1;
+    assert!(
+        taken <= 2 * 100,
+        "{taken} ids taken from the store for 16 served"
+    );
+    assert_eq!(segments.remaining() + 16, taken);
+}
