@@ -76,6 +76,12 @@ async fn a_token_is_consumed_once_and_each_refusal_has_its_code() {
         (status, body["code"].as_str()),
         (StatusCode::CONFLICT, Some("already_used"))
     );
+    // Used or not, another caller is not told the token exists.
+    let (status, body) = consume(BANK, "order-form").await;
+    assert_eq!(
+        (status, body["code"].as_str()),
+        (StatusCode::CONFLICT, Some("unknown"))
+    );
 }
 
 #[tokio::test]

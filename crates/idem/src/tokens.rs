@@ -8,8 +8,9 @@
 //!
 //! Tokens are 128 random bits (32 hex digits). The store keeps only their SHA-256: a token is
 //! looked up by its hash, so no secret is ever compared byte by byte, and a copy of the store
-//! gives no usable token. A used or expired token is remembered for `grace` (default 1 h)
-//! after it expires, so a late second use is still told apart from a made-up token.
+//! gives no usable token. An unused token is remembered for `grace` (default 1 h) past its
+//! expiry, and a used one for its TTL plus `grace` past its use, so a late second use is still
+//! told apart from a made-up token.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -49,7 +50,6 @@ pub enum TokenError {
 /// What the store keeps beside a token's hash.
 #[derive(Serialize, Deserialize)]
 struct Issued {
-    scope: String,
     purpose: String,
     expires_at: u64,
 }
@@ -87,6 +87,16 @@ fn label(what: &'static str, s: &str) -> Result<(), TokenError> {
         return Err(TokenError::Invalid(what));
     }
     Ok(())
+}
+
+/// Stands for the caller a token was issued to. Kept as the record's fingerprint, which
+/// (unlike the response) outlives consumption, so a used token is still told to be another
+/// caller's rather than used.
+fn owner(scope: &str) -> Fingerprint {
+    Fingerprint::builder()
+        .part(b"idem token owner")
+        .part(scope.as_bytes())
+        .finish()
 }
 
 /// The record of a token: under one fixed scope (so another caller's use is recognised as
@@ -130,7 +140,7 @@ impl Tokens {
         let now = self.clock.now();
         let expires_at = now.saturating_add(ttl);
         let key = key_of(&token);
-        let req = BeginRequest::new(key.clone(), Fingerprint::of_bytes(b"token"))
+        let req = BeginRequest::new(key.clone(), owner(scope))
             .with_lease(Duration::from_secs(60))
             .with_ttl(ttl.saturating_add(self.grace));
         let BeginOutcome::Acquired(lease) = self.store.begin(&req, now).await? else {
@@ -140,7 +150,6 @@ impl Tokens {
             )));
         };
         let issued = Issued {
-            scope: scope.to_owned(),
             purpose: purpose.to_owned(),
             expires_at: expires_at.as_millis(),
         };
@@ -167,6 +176,9 @@ impl Tokens {
         let Some(record) = self.store.get(&key, now).await? else {
             return Err(TokenError::Unknown);
         };
+        if record.fingerprint != owner(scope) {
+            return Err(TokenError::WrongScope);
+        }
         match record.status {
             Status::Released => return Err(TokenError::AlreadyUsed),
             Status::InProgress => return Err(TokenError::Unknown),
@@ -177,9 +189,6 @@ impl Tokens {
             .as_deref()
             .and_then(|b| serde_json::from_slice(b).ok())
             .ok_or_else(|| StoreError::Corrupt("a token record is not readable".into()))?;
-        if issued.scope != scope {
-            return Err(TokenError::WrongScope);
-        }
         if issued.purpose != purpose {
             return Err(TokenError::WrongPurpose);
         }
