@@ -286,15 +286,20 @@ impl Key {
         &self.parts.client_key
     }
 
-    /// A short, stable, non-reversible tag of the whole key for logs and metrics
-    /// (the first 8 bytes of SHA-256 over the three parts, in hex).
-    pub fn log_tag(&self) -> String {
-        let fp = crate::Fingerprint::builder()
+    /// SHA-256 over the three parts (each framed by its length): stable across processes and
+    /// versions, for naming the key where its text must not appear (logs, Redis key names).
+    pub fn sha256(&self) -> crate::Fingerprint {
+        crate::Fingerprint::builder()
             .part(self.scope().as_str().as_bytes())
             .part(self.namespace().as_str().as_bytes())
             .part(self.client_key().as_str().as_bytes())
-            .finish();
-        fp.to_hex()[..16].to_owned()
+            .finish()
+    }
+
+    /// A short, stable, non-reversible tag of the whole key for logs and metrics
+    /// (the first 8 bytes of [`Key::sha256`], in hex).
+    pub fn log_tag(&self) -> String {
+        self.sha256().to_hex()[..16].to_owned()
     }
 }
 

@@ -124,6 +124,17 @@ pub struct Lease {
     pub expires_at: Timestamp,
 }
 
+impl Lease {
+    /// This lease extended to `now + length` (at least [`MIN_DURATION`]): what a successful
+    /// `renew` hands back, in every store.
+    pub fn renewed(&self, length: Duration, now: Timestamp) -> Lease {
+        Lease {
+            expires_at: now.saturating_add(length.max(MIN_DURATION)),
+            ..*self
+        }
+    }
+}
+
 /// What `begin` is asked to do.
 #[derive(Debug, Clone)]
 pub struct BeginRequest {
@@ -390,15 +401,13 @@ impl Record {
         if !(self.is_live(now) && self.holds(lease) && self.status == Status::InProgress) {
             return Err(StaleLease);
         }
-        self.lease_expires_at = now.saturating_add(length.max(MIN_DURATION));
+        let renewed = lease.renewed(length, now);
+        self.lease_expires_at = renewed.expires_at;
         self.expires_at = self
             .lease_expires_at
             .saturating_add(Duration::from_millis(self.ttl_ms));
         self.updated_at = now;
-        Ok(Lease {
-            expires_at: self.lease_expires_at,
-            ..*lease
-        })
+        Ok(renewed)
     }
 
     /// The `reopen` transition: a completed record whose stored result must not be replayed

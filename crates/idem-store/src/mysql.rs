@@ -542,7 +542,8 @@ impl Store for MySqlStore {
         length: Duration,
         now: Timestamp,
     ) -> Result<Lease, LeaseError> {
-        let ends = now.saturating_add(length.max(idem_core::MIN_DURATION));
+        let renewed = lease.renewed(length, now);
+        let ends = renewed.expires_at;
         let now_ms = sql_int(now.as_millis());
         // MySQL applies the assignments left to right: `expires_at` sees the new lease end,
         // and `purge_after` the new `expires_at`.
@@ -556,14 +557,9 @@ impl Store for MySqlStore {
             .execute(&self.pool)
             .await
             .map_err(|e| error("cannot renew the lease", e))?;
-        if done.rows_affected() == 1 {
-            Ok(Lease {
-                expires_at: ends,
-                ..*lease
-            })
-        } else {
-            Err(StaleLease.into())
-        }
+        (done.rows_affected() == 1)
+            .then_some(renewed)
+            .ok_or_else(|| StaleLease.into())
     }
 
     async fn reopen(&self, key: &Key, fence: u64, now: Timestamp) -> Result<bool, StoreError> {

@@ -505,7 +505,8 @@ impl Store for PostgresStore {
         length: Duration,
         now: Timestamp,
     ) -> Result<Lease, LeaseError> {
-        let ends = now.saturating_add(length.max(idem_core::MIN_DURATION));
+        let renewed = lease.renewed(length, now);
+        let ends = renewed.expires_at;
         let done = sqlx::query(self.sql.renew.clone())
             .bind(key.scope().as_str())
             .bind(key.namespace().as_str())
@@ -517,14 +518,9 @@ impl Store for PostgresStore {
             .execute(&self.pool)
             .await
             .map_err(|e| error("cannot renew the lease", e))?;
-        if done.rows_affected() == 1 {
-            Ok(Lease {
-                expires_at: ends,
-                ..*lease
-            })
-        } else {
-            Err(StaleLease.into())
-        }
+        (done.rows_affected() == 1)
+            .then_some(renewed)
+            .ok_or_else(|| StaleLease.into())
     }
 
     async fn reopen(&self, key: &Key, fence: u64, now: Timestamp) -> Result<bool, StoreError> {

@@ -308,13 +308,7 @@ impl RedisStore {
 
     /// The Redis key of a record: the prefix, then a 128-bit digest as its own hash tag.
     pub fn redis_key(&self, key: &Key) -> String {
-        let digest = Fingerprint::builder()
-            .part(key.scope().as_str().as_bytes())
-            .part(key.namespace().as_str().as_bytes())
-            .part(key.client_key().as_str().as_bytes())
-            .finish()
-            .to_hex();
-        format!("{}{{{}}}", self.prefix, &digest[..32])
+        format!("{}{{{}}}", self.prefix, &key.sha256().to_hex()[..32])
     }
 }
 
@@ -461,7 +455,8 @@ impl Store for RedisStore {
         length: Duration,
         now: Timestamp,
     ) -> Result<Lease, LeaseError> {
-        let ends = now.saturating_add(length.max(idem_core::MIN_DURATION));
+        let renewed = lease.renewed(length, now);
+        let ends = renewed.expires_at;
         let done: i64 = self
             .renew
             .key(self.redis_key(key))
@@ -473,14 +468,9 @@ impl Store for RedisStore {
             .invoke_async(&mut self.conn.clone())
             .await
             .map_err(|e| error("cannot renew the lease", e))?;
-        if done == 1 {
-            Ok(Lease {
-                expires_at: ends,
-                ..*lease
-            })
-        } else {
-            Err(StaleLease.into())
-        }
+        (done == 1)
+            .then_some(renewed)
+            .ok_or_else(|| StaleLease.into())
     }
 
     async fn reopen(&self, key: &Key, fence: u64, now: Timestamp) -> Result<bool, StoreError> {
