@@ -36,6 +36,8 @@ pub use record::{
     BeginOutcome, BeginRequest, BeginStep, DEFAULT_LEASE, DEFAULT_TTL, Lease, LeaseId,
     MIN_DURATION, Record, Replay, StaleLease, Status,
 };
-pub use store::{BoxFuture, DynStore, LeaseError, MAX_COUNTER, SharedStore, Store, StoreError};
+pub use store::{
+    BoxFuture, DynStore, LeaseError, MAX_COUNTER, SharedStore, Store, StoreError, counter_step,
+};
 
 pub use bytes::Bytes;

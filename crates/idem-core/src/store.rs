@@ -14,6 +14,15 @@ use crate::{Key, Timestamp};
 /// The largest value a counter reaches (`i64::MAX`, what every backend can hold).
 pub const MAX_COUNTER: u64 = i64::MAX.unsigned_abs();
 
+/// The amount one `advance` adds: `by`, at least 1; a step past [`MAX_COUNTER`] is refused
+/// rather than cut down, which would hand back a wrong range.
+pub fn counter_step(by: u64) -> Result<u64, StoreError> {
+    if by > MAX_COUNTER {
+        return Err(StoreError::CounterExhausted);
+    }
+    Ok(by.max(1))
+}
+
 /// A failure of the store itself (not a refusal by the state machine).
 ///
 /// Callers must fail closed on any `StoreError`: the work does not run without its record.

@@ -66,8 +66,9 @@ impl MemoryStore {
     }
 }
 
-/// A poisoned shard only means another thread panicked while holding it; every write to the
-/// map is a single `insert`, so the map itself is consistent and we keep serving.
+/// A poisoned shard only means another thread panicked while holding it; every change is a
+/// single `insert` or a transition that checks before it writes, so the map is consistent and
+/// we keep serving.
 fn lock(shard: &Shard) -> MutexGuard<'_, HashMap<Key, Box<Record>>> {
     shard
         .lock()
@@ -152,9 +153,10 @@ impl Store for MemoryStore {
             .counters
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner);
+        let by = idem_core::counter_step(by)?;
         let value = counters.entry(key.clone()).or_insert(0);
         let next = value
-            .checked_add(by.max(1))
+            .checked_add(by)
             .filter(|n| *n <= idem_core::MAX_COUNTER)
             .ok_or(StoreError::CounterExhausted)?;
         *value = next;

@@ -8,8 +8,10 @@
 //! statement, and this is its documented way to hand a value computed in an upsert back to the
 //! client. `complete`, `release` and `reopen` are `UPDATE`s conditioned on the lease and state.
 //!
-//! Purges find expired rows through an index on `purge_after`, the latest moment a row can
-//! expire (fixed when a lease is granted), so completing a record touches no secondary index.
+//! Purges find expired rows through an index on `purge_after` (the lease end plus the TTL, set
+//! when a lease is granted or renewed), so completing a record touches no secondary index; a
+//! purge deletes a row only once `expires_at` has passed too, since a late completion or a
+//! reopen moves it past `purge_after`.
 //!
 //! Keys are `VARBINARY`, so they compare byte for byte: under the usual case-insensitive
 //! collations `Order-1` and `order-1` would be one key.
@@ -588,7 +590,7 @@ impl Store for MySqlStore {
 
     async fn advance(&self, key: &Key, by: u64) -> Result<u64, StoreError> {
         let done = keyed(sqlx::query(self.sql.advance.clone()), key)
-            .bind(sql_int(by.max(1)))
+            .bind(sql_int(idem_core::counter_step(by)?))
             .execute(&self.pool)
             .await
             .map_err(|e| {

@@ -8,10 +8,11 @@
 //! that read is decided by the same pure transitions as every other store).
 //!
 //! Expiry follows the caller's clock (`now`), as everywhere; expired rows are deleted in
-//! bounded batches by `purge_expired`, found through an index on `purge_after`: the latest
-//! moment the row can expire, fixed when a lease is granted (lease end plus TTL). Completing or
-//! releasing changes `expires_at` but no indexed column, so it is a HOT update (the table keeps
-//! free space in each page for it), and a purge deletes a row once both times have passed.
+//! bounded batches by `purge_expired`, found through an index on `purge_after`: the lease end
+//! plus the TTL, set when a lease is granted or renewed. Completing or releasing changes
+//! `expires_at` but no indexed column, so it is a HOT update (the table keeps free space in
+//! each page for it). A completion after the lease ran out, or a reopen, moves `expires_at`
+//! past `purge_after`, so a purge deletes a row only once both times have passed.
 
 use std::time::Duration;
 
@@ -447,17 +448,22 @@ async fn migrate(c: &mut PgConnection, table: &TableName) -> Result<(), StoreErr
     tx.commit().await.map_err(fail)
 }
 
+/// Whether a SQLSTATE says the server is busy, going away or failing over rather than that
+/// the statement is wrong.
+fn transient_sqlstate(code: &str) -> bool {
+    let class = |prefix: &str| code.starts_with(prefix);
+    (class("08") || class("53") || class("40")) && code != "53100"
+        // Shutdowns (admin, crash, cannot connect now); not 57P04, a dropped database.
+        || ["57P01", "57P02", "57P03", "55P03", "57014", "25006"].contains(&code)
+}
+
 /// Classifies a database error by SQLSTATE: the server or the network failing may pass
-/// (connection errors 08, shutdown 57P, out of memory or connections 53 but not a full disk,
+/// (connection errors 08, shutdowns 57P01-03, out of memory or connections 53 but not a full disk,
 /// serialization and deadlock 40, a lock or statement timeout 55P03 and 57014, a read-only
 /// server after a failover 25006); the rest is a backend error.
 fn error(what: &str, e: sqlx::Error) -> StoreError {
     let transient = match &e {
-        sqlx::Error::Database(db) => db.code().is_some_and(|c| {
-            let class = |prefix: &str| c.starts_with(prefix);
-            (class("08") || class("53") || class("40") || class("57P")) && c != "53100"
-                || ["55P03", "57014", "25006"].contains(&c.as_ref())
-        }),
+        sqlx::Error::Database(db) => db.code().is_some_and(|c| transient_sqlstate(&c)),
         other => sql::is_transient(other),
     };
     // The driver's text names the failure (refused, timed out, the server's message), never
@@ -553,7 +559,7 @@ impl Store for PostgresStore {
             .bind(key.scope().as_str())
             .bind(key.namespace().as_str())
             .bind(key.client_key().as_str())
-            .bind(sql_int(by.max(1)))
+            .bind(sql_int(idem_core::counter_step(by)?))
             .fetch_optional(&self.pool)
             .await
             .map_err(|e| error("cannot advance the counter", e))?;
@@ -585,5 +591,25 @@ impl Store for PostgresStore {
             .await
             .map_err(|e| error("cannot purge expired records", e))?;
         Ok(done.rows_affected())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::transient_sqlstate;
+
+    #[test]
+    fn sqlstates_that_may_pass_and_those_that_do_not() {
+        for code in [
+            "08006", "08001", "53300", "40001", "40P01", "57P01", "57P03", "55P03", "57014",
+            "25006",
+        ] {
+            assert!(transient_sqlstate(code), "{code}");
+        }
+        for code in [
+            "53100", "57P04", "23505", "42P01", "42501", "22003", "28P01",
+        ] {
+            assert!(!transient_sqlstate(code), "{code}");
+        }
     }
 }

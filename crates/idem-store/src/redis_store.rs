@@ -535,7 +535,7 @@ impl Store for RedisStore {
         // A key of its own beside the record's, in the same hash slot; no TTL.
         let value: i64 = redis::cmd("INCRBY")
             .arg(format!("{}:n", self.redis_key(key)))
-            .arg(by.max(1))
+            .arg(idem_core::counter_step(by)?)
             .query_async(&mut self.conn.clone())
             .await
             // Past i64::MAX Redis refuses the increment (a backend error).

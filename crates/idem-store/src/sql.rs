@@ -1,5 +1,5 @@
 //! What the server-based SQL stores (PostgreSQL, MySQL/MariaDB) share: table names, versioned
-//! migrations, and the record a fresh `begin` writes.
+//! migrations, reading rows, and telling a repeated settle from a stale one.
 
 use std::fmt;
 

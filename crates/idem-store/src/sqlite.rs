@@ -443,7 +443,7 @@ fn apply(tx: &rusqlite::Transaction<'_>, request: &Request) -> rusqlite::Result<
         }),
         Request::Advance(key, by) => {
             // Guarded so the sum never leaves SQLite's integers (it would turn into a float).
-            let by = sql_int((*by).max(1));
+            let by = sql_int(*by);
             let value: Option<i64> = tx
                 .prepare_cached(
                     "INSERT INTO idem_counters (scope, namespace, client_key, value)
@@ -644,6 +644,7 @@ impl Store for SqliteStore {
     }
 
     async fn advance(&self, key: &Key, by: u64) -> Result<u64, StoreError> {
+        let by = idem_core::counter_step(by)?;
         self.call(Request::Advance(key.clone(), by), Responder::Advance, Err)
             .await
     }

@@ -45,12 +45,15 @@ macro_rules! sql_store_tests {
             format!("{prefix}_{n:08x}")
         }
 
+        /// Drops each table, and the counters table of each records table with it.
         async fn drop_tables(store: &$store, tables: &[String]) {
             for t in tables {
-                sqlx::query(AssertSqlSafe(format!("DROP TABLE IF EXISTS {t}")))
-                    .execute(store.pool())
-                    .await
-                    .unwrap();
+                for name in [t.clone(), format!("{t}_counters")] {
+                    sqlx::query(AssertSqlSafe(format!("DROP TABLE IF EXISTS {name}")))
+                        .execute(store.pool())
+                        .await
+                        .unwrap();
+                }
             }
         }
 
@@ -378,7 +381,8 @@ mod postgres {
             };
             let role = fresh_name("idem_test_role");
             let grant = format!(
-                "GRANT SELECT, INSERT, UPDATE, DELETE ON {table}, {table}_migrations TO {role}"
+                "GRANT SELECT, INSERT, UPDATE, DELETE ON {table}, {table}_migrations, {table}_counters \
+                 TO {role}"
             );
             for statement in [format!("CREATE ROLE {role} LOGIN"), grant] {
                 sqlx::query(AssertSqlSafe(statement))

@@ -12,7 +12,7 @@ use std::time::Duration;
 
 use idem_core::{
     BeginOutcome, BeginRequest, Bytes, Fingerprint, Key, Lease, LeaseError, LeaseId, Status, Store,
-    Timestamp,
+    StoreError, Timestamp,
 };
 
 /// A store under test, and whatever must outlive it (a temporary directory, a server).
@@ -492,6 +492,21 @@ pub async fn purge_removes_only_dead_records<S: Store>(store: &S) {
     ));
 }
 
+/// A record completed after its lease ran out (and was not taken over) is retained from its
+/// completion, so a purge past the lease's retention but before the completion's keeps it.
+pub async fn purge_keeps_a_late_completion<S: Store>(store: &S) {
+    let c = Case::new();
+    let req = c.req("late", "a"); // lease 10, retention 100
+    let lease = acquire(store, &req, c.at(0)).await;
+    store
+        .complete(&req.key, &lease, Bytes::from_static(b"late"), c.at(30))
+        .await
+        .unwrap();
+    // Past lease end plus retention (110), before completion plus retention (130).
+    store.purge_expired(c.at(120), 100_000).await.unwrap();
+    assert_eq!(&replayed(store, &req, c.at(120)).await[..], b"late");
+}
+
 /// `purge_expired` deletes no more than asked.
 pub async fn purge_respects_limit<S: Store>(store: &S) {
     let c = Case::new();
@@ -769,6 +784,12 @@ pub async fn counters_advance_atomically<S: Store + Clone>(store: &S) {
         .await
         .unwrap();
     assert_eq!(store.advance(&key, 1).await.unwrap(), 20_001);
+    // A step no counter can hold is refused, not cut down to a wrong range.
+    assert!(matches!(
+        store.advance(&key, u64::MAX).await,
+        Err(StoreError::CounterExhausted)
+    ));
+    assert_eq!(store.advance(&key, 1).await.unwrap(), 20_002);
 }
 
 /// `raise` keeps the highest value it was given, shares counters with `advance`, and never

@@ -54,6 +54,7 @@ macro_rules! conformance_tests {
             zero_lease_still_excludes,
             purge_removes_only_dead_records,
             purge_respects_limit,
+            purge_keeps_a_late_completion,
             get_reports_the_record,
             scope_isolation,
             namespace_isolation,
