@@ -7,14 +7,13 @@
 //! handler; every other one is refused with 409 and a code saying why (`already_used`,
 //! `expired`, `wrong_purpose`, `unknown`). A request without one is 400 `token_missing`.
 
-use std::future::Future;
-use std::pin::Pin;
 use std::task::{Context, Poll};
 
 use http::{HeaderName, Request, Response, StatusCode};
 use http_body::Body;
 use http_body_util::Full;
 use idem::{TokenError, Tokens};
+use idem_core::BoxFuture;
 use tower_layer::Layer;
 use tower_service::Service;
 
@@ -79,8 +78,6 @@ pub struct FormToken<S> {
     cfg: FormTokenLayer,
 }
 
-type BoxFuture<T> = Pin<Box<dyn Future<Output = T> + Send>>;
-
 impl<S, ReqBody, ResBody> Service<Request<ReqBody>> for FormToken<S>
 where
     S: Service<Request<ReqBody>, Response = Response<ResBody>> + Clone + Send + 'static,
@@ -92,7 +89,7 @@ where
 {
     type Response = Response<ResponseBody>;
     type Error = S::Error;
-    type Future = BoxFuture<Result<Self::Response, S::Error>>;
+    type Future = BoxFuture<'static, Result<Self::Response, S::Error>>;
 
     fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), S::Error>> {
         self.inner.poll_ready(cx)

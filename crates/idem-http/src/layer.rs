@@ -1,7 +1,6 @@
 //! The tower layer and its service.
 
-use std::future::{Future, poll_fn};
-use std::pin::Pin;
+use std::future::poll_fn;
 use std::sync::Arc;
 use std::task::{Context, Poll};
 use std::time::Duration;
@@ -14,8 +13,8 @@ use http::{HeaderMap, HeaderName, HeaderValue, Request, Response, StatusCode};
 use http_body::Body;
 use http_body_util::{BodyExt, Full, LengthLimitError, Limited};
 use idem_core::{
-    BeginOutcome, BeginRequest, ClientKey, Clock, Fingerprint, Key, Lease, SharedStore, Store,
-    SystemClock,
+    BeginOutcome, BeginRequest, BoxFuture, ClientKey, Clock, Fingerprint, Key, Lease, SharedStore,
+    Store, SystemClock,
 };
 use tower_layer::Layer;
 use tower_service::Service;
@@ -132,8 +131,6 @@ pub struct Idempotent<S> {
     cfg: Arc<Config>,
 }
 
-type BoxFuture<T> = Pin<Box<dyn Future<Output = T> + Send>>;
-
 impl<S, ReqBody, ResBody> Service<Request<ReqBody>> for Idempotent<S>
 where
     S: Service<Request<ReqBody>, Response = Response<ResBody>> + Clone + Send + 'static,
@@ -146,7 +143,7 @@ where
 {
     type Response = Response<ResponseBody>;
     type Error = S::Error;
-    type Future = BoxFuture<Result<Self::Response, S::Error>>;
+    type Future = BoxFuture<'static, Result<Self::Response, S::Error>>;
 
     fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), S::Error>> {
         self.inner.poll_ready(cx)

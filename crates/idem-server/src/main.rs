@@ -27,7 +27,7 @@ struct Cli {
 
 #[derive(Subcommand)]
 enum Command {
-    /// Serve the JSON API (records, health) over HTTP.
+    /// Serve the JSON API (records, ids, one-time tokens, health) over HTTP.
     ///
     /// Services in any language claim a key with POST /v1/records/begin, run their work, and
     /// store its answer with /v1/records/complete (or give the key back with /release).
@@ -72,7 +72,7 @@ struct IdArgs {
     #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=1_000_000))]
     count: u32,
 
-    /// Where Snowflake worker ids are leased.
+    /// The store Snowflake worker ids are leased from and segment sequences live in.
     #[arg(long, env = "IDEM_STORE", default_value = "sqlite://idem.db")]
     store: String,
 

@@ -18,8 +18,6 @@ pub mod config;
 pub mod proxy;
 
 use std::convert::Infallible;
-use std::future::Future;
-use std::pin::Pin;
 use std::sync::Arc;
 use std::task::{Context, Poll};
 use std::time::Duration;
@@ -27,7 +25,7 @@ use std::time::Duration;
 use axum::Router;
 use axum::body::Body;
 use axum::http::{HeaderName, Request, Response};
-use idem_core::{Clock, SharedStore, SystemClock};
+use idem_core::{BoxFuture, Clock, SharedStore, SystemClock};
 use idem_http::{IdempotencyLayer, Idempotent, Policy, ResponseBody, ScopeSource};
 use tower_layer::Layer;
 use tower_service::Service;
@@ -183,12 +181,10 @@ struct Dispatch {
     default: Idempotent<Proxy>,
 }
 
-type BoxFuture<T> = Pin<Box<dyn Future<Output = T> + Send>>;
-
 impl Service<Request<Body>> for Dispatch {
     type Response = Response<ResponseBody>;
     type Error = Infallible;
-    type Future = BoxFuture<Result<Response<ResponseBody>, Infallible>>;
+    type Future = BoxFuture<'static, Result<Response<ResponseBody>, Infallible>>;
 
     fn poll_ready(&mut self, _: &mut Context<'_>) -> Poll<Result<(), Infallible>> {
         // The proxy is always ready, and so is every layer over it.

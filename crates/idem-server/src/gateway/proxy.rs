@@ -1,7 +1,6 @@
 //! Forwarding to the upstream, and what each way of failing means for the record.
 
 use std::convert::Infallible;
-use std::future::Future;
 use std::net::SocketAddr;
 use std::pin::Pin;
 use std::sync::Arc;
@@ -18,6 +17,7 @@ use hyper::body::Incoming;
 use hyper_util::client::legacy::Client;
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::TokioExecutor;
+use idem_core::BoxFuture;
 use idem_http::policy::remove_hop_by_hop;
 use idem_http::{BoxError, Guarded, Problem, Settle};
 use tower_service::Service;
@@ -99,12 +99,10 @@ impl Proxy {
     }
 }
 
-type BoxFuture<T> = Pin<Box<dyn Future<Output = T> + Send>>;
-
 impl Service<Request<Body>> for Proxy {
     type Response = Response<Body>;
     type Error = Infallible;
-    type Future = BoxFuture<Result<Response<Body>, Infallible>>;
+    type Future = BoxFuture<'static, Result<Response<Body>, Infallible>>;
 
     fn poll_ready(&mut self, _: &mut Context<'_>) -> Poll<Result<(), Infallible>> {
         Poll::Ready(Ok(()))
