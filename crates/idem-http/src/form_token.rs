@@ -6,7 +6,11 @@
 //! it back in the `Form-Token` header (configurable). The first request with it reaches the
 //! handler; every other one is refused with 409 and a code saying why (`already_used`,
 //! `expired`, `wrong_purpose`, `unknown`). A request without one is 400 `token_missing`.
+//! The token is used up before the handler runs, whatever the handler then answers: a form
+//! whose submission failed needs a new token (render the form again), which is what keeps a
+//! second submission from slipping in while the first one runs.
 
+use std::sync::Arc;
 use std::task::{Context, Poll};
 
 use http::{HeaderName, Request, Response, StatusCode};
@@ -66,7 +70,7 @@ impl<S> Layer<S> for FormTokenLayer {
     fn layer(&self, inner: S) -> FormToken<S> {
         FormToken {
             inner,
-            cfg: self.clone(),
+            cfg: Arc::new(self.clone()),
         }
     }
 }
@@ -75,7 +79,7 @@ impl<S> Layer<S> for FormTokenLayer {
 #[derive(Clone, Debug)]
 pub struct FormToken<S> {
     inner: S,
-    cfg: FormTokenLayer,
+    cfg: Arc<FormTokenLayer>,
 }
 
 impl<S, ReqBody, ResBody> Service<Request<ReqBody>> for FormToken<S>
@@ -100,12 +104,8 @@ where
         let mut inner = std::mem::replace(&mut self.inner, clone);
         let cfg = self.cfg.clone();
         Box::pin(async move {
-            let token = req
-                .headers()
-                .get(&cfg.header)
-                .and_then(|v| v.to_str().ok())
-                .map(str::to_owned);
-            let Some(token) = token else {
+            let (parts, body) = req.into_parts();
+            let Some(token) = parts.headers.get(&cfg.header).and_then(|v| v.to_str().ok()) else {
                 return Ok(Problem::new(
                     StatusCode::BAD_REQUEST,
                     "token_missing",
@@ -118,18 +118,17 @@ where
                 .into_http::<Full<bytes::Bytes>>()
                 .map(boxed));
             };
-            let (parts, body) = req.into_parts();
             let scope = cfg.scope.scope_of(&parts);
-            let req = Request::from_parts(parts, body);
             if let Err(e) = cfg
                 .tokens
-                .consume(scope.as_str(), &token, &cfg.purpose)
+                .consume(scope.as_str(), token, &cfg.purpose)
                 .await
             {
                 return Ok(token_problem(&e)
                     .into_http::<Full<bytes::Bytes>>()
                     .map(boxed));
             }
+            let req = Request::from_parts(parts, body);
             Ok(inner.call(req).await?.map(boxed))
         })
     }
