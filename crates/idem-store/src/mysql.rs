@@ -404,9 +404,10 @@ async fn current(c: &mut MySqlConnection, table: &TableName) -> bool {
     applied.is_ok_and(|a| sql::pending(MIGRATIONS, &a).is_ok_and(|p| p.is_empty()))
 }
 
-/// What every connection sets first: the lock wait bound, and assignments applied left to
-/// right (`begin` depends on it; MariaDB's `SIMULTANEOUS_ASSIGNMENT` mode would evaluate
-/// them all against the old row).
+/// What every connection sets first: the lock wait bound, and an `UPDATE`'s assignments
+/// applied left to right, each seeing the ones before (`renew` computes `expires_at` from the
+/// new lease end, and `purge_after` from that). MariaDB's `SIMULTANEOUS_ASSIGNMENT` mode, if a
+/// server sets it, would evaluate them all against the old row; a test shows it turned off.
 fn session_settings(options: &MySqlOptions) -> String {
     let wait = options.lock_timeout.as_secs().max(1);
     format!(

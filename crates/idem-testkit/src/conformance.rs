@@ -693,6 +693,8 @@ pub async fn renew_extends_the_lease<S: Store>(store: &S) {
     );
     let r = store.get(&req.key, c.at(20)).await.unwrap().unwrap();
     assert_eq!(r.lease_expires_at, c.at(38));
+    // Retention runs on from the new lease end.
+    assert_eq!(r.expires_at, c.at(38).saturating_add(TTL));
     // Ran out at 38, nobody took over: renewing at 50 still works.
     let again = store
         .renew(&req.key, &renewed, Duration::from_secs(10), c.at(50))
