@@ -19,6 +19,7 @@
 //! that second, but every restart would then start ahead of the fence and push it further, so
 //! the ids of a fleet that restarts often would drift into the future.
 
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -170,6 +171,7 @@ impl WorkerPool {
                 pool: self.clone(),
                 key,
                 fence_key: self.fence_key()?,
+                fenced: AtomicU64::new(0),
                 lease: Mutex::new(lease),
                 generator,
             };
@@ -189,6 +191,8 @@ pub struct LeasedSnowflake {
     pool: WorkerPool,
     key: Key,
     fence_key: Key,
+    /// The last time (layout milliseconds) written to the fence.
+    fenced: AtomicU64,
     lease: Mutex<Lease>,
     generator: Snowflake,
 }
@@ -223,13 +227,18 @@ impl LeasedSnowflake {
     /// Raises the id space's time fence to this generator's last id.
     async fn raise_fence(&self) -> Result<(), IdError> {
         let g = &self.generator;
-        let last = g.layout().epoch_ms().saturating_add(g.last_millis());
+        let last = g.last_millis();
+        // Nothing issued since the last raise: no write.
+        if last <= self.fenced.load(Ordering::Acquire) {
+            return Ok(());
+        }
         self.pool
             .store
-            .raise(&self.fence_key, last)
+            .raise(&self.fence_key, g.layout().epoch_ms().saturating_add(last))
             .await
-            .map(drop)
-            .map_err(|e| IdError::Store(e.to_string()))
+            .map_err(|e| IdError::Store(e.to_string()))?;
+        self.fenced.fetch_max(last, Ordering::AcqRel);
+        Ok(())
     }
 
     /// Renews the lease. A store failure leaves the generator issuing until the current lease

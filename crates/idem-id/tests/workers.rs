@@ -211,3 +211,23 @@ async fn a_restart_after_a_clock_rollback_issues_above_everything_before() {
     let first = b.try_next().unwrap();
     assert!(issued.iter().all(|id| *id < first));
 }
+
+/// A heartbeat writes the time fence only when ids were issued since the last write: an idle
+/// generator costs the store one renewal per beat, not two writes.
+#[tokio::test]
+async fn an_idle_heartbeat_leaves_the_fence_alone() {
+    use idem_testkit::{Fault, FaultyStore, Op};
+    let faulty = Arc::new(FaultyStore::new(MemoryStore::new()));
+    let store: SharedStore = faulty.clone();
+    let pool = WorkerPool::new(store, Arc::new(SystemClock), "orders");
+    let g = pool
+        .claim(small_layout(), SnowflakeOptions::default())
+        .await
+        .unwrap();
+    // Nothing issued: a failing fence write is never tried.
+    faulty.fail_next(Op::Raise, Fault::Unavailable);
+    g.heartbeat().await.unwrap();
+    // Once ids are issued, the beat writes the fence (and here meets the planned failure).
+    g.try_next().unwrap();
+    assert!(matches!(g.heartbeat().await, Err(IdError::Store(_))));
+}

@@ -158,10 +158,12 @@ pub(crate) async fn begin(
             MAX_TTL,
         )?);
     let now = state.clock.now();
-    let outcome = state.store.begin(&req, now).await.map_err(|e| {
-        warn!(key = %req.key.log_tag(), error = %e, "begin failed");
-        Problem::store(&e)
-    })?;
+    // Problem::store logs the failure.
+    let outcome = state
+        .store
+        .begin(&req, now)
+        .await
+        .map_err(|e| Problem::store(&e))?;
     debug!(key = %req.key.log_tag(), outcome = outcome_name(&outcome), "begin");
     match outcome {
         BeginOutcome::Acquired(lease) => Ok(Json(json!({
@@ -248,10 +250,7 @@ fn lease_problem(e: &LeaseError, key: &Key, op: &str) -> Problem {
             "This lease no longer holds the record: it expired and was taken over, or the \
              record was completed, released or expired. Nothing was changed.",
         ),
-        LeaseError::Store(e) => {
-            warn!(key = %key.log_tag(), error = %e, "record not {op}");
-            Problem::store(e)
-        }
+        LeaseError::Store(e) => Problem::store(e),
         other => {
             warn!(key = %key.log_tag(), error = %other, "record not {op}");
             Problem::new(
