@@ -64,7 +64,8 @@ struct IdArgs {
     #[arg(long, default_value = "uuid7", value_parser = ["uuid7", "snowflake", "segment", "token"])]
     kind: String,
 
-    /// The segment sequence to take ids from (--kind segment).
+    /// The segment sequence to take ids from (--kind segment). The command line's sequences
+    /// are its own: `idem serve` keeps each caller's apart from them.
     #[arg(long, required_if_eq("kind", "segment"))]
     tag: Option<String>,
 
