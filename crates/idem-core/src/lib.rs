@@ -1,5 +1,5 @@
 //! The record model of idem: keys, request fingerprints, the idempotency record state
-//! machine, the [`Store`] trait every backend implements, and clocks.
+//! machine, the [`Store`] trait every backend implements, the lock model ([`lock`]) and clocks.
 //!
 //! This crate does no I/O and needs no async runtime; stores (`idem-store`), the run-once API
 //! (`idem`) and the server plug into it.
@@ -26,12 +26,17 @@
 pub mod clock;
 pub mod fingerprint;
 pub mod key;
+pub mod lock;
 pub mod record;
 pub mod store;
 
 pub use clock::{Clock, ManualClock, SystemClock, Timestamp};
 pub use fingerprint::{Fingerprint, FingerprintBuilder};
 pub use key::{ClientKey, Key, KeyError, KeyPart, Namespace, Scope};
+pub use lock::{
+    Acquire, Held, InvalidLock, LockError, LockName, LockOwner, LockState, LockStore, OwnerDigest,
+    ReleaseListener,
+};
 pub use record::{
     BeginOutcome, BeginRequest, BeginStep, DEFAULT_LEASE, DEFAULT_TTL, Lease, LeaseId,
     MIN_DURATION, Record, Replay, StaleLease, Status,

@@ -10,11 +10,17 @@
 //! [`open`] picks a store from a URL (`sqlite://PATH`, `memory://`, `postgres://…`,
 //! `mysql://…`, `redis://…`, `redis+cluster://…`), as `idem serve --store` does.
 
+pub mod fence;
+mod lock_feed;
 mod memory;
 #[cfg(feature = "mysql")]
 mod mysql;
 #[cfg(feature = "postgres")]
 mod postgres;
+#[cfg(feature = "postgres")]
+mod postgres_locks;
+#[cfg(feature = "redis")]
+mod redis_locks;
 #[cfg(feature = "redis")]
 mod redis_store;
 #[cfg(any(feature = "sqlite", feature = "postgres", feature = "mysql"))]
@@ -25,6 +31,9 @@ mod sql;
 mod sqlite;
 mod url;
 
+pub use fence::Fenced;
+#[cfg(any(feature = "postgres", feature = "sqlite"))]
+pub use fence::SqlFences;
 pub use memory::MemoryStore;
 #[cfg(feature = "mysql")]
 pub use mysql::{MySqlOptions, MySqlStore};

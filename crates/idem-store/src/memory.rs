@@ -6,9 +6,12 @@ use std::collections::hash_map::Entry;
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use idem_core::{
-    BeginOutcome, BeginRequest, Bytes, Key, Lease, LeaseError, Record, StaleLease, Store,
+    Acquire, BeginOutcome, BeginRequest, BoxFuture, Bytes, Held, Key, Lease, LeaseError, LockError,
+    LockName, LockState, LockStore, OwnerDigest, Record, ReleaseListener, StaleLease, Store,
     StoreError, Timestamp,
 };
+
+use crate::lock_feed::ReleaseFeed;
 
 const SHARDS: usize = 16;
 
@@ -27,6 +30,15 @@ pub struct MemoryStore {
 struct Inner {
     shards: Vec<Shard>,
     counters: Mutex<HashMap<Key, u64>>,
+    locks: Mutex<Locks>,
+    released: ReleaseFeed,
+}
+
+/// Lock states, with a count of acquisitions since the last sweep of stale ones.
+#[derive(Debug, Default)]
+struct Locks {
+    states: HashMap<LockName, LockState>,
+    since_sweep: usize,
 }
 
 impl Default for MemoryStore {
@@ -42,6 +54,8 @@ impl MemoryStore {
             inner: Arc::new(Inner {
                 shards: (0..SHARDS).map(|_| Mutex::default()).collect(),
                 counters: Mutex::default(),
+                locks: Mutex::default(),
+                released: ReleaseFeed::new(),
             }),
         }
     }
@@ -76,6 +90,13 @@ fn lock(shard: &Shard) -> MutexGuard<'_, HashMap<Key, Box<Record>>> {
 }
 
 impl MemoryStore {
+    fn locks(&self) -> MutexGuard<'_, Locks> {
+        self.inner
+            .locks
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
     fn update(
         &self,
         key: &Key,
@@ -199,5 +220,74 @@ impl Store for MemoryStore {
             });
         }
         Ok(purged as u64)
+    }
+}
+
+/// Locks by the process's wall clock. Waiters in this process are woken on release.
+impl LockStore for MemoryStore {
+    fn kind(&self) -> &'static str {
+        "memory"
+    }
+
+    fn acquire<'a>(
+        &'a self,
+        name: &'a LockName,
+        owner: OwnerDigest,
+        lease: std::time::Duration,
+    ) -> BoxFuture<'a, Result<Acquire, StoreError>> {
+        let now = Timestamp::now();
+        let mut locks = self.locks();
+        // Forget states unused for an hour, now and then, so the map stays bounded by the
+        // locks in use.
+        locks.since_sweep += 1;
+        if locks.since_sweep >= 4096 {
+            locks.since_sweep = 0;
+            locks.states.retain(|_, s| !s.is_stale(now));
+        }
+        let answer = match LockState::acquire(locks.states.get(name), owner, lease, now) {
+            Ok(state) => {
+                locks.states.insert(name.clone(), state);
+                Acquire::Acquired(Held {
+                    fence: state.fence,
+                    expires_at: state.expires_at,
+                })
+            }
+            Err(until) => Acquire::Busy { until },
+        };
+        Box::pin(std::future::ready(Ok(answer)))
+    }
+
+    fn renew<'a>(
+        &'a self,
+        name: &'a LockName,
+        owner: OwnerDigest,
+        fence: u64,
+        lease: std::time::Duration,
+    ) -> BoxFuture<'a, Result<Held, LockError>> {
+        let answer = match self.locks().states.get_mut(name) {
+            Some(state) => state.renew(owner, fence, lease, Timestamp::now()),
+            None => Err(LockError::NotOwner),
+        };
+        Box::pin(std::future::ready(answer))
+    }
+
+    fn release<'a>(
+        &'a self,
+        name: &'a LockName,
+        owner: OwnerDigest,
+        fence: u64,
+    ) -> BoxFuture<'a, Result<(), LockError>> {
+        let answer = match self.locks().states.get_mut(name) {
+            Some(state) => state.release(owner, fence, Timestamp::now()),
+            None => Err(LockError::NotOwner),
+        };
+        if let Ok(true) = answer {
+            self.inner.released.send(name.shared());
+        }
+        Box::pin(std::future::ready(answer.map(drop)))
+    }
+
+    fn listen(&self) -> Option<Box<dyn ReleaseListener>> {
+        Some(self.inner.released.listen())
     }
 }

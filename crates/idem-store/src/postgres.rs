@@ -64,6 +64,16 @@ const MIGRATIONS: &[Migration] = &[
             PRIMARY KEY (scope, namespace, client_key)
         )"],
     },
+    Migration {
+        version: 3,
+        description: "locks",
+        statements: &["CREATE TABLE IF NOT EXISTS {table}_locks (
+            name       TEXT   NOT NULL PRIMARY KEY,
+            owner      BYTEA  NOT NULL,
+            fence      BIGINT NOT NULL,
+            expires_at BIGINT NOT NULL
+        ) WITH (fillfactor = 80)"],
+    },
 ];
 
 /// How a [`PostgresStore`] connects.
@@ -105,6 +115,7 @@ impl Default for PostgresOptions {
 pub struct PostgresStore {
     pool: PgPool,
     sql: Statements,
+    locks: crate::postgres_locks::PgLocks,
 }
 
 #[derive(Clone, Debug)]
@@ -248,6 +259,7 @@ impl PostgresStore {
             .connect_lazy_with(connect);
         Ok(Self {
             sql: Statements::new(&table),
+            locks: crate::postgres_locks::PgLocks::new(&table),
             pool,
         })
     }
@@ -292,7 +304,13 @@ impl PostgresStore {
             .await
     }
 
-    async fn conn(&self) -> Result<sqlx::pool::PoolConnection<sqlx::Postgres>, StoreError> {
+    pub(crate) fn locks(&self) -> &crate::postgres_locks::PgLocks {
+        &self.locks
+    }
+
+    pub(crate) async fn conn(
+        &self,
+    ) -> Result<sqlx::pool::PoolConnection<sqlx::Postgres>, StoreError> {
         self.pool
             .acquire()
             .await
@@ -461,7 +479,7 @@ fn transient_sqlstate(code: &str) -> bool {
 /// (connection errors 08, shutdowns 57P01-03, out of memory or connections 53 but not a full disk,
 /// serialization and deadlock 40, a lock or statement timeout 55P03 and 57014, a read-only
 /// server after a failover 25006); the rest is a backend error.
-fn error(what: &str, e: sqlx::Error) -> StoreError {
+pub(crate) fn error(what: &str, e: sqlx::Error) -> StoreError {
     let transient = match &e {
         sqlx::Error::Database(db) => db.code().is_some_and(|c| transient_sqlstate(&c)),
         other => sql::is_transient(other),
@@ -590,7 +608,20 @@ impl Store for PostgresStore {
             .execute(&self.pool)
             .await
             .map_err(|e| error("cannot purge expired records", e))?;
-        Ok(done.rows_affected())
+        let records = done.rows_affected();
+        // Lock rows unused for an hour go with the same budget.
+        let rest = u64::try_from(limit)
+            .unwrap_or(u64::MAX)
+            .saturating_sub(records);
+        if rest == 0 {
+            return Ok(records);
+        }
+        let mut c = self.conn().await?;
+        let locks = self
+            .locks
+            .purge(&mut c, now, i64::try_from(rest).unwrap_or(i64::MAX))
+            .await?;
+        Ok(records + locks)
     }
 }
 

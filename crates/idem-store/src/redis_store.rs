@@ -132,7 +132,7 @@ const FIELDS: [&str; 10] = [
 
 /// A connection to one Redis server or to a Cluster; both reconnect by themselves.
 #[derive(Clone)]
-enum Conn {
+pub(crate) enum Conn {
     Single(ConnectionManager),
     Cluster(ClusterConnection),
 }
@@ -192,8 +192,11 @@ impl Default for RedisOptions {
 /// Idempotency records in Redis. Clones share one connection.
 #[derive(Clone)]
 pub struct RedisStore {
-    conn: Conn,
-    prefix: String,
+    pub(crate) conn: Conn,
+    pub(crate) prefix: String,
+    /// The single server's client, for the lock release feed's own connection.
+    pub(crate) client: Option<redis::Client>,
+    pub(crate) locks: crate::redis_locks::LockScripts,
     begin: Script,
     settle: Script,
     renew: Script,
@@ -227,9 +230,9 @@ impl RedisStore {
             .get_connection_manager_with_config(config)
             .await
             .map_err(|e| error("cannot connect to Redis", e))?;
-        Self::with(Conn::Single(conn), options.clone())
-            .checked(&options)
-            .await
+        let mut store = Self::with(Conn::Single(conn), options.clone());
+        store.client = Some(client);
+        store.checked(&options).await
     }
 
     /// Connects to a Cluster through any of its nodes (`redis://host:port` each).
@@ -257,6 +260,8 @@ impl RedisStore {
         Self {
             conn,
             prefix: options.prefix,
+            client: None,
+            locks: crate::redis_locks::LockScripts::new(),
             begin: Script::new(BEGIN),
             settle: Script::new(SETTLE),
             renew: Script::new(RENEW),
@@ -328,7 +333,7 @@ fn native_ttl(at: Timestamp, now: Timestamp) -> u64 {
 
 /// Redis errors: the connection or the server being unreachable, busy or failing over may
 /// pass; anything else (a script error, a wrong type at the key) is a backend error.
-fn error(what: &str, e: redis::RedisError) -> StoreError {
+pub(crate) fn error(what: &str, e: redis::RedisError) -> StoreError {
     let transient = e.is_io_error()
         || e.is_timeout()
         || e.is_connection_dropped()
@@ -352,7 +357,7 @@ fn error(what: &str, e: redis::RedisError) -> StoreError {
     }
 }
 
-fn corrupt(what: &str) -> StoreError {
+pub(crate) fn corrupt(what: &str) -> StoreError {
     StoreError::Corrupt(format!("the Redis record has a bad {what}"))
 }
 

@@ -23,9 +23,12 @@ use std::time::Duration;
 
 use crate::row::{RawRow, sql_int};
 use idem_core::{
-    BeginOutcome, BeginRequest, Bytes, Key, Lease, LeaseError, Record, StaleLease, Store,
+    Acquire, BeginOutcome, BeginRequest, BoxFuture, Bytes, Held, Key, Lease, LeaseError, LockError,
+    LockName, LockState, LockStore, OwnerDigest, Record, ReleaseListener, StaleLease, Store,
     StoreError, Timestamp,
 };
+
+use crate::lock_feed::ReleaseFeed;
 use rusqlite::{Connection, ErrorCode, OptionalExtension, TransactionBehavior, params};
 use tokio::sync::oneshot;
 
@@ -96,6 +99,13 @@ const MIGRATIONS: &[&str] = &[
         value      INTEGER NOT NULL,
         PRIMARY KEY (scope, namespace, client_key)
     ) WITHOUT ROWID;",
+    // 3: locks, one row per name, kept after release (the row carries the fence).
+    "CREATE TABLE idem_locks (
+        name       TEXT    NOT NULL PRIMARY KEY,
+        owner      BLOB    NOT NULL,
+        fence      INTEGER NOT NULL,
+        expires_at INTEGER NOT NULL
+    ) WITHOUT ROWID;",
 ];
 
 /// Idempotency records in a SQLite database file. Clones share one writer thread.
@@ -104,6 +114,7 @@ pub struct SqliteStore {
     tx: mpsc::SyncSender<Op>,
     max_queue: usize,
     path: PathBuf,
+    released: ReleaseFeed,
 }
 
 /// One operation for the writer thread: what to do, and where to send the answer.
@@ -122,6 +133,22 @@ enum Request {
     Reopen(Key, u64, Timestamp),
     Get(Key, Timestamp),
     Purge(Timestamp, usize),
+    Lock(LockName, LockOp),
+}
+
+/// A lock operation; it runs by the writer's clock.
+enum LockOp {
+    Acquire(OwnerDigest, Duration),
+    Renew(OwnerDigest, u64, Duration),
+    Release(OwnerDigest, u64),
+}
+
+/// The answer of a [`LockOp`] of the same kind.
+enum LockAnswer {
+    Acquire(Acquire),
+    Renew(Held),
+    /// Whether the lock was still held.
+    Release(bool),
 }
 
 enum Responder {
@@ -132,6 +159,7 @@ enum Responder {
     Reopen(oneshot::Sender<Result<bool, StoreError>>),
     Get(oneshot::Sender<Result<Option<Record>, StoreError>>),
     Purge(oneshot::Sender<Result<u64, StoreError>>),
+    Lock(oneshot::Sender<Result<LockAnswer, LockError>>),
 }
 
 enum Answer {
@@ -142,6 +170,7 @@ enum Answer {
     Reopen(Result<bool, StoreError>),
     Get(Result<Option<Record>, StoreError>),
     Purge(Result<u64, StoreError>),
+    Lock(Result<LockAnswer, LockError>),
 }
 
 impl SqliteStore {
@@ -166,6 +195,7 @@ impl SqliteStore {
             tx,
             max_queue,
             path,
+            released: ReleaseFeed::new(),
         })
     }
 
@@ -299,6 +329,7 @@ impl Responder {
             Responder::Reopen(tx) => tx.is_closed(),
             Responder::Get(tx) => tx.is_closed(),
             Responder::Purge(tx) => tx.is_closed(),
+            Responder::Lock(tx) => tx.is_closed(),
         }
     }
 
@@ -312,6 +343,7 @@ impl Responder {
             (Responder::Reopen(tx), Answer::Reopen(a)) => tx.send(a).err().map(Answer::Reopen),
             (Responder::Get(tx), Answer::Get(a)) => tx.send(a).err().map(Answer::Get),
             (Responder::Purge(tx), Answer::Purge(a)) => tx.send(a).err().map(Answer::Purge),
+            (Responder::Lock(tx), Answer::Lock(a)) => tx.send(a).err().map(Answer::Lock),
             // `apply` answers each request with its own kind; nothing else reaches here.
             (_, answer) => Some(answer),
         }
@@ -328,6 +360,7 @@ impl Responder {
             Responder::Reopen(tx) => tx.send(Err(e)).map_err(drop),
             Responder::Get(tx) => tx.send(Err(e)).map_err(drop),
             Responder::Purge(tx) => tx.send(Err(e)).map_err(drop),
+            Responder::Lock(tx) => tx.send(Err(e.into())).map_err(drop),
         };
     }
 }
@@ -514,9 +547,113 @@ fn apply(tx: &rusqlite::Transaction<'_>, request: &Request) -> rusqlite::Result<
                         LIMIT ?2)",
                 )?
                 .execute(params![now, limit])?;
-            Answer::Purge(Ok(n as u64))
+            // Lock rows unused for an hour go with the same budget.
+            let rest = limit.saturating_sub(i64::try_from(n).unwrap_or(i64::MAX));
+            let before = now.saturating_sub(sql_int(idem_core::lock::lease_millis(
+                idem_core::lock::LOCK_STATE_RETENTION,
+            )));
+            let locks = tx
+                .prepare_cached(
+                    "DELETE FROM idem_locks WHERE name IN (
+                        SELECT name FROM idem_locks WHERE expires_at < ?1 LIMIT ?2)",
+                )?
+                .execute(params![before, rest])?;
+            Answer::Purge(Ok((n + locks) as u64))
         }
+        Request::Lock(name, op) => Answer::Lock(apply_lock(tx, name, op)?),
     })
+}
+
+/// A lock operation by the writer's clock, on the lock's row.
+fn apply_lock(
+    tx: &rusqlite::Transaction<'_>,
+    name: &LockName,
+    op: &LockOp,
+) -> rusqlite::Result<Result<LockAnswer, LockError>> {
+    let now = Timestamp::now();
+    let mut state = tx
+        .prepare_cached("SELECT owner, fence, expires_at FROM idem_locks WHERE name = ?1")?
+        .query_row([name.as_str()], |row| {
+            let owner: Vec<u8> = row.get(0)?;
+            let fence: i64 = row.get(1)?;
+            let expires_at: i64 = row.get(2)?;
+            Ok((owner, fence, expires_at))
+        })
+        .optional()?
+        .map(|(owner, fence, expires_at)| {
+            Some(LockState {
+                owner: OwnerDigest(owner.try_into().ok()?),
+                fence: u64::try_from(fence).ok()?,
+                expires_at: Timestamp::from_millis(u64::try_from(expires_at).ok()?),
+            })
+        });
+    let Some(current) = state.take() else {
+        return Ok(match op {
+            LockOp::Acquire(owner, lease) => acquire_lock(tx, name, None, *owner, *lease, now)?,
+            _ => Err(LockError::NotOwner),
+        });
+    };
+    let Some(mut current) = current else {
+        return Ok(Err(
+            StoreError::Corrupt("a lock row is unreadable".into()).into()
+        ));
+    };
+    let answer = match op {
+        LockOp::Acquire(owner, lease) => {
+            return acquire_lock(tx, name, Some(&current), *owner, *lease, now);
+        }
+        LockOp::Renew(owner, fence, lease) => current
+            .renew(*owner, *fence, *lease, now)
+            .map(LockAnswer::Renew),
+        LockOp::Release(owner, fence) => current
+            .release(*owner, *fence, now)
+            .map(LockAnswer::Release),
+    };
+    if answer.is_ok() {
+        save_lock(tx, name, &current)?;
+    }
+    Ok(answer)
+}
+
+fn acquire_lock(
+    tx: &rusqlite::Transaction<'_>,
+    name: &LockName,
+    current: Option<&LockState>,
+    owner: OwnerDigest,
+    lease: Duration,
+    now: Timestamp,
+) -> rusqlite::Result<Result<LockAnswer, LockError>> {
+    Ok(Ok(LockAnswer::Acquire(
+        match LockState::acquire(current, owner, lease, now) {
+            Ok(new) => {
+                save_lock(tx, name, &new)?;
+                Acquire::Acquired(Held {
+                    fence: new.fence,
+                    expires_at: new.expires_at,
+                })
+            }
+            Err(until) => Acquire::Busy { until },
+        },
+    )))
+}
+
+fn save_lock(
+    tx: &rusqlite::Transaction<'_>,
+    name: &LockName,
+    s: &LockState,
+) -> rusqlite::Result<()> {
+    tx.prepare_cached(
+        "INSERT INTO idem_locks (name, owner, fence, expires_at) VALUES (?1, ?2, ?3, ?4)
+         ON CONFLICT (name) DO UPDATE SET owner = excluded.owner, fence = excluded.fence,
+             expires_at = excluded.expires_at",
+    )?
+    .execute(params![
+        name.as_str(),
+        &s.owner.0[..],
+        sql_int(s.fence),
+        sql_int(s.expires_at.as_millis())
+    ])?;
+    Ok(())
 }
 
 fn transition(
@@ -667,5 +804,79 @@ impl Store for SqliteStore {
     async fn purge_expired(&self, now: Timestamp, limit: usize) -> Result<u64, StoreError> {
         self.call(Request::Purge(now, limit), Responder::Purge, Err)
             .await
+    }
+}
+
+impl SqliteStore {
+    async fn lock_op(&self, name: &LockName, op: LockOp) -> Result<LockAnswer, LockError> {
+        self.call(Request::Lock(name.clone(), op), Responder::Lock, |e| {
+            Err(e.into())
+        })
+        .await
+    }
+}
+
+/// Locks by this machine's wall clock, in the database file: processes sharing the file share
+/// the locks. Waiters in this process are woken on release; those of other processes notice at
+/// their next attempt (see `Locks::poll_interval`).
+impl LockStore for SqliteStore {
+    fn kind(&self) -> &'static str {
+        "sqlite"
+    }
+
+    fn acquire<'a>(
+        &'a self,
+        name: &'a LockName,
+        owner: OwnerDigest,
+        lease: Duration,
+    ) -> BoxFuture<'a, Result<Acquire, StoreError>> {
+        Box::pin(async move {
+            match self.lock_op(name, LockOp::Acquire(owner, lease)).await {
+                Ok(LockAnswer::Acquire(a)) => Ok(a),
+                Err(LockError::Store(e)) => Err(e),
+                _ => Err(StoreError::Corrupt("unexpected lock answer".into())),
+            }
+        })
+    }
+
+    fn renew<'a>(
+        &'a self,
+        name: &'a LockName,
+        owner: OwnerDigest,
+        fence: u64,
+        lease: Duration,
+    ) -> BoxFuture<'a, Result<Held, LockError>> {
+        Box::pin(async move {
+            match self
+                .lock_op(name, LockOp::Renew(owner, fence, lease))
+                .await?
+            {
+                LockAnswer::Renew(held) => Ok(held),
+                _ => Err(StoreError::Corrupt("unexpected lock answer".into()).into()),
+            }
+        })
+    }
+
+    fn release<'a>(
+        &'a self,
+        name: &'a LockName,
+        owner: OwnerDigest,
+        fence: u64,
+    ) -> BoxFuture<'a, Result<(), LockError>> {
+        Box::pin(async move {
+            match self.lock_op(name, LockOp::Release(owner, fence)).await? {
+                LockAnswer::Release(was_held) => {
+                    if was_held {
+                        self.released.send(name.shared());
+                    }
+                    Ok(())
+                }
+                _ => Err(StoreError::Corrupt("unexpected lock answer".into()).into()),
+            }
+        })
+    }
+
+    fn listen(&self) -> Option<Box<dyn ReleaseListener>> {
+        Some(self.released.listen())
     }
 }

@@ -7,6 +7,17 @@ mod memory {
     use idem_testkit::conformance::Fixture;
 
     idem_testkit::conformance_tests!(async { Fixture::new(MemoryStore::new()) });
+
+    mod locks {
+        use std::sync::Arc;
+
+        use idem_core::LockStore;
+        use idem_store::MemoryStore;
+
+        idem_testkit::lock_conformance_tests!(async {
+            Arc::new(MemoryStore::new()) as Arc<dyn LockStore>
+        });
+    }
 }
 
 mod sqlite {
@@ -20,6 +31,18 @@ mod sqlite {
     }
 
     idem_testkit::conformance_tests!(fixture());
+
+    mod locks {
+        use std::sync::Arc;
+
+        use idem_core::LockStore;
+
+        idem_testkit::lock_conformance_tests!(async {
+            let fixture = super::fixture().await;
+            let store = Arc::new(fixture.store.clone()) as Arc<dyn LockStore>;
+            Some((store, fixture))
+        });
+    }
 }
 
 /// The type-erased store the server uses passes too.

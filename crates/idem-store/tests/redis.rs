@@ -27,6 +27,16 @@ mod single {
     }
 
     idem_testkit::conformance_tests!(fixture());
+
+    mod locks {
+        use std::sync::Arc;
+
+        use idem_core::LockStore;
+
+        idem_testkit::lock_conformance_tests!(async {
+            Some(Arc::new(super::fixture().await?.store) as Arc<dyn LockStore>)
+        });
+    }
 }
 
 mod cluster {
@@ -43,6 +53,16 @@ mod cluster {
     }
 
     idem_testkit::conformance_tests!(fixture());
+
+    mod locks {
+        use std::sync::Arc;
+
+        use idem_core::LockStore;
+
+        idem_testkit::lock_conformance_tests!(async {
+            Some(Arc::new(super::fixture().await?.store) as Arc<dyn LockStore>)
+        });
+    }
 }
 
 /// A Redis that goes away makes every operation fail closed, with an error that says to try

@@ -15,7 +15,8 @@ macro_rules! sql_store_tests {
         own_server: $kind:ident,
         ledger: $ledger:literal,
         insert: $insert:literal,
-        count: $count:literal $(,)?
+        count: $count:literal,
+        versions: $versions:expr $(,)?
     ) => {
         use std::sync::Arc;
         use std::time::Duration;
@@ -48,7 +49,7 @@ macro_rules! sql_store_tests {
         /// Drops each table, and the counters table of each records table with it.
         async fn drop_tables(store: &$store, tables: &[String]) {
             for t in tables {
-                for name in [t.clone(), format!("{t}_counters")] {
+                for name in [t.clone(), format!("{t}_counters"), format!("{t}_locks")] {
                     sqlx::query(AssertSqlSafe(format!("DROP TABLE IF EXISTS {name}")))
                         .execute(store.pool())
                         .await
@@ -96,7 +97,7 @@ macro_rules! sql_store_tests {
                 .fetch_all(first.pool())
                 .await
                 .unwrap();
-                assert_eq!(versions, [1, 2]);
+                assert_eq!(versions, $versions);
 
                 // A schema from a newer idem is refused, not guessed at.
                 sqlx::query(AssertSqlSafe(format!(
@@ -370,6 +371,49 @@ macro_rules! sql_store_tests {
 
 #[cfg(feature = "postgres")]
 mod postgres {
+    mod locks {
+        use std::sync::Arc;
+
+        use idem_core::LockStore;
+
+        idem_testkit::lock_conformance_tests!(async {
+            // One table for every case: each case's lock names are its own.
+            Some(Arc::new(super::store("idem_test_locks").await?) as Arc<dyn LockStore>)
+        });
+    }
+
+    /// Two transactions taking the same advisory lock never overlap; the lock goes with the
+    /// transaction.
+    #[test]
+    fn advisory_locks_last_as_long_as_their_transaction() {
+        idem_testkit::block_on(async {
+            let Some(store) = store("idem_test_locks").await else {
+                return;
+            };
+            let name = idem_core::LockName::new(&fresh_name("advisory")).unwrap();
+            let mut first = store.pool().begin().await.unwrap();
+            PostgresStore::xact_lock(&mut first, &name).await.unwrap();
+            let mut second = store.pool().begin().await.unwrap();
+            assert!(
+                !PostgresStore::try_xact_lock(&mut second, &name)
+                    .await
+                    .unwrap()
+            );
+            let other = idem_core::LockName::new(&fresh_name("advisory-other")).unwrap();
+            assert!(
+                PostgresStore::try_xact_lock(&mut second, &other)
+                    .await
+                    .unwrap()
+            );
+            first.commit().await.unwrap();
+            assert!(
+                PostgresStore::try_xact_lock(&mut second, &name)
+                    .await
+                    .unwrap()
+            );
+            second.rollback().await.unwrap();
+        });
+    }
     /// Once the schema is current, a store connects without touching it, so services can run
     /// as a user that may only read and write rows (the schema applied by `idem migrate`).
     #[test]
@@ -433,6 +477,7 @@ mod postgres {
         ledger: "CREATE TABLE {} (transfer TEXT NOT NULL)",
         insert: "INSERT INTO {} (transfer) VALUES ($1)",
         count: "SELECT COUNT(*) FROM {} WHERE transfer = $1",
+        versions: [1, 2, 3],
     }
 }
 
@@ -486,5 +531,6 @@ mod mysql {
         ledger: "CREATE TABLE {} (transfer VARCHAR(64) NOT NULL) ENGINE = InnoDB",
         insert: "INSERT INTO {} (transfer) VALUES (?)",
         count: "SELECT COUNT(*) FROM {} WHERE transfer = ?",
+        versions: [1, 2],
     }
 }

@@ -2,6 +2,7 @@
 //!
 //! - [`conformance`]: the one suite every [`Store`](idem_core::Store) passes unchanged, and
 //!   [`conformance_tests!`] to run it as one `#[test]` per case.
+//! - [`locks`]: the suite every lock backend passes, run by [`lock_conformance_tests!`].
 //! - [`FaultyStore`]: wraps a store and fails chosen operations, before or after they take
 //!   effect, to test that callers fail closed.
 
@@ -10,6 +11,7 @@
 
 pub mod conformance;
 mod faulty;
+pub mod locks;
 pub mod services;
 
 pub use faulty::{Fault, FaultyStore, Op};

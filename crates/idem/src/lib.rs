@@ -46,19 +46,21 @@
 //! ```
 
 pub mod claim;
+pub mod locks;
 pub mod purge;
 mod run;
 pub mod tokens;
 
 pub use claim::InFlight;
+pub use locks::{LockGuard, Locks};
 pub use tokens::{IssuedToken, TokenError, Tokens};
 
 pub use run::{AllRetryable, Done, ErrorPolicy, Idempotency, Once, PermanentIf, RunError};
 
 pub use idem_core::{
     self, BeginOutcome, BeginRequest, Bytes, Clock, DynStore, Fingerprint, Key, KeyError, Lease,
-    LeaseError, ManualClock, Record, SharedStore, Status, Store, StoreError, SystemClock,
-    Timestamp,
+    LeaseError, LockError, LockName, LockOwner, LockStore, ManualClock, Record, SharedStore,
+    Status, Store, StoreError, SystemClock, Timestamp,
 };
 #[cfg(feature = "sqlite")]
 pub use idem_store::SqliteStore;

@@ -1,0 +1,496 @@
+//! Distributed locks with fencing: names, owners, the lock state machine and the
+//! [`LockStore`] trait every lock backend implements.
+//!
+//! A lock is held by one owner at a time, for a lease; every acquisition hands out a *fence*,
+//! a number that strictly increases per lock name. A holder that paused past its lease (a GC
+//! pause, a stopped process, a slow network) may still believe it holds the lock; a resource
+//! that remembers the highest fence it has seen and refuses lower ones stops that holder's
+//! writes. The lock gives efficiency (usually one worker at a time); the fence gives
+//! correctness.
+//!
+//! # Fences survive lost state
+//!
+//! A fence is `max(previous fence + 1, the backend's clock in microseconds)`. The backend's
+//! clock term keeps fences increasing even when the previous fence is gone: a Redis restarted
+//! without persistence, a replica promoted before it saw the last writes, a lock row purged
+//! after an hour of disuse. Each acquisition takes at least one round trip, far more than a
+//! microsecond, so a fence never runs ahead of the clock by more than a few counts, and any
+//! fence handed out later, from any copy of the state, is higher, as long as the backend's
+//! clock does not step back.
+
+use std::fmt;
+use std::sync::Arc;
+use std::time::Duration;
+
+use sha2::{Digest, Sha256};
+
+use crate::store::{BoxFuture, StoreError};
+use crate::{Timestamp, clock::duration_millis};
+
+/// The longest lock name, in bytes.
+pub const MAX_LOCK_NAME: usize = 200;
+
+/// How long a lock's state (its last owner and fence) is kept after its lease ends, so that a
+/// late release by that owner is still recognised. After that the state may be deleted: the
+/// fence's clock term keeps the next fence higher.
+pub const LOCK_STATE_RETENTION: Duration = Duration::from_secs(3600);
+
+/// The name of a lock: 1 to [`MAX_LOCK_NAME`] bytes of visible ASCII (`!` to `~`).
+#[derive(Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct LockName(Arc<str>);
+
+/// Why a lock name or owner id was refused.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("invalid lock {what}: {why}")]
+pub struct InvalidLock {
+    what: &'static str,
+    why: &'static str,
+}
+
+impl LockName {
+    /// Checks and wraps a name.
+    pub fn new(name: &str) -> Result<Self, InvalidLock> {
+        let invalid = |why| InvalidLock { what: "name", why };
+        if name.is_empty() {
+            return Err(invalid("it is empty"));
+        }
+        if name.len() > MAX_LOCK_NAME {
+            return Err(invalid("it is longer than 200 bytes"));
+        }
+        if !name.bytes().all(|b| b.is_ascii_graphic()) {
+            return Err(invalid("it may hold only visible ASCII characters"));
+        }
+        Ok(Self(name.into()))
+    }
+
+    /// The name.
+    pub fn as_str(&self) -> &str {
+        &self.0
+    }
+
+    /// The first 128 bits of the name's SHA-256 in hex: a fixed-size key for backends.
+    pub fn digest_hex(&self) -> String {
+        Sha256::digest(self.0.as_bytes())[..16].iter().fold(
+            String::with_capacity(32),
+            |mut s, b| {
+                use fmt::Write;
+                let _ = write!(s, "{b:02x}");
+                s
+            },
+        )
+    }
+
+    /// The name shared, as release feeds carry it.
+    pub fn shared(&self) -> Arc<str> {
+        Arc::clone(&self.0)
+    }
+}
+
+impl fmt::Debug for LockName {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "LockName({:?})", &*self.0)
+    }
+}
+
+impl fmt::Display for LockName {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+/// Who holds a lock: an id the holder keeps (and may send again to retry an acquire), of
+/// which backends store only the SHA-256 ([`LockOwner::digest`]), so that a copy of the lock
+/// state cannot release anyone's lock.
+#[derive(Clone, PartialEq, Eq)]
+pub struct LockOwner(String);
+
+impl LockOwner {
+    /// A fresh owner id: 128 random bits as 32 hex digits.
+    pub fn random() -> Self {
+        let bits: u128 = rand::random();
+        Self(format!("{bits:032x}"))
+    }
+
+    /// Checks and wraps an id chosen by a caller: 16 to 64 characters of `A-Z a-z 0-9 - _`
+    /// (at least 16, so that ids cannot be guessed easily).
+    pub fn parse(id: &str) -> Result<Self, InvalidLock> {
+        let invalid = |why| InvalidLock { what: "id", why };
+        if !(16..=64).contains(&id.len()) {
+            return Err(invalid("it must be 16 to 64 characters long"));
+        }
+        if !id
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_')
+        {
+            return Err(invalid("it may hold only A-Z, a-z, 0-9, '-' and '_'"));
+        }
+        Ok(Self(id.to_owned()))
+    }
+
+    /// The id, to give back to the holder.
+    pub fn as_str(&self) -> &str {
+        &self.0
+    }
+
+    /// What backends store and compare.
+    pub fn digest(&self) -> OwnerDigest {
+        OwnerDigest(Sha256::digest(self.0.as_bytes()).into())
+    }
+}
+
+impl fmt::Debug for LockOwner {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        // The id releases the lock: never print it.
+        f.write_str("LockOwner(..)")
+    }
+}
+
+/// The SHA-256 of a [`LockOwner`] id.
+#[derive(Clone, Copy, PartialEq, Eq, Hash)]
+pub struct OwnerDigest(pub [u8; 32]);
+
+impl OwnerDigest {
+    /// Lower-case hex, as text backends store it.
+    pub fn to_hex(&self) -> String {
+        use fmt::Write;
+        let mut s = String::with_capacity(64);
+        for b in self.0 {
+            let _ = write!(s, "{b:02x}");
+        }
+        s
+    }
+}
+
+impl fmt::Debug for OwnerDigest {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "OwnerDigest({}…)", &self.to_hex()[..8])
+    }
+}
+
+/// A lease on a lock just granted or renewed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Held {
+    /// The fence of this holding: higher than any fence handed out before for the name.
+    pub fence: u64,
+    /// When the lease ends, by the backend's clock.
+    pub expires_at: Timestamp,
+}
+
+/// The answer of an acquire.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Acquire {
+    /// The caller holds the lock now (or still: an acquire repeated by the holder extends its
+    /// lease and keeps its fence).
+    Acquired(Held),
+    /// Another owner holds it until `until` (by the backend's clock), unless it releases first.
+    Busy {
+        /// When the current lease ends.
+        until: Timestamp,
+    },
+}
+
+/// Why a lock operation did not succeed.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum LockError {
+    /// Another owner holds the lock.
+    #[error("the lock is held by another owner")]
+    Held {
+        /// When that owner's lease ends, unless it releases or renews first.
+        until: Timestamp,
+    },
+    /// Waited as long as allowed without getting the lock.
+    #[error("timed out waiting for the lock")]
+    Timeout,
+    /// The caller does not hold this lock (with this fence): it was released, its lease ran
+    /// out, or another owner has taken it since.
+    #[error("not the lock's owner")]
+    NotOwner,
+    /// The holder lost the lock (its lease ran out or was taken over); once lost, a guard stays
+    /// lost.
+    #[error("the lock was lost")]
+    Lost,
+    /// A name or owner id that cannot be used.
+    #[error(transparent)]
+    Invalid(#[from] InvalidLock),
+    /// The backend failed; the operation may or may not have taken effect.
+    #[error(transparent)]
+    Store(#[from] StoreError),
+}
+
+/// What a backend keeps per lock name; the pure transitions that in-process and SQL backends
+/// apply (Redis runs the same rules in its scripts).
+///
+/// The lock is *held* by `owner` while `expires_at > now`. The state outlives the lease so that
+/// the fence keeps increasing and a late release by the last owner is recognised.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct LockState {
+    /// The last owner to acquire it.
+    pub owner: OwnerDigest,
+    /// That owner's fence.
+    pub fence: u64,
+    /// When the lease ends (or ended; a release sets it to the release time).
+    pub expires_at: Timestamp,
+}
+
+impl LockState {
+    /// Acquires for `owner`: the new state, or when the current holder's lease ends.
+    ///
+    /// A holder acquiring again extends its lease and keeps its fence; anyone else gets a new,
+    /// higher fence (see [`next_fence`]) once the lease has ended.
+    pub fn acquire(
+        current: Option<&LockState>,
+        owner: OwnerDigest,
+        lease: Duration,
+        now: Timestamp,
+    ) -> Result<LockState, Timestamp> {
+        let expires_at = now.saturating_add(lease);
+        match current {
+            Some(s) if s.expires_at > now && s.owner == owner => Ok(LockState { expires_at, ..*s }),
+            Some(s) if s.expires_at > now => Err(s.expires_at),
+            _ => Ok(LockState {
+                owner,
+                fence: next_fence(current.map_or(0, |s| s.fence), now),
+                expires_at,
+            }),
+        }
+    }
+
+    /// Extends the lease of the holder `owner` with `fence`; refused once the lease has ended
+    /// (a lost lock stays lost, even if nobody has taken it).
+    pub fn renew(
+        &mut self,
+        owner: OwnerDigest,
+        fence: u64,
+        lease: Duration,
+        now: Timestamp,
+    ) -> Result<Held, LockError> {
+        if self.owner != owner || self.fence != fence || self.expires_at <= now {
+            return Err(LockError::NotOwner);
+        }
+        self.expires_at = now.saturating_add(lease);
+        Ok(Held {
+            fence,
+            expires_at: self.expires_at,
+        })
+    }
+
+    /// Ends the lease of `owner` with `fence`. Succeeds again when repeated, and after the
+    /// lease ran out as long as nobody has acquired since; answers whether the lock was still
+    /// held (so waiters should be told).
+    pub fn release(
+        &mut self,
+        owner: OwnerDigest,
+        fence: u64,
+        now: Timestamp,
+    ) -> Result<bool, LockError> {
+        if self.owner != owner || self.fence != fence {
+            return Err(LockError::NotOwner);
+        }
+        let was_held = self.expires_at > now;
+        self.expires_at = self.expires_at.min(now);
+        Ok(was_held)
+    }
+
+    /// Whether the state may be deleted at `now` (see [`LOCK_STATE_RETENTION`]).
+    pub fn is_stale(&self, now: Timestamp) -> bool {
+        self.expires_at.saturating_add(LOCK_STATE_RETENTION) <= now
+    }
+}
+
+/// The fence after `previous`, at `now`: `max(previous + 1, now in microseconds)`.
+pub fn next_fence(previous: u64, now: Timestamp) -> u64 {
+    previous
+        .saturating_add(1)
+        .max(now.as_millis().saturating_mul(1000))
+}
+
+/// Lock names released, as a backend hears of them, to wake waiters early.
+pub trait ReleaseListener: Send {
+    /// The next release: `Some(name)`, or `None` when releases may have been missed (the
+    /// listener fell behind or reconnected), so waiters should try again. A feed that has
+    /// ended stays pending; waiters fall back to their timers.
+    fn next(&mut self) -> BoxFuture<'_, Option<Arc<str>>>;
+}
+
+/// Where locks live.
+///
+/// # Contract
+///
+/// Each operation is one atomic step per name and follows [`LockState`]'s transitions, with the
+/// backend's clock as `now` (the server's, for server backends, so that clients' clocks do not
+/// matter). The conformance suite in `idem-testkit` checks every backend:
+///
+/// - **Mutual exclusion.** Of any number of concurrent acquires of a name that is not held,
+///   exactly one answers `Acquired`; while a lease lasts nobody else acquires.
+/// - **Fencing.** Every new holding gets a fence strictly greater than every fence handed out
+///   before for the name.
+/// - **Owner checks.** `renew` and `release` by anyone but the holder with its fence answer
+///   [`LockError::NotOwner`] and change nothing. `release` repeated by the last owner succeeds.
+/// - **Failures fail closed.** An error never hides a granted lease that the caller could not
+///   learn of for long: the lease runs out by itself.
+pub trait LockStore: Send + Sync + 'static {
+    /// A short name of the backend.
+    fn kind(&self) -> &'static str;
+
+    /// Acquires `name` for `owner` for `lease`, or says who holds it until when.
+    fn acquire<'a>(
+        &'a self,
+        name: &'a LockName,
+        owner: OwnerDigest,
+        lease: Duration,
+    ) -> BoxFuture<'a, Result<Acquire, StoreError>>;
+
+    /// Extends the holder's lease to `lease` from now.
+    fn renew<'a>(
+        &'a self,
+        name: &'a LockName,
+        owner: OwnerDigest,
+        fence: u64,
+        lease: Duration,
+    ) -> BoxFuture<'a, Result<Held, LockError>>;
+
+    /// Releases the holding and wakes waiters.
+    fn release<'a>(
+        &'a self,
+        name: &'a LockName,
+        owner: OwnerDigest,
+        fence: u64,
+    ) -> BoxFuture<'a, Result<(), LockError>>;
+
+    /// Starts listening for releases (of any name); `None` if the backend cannot tell, and
+    /// waiters poll. Subscribe *before* trying to acquire, so no release is missed in between.
+    fn listen(&self) -> Option<Box<dyn ReleaseListener>>;
+}
+
+impl<T: LockStore + ?Sized> LockStore for Arc<T> {
+    fn kind(&self) -> &'static str {
+        (**self).kind()
+    }
+    fn acquire<'a>(
+        &'a self,
+        name: &'a LockName,
+        owner: OwnerDigest,
+        lease: Duration,
+    ) -> BoxFuture<'a, Result<Acquire, StoreError>> {
+        (**self).acquire(name, owner, lease)
+    }
+    fn renew<'a>(
+        &'a self,
+        name: &'a LockName,
+        owner: OwnerDigest,
+        fence: u64,
+        lease: Duration,
+    ) -> BoxFuture<'a, Result<Held, LockError>> {
+        (**self).renew(name, owner, fence, lease)
+    }
+    fn release<'a>(
+        &'a self,
+        name: &'a LockName,
+        owner: OwnerDigest,
+        fence: u64,
+    ) -> BoxFuture<'a, Result<(), LockError>> {
+        (**self).release(name, owner, fence)
+    }
+    fn listen(&self) -> Option<Box<dyn ReleaseListener>> {
+        (**self).listen()
+    }
+}
+
+/// A lease length in whole milliseconds, at least 1, as backends store it.
+pub fn lease_millis(lease: Duration) -> u64 {
+    duration_millis(lease).max(1)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn owner(n: u8) -> OwnerDigest {
+        OwnerDigest([n; 32])
+    }
+    const LEASE: Duration = Duration::from_secs(10);
+
+    #[test]
+    fn names_and_ids_are_checked() {
+        assert!(LockName::new("orders:42").is_ok());
+        assert!(LockName::new("").is_err());
+        assert!(LockName::new("a b").is_err());
+        assert!(LockName::new(&"x".repeat(201)).is_err());
+        assert!(LockName::new(&"x".repeat(200)).is_ok());
+        assert!(LockOwner::parse("short").is_err());
+        assert!(LockOwner::parse("0123456789abcdef").is_ok());
+        assert!(LockOwner::parse("0123456789abcdef!").is_err());
+        let a = LockOwner::random();
+        assert_eq!(a.as_str().len(), 32);
+        assert_ne!(a, LockOwner::random());
+        assert_eq!(format!("{a:?}"), "LockOwner(..)");
+        assert_eq!(a.digest(), LockOwner::parse(a.as_str()).unwrap().digest());
+    }
+
+    #[test]
+    fn one_holder_at_a_time_and_fences_increase() {
+        let t = Timestamp::from_millis(1_000);
+        let a = LockState::acquire(None, owner(1), LEASE, t).unwrap();
+        assert_eq!(a.fence, 1_000_000);
+        // Busy for another owner until the lease ends; the holder re-acquires in place.
+        assert_eq!(
+            LockState::acquire(Some(&a), owner(2), LEASE, t),
+            Err(a.expires_at)
+        );
+        let again =
+            LockState::acquire(Some(&a), owner(1), LEASE, t.saturating_add(LEASE / 2)).unwrap();
+        assert_eq!(again.fence, a.fence);
+        // After the lease, another owner takes it with a higher fence, even in the same
+        // millisecond as far as the clock term goes.
+        let b = LockState::acquire(Some(&again), owner(2), LEASE, again.expires_at).unwrap();
+        assert!(b.fence > a.fence);
+        let c = LockState::acquire(Some(&LockState { expires_at: t, ..b }), owner(3), LEASE, t)
+            .unwrap();
+        assert_eq!(c.fence, b.fence + 1);
+    }
+
+    #[test]
+    fn renew_and_release_check_the_owner_and_fence() {
+        let t = Timestamp::from_millis(1_000);
+        let mut s = LockState::acquire(None, owner(1), LEASE, t).unwrap();
+        assert!(matches!(
+            s.renew(owner(2), s.fence, LEASE, t),
+            Err(LockError::NotOwner)
+        ));
+        assert!(matches!(
+            s.renew(owner(1), s.fence + 1, LEASE, t),
+            Err(LockError::NotOwner)
+        ));
+        assert!(matches!(
+            s.release(owner(2), s.fence, t),
+            Err(LockError::NotOwner)
+        ));
+        let later = t.saturating_add(Duration::from_secs(5));
+        let held = s.renew(owner(1), s.fence, LEASE, later).unwrap();
+        assert_eq!(held.expires_at, later.saturating_add(LEASE));
+        assert_eq!(s.release(owner(1), s.fence, later).ok(), Some(true));
+        // Repeated: still fine, and nothing to wake.
+        assert_eq!(s.release(owner(1), s.fence, later).ok(), Some(false));
+        // A released lock cannot be renewed, and is free for others.
+        assert!(s.renew(owner(1), s.fence, LEASE, later).is_err());
+        assert!(LockState::acquire(Some(&s), owner(2), LEASE, later).is_ok());
+    }
+
+    #[test]
+    fn a_lease_that_ran_out_cannot_be_renewed() {
+        let t = Timestamp::from_millis(1_000);
+        let mut s = LockState::acquire(None, owner(1), LEASE, t).unwrap();
+        assert!(
+            s.renew(owner(1), s.fence, LEASE, t.saturating_add(LEASE))
+                .is_err()
+        );
+        // ...but its owner may still release it while nobody else took it.
+        assert!(
+            s.release(owner(1), s.fence, t.saturating_add(LEASE))
+                .is_ok()
+        );
+        assert!(!s.is_stale(t.saturating_add(LEASE)));
+        assert!(s.is_stale(t.saturating_add(LEASE + LOCK_STATE_RETENTION)));
+    }
+}

@@ -1,0 +1,340 @@
+//! Locks in Redis, single node or Cluster.
+//!
+//! A lock is one hash, `<prefix>lock:{<digest>}` (the digest being 128 bits of SHA-256 of the
+//! name, its own hash tag), holding the last owner's digest, its fence and its lease end. Each
+//! operation is one Lua script applying [`LockState`](idem_core::LockState)'s rules with the
+//! server's clock (`TIME`), so clients' clocks never decide who holds a lock, and the fence is
+//! computed in the same step as the lock is taken: `max(fence + 1, TIME in µs)`.
+//!
+//! The hash outlives the lease by [`LOCK_STATE_RETENTION`] (native TTL), so a late release by
+//! the last owner is recognised; after that, or when the server lost its data (a restart
+//! without persistence, a failover to a replica that missed the last writes), the fence's
+//! clock term still makes the next fence higher.
+//!
+//! A release publishes the name on `<prefix>lock-released`. On a single server, the store
+//! subscribes once (its own connection, opened when the first waiter listens and closed when
+//! none has listened for a while) and wakes its waiters; on a Cluster waiters poll.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Duration;
+
+use idem_core::lock::{LOCK_STATE_RETENTION, lease_millis};
+use idem_core::{
+    Acquire, BoxFuture, Held, LockError, LockName, LockStore, OwnerDigest, ReleaseListener,
+    StoreError, Timestamp,
+};
+use redis::{Script, Value};
+
+use crate::fence::Fenced;
+use crate::lock_feed::ReleaseFeed;
+use crate::redis_store::{RedisStore, corrupt, error};
+
+/// The server's time as `now` (ms) and `nowus` (µs). Numbers written to the hash go through
+/// `%d`: Lua would print a 16-digit number in exponent form.
+const CLOCK: &str = r"
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local nowus = tonumber(t[1]) * 1000000 + tonumber(t[2])
+";
+
+/// ARGV = owner, lease ms, retention ms. Answers {1, fence, expires} or {0, until}.
+const ACQUIRE: &str = r"
+local r = redis.call('HMGET', KEYS[1], 'o', 'f', 'e')
+local f, e = tonumber(r[2]), tonumber(r[3])
+if e and e > now then
+  if r[1] ~= ARGV[1] then return {0, e} end
+else
+  f = math.max((f or 0) + 1, nowus)
+end
+local exp = now + tonumber(ARGV[2])
+redis.call('HSET', KEYS[1], 'o', ARGV[1], 'f', string.format('%d', f), 'e', string.format('%d', exp))
+redis.call('PEXPIRE', KEYS[1], tonumber(ARGV[2]) + tonumber(ARGV[3]))
+return {1, f, exp}
+";
+
+/// ARGV = owner, fence, lease ms, retention ms. Answers the new lease end, or -1.
+const RENEW: &str = r"
+local r = redis.call('HMGET', KEYS[1], 'o', 'f', 'e')
+if r[1] ~= ARGV[1] or r[2] ~= ARGV[2] or not r[3] or tonumber(r[3]) <= now then return -1 end
+local exp = now + tonumber(ARGV[3])
+redis.call('HSET', KEYS[1], 'e', string.format('%d', exp))
+redis.call('PEXPIRE', KEYS[1], tonumber(ARGV[3]) + tonumber(ARGV[4]))
+return exp
+";
+
+/// ARGV = owner, fence, retention ms, channel, name. Answers 1 (released), 0 (already was),
+/// or -1 (not the owner).
+const RELEASE: &str = r"
+local r = redis.call('HMGET', KEYS[1], 'o', 'f', 'e')
+if r[1] ~= ARGV[1] or r[2] ~= ARGV[2] then return -1 end
+if tonumber(r[3]) <= now then return 0 end
+redis.call('HSET', KEYS[1], 'e', string.format('%d', now))
+redis.call('PEXPIRE', KEYS[1], tonumber(ARGV[3]))
+redis.call('PUBLISH', ARGV[4], ARGV[5])
+return 1
+";
+
+/// ARGV = fence, value. Answers {1} (stored) or {0, highest fence}.
+const FENCED_SET: &str = r"
+local f = tonumber(redis.call('HGET', KEYS[1], 'fence') or '0')
+if f > tonumber(ARGV[1]) then return {0, f} end
+redis.call('HSET', KEYS[1], 'fence', ARGV[1], 'value', ARGV[2])
+return {1}
+";
+
+/// How long the release feed's connection stays open with nobody listening.
+const FEED_IDLE: Duration = Duration::from_secs(30);
+
+/// The lock scripts and the release feed, shared by a store's clones.
+#[derive(Clone)]
+pub(crate) struct LockScripts {
+    acquire: Script,
+    renew: Script,
+    release: Script,
+    fenced_set: Script,
+    feed: ReleaseFeed,
+    feed_running: Arc<AtomicBool>,
+}
+
+impl LockScripts {
+    pub(crate) fn new() -> Self {
+        let script = |body: &str| Script::new(&format!("{CLOCK}{body}"));
+        Self {
+            acquire: script(ACQUIRE),
+            renew: script(RENEW),
+            release: script(RELEASE),
+            fenced_set: Script::new(FENCED_SET),
+            feed: ReleaseFeed::new(),
+            feed_running: Arc::new(AtomicBool::new(false)),
+        }
+    }
+}
+
+impl RedisStore {
+    fn lock_key(&self, name: &LockName) -> String {
+        format!("{}lock:{{{}}}", self.prefix, name.digest_hex())
+    }
+
+    fn release_channel(&self) -> String {
+        format!("{}lock-released", self.prefix)
+    }
+
+    /// Stores `value` at `key` (a hash of `fence` and `value`, the key exactly as given) unless
+    /// a higher fence was stored there before: a resource that refuses a lock holder which
+    /// lost its lock. See [`crate::fence`].
+    pub async fn fenced_set(
+        &self,
+        key: &str,
+        fence: u64,
+        value: &[u8],
+    ) -> Result<Fenced, StoreError> {
+        let answer: Vec<Value> = self
+            .locks
+            .fenced_set
+            .key(key)
+            .arg(fence)
+            .arg(value)
+            .invoke_async(&mut self.conn.clone())
+            .await
+            .map_err(|e| error("cannot write the fenced value", e))?;
+        match answer.as_slice() {
+            [Value::Int(1)] => Ok(Fenced::Accepted),
+            [Value::Int(0), highest] => Ok(Fenced::Stale {
+                highest: u64::try_from(number(highest, "fence")?).map_err(|_| corrupt("fence"))?,
+            }),
+            _ => Err(corrupt("fenced write answer")),
+        }
+    }
+
+    /// The fence and value [`RedisStore::fenced_set`] stored at `key`, if any.
+    pub async fn fenced_get(&self, key: &str) -> Result<Option<(u64, Vec<u8>)>, StoreError> {
+        let (fence, value): (Option<u64>, Option<Vec<u8>>) = redis::cmd("HMGET")
+            .arg(key)
+            .arg("fence")
+            .arg("value")
+            .query_async(&mut self.conn.clone())
+            .await
+            .map_err(|e| error("cannot read the fenced value", e))?;
+        Ok(fence.zip(value))
+    }
+}
+
+fn retention() -> u64 {
+    lease_millis(LOCK_STATE_RETENTION)
+}
+
+fn number(v: &Value, what: &str) -> Result<i64, StoreError> {
+    match v {
+        Value::Int(i) => Ok(*i),
+        _ => Err(corrupt(what)),
+    }
+}
+
+fn timestamp(v: &Value, what: &str) -> Result<Timestamp, StoreError> {
+    let ms = u64::try_from(number(v, what)?).map_err(|_| corrupt(what))?;
+    Ok(Timestamp::from_millis(ms))
+}
+
+impl LockStore for RedisStore {
+    fn kind(&self) -> &'static str {
+        idem_core::Store::kind(self)
+    }
+
+    fn acquire<'a>(
+        &'a self,
+        name: &'a LockName,
+        owner: OwnerDigest,
+        lease: Duration,
+    ) -> BoxFuture<'a, Result<Acquire, StoreError>> {
+        Box::pin(async move {
+            let answer: Vec<Value> = self
+                .locks
+                .acquire
+                .key(self.lock_key(name))
+                .arg(owner.to_hex())
+                .arg(lease_millis(lease))
+                .arg(retention())
+                .invoke_async(&mut self.conn.clone())
+                .await
+                .map_err(|e| error("cannot acquire the lock", e))?;
+            match answer.as_slice() {
+                [Value::Int(1), fence, expires] => Ok(Acquire::Acquired(Held {
+                    fence: u64::try_from(number(fence, "lock fence")?)
+                        .map_err(|_| corrupt("lock fence"))?,
+                    expires_at: timestamp(expires, "lock expiry")?,
+                })),
+                [Value::Int(0), until] => Ok(Acquire::Busy {
+                    until: timestamp(until, "lock expiry")?,
+                }),
+                _ => Err(corrupt("lock answer")),
+            }
+        })
+    }
+
+    fn renew<'a>(
+        &'a self,
+        name: &'a LockName,
+        owner: OwnerDigest,
+        fence: u64,
+        lease: Duration,
+    ) -> BoxFuture<'a, Result<Held, LockError>> {
+        Box::pin(async move {
+            let answer: i64 = self
+                .locks
+                .renew
+                .key(self.lock_key(name))
+                .arg(owner.to_hex())
+                .arg(fence)
+                .arg(lease_millis(lease))
+                .arg(retention())
+                .invoke_async(&mut self.conn.clone())
+                .await
+                .map_err(|e| error("cannot renew the lock", e))?;
+            let expires = u64::try_from(answer).map_err(|_| LockError::NotOwner)?;
+            Ok(Held {
+                fence,
+                expires_at: Timestamp::from_millis(expires),
+            })
+        })
+    }
+
+    fn release<'a>(
+        &'a self,
+        name: &'a LockName,
+        owner: OwnerDigest,
+        fence: u64,
+    ) -> BoxFuture<'a, Result<(), LockError>> {
+        Box::pin(async move {
+            let answer: i64 = self
+                .locks
+                .release
+                .key(self.lock_key(name))
+                .arg(owner.to_hex())
+                .arg(fence)
+                .arg(retention())
+                .arg(self.release_channel())
+                .arg(name.as_str())
+                .invoke_async(&mut self.conn.clone())
+                .await
+                .map_err(|e| error("cannot release the lock", e))?;
+            if answer < 0 {
+                return Err(LockError::NotOwner);
+            }
+            Ok(())
+        })
+    }
+
+    fn listen(&self) -> Option<Box<dyn ReleaseListener>> {
+        let client = self.client.as_ref()?;
+        let runtime = tokio::runtime::Handle::try_current().ok()?;
+        let listener = self.locks.feed.listen();
+        if !self.locks.feed_running.swap(true, Ordering::AcqRel) {
+            runtime.spawn(run_feed(
+                client.clone(),
+                self.release_channel(),
+                self.locks.feed.clone(),
+                Arc::clone(&self.locks.feed_running),
+            ));
+        }
+        Some(listener)
+    }
+}
+
+/// Forwards the server's release messages to this process's waiters, reconnecting after
+/// failures, until nobody has listened for [`FEED_IDLE`].
+async fn run_feed(
+    client: redis::Client,
+    channel: String,
+    feed: ReleaseFeed,
+    running: Arc<AtomicBool>,
+) {
+    use futures_core::Stream;
+    use std::pin::Pin;
+
+    let mut backoff = Duration::from_millis(50);
+    let mut idle_since = None;
+    loop {
+        let connected = async {
+            let mut pubsub = client.get_async_pubsub().await?;
+            pubsub.subscribe(&channel).await?;
+            Ok::<_, redis::RedisError>(pubsub.into_on_message())
+        };
+        let Ok(Ok(mut stream)) = tokio::time::timeout(Duration::from_secs(5), connected).await
+        else {
+            tokio::time::sleep(backoff).await;
+            backoff = (backoff * 2).min(Duration::from_secs(2));
+            if !feed.has_listeners() {
+                break;
+            }
+            continue;
+        };
+        backoff = Duration::from_millis(50);
+        // Releases published while this connection was down were missed.
+        feed.send_missed();
+        loop {
+            let next = std::future::poll_fn(|cx| Pin::new(&mut stream).poll_next(cx));
+            match tokio::time::timeout(Duration::from_secs(1), next).await {
+                Ok(Some(msg)) => {
+                    if let Ok(name) = std::str::from_utf8(msg.get_payload_bytes()) {
+                        feed.send(Arc::from(name));
+                    }
+                }
+                // The connection ended: connect again.
+                Ok(None) => break,
+                Err(_) => {}
+            }
+            if feed.has_listeners() {
+                idle_since = None;
+            } else if idle_since
+                .get_or_insert_with(tokio::time::Instant::now)
+                .elapsed()
+                >= FEED_IDLE
+            {
+                running.store(false, Ordering::Release);
+                return;
+            }
+        }
+    }
+    running.store(false, Ordering::Release);
+}

@@ -1,0 +1,253 @@
+//! The conformance suite for lock backends ([`LockStore`]): every backend passes these cases
+//! unchanged. Run them with [`lock_conformance_tests!`](crate::lock_conformance_tests).
+//!
+//! Leases run by the backend's own clock, so the cases that need a lease to run out wait for it
+//! (a few hundred milliseconds); each case uses lock names of its own, so cases may share a
+//! server.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use idem_core::{Acquire, Held, LockError, LockName, LockOwner, LockStore, OwnerDigest};
+
+/// A long lease: never runs out during a case.
+const LONG: Duration = Duration::from_secs(60);
+
+/// A lock name no other case or run uses.
+pub fn fresh_name(case: &str) -> LockName {
+    let n: u64 = rand::random();
+    LockName::new(&format!("conformance:{case}:{n:016x}")).unwrap()
+}
+
+fn owner() -> OwnerDigest {
+    LockOwner::random().digest()
+}
+
+async fn acquired(
+    store: &dyn LockStore,
+    name: &LockName,
+    who: OwnerDigest,
+    lease: Duration,
+) -> Held {
+    match store.acquire(name, who, lease).await.unwrap() {
+        Acquire::Acquired(held) => held,
+        Acquire::Busy { until } => panic!("expected to acquire {name}, held until {until:?}"),
+    }
+}
+
+async fn busy(store: &dyn LockStore, name: &LockName, who: OwnerDigest) {
+    match store.acquire(name, who, LONG).await.unwrap() {
+        Acquire::Busy { .. } => {}
+        Acquire::Acquired(held) => panic!("acquired {name} while it is held: {held:?}"),
+    }
+}
+
+/// One holder at a time; the holder acquiring again keeps its fence; others are told until
+/// when it is held.
+pub async fn one_holder_at_a_time(store: &dyn LockStore) {
+    let name = fresh_name("one_holder");
+    let (a, b) = (owner(), owner());
+    let held = acquired(store, &name, a, LONG).await;
+    assert!(held.fence > 0);
+    match store.acquire(&name, b, LONG).await.unwrap() {
+        Acquire::Busy { until } => assert_eq!(until, held.expires_at),
+        Acquire::Acquired(_) => panic!("two holders"),
+    }
+    let again = acquired(store, &name, a, LONG).await;
+    assert_eq!(
+        again.fence, held.fence,
+        "a repeated acquire keeps the fence"
+    );
+    busy(store, &name, b).await;
+}
+
+/// Renew and release by anyone but the holder, or with another fence, are refused and change
+/// nothing.
+pub async fn only_the_owner_renews_and_releases(store: &dyn LockStore) {
+    let name = fresh_name("owner_checks");
+    let (a, b) = (owner(), owner());
+    let held = acquired(store, &name, a, LONG).await;
+    let not_owner =
+        |r: Result<(), LockError>| assert!(matches!(r, Err(LockError::NotOwner)), "{r:?}");
+    not_owner(store.release(&name, b, held.fence).await);
+    not_owner(store.release(&name, a, held.fence + 1).await);
+    not_owner(store.renew(&name, b, held.fence, LONG).await.map(drop));
+    not_owner(store.renew(&name, a, held.fence - 1, LONG).await.map(drop));
+    busy(store, &name, b).await;
+    let renewed = store.renew(&name, a, held.fence, LONG).await.unwrap();
+    assert_eq!(renewed.fence, held.fence);
+    assert!(renewed.expires_at >= held.expires_at);
+    // Nobody holds an unknown name.
+    not_owner(store.release(&fresh_name("never_held"), a, 1).await);
+    not_owner(
+        store
+            .renew(&fresh_name("never_held"), a, 1, LONG)
+            .await
+            .map(drop),
+    );
+}
+
+/// A release frees the lock at once for others, with a higher fence; the released holding can
+/// no longer be renewed or released... except that repeating the release succeeds.
+pub async fn release_frees_and_fences_increase(store: &dyn LockStore) {
+    let name = fresh_name("release");
+    let (a, b) = (owner(), owner());
+    let first = acquired(store, &name, a, LONG).await;
+    store.release(&name, a, first.fence).await.unwrap();
+    store.release(&name, a, first.fence).await.unwrap();
+    assert!(matches!(
+        store.renew(&name, a, first.fence, LONG).await,
+        Err(LockError::NotOwner)
+    ));
+    let second = acquired(store, &name, b, LONG).await;
+    assert!(second.fence > first.fence);
+    assert!(matches!(
+        store.release(&name, a, first.fence).await,
+        Err(LockError::NotOwner)
+    ));
+    store.release(&name, b, second.fence).await.unwrap();
+    // The same owner acquiring after its own release is a new holding.
+    let third = acquired(store, &name, a, LONG).await;
+    assert!(third.fence > second.fence);
+}
+
+/// A lease that runs out frees the lock for another owner, with a higher fence; the old holder
+/// can then neither renew nor release.
+pub async fn a_lease_runs_out(store: &dyn LockStore) {
+    let name = fresh_name("lease");
+    let (a, b) = (owner(), owner());
+    let short = Duration::from_millis(150);
+    let old = acquired(store, &name, a, short).await;
+    busy(store, &name, b).await;
+    tokio::time::sleep(Duration::from_millis(400)).await;
+    // Ran out, nobody took it: it cannot be renewed (lost stays lost).
+    assert!(matches!(
+        store.renew(&name, a, old.fence, LONG).await,
+        Err(LockError::NotOwner)
+    ));
+    let new = acquired(store, &name, b, LONG).await;
+    assert!(new.fence > old.fence);
+    assert!(matches!(
+        store.release(&name, a, old.fence).await,
+        Err(LockError::NotOwner)
+    ));
+    busy(store, &name, a).await;
+}
+
+/// Of many concurrent acquires of a free lock exactly one wins.
+pub async fn acquire_storm(store: Arc<dyn LockStore>) {
+    let name = fresh_name("storm");
+    let tasks: Vec<_> = (0..32)
+        .map(|_| {
+            let (store, name) = (Arc::clone(&store), name.clone());
+            tokio::spawn(async move { store.acquire(&name, owner(), LONG).await.unwrap() })
+        })
+        .collect();
+    let mut winners = 0;
+    for t in tasks {
+        if matches!(t.await.unwrap(), Acquire::Acquired(_)) {
+            winners += 1;
+        }
+    }
+    assert_eq!(winners, 1);
+}
+
+/// Names are independent.
+pub async fn names_are_independent(store: &dyn LockStore) {
+    let (x, y) = (fresh_name("x"), fresh_name("y"));
+    let (a, b) = (owner(), owner());
+    acquired(store, &x, a, LONG).await;
+    acquired(store, &y, b, LONG).await;
+}
+
+/// A backend that offers a release feed reports a release of a held lock to a listener that
+/// subscribed before it.
+pub async fn a_release_is_heard(store: &dyn LockStore) {
+    let Some(mut listener) = store.listen() else {
+        return;
+    };
+    let name = fresh_name("heard");
+    let a = owner();
+    let held = acquired(store, &name, a, LONG).await;
+    // A feed that must first subscribe at its server gets a moment to do so.
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    store.release(&name, a, held.fence).await.unwrap();
+    let heard = tokio::time::timeout(Duration::from_secs(5), async {
+        loop {
+            // `None` (releases may have been missed, as when the feed connects) is no answer.
+            if listener.next().await.is_some_and(|n| *n == *name.as_str()) {
+                return true;
+            }
+        }
+    })
+    .await;
+    assert_eq!(
+        heard.ok(),
+        Some(true),
+        "the release of {name} was not heard"
+    );
+}
+
+/// Generates one `#[test]` per lock conformance case. The argument is an async expression
+/// yielding `Option<Arc<dyn LockStore>>` (`None` skips, for a backend without its server), or
+/// a tuple of that and a guard to keep alive.
+#[macro_export]
+macro_rules! lock_conformance_tests {
+    ($fixture:expr) => {
+        $crate::lock_conformance_tests!(@cases $fixture;
+            one_holder_at_a_time,
+            only_the_owner_renews_and_releases,
+            release_frees_and_fences_increase,
+            a_lease_runs_out,
+            names_are_independent,
+            a_release_is_heard,
+        );
+        #[test]
+        fn acquire_storm() {
+            $crate::block_on(async {
+                let Some((store, _guard)) = $crate::locks::IntoLockFixture::into_lock_fixture($fixture.await) else {
+                    return;
+                };
+                $crate::locks::acquire_storm(store).await;
+            });
+        }
+    };
+    (@cases $fixture:expr; $($case:ident,)*) => {
+        $(
+            #[test]
+            fn $case() {
+                $crate::block_on(async {
+                    let Some((store, _guard)) = $crate::locks::IntoLockFixture::into_lock_fixture($fixture.await) else {
+                        return;
+                    };
+                    $crate::locks::$case(&*store).await;
+                });
+            }
+        )*
+    };
+}
+
+/// What a lock fixture expression may yield: a backend (or `None` to skip), optionally with a
+/// guard that must live as long as it.
+pub trait IntoLockFixture {
+    /// The backend and its guard, or `None` to skip.
+    fn into_lock_fixture(self) -> Option<(Arc<dyn LockStore>, Box<dyn std::any::Any>)>;
+}
+
+impl IntoLockFixture for Option<Arc<dyn LockStore>> {
+    fn into_lock_fixture(self) -> Option<(Arc<dyn LockStore>, Box<dyn std::any::Any>)> {
+        self.map(|s| (s, Box::new(()) as Box<dyn std::any::Any>))
+    }
+}
+
+impl IntoLockFixture for Arc<dyn LockStore> {
+    fn into_lock_fixture(self) -> Option<(Arc<dyn LockStore>, Box<dyn std::any::Any>)> {
+        Some((self, Box::new(())))
+    }
+}
+
+impl<G: std::any::Any> IntoLockFixture for Option<(Arc<dyn LockStore>, G)> {
+    fn into_lock_fixture(self) -> Option<(Arc<dyn LockStore>, Box<dyn std::any::Any>)> {
+        self.map(|(s, g)| (s, Box::new(g) as Box<dyn std::any::Any>))
+    }
+}
