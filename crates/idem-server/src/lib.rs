@@ -11,6 +11,7 @@
 //! | `POST /v1/records/release` | give the key back after a retryable failure; 409 `stale_lease` |
 //! | `GET /v1/records/{namespace}/{key}` | the caller's record, or 404 |
 //! | `POST /v1/tokens`, `POST /v1/tokens/consume` | one-time tokens (see [`tokens`]) |
+//! | `POST /v1/locks/{name}/acquire`, `/renew`, `/release` | locks with fencing (see [`locks`]) |
 //! | `GET /v1/ids/uuid7`, `/v1/ids/snowflake`, `/v1/ids/segment/{tag}` (`?count=N`) | ids (see [`ids`]) |
 
 pub mod api;
@@ -18,6 +19,7 @@ pub mod auth;
 pub mod gateway;
 pub mod ids;
 pub mod json;
+pub mod locks;
 pub mod metrics;
 pub mod tokens;
 
@@ -54,6 +56,8 @@ pub struct AppState {
     pub snowflake: Option<Arc<idem_id::LeasedSnowflake>>,
     /// Segment allocators by caller scope and tag, made on first use.
     pub segments: ids::SegmentTable,
+    /// Locks, if the store keeps them.
+    pub locks: Option<idem::Locks>,
 }
 
 impl AppState {
@@ -68,7 +72,16 @@ impl AppState {
             default_ttl: DEFAULT_TTL,
             snowflake: None,
             segments: ids::SegmentTable::default(),
+            locks: None,
         }
+    }
+
+    /// Serves locks from `locks` (usually the same store, opened with
+    /// `StoreUrl::open_with_locks`).
+    #[must_use]
+    pub fn with_locks(mut self, locks: Arc<dyn idem_core::LockStore>) -> Self {
+        self.locks = Some(idem::Locks::shared(locks));
+        self
     }
 }
 
@@ -82,6 +95,9 @@ pub fn router(state: AppState) -> Router {
         .route("/v1/records/{namespace}/{key}", get(api::get))
         .route("/v1/tokens", post(tokens::issue))
         .route("/v1/tokens/consume", post(tokens::consume))
+        .route("/v1/locks/{name}/acquire", post(locks::acquire))
+        .route("/v1/locks/{name}/renew", post(locks::renew))
+        .route("/v1/locks/{name}/release", post(locks::release))
         .route("/v1/ids/uuid7", get(ids::uuid7))
         .route("/v1/ids/snowflake", get(ids::snowflake))
         .route("/v1/ids/segment/{tag}", get(ids::segment))

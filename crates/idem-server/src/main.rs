@@ -311,7 +311,10 @@ async fn serve(args: &ServeArgs) -> Result<(), String> {
             args.listen
         ));
     }
-    let store = url.open().await.map_err(|e| e.to_string())?;
+    let (store, locks) = url.open_with_locks().await.map_err(|e| e.to_string())?;
+    if locks.is_none() {
+        warn!("this store keeps no locks: /v1/locks answers 501");
+    }
     if auth.is_anonymous() {
         warn!(
             "no API keys configured: every caller shares the scope `default`; \
@@ -347,6 +350,7 @@ async fn serve(args: &ServeArgs) -> Result<(), String> {
         default_ttl: args.ttl,
         snowflake: snowflake.clone(),
         segments: idem_server::ids::SegmentTable::default(),
+        locks: locks.map(idem::Locks::shared),
     };
     let served = run(
         args.listen,

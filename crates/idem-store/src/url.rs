@@ -16,7 +16,7 @@
 use std::str::FromStr;
 use std::sync::Arc;
 
-use idem_core::{SharedStore, StoreError};
+use idem_core::{LockStore, SharedStore, StoreError};
 
 use crate::MemoryStore;
 
@@ -279,8 +279,21 @@ impl StoreUrl {
     /// Opens the store this URL names (connecting, and applying migrations, for server
     /// stores).
     pub async fn open(&self) -> Result<SharedStore, StoreError> {
+        Ok(self.open_with_locks().await?.0)
+    }
+
+    /// Opens the store, and the same store as a lock backend where it keeps locks (every
+    /// store but MySQL/MariaDB), sharing its connections.
+    pub async fn open_with_locks(
+        &self,
+    ) -> Result<(SharedStore, Option<Arc<dyn LockStore>>), StoreError> {
+        fn both<S: idem_core::Store + LockStore + Clone>(
+            store: S,
+        ) -> (SharedStore, Option<Arc<dyn LockStore>>) {
+            (Arc::new(store.clone()), Some(Arc::new(store)))
+        }
         match self {
-            StoreUrl::Memory => Ok(Arc::new(MemoryStore::new())),
+            StoreUrl::Memory => Ok(both(MemoryStore::new())),
             #[cfg(feature = "sqlite")]
             StoreUrl::Sqlite {
                 path,
@@ -292,14 +305,14 @@ impl StoreUrl {
                     busy_timeout: std::time::Duration::from_millis(*busy_timeout_ms),
                     ..crate::SqliteOptions::default()
                 };
-                Ok(Arc::new(crate::SqliteStore::open_with(path, options)?))
+                Ok(both(crate::SqliteStore::open_with(path, options)?))
             }
             #[cfg(feature = "redis")]
             StoreUrl::Redis {
                 nodes,
                 cluster: false,
                 options,
-            } => Ok(Arc::new(
+            } => Ok(both(
                 crate::RedisStore::connect(&nodes[0], options.clone()).await?,
             )),
             #[cfg(feature = "redis")]
@@ -307,15 +320,16 @@ impl StoreUrl {
                 nodes,
                 cluster: true,
                 options,
-            } => Ok(Arc::new(
+            } => Ok(both(
                 crate::RedisStore::connect_cluster(nodes, options.clone()).await?,
             )),
             #[cfg(feature = "mysql")]
-            StoreUrl::MySql { url, options } => Ok(Arc::new(
-                crate::MySqlStore::connect_with(url, options.clone()).await?,
+            StoreUrl::MySql { url, options } => Ok((
+                Arc::new(crate::MySqlStore::connect_with(url, options.clone()).await?),
+                None,
             )),
             #[cfg(feature = "postgres")]
-            StoreUrl::Postgres { url, options } => Ok(Arc::new(
+            StoreUrl::Postgres { url, options } => Ok(both(
                 crate::PostgresStore::connect_with(url, options.clone()).await?,
             )),
         }

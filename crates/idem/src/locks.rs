@@ -439,6 +439,21 @@ impl LockGuard {
         s.store.release(&s.name, s.digest, s.fence).await
     }
 
+    /// Hands the holding over to the caller, who renews and releases it by owner and fence
+    /// ([`Locks::renew`], [`Locks::release`]): the guard stops renewing, and dropping it no
+    /// longer releases the lock.
+    pub fn detach(mut self) -> (LockOwner, Held) {
+        if let Some(task) = self.renewer.take() {
+            task.abort();
+        }
+        self.released = true;
+        let held = Held {
+            fence: self.shared.fence,
+            expires_at: self.expires_at(),
+        };
+        (self.shared.owner.clone(), held)
+    }
+
     async fn stop_renewing(&mut self) {
         if let Some(task) = self.renewer.take() {
             task.abort();

@@ -15,15 +15,14 @@ fn tokens() -> (Tokens, ManualClock) {
     (Tokens::new(store, Arc::new(clock.clone())), clock)
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-async fn of_many_racing_consumers_exactly_one_wins() {
-    let (tokens, _) = tokens();
+/// 500 consumers race for one token: exactly one wins, every other is told it was used.
+async fn of_500_racing_consumers_exactly_one_wins(tokens: Tokens) {
     let t = tokens
         .issue("shop", "order-form", Duration::from_secs(600))
         .await
         .unwrap();
     let wins = Arc::new(AtomicUsize::new(0));
-    let racers: Vec<_> = (0..50)
+    let racers: Vec<_> = (0..500)
         .map(|_| {
             let (tokens, token, wins) = (tokens.clone(), t.token.clone(), wins.clone());
             tokio::spawn(async move {
@@ -45,6 +44,41 @@ async fn of_many_racing_consumers_exactly_one_wins() {
         tokens.consume("shop", &t.token, "order-form").await,
         Err(TokenError::AlreadyUsed)
     ));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn of_racing_consumers_exactly_one_wins_in_memory() {
+    of_500_racing_consumers_exactly_one_wins(tokens().0).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn of_racing_consumers_exactly_one_wins_on_redis() {
+    let Some(url) = idem_testkit::services::REDIS.url() else {
+        return;
+    };
+    let options = idem_store::RedisOptions {
+        prefix: "idem-test:".into(),
+        ..idem_store::RedisOptions::default()
+    };
+    let store = idem_store::RedisStore::connect(&url, options).await.unwrap();
+    let tokens = Tokens::new(Arc::new(store), Arc::new(idem::SystemClock));
+    of_500_racing_consumers_exactly_one_wins(tokens).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn of_racing_consumers_exactly_one_wins_on_postgres() {
+    let Some(url) = idem_testkit::services::POSTGRES.url() else {
+        return;
+    };
+    let options = idem_store::PostgresOptions {
+        table: "idem_test_tokens".into(),
+        ..idem_store::PostgresOptions::default()
+    };
+    let store = idem_store::PostgresStore::connect_with(&url, options)
+        .await
+        .unwrap();
+    let tokens = Tokens::new(Arc::new(store), Arc::new(idem::SystemClock));
+    of_500_racing_consumers_exactly_one_wins(tokens).await;
 }
 
 #[tokio::test]

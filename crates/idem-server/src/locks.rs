@@ -1,0 +1,240 @@
+//! Lock endpoints (see `idem::locks`), each caller's lock names its own:
+//!
+//! | method and path | what it does |
+//! | --- | --- |
+//! | `POST /v1/locks/{name}/acquire` `{"lease_ms","wait_ms"?,"owner"?}` | 200 `{"lock","fence","expires_at"}`, or 409 `lock_held` (with `retry_after_ms`) |
+//! | `POST /v1/locks/{name}/renew` `{"lock","lease_ms"}` | 200 `{"lock","fence","expires_at"}`, or 409 `not_owner` |
+//! | `POST /v1/locks/{name}/release` `{"lock"}` | 200 `{"released":true}`, or 409 `not_owner` |
+//!
+//! `lock` is the holding's secret handle (`<owner>.<fence>`): whoever has it may renew and
+//! release. `fence` goes with every write the lock protects, so the resource can refuse a
+//! holder that lost its lock (see `idem_store::fence`). A caller that may lose the answer of an
+//! acquire sends its own `owner` id (16 to 64 characters of `A-Z a-z 0-9 - _`): repeating the
+//! acquire with it returns the same holding instead of `lock_held`.
+//!
+//! `lease_ms` is 1 to 86400000 (24 h); `wait_ms` (default 0) at most 60000. A name is 1 to 128
+//! visible ASCII characters.
+
+use std::fmt::Write;
+use std::time::Duration;
+
+use axum::Json;
+use axum::extract::{Path, State};
+use axum::http::StatusCode;
+use idem::{LockError, LockOwner, Locks};
+use idem_core::{Held, Timestamp};
+use idem_http::Problem;
+use serde::Deserialize;
+use serde_json::{Value, json};
+use sha2::{Digest, Sha256};
+
+use crate::AppState;
+use crate::api::{MAX_LEASE, rfc3339};
+use crate::auth::Caller;
+use crate::json::JsonBody;
+
+/// The longest a caller may wait for a lock in one request.
+pub const MAX_WAIT: Duration = Duration::from_secs(60);
+/// The longest lock name, in bytes.
+pub const MAX_NAME: usize = 128;
+
+/// `POST /v1/locks/{name}/acquire`.
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct AcquireBody {
+    lease_ms: u64,
+    wait_ms: Option<u64>,
+    owner: Option<String>,
+}
+
+/// `POST /v1/locks/{name}/renew`.
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RenewBody {
+    lock: String,
+    lease_ms: u64,
+}
+
+/// `POST /v1/locks/{name}/release`.
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ReleaseBody {
+    lock: String,
+}
+
+fn locks(state: &AppState) -> Result<&Locks, Problem> {
+    state.locks.as_ref().ok_or_else(|| {
+        Problem::new(
+            StatusCode::NOT_IMPLEMENTED,
+            "locks_unsupported",
+            "Locks unsupported",
+            "This server's store does not keep locks; use SQLite, PostgreSQL or Redis.",
+        )
+    })
+}
+
+/// The backend's name for the caller's lock: the caller's scope (hashed, so that any scope
+/// fits) and the name.
+fn scoped(caller: &Caller, name: &str) -> Result<String, Problem> {
+    if name.is_empty() || name.len() > MAX_NAME || !name.bytes().all(|b| b.is_ascii_graphic()) {
+        return Err(Problem::new(
+            StatusCode::BAD_REQUEST,
+            "invalid_lock_name",
+            "Invalid lock name",
+            "A lock name is 1 to 128 visible ASCII characters.",
+        ));
+    }
+    let scope = Sha256::digest(caller.scope.as_str().as_bytes());
+    let mut out = String::with_capacity(17 + name.len());
+    for b in &scope[..8] {
+        let _ = write!(out, "{b:02x}");
+    }
+    out.push('/');
+    out.push_str(name);
+    Ok(out)
+}
+
+fn lease(ms: u64) -> Result<Duration, Problem> {
+    let lease = Duration::from_millis(ms);
+    if lease.is_zero() || lease > MAX_LEASE {
+        return Err(Problem::new(
+            StatusCode::BAD_REQUEST,
+            "invalid_lease",
+            "Invalid lease",
+            "`lease_ms` must be from 1 to 86400000 (24 hours).",
+        ));
+    }
+    Ok(lease)
+}
+
+/// Splits a `lock` handle into its owner and fence.
+fn handle(lock: &str) -> Result<(LockOwner, u64), Problem> {
+    let bad = || {
+        Problem::new(
+            StatusCode::BAD_REQUEST,
+            "invalid_lock",
+            "Invalid lock",
+            "`lock` must be the handle an acquire returned.",
+        )
+    };
+    let (owner, fence) = lock.rsplit_once('.').ok_or_else(bad)?;
+    let owner = LockOwner::parse(owner).map_err(|_| bad())?;
+    let fence = fence.parse().map_err(|_| bad())?;
+    Ok((owner, fence))
+}
+
+fn held(owner: &LockOwner, held: Held) -> Json<Value> {
+    Json(json!({
+        "lock": format!("{}.{}", owner.as_str(), held.fence),
+        "fence": held.fence,
+        "expires_at": rfc3339(held.expires_at),
+    }))
+}
+
+fn problem(e: &LockError) -> Problem {
+    match e {
+        LockError::Held { until } => Problem::new(
+            StatusCode::CONFLICT,
+            "lock_held",
+            "Lock held",
+            "Another owner holds the lock.",
+        )
+        .retry_after(until.saturating_since(Timestamp::now()))
+        .with("held_until", rfc3339(*until)),
+        LockError::Timeout => Problem::new(
+            StatusCode::CONFLICT,
+            "lock_held",
+            "Lock held",
+            "Another owner held the lock for as long as the request waited.",
+        ),
+        LockError::NotOwner | LockError::Lost => Problem::new(
+            StatusCode::CONFLICT,
+            "not_owner",
+            "Not the owner",
+            "This handle does not hold the lock: it was released, its lease ran out, or \
+             another owner has taken it since.",
+        ),
+        LockError::Invalid(e) => Problem::invalid_request(format!("{e}.")),
+        LockError::Store(e) => Problem::store(e),
+        _ => Problem::new(
+            StatusCode::INTERNAL_SERVER_ERROR,
+            "lock_error",
+            "Lock error",
+            "The lock operation failed.",
+        ),
+    }
+}
+
+/// Acquires a lock, waiting up to `wait_ms`.
+pub async fn acquire(
+    State(state): State<AppState>,
+    caller: Caller,
+    Path(name): Path<String>,
+    JsonBody(body): JsonBody<AcquireBody>,
+) -> Result<Json<Value>, Problem> {
+    let locks = locks(&state)?;
+    let name = scoped(&caller, &name)?;
+    let lease = lease(body.lease_ms)?;
+    let wait = Duration::from_millis(body.wait_ms.unwrap_or(0));
+    if wait > MAX_WAIT {
+        return Err(Problem::new(
+            StatusCode::BAD_REQUEST,
+            "invalid_wait",
+            "Invalid wait",
+            "`wait_ms` must be at most 60000 (one minute).",
+        ));
+    }
+    let owner = match &body.owner {
+        Some(id) => LockOwner::parse(id).map_err(|e| {
+            Problem::new(
+                StatusCode::BAD_REQUEST,
+                "invalid_owner",
+                "Invalid owner",
+                format!("{e}."),
+            )
+        })?,
+        None => LockOwner::random(),
+    };
+    let guard = locks
+        .acquire_as(&name, owner, lease, wait)
+        .await
+        .map_err(|e| problem(&e))?;
+    // The caller holds the lock through its handle, not through this guard.
+    let (owner, holding) = guard.detach();
+    Ok(held(&owner, holding))
+}
+
+/// Renews a holding.
+pub async fn renew(
+    State(state): State<AppState>,
+    caller: Caller,
+    Path(name): Path<String>,
+    JsonBody(body): JsonBody<RenewBody>,
+) -> Result<Json<Value>, Problem> {
+    let locks = locks(&state)?;
+    let name = scoped(&caller, &name)?;
+    let lease = lease(body.lease_ms)?;
+    let (owner, fence) = handle(&body.lock)?;
+    let renewed = locks
+        .renew(&name, &owner, fence, lease)
+        .await
+        .map_err(|e| problem(&e))?;
+    Ok(held(&owner, renewed))
+}
+
+/// Releases a holding; repeating it succeeds.
+pub async fn release(
+    State(state): State<AppState>,
+    caller: Caller,
+    Path(name): Path<String>,
+    JsonBody(body): JsonBody<ReleaseBody>,
+) -> Result<Json<Value>, Problem> {
+    let locks = locks(&state)?;
+    let name = scoped(&caller, &name)?;
+    let (owner, fence) = handle(&body.lock)?;
+    locks
+        .release(&name, &owner, fence)
+        .await
+        .map_err(|e| problem(&e))?;
+    Ok(Json(json!({"released": true})))
+}

@@ -1,0 +1,284 @@
+//! The lock endpoints: acquire, renew, release, the refusal codes, scopes, retried acquires,
+//! waiting, and a store that keeps no locks.
+
+#![allow(clippy::unwrap_used)]
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use axum::body::Body;
+use axum::http::{Request, StatusCode, header};
+use idem_server::auth::Auth;
+use idem_server::{AppState, router};
+use idem_store::MemoryStore;
+use serde_json::{Value, json};
+use tower::ServiceExt;
+
+const SHOP: &str = "shop-key-0123456789abcdef";
+const BANK: &str = "bank-key-0123456789abcdef";
+
+async fn post(state: &AppState, key: &str, path: &str, body: Value) -> (StatusCode, Value) {
+    let req = Request::post(path)
+        .header(header::CONTENT_TYPE, "application/json")
+        .header(header::AUTHORIZATION, format!("Bearer {key}"))
+        .body(Body::from(body.to_string()))
+        .unwrap();
+    let res = router(state.clone()).oneshot(req).await.unwrap();
+    let status = res.status();
+    let bytes = axum::body::to_bytes(res.into_body(), usize::MAX)
+        .await
+        .unwrap();
+    (status, serde_json::from_slice(&bytes).unwrap())
+}
+
+fn state() -> AppState {
+    let store = Arc::new(MemoryStore::new());
+    let mut state = AppState::new(store.clone()).with_locks(store);
+    let keys = format!("shop {SHOP}\nbank {BANK}\n");
+    state.auth = Arc::new(Auth::parse_keys(&keys, "keys").unwrap());
+    state
+}
+
+#[tokio::test]
+async fn acquire_renew_release_and_the_refusals() {
+    let state = state();
+    let (status, first) = post(
+        &state,
+        SHOP,
+        "/v1/locks/payouts/acquire",
+        json!({"lease_ms": 60000}),
+    )
+    .await;
+    assert_eq!(status, StatusCode::OK, "{first}");
+    let lock = first["lock"].as_str().unwrap().to_owned();
+    let fence = first["fence"].as_u64().unwrap();
+    assert!(lock.ends_with(&format!(".{fence}")));
+    assert!(first["expires_at"].is_string());
+
+    // Held: another acquire is refused with when to come back.
+    let (status, body) = post(
+        &state,
+        SHOP,
+        "/v1/locks/payouts/acquire",
+        json!({"lease_ms": 1000}),
+    )
+    .await;
+    assert_eq!(status, StatusCode::CONFLICT);
+    assert_eq!(body["code"], "lock_held");
+    assert!(body["retry_after_ms"].as_u64().unwrap() > 0);
+    // ...and a bounded wait ends the same way.
+    let (status, body) = post(
+        &state,
+        SHOP,
+        "/v1/locks/payouts/acquire",
+        json!({"lease_ms": 1000, "wait_ms": 100}),
+    )
+    .await;
+    assert_eq!(
+        (status, body["code"].as_str()),
+        (StatusCode::CONFLICT, Some("lock_held"))
+    );
+
+    // Another caller's lock of the same name is another lock.
+    let (status, _) = post(
+        &state,
+        BANK,
+        "/v1/locks/payouts/acquire",
+        json!({"lease_ms": 1000}),
+    )
+    .await;
+    assert_eq!(status, StatusCode::OK);
+
+    // Renew by the holder; by a forged handle (other owner, other fence): not_owner.
+    let (status, renewed) = post(
+        &state,
+        SHOP,
+        "/v1/locks/payouts/renew",
+        json!({"lock": lock, "lease_ms": 60000}),
+    )
+    .await;
+    assert_eq!(status, StatusCode::OK, "{renewed}");
+    assert_eq!(renewed["fence"], fence);
+    let forged = [
+        format!("0123456789abcdef0123456789abcdef.{fence}"),
+        format!("{}.{}", lock.rsplit_once('.').unwrap().0, fence + 1),
+    ];
+    for handle in &forged {
+        for (path, body) in [
+            ("renew", json!({"lock": handle, "lease_ms": 1000})),
+            ("release", json!({"lock": handle})),
+        ] {
+            let (status, body) =
+                post(&state, SHOP, &format!("/v1/locks/payouts/{path}"), body).await;
+            assert_eq!(status, StatusCode::CONFLICT, "{path}: {body}");
+            assert_eq!(body["code"], "not_owner");
+        }
+    }
+    // The other caller cannot release the shop's lock with its handle either.
+    let (status, body) = post(
+        &state,
+        BANK,
+        "/v1/locks/payouts/release",
+        json!({"lock": lock}),
+    )
+    .await;
+    assert_eq!(
+        (status, body["code"].as_str()),
+        (StatusCode::CONFLICT, Some("not_owner"))
+    );
+
+    // Release, twice (a retry), then the lock is free with a higher fence.
+    for _ in 0..2 {
+        let (status, body) = post(
+            &state,
+            SHOP,
+            "/v1/locks/payouts/release",
+            json!({"lock": lock}),
+        )
+        .await;
+        assert_eq!(status, StatusCode::OK, "{body}");
+        assert_eq!(body["released"], true);
+    }
+    let (status, body) = post(
+        &state,
+        SHOP,
+        "/v1/locks/payouts/renew",
+        json!({"lock": lock, "lease_ms": 1000}),
+    )
+    .await;
+    assert_eq!(
+        (status, body["code"].as_str()),
+        (StatusCode::CONFLICT, Some("not_owner"))
+    );
+    let (status, next) = post(
+        &state,
+        SHOP,
+        "/v1/locks/payouts/acquire",
+        json!({"lease_ms": 1000}),
+    )
+    .await;
+    assert_eq!(status, StatusCode::OK);
+    assert!(next["fence"].as_u64().unwrap() > fence);
+}
+
+/// With its own owner id, an acquire whose answer was lost is repeated safely: the same
+/// holding comes back.
+#[tokio::test]
+async fn a_retried_acquire_with_an_owner_gets_the_same_holding() {
+    let state = state();
+    let body = json!({"lease_ms": 60000, "owner": "worker-7-0123456789"});
+    let (s1, a) = post(&state, SHOP, "/v1/locks/nightly/acquire", body.clone()).await;
+    let (s2, b) = post(&state, SHOP, "/v1/locks/nightly/acquire", body).await;
+    assert_eq!((s1, s2), (StatusCode::OK, StatusCode::OK));
+    assert_eq!(a["lock"], b["lock"]);
+    assert_eq!(a["fence"], b["fence"]);
+    let (status, _) = post(
+        &state,
+        SHOP,
+        "/v1/locks/nightly/acquire",
+        json!({"lease_ms": 60000, "owner": "worker-8-0123456789"}),
+    )
+    .await;
+    assert_eq!(status, StatusCode::CONFLICT);
+}
+
+/// A waiting acquire gets the lock as soon as the holder releases it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_waiting_acquire_gets_the_released_lock() {
+    let state = state();
+    let (_, held) = post(
+        &state,
+        SHOP,
+        "/v1/locks/report/acquire",
+        json!({"lease_ms": 60000}),
+    )
+    .await;
+    let waiter = {
+        let state = state.clone();
+        tokio::spawn(async move {
+            post(
+                &state,
+                SHOP,
+                "/v1/locks/report/acquire",
+                json!({"lease_ms": 60000, "wait_ms": 30000}),
+            )
+            .await
+        })
+    };
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let (status, _) = post(
+        &state,
+        SHOP,
+        "/v1/locks/report/release",
+        json!({"lock": held["lock"]}),
+    )
+    .await;
+    assert_eq!(status, StatusCode::OK);
+    let (status, got) = waiter.await.unwrap();
+    assert_eq!(status, StatusCode::OK, "{got}");
+    assert!(got["fence"].as_u64() > held["fence"].as_u64());
+}
+
+#[tokio::test]
+async fn bad_input_gets_its_code() {
+    let state = state();
+    let long = "n".repeat(129);
+    let cases = [
+        (
+            "/v1/locks/x/acquire",
+            json!({"lease_ms": 0}),
+            "invalid_lease",
+        ),
+        (
+            "/v1/locks/x/acquire",
+            json!({"lease_ms": 86_400_001u64}),
+            "invalid_lease",
+        ),
+        (
+            "/v1/locks/x/acquire",
+            json!({"lease_ms": 1000, "wait_ms": 60001}),
+            "invalid_wait",
+        ),
+        (
+            "/v1/locks/x/acquire",
+            json!({"lease_ms": 1000, "owner": "short"}),
+            "invalid_owner",
+        ),
+        (
+            &format!("/v1/locks/{long}/acquire"),
+            json!({"lease_ms": 1000}),
+            "invalid_lock_name",
+        ),
+        (
+            "/v1/locks/x/release",
+            json!({"lock": "no-fence-here-0123456789"}),
+            "invalid_lock",
+        ),
+        (
+            "/v1/locks/x/release",
+            json!({"lock": "0123456789abcdef0123.-1"}),
+            "invalid_lock",
+        ),
+        ("/v1/locks/x/acquire", json!({"wait_ms": 5}), "invalid_request"),
+    ];
+    for (path, body, code) in cases {
+        let (status, answer) = post(&state, SHOP, path, body).await;
+        assert_eq!(status, StatusCode::BAD_REQUEST, "{path}: {answer}");
+        assert_eq!(answer["code"], code, "{path}: {answer}");
+    }
+}
+
+#[tokio::test]
+async fn a_store_without_locks_says_so() {
+    let mut state = AppState::new(Arc::new(MemoryStore::new()));
+    state.auth = Arc::new(Auth::parse_keys(&format!("shop {SHOP}\n"), "keys").unwrap());
+    let (status, body) = post(
+        &state,
+        SHOP,
+        "/v1/locks/x/acquire",
+        json!({"lease_ms": 1000}),
+    )
+    .await;
+    assert_eq!(status, StatusCode::NOT_IMPLEMENTED);
+    assert_eq!(body["code"], "locks_unsupported");
+}
