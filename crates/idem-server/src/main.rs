@@ -27,7 +27,7 @@ struct Cli {
 
 #[derive(Subcommand)]
 enum Command {
-    /// Serve the JSON API (records, ids, one-time tokens, health) over HTTP.
+    /// Serve the JSON API (records, ids, one-time tokens, locks, health) over HTTP.
     ///
     /// Services in any language claim a key with POST /v1/records/begin, run their work, and
     /// store its answer with /v1/records/complete (or give the key back with /release).

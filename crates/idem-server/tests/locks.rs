@@ -259,7 +259,11 @@ async fn bad_input_gets_its_code() {
             json!({"lock": "0123456789abcdef0123.-1"}),
             "invalid_lock",
         ),
-        ("/v1/locks/x/acquire", json!({"wait_ms": 5}), "invalid_request"),
+        (
+            "/v1/locks/x/acquire",
+            json!({"wait_ms": 5}),
+            "invalid_request",
+        ),
     ];
     for (path, body, code) in cases {
         let (status, answer) = post(&state, SHOP, path, body).await;

@@ -40,6 +40,9 @@ pub use mysql::{MySqlOptions, MySqlStore};
 #[cfg(feature = "postgres")]
 pub use postgres::{PostgresOptions, PostgresStore};
 #[cfg(feature = "redis")]
+#[doc(hidden)]
+pub use redis_locks::lock_scripts;
+#[cfg(feature = "redis")]
 pub use redis_store::{EXPIRY_MARGIN, RedisOptions, RedisStore};
 #[cfg(feature = "sqlite")]
 pub use sqlite::{SqliteOptions, SqliteStore, Synchronous};

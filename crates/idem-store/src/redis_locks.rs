@@ -111,6 +111,13 @@ impl LockScripts {
     }
 }
 
+/// The full source of the acquire and release scripts, for measuring them on their own
+/// (`redis-benchmark`), beside the store.
+#[doc(hidden)]
+pub fn lock_scripts() -> (String, String) {
+    (format!("{CLOCK}{ACQUIRE}"), format!("{CLOCK}{RELEASE}"))
+}
+
 impl RedisStore {
     fn lock_key(&self, name: &LockName) -> String {
         format!("{}lock:{{{}}}", self.prefix, name.digest_hex())

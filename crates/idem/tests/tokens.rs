@@ -60,7 +60,9 @@ async fn of_racing_consumers_exactly_one_wins_on_redis() {
         prefix: "idem-test:".into(),
         ..idem_store::RedisOptions::default()
     };
-    let store = idem_store::RedisStore::connect(&url, options).await.unwrap();
+    let store = idem_store::RedisStore::connect(&url, options)
+        .await
+        .unwrap();
     let tokens = Tokens::new(Arc::new(store), Arc::new(idem::SystemClock));
     of_500_racing_consumers_exactly_one_wins(tokens).await;
 }

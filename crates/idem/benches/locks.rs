@@ -1,0 +1,382 @@
+//! Locks and one-time tokens: throughput and hand-off latency, next to the engine's own limit
+//! in the same run.
+//!
+//! `cargo bench -p idem --bench locks` (`IDEM_BENCH_SECONDS`, default 5 per scenario). Redis
+//! is the one at `IDEM_TEST_REDIS_URL` (default `redis://127.0.0.1:6379`); PostgreSQL and
+//! SQLite are measured too, when PostgreSQL answers.
+//!
+//! Lock scenarios, the same as the peers' harness (`bench/peers/`), lease 10 s:
+//! - `uncontended` (1 and 8 clients): each client acquires and releases its own lock in a loop;
+//! - `contended` (8 clients): all acquire (waiting) and release one lock; the hand-off latency
+//!   is the time from one client starting its release to another client's acquire returning.
+//!
+//! The Redis limit: `redis-benchmark` running the very scripts an acquire and a release run
+//! (`EVAL`, fresh key each time), with as many connections as there are clients, combined
+//! into pairs per second (`1 / (1/acquire + 1/release)`), and the same for the bare commands
+//! of the classic lock (`SET NX PX`, `DEL`).
+
+#![allow(
+    clippy::unwrap_used,
+    clippy::print_stdout,
+    clippy::cast_precision_loss,
+    missing_docs
+)]
+
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use idem::{Locks, SqliteStore, SystemClock, Tokens};
+use idem_core::{LockStore, SharedStore};
+use idem_store::{PostgresOptions, PostgresStore, RedisOptions, RedisStore};
+use idem_testkit::services::{POSTGRES, REDIS};
+
+const LEASE: Duration = Duration::from_secs(10);
+
+fn seconds() -> Duration {
+    let s = std::env::var("IDEM_BENCH_SECONDS")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(5);
+    Duration::from_secs(s)
+}
+
+fn run_id() -> u64 {
+    rand::random::<u64>() & 0xffff_ffff
+}
+
+/// Pairs per second with `clients` clients, each on its own lock.
+async fn uncontended(locks: &Locks, clients: usize, run: Duration) -> f64 {
+    let id = run_id();
+    let start = Instant::now();
+    let tasks: Vec<_> = (0..clients)
+        .map(|c| {
+            let locks = locks.clone();
+            tokio::spawn(async move {
+                let name = format!("bench:{id}:{c}");
+                let mut pairs = 0u64;
+                while start.elapsed() < run {
+                    let g = locks.try_acquire(&name, LEASE).await.unwrap();
+                    g.release().await.unwrap();
+                    pairs += 1;
+                }
+                pairs
+            })
+        })
+        .collect();
+    let mut pairs = 0;
+    for t in tasks {
+        pairs += t.await.unwrap();
+    }
+    pairs as f64 / start.elapsed().as_secs_f64()
+}
+
+struct Contended {
+    per_sec: f64,
+    handoffs: usize,
+    p50: Duration,
+    p99: Duration,
+}
+
+/// Pairs per second and hand-off latency with `clients` clients on one lock.
+async fn contended(locks: &Locks, clients: usize, run: Duration) -> Contended {
+    let name = format!("bench:{}:shared", run_id());
+    // (when, client, is_release_start)
+    let events = Arc::new(Mutex::new(Vec::<(Instant, usize, bool)>::new()));
+    let start = Instant::now();
+    let tasks: Vec<_> = (0..clients)
+        .map(|c| {
+            let (locks, name, events) = (locks.clone(), name.clone(), Arc::clone(&events));
+            tokio::spawn(async move {
+                let mut pairs = 0u64;
+                while start.elapsed() < run {
+                    let g = locks
+                        .acquire(&name, LEASE, Duration::from_secs(60))
+                        .await
+                        .unwrap();
+                    events.lock().unwrap().push((Instant::now(), c, false));
+                    tokio::task::yield_now().await;
+                    events.lock().unwrap().push((Instant::now(), c, true));
+                    g.release().await.unwrap();
+                    pairs += 1;
+                }
+                pairs
+            })
+        })
+        .collect();
+    let mut pairs = 0;
+    for t in tasks {
+        pairs += t.await.unwrap();
+    }
+    let elapsed = start.elapsed();
+    let mut events = std::mem::take(&mut *events.lock().unwrap());
+    events.sort_by_key(|e| e.0);
+    let mut last_release: Option<(Instant, usize)> = None;
+    let mut handoffs = Vec::new();
+    for (at, client, release) in events {
+        if release {
+            last_release = Some((at, client));
+        } else if let Some((r, from)) = last_release
+            && from != client
+        {
+            handoffs.push(at - r);
+        }
+    }
+    handoffs.sort_unstable();
+    let pct = |p: usize| {
+        handoffs
+            .get((handoffs.len().saturating_sub(1)) * p / 100)
+            .copied()
+            .unwrap_or_default()
+    };
+    Contended {
+        per_sec: pairs as f64 / elapsed.as_secs_f64(),
+        handoffs: handoffs.len(),
+        p50: pct(50),
+        p99: pct(99),
+    }
+}
+
+/// Issue+consume pairs per second with `clients` clients.
+async fn tokens(tokens: &Tokens, clients: usize, run: Duration) -> f64 {
+    let start = Instant::now();
+    let tasks: Vec<_> = (0..clients)
+        .map(|_| {
+            let tokens = tokens.clone();
+            tokio::spawn(async move {
+                let mut pairs = 0u64;
+                while start.elapsed() < run {
+                    let t = tokens
+                        .issue("bench", "form", Duration::from_secs(600))
+                        .await
+                        .unwrap();
+                    tokens.consume("bench", &t.token, "form").await.unwrap();
+                    pairs += 1;
+                }
+                pairs
+            })
+        })
+        .collect();
+    let mut pairs = 0;
+    for t in tasks {
+        pairs += t.await.unwrap();
+    }
+    pairs as f64 / start.elapsed().as_secs_f64()
+}
+
+/// `redis-benchmark`'s requests per second for `command` with `clients` connections.
+fn redis_benchmark(url: &str, clients: usize, command: &[&str]) -> Option<f64> {
+    let port = url.rsplit(':').next()?.trim_end_matches('/');
+    let out = std::process::Command::new("redis-benchmark")
+        .args(["-h", "127.0.0.1", "-p", port, "-q", "-r", "100000000"])
+        .args(["-c", &clients.to_string(), "-n", "100000"])
+        .args(command)
+        .output()
+        .ok()?;
+    let text = String::from_utf8_lossy(&out.stdout);
+    let Some(line) = text
+        .lines()
+        .rev()
+        .find(|l| l.contains("requests per second"))
+    else {
+        eprintln!(
+            "redis-benchmark {}: {}",
+            command[0],
+            String::from_utf8_lossy(&out.stderr).trim()
+        );
+        return None;
+    };
+    let figure = line.split("requests per second").next()?;
+    figure.rsplit(' ').find(|w| !w.is_empty())?.parse().ok()
+}
+
+fn pair_rate(a: f64, b: f64) -> f64 {
+    1.0 / (1.0 / a + 1.0 / b)
+}
+
+/// The Redis limits for `clients` connections: (our scripts, SET NX PX + DEL) in pairs/s.
+fn redis_limits(url: &str, clients: usize) -> Option<(f64, f64)> {
+    let (acquire, release) = idem_store::lock_scripts();
+    let owner = "0".repeat(64);
+    let key = "idem-bench:lock:{__rand_int__}";
+    let acq = redis_benchmark(
+        url,
+        clients,
+        &["EVAL", &acquire, "1", key, &owner, "10000", "3600000"],
+    )?;
+    let rel = redis_benchmark(
+        url,
+        clients,
+        &[
+            "EVAL",
+            &release,
+            "1",
+            key,
+            &owner,
+            "1",
+            "3600000",
+            "idem-bench:ch",
+            "n",
+        ],
+    )?;
+    // Keys of their own: the scripts' keys are hashes.
+    let key = "idem-bench:set:{__rand_int__}";
+    let set = redis_benchmark(url, clients, &["SET", key, &owner, "NX", "PX", "10000"])?;
+    let del = redis_benchmark(url, clients, &["DEL", key])?;
+    Some((pair_rate(acq, rel), pair_rate(set, del)))
+}
+
+fn redis_flush_bench_keys(url: &str) {
+    let port = url
+        .rsplit(':')
+        .next()
+        .unwrap_or("6379")
+        .trim_end_matches('/');
+    let _ = std::process::Command::new("redis-cli")
+        .args(["-p", port, "--scan", "--pattern", "idem-bench:*"])
+        .output()
+        .map(|out| {
+            for chunk in String::from_utf8_lossy(&out.stdout)
+                .lines()
+                .collect::<Vec<_>>()
+                .chunks(500)
+            {
+                let _ = std::process::Command::new("redis-cli")
+                    .args(["-p", port, "DEL"])
+                    .args(chunk)
+                    .output();
+            }
+        });
+}
+
+async fn lock_rows(name: &str, locks: &Locks, run: Duration, limits: Option<(f64, f64, f64, f64)>) {
+    for clients in [1, 8] {
+        let per_sec = uncontended(locks, clients, run).await;
+        let versus = limits.map_or(String::new(), |(s1, n1, s8, n8)| {
+            let (script, naive) = if clients == 1 { (s1, n1) } else { (s8, n8) };
+            format!(
+                "{:.2}× the scripts' limit ({script:.0}/s), {:.2}× SET NX PX + DEL ({naive:.0}/s)",
+                per_sec / script,
+                per_sec / naive
+            )
+        });
+        println!("| {name} | uncontended | {clients} | {per_sec:>9.0} | – | {versus} |");
+    }
+    let c = contended(locks, 8, run).await;
+    println!(
+        "| {name} | contended | 8 | {:>9.0} | {:.0?} / {:.0?} ({} hand-offs) | |",
+        c.per_sec, c.p50, c.p99, c.handoffs
+    );
+}
+
+/// The same pairs done bare through the same client library: `SET NX PX` and `DEL` on a
+/// multiplexed connection, `clients` tasks each on its own key.
+async fn redis_rs_pairs(url: &str, clients: usize, run: Duration) -> f64 {
+    let client = redis::Client::open(url).unwrap();
+    let conn = client.get_connection_manager().await.unwrap();
+    let id = run_id();
+    let start = Instant::now();
+    let tasks: Vec<_> = (0..clients)
+        .map(|c| {
+            let mut conn = conn.clone();
+            tokio::spawn(async move {
+                let key = format!("idem-bench:raw:{id}:{c}");
+                let mut pairs = 0u64;
+                while start.elapsed() < run {
+                    let _: Option<String> = redis::cmd("SET")
+                        .arg(&key)
+                        .arg("owner")
+                        .arg("NX")
+                        .arg("PX")
+                        .arg(10_000)
+                        .query_async(&mut conn)
+                        .await
+                        .unwrap();
+                    let _: i64 = redis::cmd("DEL")
+                        .arg(&key)
+                        .query_async(&mut conn)
+                        .await
+                        .unwrap();
+                    pairs += 1;
+                }
+                pairs
+            })
+        })
+        .collect();
+    let mut pairs = 0;
+    for t in tasks {
+        pairs += t.await.unwrap();
+    }
+    pairs as f64 / start.elapsed().as_secs_f64()
+}
+
+fn main() {
+    // One thread by default, as the peers run (Node's event loop, and Python's threads under
+    // its lock); IDEM_BENCH_THREADS=N for a multi-threaded runtime.
+    let threads: usize = std::env::var("IDEM_BENCH_THREADS")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(1);
+    let rt = if threads <= 1 {
+        tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap()
+    } else {
+        tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(threads)
+            .enable_all()
+            .build()
+            .unwrap()
+    };
+    let run = seconds();
+    rt.block_on(async {
+        println!("| backend | scenario | clients | pairs/s | hand-off p50 / p99 | vs the engine |");
+        println!("| --- | --- | ---: | ---: | --- | --- |");
+        if let Some(url) = REDIS.url() {
+            let limits = {
+                let url = url.clone();
+                let one = redis_limits(&url, 1);
+                let eight = redis_limits(&url, 8);
+                redis_flush_bench_keys(&url);
+                one.zip(eight).map(|(one, eight)| (one.0, one.1, eight.0, eight.1))
+            };
+            if limits.is_none() {
+                println!("(redis-benchmark did not run: is it installed?)");
+            }
+            let options = RedisOptions {
+                prefix: "idem-bench:".into(),
+                ..RedisOptions::default()
+            };
+            for clients in [1, 8] {
+                let per_sec = redis_rs_pairs(&url, clients, run).await;
+                println!("| redis-rs SET NX PX + DEL (baseline) | uncontended | {clients} | {per_sec:>9.0} | – | |");
+            }
+            let store = RedisStore::connect(&url, options).await.unwrap();
+            lock_rows("redis", &Locks::new(store.clone()), run, limits).await;
+            let t = Tokens::new(Arc::new(store) as SharedStore, Arc::new(SystemClock));
+            for clients in [1, 8] {
+                let per_sec = tokens(&t, clients, run).await;
+                println!("| redis | tokens issue+consume | {clients} | {per_sec:>9.0} | – | |");
+            }
+            redis_flush_bench_keys(&url);
+        }
+        if let Some(url) = POSTGRES.url() {
+            let options = PostgresOptions {
+                table: "idem_bench_locks".into(),
+                ..PostgresOptions::default()
+            };
+            let store = PostgresStore::connect_with(&url, options).await.unwrap();
+            lock_rows("postgres", &Locks::new(store), run, None).await;
+        }
+        let dir = tempfile::tempdir().unwrap();
+        let sqlite = SqliteStore::open(dir.path().join("bench.db")).unwrap();
+        lock_rows("sqlite", &Locks::new(sqlite.clone()), run, None).await;
+        let t = Tokens::new(Arc::new(sqlite) as SharedStore, Arc::new(SystemClock));
+        for clients in [1, 8] {
+            let per_sec = tokens(&t, clients, run).await;
+            println!("| sqlite | tokens issue+consume | {clients} | {per_sec:>9.0} | – | |");
+        }
+        let memory: Arc<dyn LockStore> = Arc::new(idem::MemoryStore::new());
+        lock_rows("memory", &Locks::shared(memory), run, None).await;
+    });
+}
