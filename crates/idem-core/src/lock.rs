@@ -10,7 +10,8 @@
 //!
 //! # Fences survive lost state
 //!
-//! A fence is `max(previous fence + 1, the backend's clock in microseconds)`. The backend's
+//! A fence is `max(previous fence + 1, the backend's clock in microseconds)` (a millisecond
+//! clock times 1000 where the backend has no finer one). The backend's
 //! clock term keeps fences increasing even when the previous fence is gone: a Redis restarted
 //! without persistence, a replica promoted before it saw the last writes, a lock row purged
 //! after an hour of disuse. Each acquisition takes at least one round trip, far more than a

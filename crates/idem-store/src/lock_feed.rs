@@ -2,6 +2,8 @@
 //! (its own, or those its server reports) are sent into, and the listener waiters read.
 
 use std::sync::Arc;
+#[cfg(any(feature = "postgres", feature = "redis"))]
+use std::sync::atomic::Ordering;
 
 use idem_core::{BoxFuture, ReleaseListener};
 use tokio::sync::broadcast;
@@ -9,13 +11,26 @@ use tokio::sync::broadcast;
 /// How many releases a slow listener may fall behind before it is told it missed some.
 const CAPACITY: usize = 1024;
 
-/// The sending side, shared by a backend's clones.
+/// The sending side, shared by a backend's clones, and whether a task feeds it from the
+/// server.
 #[derive(Debug, Clone)]
-pub(crate) struct ReleaseFeed(broadcast::Sender<Arc<str>>);
+pub(crate) struct ReleaseFeed(
+    broadcast::Sender<Arc<str>>,
+    Arc<std::sync::atomic::AtomicBool>,
+);
 
 impl ReleaseFeed {
     pub(crate) fn new() -> Self {
-        Self(broadcast::channel(CAPACITY).0)
+        Self(broadcast::channel(CAPACITY).0, Arc::default())
+    }
+
+    /// The right to run the task that feeds this from the server, if no task runs.
+    #[cfg(any(feature = "postgres", feature = "redis"))]
+    pub(crate) fn claim(&self) -> Option<FeedTask> {
+        (!self.1.swap(true, Ordering::AcqRel)).then(|| FeedTask {
+            feed: self.clone(),
+            stopped: false,
+        })
     }
 
     /// Tells every listener that releases may have been missed (a feed reconnected).
@@ -37,6 +52,41 @@ impl ReleaseFeed {
 
     pub(crate) fn listen(&self) -> Box<dyn ReleaseListener> {
         Box::new(Listener(self.0.subscribe()))
+    }
+}
+
+/// A running feed task's claim; given up when the task stops or is dropped (a runtime shut
+/// down), so that a later listener starts a new one.
+#[cfg(any(feature = "postgres", feature = "redis"))]
+pub(crate) struct FeedTask {
+    feed: ReleaseFeed,
+    stopped: bool,
+}
+
+#[cfg(any(feature = "postgres", feature = "redis"))]
+impl FeedTask {
+    /// Whether the task should stop because nobody listens. A listener that arrives while the
+    /// claim is given up finds no task running and starts one; one that arrived just before
+    /// keeps this one going.
+    pub(crate) fn stop_if_idle(&mut self) -> bool {
+        if self.feed.has_listeners() {
+            return false;
+        }
+        self.feed.1.store(false, Ordering::Release);
+        if self.feed.has_listeners() && !self.feed.1.swap(true, Ordering::AcqRel) {
+            return false;
+        }
+        self.stopped = true;
+        true
+    }
+}
+
+#[cfg(any(feature = "postgres", feature = "redis"))]
+impl Drop for FeedTask {
+    fn drop(&mut self) {
+        if !self.stopped {
+            self.feed.1.store(false, Ordering::Release);
+        }
     }
 }
 

@@ -619,7 +619,7 @@ impl Store for PostgresStore {
         let mut c = self.conn().await?;
         let locks = self
             .locks
-            .purge(&mut c, now, i64::try_from(rest).unwrap_or(i64::MAX))
+            .purge(&mut c, i64::try_from(rest).unwrap_or(i64::MAX))
             .await?;
         Ok(records + locks)
     }

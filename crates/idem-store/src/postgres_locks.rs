@@ -17,7 +17,6 @@
 //! inside that transaction, on that database.
 
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use idem_core::lock::{LOCK_STATE_RETENTION, lease_millis};
@@ -28,13 +27,16 @@ use idem_core::{
 use sqlx::postgres::PgListener;
 use sqlx::{AssertSqlSafe, PgConnection, PgPool, SqlSafeStr, SqlStr};
 
-use crate::lock_feed::ReleaseFeed;
+use crate::lock_feed::{FeedTask, ReleaseFeed};
 use crate::postgres::{PostgresStore, error};
 use crate::row::sql_int;
 use crate::sql::TableName;
 
-/// The server's clock in microseconds.
+/// The server's clock in microseconds, and in milliseconds.
 const NOW_US: &str = "(extract(epoch FROM clock_timestamp()) * 1000000)::bigint";
+const NOW_MS: &str = "(extract(epoch FROM clock_timestamp()) * 1000)::bigint";
+/// [`LOCK_STATE_RETENTION`] in milliseconds.
+const RETENTION_MS: u64 = LOCK_STATE_RETENTION.as_secs() * 1000;
 
 /// How long the release feed's connection stays open with nobody listening.
 const FEED_IDLE: Duration = Duration::from_secs(30);
@@ -49,7 +51,6 @@ pub(crate) struct PgLocks {
     purge: SqlStr,
     channel: String,
     feed: ReleaseFeed,
-    feed_running: Arc<AtomicBool>,
 }
 
 impl PgLocks {
@@ -58,61 +59,53 @@ impl PgLocks {
         let channel = table.fill("{name}_locks");
         Self {
             // $1 name, $2 owner, $3 lease ms. A fresh row's fence is the clock; a row that is
-            // free (or held by this owner, whose holding it extends) is taken in place.
+            // free (or held by this owner, whose holding it extends) is taken in place. The
+            // clock is read where each value is used, not once up front: a statement that
+            // waited for the row's lock (behind a release, say) decides by the time after it.
             acquire: s(format!(
-                "WITH t AS (SELECT {NOW_US} AS us)
-                 INSERT INTO {{table}}_locks AS l (name, owner, fence, expires_at)
-                 SELECT $1, $2, t.us, t.us / 1000 + $3 FROM t
+                "INSERT INTO {{table}}_locks AS l (name, owner, fence, expires_at)
+                 VALUES ($1, $2, {NOW_US}, {NOW_MS} + $3)
                  ON CONFLICT (name) DO UPDATE SET
                      fence = CASE
-                         WHEN l.owner = EXCLUDED.owner AND l.expires_at > EXCLUDED.expires_at - $3
+                         WHEN l.owner = EXCLUDED.owner AND l.expires_at > {NOW_MS}
                          THEN l.fence
-                         ELSE GREATEST(l.fence + 1, EXCLUDED.fence) END,
+                         ELSE GREATEST(l.fence + 1, {NOW_US}) END,
                      owner = EXCLUDED.owner,
-                     expires_at = EXCLUDED.expires_at
-                 WHERE l.expires_at <= EXCLUDED.expires_at - $3 OR l.owner = EXCLUDED.owner
+                     expires_at = {NOW_MS} + $3
+                 WHERE l.expires_at <= {NOW_MS} OR l.owner = EXCLUDED.owner
                  RETURNING fence, expires_at"
             )),
             holder: s("SELECT expires_at FROM {table}_locks WHERE name = $1".to_owned()),
             // $1 name, $2 owner, $3 fence, $4 lease ms.
             renew: s(format!(
-                "WITH t AS (SELECT {NOW_US} / 1000 AS ms)
-                 UPDATE {{table}}_locks l SET expires_at = t.ms + $4 FROM t
-                 WHERE l.name = $1 AND l.owner = $2 AND l.fence = $3 AND l.expires_at > t.ms
-                 RETURNING l.expires_at"
+                "UPDATE {{table}}_locks SET expires_at = {NOW_MS} + $4
+                 WHERE name = $1 AND owner = $2 AND fence = $3 AND expires_at > {NOW_MS}
+                 RETURNING expires_at"
             )),
             // $1 name, $2 owner, $3 fence, $4 channel. Waiters are told on commit; a repeated
             // release tells them again, which costs them one attempt.
             release: s(format!(
-                "WITH t AS (SELECT {NOW_US} / 1000 AS ms),
-                 u AS (UPDATE {{table}}_locks l SET expires_at = LEAST(l.expires_at, t.ms) FROM t
-                       WHERE l.name = $1 AND l.owner = $2 AND l.fence = $3
-                       RETURNING l.name)
+                "WITH u AS (UPDATE {{table}}_locks SET expires_at = LEAST(expires_at, {NOW_MS})
+                       WHERE name = $1 AND owner = $2 AND fence = $3
+                       RETURNING name)
                  SELECT pg_notify($4, name) FROM u"
             )),
-            // $1 the oldest lease end to keep, $2 limit.
-            purge: s("DELETE FROM {table}_locks WHERE name = ANY(ARRAY(
-                    SELECT name FROM {table}_locks WHERE expires_at < $1 LIMIT $2))
-                  AND expires_at < $1"
-                .to_owned()),
+            // $1 limit. By the server's clock, as every lock decision.
+            purge: s(format!(
+                "DELETE FROM {{table}}_locks WHERE name = ANY(ARRAY(
+                    SELECT name FROM {{table}}_locks WHERE expires_at < {NOW_MS} - {RETENTION_MS}
+                    LIMIT $1))
+                  AND expires_at < {NOW_MS} - {RETENTION_MS}"
+            )),
             channel,
             feed: ReleaseFeed::new(),
-            feed_running: Arc::new(AtomicBool::new(false)),
         }
     }
 
-    /// Deletes up to `limit` lock rows unused for [`LOCK_STATE_RETENTION`] before `now`.
-    pub(crate) async fn purge(
-        &self,
-        c: &mut PgConnection,
-        now: Timestamp,
-        limit: i64,
-    ) -> Result<u64, StoreError> {
-        let before = now
-            .as_millis()
-            .saturating_sub(lease_millis(LOCK_STATE_RETENTION));
+    /// Deletes up to `limit` lock rows unused for [`LOCK_STATE_RETENTION`], by the server's
+    /// clock.
+    pub(crate) async fn purge(&self, c: &mut PgConnection, limit: i64) -> Result<u64, StoreError> {
         let done = sqlx::query(self.purge.clone())
-            .bind(sql_int(before))
             .bind(limit)
             .execute(c)
             .await
@@ -243,8 +236,8 @@ impl LockStore for PostgresStore {
         let runtime = tokio::runtime::Handle::try_current().ok()?;
         let locks = self.locks();
         let listener = locks.feed.listen();
-        if !locks.feed_running.swap(true, Ordering::AcqRel) {
-            runtime.spawn(run_feed(self.pool().clone(), locks.clone()));
+        if let Some(task) = locks.feed.claim() {
+            runtime.spawn(run_feed(self.pool().clone(), locks.clone(), task));
         }
         Some(listener)
     }
@@ -252,7 +245,7 @@ impl LockStore for PostgresStore {
 
 /// Forwards the server's notifications to this process's waiters, reconnecting after failures,
 /// until nobody has listened for [`FEED_IDLE`].
-async fn run_feed(pool: PgPool, locks: PgLocks) {
+async fn run_feed(pool: PgPool, locks: PgLocks, mut task: FeedTask) {
     let feed = &locks.feed;
     let mut idle_since = None;
     let mut listener: Option<PgListener> = None;
@@ -263,8 +256,9 @@ async fn run_feed(pool: PgPool, locks: PgLocks) {
             .get_or_insert_with(tokio::time::Instant::now)
             .elapsed()
             >= FEED_IDLE
+            && task.stop_if_idle()
         {
-            break;
+            return;
         }
         let l = match listener.as_mut() {
             Some(l) => l,
@@ -299,5 +293,4 @@ async fn run_feed(pool: PgPool, locks: PgLocks) {
             Err(_) => {}
         }
     }
-    locks.feed_running.store(false, Ordering::Release);
 }

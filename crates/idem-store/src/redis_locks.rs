@@ -16,7 +16,6 @@
 //! none has listened for a while) and wakes its waiters; on a Cluster waiters poll.
 
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use idem_core::lock::{LOCK_STATE_RETENTION, lease_millis};
@@ -27,7 +26,7 @@ use idem_core::{
 use redis::{Script, Value};
 
 use crate::fence::Fenced;
-use crate::lock_feed::ReleaseFeed;
+use crate::lock_feed::{FeedTask, ReleaseFeed};
 use crate::redis_store::{RedisStore, corrupt, error};
 
 /// The server's time as `now` (ms) and `nowus` (µs). Numbers written to the hash go through
@@ -94,7 +93,6 @@ pub(crate) struct LockScripts {
     release: Script,
     fenced_set: Script,
     feed: ReleaseFeed,
-    feed_running: Arc<AtomicBool>,
 }
 
 impl LockScripts {
@@ -106,7 +104,6 @@ impl LockScripts {
             release: script(RELEASE),
             fenced_set: Script::new(FENCED_SET),
             feed: ReleaseFeed::new(),
-            feed_running: Arc::new(AtomicBool::new(false)),
         }
     }
 }
@@ -276,12 +273,12 @@ impl LockStore for RedisStore {
         let client = self.client.as_ref()?;
         let runtime = tokio::runtime::Handle::try_current().ok()?;
         let listener = self.locks.feed.listen();
-        if !self.locks.feed_running.swap(true, Ordering::AcqRel) {
+        if let Some(task) = self.locks.feed.claim() {
             runtime.spawn(run_feed(
                 client.clone(),
                 self.release_channel(),
                 self.locks.feed.clone(),
-                Arc::clone(&self.locks.feed_running),
+                task,
             ));
         }
         Some(listener)
@@ -290,12 +287,7 @@ impl LockStore for RedisStore {
 
 /// Forwards the server's release messages to this process's waiters, reconnecting after
 /// failures, until nobody has listened for [`FEED_IDLE`].
-async fn run_feed(
-    client: redis::Client,
-    channel: String,
-    feed: ReleaseFeed,
-    running: Arc<AtomicBool>,
-) {
+async fn run_feed(client: redis::Client, channel: String, feed: ReleaseFeed, mut task: FeedTask) {
     use futures_core::Stream;
     use std::pin::Pin;
 
@@ -311,8 +303,8 @@ async fn run_feed(
         else {
             tokio::time::sleep(backoff).await;
             backoff = (backoff * 2).min(Duration::from_secs(2));
-            if !feed.has_listeners() {
-                break;
+            if task.stop_if_idle() {
+                return;
             }
             continue;
         };
@@ -337,11 +329,10 @@ async fn run_feed(
                 .get_or_insert_with(tokio::time::Instant::now)
                 .elapsed()
                 >= FEED_IDLE
+                && task.stop_if_idle()
             {
-                running.store(false, Ordering::Release);
                 return;
             }
         }
     }
-    running.store(false, Ordering::Release);
 }

@@ -396,15 +396,18 @@ impl Writer {
     /// Runs `batch` in one transaction and answers every caller. Returns the leases acquired
     /// for callers that stopped waiting before the answer came.
     fn run_batch(&mut self, batch: Vec<Op>) -> Vec<(Key, Lease, Timestamp)> {
-        // A caller that stopped waiting before its claim or read ran needs neither; writes of
-        // a result (complete, release) are made regardless: the work is done.
+        // A caller that stopped waiting before its claim, lock or read ran needs none of them;
+        // writes of a result (complete, release) are made regardless: the work is done.
         let batch: Vec<Op> = batch
             .into_iter()
             .filter(|op| {
                 !(op.responder.is_closed()
                     && matches!(
                         op.request,
-                        Request::Begin(..) | Request::Get(..) | Request::Purge(..)
+                        Request::Begin(..)
+                            | Request::Get(..)
+                            | Request::Purge(..)
+                            | Request::Lock(_, LockOp::Acquire(..))
                     ))
             })
             .collect();

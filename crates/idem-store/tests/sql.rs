@@ -382,6 +382,65 @@ mod postgres {
         });
     }
 
+    /// A renewal that waits behind a release (another transaction holds the row) decides by
+    /// the time after the release: it is refused, and the lock stays free.
+    #[test]
+    fn a_renewal_queued_behind_a_release_does_not_revive_the_lock() {
+        use idem_core::{Acquire, LockName, LockOwner, LockStore};
+        idem_testkit::block_on(async {
+            let Some(store) = store("idem_test_locks").await else {
+                return;
+            };
+            let name = LockName::new(&fresh_name("queued-renew")).unwrap();
+            let owner = LockOwner::random().digest();
+            let Acquire::Acquired(held) = store
+                .acquire(&name, owner, Duration::from_secs(60))
+                .await
+                .unwrap()
+            else {
+                panic!("acquire");
+            };
+            // The release, in a transaction that holds the row while the renewal queues.
+            let mut tx = store.pool().begin().await.unwrap();
+            sqlx::query("SELECT 1 FROM idem_test_locks_locks WHERE name = $1 FOR UPDATE")
+                .bind(name.as_str())
+                .execute(&mut *tx)
+                .await
+                .unwrap();
+            let renewal = {
+                let (store, name) = (store.clone(), name.clone());
+                tokio::spawn(async move {
+                    LockStore::renew(&store, &name, owner, held.fence, Duration::from_secs(60))
+                        .await
+                })
+            };
+            tokio::time::sleep(Duration::from_millis(300)).await;
+            sqlx::query(
+                "UPDATE idem_test_locks_locks
+                 SET expires_at = (extract(epoch FROM clock_timestamp()) * 1000)::bigint
+                 WHERE name = $1",
+            )
+            .bind(name.as_str())
+            .execute(&mut *tx)
+            .await
+            .unwrap();
+            tx.commit().await.unwrap();
+            let renewed = renewal.await.unwrap();
+            assert!(
+                matches!(renewed, Err(idem_core::LockError::NotOwner)),
+                "{renewed:?}"
+            );
+            let other = LockOwner::random().digest();
+            assert!(matches!(
+                store
+                    .acquire(&name, other, Duration::from_secs(1))
+                    .await
+                    .unwrap(),
+                Acquire::Acquired(_)
+            ));
+        });
+    }
+
     /// Two transactions taking the same advisory lock never overlap; the lock goes with the
     /// transaction.
     #[test]

@@ -74,6 +74,9 @@ impl std::fmt::Debug for Locks {
     }
 }
 
+/// The shortest a waiter sleeps between attempts on its timer.
+const MIN_NAP: Duration = Duration::from_millis(20);
+
 /// How long a waiter pauses after a store failure before trying again.
 const RETRY_AFTER_FAILURE: Duration = Duration::from_millis(100);
 
@@ -138,7 +141,7 @@ impl Locks {
     ) -> Result<LockGuard, LockError> {
         let name = LockName::new(name)?;
         let digest = owner.digest();
-        let deadline = Instant::now() + wait;
+        let deadline = far(Instant::now(), wait);
         let mut listener = if wait.is_zero() {
             None
         } else {
@@ -180,9 +183,11 @@ impl Locks {
             }
             // The holder's lease end is by the backend's clock; ours is close enough to aim a
             // timer at, and a timer that fires early only costs one more attempt.
+            // At least MIN_NAP: with the backend's clock behind ours, the lease end looks
+            // past while it is not, and retrying at once would spin.
             let lease_left = until
                 .saturating_since(Timestamp::now())
-                .max(Duration::from_millis(1));
+                .max(MIN_NAP.min(self.poll));
             let nap = self.poll.min(lease_left).min(deadline - now);
             wait_for_release(listener.as_deref_mut(), &name, nap).await;
         }
@@ -258,7 +263,17 @@ struct Shared {
 /// When a lease asked for at `asked` ends by this process's clock: `lease` minus an allowance
 /// for the two clocks running at slightly different rates (1%, and 2 ms).
 fn local_deadline(asked: Instant, lease: Duration) -> Instant {
-    asked + lease.saturating_sub(lease / 100 + Duration::from_millis(2))
+    far(
+        asked,
+        lease.saturating_sub(lease / 100 + Duration::from_millis(2)),
+    )
+}
+
+/// `at + d`, or a century on for a `d` too long to add (`Duration::MAX` as "for ever").
+fn far(at: Instant, d: Duration) -> Instant {
+    at.checked_add(d)
+        .or_else(|| at.checked_add(Duration::from_secs(100 * 365 * 24 * 3600)))
+        .unwrap_or(at)
 }
 
 impl Shared {
@@ -317,7 +332,8 @@ impl Shared {
 }
 
 /// A holding of a lock. Release it with [`LockGuard::release`]; dropping it releases it in the
-/// background (inside a Tokio runtime), so a guard never leaks its lock until the lease ends.
+/// background, so a guard does not keep its lock until the lease ends (a guard dropped outside
+/// any Tokio runtime cannot, and its lock lasts until its lease ends).
 pub struct LockGuard {
     shared: Arc<Shared>,
     lease: Duration,
@@ -465,11 +481,11 @@ impl LockGuard {
 async fn renew_loop(shared: Arc<Shared>, lease: Duration) {
     let every = lease / 3;
     let retry = (lease / 20).clamp(Duration::from_millis(1), Duration::from_millis(200));
-    let mut next = Instant::now() + every;
+    let mut next = far(Instant::now(), every);
     loop {
         tokio::time::sleep_until(next).await;
         match shared.renew(lease).await {
-            Ok(_) => next = Instant::now() + every,
+            Ok(_) => next = far(Instant::now(), every),
             Err(LockError::Lost) => return,
             Err(e) => {
                 tracing::warn!(lock = %shared.name, error = %e, "lock renewal failed; retrying");
