@@ -1,0 +1,307 @@
+//! The guards on each database. The statements are the same up to placeholders, and how a
+//! changed value is handed back: `RETURNING` in PostgreSQL and SQLite, `LAST_INSERT_ID(expr)`
+//! in MySQL/MariaDB (whose `UPDATE` has no `RETURNING`; the value is the connection's own, so
+//! no second read can see another writer's).
+
+use crate::{
+    Bounded, Cas, Counter, GuardError, LockWait, Locked, RowLock, Scalar, StateMachine, Transition,
+    Versioned, numbered,
+};
+
+/// Reads column 0 as an integer of any width, or as text.
+fn scalar<R: sqlx::Row>(row: &R) -> Result<Scalar, GuardError>
+where
+    for<'r> i64: sqlx::Decode<'r, R::Database> + sqlx::Type<R::Database>,
+    for<'r> i32: sqlx::Decode<'r, R::Database> + sqlx::Type<R::Database>,
+    for<'r> i16: sqlx::Decode<'r, R::Database> + sqlx::Type<R::Database>,
+    for<'r> String: sqlx::Decode<'r, R::Database> + sqlx::Type<R::Database>,
+    usize: sqlx::ColumnIndex<R>,
+{
+    if let Ok(v) = row.try_get::<i64, _>(0) {
+        return Ok(Scalar::Int(v));
+    }
+    if let Ok(v) = row.try_get::<i32, _>(0) {
+        return Ok(Scalar::Int(v.into()));
+    }
+    if let Ok(v) = row.try_get::<i16, _>(0) {
+        return Ok(Scalar::Int(v.into()));
+    }
+    row.try_get::<String, _>(0)
+        .map(Scalar::Text)
+        .map_err(|_| GuardError::UnreadableValue)
+}
+
+fn int(s: &Scalar) -> Result<i64, GuardError> {
+    match s {
+        Scalar::Int(v) => Ok(*v),
+        Scalar::Text(_) => Err(GuardError::UnreadableValue),
+    }
+}
+
+fn one_row(rows: u64) -> Result<bool, GuardError> {
+    match rows {
+        0 => Ok(false),
+        1 => Ok(true),
+        n => Err(GuardError::NotUnique(n)),
+    }
+}
+
+macro_rules! bind_scalar {
+    ($q:expr, $v:expr) => {
+        match $v {
+            Scalar::Int(i) => $q.bind(*i),
+            Scalar::Text(t) => $q.bind(t.clone()),
+        }
+    };
+}
+
+macro_rules! backend {
+    (
+        conn: $conn:ty,
+        sql: $sql:expr,
+        transition: $transition:ident,
+        cas: $cas:ident,
+        add: $add:ident,
+        returning: $returning:tt,
+        name: $name:literal $(,)?
+    ) => {
+        impl StateMachine {
+            #[doc = concat!("Moves the row with `key` from `from` to `to` on ", $name, ".")]
+            ///
+            /// Refused with [`GuardError::UndeclaredTransition`] before any SQL if the edge is
+            /// not declared.
+            pub async fn $transition(
+                &self,
+                conn: &mut $conn,
+                key: impl Into<Scalar>,
+                from: impl Into<Scalar>,
+                to: impl Into<Scalar>,
+            ) -> Result<Transition, GuardError> {
+                let (key, from, to) = (key.into(), from.into(), to.into());
+                self.check(&from, &to)?;
+                let sql = $sql(&self.update_sql());
+                let q = sqlx::query(sqlx::AssertSqlSafe(sql));
+                let q = bind_scalar!(q, &to);
+                let q = bind_scalar!(q, &key);
+                let q = bind_scalar!(q, &from);
+                if one_row(q.execute(&mut *conn).await?.rows_affected())? {
+                    return Ok(Transition::Applied);
+                }
+                let read = $sql(&self.row.read(&self.column));
+                let q = sqlx::query(sqlx::AssertSqlSafe(read));
+                let current = match bind_scalar!(q, &key).fetch_optional(&mut *conn).await? {
+                    Some(row) => Some(scalar(&row)?),
+                    None => None,
+                };
+                Ok(Self::explain(&to, current))
+            }
+        }
+
+        impl Versioned {
+            #[doc = concat!("Sets `sets` on the row with `key` if it still has version `expected`, on ", $name, ".")]
+            pub async fn $cas(
+                &self,
+                conn: &mut $conn,
+                key: impl Into<Scalar>,
+                expected: i64,
+                sets: &[(&str, Scalar)],
+            ) -> Result<Cas, GuardError> {
+                let key = key.into();
+                let columns = Self::columns(sets)?;
+                let sql = $sql(&self.update_sql(&columns));
+                let mut q = sqlx::query(sqlx::AssertSqlSafe(sql));
+                for (_, value) in sets {
+                    q = bind_scalar!(q, value);
+                }
+                let q = bind_scalar!(q, &key).bind(expected);
+                if one_row(q.execute(&mut *conn).await?.rows_affected())? {
+                    return Ok(Cas::Applied(expected.saturating_add(1)));
+                }
+                let read = $sql(&self.row.read(&self.version));
+                let q = sqlx::query(sqlx::AssertSqlSafe(read));
+                Ok(match bind_scalar!(q, &key).fetch_optional(&mut *conn).await? {
+                    Some(row) => Cas::Conflict(int(&scalar(&row)?)?),
+                    None => Cas::NotFound,
+                })
+            }
+        }
+
+        impl Counter {
+            #[doc = concat!("Adds `delta` (negative: takes away) to the row with `key` unless that crosses a bound, on ", $name, ".")]
+            pub async fn $add(
+                &self,
+                conn: &mut $conn,
+                key: impl Into<Scalar>,
+                delta: i64,
+            ) -> Result<Bounded, GuardError> {
+                let key = key.into();
+                if let Some(update) = self.update_sql(delta, backend!(@wrap $returning)) {
+                    let update = if $returning {
+                        format!("{update} RETURNING {}", self.column)
+                    } else {
+                        update
+                    };
+                    let q = sqlx::query(sqlx::AssertSqlSafe($sql(&update))).bind(delta);
+                    let q = bind_scalar!(q, &key);
+                    if let Some(value) = backend!(@apply $returning, q, conn) {
+                        return Ok(Bounded::Applied(value));
+                    }
+                }
+                let read = $sql(&self.row.read(&self.column));
+                let q = sqlx::query(sqlx::AssertSqlSafe(read));
+                let current = match bind_scalar!(q, &key).fetch_optional(&mut *conn).await? {
+                    Some(row) => Some(int(&scalar(&row)?)?),
+                    None => None,
+                };
+                Ok(Self::explain(delta, current))
+            }
+        }
+
+    };
+    (@wrap true) => { |v: &str| v.to_owned() };
+    (@wrap false) => { |v: &str| format!("LAST_INSERT_ID({v})") };
+    (@apply true, $q:expr, $conn:ident) => {
+        match $q.fetch_optional(&mut *$conn).await? {
+            Some(row) => Some(int(&scalar(&row)?)?),
+            None => None,
+        }
+    };
+    (@apply false, $q:expr, $conn:ident) => {
+        if one_row($q.execute(&mut *$conn).await?.rows_affected())? {
+            let v: u64 = sqlx::query_scalar("SELECT LAST_INSERT_ID()")
+                .fetch_one(&mut *$conn)
+                .await?;
+            // LAST_INSERT_ID is unsigned: a negative value comes back as its two's complement.
+            Some(v.cast_signed())
+        } else {
+            None
+        }
+    };
+}
+
+macro_rules! row_lock {
+    ($conn:ty, $sql:expr, $lock:ident, $name:literal, savepoint: $savepoint:tt) => {
+        impl RowLock {
+            #[doc = concat!("Locks the row with `key` until the transaction ends, on ", $name, ".")]
+            pub async fn $lock(
+                &self,
+                conn: &mut $conn,
+                key: impl Into<Scalar>,
+                wait: LockWait,
+            ) -> Result<Locked, GuardError> {
+                let key = key.into();
+                // A refused NOWAIT aborts a PostgreSQL transaction; inside a savepoint only
+                // the savepoint is lost, and the caller's transaction goes on.
+                let savepoint = $savepoint && wait == LockWait::NoWait;
+                if savepoint {
+                    sqlx::query("SAVEPOINT idem_guard_lock")
+                        .execute(&mut *conn)
+                        .await?;
+                }
+                let q = sqlx::query(sqlx::AssertSqlSafe($sql(&self.sql(wait))));
+                let answer = bind_scalar!(q, &key).fetch_optional(&mut *conn).await;
+                if savepoint {
+                    let end = if answer.is_ok() {
+                        "RELEASE SAVEPOINT idem_guard_lock"
+                    } else {
+                        "ROLLBACK TO SAVEPOINT idem_guard_lock"
+                    };
+                    sqlx::query(end).execute(&mut *conn).await?;
+                }
+                match answer {
+                    Ok(Some(_)) => Ok(Locked::Locked),
+                    // Skipped because locked, or absent: tell them apart without waiting.
+                    Ok(None) if wait == LockWait::SkipLocked => {
+                        let read = $sql(&self.row.read(&self.row.key));
+                        let q = sqlx::query(sqlx::AssertSqlSafe(read));
+                        Ok(
+                            match bind_scalar!(q, &key).fetch_optional(&mut *conn).await? {
+                                Some(_) => Locked::Busy,
+                                None => Locked::NotFound,
+                            },
+                        )
+                    }
+                    Ok(None) => Ok(Locked::NotFound),
+                    Err(e) if is_lock_busy(&e) => Ok(Locked::Busy),
+                    Err(e) => Err(e.into()),
+                }
+            }
+        }
+    };
+}
+
+/// Whether a `NOWAIT` lock was refused because another transaction holds the row: SQLSTATE
+/// 55P03 (PostgreSQL), MySQL error 3572, or MariaDB's `NOWAIT` timing out at once (1205).
+fn is_lock_busy(e: &sqlx::Error) -> bool {
+    let sqlx::Error::Database(db) = e else {
+        return false;
+    };
+    if db.code().as_deref() == Some("55P03") {
+        return true;
+    }
+    #[cfg(feature = "mysql")]
+    if let Some(my) = db.try_downcast_ref::<sqlx::mysql::MySqlDatabaseError>() {
+        return matches!(my.number(), 3572 | 1205);
+    }
+    false
+}
+
+#[cfg(feature = "postgres")]
+backend! {
+    conn: sqlx::PgConnection,
+    sql: numbered,
+    transition: transition_pg,
+    cas: update_pg,
+    add: add_pg,
+    returning: true,
+    name: "PostgreSQL",
+}
+
+#[cfg(feature = "postgres")]
+row_lock!(sqlx::PgConnection, numbered, lock_pg, "PostgreSQL", savepoint: true);
+
+#[cfg(feature = "mysql")]
+row_lock!(sqlx::MySqlConnection, str::to_owned, lock_mysql, "MySQL/MariaDB", savepoint: false);
+
+#[cfg(feature = "mysql")]
+backend! {
+    conn: sqlx::MySqlConnection,
+    sql: str::to_owned,
+    transition: transition_mysql,
+    cas: update_mysql,
+    add: add_mysql,
+    returning: false,
+    name: "MySQL/MariaDB",
+}
+
+#[cfg(feature = "sqlite")]
+backend! {
+    conn: sqlx::SqliteConnection,
+    sql: str::to_owned,
+    transition: transition_sqlite,
+    cas: update_sqlite,
+    add: add_sqlite,
+    returning: true,
+    name: "SQLite",
+}
+
+#[cfg(feature = "sqlite")]
+impl RowLock {
+    /// SQLite has no row locks: this checks that the row exists, inside a transaction that
+    /// already holds the database's write lock (`BEGIN IMMEDIATE`), which no other writer can
+    /// take until it ends. [`Locked::Locked`] or [`Locked::NotFound`].
+    pub async fn lock_sqlite(
+        &self,
+        conn: &mut sqlx::SqliteConnection,
+        key: impl Into<Scalar>,
+    ) -> Result<Locked, GuardError> {
+        let key = key.into();
+        let q = sqlx::query(sqlx::AssertSqlSafe(self.row.read(&self.row.key)));
+        Ok(
+            match bind_scalar!(q, &key).fetch_optional(&mut *conn).await? {
+                Some(_) => Locked::Locked,
+                None => Locked::NotFound,
+            },
+        )
+    }
+}
