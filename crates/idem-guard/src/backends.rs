@@ -4,8 +4,8 @@
 //! no second read can see another writer's).
 
 use crate::{
-    Bounded, Cas, Counter, GuardError, LockWait, Locked, RowLock, Scalar, StateMachine, Transition,
-    Versioned, numbered,
+    Bounded, Cas, Counter, GuardError, Inserted, LockWait, Locked, RowLock, Scalar, StateMachine,
+    Transition, UniqueInsert, Versioned, numbered,
 };
 
 /// Reads column 0 as an integer of any width, or as text.
@@ -304,4 +304,114 @@ impl RowLock {
             },
         )
     }
+}
+
+/// Tries the insert; whether it inserted (`false`: a row with the key was there).
+macro_rules! try_insert {
+    (conflict, $sql:expr, $this:ident, $conn:ident, $values:ident) => {{
+        let conflict: Vec<String> = $this.key.iter().map(ToString::to_string).collect();
+        let tail = format!(" ON CONFLICT ({}) DO NOTHING", conflict.join(", "));
+        let mut q = sqlx::query(sqlx::AssertSqlSafe($sql(&$this.insert_sql(&tail))));
+        for v in $values {
+            q = bind_scalar!(q, v);
+        }
+        one_row(q.execute(&mut *$conn).await?.rows_affected())?
+    }};
+    (error, $sql:expr, $this:ident, $conn:ident, $values:ident) => {{
+        let mut q = sqlx::query(sqlx::AssertSqlSafe($sql(&$this.insert_sql(""))));
+        for v in $values {
+            q = bind_scalar!(q, v);
+        }
+        match q.execute(&mut *$conn).await {
+            Ok(_) => true,
+            // ER_DUP_ENTRY, by number: a failed statement leaves a MySQL transaction usable.
+            Err(e) if is_duplicate_key(&e) => false,
+            Err(e) => return Err(e.into()),
+        }
+    }};
+}
+
+macro_rules! unique_insert {
+    (
+        conn: $conn:ty,
+        row: $row:ty,
+        sql: $sql:expr,
+        insert: $insert:ident,
+        duplicate: $duplicate:ident,
+        latest: $latest:literal,
+        name: $name:literal $(,)?
+    ) => {
+        impl UniqueInsert {
+            #[doc = concat!("Inserts `values` (one per column), or finds the row with the same key, on ", $name, ".")]
+            pub async fn $insert<T>(
+                &self,
+                conn: &mut $conn,
+                values: &[Scalar],
+            ) -> Result<Inserted<T>, GuardError>
+            where
+                T: for<'r> sqlx::FromRow<'r, $row> + Send + Unpin,
+            {
+                self.check_values(values)?;
+                let inserted = try_insert!($duplicate, $sql, self, conn, values);
+                // After a duplicate, the latest committed row, whatever this transaction's
+                // snapshot.
+                let tail = if inserted { "" } else { $latest };
+                let mut q =
+                    sqlx::query_as::<_, T>(sqlx::AssertSqlSafe($sql(&self.select_sql(tail))));
+                for &i in &self.key_at {
+                    q = bind_scalar!(q, &values[i]);
+                }
+                let row = q.fetch_optional(&mut *conn).await?;
+                match (inserted, row) {
+                    (true, Some(row)) => Ok(Inserted::New(row)),
+                    (false, Some(row)) => Ok(Inserted::Existing(row)),
+                    // Deleted between the two statements: the caller may try again.
+                    (_, None) => Err(GuardError::Database(sqlx::Error::RowNotFound)),
+                }
+            }
+        }
+    };
+}
+
+/// MySQL's duplicate-key error, by its number (1062), never its message.
+#[cfg(feature = "mysql")]
+fn is_duplicate_key(e: &sqlx::Error) -> bool {
+    let sqlx::Error::Database(db) = e else {
+        return false;
+    };
+    db.try_downcast_ref::<sqlx::mysql::MySqlDatabaseError>()
+        .is_some_and(|my| my.number() == 1062)
+}
+
+#[cfg(feature = "postgres")]
+unique_insert! {
+    conn: sqlx::PgConnection,
+    row: sqlx::postgres::PgRow,
+    sql: numbered,
+    insert: insert_pg,
+    duplicate: conflict,
+    latest: "",
+    name: "PostgreSQL",
+}
+
+#[cfg(feature = "mysql")]
+unique_insert! {
+    conn: sqlx::MySqlConnection,
+    row: sqlx::mysql::MySqlRow,
+    sql: str::to_owned,
+    insert: insert_mysql,
+    duplicate: error,
+    latest: " LOCK IN SHARE MODE",
+    name: "MySQL/MariaDB",
+}
+
+#[cfg(feature = "sqlite")]
+unique_insert! {
+    conn: sqlx::SqliteConnection,
+    row: sqlx::sqlite::SqliteRow,
+    sql: str::to_owned,
+    insert: insert_sqlite,
+    duplicate: conflict,
+    latest: "",
+    name: "SQLite",
 }

@@ -14,6 +14,10 @@
 //! - [`Versioned`]: optimistic locking (`version = version + 1 WHERE version = :v`):
 //!   [`Cas::Applied`] with the new version, [`Cas::Conflict`] with the current one, or
 //!   [`Cas::NotFound`].
+//! - [`UniqueInsert`]: insert-or-replay on a unique key: [`Inserted::New`] with the row, or
+//!   [`Inserted::Existing`] with the row that was there (one account per user), safe under
+//!   concurrent callers, the duplicate told by the database's own means, never by an error
+//!   message.
 //! - [`Bounded`]: a conditional decrement or increment that never crosses a bound
 //!   (`avail - n >= 0`): [`Bounded::Applied`] with the new value, [`Bounded::Insufficient`] or
 //!   [`Bounded::Exceeded`] with the current one, or [`Bounded::NotFound`].
@@ -254,6 +258,113 @@ impl StateMachine {
             None => Transition::NotFound,
             Some(s) if &s == to => Transition::AlreadyThere,
             Some(s) => Transition::Conflict(s),
+        }
+    }
+}
+
+/// The outcome of an insert-or-replay.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(tag = "outcome", content = "row", rename_all = "snake_case")]
+pub enum Inserted<T> {
+    /// The row was inserted; here it is as stored.
+    New(T),
+    /// A row with the same unique key was there already (inserted by an earlier attempt of the
+    /// same request, or by a concurrent one); here it is, unchanged.
+    Existing(T),
+}
+
+impl<T> Inserted<T> {
+    /// The row, new or existing.
+    pub fn into_row(self) -> T {
+        match self {
+            Inserted::New(row) | Inserted::Existing(row) => row,
+        }
+    }
+}
+
+/// Insert-or-replay on a unique key: the seeds' "insert and catch the duplicate", done so that
+/// the duplicate is recognised by the database's own means (`ON CONFLICT DO NOTHING` in
+/// PostgreSQL and SQLite, error number 1062 in MySQL/MariaDB), and the caller always gets a
+/// row back.
+///
+/// ```
+/// use idem_guard::UniqueInsert;
+///
+/// // One fund account per user: `UNIQUE (user_id)`.
+/// let accounts = UniqueInsert::new("fund_account", &["user_id"], &["user_id", "currency"])?;
+/// # Ok::<(), idem_guard::GuardError>(())
+/// ```
+#[derive(Debug, Clone)]
+pub struct UniqueInsert {
+    table: Ident,
+    key: Vec<Ident>,
+    columns: Vec<Ident>,
+    /// Where each key column is among the inserted columns.
+    key_at: Vec<usize>,
+}
+
+impl UniqueInsert {
+    /// Inserts `columns` into `table`, whose unique key is `key` (columns among `columns`).
+    pub fn new(table: &str, key: &[&str], columns: &[&str]) -> Result<Self, GuardError> {
+        let columns: Vec<Ident> = columns
+            .iter()
+            .map(|c| Ident::new(c))
+            .collect::<Result<_, _>>()?;
+        let key: Vec<Ident> = key
+            .iter()
+            .map(|c| Ident::new(c))
+            .collect::<Result<_, _>>()?;
+        if key.is_empty() {
+            return Err(GuardError::Definition(
+                "the unique key needs a column".into(),
+            ));
+        }
+        let key_at = key
+            .iter()
+            .map(|k| {
+                columns.iter().position(|c| c == k).ok_or_else(|| {
+                    GuardError::Definition(format!("the key column {k} is not inserted"))
+                })
+            })
+            .collect::<Result<_, _>>()?;
+        Ok(Self {
+            table: Ident::new(table)?,
+            key,
+            columns,
+            key_at,
+        })
+    }
+
+    /// `INSERT INTO t (a, b) VALUES (?, ?)` and what follows it.
+    fn insert_sql(&self, tail: &str) -> String {
+        let cols: Vec<String> = self.columns.iter().map(ToString::to_string).collect();
+        let marks = vec!["?"; cols.len()].join(", ");
+        format!(
+            "INSERT INTO {} ({}) VALUES ({marks}){tail}",
+            self.table,
+            cols.join(", ")
+        )
+    }
+
+    /// `SELECT * FROM t WHERE k1 = ? AND k2 = ?` and what follows it.
+    fn select_sql(&self, tail: &str) -> String {
+        let cond: Vec<String> = self.key.iter().map(|k| format!("{k} = ?")).collect();
+        format!(
+            "SELECT * FROM {} WHERE {}{tail}",
+            self.table,
+            cond.join(" AND ")
+        )
+    }
+
+    fn check_values(&self, values: &[Scalar]) -> Result<(), GuardError> {
+        if values.len() == self.columns.len() {
+            Ok(())
+        } else {
+            Err(GuardError::Definition(format!(
+                "{} values for {} columns",
+                values.len(),
+                self.columns.len()
+            )))
         }
     }
 }

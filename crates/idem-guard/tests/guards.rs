@@ -4,7 +4,10 @@
 
 #![allow(clippy::unwrap_used)]
 
-use idem_guard::{Bounded, Cas, Counter, GuardError, Scalar, StateMachine, Transition, Versioned};
+use idem_guard::{
+    Bounded, Cas, Counter, GuardError, Inserted, Scalar, StateMachine, Transition, UniqueInsert,
+    Versioned,
+};
 
 /// A table name no other run uses.
 fn fresh(prefix: &str) -> String {
@@ -33,7 +36,7 @@ fn coupons(table: &str) -> StateMachine {
 }
 
 macro_rules! guard_tests {
-    ($db:ident, $pool:ty, $connect:expr, $transition:ident, $update:ident, $add:ident) => {
+    ($db:ident, $pool:ty, $connect:expr, $transition:ident, $update:ident, $add:ident, $insert:ident) => {
         mod $db {
             use super::*;
 
@@ -149,6 +152,47 @@ macro_rules! guard_tests {
                 exec(&pool, &format!("DROP TABLE {t}")).await;
             }
 
+            /// One fund account per user: of concurrent opens exactly one inserts, and every
+            /// caller gets that account back.
+            #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+            async fn of_concurrent_inserts_one_is_new_and_all_get_it() {
+                let Some(pool) = pool().await else { return };
+                let t = fresh("accounts");
+                exec(&pool, &format!("CREATE TABLE {t} (account_no VARCHAR(64) PRIMARY KEY, user_id BIGINT NOT NULL UNIQUE, currency VARCHAR(8) NOT NULL)")).await;
+                let accounts = UniqueInsert::new(&t, &["user_id"], &["account_no", "user_id", "currency"]).unwrap();
+                let tasks: Vec<_> = (0..12)
+                    .map(|i| {
+                        let (pool, accounts) = (pool.clone(), accounts.clone());
+                        tokio::spawn(async move {
+                            let mut c = pool.acquire().await.unwrap();
+                            let values = [format!("acct-{i}").into(), 7.into(), "CNY".into()];
+                            accounts.$insert::<(String, i64, String)>(&mut c, &values).await.unwrap()
+                        })
+                    })
+                    .collect();
+                let (mut new, mut rows) = (0, Vec::new());
+                for task in tasks {
+                    match task.await.unwrap() {
+                        Inserted::New(row) => {
+                            new += 1;
+                            rows.push(row);
+                        }
+                        Inserted::Existing(row) => rows.push(row),
+                    }
+                }
+                assert_eq!(new, 1);
+                rows.dedup();
+                assert_eq!(rows.len(), 1, "{rows:?}");
+                assert_eq!((rows[0].1, rows[0].2.as_str()), (7, "CNY"));
+                let mut c = pool.acquire().await.unwrap();
+                assert!(matches!(
+                    accounts.$insert::<(String, i64, String)>(&mut c, &[7.into()]).await,
+                    Err(GuardError::Definition(_))
+                ));
+                drop(c);
+                exec(&pool, &format!("DROP TABLE {t}")).await;
+            }
+
             #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
             async fn a_version_cas_applies_once_per_version() {
                 let Some(pool) = pool().await else { return };
@@ -201,7 +245,8 @@ guard_tests!(
     },
     transition_pg,
     update_pg,
-    add_pg
+    add_pg,
+    insert_pg
 );
 
 guard_tests!(
@@ -213,7 +258,8 @@ guard_tests!(
     },
     transition_mysql,
     update_mysql,
-    add_mysql
+    add_mysql,
+    insert_mysql
 );
 
 guard_tests!(
@@ -233,7 +279,8 @@ guard_tests!(
     },
     transition_sqlite,
     update_sqlite,
-    add_sqlite
+    add_sqlite,
+    insert_sqlite
 );
 
 macro_rules! row_lock_tests {
