@@ -11,9 +11,10 @@
 //! without persistence, a failover to a replica that missed the last writes), the fence's
 //! clock term still makes the next fence higher.
 //!
-//! A release publishes the name on `<prefix>lock-released`. On a single server, the store
-//! subscribes once (its own connection, opened when the first waiter listens and closed when
-//! none has listened for a while) and wakes its waiters; on a Cluster waiters poll.
+//! A release publishes the name on `<prefix>lock-released`. The store subscribes once (its own
+//! connection, opened when the first waiter listens and closed when none has listened for a
+//! while) and wakes its waiters. A Cluster delivers every `PUBLISH` to every node, so there
+//! the store subscribes on the first node it was given; while that node is down, waiters poll.
 
 use std::sync::Arc;
 use std::time::Duration;

@@ -194,7 +194,8 @@ impl Default for RedisOptions {
 pub struct RedisStore {
     pub(crate) conn: Conn,
     pub(crate) prefix: String,
-    /// The single server's client, for the lock release feed's own connection.
+    /// A client of one server (of the Cluster's first node given), for the lock release
+    /// feed's own connection.
     pub(crate) client: Option<redis::Client>,
     pub(crate) locks: crate::redis_locks::LockScripts,
     begin: Script,
@@ -251,9 +252,13 @@ impl RedisStore {
             .get_async_connection()
             .await
             .map_err(|e| error("cannot connect to the Redis Cluster", e))?;
-        Self::with(Conn::Cluster(conn), options.clone())
-            .checked(&options)
-            .await
+        let mut store = Self::with(Conn::Cluster(conn), options.clone());
+        // A Cluster delivers every PUBLISH to every node, so the lock release feed listens on
+        // the first node given.
+        store.client = nodes
+            .first()
+            .and_then(|n| redis::Client::open(n.as_str()).ok());
+        store.checked(&options).await
     }
 
     fn with(conn: Conn, options: RedisOptions) -> Self {
