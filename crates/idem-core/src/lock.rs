@@ -14,10 +14,11 @@
 //! clock times 1000 where the backend has no finer one). The backend's
 //! clock term keeps fences increasing even when the previous fence is gone: a Redis restarted
 //! without persistence, a replica promoted before it saw the last writes, a lock row purged
-//! after an hour of disuse. Each acquisition takes at least one round trip, far more than a
-//! microsecond, so a fence never runs ahead of the clock by more than a few counts, and any
+//! after an hour of disuse. On a server backend each acquisition takes at least one round trip,
+//! far more than a microsecond, so a fence stays within a few counts of the clock, and any
 //! fence handed out later, from any copy of the state, is higher, as long as the backend's
-//! clock does not step back.
+//! clock does not step back. In-process backends with a millisecond clock can run ahead of it
+//! while they hand out more than 1000 fences a millisecond (see docs/design.md).
 
 use std::fmt;
 use std::sync::Arc;

@@ -3,9 +3,13 @@
 //! in MySQL/MariaDB (whose `UPDATE` has no `RETURNING`; the value is the connection's own, so
 //! no second read can see another writer's).
 
+#[cfg(any(feature = "postgres", feature = "mysql"))]
+use crate::LockWait;
+#[cfg(feature = "postgres")]
+use crate::numbered;
 use crate::{
-    Bounded, Cas, Counter, GuardError, Inserted, LockWait, Locked, RowLock, Scalar, StateMachine,
-    Transition, UniqueInsert, Versioned, numbered,
+    Bounded, Cas, Counter, GuardError, Inserted, Locked, RowLock, Scalar, StateMachine, Transition,
+    UniqueInsert, Versioned,
 };
 
 /// Reads column 0 as an integer of any width, or as text.
@@ -17,6 +21,12 @@ where
     for<'r> String: sqlx::Decode<'r, R::Database> + sqlx::Type<R::Database>,
     usize: sqlx::ColumnIndex<R>,
 {
+    if row
+        .try_get_raw(0)
+        .map_or(true, |v| sqlx::ValueRef::is_null(&v))
+    {
+        return Err(GuardError::UnreadableValue);
+    }
     if let Ok(v) = row.try_get::<i64, _>(0) {
         return Ok(Scalar::Int(v));
     }
@@ -29,6 +39,22 @@ where
     row.try_get::<String, _>(0)
         .map(Scalar::Text)
         .map_err(|_| GuardError::UnreadableValue)
+}
+
+/// Column 0 of the one row a key found; `None` for no row; more than one is an error.
+fn only<R: sqlx::Row>(rows: &[R]) -> Result<Option<Scalar>, GuardError>
+where
+    for<'r> i64: sqlx::Decode<'r, R::Database> + sqlx::Type<R::Database>,
+    for<'r> i32: sqlx::Decode<'r, R::Database> + sqlx::Type<R::Database>,
+    for<'r> i16: sqlx::Decode<'r, R::Database> + sqlx::Type<R::Database>,
+    for<'r> String: sqlx::Decode<'r, R::Database> + sqlx::Type<R::Database>,
+    usize: sqlx::ColumnIndex<R>,
+{
+    match rows {
+        [] => Ok(None),
+        [row] => scalar(row).map(Some),
+        more => Err(GuardError::NotUnique(more.len() as u64)),
+    }
 }
 
 fn int(s: &Scalar) -> Result<i64, GuardError> {
@@ -89,11 +115,8 @@ macro_rules! backend {
                 }
                 let read = $sql(&self.row.read(&self.column));
                 let q = sqlx::query(sqlx::AssertSqlSafe(read));
-                let current = match bind_scalar!(q, &key).fetch_optional(&mut *conn).await? {
-                    Some(row) => Some(scalar(&row)?),
-                    None => None,
-                };
-                Ok(Self::explain(&to, current))
+                let rows = bind_scalar!(q, &key).fetch_all(&mut *conn).await?;
+                Ok(Self::explain(&to, only(&rows)?))
             }
         }
 
@@ -119,8 +142,9 @@ macro_rules! backend {
                 }
                 let read = $sql(&self.row.read(&self.version));
                 let q = sqlx::query(sqlx::AssertSqlSafe(read));
-                Ok(match bind_scalar!(q, &key).fetch_optional(&mut *conn).await? {
-                    Some(row) => Cas::Conflict(int(&scalar(&row)?)?),
+                let rows = bind_scalar!(q, &key).fetch_all(&mut *conn).await?;
+                Ok(match only(&rows)? {
+                    Some(version) => Cas::Conflict(int(&version)?),
                     None => Cas::NotFound,
                 })
             }
@@ -149,10 +173,8 @@ macro_rules! backend {
                 }
                 let read = $sql(&self.row.read(&self.column));
                 let q = sqlx::query(sqlx::AssertSqlSafe(read));
-                let current = match bind_scalar!(q, &key).fetch_optional(&mut *conn).await? {
-                    Some(row) => Some(int(&scalar(&row)?)?),
-                    None => None,
-                };
+                let rows = bind_scalar!(q, &key).fetch_all(&mut *conn).await?;
+                let current = only(&rows)?.as_ref().map(int).transpose()?;
                 Ok(Self::explain(delta, current))
             }
         }
@@ -160,12 +182,11 @@ macro_rules! backend {
     };
     (@wrap true) => { |v: &str| v.to_owned() };
     (@wrap false) => { |v: &str| format!("LAST_INSERT_ID({v})") };
-    (@apply true, $q:expr, $conn:ident) => {
-        match $q.fetch_optional(&mut *$conn).await? {
-            Some(row) => Some(int(&scalar(&row)?)?),
-            None => None,
-        }
-    };
+    (@apply true, $q:expr, $conn:ident) => {{
+        // Every returned row, so that a key matching several is reported, not half-applied.
+        let rows = $q.fetch_all(&mut *$conn).await?;
+        only(&rows)?.as_ref().map(int).transpose()?
+    }};
     (@apply false, $q:expr, $conn:ident) => {
         if one_row($q.execute(&mut *$conn).await?.rows_affected())? {
             let v: u64 = sqlx::query_scalar("SELECT LAST_INSERT_ID()")
@@ -179,6 +200,7 @@ macro_rules! backend {
     };
 }
 
+#[cfg(any(feature = "postgres", feature = "mysql"))]
 macro_rules! row_lock {
     ($conn:ty, $sql:expr, $lock:ident, $name:literal, savepoint: $savepoint:tt) => {
         impl RowLock {
@@ -222,7 +244,10 @@ macro_rules! row_lock {
                         )
                     }
                     Ok(None) => Ok(Locked::NotFound),
-                    Err(e) if is_lock_busy(&e) => Ok(Locked::Busy),
+                    // Only a NOWAIT refusal means "busy": a waiting lock that times out
+                    // (lock_timeout, innodb_lock_wait_timeout) is an error, and on PostgreSQL
+                    // it has aborted the transaction.
+                    Err(e) if wait == LockWait::NoWait && is_lock_busy(&e) => Ok(Locked::Busy),
                     Err(e) => Err(e.into()),
                 }
             }
@@ -232,6 +257,7 @@ macro_rules! row_lock {
 
 /// Whether a `NOWAIT` lock was refused because another transaction holds the row: SQLSTATE
 /// 55P03 (PostgreSQL), MySQL error 3572, or MariaDB's `NOWAIT` timing out at once (1205).
+#[cfg(any(feature = "postgres", feature = "mysql"))]
 fn is_lock_busy(e: &sqlx::Error) -> bool {
     let sqlx::Error::Database(db) = e else {
         return false;
@@ -306,7 +332,8 @@ impl RowLock {
     }
 }
 
-/// Tries the insert; whether it inserted (`false`: a row with the key was there).
+/// Tries the insert: `Ok(())` if it inserted, `Err(duplicate)` if a row with the key was there
+/// (with MySQL's duplicate-key error, which may concern another unique index).
 macro_rules! try_insert {
     (conflict, $sql:expr, $this:ident, $conn:ident, $values:ident) => {{
         let conflict: Vec<String> = $this.key.iter().map(ToString::to_string).collect();
@@ -315,7 +342,11 @@ macro_rules! try_insert {
         for v in $values {
             q = bind_scalar!(q, v);
         }
-        one_row(q.execute(&mut *$conn).await?.rows_affected())?
+        if one_row(q.execute(&mut *$conn).await?.rows_affected())? {
+            Ok(())
+        } else {
+            Err(None)
+        }
     }};
     (error, $sql:expr, $this:ident, $conn:ident, $values:ident) => {{
         let mut q = sqlx::query(sqlx::AssertSqlSafe($sql(&$this.insert_sql(""))));
@@ -323,9 +354,9 @@ macro_rules! try_insert {
             q = bind_scalar!(q, v);
         }
         match q.execute(&mut *$conn).await {
-            Ok(_) => true,
+            Ok(_) => Ok(()),
             // ER_DUP_ENTRY, by number: a failed statement leaves a MySQL transaction usable.
-            Err(e) if is_duplicate_key(&e) => false,
+            Err(e) if is_duplicate_key(&e) => Err(Some(e)),
             Err(e) => return Err(e.into()),
         }
     }};
@@ -352,7 +383,9 @@ macro_rules! unique_insert {
                 T: for<'r> sqlx::FromRow<'r, $row> + Send + Unpin,
             {
                 self.check_values(values)?;
-                let inserted = try_insert!($duplicate, $sql, self, conn, values);
+                let attempt: Result<(), Option<sqlx::Error>> =
+                    try_insert!($duplicate, $sql, self, conn, values);
+                let inserted = attempt.is_ok();
                 // After a duplicate, the latest committed row, whatever this transaction's
                 // snapshot.
                 let tail = if inserted { "" } else { $latest };
@@ -365,8 +398,13 @@ macro_rules! unique_insert {
                 match (inserted, row) {
                     (true, Some(row)) => Ok(Inserted::New(row)),
                     (false, Some(row)) => Ok(Inserted::Existing(row)),
-                    // Deleted between the two statements: the caller may try again.
-                    (_, None) => Err(GuardError::Database(sqlx::Error::RowNotFound)),
+                    // No row with this key after a duplicate-key error: the duplicate was on
+                    // another unique index, and that error is the answer. Otherwise the row
+                    // was deleted between the two statements; the caller may try again.
+                    (_, None) => Err(match attempt {
+                        Err(Some(duplicate)) => duplicate.into(),
+                        _ => GuardError::Database(sqlx::Error::RowNotFound),
+                    }),
                 }
             }
         }

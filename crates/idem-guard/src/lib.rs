@@ -94,7 +94,8 @@ pub enum GuardError {
     #[error("invalid guard definition: {0}")]
     Definition(String),
     /// More than one row matched the key: the key column is not unique. The statement's
-    /// changes are still in the caller's transaction; roll it back.
+    /// changes are in the caller's transaction (roll it back), or already committed on a
+    /// connection outside one.
     #[error("the key matched {0} rows: the key column must be unique")]
     NotUnique(u64),
     /// A row's value has a type the guard does not read (not an integer or text).
@@ -162,7 +163,9 @@ impl Row {
 pub enum Transition {
     /// The row was in the `from` state and is now in `to`.
     Applied,
-    /// The row was already in `to` (a repeated request): nothing changed.
+    /// The row was already in `to`: nothing changed. The guard cannot tell which request put
+    /// it there; behind an idempotency record a repeated request never gets here, so this
+    /// usually means another request did.
     AlreadyThere,
     /// The row is in another state, which this transition does not start from (a coupon that
     /// expired meanwhile): nothing changed.
@@ -494,7 +497,8 @@ pub enum LockWait {
     Wait,
     /// Do not wait: [`Locked::Busy`] at once.
     NoWait,
-    /// Do not wait: skip the row as if absent ([`Locked::Busy`] for a single key). For queues.
+    /// Do not wait: skip the row as if absent; for a single key the same answer as
+    /// [`LockWait::NoWait`] ([`Locked::Busy`]), without an error in the database's log.
     SkipLocked,
 }
 
@@ -532,6 +536,7 @@ impl RowLock {
         })
     }
 
+    #[cfg_attr(not(any(feature = "postgres", feature = "mysql")), allow(dead_code))]
     fn sql(&self, wait: LockWait) -> String {
         let suffix = match wait {
             LockWait::Wait => "",
@@ -546,6 +551,7 @@ impl RowLock {
 }
 
 /// `?` placeholders as PostgreSQL's `$1, $2, …` (the guards' SQL has no string literals).
+#[cfg_attr(not(feature = "postgres"), allow(dead_code))]
 fn numbered(sql: &str) -> String {
     let mut out = String::with_capacity(sql.len() + 8);
     let mut n = 0;

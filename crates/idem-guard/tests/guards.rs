@@ -152,6 +152,30 @@ macro_rules! guard_tests {
                 exec(&pool, &format!("DROP TABLE {t}")).await;
             }
 
+            /// A key that matches more than one row is an error, not an outcome for one of
+            /// them; counters near the integer limit answer `Exceeded` instead of overflowing.
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn a_key_must_be_unique_and_bounds_do_not_overflow() {
+                let Some(pool) = pool().await else { return };
+                let t = fresh("dupes");
+                exec(&pool, &format!("CREATE TABLE {t} (k VARCHAR(8) NOT NULL, n BIGINT NOT NULL)")).await;
+                exec(&pool, &format!("INSERT INTO {t} (k, n) VALUES ('a', 5), ('a', 5), ('b', 9223372036854775806)")).await;
+                let mut c = pool.acquire().await.unwrap();
+                let sm = StateMachine::new(&t, "k", "n").unwrap().states([5, 6, 9]).edge(5, 6).unwrap().edge(9, 6).unwrap();
+                // Both rows change: the error says so (roll back).
+                assert!(matches!(sm.$transition(&mut c, "a", 5, 6).await, Err(GuardError::NotUnique(2))));
+                // Refused, and the read that explains it finds two rows.
+                assert!(matches!(sm.$transition(&mut c, "a", 9, 6).await, Err(GuardError::NotUnique(2))));
+                let counter = Counter::new(&t, "k", "n").unwrap();
+                assert!(matches!(counter.$add(&mut c, "a", -1).await, Err(GuardError::NotUnique(2))));
+                assert!(matches!(counter.$add(&mut c, "a", -100).await, Err(GuardError::NotUnique(2))));
+                assert_eq!(counter.$add(&mut c, "b", 5).await.unwrap(), Bounded::Exceeded(i64::MAX - 1));
+                assert_eq!(counter.$add(&mut c, "b", 1).await.unwrap(), Bounded::Applied(i64::MAX));
+                assert_eq!(counter.$add(&mut c, "b", i64::MIN).await.unwrap(), Bounded::Insufficient(i64::MAX));
+                drop(c);
+                exec(&pool, &format!("DROP TABLE {t}")).await;
+            }
+
             /// One fund account per user: of concurrent opens exactly one inserts, and every
             /// caller gets that account back.
             #[tokio::test(flavor = "multi_thread", worker_threads = 4)]

@@ -277,7 +277,7 @@ impl Segments {
             Err(e) => {
                 s.last_error = Some(e.to_string());
                 s.retry_at = Some(Instant::now() + Duration::from_millis(100));
-                Err(IdError::Store(e.to_string()))
+                Err(e.into())
             }
         };
         self.end_fetch(&mut s);

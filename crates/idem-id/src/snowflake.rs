@@ -37,9 +37,18 @@ pub enum IdError {
     /// A segment tag that cannot name a counter (1 to 255 visible ASCII characters).
     #[error("invalid tag: {0}")]
     Tag(String),
-    /// The store failed while claiming a worker id.
-    #[error("the store failed while claiming a worker id: {0}")]
+    /// An id space name that cannot name the store's records (see [`crate::WorkerPool::new`]).
+    #[error("invalid id space: {0}")]
+    Space(String),
+    /// The store failed (claiming or renewing a worker id, fetching a segment).
+    #[error("the store failed: {0}")]
     Store(String),
+}
+
+impl From<idem_core::StoreError> for IdError {
+    fn from(e: idem_core::StoreError) -> Self {
+        IdError::Store(e.to_string())
+    }
 }
 
 /// How a [`Snowflake`] behaves.

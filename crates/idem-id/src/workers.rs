@@ -53,7 +53,8 @@ impl std::fmt::Debug for WorkerPool {
 
 impl WorkerPool {
     /// Worker ids named `name` (generators of one id space share a name) in `store`, leased
-    /// for 30 s and renewed every 10 s, with a quarantine of 60 s after release.
+    /// for 30 s, with a quarantine of 60 s after release. [`LeasedSnowflake::spawn_heartbeat`]
+    /// renews every `min(lease / 3, 1 s)`.
     pub fn new(store: SharedStore, clock: Arc<dyn Clock>, name: &str) -> Self {
         Self {
             store,
@@ -71,7 +72,7 @@ impl WorkerPool {
             &format!("snowflake.{}", self.name),
             "time-fence",
         )
-        .map_err(|e| IdError::Store(e.to_string()))
+        .map_err(|e| IdError::Space(e.to_string()))
     }
 
     /// The generators' time source (default: the system's clocks). It must agree with the
@@ -84,7 +85,7 @@ impl WorkerPool {
         self
     }
 
-    /// Sets the lease length (renewed every third of it).
+    /// Sets the lease length (renewed at least every third of it).
     #[must_use]
     pub fn lease(mut self, lease: Duration) -> Self {
         self.lease = lease;
@@ -104,7 +105,7 @@ impl WorkerPool {
             &format!("snowflake.{}", self.name),
             &format!("worker-{worker}"),
         )
-        .map_err(|e| IdError::Store(e.to_string()))
+        .map_err(|e| IdError::Space(e.to_string()))
     }
 
     /// Claims a free worker id and makes a generator on it, or fails with
@@ -116,13 +117,8 @@ impl WorkerPool {
         layout: Layout,
         options: SnowflakeOptions,
     ) -> Result<Arc<LeasedSnowflake>, IdError> {
-        let store_err = |e: idem_core::StoreError| IdError::Store(e.to_string());
         // Every id ever issued in this space is below the fence (Unix milliseconds).
-        let fence = self
-            .store
-            .raise(&self.fence_key()?, 0)
-            .await
-            .map_err(store_err)?;
+        let fence = self.store.raise(&self.fence_key()?, 0).await?;
         let count = layout.max_worker() + 1;
         let start = rand::random::<u64>() % count;
         for i in 0..count {
@@ -130,19 +126,11 @@ impl WorkerPool {
             let key = self.key(worker)?;
             let now = self.clock.now();
             // What the last holder left: its lease end is a time fence for our ids.
-            let previous = self
-                .store
-                .get(&key, now)
-                .await
-                .map_err(|e| IdError::Store(e.to_string()))?;
+            let previous = self.store.get(&key, now).await?;
             let req = BeginRequest::new(key.clone(), Fingerprint::of_bytes(b"idem worker id"))
                 .with_lease(self.lease)
                 .with_ttl(self.quarantine);
-            let outcome = self
-                .store
-                .begin(&req, now)
-                .await
-                .map_err(|e| IdError::Store(e.to_string()))?;
+            let outcome = self.store.begin(&req, now).await?;
             let BeginOutcome::Acquired(lease) = outcome else {
                 continue; // held, or in quarantine
             };
@@ -235,8 +223,7 @@ impl LeasedSnowflake {
         self.pool
             .store
             .raise(&self.fence_key, g.layout().epoch_ms().saturating_add(last))
-            .await
-            .map_err(|e| IdError::Store(e.to_string()))?;
+            .await?;
         self.fenced.fetch_max(last, Ordering::AcqRel);
         Ok(())
     }

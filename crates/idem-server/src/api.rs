@@ -36,7 +36,7 @@ pub(crate) fn rfc3339(t: Timestamp) -> String {
     humantime::format_rfc3339_millis(t.min(LAST_RFC3339).to_system_time()).to_string()
 }
 
-fn key_problem(e: &KeyError) -> Problem {
+pub(crate) fn key_problem(e: &KeyError) -> Problem {
     Problem::new(
         StatusCode::BAD_REQUEST,
         "invalid_key",

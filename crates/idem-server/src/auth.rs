@@ -18,6 +18,10 @@ use idem_core::{Fingerprint, Scope};
 use crate::AppState;
 use idem_http::Problem;
 
+/// The start of the scopes idem keeps its own records under (`idem.ids`, `idem.tokens`); no
+/// API key may have one.
+pub const RESERVED_SCOPE_PREFIX: &str = "idem.";
+
 /// The scope used when no API keys are configured.
 pub const DEFAULT_SCOPE: &str = "default";
 
@@ -72,6 +76,13 @@ impl Auth {
             };
             let scope = Scope::new(scope)
                 .map_err(|e| AuthConfigError(format!("{at}: invalid scope: {e}")))?;
+            // idem keeps its own records (worker ids, tokens) under scopes named `idem.…`: a
+            // caller with such a scope could read or hold them through the record API.
+            if scope.as_str().starts_with(RESERVED_SCOPE_PREFIX) {
+                return Err(AuthConfigError(format!(
+                    "{at}: scopes starting with `{RESERVED_SCOPE_PREFIX}` are idem's own"
+                )));
+            }
             if key.len() < 16 {
                 return Err(AuthConfigError(format!(
                     "{at}: the API key is shorter than 16 characters; use a long random key"
@@ -180,6 +191,8 @@ mod tests {
                 "a 0123456789abcdef0123\nb 0123456789abcdef0123",
                 "already listed",
             ),
+            ("idem.ids 0123456789abcdef0123", "idem's own"),
+            ("idem.tokens 0123456789abcdef0123", "idem's own"),
         ] {
             let err = Auth::parse_keys(bad, "keys").unwrap_err().to_string();
             assert!(err.contains(why), "{bad:?}: {err}");

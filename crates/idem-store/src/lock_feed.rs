@@ -14,20 +14,26 @@ const CAPACITY: usize = 1024;
 /// The sending side, shared by a backend's clones, and whether a task feeds it from the
 /// server.
 #[derive(Debug, Clone)]
-pub(crate) struct ReleaseFeed(
-    broadcast::Sender<Arc<str>>,
-    Arc<std::sync::atomic::AtomicBool>,
-);
+pub(crate) struct ReleaseFeed {
+    tx: broadcast::Sender<Arc<str>>,
+    /// Whether a task feeds this from the server (PostgreSQL, Redis).
+    #[cfg(any(feature = "postgres", feature = "redis"))]
+    feeding: Arc<std::sync::atomic::AtomicBool>,
+}
 
 impl ReleaseFeed {
     pub(crate) fn new() -> Self {
-        Self(broadcast::channel(CAPACITY).0, Arc::default())
+        Self {
+            tx: broadcast::channel(CAPACITY).0,
+            #[cfg(any(feature = "postgres", feature = "redis"))]
+            feeding: Arc::default(),
+        }
     }
 
     /// The right to run the task that feeds this from the server, if no task runs.
     #[cfg(any(feature = "postgres", feature = "redis"))]
     pub(crate) fn claim(&self) -> Option<FeedTask> {
-        (!self.1.swap(true, Ordering::AcqRel)).then(|| FeedTask {
+        (!self.feeding.swap(true, Ordering::AcqRel)).then(|| FeedTask {
             feed: self.clone(),
             stopped: false,
         })
@@ -36,22 +42,22 @@ impl ReleaseFeed {
     /// Tells every listener that releases may have been missed (a feed reconnected).
     #[cfg(any(feature = "postgres", feature = "redis"))]
     pub(crate) fn send_missed(&self) {
-        let _ = self.0.send(Arc::from(""));
+        let _ = self.tx.send(Arc::from(""));
     }
 
     /// Tells every listener that `name` was released (nobody listening is fine).
     pub(crate) fn send(&self, name: Arc<str>) {
-        let _ = self.0.send(name);
+        let _ = self.tx.send(name);
     }
 
     /// Whether anyone listens, so a backend may skip work nobody would read.
     #[cfg(any(feature = "postgres", feature = "redis"))]
     pub(crate) fn has_listeners(&self) -> bool {
-        self.0.receiver_count() > 0
+        self.tx.receiver_count() > 0
     }
 
     pub(crate) fn listen(&self) -> Box<dyn ReleaseListener> {
-        Box::new(Listener(self.0.subscribe()))
+        Box::new(Listener(self.tx.subscribe()))
     }
 }
 
@@ -72,8 +78,8 @@ impl FeedTask {
         if self.feed.has_listeners() {
             return false;
         }
-        self.feed.1.store(false, Ordering::Release);
-        if self.feed.has_listeners() && !self.feed.1.swap(true, Ordering::AcqRel) {
+        self.feed.feeding.store(false, Ordering::Release);
+        if self.feed.has_listeners() && !self.feed.feeding.swap(true, Ordering::AcqRel) {
             return false;
         }
         self.stopped = true;
@@ -85,7 +91,7 @@ impl FeedTask {
 impl Drop for FeedTask {
     fn drop(&mut self) {
         if !self.stopped {
-            self.feed.1.store(false, Ordering::Release);
+            self.feed.feeding.store(false, Ordering::Release);
         }
     }
 }
@@ -104,5 +110,31 @@ impl ReleaseListener for Listener {
                 Err(broadcast::error::RecvError::Closed) => std::future::pending().await,
             }
         })
+    }
+}
+
+#[cfg(all(test, any(feature = "postgres", feature = "redis")))]
+mod tests {
+    use super::*;
+
+    /// One feed task at a time; a task that stops for want of listeners gives its claim back
+    /// (so the next listener starts one), but not while someone listens; a dropped task gives
+    /// it back too.
+    #[test]
+    fn a_feed_task_claim_is_given_back_when_it_stops() {
+        let feed = ReleaseFeed::new();
+        let mut task = feed.claim().expect("nobody runs the feed yet");
+        assert!(feed.claim().is_none(), "a second task while one runs");
+        let listener = feed.listen();
+        assert!(!task.stop_if_idle(), "someone listens");
+        assert!(feed.claim().is_none());
+        drop(listener);
+        assert!(task.stop_if_idle());
+        let again = feed.claim().expect("the stopped task gave its claim back");
+        drop(again);
+        assert!(
+            feed.claim().is_some(),
+            "a dropped task gives its claim back"
+        );
     }
 }

@@ -389,8 +389,8 @@ impl PostgresStore {
             .bind(&lease.id.to_bytes()[..])
             .bind(sql_int(lease.fence));
         let completing = response.is_some();
-        if let Some(r) = response {
-            q = q.bind(r.to_vec());
+        if let Some(r) = &response {
+            q = q.bind(&r[..]);
         }
         let done = q
             .execute(&mut *c)

@@ -7,7 +7,7 @@
 //! `INSERT … ON CONFLICT DO UPDATE … WHERE <free, or ours>` that computes the fence in the same
 //! step, `max(fence + 1, now in µs)`; renew and release are `UPDATE`s conditioned on the owner
 //! and fence. A release sends `NOTIFY` on `<table name>_locks` with the lock's name; the store
-//! listens on its own connection (opened when the first waiter listens, closed when none has
+//! listens on a connection of its pool (taken when the first waiter listens, given back when none has
 //! for a while) and wakes its waiters. Rows unused for an hour past their lease are deleted by
 //! `purge_expired`.
 //!

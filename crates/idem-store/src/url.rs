@@ -121,7 +121,7 @@ fn split_idem_options(url: &str) -> (String, Vec<(String, String)>) {
 }
 
 /// The `name=value` pairs of a URL query.
-#[cfg_attr(not(any(feature = "sqlite", feature = "postgres")), allow(dead_code))]
+#[cfg(feature = "sqlite")]
 fn params(query: &str) -> impl Iterator<Item = (&str, &str)> {
     query
         .split('&')
@@ -227,7 +227,22 @@ impl FromStr for StoreUrl {
                     if !tail.is_empty() {
                         return Err(err("a Redis Cluster has no databases: drop the /db part"));
                     }
-                    hosts.split(',').map(|h| format!("redis://{h}")).collect()
+                    // Credentials written once, before the first host, are every node's: a
+                    // Cluster client refuses nodes with different passwords.
+                    let (userinfo, hosts) = match hosts.rsplit_once('@') {
+                        Some((user, hosts)) => (format!("{user}@"), hosts),
+                        None => (String::new(), hosts),
+                    };
+                    hosts
+                        .split(',')
+                        .map(|h| {
+                            if h.is_empty() {
+                                String::new()
+                            } else {
+                                format!("redis://{userinfo}{h}")
+                            }
+                        })
+                        .collect()
                 } else {
                     vec![url]
                 };
@@ -349,11 +364,16 @@ pub async fn open(url: &str) -> Result<SharedStore, OpenError> {
     Ok(url.parse::<StoreUrl>()?.open().await?)
 }
 
-/// `url` with any password replaced by `***`, for messages and logs.
+/// `url` with any password replaced by `***`, for messages and logs: the one in the user
+/// information, and the value of any query parameter whose name contains `password`.
 ///
 /// ```
 /// assert_eq!(idem_store::redact("postgres://app:s3cret@db/app"), "postgres://app:***@db/app");
 /// assert_eq!(idem_store::redact("redis://:pw@cache:6379"), "redis://:***@cache:6379");
+/// assert_eq!(
+///     idem_store::redact("postgres://db/app?user=app&password=s3cret&sslmode=require"),
+///     "postgres://db/app?user=app&password=***&sslmode=require"
+/// );
 /// assert_eq!(idem_store::redact("sqlite://idem.db"), "sqlite://idem.db");
 /// ```
 pub fn redact(url: &str) -> String {
@@ -362,12 +382,30 @@ pub fn redact(url: &str) -> String {
     };
     let authority_end = rest.find(['/', '?']).unwrap_or(rest.len());
     let (authority, tail) = rest.split_at(authority_end);
-    let Some((userinfo, hosts)) = authority.rsplit_once('@') else {
-        return url.to_owned();
+    let authority = match authority.rsplit_once('@') {
+        Some((userinfo, hosts)) => {
+            let user = userinfo.split_once(':').map_or(userinfo, |(u, _)| u);
+            let hidden = if userinfo.contains(':') { ":***" } else { "" };
+            format!("{user}{hidden}@{hosts}")
+        }
+        None => authority.to_owned(),
     };
-    let user = userinfo.split_once(':').map_or(userinfo, |(u, _)| u);
-    let hidden = if userinfo.contains(':') { ":***" } else { "" };
-    format!("{scheme}://{user}{hidden}@{hosts}{tail}")
+    let tail = match tail.split_once('?') {
+        Some((path, query)) => {
+            let query: Vec<String> = query
+                .split('&')
+                .map(|p| match p.split_once('=') {
+                    Some((k, _)) if k.to_ascii_lowercase().contains("password") => {
+                        format!("{k}=***")
+                    }
+                    _ => p.to_owned(),
+                })
+                .collect();
+            format!("{path}?{}", query.join("&"))
+        }
+        None => tail.to_owned(),
+    };
+    format!("{scheme}://{authority}{tail}")
 }
 
 /// Why [`open`] failed.
@@ -467,6 +505,13 @@ mod tests {
         };
         assert_eq!(nodes, ["redis://a:7000", "redis://b:7001"]);
         assert!(cluster);
+        let parsed = "redis+cluster://:pw@a:7000,b:7001"
+            .parse::<StoreUrl>()
+            .unwrap();
+        let StoreUrl::Redis { nodes, .. } = parsed else {
+            panic!("not redis: {parsed:?}");
+        };
+        assert_eq!(nodes, ["redis://:pw@a:7000", "redis://:pw@b:7001"]);
         for bad in [
             "redis://",
             "redis+cluster://a:1/0",

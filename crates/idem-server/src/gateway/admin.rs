@@ -184,14 +184,7 @@ impl AdminState {
                 ));
             }
         };
-        let client_key = ClientKey::new(r.key).map_err(|e| {
-            Problem::new(
-                StatusCode::BAD_REQUEST,
-                "invalid_key",
-                "Invalid key",
-                format!("`key`: {e}."),
-            )
-        })?;
+        let client_key = ClientKey::new(r.key).map_err(|e| crate::api::key_problem(&e))?;
         let (routes, default) = &*self.namespaces;
         let namespace = routes
             .iter()
