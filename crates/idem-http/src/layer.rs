@@ -239,15 +239,20 @@ where
     let begin = BeginRequest::new(key, fingerprint(policy, &parts, &body))
         .with_lease(policy.lease)
         .with_ttl(policy.ttl);
-    let lease = match claim(&cfg, &begin).await {
-        Ok(lease) => lease,
-        Err(answer) => return Ok(answer),
-    };
-    let mut req = Request::from_parts(parts, ReqBody::from(body));
-    req.extensions_mut().insert(Guarded { fence: lease.fence });
-    // The handler runs in a task of its own: a client that hangs up does not cancel it half
-    // way, so the record is settled and the retry gets the answer.
-    let task = tokio::spawn(run_and_settle(cfg, inner, req, begin.key, lease));
+    // Claiming the key and running the handler happen in a task of its own: a client that
+    // hangs up cancels neither half way. Dropped while the store was taking the key, the claim
+    // would leave it held with no one to settle it, so every retry would be told "in
+    // progress" until the lease ran out; dropped inside the handler, the work would stop
+    // half done.
+    let task = tokio::spawn(async move {
+        let lease = match claim(&cfg, &begin).await {
+            Ok(lease) => lease,
+            Err(answer) => return Ok(answer),
+        };
+        let mut req = Request::from_parts(parts, ReqBody::from(body));
+        req.extensions_mut().insert(Guarded { fence: lease.fence });
+        run_and_settle(cfg, inner, req, begin.key, lease).await
+    });
     match task.await {
         Ok(result) => result,
         // The handler panicked; the settler released the key as it unwound.

@@ -518,6 +518,33 @@ async fn a_client_that_hangs_up_does_not_cancel_the_work() {
 }
 
 #[tokio::test]
+async fn a_client_that_hangs_up_while_the_key_is_taken_leaves_no_stranded_record() {
+    let store = FaultyStore::new(MemoryStore::new());
+    // The store takes the key at once; its answer is on the way for 300 ms.
+    store.fail_next(
+        idem_testkit::Op::Begin,
+        idem_testkit::Fault::SlowReply(Duration::from_millis(300)),
+    );
+    let app = app_on(Arc::new(store), Policy::default());
+    let first = app.spawn("/orders", "k");
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    first.abort(); // the connection is gone while the key is being taken
+    // The retry gets the answer once the first attempt finishes; a stranded record would
+    // answer "in progress" until its 60 s lease ran out (and the test clock never moves).
+    let mut r = app.send(post_with("/orders", "k", "")).await;
+    for _ in 0..200 {
+        if r.code() != "request_in_progress" {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+        r = app.send(post_with("/orders", "k", "")).await;
+    }
+    assert_eq!(r.status, StatusCode::CREATED, "{}", r.body);
+    assert!(r.replayed());
+    assert_eq!(app.runs(), 1);
+}
+
+#[tokio::test]
 async fn an_oversized_request_is_refused_and_stores_nothing() {
     let app = app(Policy::default().max_body(16));
     let r = app.send(post_with("/orders", "k", &"x".repeat(17))).await;

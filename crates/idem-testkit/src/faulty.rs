@@ -37,6 +37,9 @@ pub enum Fault {
     /// The operation takes effect in the store, but its answer is lost: the caller sees an
     /// error (a timeout after the commit).
     LostReply,
+    /// The operation takes effect in the store at once, and its answer arrives after this
+    /// long: a caller that gives up meanwhile leaves the effect behind.
+    SlowReply(std::time::Duration),
 }
 
 /// Wraps a store and fails operations on demand. Clones share the same schedule.
@@ -101,6 +104,11 @@ impl<S: Store> FaultyStore<S> {
                 // The effect happens; the answer does not arrive.
                 let _ = run.await;
                 Err(injected("reply lost").into())
+            }
+            Some(Fault::SlowReply(after)) => {
+                let result = run.await;
+                tokio::time::sleep(after).await;
+                result
             }
             None => run.await,
         }
