@@ -242,6 +242,11 @@ impl<'a, S: Store + Clone, C: Clock + Clone, P> Once<'a, S, C, P> {
     /// future is dropped while the work runs (a timeout, a cancelled request) or the work
     /// panics, the key is released in the background so that a retry does not have to wait
     /// for the lease to run out.
+    ///
+    /// Dropped while the store is still taking the key, it cannot know whether the key was
+    /// taken: a taken key then stays held until its lease runs out, and retries meanwhile are
+    /// told it is in progress. Where the caller may be cancelled at any point (an HTTP handler
+    /// whose client hangs up), run this in a task of its own.
     pub async fn run<T, E, F, Fut>(self, work: F) -> Result<Done<T>, RunError<E>>
     where
         T: Serialize + DeserializeOwned,
