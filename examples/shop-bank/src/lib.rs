@@ -208,7 +208,8 @@ pub async fn run(demo: &Demo) -> Result<Report, Error> {
     if demo.drop_after {
         tables.drop_all(&db).await?;
     }
-    db.close().await;
+    // Bounded: a connection a cancelled statement never gave back would hold it up forever.
+    let _ = tokio::time::timeout(Duration::from_secs(10), db.close()).await;
     Ok(Report {
         findings,
         traffic: traffic(&journal),

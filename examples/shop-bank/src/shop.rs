@@ -988,7 +988,14 @@ async fn read_order(State(shop): State<Arc<Shop>>, Path(id): Path<i64>) -> Respo
         "SELECT status, version, amount FROM {} WHERE id = ?",
         shop.t.orders
     );
-    match shop.db.rows(&sql, &[id.into()]).await {
+    // In a task of its own, like every database call here: a client that hangs up must not
+    // drop a connection in the middle of a statement.
+    let db = shop.db.clone();
+    let read = tokio::spawn(async move { db.rows(&sql, &[id.into()]).await });
+    let Ok(read) = read.await else {
+        return internal("the read failed");
+    };
+    match read {
         Ok(rows) => match rows.first().map(|r| r.as_slice()) {
             Some([Scalar::Int(s), Scalar::Int(v), Scalar::Int(a)]) => {
                 Json(order_json(id, *s, *v, *a)).into_response()
