@@ -343,15 +343,9 @@ async fn claim(cfg: &Config, begin: &BeginRequest) -> Result<Lease, Response<Res
     let policy = &cfg.policy;
     let mut reopened = false;
     loop {
-        // Boxed to name the future's type: inferring `Send` through the generic call on
-        // `Arc<dyn DynStore>` trips over higher-ranked lifetimes otherwise.
-        let waiting: idem_core::BoxFuture<'_, _> = Box::pin(begin_waiting(
-            &cfg.store,
-            &*cfg.clock,
-            begin,
-            policy.in_flight,
-        ));
-        let outcome = waiting.await.map_err(|e| reject(Problem::store(&e)))?;
+        let outcome = begin_waiting(&*cfg.store, &*cfg.clock, begin, policy.in_flight)
+            .await
+            .map_err(|e| reject(Problem::store(&e)))?;
         let now = cfg.clock.now();
         let r = match outcome {
             BeginOutcome::Acquired(lease) => {

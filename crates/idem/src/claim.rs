@@ -5,7 +5,7 @@
 use std::future::Future;
 use std::time::Duration;
 
-use idem_core::{BeginOutcome, BeginRequest, Clock, LeaseError, Store, StoreError};
+use idem_core::{BeginOutcome, BeginRequest, Clock, DynStore, LeaseError, StoreError};
 
 /// What to do when another attempt holds the key.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -22,8 +22,12 @@ pub enum InFlight {
 /// `begin`, repeated with backoff (5 ms doubling to 200 ms, never past the bound) while
 /// another attempt holds the key and `in_flight` says to wait. Answers the store's last
 /// outcome: [`BeginOutcome::InProgress`] only once the wait is over.
-pub async fn begin_waiting<S: Store>(
-    store: &S,
+///
+/// The store is taken as `&dyn DynStore`, whose futures are boxed and named `Send`: a future
+/// that awaits a generic `Store` method of `Arc<dyn DynStore>` cannot be proven `Send` by the
+/// compiler ("implementation of `Store` is not general enough").
+pub async fn begin_waiting(
+    store: &dyn DynStore,
     clock: &dyn Clock,
     req: &BeginRequest,
     in_flight: InFlight,

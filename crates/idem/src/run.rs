@@ -5,8 +5,8 @@ use std::time::Duration;
 
 use crate::claim::{InFlight, begin_waiting, settle_retrying};
 use idem_core::{
-    BeginOutcome, BeginRequest, Bytes, Clock, DEFAULT_LEASE, DEFAULT_TTL, Fingerprint, Key, Lease,
-    LeaseError, Store, StoreError, SystemClock,
+    BeginOutcome, BeginRequest, Bytes, Clock, DEFAULT_LEASE, DEFAULT_TTL, DynStore, Fingerprint,
+    Key, Lease, LeaseError, Store, StoreError, SystemClock,
 };
 use serde::de::{DeserializeOwned, Error as _};
 use serde::{Deserialize, Serialize};
@@ -300,7 +300,9 @@ impl<'a, S: Store + Clone, C: Clock + Clone, P> Once<'a, S, C, P> {
         // again just because this future is dropped while the store answers.
         guard.store = None;
 
-        let store = &engine.store;
+        // Through `DynStore`, whose futures are boxed and `Send` by name, so that this future
+        // is `Send` for a store chosen at run time (`Arc<dyn DynStore>`) too.
+        let store: &dyn DynStore = &engine.store;
         let now = || engine.clock.now();
         match stored {
             Some(Ok(bytes)) => {
@@ -391,7 +393,7 @@ impl<S: Store + Clone, C: Clock> Drop for ReleaseOnDrop<S, C> {
         if let Ok(handle) = tokio::runtime::Handle::try_current() {
             let (key, lease, now) = (self.key.clone(), self.lease, self.clock.now());
             handle.spawn(async move {
-                let _ = store.release(&key, &lease, now).await;
+                let _ = DynStore::release(&store, &key, &lease, now).await;
             });
         }
     }

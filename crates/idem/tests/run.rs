@@ -492,3 +492,18 @@ async fn a_failed_release_still_reports_the_works_error() {
         "{result:?}"
     );
 }
+
+#[tokio::test]
+async fn a_store_chosen_at_run_time_works_in_a_spawned_task() {
+    // `SharedStore` (an `Arc<dyn DynStore>`) inside a `Send` future: an axum handler or a
+    // spawned task.
+    let store: idem::SharedStore = Arc::new(MemoryStore::new());
+    let idem = Arc::new(Idempotency::new(store));
+    let task = tokio::spawn(async move {
+        idem.once(&key("spawned"))
+            .run(|_| async { Ok::<_, PayError>(7) })
+            .await
+            .map(|done| done.value)
+    });
+    assert_eq!(task.await.unwrap().unwrap(), 7);
+}

@@ -16,10 +16,7 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post, put};
 use axum::{Json, Router};
 use idem::{Idempotency, InFlight, RunError, Tokens};
-use idem_core::{
-    BeginOutcome, BeginRequest, ClientKey, DynStore, Key, Lease, LeaseError, Namespace, Record,
-    Scope, SharedStore, StoreError, Timestamp,
-};
+use idem_core::{ClientKey, Key, Namespace, Scope, SharedStore};
 use idem_guard::{
     Bounded, Cas, Counter, Inserted, Locked, RowLock, Scalar, StateMachine, Transition,
     UniqueInsert, Versioned,
@@ -91,7 +88,7 @@ pub struct Shop {
     t: Tables,
     guards: Guards,
     ids: Snowflake,
-    once: Idempotency<Records>,
+    once: Idempotency<SharedStore>,
     tokens: Tokens,
     chaos: ServerChaos,
     open_account: UniqueInsert,
@@ -104,58 +101,6 @@ pub struct Shop {
     coupon_state: StateMachine,
     order_state: StateMachine,
     order_version: Versioned,
-}
-
-/// idem's store, chosen at run time, behind a type with no lifetime in it: a future that holds
-/// a `SharedStore` (an `Arc<dyn DynStore>`) across an `.await` of a generic [`idem_core::Store`]
-/// method trips the compiler's proof that the future is `Send` ("implementation of `Store` is
-/// not general enough"); a plain struct around it does not.
-#[derive(Clone)]
-pub struct Records(pub SharedStore);
-
-impl idem_core::Store for Records {
-    fn kind(&self) -> &'static str {
-        DynStore::kind(&*self.0)
-    }
-    async fn begin(&self, req: &BeginRequest, now: Timestamp) -> Result<BeginOutcome, StoreError> {
-        DynStore::begin(&*self.0, req, now).await
-    }
-    async fn complete(
-        &self,
-        key: &Key,
-        lease: &Lease,
-        response: Bytes,
-        now: Timestamp,
-    ) -> Result<(), LeaseError> {
-        DynStore::complete(&*self.0, key, lease, response, now).await
-    }
-    async fn release(&self, key: &Key, lease: &Lease, now: Timestamp) -> Result<(), LeaseError> {
-        DynStore::release(&*self.0, key, lease, now).await
-    }
-    async fn renew(
-        &self,
-        key: &Key,
-        lease: &Lease,
-        length: Duration,
-        now: Timestamp,
-    ) -> Result<Lease, LeaseError> {
-        DynStore::renew(&*self.0, key, lease, length, now).await
-    }
-    async fn reopen(&self, key: &Key, fence: u64, now: Timestamp) -> Result<bool, StoreError> {
-        DynStore::reopen(&*self.0, key, fence, now).await
-    }
-    async fn get(&self, key: &Key, now: Timestamp) -> Result<Option<Record>, StoreError> {
-        DynStore::get(&*self.0, key, now).await
-    }
-    async fn advance(&self, key: &Key, by: u64) -> Result<u64, StoreError> {
-        DynStore::advance(&*self.0, key, by).await
-    }
-    async fn raise(&self, key: &Key, to: u64) -> Result<u64, StoreError> {
-        DynStore::raise(&*self.0, key, to).await
-    }
-    async fn purge_expired(&self, now: Timestamp, limit: usize) -> Result<u64, StoreError> {
-        DynStore::purge_expired(&*self.0, now, limit).await
-    }
 }
 
 /// How long a form token is good for.
@@ -220,7 +165,7 @@ impl Shop {
                 .edge(order::CREATED, order::CANCELLED)
                 .map_err(g)?,
             order_version: Versioned::new(&t.orders, "id", "version").map_err(g)?,
-            once: Idempotency::new(Records(store.clone())),
+            once: Idempotency::new(store.clone()),
             tokens: Tokens::new(store, Arc::new(idem::SystemClock)),
             db,
             t,
