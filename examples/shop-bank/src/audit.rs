@@ -7,7 +7,7 @@ use std::fmt::Write as _;
 use idem_guard::Scalar;
 
 use crate::chaos::{Ack, Journal};
-use crate::db::{Db, DbError};
+use crate::db::{Db, DbError, Engine};
 use crate::schema::{MERCHANT, Opening, Tables, coupon, order};
 
 /// One broken rule.
@@ -102,47 +102,70 @@ pub async fn audit(
     opening: &Opening,
     journal: &Journal,
 ) -> Result<Findings, DbError> {
-    let all = |sql: String| async move { db.rows(&sql, &[]).await };
-    let accounts = all(format!("SELECT id, user_id, balance FROM {}", t.accounts)).await?;
-    let transfers = all(format!(
-        "SELECT ticket, from_account, to_account, amount, outcome FROM {}",
-        t.transfers
-    ))
-    .await?;
-    let stock = all(format!("SELECT sku, avail FROM {}", t.stock)).await?;
-    let deductions = all(format!(
-        "SELECT order_no, sku, qty, outcome FROM {}",
-        t.deductions
-    ))
-    .await?;
-    let coupons = all(format!(
-        "SELECT coupon, status, order_no FROM {}",
-        t.coupons
-    ))
-    .await?;
-    let orders = all(format!(
-        "SELECT id, form, amount, status, version FROM {}",
-        t.orders
-    ))
-    .await?;
-    let events = all(format!(
-        "SELECT order_id, version, status FROM {}",
-        t.order_events
-    ))
-    .await?;
-    let payments = all(format!(
-        "SELECT payment, order_id, amount FROM {}",
-        t.payments
-    ))
-    .await?;
+    // One transaction, one snapshot of the books (REPEATABLE READ on PostgreSQL; MySQL's
+    // default; SQLite's own).
+    let mut tx = db.begin_read().await?;
+    if db.engine() == Engine::Postgres {
+        tx.exec("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ", &[])
+            .await?;
+    }
+    let tx = &mut tx;
+    let accounts = tx
+        .rows(
+            &format!("SELECT id, user_id, balance FROM {}", t.accounts),
+            &[],
+        )
+        .await?;
+    let transfers = tx
+        .rows(
+            &format!(
+                "SELECT ticket, from_account, to_account, amount, outcome FROM {}",
+                t.transfers
+            ),
+            &[],
+        )
+        .await?;
+    let stock = tx
+        .rows(&format!("SELECT sku, avail FROM {}", t.stock), &[])
+        .await?;
+    let deductions = tx
+        .rows(
+            &format!("SELECT order_no, sku, qty, outcome FROM {}", t.deductions),
+            &[],
+        )
+        .await?;
+    let coupons = tx
+        .rows(
+            &format!("SELECT coupon, status, order_no FROM {}", t.coupons),
+            &[],
+        )
+        .await?;
+    let orders = tx
+        .rows(
+            &format!("SELECT id, form, amount, status, version FROM {}", t.orders),
+            &[],
+        )
+        .await?;
+    let events = tx
+        .rows(
+            &format!("SELECT order_id, version, status FROM {}", t.order_events),
+            &[],
+        )
+        .await?;
+    let payments = tx
+        .rows(
+            &format!("SELECT payment, order_id, amount FROM {}", t.payments),
+            &[],
+        )
+        .await?;
     let acks = journal.acks();
     let mut f = Findings::default();
 
     // Money.
     let customers: Vec<&Vec<Scalar>> = accounts.iter().filter(|r| int(r, 0) != MERCHANT).collect();
-    let total: i64 = customers.iter().map(|r| int(r, 2)).sum();
+    let total: i128 = customers.iter().map(|r| i128::from(int(r, 2))).sum();
     let mut found = Vec::new();
-    if total != opening.customer_money() {
+    if total != i128::from(opening.customer_money()) {
         found.push(format!(
             "customers hold {total} between them; they opened with {}",
             opening.customer_money()
@@ -359,17 +382,17 @@ pub async fn audit(
     f.check("order answers match the books", checked, found);
 
     // Payments.
-    let paid_total: i64 = orders
+    let paid_total: i128 = orders
         .iter()
         .filter(|r| matches!(int(r, 3), order::PAID | order::SHIPPED))
-        .map(|r| int(r, 2))
+        .map(|r| i128::from(int(r, 2)))
         .sum();
     let merchant = accounts
         .iter()
         .find(|r| int(r, 0) == MERCHANT)
         .map_or(0, |r| int(r, 2));
     let mut found = Vec::new();
-    if merchant != paid_total {
+    if i128::from(merchant) != paid_total {
         found.push(format!(
             "the merchant holds {merchant}; its paid and shipped orders come to {paid_total}"
         ));

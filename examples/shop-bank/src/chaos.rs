@@ -302,12 +302,16 @@ impl Wire {
         }
     }
 
-    /// Sends `call` under one key until it has an answer that is not "try again", with the
-    /// chaos rolled per attempt.
-    async fn send(&self, rng: &mut StdRng, call: &Call) -> Option<Answer> {
+    /// Sends `call` under one key until it has an answer that is not "try again" (a 5xx, a
+    /// 408/425/429, the key in use, an unknown outcome), with the chaos rolled per attempt.
+    ///
+    /// Every final answer comes back, the lost ones too (the service gave them, whether or not
+    /// the client heard them), the one the client kept last; none if it gave up.
+    async fn send(&self, rng: &mut StdRng, call: &Call) -> Vec<Answer> {
         let key = format!("{:032x}", rng.random::<u128>());
         let c = &self.journal.counters;
         let mut nap = Duration::from_millis(2);
+        let mut heard = Vec::new();
         for attempt in 0..MAX_ATTEMPTS {
             if attempt > 0 {
                 bump(&c.retries);
@@ -333,12 +337,12 @@ impl Wire {
             for answer in answers.into_iter().flatten() {
                 match (answer.status, answer.code().as_str()) {
                     (409, "request_in_progress") => bump(&c.in_progress),
-                    (503, code) => {
+                    (409, "outcome_unknown") | (408 | 425 | 429, _) => {}
+                    (500..=599, code) => {
                         if code == "simulated_crash" {
                             bump(&c.crashes);
                         }
                     }
-                    (408 | 425 | 429, _) => {}
                     _ => {
                         if call.keyed {
                             self.journal.final_answer(&key, &answer);
@@ -348,15 +352,18 @@ impl Wire {
                 }
             }
             if let Some(answer) = accepted {
-                if rng.random_bool(self.rates.drop) {
+                let lost = rng.random_bool(self.rates.drop);
+                heard.push(answer);
+                if lost {
                     bump(&c.dropped);
                     continue;
                 }
-                return Some(answer);
+                return heard;
             }
         }
         bump(&c.gave_up);
-        None
+        heard.clear();
+        heard
     }
 
     /// Sends `call`, and with the double-click rate sends it again at once under a fresh key;
@@ -368,7 +375,7 @@ impl Wire {
             let (a, b) = tokio::join!(self.send(rng, call), self.send(&mut other, call));
             a.into_iter().chain(b).collect()
         } else {
-            self.send(rng, call).await.into_iter().collect()
+            self.send(rng, call).await
         }
     }
 }
@@ -445,7 +452,13 @@ pub async fn run(base: String, workload: &Workload, journal: Arc<Journal>) {
             }
         });
     }
-    while tasks.join_next().await.is_some() {}
+    while let Some(done) = tasks.join_next().await {
+        if let Err(e) = done
+            && e.is_panic()
+        {
+            std::panic::resume_unwind(e.into_panic());
+        }
+    }
 }
 
 struct Op<'a> {
@@ -478,7 +491,7 @@ impl Op<'_> {
         let to = (from + rng.random_range(1..customers) - 1) % customers + 1;
         let amount = rng.random_range(1..=300);
         let call = Call::new(Method::POST, "/tickets".into(), json!({ "account": from }));
-        let Some(answer) = self.wire.send(rng, &call).await else {
+        let Some(answer) = self.wire.send(rng, &call).await.pop() else {
             return;
         };
         let Some(ticket) = answer.json()["ticket"]
@@ -550,7 +563,7 @@ impl Op<'_> {
     async fn order(&self, rng: &mut StdRng) {
         let user = rng.random_range(1..=self.opening.customers);
         let call = Call::new(Method::POST, "/form-tokens".into(), json!({}));
-        let Some(answer) = self.wire.send(rng, &call).await else {
+        let Some(answer) = self.wire.send(rng, &call).await.pop() else {
             return;
         };
         let Some(token) = answer.json()["token"].as_str().map(str::to_owned) else {
@@ -618,12 +631,12 @@ impl Op<'_> {
                 self.wire.send(rng, &front),
                 self.wire.send(&mut other, &back)
             );
-            vec![a, b]
+            [a, b].concat()
         } else {
             let a = self.wire.send(rng, &front).await;
-            vec![a, self.wire.send(rng, &back).await]
+            [a, self.wire.send(rng, &back).await].concat()
         };
-        for answer in answers.into_iter().flatten() {
+        for answer in answers {
             if answer.status == 200 {
                 self.ack(Ack::Paid {
                     order,
@@ -642,7 +655,7 @@ impl Op<'_> {
         let mut read = Call::new(Method::GET, format!("/orders/{order}"), Value::Null);
         // A read is not replayed: two reads may well differ.
         read.keyed = false;
-        let Some(answer) = self.wire.send(rng, &read).await else {
+        let Some(answer) = self.wire.send(rng, &read).await.pop() else {
             return;
         };
         let seen = answer.json();

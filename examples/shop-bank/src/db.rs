@@ -20,6 +20,9 @@ pub enum DbError {
     /// A guard's error.
     #[error(transparent)]
     Guard(#[from] GuardError),
+    /// The commit failed on the way: the transaction may or may not have been committed.
+    #[error("the commit's outcome is unknown: {0}")]
+    CommitUnknown(sqlx::Error),
     /// A value of an unexpected type came back.
     #[error("unexpected value in column {0}")]
     Value(usize),
@@ -236,9 +239,17 @@ impl Db {
         Ok(n)
     }
 
+    /// A transaction for reading: on SQLite a deferred one, which takes no write lock.
+    pub async fn begin_read(&self) -> Result<Tx, DbError> {
+        match self {
+            Db::Sqlite(p) => Ok(Tx::Sqlite(p.begin().await?)),
+            _ => self.begin().await,
+        }
+    }
+
     /// Reads rows in a transaction of its own.
     pub async fn rows(&self, sql: &str, args: &[Scalar]) -> Result<Vec<Vec<Scalar>>, DbError> {
-        let mut tx = self.begin().await?;
+        let mut tx = self.begin_read().await?;
         let rows = tx.rows(sql, args).await?;
         tx.commit().await?;
         Ok(rows)
@@ -344,13 +355,18 @@ impl Tx {
         })
     }
 
-    /// Commits.
+    /// Commits. A failure here leaves the outcome unknown ([`DbError::CommitUnknown`]),
+    /// except a refusal the database explains (a serialization failure), which rolled back.
     pub async fn commit(self) -> Result<(), DbError> {
-        match self {
-            Tx::Sqlite(t) => t.commit().await?,
-            Tx::Postgres(t) => t.commit().await?,
-            Tx::MySql(t) => t.commit().await?,
+        let result = match self {
+            Tx::Sqlite(t) => t.commit().await,
+            Tx::Postgres(t) => t.commit().await,
+            Tx::MySql(t) => t.commit().await,
+        };
+        match result {
+            Ok(()) => Ok(()),
+            Err(e @ sqlx::Error::Database(_)) => Err(DbError::Sql(e)),
+            Err(e) => Err(DbError::CommitUnknown(e)),
         }
-        Ok(())
     }
 }

@@ -4,8 +4,8 @@
 //! server-issued ticket, an inventory deduction keyed by order number with a conditional
 //! decrement, a coupon hold through a state machine, an order form with a one-time token, one
 //! fund account per user through a unique index, payment callbacks deduplicated by payment id,
-//! and order status changes under an optimistic lock. Every write is also behind the
-//! `Idempotency-Key` layer.
+//! and order status changes under an optimistic lock. Every write from the shop's clients is
+//! also behind the `Idempotency-Key` layer.
 //!
 //! [`run`] opens the books, serves the shop on a loopback port, lets the [`chaos`] clients
 //! loose on it (timeouts, lost answers, duplicates, double clicks, a service that stops after
@@ -117,7 +117,14 @@ pub async fn open(
     };
     let db = Db::connect(&url, 16).await?;
     let store = match url.split_once("://") {
-        Some(("sqlite", path)) => StoreOpener::Sqlite(format!("{path}.idem")),
+        Some(("sqlite", path)) if !path.is_empty() && !path.contains('?') => {
+            StoreOpener::Sqlite(format!("{path}.idem"))
+        }
+        _ if url.starts_with("sqlite:") => {
+            return Err(Error::Setup(format!(
+                "a SQLite database is named sqlite://PATH, without options: {url}"
+            )));
+        }
         _ => {
             let sep = if url.contains('?') { '&' } else { '?' };
             StoreOpener::Url(format!("{url}{sep}idem_table={}", tables.records))
@@ -152,9 +159,22 @@ impl StoreOpener {
 /// Opens the books, serves the shop on a loopback port, runs the chaos clients against it,
 /// and audits the books.
 pub async fn run(demo: &Demo) -> Result<Report, Error> {
+    let w = &demo.workload;
+    let r = &w.rates;
+    let rates = [r.timeout, r.drop, r.duplicate, r.double_click, r.crash];
+    if !rates.iter().all(|p| (0.0..=1.0).contains(p)) {
+        return Err(Error::Setup(
+            "every rate is a probability from 0 to 1".into(),
+        ));
+    }
+    let o = &w.opening;
+    if o.customers < 2 || o.skus < 1 || o.coupons < 1 || o.balance < 0 || o.stock < 0 {
+        return Err(Error::Setup(
+            "the books open with at least 2 customers, 1 SKU and 1 coupon".into(),
+        ));
+    }
     let tables = Tables::new(&demo.prefix).map_err(Error::Setup)?;
     let (db, store, _dir) = open(demo.database.as_deref(), &tables).await?;
-    let w = &demo.workload;
     tables.create(&db, &demo.guards, &w.opening).await?;
     let store = store.open().await?;
     let rates = &w.rates;

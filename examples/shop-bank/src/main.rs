@@ -20,10 +20,11 @@ struct Cli {
     /// The prefix of the shop's tables.
     #[arg(long, default_value = "shop_")]
     prefix: String,
-    /// The seed of the clients' choices.
+    /// The seed of the clients' choices (which operations, which amounts, which trouble);
+    /// timing still differs from run to run.
     #[arg(long, default_value_t = 1, conflicts_with = "random")]
     seed: u64,
-    /// A longer run with a seed from the clock (printed, to run it again with --seed).
+    /// A longer run with a random seed (printed, to replay the same choices with --seed).
     #[arg(long)]
     random: bool,
     /// Clients at once.

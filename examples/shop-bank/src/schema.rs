@@ -325,15 +325,29 @@ impl Tables {
         for stmt in &ddl {
             db.exec(stmt, &[]).await?;
         }
-        if guards.on(Guard::Account) {
-            db.exec(
-                &format!(
-                    "CREATE UNIQUE INDEX {0}_user ON {0} (user_id)",
-                    self.accounts
-                ),
-                &[],
-            )
-            .await?;
+        // The switched-off guards' tables keep a plain index, so that their hand-written code
+        // locks rows, not whole tables, on MySQL.
+        let index = |unique: bool, name: &str, table: &str, column: &str| {
+            let kind = if unique { "UNIQUE INDEX" } else { "INDEX" };
+            format!("CREATE {kind} {table}_{name} ON {table} ({column})")
+        };
+        let mut indexes = vec![index(
+            guards.on(Guard::Account),
+            "user",
+            &self.accounts,
+            "user_id",
+        )];
+        if !guards.on(Guard::Ticket) {
+            indexes.push(index(false, "ticket", &self.transfers, "ticket"));
+        }
+        if !guards.on(Guard::Stock) {
+            indexes.push(index(false, "order_no", &self.deductions, "order_no"));
+        }
+        indexes.push(index(false, "form", &self.orders, "form"));
+        indexes.push(index(false, "order", &self.order_events, "order_id"));
+        indexes.push(index(false, "order", &self.payments, "order_id"));
+        for stmt in &indexes {
+            db.exec(stmt, &[]).await?;
         }
         let mut tx = db.begin().await?;
         let insert_account = format!(

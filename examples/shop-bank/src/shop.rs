@@ -21,7 +21,7 @@ use idem_guard::{
     Bounded, Cas, Counter, Inserted, Locked, RowLock, Scalar, StateMachine, Transition,
     UniqueInsert, Versioned,
 };
-use idem_http::{FormTokenLayer, IdempotencyLayer, KeyRequirement, Policy, Problem, ScopeSource};
+use idem_http::{FORM_TOKEN, IdempotencyLayer, KeyRequirement, Policy, Problem, ScopeSource};
 use idem_id::{Layout, Snowflake, SnowflakeOptions};
 use rand::rngs::StdRng;
 use rand::{RngExt, SeedableRng};
@@ -98,6 +98,7 @@ pub struct Shop {
     credit: Counter,
     stock: Counter,
     account_row: RowLock,
+    order_row: RowLock,
     coupon_state: StateMachine,
     order_state: StateMachine,
     order_version: Versioned,
@@ -143,6 +144,7 @@ impl Shop {
             credit: Counter::new(&t.accounts, "id", "balance").map_err(g)?,
             stock: Counter::new(&t.stock, "sku", "avail").map_err(g)?.floor(0),
             account_row: RowLock::new(&t.accounts, "id").map_err(g)?,
+            order_row: RowLock::new(&t.orders, "id").map_err(g)?,
             coupon_state: StateMachine::new(&t.coupons, "coupon", "status")
                 .map_err(g)?
                 .states([coupon::AVAILABLE, coupon::HELD, coupon::EXPIRED])
@@ -222,10 +224,6 @@ pub fn app(shop: Arc<Shop>, store: SharedStore) -> Router {
         .methods([Method::POST, Method::PUT, Method::PATCH])
         .key(KeyRequirement::Required);
     let keyed = IdempotencyLayer::new(store, policy);
-    let mut create = post(create_order);
-    if shop.guards.on(Guard::Token) {
-        create = create.layer(FormTokenLayer::new(shop.tokens.clone(), FORM_PURPOSE));
-    }
     Router::new()
         .route(
             "/users/{user}/account",
@@ -242,12 +240,28 @@ pub fn app(shop: Arc<Shop>, store: SharedStore) -> Router {
             post(hold_coupon).layer(keyed.clone()),
         )
         .route("/form-tokens", post(form_token).layer(keyed.clone()))
-        .route("/orders", create.layer(keyed.clone()))
+        .route("/orders", post(create_order).layer(keyed.clone()))
         .route(
             "/orders/{order}",
             get(read_order).patch(update_order).layer(keyed),
         )
         .route("/payments/callback", post(payment_callback))
+        .fallback(|| async {
+            problem(
+                StatusCode::NOT_FOUND,
+                "not_found",
+                "Not found",
+                "The shop has no such route.".into(),
+            )
+        })
+        .method_not_allowed_fallback(|| async {
+            problem(
+                StatusCode::METHOD_NOT_ALLOWED,
+                "method_not_allowed",
+                "Method not allowed",
+                "This route does not take that method.".into(),
+            )
+        })
         .with_state(shop)
 }
 
@@ -290,12 +304,21 @@ fn db_problem(e: &DbError) -> Response {
         )
         .retry_after(Duration::from_millis(50))
         .into_response()
+    } else if matches!(e, DbError::CommitUnknown(_)) {
+        problem(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "outcome_unknown",
+            "Outcome unknown",
+            "The database failed while committing; the change may have been made. Retry with \
+             the same key: the operation's own record answers as the first attempt did."
+                .into(),
+        )
     } else {
         problem(
             StatusCode::SERVICE_UNAVAILABLE,
             "database_unavailable",
             "Database unavailable",
-            "The database failed; nothing was changed.".into(),
+            "The database failed before committing; nothing was changed.".into(),
         )
     }
 }
@@ -311,17 +334,45 @@ fn parse<T: DeserializeOwned>(body: &Bytes) -> Result<T, Response> {
     })
 }
 
-fn positive(value: i64, what: &'static str) -> Result<(), Response> {
-    if value > 0 {
+/// The largest amount, quantity or price taken: sums of many stay far from overflow.
+pub const MAX_AMOUNT: i64 = 1_000_000_000;
+
+fn amount(value: i64, what: &'static str) -> Result<(), Response> {
+    if (1..=MAX_AMOUNT).contains(&value) {
         Ok(())
     } else {
         Err(problem(
             StatusCode::BAD_REQUEST,
             "invalid_amount",
             "Invalid amount",
-            format!("The {what} must be at least 1."),
+            format!("The {what} must be from 1 to {MAX_AMOUNT}."),
         ))
     }
+}
+
+fn user_id(value: i64) -> Result<(), Response> {
+    if value > 0 {
+        Ok(())
+    } else {
+        Err(problem(
+            StatusCode::BAD_REQUEST,
+            "invalid_user",
+            "Invalid user",
+            "A user id is at least 1.".into(),
+        ))
+    }
+}
+
+/// A number in the path; axum's own refusal is plain text, and this API speaks problem+json.
+fn path_id(raw: &str, what: &'static str) -> Result<i64, Response> {
+    raw.parse::<i64>().map_err(|_| {
+        problem(
+            StatusCode::BAD_REQUEST,
+            "invalid_path",
+            "Invalid path",
+            format!("The {what} in the path must be a decimal number."),
+        )
+    })
 }
 
 fn name_like(value: &str, what: &'static str) -> Result<(), Response> {
@@ -343,11 +394,14 @@ fn name_like(value: &str, what: &'static str) -> Result<(), Response> {
 
 /// Runs one transaction's worth of work, again after a deadlock or a busy database (the
 /// transaction rolled back, so trying again is safe), a few times.
-async fn retrying<F, Fut>(mut work: F) -> Response
+async fn retrying<F, Fut>(shop: &Shop, mut work: F) -> Response
 where
     F: FnMut() -> Fut,
     Fut: Future<Output = Result<Result<Response, Response>, DbError>>,
 {
+    // The service takes its time before the transaction, not inside it: on SQLite a
+    // transaction holds the only write lock.
+    shop.chaos.pause().await;
     let mut nap = Duration::from_millis(2);
     let mut attempt = 0;
     loop {
@@ -365,6 +419,11 @@ where
 
 /// How many times a transaction is tried again after a deadlock or a busy database.
 const TRIES: u32 = 8;
+
+/// How long a switched-off guard's hand-written code takes between reading and writing: long
+/// enough that two requests sent at once both read before either writes, as they would on a
+/// busy service.
+const UNGUARDED_WINDOW: Duration = Duration::from_millis(20);
 
 /// Answers after a commit, unless the chaos stops the service first.
 fn committed(shop: &Shop, answer: Response) -> Response {
@@ -391,15 +450,19 @@ fn text(v: &Values, i: usize) -> &str {
 
 // ---- 5. one fund account per user (unique index) ----
 
-async fn open_account(State(shop): State<Arc<Shop>>, Path(user): Path<i64>) -> Response {
-    if let Err(r) = positive(user, "user id") {
+async fn open_account(State(shop): State<Arc<Shop>>, Path(user): Path<String>) -> Response {
+    let user = match path_id(&user, "user id") {
+        Ok(u) => u,
+        Err(r) => return r,
+    };
+    if let Err(r) = user_id(user) {
         return r;
     }
     let id = match shop.next_id() {
         Ok(id) => id,
         Err(r) => return r,
     };
-    retrying(|| open_account_tx(&shop, user, id)).await
+    retrying(&shop, || open_account_tx(&shop, user, id)).await
 }
 
 async fn open_account_tx(
@@ -411,7 +474,6 @@ async fn open_account_tx(
         return open_account_unguarded(shop, user, id).await;
     }
     let mut tx = shop.db.begin().await?;
-    shop.chaos.pause().await;
     let (status, account) = match tx
         .insert(&shop.open_account, &[id.into(), user.into(), 0.into()])
         .await?
@@ -433,7 +495,7 @@ async fn open_account_unguarded(
 ) -> Result<Result<Response, Response>, DbError> {
     let sql = format!("SELECT id FROM {} WHERE user_id = ?", shop.t.accounts);
     let found = shop.db.rows(&sql, &[user.into()]).await?;
-    shop.chaos.pause().await;
+    tokio::time::sleep(UNGUARDED_WINDOW).await;
     let (status, account) =
         if let Some(Some(Scalar::Int(existing))) = found.first().map(|r| r.first()) {
             (StatusCode::OK, *existing)
@@ -465,7 +527,7 @@ async fn create_ticket(State(shop): State<Arc<Shop>>, body: Bytes) -> Response {
         Ok(id) => id,
         Err(r) => return r,
     };
-    retrying(|| create_ticket_tx(&shop, req.account, ticket)).await
+    retrying(&shop, || create_ticket_tx(&shop, req.account, ticket)).await
 }
 
 async fn create_ticket_tx(
@@ -505,14 +567,19 @@ struct TransferRequest {
 
 async fn transfer(
     State(shop): State<Arc<Shop>>,
-    Path((from, ticket)): Path<(i64, i64)>,
+    Path((from, ticket)): Path<(String, String)>,
     body: Bytes,
 ) -> Response {
+    let (from, ticket) =
+        match path_id(&from, "account").and_then(|f| Ok((f, path_id(&ticket, "ticket")?))) {
+            Ok(ids) => ids,
+            Err(r) => return r,
+        };
     let req: TransferRequest = match parse(&body) {
         Ok(r) => r,
         Err(r) => return r,
     };
-    if let Err(r) = positive(req.amount, "amount") {
+    if let Err(r) = amount(req.amount, "amount") {
         return r;
     }
     if req.to == from || req.to == MERCHANT {
@@ -523,7 +590,7 @@ async fn transfer(
             "A transfer goes to another customer account.".into(),
         );
     }
-    retrying(|| transfer_tx(&shop, from, ticket, &req)).await
+    retrying(&shop, || transfer_tx(&shop, from, ticket, &req)).await
 }
 
 fn transfer_answer(ticket: i64, from: i64, to: i64, amount: i64, outcome: &str) -> Response {
@@ -594,7 +661,6 @@ async fn transfer_tx(
         );
         tx.exec(&sql, &row).await?;
     }
-    shop.chaos.pause().await;
     // Both rows locked in id order, so two opposite transfers cannot deadlock.
     let (a, b) = (from.min(req.to), from.max(req.to));
     for id in [a, b] {
@@ -604,7 +670,12 @@ async fn transfer_tx(
     }
     let outcome = match tx.add(&shop.debit, from.into(), -req.amount).await? {
         Bounded::Applied(_) => {
-            tx.add(&shop.credit, req.to.into(), req.amount).await?;
+            if !matches!(
+                tx.add(&shop.credit, req.to.into(), req.amount).await?,
+                Bounded::Applied(_)
+            ) {
+                return Ok(Err(unknown_account(req.to)));
+            }
             "done"
         }
         Bounded::Insufficient(_) => "insufficient_funds",
@@ -635,11 +706,11 @@ async fn deduct(State(shop): State<Arc<Shop>>, body: Bytes) -> Response {
     };
     if let Err(r) = name_like(&req.order_no, "order number")
         .and_then(|()| name_like(&req.sku, "SKU"))
-        .and_then(|()| positive(req.qty, "quantity"))
+        .and_then(|()| amount(req.qty, "quantity"))
     {
         return r;
     }
-    retrying(|| deduct_tx(&shop, &req)).await
+    retrying(&shop, || deduct_tx(&shop, &req)).await
 }
 
 fn deduct_answer(req: &DeductRequest, outcome: &str) -> Response {
@@ -663,6 +734,9 @@ async fn deduct_tx(
     req: &DeductRequest,
 ) -> Result<Result<Response, Response>, DbError> {
     let t = &shop.t;
+    if !shop.guards.on(Guard::Stock) {
+        return deduct_unguarded(shop, req).await;
+    }
     let mut tx = shop.db.begin().await?;
     let row: [Scalar; 4] = [
         req.order_no.as_str().into(),
@@ -670,51 +744,70 @@ async fn deduct_tx(
         req.qty.into(),
         "pending".into(),
     ];
-    let outcome = if shop.guards.on(Guard::Stock) {
-        if let Inserted::Existing(v) = tx.insert(&shop.deduction, &row).await? {
-            if (text(&v, 1), int(&v, 2)) != (req.sku.as_str(), req.qty) {
-                return Ok(Err(problem(
-                    StatusCode::CONFLICT,
-                    "order_reused",
-                    "Order number reused",
-                    "This order number was deducted for other items.".into(),
-                )));
-            }
-            return Ok(Ok(deduct_answer(req, text(&v, 3))));
+    if let Inserted::Existing(v) = tx.insert(&shop.deduction, &row).await? {
+        if (text(&v, 1), int(&v, 2)) != (req.sku.as_str(), req.qty) {
+            return Ok(Err(problem(
+                StatusCode::CONFLICT,
+                "order_reused",
+                "Order number reused",
+                "This order number was deducted for other items.".into(),
+            )));
         }
-        shop.chaos.pause().await;
-        match tx
-            .add(&shop.stock, req.sku.as_str().into(), -req.qty)
-            .await?
-        {
-            Bounded::Applied(_) => "deducted",
-            Bounded::Insufficient(_) => "insufficient_stock",
-            Bounded::Exceeded(_) | Bounded::NotFound => return Ok(Err(unknown_sku(&req.sku))),
-        }
-    } else {
-        // By hand: read, check, write back; every request deducts.
-        let sql = format!("SELECT avail FROM {} WHERE sku = ?", t.stock);
-        let Some(avail) = tx.int(&sql, &[req.sku.as_str().into()]).await? else {
-            return Ok(Err(unknown_sku(&req.sku)));
-        };
-        shop.chaos.pause().await;
-        let sql = format!(
-            "INSERT INTO {} (order_no, sku, qty, outcome) VALUES (?, ?, ?, ?)",
-            t.deductions
-        );
-        tx.exec(&sql, &row).await?;
-        if avail >= req.qty {
-            let sql = format!("UPDATE {} SET avail = ? WHERE sku = ?", t.stock);
-            tx.exec(&sql, &[(avail - req.qty).into(), req.sku.as_str().into()])
-                .await?;
-            "deducted"
-        } else {
-            "insufficient_stock"
-        }
+        return Ok(Ok(deduct_answer(req, text(&v, 3))));
+    }
+    let outcome = match tx
+        .add(&shop.stock, req.sku.as_str().into(), -req.qty)
+        .await?
+    {
+        Bounded::Applied(_) => "deducted",
+        Bounded::Insufficient(_) => "insufficient_stock",
+        Bounded::Exceeded(_) | Bounded::NotFound => return Ok(Err(unknown_sku(&req.sku))),
     };
     let sql = format!("UPDATE {} SET outcome = ? WHERE order_no = ?", t.deductions);
     tx.exec(&sql, &[outcome.into(), req.order_no.as_str().into()])
         .await?;
+    tx.commit().await?;
+    Ok(Ok(committed(shop, deduct_answer(req, outcome))))
+}
+
+/// By hand: read the stock, check it, then take the items; every request deducts, and two
+/// that read at once can take the last items twice.
+async fn deduct_unguarded(
+    shop: &Shop,
+    req: &DeductRequest,
+) -> Result<Result<Response, Response>, DbError> {
+    let t = &shop.t;
+    let sql = format!("SELECT avail FROM {} WHERE sku = ?", t.stock);
+    let rows = shop.db.rows(&sql, &[req.sku.as_str().into()]).await?;
+    let Some(Some(Scalar::Int(avail))) = rows.first().map(|r| r.first()) else {
+        return Ok(Err(unknown_sku(&req.sku)));
+    };
+    tokio::time::sleep(UNGUARDED_WINDOW).await;
+    let outcome = if *avail >= req.qty {
+        "deducted"
+    } else {
+        "insufficient_stock"
+    };
+    let mut tx = shop.db.begin().await?;
+    let sql = format!(
+        "INSERT INTO {} (order_no, sku, qty, outcome) VALUES (?, ?, ?, ?)",
+        t.deductions
+    );
+    tx.exec(
+        &sql,
+        &[
+            req.order_no.as_str().into(),
+            req.sku.as_str().into(),
+            req.qty.into(),
+            outcome.into(),
+        ],
+    )
+    .await?;
+    if outcome == "deducted" {
+        let sql = format!("UPDATE {} SET avail = avail - ? WHERE sku = ?", t.stock);
+        tx.exec(&sql, &[req.qty.into(), req.sku.as_str().into()])
+            .await?;
+    }
     tx.commit().await?;
     Ok(Ok(committed(shop, deduct_answer(req, outcome))))
 }
@@ -737,9 +830,13 @@ struct HoldRequest {
 
 async fn hold_coupon(
     State(shop): State<Arc<Shop>>,
-    Path(coupon_id): Path<i64>,
+    Path(coupon_id): Path<String>,
     body: Bytes,
 ) -> Response {
+    let coupon_id = match path_id(&coupon_id, "coupon") {
+        Ok(c) => c,
+        Err(r) => return r,
+    };
     let req: HoldRequest = match parse(&body) {
         Ok(r) => r,
         Err(r) => return r,
@@ -747,7 +844,7 @@ async fn hold_coupon(
     if let Err(r) = name_like(&req.order_no, "order number") {
         return r;
     }
-    retrying(|| hold_tx(&shop, coupon_id, &req.order_no)).await
+    retrying(&shop, || hold_tx(&shop, coupon_id, &req.order_no)).await
 }
 
 fn held(coupon_id: i64, order_no: &str) -> Response {
@@ -762,7 +859,6 @@ async fn hold_tx(
 ) -> Result<Result<Response, Response>, DbError> {
     let t = &shop.t;
     let mut tx = shop.db.begin().await?;
-    shop.chaos.pause().await;
     if !shop.guards.on(Guard::Coupon) {
         // Seed 004's hand-written hold: 0 rows changed is taken for "already held", which is
         // also what an expired coupon, or one another order holds, looks like.
@@ -858,22 +954,85 @@ struct OrderRequest {
     amount: i64,
 }
 
-async fn create_order(State(shop): State<Arc<Shop>>, body: Bytes) -> Response {
+async fn create_order(State(shop): State<Arc<Shop>>, request: Request) -> Response {
+    let (parts, body) = request.into_parts();
+    // The layer in front has bounded the body already.
+    let Ok(body) = axum::body::to_bytes(body, 1 << 20).await else {
+        return parse::<OrderRequest>(&Bytes::new())
+            .err()
+            .unwrap_or_else(|| internal("body"));
+    };
     let req: OrderRequest = match parse(&body) {
         Ok(r) => r,
         Err(r) => return r,
     };
-    if let Err(r) = positive(req.user, "user id")
-        .and_then(|()| positive(req.amount, "amount"))
+    if let Err(r) = user_id(req.user)
+        .and_then(|()| amount(req.amount, "amount"))
         .and_then(|()| name_like(&req.form, "form id"))
     {
         return r;
+    }
+    if shop.guards.on(Guard::Token) {
+        // An order already made from this form is the answer: to a retry after the service
+        // stopped before answering (whose token is spent), and to a late double click.
+        match order_of_form(&shop, &req).await {
+            Err(e) => return db_problem(&e),
+            Ok(Some(answer)) => return answer,
+            Ok(None) => {
+                let scope = ScopeSource::default().scope_of(&parts);
+                let token = parts
+                    .headers
+                    .get(&FORM_TOKEN)
+                    .and_then(|v| v.to_str().ok())
+                    .unwrap_or_default();
+                if token.is_empty() {
+                    return problem(
+                        StatusCode::BAD_REQUEST,
+                        "token_missing",
+                        "Token missing",
+                        format!("This request needs a one-time token in the {FORM_TOKEN} header."),
+                    );
+                }
+                if let Err(e) = shop
+                    .tokens
+                    .consume(scope.as_str(), token, FORM_PURPOSE)
+                    .await
+                {
+                    return idem_http::token_problem(&e).into_response();
+                }
+            }
+        }
     }
     let id = match shop.next_id() {
         Ok(id) => id,
         Err(r) => return r,
     };
-    retrying(|| create_order_tx(&shop, id, &req)).await
+    retrying(&shop, || create_order_tx(&shop, id, &req)).await
+}
+
+/// The answer for an order already made from `req.form`, if there is one.
+async fn order_of_form(shop: &Shop, req: &OrderRequest) -> Result<Option<Response>, DbError> {
+    let sql = format!(
+        "SELECT id, user_id, amount FROM {} WHERE form = ?",
+        shop.t.orders
+    );
+    let rows = shop.db.rows(&sql, &[req.form.as_str().into()]).await?;
+    Ok(match rows.first().map(Vec::as_slice) {
+        Some([Scalar::Int(id), Scalar::Int(user), Scalar::Int(amount)]) => {
+            Some(if (*user, *amount) == (req.user, req.amount) {
+                let body = order_json(*id, order::CREATED, 1, *amount);
+                (StatusCode::CREATED, Json(body)).into_response()
+            } else {
+                problem(
+                    StatusCode::CONFLICT,
+                    "form_reused",
+                    "Form reused",
+                    "This form was submitted for another order.".into(),
+                )
+            })
+        }
+        _ => None,
+    })
 }
 
 async fn create_order_tx(
@@ -883,7 +1042,6 @@ async fn create_order_tx(
 ) -> Result<Result<Response, Response>, DbError> {
     let t = &shop.t;
     let mut tx = shop.db.begin().await?;
-    shop.chaos.pause().await;
     let sql = format!(
         "INSERT INTO {} (id, user_id, form, amount, status, version) VALUES (?, ?, ?, ?, ?, 1)",
         t.orders
@@ -928,7 +1086,11 @@ async fn record_version(
         .map(drop)
 }
 
-async fn read_order(State(shop): State<Arc<Shop>>, Path(id): Path<i64>) -> Response {
+async fn read_order(State(shop): State<Arc<Shop>>, Path(id): Path<String>) -> Response {
+    let id = match path_id(&id, "order") {
+        Ok(id) => id,
+        Err(r) => return r,
+    };
     let sql = format!(
         "SELECT status, version, amount FROM {} WHERE id = ?",
         shop.t.orders
@@ -968,7 +1130,15 @@ struct UpdateRequest {
     status: String,
 }
 
-async fn update_order(State(shop): State<Arc<Shop>>, Path(id): Path<i64>, body: Bytes) -> Response {
+async fn update_order(
+    State(shop): State<Arc<Shop>>,
+    Path(id): Path<String>,
+    body: Bytes,
+) -> Response {
+    let id = match path_id(&id, "order") {
+        Ok(id) => id,
+        Err(r) => return r,
+    };
     let req: UpdateRequest = match parse(&body) {
         Ok(r) => r,
         Err(r) => return r,
@@ -986,9 +1156,15 @@ async fn update_order(State(shop): State<Arc<Shop>>, Path(id): Path<i64>, body: 
         }
     };
     if shop.guards.on(Guard::Version) {
-        retrying(|| update_order_tx(&shop, id, req.expected_version, to)).await
+        retrying(&shop, || {
+            update_order_tx(&shop, id, req.expected_version, to)
+        })
+        .await
     } else {
-        retrying(|| update_order_unguarded(&shop, id, req.expected_version, to)).await
+        retrying(&shop, || {
+            update_order_unguarded(&shop, id, req.expected_version, to)
+        })
+        .await
     }
 }
 
@@ -1038,18 +1214,22 @@ async fn update_order_tx(
     to: i64,
 ) -> Result<Result<Response, Response>, DbError> {
     let mut tx = shop.db.begin().await?;
+    // The row lock first, as in `pay_tx`.
+    tx.lock(&shop.order_row, id.into()).await?;
     let Some((status, version)) = order_row(&mut tx, &shop.t, id).await? else {
         return Ok(Err(unknown_order(id)));
     };
     if version != expected {
-        return Ok(Err(version_conflict(version)));
+        return Ok(Err(already_changed(
+            &mut tx, &shop.t, id, expected, to, version,
+        )
+        .await?));
     }
     // The status read above is the one `expected` names: the CAS below applies only if the
     // version (bumped by every change, payments included) is still `expected`.
     if !shop.order_state.allows(&status.into(), &to.into()) {
         return Ok(Err(not_allowed(status, to)));
     }
-    shop.chaos.pause().await;
     match tx
         .cas(
             &shop.order_version,
@@ -1066,9 +1246,35 @@ async fn update_order_tx(
             let body = order_json(id, to, new, amount);
             Ok(Ok(committed(shop, Json(body).into_response())))
         }
-        Cas::Conflict(current) => Ok(Err(version_conflict(current))),
+        Cas::Conflict(current) => Ok(Err(already_changed(
+            &mut tx, &shop.t, id, expected, to, current,
+        )
+        .await?)),
         Cas::NotFound => Ok(Err(unknown_order(id))),
     }
+}
+
+/// The answer to a change from version `expected` to `to` when the order is at `current`:
+/// if the change that followed `expected` was this very one (the first attempt committed and
+/// its answer was lost), the same answer again; otherwise a version conflict.
+async fn already_changed(
+    tx: &mut Tx,
+    t: &Tables,
+    id: i64,
+    expected: i64,
+    to: i64,
+    current: i64,
+) -> Result<Response, DbError> {
+    let sql = format!(
+        "SELECT status FROM {} WHERE order_id = ? AND version = ?",
+        t.order_events
+    );
+    let next = expected.saturating_add(1);
+    if tx.int(&sql, &[id.into(), next.into()]).await? == Some(to) {
+        let amount = amount_of(tx, t, id).await?;
+        return Ok(Json(order_json(id, to, next, amount)).into_response());
+    }
+    Ok(version_conflict(current))
 }
 
 async fn amount_of(tx: &mut Tx, t: &Tables, id: i64) -> Result<i64, DbError> {
@@ -1089,13 +1295,13 @@ async fn update_order_unguarded(
         return Ok(Err(unknown_order(id)));
     };
     read.commit().await?;
+    tokio::time::sleep(UNGUARDED_WINDOW).await;
     if version != expected {
         return Ok(Err(version_conflict(version)));
     }
     if !shop.order_state.allows(&status.into(), &to.into()) {
         return Ok(Err(not_allowed(status, to)));
     }
-    shop.chaos.pause().await;
     let mut tx = shop.db.begin().await?;
     let sql = format!(
         "UPDATE {} SET status = ?, version = version + 1 WHERE id = ?",
@@ -1152,8 +1358,7 @@ async fn payment_callback(State(shop): State<Arc<Shop>>, body: Bytes) -> Respons
         Ok(r) => r,
         Err(r) => return r,
     };
-    if let Err(r) =
-        name_like(&cb.payment, "payment id").and_then(|()| positive(cb.amount, "amount"))
+    if let Err(r) = name_like(&cb.payment, "payment id").and_then(|()| amount(cb.amount, "amount"))
     {
         return r;
     }
@@ -1174,7 +1379,10 @@ async fn payment_callback(State(shop): State<Arc<Shop>>, body: Bytes) -> Respons
         );
     };
     if !shop.guards.on(Guard::Payment) {
-        return retrying(|| pay_unguarded(&shop, &cb, order_id)).await;
+        let work = async move { retrying(&shop, || pay_unguarded(&shop, &cb, order_id)).await };
+        return tokio::spawn(work)
+            .await
+            .unwrap_or_else(|_| internal("the payment's work failed"));
     }
     let key = match payment_key(&cb.payment) {
         Ok(k) => k,
@@ -1191,13 +1399,14 @@ async fn payment_callback(State(shop): State<Arc<Shop>>, body: Bytes) -> Respons
             error: PayError::Refused { code, detail },
             ..
         }) => {
-            let code = match code.as_str() {
-                "unknown_order" => "unknown_order",
-                "amount_mismatch" => "amount_mismatch",
-                "order_cancelled" => "order_cancelled",
-                _ => "already_paid",
+            let (status, code) = match code.as_str() {
+                "unknown_order" => (StatusCode::NOT_FOUND, "unknown_order"),
+                "amount_mismatch" => (StatusCode::CONFLICT, "amount_mismatch"),
+                "order_cancelled" => (StatusCode::CONFLICT, "order_cancelled"),
+                "already_paid" => (StatusCode::CONFLICT, "already_paid"),
+                _ => return internal("a stored refusal has an unknown code"),
             };
-            problem(StatusCode::CONFLICT, code, "Payment refused", detail)
+            problem(status, code, "Payment refused", detail)
         }
         Err(RunError::Failed {
             error: PayError::Transient(detail),
@@ -1251,6 +1460,7 @@ fn payment_key(payment: &str) -> Result<Key, Response> {
 }
 
 async fn pay(shop: &Shop, cb: &Callback, order_id: i64) -> Result<Paid, PayError> {
+    shop.chaos.pause().await;
     let mut nap = Duration::from_millis(2);
     let mut attempt = 0;
     loop {
@@ -1273,6 +1483,9 @@ async fn pay_tx(
 ) -> Result<Result<Paid, PayError>, DbError> {
     let t = &shop.t;
     let mut tx = shop.db.begin().await?;
+    // The row lock first: on MySQL/MariaDB (REPEATABLE READ) the reads below then see the
+    // order as it is now, not as an earlier snapshot had it.
+    tx.lock(&shop.order_row, order_id.into()).await?;
     let sql = format!("SELECT amount FROM {} WHERE id = ?", t.orders);
     let Some(amount) = tx.int(&sql, &[order_id.into()]).await? else {
         return Ok(Err(PayError::refused(
@@ -1286,7 +1499,6 @@ async fn pay_tx(
             format!("Order {order_id} costs {amount}, not {}.", cb.amount),
         )));
     }
-    shop.chaos.pause().await;
     let paid = Paid {
         payment: cb.payment.clone(),
         order: order_id.to_string(),
@@ -1307,7 +1519,11 @@ async fn pay_tx(
             let sql = format!("SELECT version FROM {} WHERE id = ?", t.orders);
             let version = tx.int(&sql, &[order_id.into()]).await?.unwrap_or_default();
             record_version(&mut tx, t, order_id, version, order::PAID).await?;
-            credit_merchant(shop, &mut tx, cb, order_id).await?;
+            if !credit_merchant(shop, &mut tx, cb, order_id).await? {
+                return Ok(Err(PayError::Transient(
+                    "the merchant cannot be credited".into(),
+                )));
+            }
             tx.commit().await?;
             if shop.chaos.crashes() {
                 // Committed, and the answer lost with the process: the record is released,
@@ -1349,8 +1565,13 @@ async fn credit_merchant(
     tx: &mut Tx,
     cb: &Callback,
     order_id: i64,
-) -> Result<(), DbError> {
-    tx.add(&shop.credit, MERCHANT.into(), cb.amount).await?;
+) -> Result<bool, DbError> {
+    if !matches!(
+        tx.add(&shop.credit, MERCHANT.into(), cb.amount).await?,
+        Bounded::Applied(_)
+    ) {
+        return Ok(false);
+    }
     let sql = format!(
         "INSERT INTO {} (payment, order_id, amount) VALUES (?, ?, ?)",
         shop.t.payments
@@ -1363,8 +1584,8 @@ async fn credit_merchant(
             cb.amount.into(),
         ],
     )
-    .await
-    .map(drop)
+    .await?;
+    Ok(true)
 }
 
 /// By hand: mark the order paid and credit the merchant, for every callback that arrives.
@@ -1388,7 +1609,9 @@ async fn pay_unguarded(
     let sql = format!("SELECT version FROM {} WHERE id = ?", shop.t.orders);
     let version = tx.int(&sql, &[order_id.into()]).await?.unwrap_or_default();
     record_version(&mut tx, &shop.t, order_id, version, order::PAID).await?;
-    credit_merchant(shop, &mut tx, cb, order_id).await?;
+    if !credit_merchant(shop, &mut tx, cb, order_id).await? {
+        return Ok(Err(internal("the merchant cannot be credited")));
+    }
     tx.commit().await?;
     let paid = Paid {
         payment: cb.payment.clone(),

@@ -261,6 +261,40 @@ async fn bad_input_gets_a_problem_with_a_stable_code() {
             "invalid_channel",
         ),
         (Method::GET, "/orders/12345", None, "", 404, "unknown_order"),
+        (Method::GET, "/orders/abc", None, "", 400, "invalid_path"),
+        (
+            Method::POST,
+            "/users/abc/account",
+            Some("k10"),
+            "",
+            400,
+            "invalid_path",
+        ),
+        (
+            Method::POST,
+            "/users/0/account",
+            Some("k11"),
+            "",
+            400,
+            "invalid_user",
+        ),
+        (
+            Method::PUT,
+            "/accounts/1/transfers/5",
+            Some("k12"),
+            r#"{"to":2,"amount":2000000000}"#,
+            400,
+            "invalid_amount",
+        ),
+        (Method::GET, "/nowhere", None, "", 404, "not_found"),
+        (
+            Method::DELETE,
+            "/tickets",
+            None,
+            "",
+            405,
+            "method_not_allowed",
+        ),
     ];
     for (method, path, key, body, status, code) in cases {
         let (got, answer) = s.send(method.clone(), path, key, body).await;
