@@ -11,6 +11,10 @@ use tokio::sync::broadcast;
 /// How many releases a slow listener may fall behind before it is told it missed some.
 const CAPACITY: usize = 1024;
 
+/// How long a feed task keeps its connection to the server open with nobody listening.
+#[cfg(any(feature = "postgres", feature = "redis"))]
+pub(crate) const FEED_IDLE: std::time::Duration = std::time::Duration::from_secs(30);
+
 /// The sending side, shared by a backend's clones, and whether a task feeds it from the
 /// server.
 #[derive(Debug, Clone)]
@@ -36,6 +40,7 @@ impl ReleaseFeed {
         (!self.feeding.swap(true, Ordering::AcqRel)).then(|| FeedTask {
             feed: self.clone(),
             stopped: false,
+            idle_since: None,
         })
     }
 
@@ -67,10 +72,25 @@ impl ReleaseFeed {
 pub(crate) struct FeedTask {
     feed: ReleaseFeed,
     stopped: bool,
+    /// Since when nobody has listened.
+    idle_since: Option<tokio::time::Instant>,
 }
 
 #[cfg(any(feature = "postgres", feature = "redis"))]
 impl FeedTask {
+    /// Whether the task should stop because nobody has listened for [`FEED_IDLE`]; asked
+    /// between the server's messages.
+    pub(crate) fn idle_too_long(&mut self) -> bool {
+        if self.feed.has_listeners() {
+            self.idle_since = None;
+            return false;
+        }
+        let since = *self
+            .idle_since
+            .get_or_insert_with(tokio::time::Instant::now);
+        since.elapsed() >= FEED_IDLE && self.stop_if_idle()
+    }
+
     /// Whether the task should stop because nobody listens. A listener that arrives while the
     /// claim is given up finds no task running and starts one; one that arrived just before
     /// keeps this one going.

@@ -38,9 +38,6 @@ const NOW_MS: &str = "(extract(epoch FROM clock_timestamp()) * 1000)::bigint";
 /// [`LOCK_STATE_RETENTION`] in milliseconds.
 const RETENTION_MS: u64 = LOCK_STATE_RETENTION.as_secs() * 1000;
 
-/// How long the release feed's connection stays open with nobody listening.
-const FEED_IDLE: Duration = Duration::from_secs(30);
-
 /// The lock statements and the release feed, shared by a store's clones.
 #[derive(Clone, Debug)]
 pub(crate) struct PgLocks {
@@ -244,20 +241,12 @@ impl LockStore for PostgresStore {
 }
 
 /// Forwards the server's notifications to this process's waiters, reconnecting after failures,
-/// until nobody has listened for [`FEED_IDLE`].
+/// until nobody has listened for [`FEED_IDLE`](crate::lock_feed::FEED_IDLE).
 async fn run_feed(pool: PgPool, locks: PgLocks, mut task: FeedTask) {
     let feed = &locks.feed;
-    let mut idle_since = None;
     let mut listener: Option<PgListener> = None;
     loop {
-        if feed.has_listeners() {
-            idle_since = None;
-        } else if idle_since
-            .get_or_insert_with(tokio::time::Instant::now)
-            .elapsed()
-            >= FEED_IDLE
-            && task.stop_if_idle()
-        {
+        if task.idle_too_long() {
             return;
         }
         let l = match listener.as_mut() {

@@ -83,9 +83,6 @@ redis.call('HSET', KEYS[1], 'fence', ARGV[1], 'value', ARGV[2])
 return {1}
 ";
 
-/// How long the release feed's connection stays open with nobody listening.
-const FEED_IDLE: Duration = Duration::from_secs(30);
-
 /// The lock scripts and the release feed, shared by a store's clones.
 #[derive(Clone)]
 pub(crate) struct LockScripts {
@@ -287,13 +284,12 @@ impl LockStore for RedisStore {
 }
 
 /// Forwards the server's release messages to this process's waiters, reconnecting after
-/// failures, until nobody has listened for [`FEED_IDLE`].
+/// failures, until nobody has listened for [`FEED_IDLE`](crate::lock_feed::FEED_IDLE).
 async fn run_feed(client: redis::Client, channel: String, feed: ReleaseFeed, mut task: FeedTask) {
     use futures_core::Stream;
     use std::pin::Pin;
 
     let mut backoff = Duration::from_millis(50);
-    let mut idle_since = None;
     loop {
         let connected = async {
             let mut pubsub = client.get_async_pubsub().await?;
@@ -324,14 +320,7 @@ async fn run_feed(client: redis::Client, channel: String, feed: ReleaseFeed, mut
                 Ok(None) => break,
                 Err(_) => {}
             }
-            if feed.has_listeners() {
-                idle_since = None;
-            } else if idle_since
-                .get_or_insert_with(tokio::time::Instant::now)
-                .elapsed()
-                >= FEED_IDLE
-                && task.stop_if_idle()
-            {
+            if task.idle_too_long() {
                 return;
             }
         }
