@@ -3,40 +3,21 @@
 
 #![allow(clippy::unwrap_used)]
 
+mod common;
+
 use std::sync::Arc;
 use std::time::Duration;
 
-use axum::body::Body;
-use axum::http::{Request, StatusCode, header};
+use axum::http::StatusCode;
+use common::{BANK, SHOP, post, with_callers};
+use idem_server::AppState;
 use idem_server::auth::Auth;
-use idem_server::{AppState, router};
 use idem_store::MemoryStore;
-use serde_json::{Value, json};
-use tower::ServiceExt;
-
-const SHOP: &str = "shop-key-0123456789abcdef";
-const BANK: &str = "bank-key-0123456789abcdef";
-
-async fn post(state: &AppState, key: &str, path: &str, body: Value) -> (StatusCode, Value) {
-    let req = Request::post(path)
-        .header(header::CONTENT_TYPE, "application/json")
-        .header(header::AUTHORIZATION, format!("Bearer {key}"))
-        .body(Body::from(body.to_string()))
-        .unwrap();
-    let res = router(state.clone()).oneshot(req).await.unwrap();
-    let status = res.status();
-    let bytes = axum::body::to_bytes(res.into_body(), usize::MAX)
-        .await
-        .unwrap();
-    (status, serde_json::from_slice(&bytes).unwrap())
-}
+use serde_json::json;
 
 fn state() -> AppState {
     let store = Arc::new(MemoryStore::new());
-    let mut state = AppState::new(store.clone()).with_locks(store);
-    let keys = format!("shop {SHOP}\nbank {BANK}\n");
-    state.auth = Arc::new(Auth::parse_keys(&keys, "keys").unwrap());
-    state
+    with_callers(AppState::new(store.clone()).with_locks(store))
 }
 
 #[tokio::test]
