@@ -12,35 +12,6 @@ use crate::{
     UniqueInsert, Versioned,
 };
 
-/// Reads column 0 as an integer of any width, or as text.
-fn scalar<R: sqlx::Row>(row: &R) -> Result<Scalar, GuardError>
-where
-    for<'r> i64: sqlx::Decode<'r, R::Database> + sqlx::Type<R::Database>,
-    for<'r> i32: sqlx::Decode<'r, R::Database> + sqlx::Type<R::Database>,
-    for<'r> i16: sqlx::Decode<'r, R::Database> + sqlx::Type<R::Database>,
-    for<'r> String: sqlx::Decode<'r, R::Database> + sqlx::Type<R::Database>,
-    usize: sqlx::ColumnIndex<R>,
-{
-    if row
-        .try_get_raw(0)
-        .map_or(true, |v| sqlx::ValueRef::is_null(&v))
-    {
-        return Err(GuardError::UnreadableValue);
-    }
-    if let Ok(v) = row.try_get::<i64, _>(0) {
-        return Ok(Scalar::Int(v));
-    }
-    if let Ok(v) = row.try_get::<i32, _>(0) {
-        return Ok(Scalar::Int(v.into()));
-    }
-    if let Ok(v) = row.try_get::<i16, _>(0) {
-        return Ok(Scalar::Int(v.into()));
-    }
-    row.try_get::<String, _>(0)
-        .map(Scalar::Text)
-        .map_err(|_| GuardError::UnreadableValue)
-}
-
 /// Column 0 of the one row a key found; `None` for no row; more than one is an error.
 fn only<R: sqlx::Row>(rows: &[R]) -> Result<Option<Scalar>, GuardError>
 where
@@ -52,7 +23,7 @@ where
 {
     match rows {
         [] => Ok(None),
-        [row] => scalar(row).map(Some),
+        [row] => Scalar::read(row, 0).map(Some),
         more => Err(GuardError::NotUnique(more.len() as u64)),
     }
 }

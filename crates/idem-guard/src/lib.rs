@@ -44,6 +44,38 @@ pub enum Scalar {
     Text(String),
 }
 
+impl Scalar {
+    /// Column `index` of `row`: an integer of any width, or text. `NULL`, or a value of
+    /// another type, is [`GuardError::UnreadableValue`].
+    pub fn read<R: sqlx::Row>(row: &R, index: usize) -> Result<Self, GuardError>
+    where
+        for<'r> i64: sqlx::Decode<'r, R::Database> + sqlx::Type<R::Database>,
+        for<'r> i32: sqlx::Decode<'r, R::Database> + sqlx::Type<R::Database>,
+        for<'r> i16: sqlx::Decode<'r, R::Database> + sqlx::Type<R::Database>,
+        for<'r> String: sqlx::Decode<'r, R::Database> + sqlx::Type<R::Database>,
+        usize: sqlx::ColumnIndex<R>,
+    {
+        if row
+            .try_get_raw(index)
+            .map_or(true, |v| sqlx::ValueRef::is_null(&v))
+        {
+            return Err(GuardError::UnreadableValue);
+        }
+        if let Ok(v) = row.try_get::<i64, _>(index) {
+            return Ok(Scalar::Int(v));
+        }
+        if let Ok(v) = row.try_get::<i32, _>(index) {
+            return Ok(Scalar::Int(v.into()));
+        }
+        if let Ok(v) = row.try_get::<i16, _>(index) {
+            return Ok(Scalar::Int(v.into()));
+        }
+        row.try_get::<String, _>(index)
+            .map(Scalar::Text)
+            .map_err(|_| GuardError::UnreadableValue)
+    }
+}
+
 impl From<i64> for Scalar {
     fn from(v: i64) -> Self {
         Scalar::Int(v)
@@ -551,8 +583,14 @@ impl RowLock {
 }
 
 /// `?` placeholders as PostgreSQL's `$1, $2, …` (the guards' SQL has no string literals).
-#[cfg_attr(not(feature = "postgres"), allow(dead_code))]
-fn numbered(sql: &str) -> String {
+/// A statement with `?` placeholders, as PostgreSQL takes it: `$1, $2, …` in their place.
+/// The guards write their statements once with `?`; so can a caller whose other statements
+/// run beside them on every database. Every `?` is a placeholder: keep them out of literals.
+///
+/// ```
+/// assert_eq!(idem_guard::numbered("UPDATE t SET a = ? WHERE id = ?"), "UPDATE t SET a = $1 WHERE id = $2");
+/// ```
+pub fn numbered(sql: &str) -> String {
     let mut out = String::with_capacity(sql.len() + 8);
     let mut n = 0;
     for ch in sql.chars() {

@@ -7,7 +7,7 @@ use std::fmt::Write as _;
 use idem_guard::Scalar;
 
 use crate::chaos::{Ack, Journal};
-use crate::db::{Db, DbError, Engine};
+use crate::db::{Db, DbError, Engine, int, text};
 use crate::schema::{MERCHANT, Opening, Tables, coupon, order};
 
 /// One broken rule.
@@ -68,21 +68,6 @@ impl Findings {
             let _ = writeln!(out, "{:<44} {:>8} {:>10}", l.check, l.checked, l.violations);
         }
         out
-    }
-}
-
-fn int(row: &[Scalar], i: usize) -> i64 {
-    match row.get(i) {
-        Some(Scalar::Int(v)) => *v,
-        _ => i64::MIN,
-    }
-}
-
-fn text(row: &[Scalar], i: usize) -> String {
-    match row.get(i) {
-        Some(Scalar::Text(v)) => v.clone(),
-        Some(Scalar::Int(v)) => v.to_string(),
-        None => String::new(),
     }
 }
 

@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use idem_guard::{
     Bounded, Cas, Counter, GuardError, Inserted, LockWait, Locked, RowLock, Scalar, StateMachine,
-    Transition, UniqueInsert, Versioned,
+    Transition, UniqueInsert, Versioned, numbered,
 };
 use sqlx::{MySql, Postgres, Row, Sqlite, Transaction};
 
@@ -84,40 +84,36 @@ pub enum Tx {
     MySql(Transaction<'static, MySql>),
 }
 
-/// `$1, $2, …` for PostgreSQL in place of `?`.
-fn numbered(sql: &str) -> String {
-    let mut out = String::with_capacity(sql.len() + 8);
-    let mut n = 0;
-    for ch in sql.chars() {
-        if ch == '?' {
-            n += 1;
-            out.push('$');
-            out.push_str(&n.to_string());
-        } else {
-            out.push(ch);
-        }
-    }
-    out
-}
-
 /// Reads every column of a row as an integer or text.
 fn columns<R: Row>(row: &R) -> Result<Vec<Scalar>, DbError>
 where
     for<'r> i64: sqlx::Decode<'r, R::Database> + sqlx::Type<R::Database>,
+    for<'r> i32: sqlx::Decode<'r, R::Database> + sqlx::Type<R::Database>,
+    for<'r> i16: sqlx::Decode<'r, R::Database> + sqlx::Type<R::Database>,
     for<'r> String: sqlx::Decode<'r, R::Database> + sqlx::Type<R::Database>,
     usize: sqlx::ColumnIndex<R>,
 {
     (0..row.len())
-        .map(|i| {
-            if let Ok(v) = row.try_get::<i64, _>(i) {
-                Ok(Scalar::Int(v))
-            } else {
-                row.try_get::<String, _>(i)
-                    .map(Scalar::Text)
-                    .map_err(|_| DbError::Value(i))
-            }
-        })
+        .map(|i| Scalar::read(row, i).map_err(|_| DbError::Value(i)))
         .collect()
+}
+
+/// Column `i` of a row read back, as an integer (`i64::MIN` if it is not one, which no
+/// shop value is).
+pub fn int(row: &[Scalar], i: usize) -> i64 {
+    match row.get(i) {
+        Some(Scalar::Int(v)) => *v,
+        _ => i64::MIN,
+    }
+}
+
+/// Column `i` of a row read back, as text (an integer in decimal).
+pub fn text(row: &[Scalar], i: usize) -> String {
+    match row.get(i) {
+        Some(Scalar::Text(v)) => v.clone(),
+        Some(Scalar::Int(v)) => v.to_string(),
+        None => String::new(),
+    }
 }
 
 /// A row read as plain values, for [`UniqueInsert`].

@@ -29,7 +29,7 @@ use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
 use serde_json::{Value, json};
 
-use crate::db::{Db, DbError, Tx, Values};
+use crate::db::{Db, DbError, Tx, int, text};
 use crate::schema::{Guard, Guards, MERCHANT, Tables, coupon, order};
 
 /// What the service itself does wrong on purpose: it stops (as a crashed process would) after
@@ -180,11 +180,6 @@ impl Shop {
     /// The database.
     pub fn db(&self) -> &Db {
         &self.db
-    }
-
-    /// The tables.
-    pub fn tables(&self) -> &Tables {
-        &self.t
     }
 
     fn next_id(&self) -> Result<i64, Response> {
@@ -394,10 +389,10 @@ fn name_like(value: &str, what: &'static str) -> Result<(), Response> {
 
 /// Runs one transaction's worth of work, again after a deadlock or a busy database (the
 /// transaction rolled back, so trying again is safe), a few times.
-async fn retrying<F, Fut>(shop: &Shop, mut work: F) -> Response
+async fn retry_transient<T, F, Fut>(shop: &Shop, mut work: F) -> Result<T, DbError>
 where
     F: FnMut() -> Fut,
-    Fut: Future<Output = Result<Result<Response, Response>, DbError>>,
+    Fut: Future<Output = Result<T, DbError>>,
 {
     // The service takes its time before the transaction, not inside it: on SQLite a
     // transaction holds the only write lock.
@@ -406,14 +401,25 @@ where
     let mut attempt = 0;
     loop {
         match work().await {
-            Ok(Ok(r) | Err(r)) => return r,
             Err(e) if e.is_transient() && attempt < TRIES => {
                 attempt += 1;
                 tokio::time::sleep(nap).await;
                 nap = (nap * 2).min(Duration::from_millis(100));
             }
-            Err(e) => return db_problem(&e),
+            done => return done,
         }
+    }
+}
+
+/// [`retry_transient`] for a handler: its answer, or the database's problem.
+async fn retrying<F, Fut>(shop: &Shop, work: F) -> Response
+where
+    F: FnMut() -> Fut,
+    Fut: Future<Output = Result<Result<Response, Response>, DbError>>,
+{
+    match retry_transient(shop, work).await {
+        Ok(Ok(r) | Err(r)) => r,
+        Err(e) => db_problem(&e),
     }
 }
 
@@ -431,20 +437,6 @@ fn committed(shop: &Shop, answer: Response) -> Response {
         crashed()
     } else {
         answer
-    }
-}
-
-fn int(v: &Values, i: usize) -> i64 {
-    match v.0.get(i) {
-        Some(Scalar::Int(n)) => *n,
-        _ => i64::MIN,
-    }
-}
-
-fn text(v: &Values, i: usize) -> &str {
-    match v.0.get(i) {
-        Some(Scalar::Text(s)) => s,
-        _ => "",
     }
 }
 
@@ -478,8 +470,8 @@ async fn open_account_tx(
         .insert(&shop.open_account, &[id.into(), user.into(), 0.into()])
         .await?
     {
-        Inserted::New(row) => (StatusCode::CREATED, int(&row, 0)),
-        Inserted::Existing(row) => (StatusCode::OK, int(&row, 0)),
+        Inserted::New(row) => (StatusCode::CREATED, int(&row.0, 0)),
+        Inserted::Existing(row) => (StatusCode::OK, int(&row.0, 0)),
     };
     tx.commit().await?;
     let body = json!({ "account": account.to_string(), "user": user });
@@ -638,7 +630,7 @@ async fn transfer_tx(
         // The ticket's row is the transfer's idempotency record: a second attempt finds it
         // and answers as the first did.
         if let Inserted::Existing(v) = tx.insert(&shop.transfer, &row).await? {
-            if (int(&v, 1), int(&v, 2), int(&v, 3)) != (from, req.to, req.amount) {
+            if (int(&v.0, 1), int(&v.0, 2), int(&v.0, 3)) != (from, req.to, req.amount) {
                 return Ok(Err(problem(
                     StatusCode::CONFLICT,
                     "ticket_reused",
@@ -651,7 +643,7 @@ async fn transfer_tx(
                 from,
                 req.to,
                 req.amount,
-                text(&v, 4),
+                &text(&v.0, 4),
             )));
         }
     } else {
@@ -745,7 +737,7 @@ async fn deduct_tx(
         "pending".into(),
     ];
     if let Inserted::Existing(v) = tx.insert(&shop.deduction, &row).await? {
-        if (text(&v, 1), int(&v, 2)) != (req.sku.as_str(), req.qty) {
+        if text(&v.0, 1) != req.sku || int(&v.0, 2) != req.qty {
             return Ok(Err(problem(
                 StatusCode::CONFLICT,
                 "order_reused",
@@ -753,7 +745,7 @@ async fn deduct_tx(
                 "This order number was deducted for other items.".into(),
             )));
         }
-        return Ok(Ok(deduct_answer(req, text(&v, 3))));
+        return Ok(Ok(deduct_answer(req, &text(&v.0, 3))));
     }
     let outcome = match tx
         .add(&shop.stock, req.sku.as_str().into(), -req.qty)
@@ -1460,20 +1452,9 @@ fn payment_key(payment: &str) -> Result<Key, Response> {
 }
 
 async fn pay(shop: &Shop, cb: &Callback, order_id: i64) -> Result<Paid, PayError> {
-    shop.chaos.pause().await;
-    let mut nap = Duration::from_millis(2);
-    let mut attempt = 0;
-    loop {
-        match pay_tx(shop, cb, order_id).await {
-            Ok(r) => return r,
-            Err(e) if e.is_transient() && attempt < TRIES => {
-                attempt += 1;
-                tokio::time::sleep(nap).await;
-                nap = (nap * 2).min(Duration::from_millis(100));
-            }
-            Err(e) => return Err(PayError::Transient(e.to_string())),
-        }
-    }
+    retry_transient(shop, || pay_tx(shop, cb, order_id))
+        .await
+        .unwrap_or_else(|e| Err(PayError::Transient(e.to_string())))
 }
 
 async fn pay_tx(
