@@ -23,6 +23,10 @@ struct Shopfront {
 
 impl Shopfront {
     async fn open() -> Self {
+        Self::open_with(ServerChaos::off()).await
+    }
+
+    async fn open_with(chaos: ServerChaos) -> Self {
         let dir = tempfile::tempdir().unwrap();
         let url = format!("sqlite://{}", dir.path().join("shop.db").display());
         let db = Db::connect(&url, 4).await.unwrap();
@@ -33,9 +37,7 @@ impl Shopfront {
             .unwrap();
         let store: idem_core::SharedStore =
             Arc::new(idem::SqliteStore::open(dir.path().join("idem.db")).unwrap());
-        let shop = Arc::new(
-            Shop::new(db, tables, store.clone(), Guards::all(), ServerChaos::off()).unwrap(),
-        );
+        let shop = Arc::new(Shop::new(db, tables, store.clone(), Guards::all(), chaos).unwrap());
         let app = shop_bank::shop::app(shop.clone(), store);
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let base = format!("http://{}", listener.local_addr().unwrap());
@@ -340,4 +342,56 @@ async fn a_payment_reported_on_both_channels_is_credited_once() {
         .await
         .unwrap();
     assert_eq!(rows[0][0], 70.into());
+}
+
+/// A service that stops after every commit, before answering: each retry (same key; the 503
+/// was not stored) must be answered from what the first attempt committed.
+#[tokio::test]
+async fn retries_after_the_service_stopped_are_answered_from_the_books() {
+    let s = Shopfront::open_with(ServerChaos::new(1.0, 0, 1)).await;
+    let (_, token) = s.post("/form-tokens", "t", json!({})).await;
+    let token = token["token"].as_str().unwrap().to_owned();
+    let order = json!({ "user": 1, "form": "f-9", "amount": 40 }).to_string();
+    let send_order = || async {
+        let req = Request::builder()
+            .method(Method::POST)
+            .uri(format!("{}/orders", s.base))
+            .header("content-type", "application/json")
+            .header("idempotency-key", "\"o\"")
+            .header("form-token", token.as_str())
+            .body(Full::new(Bytes::from(order.clone())))
+            .unwrap();
+        let res = s.http.request(req).await.unwrap();
+        let status = res.status().as_u16();
+        let body = res.into_body().collect().await.unwrap().to_bytes();
+        (status, serde_json::from_slice::<Value>(&body).unwrap())
+    };
+    let (status, body) = send_order().await;
+    assert_eq!(
+        (status, body["code"].as_str()),
+        (503, Some("simulated_crash"))
+    );
+    // The token is spent; the order made from the form is the answer.
+    let (status, body) = send_order().await;
+    assert_eq!((status, body["status"].as_str()), (201, Some("created")));
+    let id = body["order"].as_str().unwrap().to_owned();
+
+    let path = format!("/orders/{id}");
+    let cancel = json!({ "expected_version": 1, "status": "cancelled" }).to_string();
+    let (status, body) = s.send(Method::PATCH, &path, Some("p"), &cancel).await;
+    assert_eq!(
+        (status, body["code"].as_str()),
+        (503, Some("simulated_crash"))
+    );
+    // The order is at version 2 now; the change recorded after version 1 is this one.
+    let (status, body) = s.send(Method::PATCH, &path, Some("p"), &cancel).await;
+    let got = (status, body["status"].as_str(), body["version"].as_i64());
+    assert_eq!(got, (200, Some("cancelled"), Some(2)));
+    // Another change from version 1 is a conflict.
+    let ship = json!({ "expected_version": 1, "status": "shipped" }).to_string();
+    let (status, body) = s.send(Method::PATCH, &path, Some("q"), &ship).await;
+    assert_eq!(
+        (status, body["code"].as_str()),
+        (409, Some("version_conflict"))
+    );
 }
