@@ -562,6 +562,8 @@ async fn the_gateway_owns_only_its_prefix_and_forwards_clean_headers() {
     let health = send(gw, Method::GET, "/_idem/health", &[], "").await;
     assert_eq!(health.status, StatusCode::OK);
     assert_eq!(health.json()["store"], "memory");
+    // A proxied request first: the exporter shows a metric once something recorded it.
+    post(gw, "/orders", "m-1", "x").await;
     let metrics = send(gw, Method::GET, "/_idem/metrics", &[], "").await;
     assert!(metrics.body.contains("# TYPE"), "{}", metrics.body);
 
