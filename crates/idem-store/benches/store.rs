@@ -329,14 +329,34 @@ async fn servers(scale: usize, tasks: usize, wanted: &dyn Fn(&str) -> bool) {
             table: TABLE.into(),
             ..PostgresOptions::default()
         };
-        let store = PostgresStore::connect_with(&url, options).await.unwrap();
+        let store = PostgresStore::connect_with(&url, options.clone())
+            .await
+            .unwrap();
+        let alone = PostgresStore::connect_with(
+            &url,
+            PostgresOptions {
+                max_batch: 1,
+                ..options
+            },
+        )
+        .await
+        .unwrap();
         sqlx::query("CREATE TABLE IF NOT EXISTS idem_bench_upsert (k TEXT PRIMARY KEY, v TEXT)")
             .execute(store.pool())
             .await
             .unwrap();
         let upsert =
             "INSERT INTO idem_bench_upsert (k, v) VALUES ($1, 'x') ON CONFLICT (k) DO NOTHING";
-        sql_rows("postgres", &store, store.pool(), upsert, scale, tasks).await;
+        sql_rows(
+            "postgres",
+            &store,
+            &alone,
+            store.pool(),
+            upsert,
+            scale,
+            tasks,
+        )
+        .await;
         for t in ["idem_bench_upsert", TABLE, "idem_bench_records_migrations"] {
             sqlx::query(sqlx::AssertSqlSafe(format!("DROP TABLE {t}")))
                 .execute(store.pool())
@@ -349,7 +369,18 @@ async fn servers(scale: usize, tasks: usize, wanted: &dyn Fn(&str) -> bool) {
             table: TABLE.into(),
             ..MySqlOptions::default()
         };
-        let store = MySqlStore::connect_with(&url, options).await.unwrap();
+        let store = MySqlStore::connect_with(&url, options.clone())
+            .await
+            .unwrap();
+        let alone = MySqlStore::connect_with(
+            &url,
+            MySqlOptions {
+                max_batch: 1,
+                ..options
+            },
+        )
+        .await
+        .unwrap();
         sqlx::query(
             "CREATE TABLE IF NOT EXISTS idem_bench_upsert (k VARBINARY(255) PRIMARY KEY, v TEXT)",
         )
@@ -358,7 +389,7 @@ async fn servers(scale: usize, tasks: usize, wanted: &dyn Fn(&str) -> bool) {
         .unwrap();
         let upsert =
             "INSERT INTO idem_bench_upsert (k, v) VALUES (?, 'x') ON DUPLICATE KEY UPDATE k = k";
-        sql_rows("mysql", &store, store.pool(), upsert, scale, tasks).await;
+        sql_rows("mysql", &store, &alone, store.pool(), upsert, scale, tasks).await;
         for t in ["idem_bench_upsert", TABLE, "idem_bench_records_migrations"] {
             sqlx::query(sqlx::AssertSqlSafe(format!("DROP TABLE {t}")))
                 .execute(store.pool())
@@ -414,10 +445,12 @@ async fn servers(scale: usize, tasks: usize, wanted: &dyn Fn(&str) -> bool) {
     }
 }
 
-/// One SQL store at `tasks` tasks, beside the single-statement upsert.
+/// One SQL store at `tasks` tasks, beside the single-statement upsert, and the same store
+/// sending each call on its own (`max_batch` 1: no group commit).
 async fn sql_rows<DB: sqlx::Database, S: Store + Clone>(
     name: &str,
     store: &S,
+    alone: &S,
     pool: &sqlx::Pool<DB>,
     upsert: &'static str,
     scale: usize,
@@ -435,6 +468,13 @@ async fn sql_rows<DB: sqlx::Database, S: Store + Clone>(
             tasks,
             &mut base,
             None,
+        );
+        let mut f = run_store(alone, tasks, n / tasks).await;
+        row(
+            &format!("{name}, max_batch=1"),
+            tasks,
+            &mut f,
+            Some(("upsert", base.per_sec())),
         );
         let mut f = run_store(store, tasks, n / tasks).await;
         row(name, tasks, &mut f, Some(("upsert", base.per_sec())));

@@ -10,6 +10,8 @@
 //! [`open`] picks a store from a URL (`sqlite://PATH`, `memory://`, `postgres://…`,
 //! `mysql://…`, `redis://…`, `redis+cluster://…`), as `idem serve --store` does.
 
+#[cfg(any(feature = "postgres", feature = "mysql"))]
+mod batch;
 pub mod fence;
 mod lock_feed;
 mod memory;

@@ -29,6 +29,7 @@ use sqlx::{
     SqlStr,
 };
 
+use crate::batch::{BeginJob, CompleteJob, GroupCommit, ManyAtOnce};
 use crate::row::sql_int;
 use crate::sql::{self, Migration, TableName};
 
@@ -85,6 +86,11 @@ pub struct MySqlOptions {
     /// record a caller's open transaction holds waits at most this long. It applies to every
     /// statement on the store's connections. Default 5 s.
     pub lock_timeout: Duration,
+    /// The most records one statement begins or completes (group commit). Calls that arrive
+    /// while statements are in flight wait and then go together, up to this many per
+    /// statement, on at most an eighth of the pool's connections for each kind; 1 sends every
+    /// call on its own; at most 1024. Default 64.
+    pub max_batch: usize,
 }
 
 impl Default for MySqlOptions {
@@ -94,6 +100,7 @@ impl Default for MySqlOptions {
             max_connections: 16,
             acquire_timeout: Duration::from_secs(5),
             lock_timeout: Duration::from_secs(5),
+            max_batch: 64,
         }
     }
 }
@@ -104,6 +111,20 @@ impl Default for MySqlOptions {
 pub struct MySqlStore {
     pool: MySqlPool,
     sql: Statements,
+    /// `None` when every call goes on its own (`max_batch` 1).
+    batches: Option<GroupCommit>,
+    /// The statements for batches of `2^(i+1)` rows (a batch is padded up to the next size,
+    /// so each connection prepares a handful of statements, not one per size).
+    batch_sql: Arc<[BatchSql]>,
+}
+
+/// The statements for batches of one size.
+#[derive(Debug)]
+struct BatchSql {
+    rows: usize,
+    begin: SqlStr,
+    acquired: SqlStr,
+    complete: SqlStr,
 }
 
 #[derive(Clone, Debug)]
@@ -123,6 +144,19 @@ struct Statements {
 /// The columns [`RawRow`] is read from, in its order.
 const COLUMNS: &str = "fingerprint, status, fence, lease_id, lease_expires_at, response, ttl_ms,
     created_at, updated_at, expires_at";
+
+/// The rest of a row `begin` took over: set once `lease_id` holds the new lease's id (the
+/// assignments before decide that), each column taking the new value.
+const TAKEN_OVER: &str =
+    "fingerprint = IF(lease_id = VALUES(lease_id), VALUES(fingerprint), fingerprint),
+    status = IF(lease_id = VALUES(lease_id), 'in_progress', status),
+    lease_expires_at = IF(lease_id = VALUES(lease_id), VALUES(lease_expires_at), lease_expires_at),
+    response = IF(lease_id = VALUES(lease_id), NULL, response),
+    ttl_ms = IF(lease_id = VALUES(lease_id), VALUES(ttl_ms), ttl_ms),
+    created_at = IF(lease_id = VALUES(lease_id), VALUES(created_at), created_at),
+    updated_at = IF(lease_id = VALUES(lease_id), VALUES(updated_at), updated_at),
+    expires_at = IF(lease_id = VALUES(lease_id), VALUES(expires_at), expires_at),
+    purge_after = IF(lease_id = VALUES(lease_id), VALUES(purge_after), purge_after)";
 
 /// `expires_at` for a record settled at `?` (bound twice): `now + ttl_ms`, capped.
 const SETTLED_EXPIRY: &str = "LEAST(ttl_ms, 9223372036854775807 - ?) + ?";
@@ -148,15 +182,7 @@ impl Statements {
                              AND lease_expires_at <= ?),
                          VALUES(lease_id), lease_id),
                      fence = IF({ours}, LAST_INSERT_ID(fence + 1), fence + LAST_INSERT_ID(0)),
-                     fingerprint = IF({ours}, VALUES(fingerprint), fingerprint),
-                     status = IF({ours}, 'in_progress', status),
-                     lease_expires_at = IF({ours}, VALUES(lease_expires_at), lease_expires_at),
-                     response = IF({ours}, NULL, response),
-                     ttl_ms = IF({ours}, VALUES(ttl_ms), ttl_ms),
-                     created_at = IF({ours}, VALUES(created_at), created_at),
-                     updated_at = IF({ours}, VALUES(updated_at), updated_at),
-                     expires_at = IF({ours}, VALUES(expires_at), expires_at),
-                     purge_after = IF({ours}, VALUES(purge_after), purge_after)"
+                     {TAKEN_OVER}"
             )),
             // A locking read: inside a caller's transaction (same-transaction mode) a plain
             // read would see the transaction's old snapshot, not the row the update just saw.
@@ -259,9 +285,18 @@ impl MySqlStore {
                 })
             })
             .connect_lazy_with(connect);
+        let batches = GroupCommit::new(options.max_connections, options.max_batch);
+        let batch_sql = match &batches {
+            Some(_) => batch_sizes(options.max_batch.min(crate::batch::MAX_JOBS))
+                .map(|rows| BatchSql::new(&table, rows))
+                .collect(),
+            None => Arc::from(Vec::new()),
+        };
         Ok(Self {
             sql: Statements::new(&table),
             pool,
+            batches,
+            batch_sql,
         })
     }
 
@@ -393,6 +428,184 @@ impl MySqlStore {
     }
 }
 
+/// The batch sizes for batches of up to `max` rows: 2, 4, 8, … up to the first at least `max`.
+fn batch_sizes(max: usize) -> impl Iterator<Item = usize> {
+    std::iter::successors(Some(2usize), move |n| {
+        (*n < max).then(|| n.saturating_mul(2))
+    })
+}
+
+impl BatchSql {
+    fn new(t: &TableName, rows: usize) -> Self {
+        let s = |sql: String| AssertSqlSafe(sql).into_sql_str();
+        let list = |one: &str, sep: &str| vec![one; rows].join(sep);
+        let ours = "lease_id = VALUES(lease_id)";
+        Self {
+            rows,
+            // `begin` for many rows: the same decision as `begin` per row, `now` being each
+            // row's `created_at`. Rows go in key order, so two batches lock shared keys in the
+            // same order. What was acquired is read back by lease id (`acquired`): a row holds
+            // our lease id only if this statement gave it.
+            begin: s(format!(
+                "INSERT INTO {t} (scope, namespace, client_key, fingerprint, status, fence,
+                     lease_id, lease_expires_at, response, ttl_ms, created_at, updated_at,
+                     expires_at, purge_after)
+                 VALUES {}
+                 ON DUPLICATE KEY UPDATE
+                     lease_id = IF(expires_at <= VALUES(created_at) OR status = 'released'
+                         OR (status = 'in_progress' AND fingerprint = VALUES(fingerprint)
+                             AND lease_expires_at <= VALUES(created_at)),
+                         VALUES(lease_id), lease_id),
+                     fence = IF({ours}, fence + 1, fence),
+                     {TAKEN_OVER}",
+                list(
+                    "(?, ?, ?, ?, 'in_progress', 1, ?, ?, NULL, ?, ?, ?, ?, ?)",
+                    ", "
+                )
+            )),
+            acquired: s(format!(
+                "SELECT lease_id, fence FROM {t} WHERE (scope, namespace, client_key) IN ({})",
+                list("(?, ?, ?)", ", ")
+            )),
+            // `complete` for many rows: the rows are found by key, lease and fence, and each
+            // row's values picked by its lease id (unique to the batch, as its keys are).
+            complete: s(format!(
+                "UPDATE {t} SET status = 'completed',
+                     response = CASE lease_id {}
+                     END,
+                     updated_at = CASE lease_id {}
+                     END,
+                     expires_at = LEAST(ttl_ms, 9223372036854775807 - updated_at) + updated_at
+                 WHERE (scope, namespace, client_key, lease_id, fence) IN ({})
+                   AND status = 'in_progress' AND expires_at > CASE lease_id {} END",
+                list("WHEN ? THEN ?", " "),
+                list("WHEN ? THEN ?", " "),
+                list("(?, ?, ?, ?, ?)", ", "),
+                list("WHEN ? THEN ?", " "),
+            )),
+        }
+    }
+}
+
+impl MySqlStore {
+    /// The statements for a batch of `n` rows, and how many rows they take.
+    fn sized(&self, n: usize) -> Option<&BatchSql> {
+        self.batch_sql.iter().find(|s| s.rows >= n)
+    }
+}
+
+impl ManyAtOnce for MySqlStore {
+    async fn begin_alone(
+        &self,
+        req: &BeginRequest,
+        now: Timestamp,
+    ) -> Result<BeginOutcome, StoreError> {
+        let mut c = self.conn().await?;
+        self.begin_on(&mut c, req, now).await
+    }
+
+    async fn complete_alone(
+        &self,
+        key: &Key,
+        lease: &Lease,
+        response: Bytes,
+        now: Timestamp,
+    ) -> Result<(), LeaseError> {
+        let mut c = self.conn().await?;
+        self.settle_on(&mut c, key, lease, Some(response), now)
+            .await
+    }
+
+    /// One multi-row upsert, in key order (the primary key compares bytes) so that batches
+    /// lock rows in one order, then one read of which rows hold our lease ids.
+    async fn begin_many(
+        &self,
+        jobs: &[BeginJob],
+        fresh: &[(Lease, Record)],
+    ) -> Option<Vec<(Vec<u8>, i64)>> {
+        let sized = self.sized(jobs.len())?;
+        let mut order: Vec<usize> = (0..jobs.len()).collect();
+        order.sort_by(|a, b| jobs[*a].req.key.cmp(&jobs[*b].req.key));
+        let last = *order.last()?;
+        // Padded with the last row again, under a lease id no lease has (zero): its second
+        // upsert finds the fresh lease the first gave, which may not be taken over, and since
+        // the ids differ it changes nothing. (Under its own id it would pass for the holder
+        // and raise the fence.)
+        let padding = sized.rows - order.len();
+        let rows = || {
+            order
+                .iter()
+                .copied()
+                .chain(std::iter::repeat_n(last, padding))
+        };
+        let mut q = sqlx::query(sized.begin.clone());
+        for (n, i) in rows().enumerate() {
+            let (lease, record) = &fresh[i];
+            let id = if n < order.len() {
+                lease.id.to_bytes()
+            } else {
+                [0; 16]
+            };
+            let now = sql_int(jobs[i].now.as_millis());
+            q = keyed(q, &jobs[i].req.key)
+                .bind(&record.fingerprint.as_bytes()[..])
+                .bind(&id[..])
+                .bind(sql_int(lease.expires_at.as_millis()))
+                .bind(sql_int(record.ttl_ms))
+                .bind(now)
+                .bind(now)
+                .bind(sql_int(record.expires_at.as_millis()))
+                .bind(sql_int(record.expires_at.as_millis()));
+        }
+        let mut c = self.conn().await.ok()?;
+        q.execute(&mut *c).await.ok()?;
+        let mut read = sqlx::query(sized.acquired.clone());
+        for i in rows() {
+            read = keyed(read, &jobs[i].req.key);
+        }
+        let rows = read.fetch_all(&mut *c).await.ok()?;
+        rows.iter()
+            .map(|r| {
+                Some((
+                    sqlx::Row::try_get(r, 0).ok()?,
+                    sqlx::Row::try_get(r, 1).ok()?,
+                ))
+            })
+            .collect()
+    }
+
+    /// One statement; MySQL reports only how many rows it changed, so only when that is every
+    /// job is each known to be done.
+    async fn complete_many(&self, jobs: &[CompleteJob]) -> Option<Vec<bool>> {
+        let sized = self.sized(jobs.len())?;
+        let last = jobs.last()?;
+        let rows = || jobs.iter().chain(std::iter::repeat(last)).take(sized.rows);
+        let mut q = sqlx::query(sized.complete.clone());
+        for job in rows() {
+            q = q.bind(&job.lease.id.to_bytes()[..]).bind(&job.response[..]);
+        }
+        for job in rows() {
+            q = q
+                .bind(&job.lease.id.to_bytes()[..])
+                .bind(sql_int(job.now.as_millis()));
+        }
+        for job in rows() {
+            q = keyed(q, &job.key)
+                .bind(&job.lease.id.to_bytes()[..])
+                .bind(sql_int(job.lease.fence));
+        }
+        for job in rows() {
+            q = q
+                .bind(&job.lease.id.to_bytes()[..])
+                .bind(sql_int(job.now.as_millis()));
+        }
+        let mut c = self.conn().await.ok()?;
+        let done = q.execute(&mut *c).await.ok()?;
+        let all = done.rows_affected() == u64::try_from(jobs.len()).ok()?;
+        Some(vec![all; jobs.len()])
+    }
+}
+
 /// Whether every migration is applied (false if that cannot be read).
 async fn current(c: &mut MySqlConnection, table: &TableName) -> bool {
     let applied: Result<Vec<i64>, _> = sqlx::query_scalar(AssertSqlSafe(format!(
@@ -517,8 +730,10 @@ impl Store for MySqlStore {
     }
 
     async fn begin(&self, req: &BeginRequest, now: Timestamp) -> Result<BeginOutcome, StoreError> {
-        let mut c = self.conn().await?;
-        self.begin_on(&mut c, req, now).await
+        match &self.batches {
+            Some(batches) => batches.begin(self, req, now).await,
+            None => self.begin_alone(req, now).await,
+        }
     }
 
     async fn complete(
@@ -528,9 +743,10 @@ impl Store for MySqlStore {
         response: Bytes,
         now: Timestamp,
     ) -> Result<(), LeaseError> {
-        let mut c = self.conn().await?;
-        self.settle_on(&mut c, key, lease, Some(response), now)
-            .await
+        match &self.batches {
+            Some(batches) => batches.complete(self, key, lease, response, now).await,
+            None => self.complete_alone(key, lease, response, now).await,
+        }
     }
 
     async fn release(&self, key: &Key, lease: &Lease, now: Timestamp) -> Result<(), LeaseError> {

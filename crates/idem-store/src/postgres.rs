@@ -23,6 +23,7 @@ use idem_core::{
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
 use sqlx::{AssertSqlSafe, ConnectOptions, Connection, PgConnection, PgPool, SqlSafeStr, SqlStr};
 
+use crate::batch::{BeginJob, CompleteJob, GroupCommit, ManyAtOnce};
 use crate::row::sql_int;
 use crate::sql::{self, Migration, TableName};
 
@@ -93,6 +94,11 @@ pub struct PostgresOptions {
     /// pooled connection without bound. It applies to every statement on the store's
     /// connections, business writes run through [`PostgresStore::pool`] included. Default 5 s.
     pub lock_timeout: Duration,
+    /// The most records one statement begins or completes (group commit). Calls that arrive
+    /// while statements are in flight wait and then go together, up to this many per
+    /// statement, on at most an eighth of the pool's connections for each kind; 1 sends every
+    /// call on its own; at most 1024. Default 64.
+    pub max_batch: usize,
 }
 
 impl Default for PostgresOptions {
@@ -102,6 +108,7 @@ impl Default for PostgresOptions {
             max_connections: 16,
             acquire_timeout: Duration::from_secs(5),
             lock_timeout: Duration::from_secs(5),
+            max_batch: 64,
         }
     }
 }
@@ -116,11 +123,15 @@ pub struct PostgresStore {
     pool: PgPool,
     sql: Statements,
     locks: crate::postgres_locks::PgLocks,
+    /// `None` when every call goes on its own (`max_batch` 1).
+    batches: Option<GroupCommit>,
 }
 
 #[derive(Clone, Debug)]
 struct Statements {
     begin: SqlStr,
+    begin_many: SqlStr,
+    complete_many: SqlStr,
     load: SqlStr,
     complete: SqlStr,
     release: SqlStr,
@@ -135,6 +146,21 @@ struct Statements {
 /// The columns [`RawRow`] is read from, in its order.
 const COLUMNS: &str = "fingerprint, status, fence, lease_id, lease_expires_at, response, ttl_ms,
     created_at, updated_at, expires_at";
+
+/// How `begin` takes an existing row over: only when it may be acquired (expired, released,
+/// or in progress for the same request with its lease run out, as `Record::begin` decides),
+/// `now` being the new row's `created_at`.
+const TAKE_OVER: &str = "ON CONFLICT (scope, namespace, client_key) DO UPDATE SET
+        fingerprint = EXCLUDED.fingerprint, status = 'in_progress',
+        fence = r.fence + 1, lease_id = EXCLUDED.lease_id,
+        lease_expires_at = EXCLUDED.lease_expires_at, response = NULL,
+        ttl_ms = EXCLUDED.ttl_ms, created_at = EXCLUDED.created_at,
+        updated_at = EXCLUDED.updated_at, expires_at = EXCLUDED.expires_at,
+        purge_after = EXCLUDED.purge_after
+    WHERE r.expires_at <= EXCLUDED.created_at
+       OR r.status = 'released'
+       OR (r.status = 'in_progress' AND r.fingerprint = EXCLUDED.fingerprint
+           AND r.lease_expires_at <= EXCLUDED.created_at)";
 
 /// `expires_at` for a record settled at `$now`: `now + ttl_ms`, capped at `i64::MAX`.
 const SETTLED_EXPIRY: &str = "LEAST(ttl_ms, 9223372036854775807 - $4) + $4";
@@ -152,18 +178,39 @@ impl Statements {
                      lease_id, lease_expires_at, response, ttl_ms, created_at, updated_at,
                      expires_at, purge_after)
                  VALUES ($1, $2, $3, $5, 'in_progress', 1, $6, $7, NULL, $8, $4, $4, $9, $9)
-                 ON CONFLICT (scope, namespace, client_key) DO UPDATE SET
-                     fingerprint = EXCLUDED.fingerprint, status = 'in_progress',
-                     fence = r.fence + 1, lease_id = EXCLUDED.lease_id,
-                     lease_expires_at = EXCLUDED.lease_expires_at, response = NULL,
-                     ttl_ms = EXCLUDED.ttl_ms, created_at = EXCLUDED.created_at,
-                     updated_at = EXCLUDED.updated_at, expires_at = EXCLUDED.expires_at,
-                     purge_after = EXCLUDED.purge_after
-                 WHERE r.expires_at <= $4
-                    OR r.status = 'released'
-                    OR (r.status = 'in_progress' AND r.fingerprint = EXCLUDED.fingerprint
-                        AND r.lease_expires_at <= $4)
+                 {TAKE_OVER}
                  RETURNING fence"
+            )),
+            // `begin` for many records: the same decision per row, `now` being each row's
+            // `created_at`. Rows go in key order, so two batches lock shared keys in the same
+            // order and cannot deadlock; each acquired row comes back with its (unique) lease id.
+            begin_many: s(format!(
+                "INSERT INTO {t} AS r (scope, namespace, client_key, fingerprint, status, fence,
+                     lease_id, lease_expires_at, response, ttl_ms, created_at, updated_at,
+                     expires_at, purge_after)
+                 SELECT i.scope, i.namespace, i.client_key, i.fingerprint, 'in_progress', 1,
+                     i.lease_id, i.lease_expires_at, NULL, i.ttl_ms, i.now, i.now, i.expires_at,
+                     i.expires_at
+                 FROM unnest($1::text[], $2::text[], $3::text[], $4::int8[], $5::bytea[],
+                     $6::bytea[], $7::int8[], $8::int8[], $9::int8[])
+                     AS i(scope, namespace, client_key, now, fingerprint, lease_id,
+                          lease_expires_at, ttl_ms, expires_at)
+                 ORDER BY i.scope, i.namespace, i.client_key
+                 {TAKE_OVER}
+                 RETURNING lease_id, fence"
+            )),
+            // `complete` for many records; each completed row comes back with its lease id.
+            complete_many: s(format!(
+                "UPDATE {t} AS r SET status = 'completed', response = i.response,
+                     updated_at = i.now,
+                     expires_at = LEAST(r.ttl_ms, 9223372036854775807 - i.now) + i.now
+                 FROM unnest($1::text[], $2::text[], $3::text[], $4::int8[], $5::bytea[],
+                     $6::int8[], $7::bytea[])
+                     AS i(scope, namespace, client_key, now, lease_id, fence, response)
+                 WHERE r.scope = i.scope AND r.namespace = i.namespace
+                   AND r.client_key = i.client_key AND r.lease_id = i.lease_id
+                   AND r.fence = i.fence AND r.status = 'in_progress' AND r.expires_at > i.now
+                 RETURNING r.lease_id"
             )),
             load: s(format!("SELECT {COLUMNS} FROM {t} WHERE {key}")),
             complete: s(format!(
@@ -261,6 +308,7 @@ impl PostgresStore {
             sql: Statements::new(&table),
             locks: crate::postgres_locks::PgLocks::new(&table),
             pool,
+            batches: GroupCommit::new(options.max_connections, options.max_batch),
         })
     }
 
@@ -406,6 +454,112 @@ impl PostgresStore {
     }
 }
 
+impl ManyAtOnce for PostgresStore {
+    async fn begin_alone(
+        &self,
+        req: &BeginRequest,
+        now: Timestamp,
+    ) -> Result<BeginOutcome, StoreError> {
+        let mut c = self.conn().await?;
+        self.begin_on(&mut c, req, now).await
+    }
+
+    async fn complete_alone(
+        &self,
+        key: &Key,
+        lease: &Lease,
+        response: Bytes,
+        now: Timestamp,
+    ) -> Result<(), LeaseError> {
+        let mut c = self.conn().await?;
+        self.settle_on(&mut c, &self.sql.complete, key, lease, Some(response), now)
+            .await
+    }
+
+    async fn begin_many(
+        &self,
+        jobs: &[BeginJob],
+        fresh: &[(Lease, Record)],
+    ) -> Option<Vec<(Vec<u8>, i64)>> {
+        let column = |f: fn(&BeginJob, &(Lease, Record)) -> i64| -> Vec<i64> {
+            jobs.iter().zip(fresh).map(|(j, r)| f(j, r)).collect()
+        };
+        let mut c = self.conn().await.ok()?;
+        sqlx::query_as(self.sql.begin_many.clone())
+            .bind(key_column(jobs.iter().map(|j| &j.req.key), |k| {
+                k.scope().as_str()
+            }))
+            .bind(key_column(jobs.iter().map(|j| &j.req.key), |k| {
+                k.namespace().as_str()
+            }))
+            .bind(key_column(jobs.iter().map(|j| &j.req.key), |k| {
+                k.client_key().as_str()
+            }))
+            .bind(column(|j, _| sql_int(j.now.as_millis())))
+            .bind(
+                fresh
+                    .iter()
+                    .map(|(_, r)| r.fingerprint.as_bytes().to_vec())
+                    .collect::<Vec<_>>(),
+            )
+            .bind(
+                fresh
+                    .iter()
+                    .map(|(l, _)| l.id.to_bytes())
+                    .collect::<Vec<_>>(),
+            )
+            .bind(column(|_, (l, _)| sql_int(l.expires_at.as_millis())))
+            .bind(column(|_, (_, r)| sql_int(r.ttl_ms)))
+            .bind(column(|_, (_, r)| sql_int(r.expires_at.as_millis())))
+            .fetch_all(&mut *c)
+            .await
+            .ok()
+    }
+
+    async fn complete_many(&self, jobs: &[CompleteJob]) -> Option<Vec<bool>> {
+        let mut c = self.conn().await.ok()?;
+        let done: Vec<Vec<u8>> = sqlx::query_scalar(self.sql.complete_many.clone())
+            .bind(key_column(jobs.iter().map(|j| &j.key), |k| {
+                k.scope().as_str()
+            }))
+            .bind(key_column(jobs.iter().map(|j| &j.key), |k| {
+                k.namespace().as_str()
+            }))
+            .bind(key_column(jobs.iter().map(|j| &j.key), |k| {
+                k.client_key().as_str()
+            }))
+            .bind(
+                jobs.iter()
+                    .map(|j| sql_int(j.now.as_millis()))
+                    .collect::<Vec<_>>(),
+            )
+            .bind(
+                jobs.iter()
+                    .map(|j| j.lease.id.to_bytes())
+                    .collect::<Vec<_>>(),
+            )
+            .bind(
+                jobs.iter()
+                    .map(|j| sql_int(j.lease.fence))
+                    .collect::<Vec<_>>(),
+            )
+            .bind(jobs.iter().map(|j| &j.response[..]).collect::<Vec<_>>())
+            .fetch_all(&mut *c)
+            .await
+            .ok()?;
+        Some(
+            jobs.iter()
+                .map(|j| done.iter().any(|id| id[..] == j.lease.id.to_bytes()[..]))
+                .collect(),
+        )
+    }
+}
+
+/// One part of each key, as a column to bind as an array.
+fn key_column<'k>(keys: impl Iterator<Item = &'k Key>, part: fn(&Key) -> &str) -> Vec<&'k str> {
+    keys.map(part).collect()
+}
+
 /// Whether every migration is applied (false if that cannot be read).
 async fn current(c: &mut PgConnection, table: &TableName) -> bool {
     let applied: Result<Vec<i64>, _> = sqlx::query_scalar(AssertSqlSafe(format!(
@@ -500,8 +654,10 @@ impl Store for PostgresStore {
     }
 
     async fn begin(&self, req: &BeginRequest, now: Timestamp) -> Result<BeginOutcome, StoreError> {
-        let mut c = self.conn().await?;
-        self.begin_on(&mut c, req, now).await
+        match &self.batches {
+            Some(batches) => batches.begin(self, req, now).await,
+            None => self.begin_alone(req, now).await,
+        }
     }
 
     async fn complete(
@@ -511,9 +667,10 @@ impl Store for PostgresStore {
         response: Bytes,
         now: Timestamp,
     ) -> Result<(), LeaseError> {
-        let mut c = self.conn().await?;
-        self.settle_on(&mut c, &self.sql.complete, key, lease, Some(response), now)
-            .await
+        match &self.batches {
+            Some(batches) => batches.complete(self, key, lease, response, now).await,
+            None => self.complete_alone(key, lease, response, now).await,
+        }
     }
 
     async fn release(&self, key: &Key, lease: &Lease, now: Timestamp) -> Result<(), LeaseError> {

@@ -6,9 +6,11 @@
 //!   `synchronous=full|normal` and `busy_timeout_ms=N`.
 //! - `postgres://user:password@host:port/database` (feature `postgres`): PostgreSQL. Besides
 //!   the driver's own options, `idem_table=NAME` names the records table (default
-//!   `idem_records`) and `idem_pool=N` caps the connection pool (default 16).
+//!   `idem_records`), `idem_pool=N` caps the connection pool (default 16) and `idem_batch=N`
+//!   caps the records one statement begins or completes (default 64, at most 1024; 1 turns
+//!   group commit off).
 //! - `mysql://user:password@host:port/database` (feature `mysql`): MySQL or MariaDB, with the
-//!   same `idem_table` and `idem_pool` options (`mariadb://` is accepted too).
+//!   same `idem_table`, `idem_pool` and `idem_batch` options (`mariadb://` is accepted too).
 //! - `redis://[:password@]host:port[/db]` (feature `redis`): one Redis server;
 //!   `redis+cluster://host:port[,host:port…]`: a Redis Cluster, reached through any of the
 //!   listed nodes. `idem_prefix=P` puts `P` before every key (default `idem:`).
@@ -190,20 +192,22 @@ impl FromStr for StoreUrl {
             }
             #[cfg(feature = "postgres")]
             "postgres" | "postgresql" => {
-                let (url, table, pool) = sql_options(url)?;
+                let (url, ours) = sql_options(url)?;
                 let mut options = crate::PostgresOptions::default();
-                options.table = table.unwrap_or(options.table);
-                options.max_connections = pool.unwrap_or(options.max_connections);
+                options.table = ours.table.unwrap_or(options.table);
+                options.max_connections = ours.pool.unwrap_or(options.max_connections);
+                options.max_batch = ours.batch.unwrap_or(options.max_batch);
                 Ok(StoreUrl::Postgres { url, options })
             }
             #[cfg(feature = "mysql")]
             "mysql" | "mariadb" => {
-                let (url, table, pool) = sql_options(url)?;
+                let (url, ours) = sql_options(url)?;
                 // The driver knows only `mysql://`; MariaDB speaks the same protocol.
                 let url = url.replacen("mariadb://", "mysql://", 1);
                 let mut options = crate::MySqlOptions::default();
-                options.table = table.unwrap_or(options.table);
-                options.max_connections = pool.unwrap_or(options.max_connections);
+                options.table = ours.table.unwrap_or(options.table);
+                options.max_connections = ours.pool.unwrap_or(options.max_connections);
+                options.max_batch = ours.batch.unwrap_or(options.max_batch);
                 Ok(StoreUrl::MySql { url, options })
             }
             #[cfg(feature = "redis")]
@@ -265,29 +269,53 @@ impl FromStr for StoreUrl {
     }
 }
 
-/// A SQL server URL without idem's options, and the `idem_table` and `idem_pool` they gave.
+/// idem's options in a SQL server's URL.
 #[cfg(any(feature = "postgres", feature = "mysql"))]
-fn sql_options(url: &str) -> Result<(String, Option<String>, Option<u32>), StoreUrlError> {
-    let (url, ours) = split_idem_options(url);
-    let (mut table, mut pool) = (None, None);
-    for (name, value) in ours {
+#[derive(Default)]
+struct SqlOptions {
+    table: Option<String>,
+    pool: Option<u32>,
+    batch: Option<usize>,
+}
+
+/// A SQL server URL without idem's options, and the options (`idem_table`, `idem_pool`,
+/// `idem_batch`) it gave.
+#[cfg(any(feature = "postgres", feature = "mysql"))]
+fn sql_options(url: &str) -> Result<(String, SqlOptions), StoreUrlError> {
+    fn positive<N: FromStr + PartialOrd + Default>(
+        name: &str,
+        value: &str,
+    ) -> Result<N, StoreUrlError> {
+        value
+            .parse()
+            .ok()
+            .filter(|n| *n > N::default())
+            .ok_or_else(|| err(format!("{name}={value:?} is not a positive whole number")))
+    }
+    let (url, given) = split_idem_options(url);
+    let mut ours = SqlOptions::default();
+    for (name, value) in given {
         match name.as_str() {
-            "idem_table" => table = Some(value),
-            "idem_pool" => {
-                pool = Some(value.parse().ok().filter(|n| *n > 0).ok_or_else(|| {
-                    err(format!(
-                        "idem_pool={value:?} is not a positive whole number"
-                    ))
-                })?);
+            "idem_table" => ours.table = Some(value),
+            "idem_pool" => ours.pool = Some(positive(&name, &value)?),
+            "idem_batch" => {
+                let n: usize = positive(&name, &value)?;
+                if n > crate::batch::MAX_JOBS {
+                    return Err(err(format!(
+                        "idem_batch={n} is more than {}",
+                        crate::batch::MAX_JOBS
+                    )));
+                }
+                ours.batch = Some(n);
             }
             _ => {
                 return Err(err(format!(
-                    "unknown option {name:?}; idem's own are idem_table, idem_pool"
+                    "unknown option {name:?}; idem's own are idem_table, idem_pool, idem_batch"
                 )));
             }
         }
     }
-    Ok((url, table, pool))
+    Ok((url, ours))
 }
 
 impl StoreUrl {
@@ -461,21 +489,26 @@ mod tests {
     #[cfg(feature = "postgres")]
     #[test]
     fn parses_postgres_urls_and_takes_out_idem_options() {
-        let parsed = "postgres://u@db/app?sslmode=disable&idem_table=idem.records&idem_pool=4"
-            .parse::<StoreUrl>()
-            .unwrap();
+        let parsed =
+            "postgres://u@db/app?sslmode=disable&idem_table=idem.records&idem_pool=4&idem_batch=1"
+                .parse::<StoreUrl>()
+                .unwrap();
         let StoreUrl::Postgres { url, options } = parsed else {
             panic!("not postgres: {parsed:?}");
         };
         assert_eq!(url, "postgres://u@db/app?sslmode=disable");
         assert_eq!(options.table, "idem.records");
         assert_eq!(options.max_connections, 4);
+        assert_eq!(options.max_batch, 1);
         assert!(matches!(
             "postgresql://db/app".parse(),
             Ok(StoreUrl::Postgres { url, .. }) if url == "postgresql://db/app"
         ));
         for bad in [
             "postgres://db/app?idem_pool=0",
+            "postgres://db/app?idem_batch=0",
+            "postgres://db/app?idem_batch=-1",
+            "postgres://db/app?idem_batch=1025",
             "postgres://db/app?idem_color=red",
         ] {
             assert!(bad.parse::<StoreUrl>().is_err(), "{bad}");
@@ -533,6 +566,8 @@ mod tests {
         };
         assert_eq!(url, "mysql://root@db/app?ssl-mode=disabled");
         assert_eq!(options.table, "t");
+        assert_eq!(options.max_batch, 64);
         assert!("mysql://db/app?idem_pool=x".parse::<StoreUrl>().is_err());
+        assert!("mysql://db/app?idem_batch=x".parse::<StoreUrl>().is_err());
     }
 }

@@ -224,6 +224,106 @@ macro_rules! sql_store_tests {
             });
         }
 
+        /// Calls that queue while the pool is busy go to the server together (group commit),
+        /// and each still gets its own answer: fresh keys are acquired, a completed key
+        /// replays, a held key is in progress; each completion stores its own response, a
+        /// repeated one is accepted and a stale one refused.
+        #[test]
+        fn calls_sent_together_each_get_their_own_answer() {
+            idem_testkit::block_on(async {
+                let table = fresh_name("idem_test_batch");
+                let Some(url) = $service.url() else {
+                    return;
+                };
+                let options = $options {
+                    table: table.clone(),
+                    max_connections: 2,
+                    ..$options::default()
+                };
+                let store = Arc::new($store::connect_with(&url, options).await.unwrap());
+                let now = Timestamp::now();
+                let key = |i: usize| Key::parse("batch", "pay", &format!("k{i}")).unwrap();
+                let req = move |i| BeginRequest::new(key(i), Fingerprint::of_bytes(b"same"));
+                let body = |i: usize| Bytes::from(format!("body {i}").into_bytes());
+                let acquire = |i| {
+                    let store = store.clone();
+                    async move {
+                        match store.begin(&req(i), now).await.unwrap() {
+                            BeginOutcome::Acquired(lease) => lease,
+                            other => panic!("{other:?}"),
+                        }
+                    }
+                };
+                // k0 completed, k1 held by a live lease.
+                let l0 = acquire(0).await;
+                store.complete(&key(0), &l0, body(0), now).await.unwrap();
+                let l1 = acquire(1).await;
+
+                // With both connections taken every call waits, and all but one queue.
+                let held = (
+                    store.pool().acquire().await.unwrap(),
+                    store.pool().acquire().await.unwrap(),
+                );
+                let begins: Vec<_> = (0..40)
+                    .map(|i| {
+                        let store = store.clone();
+                        tokio::spawn(async move { store.begin(&req(i), now).await })
+                    })
+                    .collect();
+                tokio::time::sleep(Duration::from_millis(200)).await;
+                drop(held);
+                let mut leases = Vec::new();
+                for (i, begin) in begins.into_iter().enumerate() {
+                    match (i, begin.await.unwrap().unwrap()) {
+                        (0, BeginOutcome::Replay(r)) => assert_eq!(r.response, body(0)),
+                        (1, BeginOutcome::InProgress { .. }) => {}
+                        (i, BeginOutcome::Acquired(lease)) if i >= 2 => {
+                            assert_eq!(lease.fence, 1);
+                            leases.push((i, lease));
+                        }
+                        (i, other) => panic!("k{i}: {other:?}"),
+                    }
+                }
+
+                let held = (
+                    store.pool().acquire().await.unwrap(),
+                    store.pool().acquire().await.unwrap(),
+                );
+                // k0 completed again by its own lease (accepted), k1 by the lease of a key
+                // completed in the same batch (refused), and every fresh key with its own
+                // body.
+                let stale = leases[leases.len() / 2].1;
+                // (The odd ones last: the first calls may go alone, the rest go together.)
+                let completes: Vec<_> = leases
+                    .iter()
+                    .copied()
+                    .chain([(0, l0), (1, stale)])
+                    .map(|(i, lease)| {
+                        let store = store.clone();
+                        let response = body(i);
+                        tokio::spawn(async move {
+                            (i, store.complete(&key(i), &lease, response, now).await)
+                        })
+                    })
+                    .collect();
+                tokio::time::sleep(Duration::from_millis(200)).await;
+                drop(held);
+                for complete in completes {
+                    match complete.await.unwrap() {
+                        (1, done) => assert!(matches!(done, Err(LeaseError::Stale(_))), "{done:?}"),
+                        (i, done) => assert!(done.is_ok(), "k{i}: {done:?}"),
+                    }
+                }
+                for i in (0..40).filter(|i| *i != 1) {
+                    let r = store.get(&key(i), now).await.unwrap().unwrap();
+                    assert_eq!((r.status, r.response), (Status::Completed, Some(body(i))), "k{i}");
+                }
+                let r = store.get(&key(1), now).await.unwrap().unwrap();
+                assert_eq!((r.status, r.fence), (Status::InProgress, l1.fence));
+                drop_tables(&store, &[table.clone(), format!("{table}_migrations")]).await;
+            });
+        }
+
         /// A record held by a caller's open transaction makes a `begin` of its key wait at
         /// most the lock timeout, then fail closed (not hold a connection without bound); once
         /// the transaction commits, the begin replays.

@@ -1,0 +1,631 @@
+//! Group commit for the stores on SQL servers.
+//!
+//! A small write on PostgreSQL or MariaDB spends most of its time on what every statement
+//! pays whatever its size: the round trip, parsing and executor start-up, the commit and its
+//! log flush. When many tasks begin (or complete) records at once, the calls that arrive while
+//! a statement is in flight wait for it and then go to the server together, as one statement
+//! over many rows: one round trip and one flush serve them all. A caller that finds a lane free
+//! is sent at once, as a batch of one, so nothing waits for company that is not coming.
+//!
+//! No crate does this for sqlx (its pool hands out connections, one statement each), hence this
+//! module: a queue, at most `lanes` tasks draining it, and a reply channel per call.
+
+use std::collections::{HashSet, VecDeque};
+use std::fmt;
+use std::future::Future;
+use std::sync::{Arc, Mutex, MutexGuard};
+
+use idem_core::{
+    BeginOutcome, BeginRequest, Bytes, Key, Lease, LeaseError, Record, StoreError, Timestamp,
+};
+use tokio::sync::oneshot;
+
+/// One call waiting for its batch.
+pub(crate) trait Job: Send + 'static {
+    /// The record it changes: two jobs on one record never share a batch, since one statement
+    /// may change a row only once.
+    fn key(&self) -> &Key;
+    /// The bytes it adds to a statement (a response body, say); a batch stops growing at
+    /// [`MAX_BATCH_BYTES`].
+    fn bytes(&self) -> usize;
+}
+
+/// The most jobs a batch may be set to hold: MySQL takes at most 65,535 parameters per
+/// statement, and a batched row binds 11.
+pub(crate) const MAX_JOBS: usize = 1024;
+
+/// A batch holds at most this many bytes of payload, unless its one job is bigger.
+const MAX_BATCH_BYTES: usize = 1 << 20;
+
+/// Jobs of one kind (`begin`s, or `complete`s), queued for at most `lanes` concurrent batches of
+/// at most `max_jobs` each. Clones share the queue.
+pub(crate) struct Batcher<T, R> {
+    shared: Arc<Shared<T, R>>,
+}
+
+struct Shared<T, R> {
+    state: Mutex<State<T, R>>,
+    lanes: usize,
+    max_jobs: usize,
+}
+
+struct State<T, R> {
+    queue: VecDeque<(T, oneshot::Sender<R>)>,
+    /// Lanes draining the queue now.
+    running: usize,
+    /// Whether a caller is running its job itself (it found nothing queued or in flight).
+    inline: bool,
+}
+
+impl<T, R> Clone for Batcher<T, R> {
+    fn clone(&self) -> Self {
+        Self {
+            shared: self.shared.clone(),
+        }
+    }
+}
+
+impl<T, R> fmt::Debug for Batcher<T, R> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Batcher")
+            .field("lanes", &self.shared.lanes)
+            .field("max_jobs", &self.shared.max_jobs)
+            .finish_non_exhaustive()
+    }
+}
+
+impl<T: Job, R: Send + 'static> Batcher<T, R> {
+    /// At most `lanes` batches in flight at once (at least 1), each of at most `max_jobs` jobs
+    /// (1 to [`MAX_JOBS`]).
+    pub(crate) fn new(lanes: usize, max_jobs: usize) -> Self {
+        Self {
+            shared: Arc::new(Shared {
+                state: Mutex::new(State {
+                    queue: VecDeque::new(),
+                    running: 0,
+                    inline: false,
+                }),
+                lanes: lanes.max(1),
+                max_jobs: max_jobs.clamp(1, MAX_JOBS),
+            }),
+        }
+    }
+
+    /// Runs `job` and returns its result.
+    ///
+    /// When nothing else is queued or in flight, the caller runs it at once as a batch of one
+    /// (a lone sequential caller pays nothing for batching). Otherwise it is queued, and if
+    /// fewer than `lanes` lanes are running one is spawned on the caller's runtime with the
+    /// runner `start` makes: it drains the queue batch by batch, `run` getting the jobs of a
+    /// batch and returning their results in order. A queued caller that goes away before its
+    /// batch is taken is dropped from the queue and never runs; one that goes away later leaves
+    /// its batch to finish.
+    pub(crate) async fn submit<F, Fut>(
+        &self,
+        job: T,
+        start: impl FnOnce() -> F,
+    ) -> Result<R, StoreError>
+    where
+        F: Fn(Vec<T>) -> Fut + Send + 'static,
+        Fut: Future<Output = Vec<R>> + Send + 'static,
+    {
+        let gone = || StoreError::Unavailable {
+            message: "the batch this call was in failed".into(),
+            source: None,
+        };
+        let queued = {
+            let mut state = self.shared.lock();
+            if state.running == 0 && !state.inline && state.queue.is_empty() {
+                state.inline = true;
+                Err(job)
+            } else {
+                let (reply, result) = oneshot::channel();
+                state.queue.push_back((job, reply));
+                let free = state.running < self.shared.lanes;
+                if free {
+                    state.running += 1;
+                }
+                Ok((free, result))
+            }
+        };
+        match queued {
+            Err(job) => {
+                let _inline = Inline(&self.shared);
+                start()(vec![job]).await.pop().ok_or_else(gone)
+            }
+            Ok((spawn, result)) => {
+                if spawn {
+                    tokio::spawn(drain(Lane(Some(self.shared.clone())), start()));
+                }
+                result.await.map_err(|_| gone())
+            }
+        }
+    }
+}
+
+impl<T: Job, R> Shared<T, R> {
+    fn lock(&self) -> MutexGuard<'_, State<T, R>> {
+        // The state is a queue and a count, changed in single steps: a panic elsewhere while
+        // it was held leaves it whole.
+        self.state
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    /// The next batch, in queue order: jobs whose caller went away are dropped, a job whose
+    /// record is already in the batch waits for the next one. `None` (and the lane stops) when
+    /// the queue is empty.
+    fn next_batch(&self) -> Option<(Vec<T>, Vec<oneshot::Sender<R>>)> {
+        let mut state = self.lock();
+        let mut jobs = Vec::new();
+        let mut replies = Vec::new();
+        let mut keys = HashSet::new();
+        let mut bytes = 0usize;
+        let mut later = VecDeque::new();
+        while let Some((job, reply)) = state.queue.pop_front() {
+            if reply.is_closed() {
+                continue;
+            }
+            let fits = jobs.is_empty() || bytes.saturating_add(job.bytes()) <= MAX_BATCH_BYTES;
+            if !fits || jobs.len() == self.max_jobs {
+                state.queue.push_front((job, reply));
+                break;
+            }
+            if !keys.insert(job.key().clone()) {
+                later.push_back((job, reply));
+                continue;
+            }
+            bytes = bytes.saturating_add(job.bytes());
+            jobs.push(job);
+            replies.push(reply);
+        }
+        while let Some(waiting) = later.pop_back() {
+            state.queue.push_front(waiting);
+        }
+        if jobs.is_empty() {
+            state.running -= 1;
+            return None;
+        }
+        Some((jobs, replies))
+    }
+}
+
+/// A caller running its own job; however it ends (done, or the caller went away), the next
+/// idle caller may run inline again.
+struct Inline<'a, T: Job, R>(&'a Shared<T, R>);
+
+impl<T: Job, R> Drop for Inline<'_, T, R> {
+    fn drop(&mut self) {
+        self.0.lock().inline = false;
+    }
+}
+
+/// A running lane's place in the count. Dropped while still held (the runner panicked, or the
+/// runtime shut down under it), it gives the place back and fails the jobs still queued: their
+/// callers get an error now rather than wait for a lane that a later call might start.
+struct Lane<T: Job, R: Send + 'static>(Option<Arc<Shared<T, R>>>);
+
+impl<T: Job, R: Send + 'static> Drop for Lane<T, R> {
+    fn drop(&mut self) {
+        if let Some(shared) = self.0.take() {
+            let mut state = shared.lock();
+            state.running -= 1;
+            state.queue.clear();
+        }
+    }
+}
+
+async fn drain<T, R, F, Fut>(mut lane: Lane<T, R>, run: F)
+where
+    T: Job,
+    R: Send + 'static,
+    F: Fn(Vec<T>) -> Fut + Send + 'static,
+    Fut: Future<Output = Vec<R>> + Send + 'static,
+{
+    let Some(shared) = lane.0.clone() else {
+        return;
+    };
+    while let Some((jobs, replies)) = shared.next_batch() {
+        let results = run(jobs).await;
+        debug_assert_eq!(results.len(), replies.len());
+        for (reply, result) in replies.into_iter().zip(results) {
+            // The caller may have gone away meanwhile.
+            let _ = reply.send(result);
+        }
+    }
+    // `next_batch` gave the place back with the empty queue it found.
+    lane.0 = None;
+}
+
+/// A `begin` waiting for its batch.
+pub(crate) struct BeginJob {
+    pub(crate) req: BeginRequest,
+    pub(crate) now: Timestamp,
+}
+
+impl Job for BeginJob {
+    fn key(&self) -> &Key {
+        &self.req.key
+    }
+
+    fn bytes(&self) -> usize {
+        key_bytes(&self.req.key)
+    }
+}
+
+/// A `complete` waiting for its batch.
+pub(crate) struct CompleteJob {
+    pub(crate) key: Key,
+    pub(crate) lease: Lease,
+    pub(crate) response: Bytes,
+    pub(crate) now: Timestamp,
+}
+
+impl Job for CompleteJob {
+    fn key(&self) -> &Key {
+        &self.key
+    }
+
+    fn bytes(&self) -> usize {
+        key_bytes(&self.key).saturating_add(self.response.len())
+    }
+}
+
+fn key_bytes(key: &Key) -> usize {
+    key.scope().as_str().len() + key.namespace().as_str().len() + key.client_key().as_str().len()
+}
+
+/// A store that begins and completes many records in one statement. The statements only
+/// report what they did; deciding everything else is left to the one-record calls.
+pub(crate) trait ManyAtOnce: Clone + Send + Sync + 'static {
+    /// `begin` of one record, as the store does it unbatched.
+    fn begin_alone(
+        &self,
+        req: &BeginRequest,
+        now: Timestamp,
+    ) -> impl Future<Output = Result<BeginOutcome, StoreError>> + Send;
+
+    /// `complete` of one record, as the store does it unbatched.
+    fn complete_alone(
+        &self,
+        key: &Key,
+        lease: &Lease,
+        response: Bytes,
+        now: Timestamp,
+    ) -> impl Future<Output = Result<(), LeaseError>> + Send;
+
+    /// Takes every key of `jobs` (at least two, each key once) that may be acquired, with the
+    /// fresh lease and record of the same index. Returns the lease id and fence of each row it
+    /// acquired, or `None` if the statement failed.
+    fn begin_many(
+        &self,
+        jobs: &[BeginJob],
+        fresh: &[(Lease, Record)],
+    ) -> impl Future<Output = Option<Vec<(Vec<u8>, i64)>>> + Send;
+
+    /// Completes every job's record that its lease still holds. The jobs (at least two) have
+    /// distinct keys and distinct lease ids. Returns, per job, whether the statement surely
+    /// completed it, or `None` if the statement failed.
+    fn complete_many(&self, jobs: &[CompleteJob])
+    -> impl Future<Output = Option<Vec<bool>>> + Send;
+}
+
+/// The `begin` and `complete` queues of one store.
+#[derive(Clone, Debug)]
+pub(crate) struct GroupCommit {
+    begins: Batcher<BeginJob, Result<BeginOutcome, StoreError>>,
+    completes: Batcher<CompleteJob, Result<(), LeaseError>>,
+}
+
+impl GroupCommit {
+    /// For a pool of `connections`: each queue runs at most an eighth of them at once (at
+    /// least one), in batches of at most `max_jobs`. `None` (every call on its own) if
+    /// `max_jobs` is 1 or less.
+    pub(crate) fn new(connections: u32, max_jobs: usize) -> Option<Self> {
+        let lanes = usize::try_from(connections / 8).unwrap_or(1).max(1);
+        (max_jobs > 1).then(|| Self {
+            begins: Batcher::new(lanes, max_jobs),
+            completes: Batcher::new(lanes, max_jobs),
+        })
+    }
+
+    pub(crate) async fn begin<S: ManyAtOnce>(
+        &self,
+        store: &S,
+        req: &BeginRequest,
+        now: Timestamp,
+    ) -> Result<BeginOutcome, StoreError> {
+        let job = BeginJob {
+            req: req.clone(),
+            now,
+        };
+        self.begins
+            .submit(job, || {
+                let store = store.clone();
+                move |jobs| {
+                    let store = store.clone();
+                    async move { begin_batch(&store, jobs).await }
+                }
+            })
+            .await?
+    }
+
+    pub(crate) async fn complete<S: ManyAtOnce>(
+        &self,
+        store: &S,
+        key: &Key,
+        lease: &Lease,
+        response: Bytes,
+        now: Timestamp,
+    ) -> Result<(), LeaseError> {
+        let job = CompleteJob {
+            key: key.clone(),
+            lease: *lease,
+            response,
+            now,
+        };
+        self.completes
+            .submit(job, || {
+                let store = store.clone();
+                move |jobs| {
+                    let store = store.clone();
+                    async move { complete_batch(&store, jobs).await }
+                }
+            })
+            .await?
+    }
+}
+
+/// `begin` for a batch: one statement; a job it did not acquire is decided on its own, as
+/// `begin` decides a refused upsert, and if it failed every job is tried on its own, so one
+/// record's trouble (a lock wait that timed out) stays its own.
+async fn begin_batch<S: ManyAtOnce>(
+    store: &S,
+    jobs: Vec<BeginJob>,
+) -> Vec<Result<BeginOutcome, StoreError>> {
+    let acquired = if jobs.len() > 1 {
+        let fresh: Vec<_> = jobs
+            .iter()
+            .map(|j| Record::acquired(&j.req, j.now, 1))
+            .collect();
+        let rows = store.begin_many(&jobs, &fresh).await;
+        fresh
+            .into_iter()
+            .map(|(lease, _)| {
+                let id = lease.id.to_bytes();
+                let (_, fence) = rows.as_ref()?.iter().find(|(got, _)| got[..] == id[..])?;
+                Some(
+                    u64::try_from(*fence)
+                        .map(|fence| BeginOutcome::Acquired(Lease { fence, ..lease }))
+                        .map_err(|_| StoreError::Corrupt("the stored fence is negative".into())),
+                )
+            })
+            .collect()
+    } else {
+        vec![None]
+    };
+    let mut results = Vec::with_capacity(jobs.len());
+    for (job, acquired) in jobs.iter().zip(acquired) {
+        results.push(match acquired {
+            Some(outcome) => outcome,
+            None => store.begin_alone(&job.req, job.now).await,
+        });
+    }
+    results
+}
+
+/// `complete` for a batch: one statement; a job it did not surely complete (a stale lease, a
+/// repeated call), or every job if it failed, is settled on its own, which finds one this
+/// statement did complete already done.
+async fn complete_batch<S: ManyAtOnce>(
+    store: &S,
+    jobs: Vec<CompleteJob>,
+) -> Vec<Result<(), LeaseError>> {
+    // The statements tell rows apart by lease id: two jobs under one id (a caller completing
+    // a key with another key's lease) go on their own instead.
+    let mut ids = HashSet::new();
+    let distinct = jobs.iter().all(|j| ids.insert(j.lease.id.to_bytes()));
+    let done = match jobs.len() {
+        2.. if distinct => store.complete_many(&jobs).await,
+        _ => None,
+    };
+    let done = done
+        .filter(|d| d.len() == jobs.len())
+        .unwrap_or_else(|| vec![false; jobs.len()]);
+    let mut results = Vec::with_capacity(jobs.len());
+    for (job, done) in jobs.into_iter().zip(done) {
+        results.push(if done {
+            Ok(())
+        } else {
+            store
+                .complete_alone(&job.key, &job.lease, job.response, job.now)
+                .await
+        });
+    }
+    results
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Arc;
+
+    use tokio::sync::Semaphore;
+
+    use super::*;
+
+    struct Numbered(Key, usize);
+
+    impl Job for Numbered {
+        fn key(&self) -> &Key {
+            &self.0
+        }
+
+        fn bytes(&self) -> usize {
+            0
+        }
+    }
+
+    /// A runner that records each batch's job numbers, waits for a permit per batch, and
+    /// answers each job with its number times ten.
+    #[derive(Clone)]
+    struct Recorder {
+        batches: Arc<Mutex<Vec<Vec<usize>>>>,
+        gate: Arc<Semaphore>,
+    }
+
+    impl Default for Recorder {
+        fn default() -> Self {
+            Self {
+                batches: Arc::default(),
+                gate: Arc::new(Semaphore::new(0)),
+            }
+        }
+    }
+
+    impl Recorder {
+        fn runner(
+            &self,
+        ) -> impl Fn(Vec<Numbered>) -> std::pin::Pin<Box<dyn Future<Output = Vec<usize>> + Send>>
+        + Send
+        + 'static {
+            let this = self.clone();
+            move |jobs| {
+                let this = this.clone();
+                Box::pin(async move {
+                    let numbers: Vec<usize> = jobs.iter().map(|j| j.1).collect();
+                    this.batches.lock().unwrap().push(numbers.clone());
+                    this.gate.acquire().await.unwrap().forget();
+                    numbers.iter().map(|n| n * 10).collect()
+                })
+            }
+        }
+
+        fn batches(&self) -> Vec<Vec<usize>> {
+            self.batches.lock().unwrap().clone()
+        }
+    }
+
+    fn key(k: &str) -> Key {
+        Key::parse("s", "n", k).unwrap()
+    }
+
+    fn runtime() -> tokio::runtime::Runtime {
+        tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap()
+    }
+
+    /// Spawns a submit of job `n` on key `k`.
+    fn submit(
+        batcher: &Batcher<Numbered, usize>,
+        recorder: &Recorder,
+        k: &str,
+        n: usize,
+    ) -> tokio::task::JoinHandle<Result<usize, StoreError>> {
+        let (batcher, recorder, key) = (batcher.clone(), recorder.clone(), key(k));
+        tokio::spawn(async move { batcher.submit(Numbered(key, n), || recorder.runner()).await })
+    }
+
+    #[test]
+    fn calls_queued_behind_a_busy_lane_go_together_and_each_gets_its_own_answer() {
+        runtime().block_on(async {
+            let batcher = Batcher::new(1, 3);
+            let recorder = Recorder::default();
+            // Job 0 finds the batcher idle and runs inline; 1 starts the one lane; the rest
+            // queue while both wait at the gate.
+            let mut calls = Vec::new();
+            for (n, k) in ["a", "b", "c", "c", "d", "e", "f"].into_iter().enumerate() {
+                calls.push(submit(&batcher, &recorder, k, n));
+                tokio::task::yield_now().await;
+            }
+            recorder.gate.add_permits(100);
+            for (n, call) in calls.into_iter().enumerate() {
+                assert_eq!(call.await.unwrap().unwrap(), n * 10, "job {n}");
+            }
+            let batches = recorder.batches();
+            assert_eq!(batches[0], [0], "the idle caller ran alone");
+            let mut ran: Vec<usize> = batches.concat();
+            ran.sort_unstable();
+            assert_eq!(ran, [0, 1, 2, 3, 4, 5, 6], "each job ran once: {batches:?}");
+            assert!(batches.iter().all(|b| b.len() <= 3), "{batches:?}");
+            assert!(
+                batches.iter().any(|b| b.len() > 1),
+                "nothing went together: {batches:?}"
+            );
+            assert!(
+                !batches.iter().any(|b| b.contains(&2) && b.contains(&3)),
+                "one record twice in a batch: {batches:?}"
+            );
+        });
+    }
+
+    #[test]
+    fn a_queued_caller_that_went_away_never_runs() {
+        runtime().block_on(async {
+            let batcher = Batcher::new(1, 8);
+            let recorder = Recorder::default();
+            let inline = submit(&batcher, &recorder, "a", 0);
+            tokio::task::yield_now().await;
+            let first = submit(&batcher, &recorder, "b", 1);
+            tokio::task::yield_now().await;
+            let gone = submit(&batcher, &recorder, "c", 2);
+            let kept = submit(&batcher, &recorder, "d", 3);
+            tokio::task::yield_now().await;
+            gone.abort();
+            let _ = gone.await;
+            recorder.gate.add_permits(100);
+            for (call, n) in [(inline, 0), (first, 1), (kept, 3)] {
+                assert_eq!(call.await.unwrap().unwrap(), n * 10);
+            }
+            let batches = recorder.batches();
+            assert!(!batches.concat().contains(&2), "{batches:?}");
+        });
+    }
+
+    #[test]
+    fn a_lone_caller_runs_inline_every_time() {
+        runtime().block_on(async {
+            let batcher = Batcher::new(2, 8);
+            let recorder = Recorder::default();
+            recorder.gate.add_permits(100);
+            for n in 0..5 {
+                let r = batcher
+                    .submit(Numbered(key("k"), n), || recorder.runner())
+                    .await
+                    .unwrap();
+                assert_eq!(r, n * 10);
+                let state = batcher.shared.lock();
+                assert_eq!((state.running, state.inline), (0, false));
+            }
+            assert_eq!(recorder.batches(), [[0], [1], [2], [3], [4]]);
+        });
+    }
+
+    #[test]
+    fn a_batch_stops_at_its_byte_budget_but_takes_one_job_whatever_its_size() {
+        struct Big(Key);
+        impl Job for Big {
+            fn key(&self) -> &Key {
+                &self.0
+            }
+            fn bytes(&self) -> usize {
+                MAX_BATCH_BYTES / 2 + 1
+            }
+        }
+        let batcher: Batcher<Big, ()> = Batcher::new(1, 64);
+        let mut receivers = Vec::new();
+        {
+            let mut state = batcher.shared.lock();
+            for k in ["a", "b", "c"] {
+                let (reply, receiver) = oneshot::channel();
+                state.queue.push_back((Big(key(k)), reply));
+                receivers.push(receiver);
+            }
+            state.running = 1;
+        }
+        let (jobs, _) = batcher.shared.next_batch().unwrap();
+        assert_eq!(jobs.len(), 1);
+        assert_eq!(batcher.shared.lock().queue.len(), 2);
+    }
+}
