@@ -275,6 +275,9 @@ fn key_bytes(key: &Key) -> usize {
     key.scope().as_str().len() + key.namespace().as_str().len() + key.client_key().as_str().len()
 }
 
+/// A row a batched `begin` acquired: its lease id and fence.
+pub(crate) type Acquired = (Vec<u8>, i64);
+
 /// A store that begins and completes many records in one statement. The statements only
 /// report what they did; deciding everything else is left to the one-record calls.
 pub(crate) trait ManyAtOnce: Clone + Send + Sync + 'static {
@@ -296,18 +299,22 @@ pub(crate) trait ManyAtOnce: Clone + Send + Sync + 'static {
 
     /// Takes every key of `jobs` (at least two, each key once) that may be acquired, with the
     /// fresh lease and record of the same index. Returns the lease id and fence of each row it
-    /// acquired, or `None` if the statement failed.
+    /// acquired, `Ok(None)` if the statement failed, or the error if no connection was to be
+    /// had (which every job would meet on its own too).
     fn begin_many(
         &self,
         jobs: &[BeginJob],
         fresh: &[(Lease, Record)],
-    ) -> impl Future<Output = Option<Vec<(Vec<u8>, i64)>>> + Send;
+    ) -> impl Future<Output = Result<Option<Vec<Acquired>>, StoreError>> + Send;
 
     /// Completes every job's record that its lease still holds. The jobs (at least two) have
     /// distinct keys and distinct lease ids. Returns, per job, whether the statement surely
-    /// completed it, or `None` if the statement failed.
-    fn complete_many(&self, jobs: &[CompleteJob])
-    -> impl Future<Output = Option<Vec<bool>>> + Send;
+    /// completed it, `Ok(None)` if the statement failed, or the error if no connection was to
+    /// be had.
+    fn complete_many(
+        &self,
+        jobs: &[CompleteJob],
+    ) -> impl Future<Output = Result<Option<Vec<bool>>, StoreError>> + Send;
 }
 
 /// The `begin` and `complete` queues of one store.
@@ -376,19 +383,24 @@ impl GroupCommit {
     }
 }
 
-/// `begin` for a batch: one statement; a job it did not acquire is decided on its own, as
-/// `begin` decides a refused upsert, and if it failed every job is tried on its own, so one
-/// record's trouble (a lock wait that timed out) stays its own.
+/// `begin` for a batch: one statement. A job it did not acquire is decided on its own, as
+/// `begin` decides a refused upsert; if the statement failed, every job is tried on its own, so
+/// one record's trouble (a lock wait that timed out) stays its own. Those run concurrently, so
+/// the batch takes as long as its slowest job, not their sum. Without a connection every job
+/// fails at once with that error.
 async fn begin_batch<S: ManyAtOnce>(
     store: &S,
     jobs: Vec<BeginJob>,
 ) -> Vec<Result<BeginOutcome, StoreError>> {
-    let acquired = if jobs.len() > 1 {
+    let decided: Vec<Option<Result<BeginOutcome, StoreError>>> = if jobs.len() > 1 {
         let fresh: Vec<_> = jobs
             .iter()
             .map(|j| Record::acquired(&j.req, j.now, 1))
             .collect();
-        let rows = store.begin_many(&jobs, &fresh).await;
+        let rows = match store.begin_many(&jobs, &fresh).await {
+            Ok(rows) => rows,
+            Err(e) => return jobs.iter().map(|_| Err(copy(&e))).collect(),
+        };
         fresh
             .into_iter()
             .map(|(lease, _)| {
@@ -404,19 +416,30 @@ async fn begin_batch<S: ManyAtOnce>(
     } else {
         vec![None]
     };
-    let mut results = Vec::with_capacity(jobs.len());
-    for (job, acquired) in jobs.iter().zip(acquired) {
-        results.push(match acquired {
-            Some(outcome) => outcome,
-            None => store.begin_alone(&job.req, job.now).await,
-        });
+    let left = jobs
+        .into_iter()
+        .zip(&decided)
+        .enumerate()
+        .filter(|(_, (_, d))| d.is_none())
+        .map(|(i, (job, _))| (i, job));
+    let alone = each_alone(left, |job| {
+        let store = store.clone();
+        async move { store.begin_alone(&job.req, job.now).await }
+    })
+    .await;
+    let mut results: Vec<_> = decided
+        .into_iter()
+        .map(|d| d.unwrap_or_else(|| Err(lost())))
+        .collect();
+    for (i, result) in alone {
+        results[i] = result;
     }
     results
 }
 
 /// `complete` for a batch: one statement; a job it did not surely complete (a stale lease, a
-/// repeated call), or every job if it failed, is settled on its own, which finds one this
-/// statement did complete already done.
+/// repeated call), or every job if it failed, is settled on its own (concurrently), which finds
+/// one this statement did complete already done. Without a connection every job fails at once.
 async fn complete_batch<S: ManyAtOnce>(
     store: &S,
     jobs: Vec<CompleteJob>,
@@ -426,23 +449,83 @@ async fn complete_batch<S: ManyAtOnce>(
     let mut ids = HashSet::new();
     let distinct = jobs.iter().all(|j| ids.insert(j.lease.id.to_bytes()));
     let done = match jobs.len() {
-        2.. if distinct => store.complete_many(&jobs).await,
+        2.. if distinct => match store.complete_many(&jobs).await {
+            Ok(done) => done,
+            Err(e) => return jobs.iter().map(|_| Err(copy(&e).into())).collect(),
+        },
         _ => None,
     };
     let done = done
         .filter(|d| d.len() == jobs.len())
         .unwrap_or_else(|| vec![false; jobs.len()]);
-    let mut results = Vec::with_capacity(jobs.len());
-    for (job, done) in jobs.into_iter().zip(done) {
-        results.push(if done {
-            Ok(())
-        } else {
+    let left = jobs
+        .into_iter()
+        .zip(&done)
+        .enumerate()
+        .filter(|(_, (_, done))| !**done)
+        .map(|(i, (job, _))| (i, job));
+    let alone = each_alone(left, |job| {
+        let store = store.clone();
+        async move {
             store
                 .complete_alone(&job.key, &job.lease, job.response, job.now)
                 .await
-        });
+        }
+    })
+    .await;
+    let mut results: Vec<Result<(), LeaseError>> = done
+        .iter()
+        .map(|d| if *d { Ok(()) } else { Err(lost().into()) })
+        .collect();
+    for (i, result) in alone {
+        results[i] = result;
     }
     results
+}
+
+/// Runs `run` for each job in a task of its own, all at once; answers with each job's index.
+async fn each_alone<T, R, F, Fut>(jobs: impl Iterator<Item = (usize, T)>, run: F) -> Vec<(usize, R)>
+where
+    F: Fn(T) -> Fut,
+    Fut: Future<Output = R> + Send + 'static,
+    R: Send + 'static,
+{
+    let mut tasks = tokio::task::JoinSet::new();
+    for (i, job) in jobs {
+        let fut = run(job);
+        tasks.spawn(async move { (i, fut.await) });
+    }
+    let mut out = Vec::new();
+    // A task that panicked leaves its job's result as `lost()`.
+    while let Some(done) = tasks.join_next().await {
+        if let Ok(done) = done {
+            out.push(done);
+        }
+    }
+    out
+}
+
+/// The error for a job whose answer was lost (its task panicked).
+fn lost() -> StoreError {
+    StoreError::Unavailable {
+        message: "the batch this call was in failed".into(),
+        source: None,
+    }
+}
+
+/// The same error again, for each job of a batch (errors are not `Clone`: the source stays
+/// with the first).
+fn copy(e: &StoreError) -> StoreError {
+    match e {
+        StoreError::Unavailable { message, .. } => StoreError::Unavailable {
+            message: message.clone(),
+            source: None,
+        },
+        other => StoreError::Backend {
+            message: other.to_string(),
+            source: None,
+        },
+    }
 }
 
 #[cfg(test)]

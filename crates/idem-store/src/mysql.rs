@@ -20,7 +20,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use idem_core::{
-    BeginOutcome, BeginRequest, Bytes, Key, Lease, LeaseError, Record, StaleLease, Store,
+    BeginOutcome, BeginRequest, Bytes, Key, Lease, LeaseError, LeaseId, Record, StaleLease, Store,
     StoreError, Timestamp,
 };
 use sqlx::mysql::{MySqlConnectOptions, MySqlDatabaseError, MySqlPoolOptions};
@@ -522,11 +522,12 @@ impl ManyAtOnce for MySqlStore {
         &self,
         jobs: &[BeginJob],
         fresh: &[(Lease, Record)],
-    ) -> Option<Vec<(Vec<u8>, i64)>> {
-        let sized = self.sized(jobs.len())?;
+    ) -> Result<Option<Vec<crate::batch::Acquired>>, StoreError> {
         let mut order: Vec<usize> = (0..jobs.len()).collect();
         order.sort_by(|a, b| jobs[*a].req.key.cmp(&jobs[*b].req.key));
-        let last = *order.last()?;
+        let (Some(sized), Some(&last)) = (self.sized(jobs.len()), order.last()) else {
+            return Ok(None);
+        };
         // Padded with the last row again, under a lease id no lease has (zero): its second
         // upsert finds the fresh lease the first gave, which may not be taken over, and since
         // the ids differ it changes nothing. (Under its own id it would pass for the holder
@@ -557,29 +558,47 @@ impl ManyAtOnce for MySqlStore {
                 .bind(sql_int(record.expires_at.as_millis()))
                 .bind(sql_int(record.expires_at.as_millis()));
         }
-        let mut c = self.conn().await.ok()?;
-        q.execute(&mut *c).await.ok()?;
+        let mut c = self.conn().await?;
+        if q.execute(&mut *c).await.is_err() {
+            return Ok(None);
+        }
         let mut read = sqlx::query(sized.acquired.clone());
         for i in rows() {
             read = keyed(read, &jobs[i].req.key);
         }
-        let rows = read.fetch_all(&mut *c).await.ok()?;
-        rows.iter()
+        let Ok(rows) = read.fetch_all(&mut *c).await else {
+            return Ok(None);
+        };
+        Ok(rows
+            .iter()
             .map(|r| {
                 Some((
                     sqlx::Row::try_get(r, 0).ok()?,
                     sqlx::Row::try_get(r, 1).ok()?,
                 ))
             })
-            .collect()
+            .collect())
     }
 
     /// One statement; MySQL reports only how many rows it changed, so only when that is every
     /// job is each known to be done.
-    async fn complete_many(&self, jobs: &[CompleteJob]) -> Option<Vec<bool>> {
-        let sized = self.sized(jobs.len())?;
-        let last = jobs.last()?;
-        let rows = || jobs.iter().chain(std::iter::repeat(last)).take(sized.rows);
+    async fn complete_many(&self, jobs: &[CompleteJob]) -> Result<Option<Vec<bool>>, StoreError> {
+        let (Some(sized), Some(last)) = (self.sized(jobs.len()), jobs.last()) else {
+            return Ok(None);
+        };
+        // Padded with a row that matches none: the last key under lease id zero and fence 0
+        // (fences start at 1), with an empty response, so padding adds no bytes.
+        let pad = CompleteJob {
+            key: last.key.clone(),
+            lease: Lease {
+                id: LeaseId::from_bytes([0; 16]),
+                fence: 0,
+                ..last.lease
+            },
+            response: Bytes::new(),
+            now: last.now,
+        };
+        let rows = || jobs.iter().chain(std::iter::repeat(&pad)).take(sized.rows);
         let mut q = sqlx::query(sized.complete.clone());
         for job in rows() {
             q = q.bind(&job.lease.id.to_bytes()[..]).bind(&job.response[..]);
@@ -599,10 +618,12 @@ impl ManyAtOnce for MySqlStore {
                 .bind(&job.lease.id.to_bytes()[..])
                 .bind(sql_int(job.now.as_millis()));
         }
-        let mut c = self.conn().await.ok()?;
-        let done = q.execute(&mut *c).await.ok()?;
-        let all = done.rows_affected() == u64::try_from(jobs.len()).ok()?;
-        Some(vec![all; jobs.len()])
+        let mut c = self.conn().await?;
+        let Ok(done) = q.execute(&mut *c).await else {
+            return Ok(None);
+        };
+        let all = u64::try_from(jobs.len()).is_ok_and(|n| done.rows_affected() == n);
+        Ok(Some(vec![all; jobs.len()]))
     }
 }
 

@@ -480,12 +480,12 @@ impl ManyAtOnce for PostgresStore {
         &self,
         jobs: &[BeginJob],
         fresh: &[(Lease, Record)],
-    ) -> Option<Vec<(Vec<u8>, i64)>> {
+    ) -> Result<Option<Vec<crate::batch::Acquired>>, StoreError> {
         let column = |f: fn(&BeginJob, &(Lease, Record)) -> i64| -> Vec<i64> {
             jobs.iter().zip(fresh).map(|(j, r)| f(j, r)).collect()
         };
-        let mut c = self.conn().await.ok()?;
-        sqlx::query_as(self.sql.begin_many.clone())
+        let mut c = self.conn().await?;
+        Ok(sqlx::query_as(self.sql.begin_many.clone())
             .bind(key_column(jobs.iter().map(|j| &j.req.key), |k| {
                 k.scope().as_str()
             }))
@@ -513,12 +513,18 @@ impl ManyAtOnce for PostgresStore {
             .bind(column(|_, (_, r)| sql_int(r.expires_at.as_millis())))
             .fetch_all(&mut *c)
             .await
-            .ok()
+            .ok())
     }
 
-    async fn complete_many(&self, jobs: &[CompleteJob]) -> Option<Vec<bool>> {
-        let mut c = self.conn().await.ok()?;
-        let done: Vec<Vec<u8>> = sqlx::query_scalar(self.sql.complete_many.clone())
+    /// The rows go in key order, as the batched `begin` takes them, so that batches meeting
+    /// on keys lock them in one order.
+    async fn complete_many(&self, jobs: &[CompleteJob]) -> Result<Option<Vec<bool>>, StoreError> {
+        let asked = jobs;
+        let mut sorted: Vec<&CompleteJob> = jobs.iter().collect();
+        sorted.sort_by(|a, b| a.key.cmp(&b.key));
+        let jobs = &sorted[..];
+        let mut c = self.conn().await?;
+        let done: Option<Vec<Vec<u8>>> = sqlx::query_scalar(self.sql.complete_many.clone())
             .bind(key_column(jobs.iter().map(|j| &j.key), |k| {
                 k.scope().as_str()
             }))
@@ -546,12 +552,13 @@ impl ManyAtOnce for PostgresStore {
             .bind(jobs.iter().map(|j| &j.response[..]).collect::<Vec<_>>())
             .fetch_all(&mut *c)
             .await
-            .ok()?;
-        Some(
-            jobs.iter()
+            .ok();
+        Ok(done.map(|done| {
+            asked
+                .iter()
                 .map(|j| done.iter().any(|id| id[..] == j.lease.id.to_bytes()[..]))
-                .collect(),
-        )
+                .collect()
+        }))
     }
 }
 
