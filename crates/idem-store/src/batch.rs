@@ -711,4 +711,140 @@ mod tests {
         assert_eq!(jobs.len(), 1);
         assert_eq!(batcher.shared.lock().queue.len(), 2);
     }
+
+    /// A store whose batched statements fail (or find no connection), and whose one-record
+    /// calls wait at a barrier for `parties` of them to be in flight together.
+    #[derive(Clone)]
+    struct Failing {
+        no_connection: bool,
+        alone: Arc<std::sync::atomic::AtomicUsize>,
+        barrier: Arc<tokio::sync::Barrier>,
+    }
+
+    impl Failing {
+        fn new(no_connection: bool, parties: usize) -> Self {
+            Self {
+                no_connection,
+                alone: Arc::default(),
+                barrier: Arc::new(tokio::sync::Barrier::new(parties)),
+            }
+        }
+
+        fn failed(&self) -> Result<(), StoreError> {
+            if self.no_connection {
+                Err(StoreError::unavailable(
+                    "no connection",
+                    std::io::Error::other("refused"),
+                ))
+            } else {
+                Ok(())
+            }
+        }
+
+        async fn one(&self) {
+            self.alone.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+            self.barrier.wait().await;
+        }
+    }
+
+    impl ManyAtOnce for Failing {
+        async fn begin_alone(
+            &self,
+            _: &BeginRequest,
+            _: Timestamp,
+        ) -> Result<BeginOutcome, StoreError> {
+            self.one().await;
+            Ok(BeginOutcome::Mismatch)
+        }
+
+        async fn complete_alone(
+            &self,
+            _: &Key,
+            _: &Lease,
+            _: Bytes,
+            _: Timestamp,
+        ) -> Result<(), LeaseError> {
+            self.one().await;
+            Ok(())
+        }
+
+        async fn begin_many(
+            &self,
+            _: &[BeginJob],
+            _: &[(Lease, Record)],
+        ) -> Result<Option<Vec<Acquired>>, StoreError> {
+            self.failed().map(|()| None)
+        }
+
+        async fn complete_many(&self, _: &[CompleteJob]) -> Result<Option<Vec<bool>>, StoreError> {
+            self.failed().map(|()| None)
+        }
+    }
+
+    fn begins(n: usize) -> Vec<BeginJob> {
+        (0..n)
+            .map(|i| BeginJob {
+                req: BeginRequest::new(
+                    key(&format!("k{i}")),
+                    idem_core::Fingerprint::of_bytes(b"r"),
+                ),
+                now: Timestamp::now(),
+            })
+            .collect()
+    }
+
+    fn completes(n: usize) -> Vec<CompleteJob> {
+        begins(n)
+            .into_iter()
+            .map(|j| {
+                let (lease, _) = Record::acquired(&j.req, j.now, 1);
+                CompleteJob {
+                    key: j.req.key,
+                    lease,
+                    response: Bytes::new(),
+                    now: j.now,
+                }
+            })
+            .collect()
+    }
+
+    /// A failed batch statement leaves every job to the one-record path, all at once: the
+    /// barrier lets none through until all 16 are waiting at it, so calls made one after
+    /// another would never finish (the timeout only turns that hang into a failure).
+    #[test]
+    fn a_failed_batch_tries_its_jobs_on_their_own_all_at_once() {
+        runtime().block_on(async {
+            let store = Failing::new(false, 16);
+            let done = tokio::time::timeout(
+                std::time::Duration::from_secs(30),
+                begin_batch(&store, begins(16)),
+            )
+            .await
+            .expect("the jobs ran one after another");
+            assert!(done.iter().all(|r| matches!(r, Ok(BeginOutcome::Mismatch))));
+            let store = Failing::new(false, 16);
+            let done = tokio::time::timeout(
+                std::time::Duration::from_secs(30),
+                complete_batch(&store, completes(16)),
+            )
+            .await
+            .expect("the jobs ran one after another");
+            assert!(done.iter().all(Result::is_ok));
+        });
+    }
+
+    /// Without a connection every job gets that error at once, none tried again on its own.
+    #[test]
+    fn a_batch_without_a_connection_fails_every_job_with_its_error() {
+        runtime().block_on(async {
+            let store = Failing::new(true, 1);
+            let done = begin_batch(&store, begins(5)).await;
+            assert_eq!(done.len(), 5);
+            assert!(done.iter().all(|r| matches!(r, Err(e) if e.is_transient())));
+            let done = complete_batch(&store, completes(5)).await;
+            assert_eq!(done.len(), 5);
+            assert!(done.iter().all(Result::is_err));
+            assert_eq!(store.alone.load(std::sync::atomic::Ordering::SeqCst), 0);
+        });
+    }
 }
