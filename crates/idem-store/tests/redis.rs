@@ -164,3 +164,70 @@ fn an_evicting_server_and_a_braced_prefix_are_refused() {
         assert!(e.to_string().contains("prefix"), "{e}");
     });
 }
+
+/// A record's key holding something this store did not write (a hash, or a string of another
+/// layout) fails every operation with an error and is never overwritten: the store cannot
+/// tell what that record decided, so it decides nothing.
+#[test]
+fn a_value_the_store_did_not_write_is_refused_and_left_alone() {
+    use idem_core::{BeginRequest, Fingerprint, Key, Lease, LeaseId, Store, Timestamp};
+
+    idem_testkit::block_on(async {
+        let Some(url) = REDIS.url() else {
+            return;
+        };
+        let store = RedisStore::connect(&url, options()).await.unwrap();
+        let mut c = redis::Client::open(url)
+            .unwrap()
+            .get_multiplexed_async_connection()
+            .await
+            .unwrap();
+        let now = Timestamp::now();
+        let scope = format!("foreign-{}-{}", std::process::id(), now.as_millis());
+        for (i, kind) in ["hash", "string"].into_iter().enumerate() {
+            let key = Key::parse(&scope, "ns", &format!("k{i}")).unwrap();
+            let at = store.redis_key(&key);
+            if kind == "hash" {
+                let _: () = redis::cmd("HSET")
+                    .arg(&at)
+                    .arg("st")
+                    .arg("completed")
+                    .query_async(&mut c)
+                    .await
+                    .unwrap();
+            } else {
+                let _: () = redis::cmd("SET")
+                    .arg(&at)
+                    // Long enough to read as a record, were its first byte not checked.
+                    .arg(format!("2c{}", "0".repeat(200)))
+                    .query_async(&mut c)
+                    .await
+                    .unwrap();
+            }
+            let req = BeginRequest::new(key.clone(), Fingerprint::of_bytes(b"x"));
+            assert!(store.begin(&req, now).await.is_err(), "{kind}: begin");
+            assert!(store.get(&key, now).await.is_err(), "{kind}: get");
+            let lease = Lease {
+                id: LeaseId::from_bytes([7; 16]),
+                fence: 1,
+                expires_at: now,
+            };
+            let done = store
+                .complete(&key, &lease, b"r".to_vec().into(), now)
+                .await;
+            assert!(done.is_err(), "{kind}: complete");
+            assert!(store.reopen(&key, 1, now).await.is_err(), "{kind}: reopen");
+            let kept: String = redis::cmd("TYPE")
+                .arg(&at)
+                .query_async(&mut c)
+                .await
+                .unwrap();
+            assert_eq!(kept, kind, "the value was replaced");
+            let _: () = redis::cmd("DEL")
+                .arg(&at)
+                .query_async(&mut c)
+                .await
+                .unwrap();
+        }
+    });
+}
