@@ -20,6 +20,7 @@ mod memory {
     }
 }
 
+#[cfg(feature = "sqlite")]
 mod sqlite {
     use idem_store::SqliteStore;
     use idem_testkit::conformance::Fixture;

@@ -2,6 +2,7 @@
 //! migrations, failures, and same-transaction mode. Each suite is skipped (with a note) when
 //! its server does not answer, except under `CI=true`.
 
+#![cfg(any(feature = "postgres", feature = "mysql"))]
 #![allow(clippy::unwrap_used)]
 
 /// The tests of one SQL store; the statements are in the backend's dialect.

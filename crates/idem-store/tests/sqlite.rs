@@ -1,6 +1,7 @@
 //! SQLite store behaviour beyond the conformance suite: failures inside a batch, callers that
 //! stop waiting, and a write lock held by another connection.
 
+#![cfg(feature = "sqlite")]
 #![allow(clippy::unwrap_used)]
 
 use std::sync::Arc;

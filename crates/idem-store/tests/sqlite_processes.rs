@@ -3,6 +3,7 @@
 //! The test re-runs its own binary as the child processes (selected by an environment
 //! variable), so each child is a real, separate process with its own connection.
 
+#![cfg(feature = "sqlite")]
 #![allow(clippy::unwrap_used, clippy::print_stdout)]
 
 use std::collections::HashSet;
