@@ -503,58 +503,7 @@ impl Store for RedisStore {
 
     async fn begin(&self, req: &BeginRequest, now: Timestamp) -> Result<BeginOutcome, StoreError> {
         let (lease, fresh) = Record::acquired(req, now, 1);
-        let key = self.redis_key(&req.key);
-        let packed = pack(&fresh);
-        let ttl = native_ttl(fresh.expires_at, now);
-        // A key Redis does not have is the common case: claim it with one plain command.
-        let set: Value = redis::cmd("SET")
-            .arg(&key)
-            .arg(&packed)
-            .arg("NX")
-            .arg("PX")
-            .arg(ttl)
-            .query_async(&mut self.conn.clone())
-            .await
-            .map_err(|e| error("cannot begin the record", e))?;
-        if set != Value::Nil {
-            return Ok(BeginOutcome::Acquired(lease));
-        }
-        let answer: Value = self
-            .begin
-            .key(key)
-            .arg(exact(now.as_millis()))
-            .arg(&fresh.fingerprint.as_bytes()[..])
-            .arg(&lease.id.to_bytes()[..])
-            .arg(packed)
-            .arg(ttl)
-            .invoke_async(&mut self.conn.clone())
-            .await
-            .map_err(|e| error("cannot begin the record", e))?;
-        let Value::Array(mut parts) = answer else {
-            return Err(corrupt("begin answer"));
-        };
-        let tag = parts.first().and_then(text).map(str::to_owned);
-        match tag.as_deref() {
-            Some("acquired") if parts.len() == 2 => Ok(BeginOutcome::Acquired(Lease {
-                fence: int(&parts[1], "fence")?,
-                ..lease
-            })),
-            Some("in_progress") if parts.len() == 2 => Ok(BeginOutcome::InProgress {
-                lease_expires_at: Timestamp::from_millis(int(&parts[1], "lease expiry")?),
-            }),
-            Some("mismatch") => Ok(BeginOutcome::Mismatch),
-            Some("replay") if parts.len() == 4 => {
-                let completed_at = Timestamp::from_millis(int(&parts[3], "update time")?);
-                let fence = int(&parts[2], "fence")?;
-                let response = bytes(parts.swap_remove(1), "response")?;
-                Ok(BeginOutcome::Replay(Replay {
-                    response: Bytes::from(response),
-                    fence,
-                    completed_at,
-                }))
-            }
-            _ => Err(corrupt("begin answer")),
-        }
+        self.begin_as(&fresh, lease, now).await
     }
 
     async fn complete(
@@ -657,6 +606,70 @@ impl Store for RedisStore {
 }
 
 impl RedisStore {
+    /// `begin` with the fresh record and lease it would write: a call sent again after its
+    /// answer was lost carries the same ones.
+    async fn begin_as(
+        &self,
+        fresh: &Record,
+        lease: Lease,
+        now: Timestamp,
+    ) -> Result<BeginOutcome, StoreError> {
+        let key = self.redis_key(&fresh.key);
+        let packed = pack(fresh);
+        let ttl = native_ttl(fresh.expires_at, now);
+        // A key Redis does not have is the common case: claim it with one plain command.
+        let set: Value = redis::cmd("SET")
+            .arg(&key)
+            .arg(&packed)
+            .arg("NX")
+            .arg("PX")
+            .arg(ttl)
+            .query_async(&mut self.conn.clone())
+            .await
+            .map_err(|e| error("cannot begin the record", e))?;
+        match set {
+            Value::Okay => return Ok(BeginOutcome::Acquired(lease)),
+            Value::Nil => {}
+            _ => return Err(corrupt("SET answer")),
+        }
+        let answer: Value = self
+            .begin
+            .key(key)
+            .arg(exact(now.as_millis()))
+            .arg(&fresh.fingerprint.as_bytes()[..])
+            .arg(&lease.id.to_bytes()[..])
+            .arg(packed)
+            .arg(ttl)
+            .invoke_async(&mut self.conn.clone())
+            .await
+            .map_err(|e| error("cannot begin the record", e))?;
+        let Value::Array(mut parts) = answer else {
+            return Err(corrupt("begin answer"));
+        };
+        let tag = parts.first().and_then(text).map(str::to_owned);
+        match tag.as_deref() {
+            Some("acquired") if parts.len() == 2 => Ok(BeginOutcome::Acquired(Lease {
+                fence: int(&parts[1], "fence")?,
+                ..lease
+            })),
+            Some("in_progress") if parts.len() == 2 => Ok(BeginOutcome::InProgress {
+                lease_expires_at: Timestamp::from_millis(int(&parts[1], "lease expiry")?),
+            }),
+            Some("mismatch") => Ok(BeginOutcome::Mismatch),
+            Some("replay") if parts.len() == 4 => {
+                let completed_at = Timestamp::from_millis(int(&parts[3], "update time")?);
+                let fence = int(&parts[2], "fence")?;
+                let response = bytes(parts.swap_remove(1), "response")?;
+                Ok(BeginOutcome::Replay(Replay {
+                    response: Bytes::from(response),
+                    fence,
+                    completed_at,
+                }))
+            }
+            _ => Err(corrupt("begin answer")),
+        }
+    }
+
     async fn settle_as(
         &self,
         key: &Key,
@@ -717,6 +730,49 @@ mod tests {
         assert_eq!(back.created_at, r.created_at);
         assert_eq!(back.updated_at, r.updated_at);
         assert_eq!(back.expires_at, r.expires_at);
+    }
+
+    /// A `begin` whose answer was lost and which is sent again (the client retries on a
+    /// dropped connection) holds the lease it was first given, whichever way it first went.
+    #[test]
+    fn a_begin_sent_again_holds_its_lease() {
+        idem_testkit::block_on(async {
+            let Some(url) = idem_testkit::services::REDIS.url() else {
+                return;
+            };
+            let options = RedisOptions {
+                prefix: "idem-test:".into(),
+                ..RedisOptions::default()
+            };
+            let store = RedisStore::connect(&url, options).await.unwrap();
+            let now = Timestamp::now();
+            let scope = format!("resend-{}-{}", std::process::id(), now.as_millis());
+            let req = |k: &str| {
+                BeginRequest::new(
+                    Key::parse(&scope, "n", k).unwrap(),
+                    Fingerprint::of_bytes(b"b"),
+                )
+            };
+            // Once by the plain SET, and once after a release, by the script.
+            let (lease, fresh) = Record::acquired(&req("a"), now, 1);
+            let first = store.begin_as(&fresh, lease, now).await.unwrap();
+            let again = store.begin_as(&fresh, lease, now).await.unwrap();
+            assert_eq!(first, BeginOutcome::Acquired(lease));
+            assert_eq!(again, first);
+            store.release(&fresh.key, &lease, now).await.unwrap();
+            let (lease, fresh) = Record::acquired(&req("a"), now, 1);
+            let first = store.begin_as(&fresh, lease, now).await.unwrap();
+            let again = store.begin_as(&fresh, lease, now).await.unwrap();
+            let taken_over = Lease { fence: 2, ..lease };
+            assert_eq!(first, BeginOutcome::Acquired(taken_over));
+            assert_eq!(again, first);
+            // Another attempt is not the same call.
+            let (other, fresh) = Record::acquired(&req("a"), now, 1);
+            assert!(matches!(
+                store.begin_as(&fresh, other, now).await.unwrap(),
+                BeginOutcome::InProgress { .. }
+            ));
+        });
     }
 
     #[test]
