@@ -59,18 +59,39 @@ const HEADER: usize = 150;
 /// The record format this store writes and reads (byte 1 of every record).
 const FORMAT: u8 = b'1';
 
+/// Put before every record script: `record()` reads the record at `KEYS[1]` and answers nil, or
+/// its value, state, fence, lease end, TTL and expiry. A value of any other shape raises
+/// [`FOREIGN`]; a key of another type, Redis's `WRONGTYPE`. Expiries the scripts compute are
+/// kept to `MAX` (as `exact` does in the client), so that they fit in their 16 digits.
+const RECORD: &str = r"
+local MAX = 9007199254740991
+local function record()
+  local v = redis.call('GET', KEYS[1])
+  if not v then return nil end
+  local st = string.sub(v, 2, 2)
+  local fence, lexp = tonumber(string.sub(v, 51, 70)), tonumber(string.sub(v, 71, 86))
+  local ttl, exp = tonumber(string.sub(v, 87, 102)), tonumber(string.sub(v, 135, 150))
+  if #v < 150 or string.sub(v, 1, 1) ~= '1' or not (fence and lexp and ttl and exp)
+      or not tonumber(string.sub(v, 119, 134))
+      or not (st == 'c' or ((st == 'p' or st == 'r') and #v == 150)) then
+    error('idem: the key holds a value this store did not write')
+  end
+  return v, st, fence, lexp, ttl, exp
+end
+";
+
+/// What a record script raises on a value it did not write.
+const FOREIGN: &str = "idem: the key holds a value this store did not write";
+
 /// ARGV = now, fingerprint, lease id, the fresh record (fence 1), its native TTL. Run when
 /// the plain `SET … NX` found the key taken.
 const BEGIN: &str = r"
-local k = KEYS[1]
 local now = tonumber(ARGV[1])
-local v = redis.call('GET', k)
-local fence = 0
+local v, st, fence, lexp, _, exp = record()
+local f = 1
 if v then
-  if string.sub(v, 1, 1) ~= '1' then return redis.error_reply('idem: unknown record format') end
-  fence = tonumber(string.sub(v, 51, 70))
-  if tonumber(string.sub(v, 135, 150)) > now then
-    local st = string.sub(v, 2, 2)
+  f = fence + 1
+  if exp > now then
     local same = string.sub(v, 3, 34) == ARGV[2]
     if st == 'c' then
       if same then return {'replay', string.sub(v, 151), fence, tonumber(string.sub(v, 119, 134))} end
@@ -79,53 +100,44 @@ if v then
       if not same then return {'mismatch'} end
       -- This very begin, sent again after its answer was lost: it holds the lease.
       if string.sub(v, 35, 50) == ARGV[3] then return {'acquired', fence} end
-      local lexp = tonumber(string.sub(v, 71, 86))
       if lexp > now then return {'in_progress', lexp} end
     end
   end
 end
-local f = fence + 1
-redis.call('SET', k, string.sub(ARGV[4], 1, 50) .. string.format('%020d', f) .. string.sub(ARGV[4], 71),
-  'PX', ARGV[5])
+redis.call('SET', KEYS[1], string.sub(ARGV[4], 1, 50) .. string.format('%020d', f)
+  .. string.sub(ARGV[4], 71), 'PX', ARGV[5])
 return {'acquired', f}
 ";
 
-/// Shared by complete and release: ARGV = now, lease id, fence, margin, target status
+/// Shared by complete and release: ARGV = now, lease id, fence, margin, target state
 /// (`c` or `r`), response (complete only). Answers `ok` or `stale`.
 const SETTLE: &str = r"
-local k = KEYS[1]
 local now = tonumber(ARGV[1])
-local v = redis.call('GET', k)
-if not v then return 'stale' end
-if string.sub(v, 1, 1) ~= '1' then return redis.error_reply('idem: unknown record format') end
-if tonumber(string.sub(v, 135, 150)) <= now or string.sub(v, 35, 50) ~= ARGV[2]
-    or tonumber(string.sub(v, 51, 70)) ~= tonumber(ARGV[3]) then
+local v, st, fence, _, ttl, exp = record()
+if not v or exp <= now or string.sub(v, 35, 50) ~= ARGV[2] or fence ~= tonumber(ARGV[3]) then
   return 'stale'
 end
-local st = string.sub(v, 2, 2)
 if st == ARGV[5] then return 'ok' end
 if st ~= 'p' then return 'stale' end
-local exp = now + tonumber(string.sub(v, 87, 102))
-redis.call('SET', k, '1' .. ARGV[5] .. string.sub(v, 3, 118) .. string.format('%016d%016d', now, exp)
-  .. (ARGV[6] or ''), 'PX', exp - now + tonumber(ARGV[4]))
+exp = math.min(now + ttl, MAX)
+redis.call('SET', KEYS[1], '1' .. ARGV[5] .. string.sub(v, 3, 118)
+  .. string.format('%016d%016d', now, exp) .. (ARGV[6] or ''), 'PX', exp - now + tonumber(ARGV[4]))
 return 'ok'
 ";
 
 /// ARGV = now, lease id, fence, new lease end, margin. Answers 1 if it renewed the lease.
 const RENEW: &str = r"
-local k = KEYS[1]
 local now = tonumber(ARGV[1])
-local v = redis.call('GET', k)
-if not v then return 0 end
-if string.sub(v, 1, 1) ~= '1' then return redis.error_reply('idem: unknown record format') end
-if string.sub(v, 2, 2) ~= 'p' or tonumber(string.sub(v, 135, 150)) <= now
-    or string.sub(v, 35, 50) ~= ARGV[2] or tonumber(string.sub(v, 51, 70)) ~= tonumber(ARGV[3]) then
+local v, st, fence, _, ttl, exp = record()
+if not v or st ~= 'p' or exp <= now or string.sub(v, 35, 50) ~= ARGV[2]
+    or fence ~= tonumber(ARGV[3]) then
   return 0
 end
 local lexp = tonumber(ARGV[4])
-local exp = lexp + tonumber(string.sub(v, 87, 102))
-redis.call('SET', k, string.sub(v, 1, 70) .. string.format('%016d', lexp) .. string.sub(v, 87, 118)
-  .. string.format('%016d%016d', now, exp), 'PX', exp - now + tonumber(ARGV[5]))
+exp = math.min(lexp + ttl, MAX)
+redis.call('SET', KEYS[1], string.sub(v, 1, 70) .. string.format('%016d', lexp)
+  .. string.sub(v, 87, 118) .. string.format('%016d%016d', now, exp),
+  'PX', exp - now + tonumber(ARGV[5]))
 return 1
 ";
 
@@ -142,17 +154,11 @@ return cur
 
 /// ARGV = now, fence, margin. Answers 1 if it reopened the record.
 const REOPEN: &str = r"
-local k = KEYS[1]
 local now = tonumber(ARGV[1])
-local v = redis.call('GET', k)
-if not v then return 0 end
-if string.sub(v, 1, 1) ~= '1' then return redis.error_reply('idem: unknown record format') end
-if string.sub(v, 2, 2) ~= 'c' or tonumber(string.sub(v, 135, 150)) <= now
-    or tonumber(string.sub(v, 51, 70)) ~= tonumber(ARGV[2]) then
-  return 0
-end
-local exp = now + tonumber(string.sub(v, 87, 102))
-redis.call('SET', k, '1r' .. string.sub(v, 3, 118) .. string.format('%016d%016d', now, exp),
+local v, st, fence, _, ttl, exp = record()
+if not v or st ~= 'c' or exp <= now or fence ~= tonumber(ARGV[2]) then return 0 end
+exp = math.min(now + ttl, MAX)
+redis.call('SET', KEYS[1], '1r' .. string.sub(v, 3, 118) .. string.format('%016d%016d', now, exp),
   'PX', exp - now + tonumber(ARGV[3]))
 return 1
 ";
@@ -294,10 +300,10 @@ impl RedisStore {
             prefix: options.prefix,
             client: None,
             locks: crate::redis_locks::LockScripts::new(),
-            begin: Script::new(BEGIN),
-            settle: Script::new(SETTLE),
-            renew: Script::new(RENEW),
-            reopen: Script::new(REOPEN),
+            begin: record_script(BEGIN),
+            settle: record_script(SETTLE),
+            renew: record_script(RENEW),
+            reopen: record_script(REOPEN),
             raise: Script::new(RAISE),
         }
     }
@@ -349,6 +355,10 @@ impl RedisStore {
     }
 }
 
+fn record_script(body: &str) -> Script {
+    Script::new(&format!("{RECORD}{body}"))
+}
+
 /// A timestamp or duration as the scripts take it.
 fn exact(v: u64) -> u64 {
     v.min(MAX_EXACT)
@@ -381,6 +391,11 @@ pub(crate) fn error(what: &str, e: redis::RedisError) -> StoreError {
                     | redis::ServerErrorKind::ReadOnly
             )
         );
+    if e.code() == Some("WRONGTYPE") || e.to_string().contains(FOREIGN) {
+        return StoreError::Corrupt(format!(
+            "{what}: the Redis key holds a value this store did not write"
+        ));
+    }
     let message = format!("{what}: {e}");
     if transient {
         StoreError::unavailable(message, e)

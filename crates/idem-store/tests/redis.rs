@@ -170,7 +170,11 @@ fn an_evicting_server_and_a_braced_prefix_are_refused() {
 /// tell what that record decided, so it decides nothing.
 #[test]
 fn a_value_the_store_did_not_write_is_refused_and_left_alone() {
-    use idem_core::{BeginRequest, Fingerprint, Key, Lease, LeaseId, Store, Timestamp};
+    use idem_core::{BeginRequest, Fingerprint, Key, Lease, LeaseId, Store, StoreError, Timestamp};
+
+    fn corrupt<T>(r: &Result<T, StoreError>) -> bool {
+        matches!(r, Err(StoreError::Corrupt(_)))
+    }
 
     idem_testkit::block_on(async {
         let Some(url) = REDIS.url() else {
@@ -184,10 +188,28 @@ fn a_value_the_store_did_not_write_is_refused_and_left_alone() {
             .unwrap();
         let now = Timestamp::now();
         let scope = format!("foreign-{}-{}", std::process::id(), now.as_millis());
-        for (i, kind) in ["hash", "string"].into_iter().enumerate() {
+        // A hash; a string of another layout; strings that begin like a record but are not
+        // one (no state, no numbers), long enough to be read as one were only their first
+        // byte checked.
+        let strings = [
+            format!("2c{}", "0".repeat(200)),
+            format!("1{}", "0".repeat(200)),
+            format!("1{}", "9".repeat(200)),
+            format!("1p{}", "x".repeat(200)),
+        ];
+        let values = std::iter::once(None).chain(strings.iter().map(Some));
+        for (i, value) in values.enumerate() {
+            let kind = if value.is_some() { "string" } else { "hash" };
             let key = Key::parse(&scope, "ns", &format!("k{i}")).unwrap();
             let at = store.redis_key(&key);
-            if kind == "hash" {
+            if let Some(value) = value {
+                let _: () = redis::cmd("SET")
+                    .arg(&at)
+                    .arg(value)
+                    .query_async(&mut c)
+                    .await
+                    .unwrap();
+            } else {
                 let _: () = redis::cmd("HSET")
                     .arg(&at)
                     .arg("st")
@@ -195,18 +217,10 @@ fn a_value_the_store_did_not_write_is_refused_and_left_alone() {
                     .query_async(&mut c)
                     .await
                     .unwrap();
-            } else {
-                let _: () = redis::cmd("SET")
-                    .arg(&at)
-                    // Long enough to read as a record, were its first byte not checked.
-                    .arg(format!("2c{}", "0".repeat(200)))
-                    .query_async(&mut c)
-                    .await
-                    .unwrap();
             }
             let req = BeginRequest::new(key.clone(), Fingerprint::of_bytes(b"x"));
-            assert!(store.begin(&req, now).await.is_err(), "{kind}: begin");
-            assert!(store.get(&key, now).await.is_err(), "{kind}: get");
+            assert!(corrupt(&store.begin(&req, now).await), "{i}: begin");
+            assert!(corrupt(&store.get(&key, now).await), "{i}: get");
             let lease = Lease {
                 id: LeaseId::from_bytes([7; 16]),
                 fence: 1,
@@ -215,19 +229,82 @@ fn a_value_the_store_did_not_write_is_refused_and_left_alone() {
             let done = store
                 .complete(&key, &lease, b"r".to_vec().into(), now)
                 .await;
-            assert!(done.is_err(), "{kind}: complete");
-            assert!(store.reopen(&key, 1, now).await.is_err(), "{kind}: reopen");
+            assert!(done.is_err(), "{i}: complete");
+            assert!(corrupt(&store.reopen(&key, 1, now).await), "{i}: reopen");
             let kept: String = redis::cmd("TYPE")
                 .arg(&at)
                 .query_async(&mut c)
                 .await
                 .unwrap();
-            assert_eq!(kept, kind, "the value was replaced");
+            assert_eq!(kept, kind, "{i}: the value was replaced");
+            if let Some(value) = value {
+                let kept: String = redis::cmd("GET")
+                    .arg(&at)
+                    .query_async(&mut c)
+                    .await
+                    .unwrap();
+                assert_eq!(&kept, value, "{i}: the value was replaced");
+            }
             let _: () = redis::cmd("DEL")
                 .arg(&at)
                 .query_async(&mut c)
                 .await
                 .unwrap();
         }
+    });
+}
+
+/// Expiries far ahead (a lease and TTL of `Duration::MAX`; a clock far in the future with a
+/// long TTL) still fit the record: it stays readable, and a completed record replays.
+#[test]
+fn far_expiries_keep_the_record_whole() {
+    use std::time::Duration;
+
+    use idem_core::{BeginOutcome, BeginRequest, Fingerprint, Key, Store, Timestamp};
+
+    idem_testkit::block_on(async {
+        let Some(url) = REDIS.url() else {
+            return;
+        };
+        let store = RedisStore::connect(&url, options()).await.unwrap();
+        let now = Timestamp::now();
+        let scope = format!("far-{}-{}", std::process::id(), now.as_millis());
+        let fp = Fingerprint::of_bytes(b"x");
+
+        let key = Key::parse(&scope, "ns", "forever").unwrap();
+        let req = BeginRequest::new(key.clone(), fp)
+            .with_lease(Duration::MAX)
+            .with_ttl(Duration::MAX);
+        let BeginOutcome::Acquired(lease) = store.begin(&req, now).await.unwrap() else {
+            panic!("not acquired");
+        };
+        let lease = store.renew(&key, &lease, Duration::MAX, now).await.unwrap();
+        assert!(store.get(&key, now).await.unwrap().is_some());
+        store
+            .complete(&key, &lease, b"done".to_vec().into(), now)
+            .await
+            .unwrap();
+        assert!(matches!(
+            store.begin(&req, now).await.unwrap(),
+            BeginOutcome::Replay(r) if r.response.as_ref() == b"done"
+        ));
+
+        // A clock far ahead, where now plus the TTL passes the largest exact timestamp.
+        let later = Timestamp::from_millis(5_000_000_000_000_000);
+        let key = Key::parse(&scope, "ns", "later").unwrap();
+        let req = BeginRequest::new(key.clone(), fp)
+            .with_ttl(Duration::from_millis(6_000_000_000_000_000));
+        let BeginOutcome::Acquired(lease) = store.begin(&req, later).await.unwrap() else {
+            panic!("not acquired");
+        };
+        store
+            .complete(&key, &lease, b"once".to_vec().into(), later)
+            .await
+            .unwrap();
+        let after = Timestamp::from_millis(5_000_000_000_001_000);
+        assert!(matches!(
+            store.begin(&req, after).await.unwrap(),
+            BeginOutcome::Replay(r) if r.response.as_ref() == b"once"
+        ));
     });
 }
