@@ -109,10 +109,6 @@ impl<T: Job, R: Send + 'static> Batcher<T, R> {
         F: Fn(Vec<T>) -> Fut + Send + 'static,
         Fut: Future<Output = Vec<R>> + Send + 'static,
     {
-        let gone = || StoreError::Unavailable {
-            message: "the batch this call was in failed".into(),
-            source: None,
-        };
         let queued = {
             let mut state = self.shared.lock();
             if state.running == 0 && !state.inline && state.queue.is_empty() {
@@ -131,13 +127,13 @@ impl<T: Job, R: Send + 'static> Batcher<T, R> {
         match queued {
             Err(job) => {
                 let _inline = Inline(&self.shared);
-                start()(vec![job]).await.pop().ok_or_else(gone)
+                start()(vec![job]).await.pop().ok_or_else(lost)
             }
             Ok((spawn, result)) => {
                 if spawn {
                     tokio::spawn(drain(Lane(Some(self.shared.clone())), start()));
                 }
-                result.await.map_err(|_| gone())
+                result.await.map_err(|_| lost())
             }
         }
     }
@@ -390,32 +386,33 @@ impl GroupCommit {
 /// fails at once with that error.
 async fn begin_batch<S: ManyAtOnce>(
     store: &S,
-    jobs: Vec<BeginJob>,
+    mut jobs: Vec<BeginJob>,
 ) -> Vec<Result<BeginOutcome, StoreError>> {
-    let decided: Vec<Option<Result<BeginOutcome, StoreError>>> = if jobs.len() > 1 {
-        let fresh: Vec<_> = jobs
-            .iter()
-            .map(|j| Record::acquired(&j.req, j.now, 1))
-            .collect();
-        let rows = match store.begin_many(&jobs, &fresh).await {
-            Ok(rows) => rows,
-            Err(e) => return jobs.iter().map(|_| Err(copy(&e))).collect(),
-        };
-        fresh
-            .into_iter()
-            .map(|(lease, _)| {
-                let id = lease.id.to_bytes();
-                let (_, fence) = rows.as_ref()?.iter().find(|(got, _)| got[..] == id[..])?;
-                Some(
-                    u64::try_from(*fence)
-                        .map(|fence| BeginOutcome::Acquired(Lease { fence, ..lease }))
-                        .map_err(|_| StoreError::Corrupt("the stored fence is negative".into())),
-                )
-            })
-            .collect()
-    } else {
-        vec![None]
+    // A batch of one (a lone caller, inline) is the one-record call, in the caller's task.
+    if jobs.len() == 1 {
+        let job = jobs.remove(0);
+        return vec![store.begin_alone(&job.req, job.now).await];
+    }
+    let fresh: Vec<_> = jobs
+        .iter()
+        .map(|j| Record::acquired(&j.req, j.now, 1))
+        .collect();
+    let rows = match store.begin_many(&jobs, &fresh).await {
+        Ok(rows) => rows,
+        Err(e) => return jobs.iter().map(|_| Err(copy(&e))).collect(),
     };
+    let decided: Vec<Option<Result<BeginOutcome, StoreError>>> = fresh
+        .into_iter()
+        .map(|(lease, _)| {
+            let id = lease.id.to_bytes();
+            let (_, fence) = rows.as_ref()?.iter().find(|(got, _)| got[..] == id[..])?;
+            Some(
+                u64::try_from(*fence)
+                    .map(|fence| BeginOutcome::Acquired(Lease { fence, ..lease }))
+                    .map_err(|_| StoreError::Corrupt("the stored fence is negative".into())),
+            )
+        })
+        .collect();
     let left = jobs
         .into_iter()
         .zip(&decided)
@@ -442,18 +439,24 @@ async fn begin_batch<S: ManyAtOnce>(
 /// one this statement did complete already done. Without a connection every job fails at once.
 async fn complete_batch<S: ManyAtOnce>(
     store: &S,
-    jobs: Vec<CompleteJob>,
+    mut jobs: Vec<CompleteJob>,
 ) -> Vec<Result<(), LeaseError>> {
+    if jobs.len() == 1 {
+        let job = jobs.remove(0);
+        let done = store.complete_alone(&job.key, &job.lease, job.response, job.now);
+        return vec![done.await];
+    }
     // The statements tell rows apart by lease id: two jobs under one id (a caller completing
     // a key with another key's lease) go on their own instead.
     let mut ids = HashSet::new();
     let distinct = jobs.iter().all(|j| ids.insert(j.lease.id.to_bytes()));
-    let done = match jobs.len() {
-        2.. if distinct => match store.complete_many(&jobs).await {
+    let done = if distinct {
+        match store.complete_many(&jobs).await {
             Ok(done) => done,
             Err(e) => return jobs.iter().map(|_| Err(copy(&e).into())).collect(),
-        },
-        _ => None,
+        }
+    } else {
+        None
     };
     let done = done
         .filter(|d| d.len() == jobs.len())
@@ -505,7 +508,7 @@ where
     out
 }
 
-/// The error for a job whose answer was lost (its task panicked).
+/// The error for a job whose answer was lost (its task panicked, or its lane stopped).
 fn lost() -> StoreError {
     StoreError::Unavailable {
         message: "the batch this call was in failed".into(),
@@ -719,6 +722,8 @@ mod tests {
         no_connection: bool,
         alone: Arc<std::sync::atomic::AtomicUsize>,
         barrier: Arc<tokio::sync::Barrier>,
+        /// The task each one-record call ran in.
+        tasks: Arc<Mutex<Vec<Option<tokio::task::Id>>>>,
     }
 
     impl Failing {
@@ -727,6 +732,7 @@ mod tests {
                 no_connection,
                 alone: Arc::default(),
                 barrier: Arc::new(tokio::sync::Barrier::new(parties)),
+                tasks: Arc::default(),
             }
         }
 
@@ -743,6 +749,7 @@ mod tests {
 
         async fn one(&self) {
             self.alone.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+            self.tasks.lock().unwrap().push(tokio::task::try_id());
             self.barrier.wait().await;
         }
     }
@@ -830,6 +837,39 @@ mod tests {
             .await
             .expect("the jobs ran one after another");
             assert!(done.iter().all(Result::is_ok));
+        });
+    }
+
+    /// A lone caller's `begin` and `complete` run in the caller's own task, as they would
+    /// unbatched: no task is spawned for a batch of one.
+    #[test]
+    fn a_lone_call_runs_in_the_callers_task() {
+        runtime().block_on(async {
+            let store = Failing::new(false, 1);
+            let batches = GroupCommit::new(16, 64).unwrap();
+            let (caller, job, key) = {
+                let store = store.clone();
+                tokio::spawn(async move {
+                    let [job] = <[BeginJob; 1]>::try_from(begins(1)).ok().unwrap();
+                    let [done] = <[CompleteJob; 1]>::try_from(completes(1)).ok().unwrap();
+                    batches.begin(&store, &job.req, job.now).await.unwrap();
+                    let CompleteJob {
+                        key,
+                        lease,
+                        response,
+                        now,
+                    } = done;
+                    batches
+                        .complete(&store, &key, &lease, response, now)
+                        .await
+                        .unwrap();
+                    (tokio::task::id(), job, key)
+                })
+                .await
+                .unwrap()
+            };
+            drop((job, key));
+            assert_eq!(*store.tasks.lock().unwrap(), vec![Some(caller); 2]);
         });
     }
 

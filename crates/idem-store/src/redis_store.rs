@@ -72,7 +72,7 @@ local function record()
   local fence, lexp = tonumber(string.sub(v, 51, 70)), tonumber(string.sub(v, 71, 86))
   local ttl, exp = tonumber(string.sub(v, 87, 102)), tonumber(string.sub(v, 135, 150))
   if #v < 150 or string.sub(v, 1, 1) ~= '1' or not (fence and lexp and ttl and exp)
-      or not tonumber(string.sub(v, 119, 134))
+      or not (tonumber(string.sub(v, 103, 118)) and tonumber(string.sub(v, 119, 134)))
       or not (st == 'c' or ((st == 'p' or st == 'r') and #v == 150)) then
     error('idem: the key holds a value this store did not write')
   end

@@ -196,6 +196,19 @@ fn a_value_the_store_did_not_write_is_refused_and_left_alone() {
             format!("1{}", "0".repeat(200)),
             format!("1{}", "9".repeat(200)),
             format!("1p{}", "x".repeat(200)),
+            // Every field in place but the creation time, and long expired: taken for a
+            // record, it would be taken over.
+            format!(
+                "1c{}{}{:020}{:016}{:016}{}{:016}{:016}resp",
+                "f".repeat(32),
+                "l".repeat(16),
+                1,
+                1,
+                1000,
+                "x".repeat(16),
+                1,
+                2
+            ),
         ];
         let values = std::iter::once(None).chain(strings.iter().map(Some));
         for (i, value) in values.enumerate() {
