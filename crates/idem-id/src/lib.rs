@@ -20,7 +20,7 @@ mod uuid7;
 mod workers;
 
 pub use layout::{DEFAULT_EPOCH_MS, Layout, LayoutError, Parts};
-pub use segment::{SegmentOptions, Segments};
+pub use segment::{SegmentOptions, SegmentStatus, Segments};
 pub use snowflake::{Batch, IdError, Snowflake, SnowflakeOptions, SystemTimeSource, TimeSource};
 pub use uuid::Uuid;
 pub use uuid7::{Uuid7, token, uuid7};
