@@ -99,6 +99,26 @@ impl WorkerPool {
         self
     }
 
+    /// The id space's name.
+    pub(crate) fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// How long a worker id's lease lasts.
+    pub(crate) fn lease_length(&self) -> Duration {
+        self.lease
+    }
+
+    pub(crate) fn clock(&self) -> &Arc<dyn Clock> {
+        &self.clock
+    }
+
+    /// How often a holder renews: every third of the lease, and at least every second (each
+    /// renewal also records the last id's time in the fence).
+    pub(crate) fn beat_every(&self) -> Duration {
+        (self.lease / 3).min(Duration::from_secs(1))
+    }
+
     fn key(&self, worker: u64) -> Result<Key, IdError> {
         Key::parse(
             "idem.ids",
@@ -256,6 +276,15 @@ impl std::ops::Deref for LeasedSnowflake {
 }
 
 impl LeasedSnowflake {
+    /// When the lease ran out here without a renewal (the generator then refuses ids), or
+    /// `None` while it runs.
+    pub(crate) fn expired_at(&self) -> Option<Timestamp> {
+        let g = &self.generator;
+        let until = g.valid_until();
+        (!g.is_lost() && g.now_millis() > until)
+            .then(|| Timestamp::from_millis(g.layout().epoch_ms().saturating_add(until)))
+    }
+
     /// The current lease.
     pub fn lease(&self) -> Lease {
         *self
@@ -293,7 +322,8 @@ impl LeasedSnowflake {
 
     /// Renews the lease. A store failure leaves the generator issuing until the current lease
     /// ends (and then refusing until a renewal succeeds); a stale answer means another process
-    /// holds the worker id now (or the store lost it), and the generator stops for good.
+    /// holds the worker id now (or the store lost it), and the generator stops for good (a
+    /// [`crate::ManagedSnowflake`] then claims another).
     ///
     /// Dropped before it ends, it leaves nothing half-done: a renewal the store applied unseen
     /// extends the lease there while the generator keeps the earlier end, so it stops sooner,
@@ -331,7 +361,7 @@ impl LeasedSnowflake {
     pub fn spawn_heartbeat(self: &Arc<Self>) -> tokio::task::JoinHandle<()> {
         let this = Arc::clone(self);
         tokio::spawn(async move {
-            let every = (this.pool.lease / 3).min(Duration::from_secs(1));
+            let every = this.pool.beat_every();
             loop {
                 tokio::time::sleep(every).await;
                 if matches!(this.heartbeat().await, Err(IdError::WorkerLost)) {

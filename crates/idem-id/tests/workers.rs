@@ -7,24 +7,13 @@ mod support;
 
 use std::collections::HashSet;
 use std::sync::Arc;
-use std::time::{Duration, UNIX_EPOCH};
+use std::time::Duration;
 
 use idem_core::{Clock, Key, ManualClock, SharedStore, Store, SystemClock};
-use idem_id::{DEFAULT_EPOCH_MS, IdError, Layout, SnowflakeOptions, WorkerPool};
+use idem_id::{IdError, SnowflakeOptions, WorkerPool};
 use idem_store::MemoryStore;
 use idem_testkit::Op;
-use support::{ManualTime, TestStore, Then, When};
-
-/// Two worker bits: four worker ids.
-fn small_layout() -> Layout {
-    Layout::new(
-        41,
-        2,
-        20,
-        UNIX_EPOCH + Duration::from_millis(DEFAULT_EPOCH_MS),
-    )
-    .unwrap()
-}
+use support::{ManualTime, TestStore, Then, When, small_layout};
 
 fn store() -> SharedStore {
     Arc::new(MemoryStore::new())

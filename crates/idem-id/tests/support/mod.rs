@@ -180,6 +180,17 @@ fn unavailable() -> StoreError {
     }
 }
 
+/// A layout with two worker bits: four worker ids, so tests can use them all up.
+pub(crate) fn small_layout() -> idem_id::Layout {
+    idem_id::Layout::new(
+        41,
+        2,
+        20,
+        std::time::UNIX_EPOCH + Duration::from_millis(idem_id::DEFAULT_EPOCH_MS),
+    )
+    .unwrap()
+}
+
 /// The generators' clock, driven by the same manual clock as the store's callers.
 pub(crate) struct ManualTime {
     pub(crate) clock: ManualClock,
