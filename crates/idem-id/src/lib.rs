@@ -5,6 +5,11 @@
 //! - [`Snowflake`]: a generator whose time never goes backward (anchored to the monotonic
 //!   clock, so a wall clock stepped back neither stops it nor repeats an id), lock-free, that
 //!   borrows the next milliseconds (up to a bound) when a millisecond's sequence is used up.
+//! - [`WorkerPool`] / [`LeasedSnowflake`]: worker ids leased from an idem store, so no two
+//!   live processes share one; [`ManagedSnowflake`]: a generator that keeps its worker id
+//!   (renews it, and replaces a lost one where no id can repeat) and reports a
+//!   [`WorkerStatus`] for health checks.
+//! - [`Segments`]: Leaf-style ranges of a per-tag counter in the store, fetched ahead.
 //! - [`uuid7`] / [`Uuid7`]: RFC 9562 version 7 UUIDs that strictly increase within the
 //!   process, and [`token`]: 128 random bits for ids that must not be guessable.
 //!
@@ -13,6 +18,7 @@
 //! second without readers.
 
 mod layout;
+mod managed;
 mod segment;
 mod snowflake;
 mod ticker;
@@ -20,7 +26,8 @@ mod uuid7;
 mod workers;
 
 pub use layout::{DEFAULT_EPOCH_MS, Layout, LayoutError, Parts};
-pub use segment::{SegmentOptions, Segments};
+pub use managed::{ManagedSnowflake, WorkerStatus};
+pub use segment::{SegmentOptions, SegmentStatus, Segments};
 pub use snowflake::{Batch, IdError, Snowflake, SnowflakeOptions, SystemTimeSource, TimeSource};
 pub use uuid::Uuid;
 pub use uuid7::{Uuid7, token, uuid7};

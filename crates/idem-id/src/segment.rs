@@ -3,7 +3,7 @@
 //! one runs out.
 
 use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant};
+use std::time::{Duration, Instant, SystemTime};
 
 use idem_core::{Key, SharedStore, Store};
 
@@ -66,6 +66,8 @@ struct State {
     rate_ids: u64,
     rate_since: Instant,
     last_error: Option<String>,
+    /// When fetches began to fail (cleared by the next success).
+    failing_since: Option<SystemTime>,
 }
 
 /// Segment ids for one tag: unique across every process sharing the store, increasing within
@@ -124,6 +126,7 @@ impl Segments {
                 rate_ids: 0,
                 rate_since: Instant::now(),
                 last_error: None,
+                failing_since: None,
             }),
             fetched: tokio::sync::Notify::new(),
         }))
@@ -163,17 +166,12 @@ impl Segments {
                 let used = r.size - r.left();
                 used as f64 >= r.size as f64 * self.options.prefetch_at
             });
-        if want_spare && let Some(step) = Self::start_fetch(&mut s) {
+        if want_spare
+            && let Ok(rt) = tokio::runtime::Handle::try_current()
+            && let Some(slot) = self.start_fetch(&mut s)
+        {
             drop(s);
-            match tokio::runtime::Handle::try_current() {
-                Ok(rt) => {
-                    let this = Arc::clone(self);
-                    rt.spawn(async move {
-                        let _ = this.run_fetch(step).await;
-                    });
-                }
-                Err(_) => self.end_fetch(&mut self.lock()),
-            }
+            rt.spawn(slot.run());
         }
         id
     }
@@ -188,32 +186,36 @@ impl Segments {
         }
     }
 
-    /// Makes sure a range is on its way: takes one from the store, or waits for the fetch
-    /// already running (only one runs at a time, so no range is taken and then dropped).
+    /// Makes sure a range is on its way and waits for it: takes one from the store, or waits
+    /// for the fetch already running (only one runs at a time, so no range is taken and then
+    /// dropped).
+    ///
+    /// The fetch runs in a task of its own, not in the caller's future: a caller that goes
+    /// away (a client that hung up, a timeout) stops only its own waiting, while the fetch
+    /// finishes and fills the slot for the next caller, so the range the store handed out is
+    /// not thrown away. The slot is given back by a guard that runs however the fetch ends
+    /// (answered, failed, panicked, or dropped with its runtime), so nobody waits for a fetch
+    /// that will never end. Without a Tokio runtime the fetch runs in the caller's future,
+    /// under the same guard.
     async fn fetch(self: &Arc<Self>) -> Result<(), IdError> {
-        enum Then<'a> {
-            Done,
-            Fetch(u64),
-            Wait(std::pin::Pin<Box<tokio::sync::futures::Notified<'a>>>),
-        }
-        let then = {
+        let (waiting, slot) = {
             let mut s = self.lock();
             if s.spare.is_some() {
-                Then::Done
-            } else if let Some(step) = Self::start_fetch(&mut s) {
-                Then::Fetch(step)
-            } else {
-                // Registered before the lock is let go, so the fetch's end cannot be missed.
-                let mut waiting = Box::pin(self.fetched.notified());
-                waiting.as_mut().enable();
-                Then::Wait(waiting)
+                return Ok(());
             }
+            let slot = self.start_fetch(&mut s);
+            // Registered under the lock, which the fetch's end also takes: the wake-up cannot
+            // come between this check and the registration.
+            let mut waiting = Box::pin(self.fetched.notified());
+            waiting.as_mut().enable();
+            (waiting, slot)
         };
-        let waiting = match then {
-            Then::Done => return Ok(()),
-            Then::Fetch(step) => return self.run_fetch(step).await,
-            Then::Wait(w) => w,
-        };
+        if let Some(slot) = slot {
+            match tokio::runtime::Handle::try_current() {
+                Ok(rt) => drop(rt.spawn(slot.run())),
+                Err(_) => slot.run().await,
+            }
+        }
         waiting.await;
         let s = self.lock();
         match &s.last_error {
@@ -224,31 +226,34 @@ impl Segments {
         }
     }
 
-    /// Claims the one fetch slot; the step to take, or `None` if a fetch is already running.
-    fn start_fetch(s: &mut State) -> Option<u64> {
+    /// Claims the one fetch slot: the fetch to run, or `None` if one is already running.
+    fn start_fetch(self: &Arc<Self>, s: &mut State) -> Option<FetchSlot> {
         if s.fetching || s.spare.is_some() {
             return None;
         }
         s.fetching = true;
-        Some(s.step)
+        Some(FetchSlot {
+            segments: Arc::clone(self),
+            step: s.step,
+            ended: false,
+        })
     }
 
-    /// Gives the fetch slot back and wakes whoever waits for it.
-    fn end_fetch(&self, s: &mut State) {
-        s.fetching = false;
-        self.fetched.notify_waiters();
-    }
-
-    /// Takes a range of `step` from the store (one atomic `advance`), puts it where it is
-    /// needed (the current slot if that is used up, else the spare one, which only this fetch
-    /// fills), and adapts the step to how fast the last range went.
-    async fn run_fetch(self: &Arc<Self>, step: u64) -> Result<(), IdError> {
-        let result = self.store.advance(&self.key, step).await;
+    /// Records a fetch's outcome: puts the range where it is needed (the current slot if that
+    /// is used up, else the spare one, which only this fetch fills) and adapts the step to how
+    /// fast the last range went; or keeps the error for waiters and for health reports.
+    fn end_fetch(&self, step: u64, result: Result<u64, String>) {
         let mut s = self.lock();
-        let answer = match result {
-            Ok(end) => {
+        // A counter below the step would make a range below 1: a broken store, not a range.
+        let result = result.and_then(|end| {
+            end.checked_sub(step)
+                .map(|before| (before + 1, end))
+                .ok_or_else(|| format!("the store's counter answered {end} for a step of {step}"))
+        });
+        match result {
+            Ok((next, end)) => {
                 let range = Range {
-                    next: end - step + 1,
+                    next,
                     end,
                     size: step,
                     taken_at: Instant::now(),
@@ -271,17 +276,18 @@ impl Segments {
                     s.spare = Some(range);
                 }
                 s.last_error = None;
+                s.failing_since = None;
                 s.retry_at = None;
-                Ok(())
             }
             Err(e) => {
-                s.last_error = Some(e.to_string());
+                s.last_error = Some(e);
+                s.failing_since.get_or_insert_with(SystemTime::now);
                 s.retry_at = Some(Instant::now() + Duration::from_millis(100));
-                Err(e.into())
             }
-        };
-        self.end_fetch(&mut s);
-        answer
+        }
+        s.fetching = false;
+        // Under the lock, as waiters register under it (see `fetch`).
+        self.fetched.notify_waiters();
     }
 
     /// Ids left in memory (current and spare ranges).
@@ -311,5 +317,76 @@ impl Segments {
     /// Why the last fetch failed, if it did (cleared by the next success).
     pub fn last_error(&self) -> Option<String> {
         self.lock().last_error.clone()
+    }
+
+    /// How the allocator stands, for health reports: cheap (no store call).
+    pub fn status(&self) -> SegmentStatus {
+        let s = self.lock();
+        let remaining = s.current.map_or(0, |r| r.left()) + s.spare.map_or(0, |r| r.left());
+        match (&s.last_error, s.failing_since) {
+            (Some(reason), Some(since)) => SegmentStatus::Failing {
+                since,
+                reason: reason.clone(),
+                remaining,
+            },
+            _ => SegmentStatus::Ready { remaining },
+        }
+    }
+}
+
+/// How a [`Segments`] allocator stands ([`Segments::status`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum SegmentStatus {
+    /// The last fetch from the store succeeded (or none was needed yet).
+    Ready {
+        /// Ids left in memory.
+        remaining: u64,
+    },
+    /// Fetches have failed since `since` (by the wall clock), the last one with `reason`;
+    /// ids are served from memory while `remaining` lasts, and the next fetch is tried when
+    /// they are asked for.
+    Failing {
+        /// When the first of the failed fetches ended.
+        since: SystemTime,
+        /// Why the last one failed.
+        reason: String,
+        /// Ids left in memory.
+        remaining: u64,
+    },
+}
+
+/// The one fetch slot of a [`Segments`], held by the fetch that runs. However the fetch ends,
+/// the slot is given back and waiters are woken: when it ends normally through [`FetchSlot::run`],
+/// and otherwise (its task panicked, or was dropped unpolled by a runtime shutting down, or
+/// its caller went away when no runtime could run it apart) by `Drop`, as a failure.
+struct FetchSlot {
+    segments: Arc<Segments>,
+    step: u64,
+    ended: bool,
+}
+
+impl FetchSlot {
+    /// Takes a range of `step` from the store (one atomic `advance`) and records it.
+    async fn run(mut self) {
+        let result = self
+            .segments
+            .store
+            .advance(&self.segments.key, self.step)
+            .await
+            .map_err(|e| e.to_string());
+        self.segments.end_fetch(self.step, result);
+        self.ended = true;
+    }
+}
+
+impl Drop for FetchSlot {
+    fn drop(&mut self) {
+        if !self.ended {
+            self.segments.end_fetch(
+                self.step,
+                Err("the fetch stopped before the store answered".to_owned()),
+            );
+        }
     }
 }

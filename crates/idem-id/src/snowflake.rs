@@ -9,6 +9,7 @@ use crate::ticker::Ticker;
 
 /// Why no id was issued.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
 pub enum IdError {
     /// The layout or a value for it is wrong.
     #[error(transparent)]
@@ -31,6 +32,15 @@ pub enum IdError {
     /// hold the worker id.
     #[error("the worker id's lease ran out before it could be renewed; try again shortly")]
     LeaseExpired,
+    /// A [`crate::ManagedSnowflake`] holds no worker id at the moment: its last one was lost,
+    /// or none could be claimed yet, and it is claiming one (see [`crate::WorkerStatus`]).
+    #[error("no worker id is held at the moment ({reason}); try again in {retry_after:?}")]
+    NoWorker {
+        /// Why there is none.
+        reason: String,
+        /// When the next claim is tried (at least a second).
+        retry_after: Duration,
+    },
     /// Every worker id is held by a live process or waiting out its quarantine.
     #[error("no worker id is free: all are held or in quarantine")]
     NoWorkerFree,
@@ -217,6 +227,11 @@ impl Snowflake {
         self.valid_until.store(millis, Ordering::Release);
     }
 
+    /// The last millisecond ids may be stamped with (see [`Snowflake::set_valid_until`]).
+    pub(crate) fn valid_until(&self) -> u64 {
+        self.valid_until.load(Ordering::Acquire)
+    }
+
     /// Whether the worker id was marked lost.
     pub fn is_lost(&self) -> bool {
         self.lost.load(Ordering::Acquire)
@@ -322,6 +337,13 @@ pub struct Batch {
     worker: u64,
     next: u64,
     remaining: u32,
+}
+
+impl Batch {
+    /// The worker id the batch's ids carry.
+    pub fn worker(&self) -> u64 {
+        self.worker
+    }
 }
 
 impl Iterator for Batch {

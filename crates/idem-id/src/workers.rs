@@ -24,8 +24,8 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use idem_core::{
-    BeginOutcome, BeginRequest, Bytes, Clock, Fingerprint, Key, Lease, LeaseError, SharedStore,
-    Store,
+    BeginOutcome, BeginRequest, Bytes, Clock, Fingerprint, Key, Lease, LeaseError, MIN_DURATION,
+    SharedStore, Store, Timestamp,
 };
 
 use crate::{IdError, Layout, Snowflake, SnowflakeOptions, TimeSource};
@@ -99,6 +99,26 @@ impl WorkerPool {
         self
     }
 
+    /// The id space's name.
+    pub(crate) fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// How long a worker id's lease lasts.
+    pub(crate) fn lease_length(&self) -> Duration {
+        self.lease
+    }
+
+    pub(crate) fn clock(&self) -> &Arc<dyn Clock> {
+        &self.clock
+    }
+
+    /// How often a holder renews: every third of the lease, and at least every second (each
+    /// renewal also records the last id's time in the fence).
+    pub(crate) fn beat_every(&self) -> Duration {
+        (self.lease / 3).min(Duration::from_secs(1))
+    }
+
     fn key(&self, worker: u64) -> Result<Key, IdError> {
         Key::parse(
             "idem.ids",
@@ -112,6 +132,11 @@ impl WorkerPool {
     /// [`IdError::NoWorkerFree`]. Ids are tried from a random starting point, so processes
     /// starting together spread out. Call [`LeasedSnowflake::heartbeat`] every third of the
     /// lease (or [`LeasedSnowflake::spawn_heartbeat`] on a Tokio runtime).
+    ///
+    /// A claim that fails, or whose future is dropped, after the store granted it a worker id
+    /// gives the id back (in a task of its own when dropped): nobody else would ever use it
+    /// until its lease ran out. A claim dropped while the grant itself is on its way never
+    /// learns its lease, and the worker id stays held until the lease runs out.
     pub async fn claim(
         &self,
         layout: Layout,
@@ -134,6 +159,16 @@ impl WorkerPool {
             let BeginOutcome::Acquired(lease) = outcome else {
                 continue; // held, or in quarantine
             };
+            // From here until the generator is handed over, a claim that fails or is dropped
+            // (its caller went away) gives the worker id back rather than leaving it held by
+            // nobody until its lease runs out.
+            let granted = Granted {
+                store: self.store.clone(),
+                clock: self.clock.clone(),
+                key: key.clone(),
+                lease,
+                armed: true,
+            };
             let last_use = previous.map_or(0, |r| r.lease_expires_at.max(r.updated_at).as_millis());
             // Strictly after: ids of that millisecond under other worker ids may sort higher.
             let fence = fence
@@ -151,7 +186,7 @@ impl WorkerPool {
             let generator = match made {
                 Ok(g) => g,
                 Err(e) => {
-                    let _ = self.store.release(&key, &lease, now).await;
+                    granted.give_back().await;
                     return Err(e);
                 }
             };
@@ -164,13 +199,61 @@ impl WorkerPool {
                 generator,
             };
             if let Err(e) = leased.extend(&lease).await {
-                let _ = self.store.release(&leased.key, &lease, now).await;
+                granted.give_back().await;
                 return Err(e);
             }
+            granted.keep();
             return Ok(Arc::new(leased));
         }
         Err(IdError::NoWorkerFree)
     }
+}
+
+/// A worker id granted to a claim that has not handed its generator over yet. Dropped armed
+/// (the claim failed, or its caller went away mid-claim), it gives the worker id back.
+struct Granted {
+    store: SharedStore,
+    clock: Arc<dyn Clock>,
+    key: Key,
+    lease: Lease,
+    armed: bool,
+}
+
+impl Granted {
+    /// The claim succeeded: the generator holds the worker id now.
+    fn keep(mut self) {
+        self.armed = false;
+    }
+
+    /// Gives the worker id back now.
+    async fn give_back(mut self) {
+        self.armed = false;
+        give_back(&self.store, &self.key, &self.lease, self.clock.now()).await;
+    }
+}
+
+impl Drop for Granted {
+    fn drop(&mut self) {
+        if !self.armed {
+            return;
+        }
+        // Dropped mid-claim: the store call cannot run here, so it runs in a task of its own.
+        // Without a runtime, the lease runs out by itself.
+        if let Ok(rt) = tokio::runtime::Handle::try_current() {
+            let (store, key, lease) = (self.store.clone(), self.key.clone(), self.lease);
+            let now = self.clock.now();
+            rt.spawn(async move { give_back(&store, &key, &lease, now).await });
+        }
+    }
+}
+
+/// Gives back a worker id under which no id was issued: its lease is cut to end now, so the
+/// next claim may take it at once (and takes its end, now, as its time fence). Releasing the
+/// record instead would keep the lease's end, up to a lease ahead, as the next holder's fence,
+/// and push that holder's ids into the future. If the store cannot be reached, the lease runs
+/// out by itself.
+async fn give_back(store: &SharedStore, key: &Key, lease: &Lease, now: Timestamp) {
+    let _ = store.renew(key, lease, MIN_DURATION, now).await;
 }
 
 /// A Snowflake generator on a leased worker id.
@@ -193,6 +276,15 @@ impl std::ops::Deref for LeasedSnowflake {
 }
 
 impl LeasedSnowflake {
+    /// When the lease ran out here without a renewal (the generator then refuses ids), or
+    /// `None` while it runs.
+    pub(crate) fn expired_at(&self) -> Option<Timestamp> {
+        let g = &self.generator;
+        let until = g.valid_until();
+        (!g.is_lost() && g.now_millis() > until)
+            .then(|| Timestamp::from_millis(g.layout().epoch_ms().saturating_add(until)))
+    }
+
     /// The current lease.
     pub fn lease(&self) -> Lease {
         *self
@@ -230,7 +322,12 @@ impl LeasedSnowflake {
 
     /// Renews the lease. A store failure leaves the generator issuing until the current lease
     /// ends (and then refusing until a renewal succeeds); a stale answer means another process
-    /// holds the worker id now, and the generator stops for good.
+    /// holds the worker id now (or the store lost it), and the generator stops for good (a
+    /// [`crate::ManagedSnowflake`] then claims another).
+    ///
+    /// Dropped before it ends, it leaves nothing half-done: a renewal the store applied unseen
+    /// extends the lease there while the generator keeps the earlier end, so it stops sooner,
+    /// never later, and the next renewal goes on from there.
     pub async fn heartbeat(&self) -> Result<(), IdError> {
         if self.generator.is_lost() {
             return Err(IdError::WorkerLost);
@@ -259,10 +356,12 @@ impl LeasedSnowflake {
 
     /// Renews the lease and records the last id's time every second (and at least every third
     /// of the lease) on the current Tokio runtime, until the worker id is lost or released.
+    /// The task holds the generator until then; aborting it stops the renewals, and the lease
+    /// then runs out by itself.
     pub fn spawn_heartbeat(self: &Arc<Self>) -> tokio::task::JoinHandle<()> {
         let this = Arc::clone(self);
         tokio::spawn(async move {
-            let every = (this.pool.lease / 3).min(Duration::from_secs(1));
+            let every = this.pool.beat_every();
             loop {
                 tokio::time::sleep(every).await;
                 if matches!(this.heartbeat().await, Err(IdError::WorkerLost)) {
@@ -274,6 +373,11 @@ impl LeasedSnowflake {
 
     /// Gives the worker id back: no more ids are issued, and its record is kept for the
     /// quarantine (holding the time of the last id), so nobody reuses the id before then.
+    ///
+    /// Issuing stops before the first `.await`: dropped before it ends, no id is issued any
+    /// more all the same, and the record stays held until its lease runs out instead of
+    /// entering the quarantine (the time fence may then lag the last ids by up to a second, as
+    /// after a crash).
     pub async fn release(&self) -> Result<(), IdError> {
         self.generator.mark_lost();
         let fenced = self.raise_fence().await;

@@ -4,14 +4,20 @@
 
 #![allow(clippy::unwrap_used)]
 
+mod support;
+
 use std::collections::HashSet;
 use std::sync::Arc;
 use std::time::Duration;
 
 use idem_core::{Key, SharedStore, Store};
-use idem_id::{IdError, SegmentOptions, Segments};
+use idem_id::{IdError, SegmentOptions, SegmentStatus, Segments};
 use idem_store::MemoryStore;
-use idem_testkit::FaultyStore;
+use idem_testkit::{FaultyStore, Op};
+use support::{TestStore, Then, When};
+
+/// Long enough for anything in these tests; a wait this long means a caller was stranded.
+const STRANDED: Duration = Duration::from_secs(30);
 
 fn options(step: u64) -> SegmentOptions {
     SegmentOptions {
@@ -147,4 +153,110 @@ async fn callers_that_find_memory_empty_together_share_one_fetch() {
         "{taken} ids taken from the store for 16 served"
     );
     assert_eq!(segments.remaining() + 16, taken);
+}
+
+fn key(tag: &str) -> Key {
+    Key::parse("idem.ids", "idem.segment", tag).unwrap()
+}
+
+/// `n` callers of `next` in tasks of their own.
+fn callers(
+    segments: &Arc<Segments>,
+    n: usize,
+) -> Vec<tokio::task::JoinHandle<Result<u64, IdError>>> {
+    (0..n)
+        .map(|_| {
+            let segments = segments.clone();
+            tokio::spawn(async move { segments.next().await })
+        })
+        .collect()
+}
+
+/// What each caller got (none may panic), each within [`STRANDED`].
+async fn answers(
+    callers: Vec<tokio::task::JoinHandle<Result<u64, IdError>>>,
+) -> Vec<Result<u64, IdError>> {
+    let mut answers = Vec::new();
+    for caller in callers {
+        let answer = tokio::time::timeout(STRANDED, caller)
+            .await
+            .expect("a caller was stranded");
+        answers.push(answer.expect("a caller panicked"));
+    }
+    answers
+}
+
+/// A caller that goes away while the store is answering its fetch (a client that hung up, a
+/// timeout) strands nobody: the fetch ends without it, and the range the store handed out
+/// serves the callers already waiting and those that come later, none skipped.
+#[tokio::test]
+async fn a_caller_dropped_while_its_fetch_is_stalled_strands_nobody() {
+    let store = TestStore::new();
+    let segments = Segments::new(store.clone(), "orders", options(100)).unwrap();
+    // The store applies the first fetch; its answer is held.
+    let stall = store.stall(Op::Advance, 0, When::After);
+    let first = callers(&segments, 1).remove(0);
+    stall.reached().await;
+    let waiting = callers(&segments, 1).remove(0);
+    tokio::task::yield_now().await;
+    first.abort();
+    assert!(first.await.unwrap_err().is_cancelled());
+
+    stall.end(Then::Answer);
+    let a = answers(vec![waiting]).await.remove(0).unwrap();
+    let b = tokio::time::timeout(STRANDED, segments.next())
+        .await
+        .expect("the tag answers no more")
+        .unwrap();
+    let mut served = [a, b];
+    served.sort_unstable();
+    assert_eq!(served, [1, 2]);
+    // One range taken from the store, and it is the one in use.
+    assert_eq!(store.raise(&key("orders"), 0).await.unwrap(), 100);
+    assert_eq!(segments.remaining(), 98);
+}
+
+/// A fetch that panics (a broken store driver) fails the callers waiting for it instead of
+/// leaving them waiting, and the next call fetches again.
+#[tokio::test]
+async fn a_fetch_that_panics_fails_its_callers_and_the_next_call_fetches_again() {
+    let store = TestStore::new();
+    let segments = Segments::new(store.clone(), "orders", options(100)).unwrap();
+    let stall = store.stall(Op::Advance, 0, When::Before);
+    let waiting = callers(&segments, 3);
+    stall.reached().await;
+    stall.end(Then::Panic);
+    for answer in answers(waiting).await {
+        assert!(matches!(answer, Err(IdError::Store(_))), "{answer:?}");
+    }
+    let next = tokio::time::timeout(STRANDED, segments.next()).await;
+    assert_eq!(next.expect("the tag answers no more").unwrap(), 1);
+}
+
+/// A fetch that fails while callers wait for it fails them all, at once; the status says so
+/// (ids left, since when, why); the next call after the store recovers succeeds.
+#[tokio::test]
+async fn a_failed_fetch_fails_every_waiter_and_the_next_call_after_recovery_succeeds() {
+    let store = TestStore::new();
+    let segments = Segments::new(store.clone(), "orders", options(100)).unwrap();
+    assert_eq!(segments.status(), SegmentStatus::Ready { remaining: 0 });
+    let stall = store.stall(Op::Advance, 0, When::Before);
+    let waiting = callers(&segments, 3);
+    stall.reached().await;
+    stall.end(Then::Fail);
+    for answer in answers(waiting).await {
+        assert!(matches!(answer, Err(IdError::Store(_))), "{answer:?}");
+    }
+    let SegmentStatus::Failing {
+        reason, remaining, ..
+    } = segments.status()
+    else {
+        panic!("{:?}", segments.status());
+    };
+    assert!(reason.contains("unavailable"), "{reason}");
+    assert_eq!(remaining, 0);
+
+    let next = tokio::time::timeout(STRANDED, segments.next()).await;
+    assert_eq!(next.expect("the tag answers no more").unwrap(), 1);
+    assert_eq!(segments.status(), SegmentStatus::Ready { remaining: 99 });
 }

@@ -3,39 +3,17 @@
 
 #![allow(clippy::unwrap_used)]
 
+mod support;
+
 use std::collections::HashSet;
 use std::sync::Arc;
-use std::time::{Duration, UNIX_EPOCH};
+use std::time::Duration;
 
-use idem_core::{Clock, ManualClock, SharedStore, SystemClock};
-use idem_id::{DEFAULT_EPOCH_MS, IdError, Layout, SnowflakeOptions, WorkerPool};
+use idem_core::{Clock, Key, ManualClock, SharedStore, Store, SystemClock};
+use idem_id::{IdError, SnowflakeOptions, WorkerPool};
 use idem_store::MemoryStore;
-
-/// Two worker bits: four worker ids.
-fn small_layout() -> Layout {
-    Layout::new(
-        41,
-        2,
-        20,
-        UNIX_EPOCH + Duration::from_millis(DEFAULT_EPOCH_MS),
-    )
-    .unwrap()
-}
-
-/// The generators' clock, driven by the same manual clock as the store.
-struct ManualTime {
-    clock: ManualClock,
-    start: idem_core::Timestamp,
-}
-
-impl idem_id::TimeSource for ManualTime {
-    fn wall(&self) -> std::time::SystemTime {
-        self.clock.now().to_system_time()
-    }
-    fn elapsed(&self) -> Duration {
-        self.clock.now().saturating_since(self.start)
-    }
-}
+use idem_testkit::Op;
+use support::{ManualTime, TestStore, Then, When, small_layout};
 
 fn store() -> SharedStore {
     Arc::new(MemoryStore::new())
@@ -118,10 +96,7 @@ async fn a_released_worker_id_waits_out_its_quarantine_and_fences_the_next_holde
     let store = store();
     let clock = ManualClock::starting_now();
     let shared: Arc<dyn Clock> = Arc::new(clock.clone());
-    let time = Arc::new(ManualTime {
-        clock: clock.clone(),
-        start: clock.now(),
-    });
+    let time = ManualTime::new(&clock);
     let pool = WorkerPool::new(store.clone(), shared, "orders")
         .lease(Duration::from_secs(30))
         .quarantine(Duration::from_secs(60))
@@ -188,10 +163,7 @@ async fn a_restart_after_a_clock_rollback_issues_above_everything_before() {
     let before_clock = ManualClock::starting_now();
     let pool = |clock: &ManualClock| {
         let shared: Arc<dyn Clock> = Arc::new(clock.clone());
-        let time = Arc::new(ManualTime {
-            clock: clock.clone(),
-            start: clock.now(),
-        });
+        let time = ManualTime::new(clock);
         WorkerPool::new(store.clone(), shared, "orders").time_source(time)
     };
     let a = pool(&before_clock)
@@ -230,4 +202,50 @@ async fn an_idle_heartbeat_leaves_the_fence_alone() {
     // Once ids are issued, the beat writes the fence (and here meets the planned failure).
     g.try_next().unwrap();
     assert!(matches!(g.heartbeat().await, Err(IdError::Store(_))));
+}
+
+/// A claim dropped after the store granted it a worker id (its caller went away while it
+/// recorded the time fence) gives the worker id back at once, rather than leaving it held by
+/// nobody until its lease runs out; and gives it back cut to end now, so the next holder's ids
+/// do not start a lease ahead of the clock.
+#[tokio::test]
+async fn a_claim_dropped_after_its_worker_id_was_granted_gives_it_back() {
+    let store = TestStore::new();
+    let clock = ManualClock::starting_now();
+    let pool = WorkerPool::new(store.clone(), Arc::new(clock.clone()), "orders")
+        .lease(Duration::from_secs(30))
+        .time_source(ManualTime::new(&clock));
+    // Ids were issued in this space before: once granted, a claim records the time fence.
+    let fence = Key::parse("idem.ids", "snowflake.orders", "time-fence").unwrap();
+    store.raise(&fence, clock.now().as_millis()).await.unwrap();
+    // The claim's second raise (the fence, after the grant) is held; its caller goes away.
+    let raise = store.stall(Op::Raise, 1, When::Before);
+    let given_back = store.stall(Op::Renew, 0, When::After);
+    let claim = tokio::spawn({
+        let pool = pool.clone();
+        async move {
+            pool.claim(small_layout(), SnowflakeOptions::default())
+                .await
+        }
+    });
+    raise.reached().await;
+    claim.abort();
+    assert!(claim.await.unwrap_err().is_cancelled());
+    given_back.reached().await;
+    given_back.end(Then::Answer);
+
+    // A millisecond on, with no lease run out, every worker id can be claimed, and none of
+    // the new holders starts ahead of the clock.
+    clock.advance(Duration::from_millis(1));
+    let now = small_layout()
+        .millis_at(clock.now().to_system_time())
+        .unwrap();
+    for _ in 0..4 {
+        let g = pool
+            .claim(small_layout(), SnowflakeOptions::default())
+            .await
+            .unwrap();
+        let first = small_layout().decode(g.try_next().unwrap());
+        assert!(first.millis <= now + 1, "{} ms ahead", first.millis - now);
+    }
 }
