@@ -528,7 +528,7 @@ impl Settler {
         // (`records::reopen_unknown`) once the caller reports its key.
         tracing::warn!(
             key = %self.key.log_tag(),
-            scope = %self.key.scope(),
+            scope = %self.cfg.scope.log_form(self.key.scope()),
             namespace = %self.key.namespace(),
             fence = self.lease.fence,
             "outcome unknown; held until resolved"

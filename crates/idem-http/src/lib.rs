@@ -38,4 +38,4 @@ pub use header::{
 pub use layer::{Guarded, IdempotencyLayer, Idempotent, Settle, describe_metrics};
 pub use policy::{InFlight, KeyRequirement, OnUnknown, Policy, Preset, ReplayHeaders};
 pub use problem::Problem;
-pub use scope::ScopeSource;
+pub use scope::{ScopeSecret, ScopeSource};

@@ -450,7 +450,7 @@ fn counting_upstream() -> (String, std::sync::Arc<std::sync::atomic::AtomicUsize
 fn order(addr: &str) -> (u16, String) {
     http(
         addr,
-        "POST /orders HTTP/1.1\r\nHost: x\r\nConnection: close\r\nIdempotency-Key: order-7\r\nContent-Length: 6\r\n\r\npay 10",
+        "POST /orders HTTP/1.1\r\nHost: x\r\nConnection: close\r\nAuthorization: Bearer t\r\nIdempotency-Key: order-7\r\nContent-Length: 6\r\n\r\npay 10",
     )
 }
 
@@ -481,7 +481,7 @@ fn a_gateway_killed_mid_request_neither_runs_it_twice_at_once_nor_loses_the_answ
     let addr = gateway.addr.clone();
     let first = std::thread::spawn(move || {
         let mut s = TcpStream::connect(&addr).unwrap();
-        let _ = s.write_all(b"POST /orders HTTP/1.1\r\nHost: x\r\nIdempotency-Key: order-7\r\nContent-Length: 6\r\n\r\npay 10");
+        let _ = s.write_all(b"POST /orders HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer t\r\nIdempotency-Key: order-7\r\nContent-Length: 6\r\n\r\npay 10");
         let mut out = Vec::new();
         let _ = s.read_to_end(&mut out);
     });

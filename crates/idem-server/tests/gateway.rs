@@ -28,6 +28,7 @@ use tokio::net::TcpListener;
 struct Seen {
     runs: Arc<AtomicUsize>,
     headers: Arc<Mutex<Vec<HeaderMap>>>,
+    paths: Arc<Mutex<Vec<String>>>,
 }
 
 impl Seen {
@@ -37,9 +38,17 @@ impl Seen {
 }
 
 /// Counts the request, waits `x-delay-ms` if asked, and answers 201 with the run number.
-async fn orders(State(seen): State<Seen>, headers: HeaderMap, body: Bytes) -> Response {
+/// Every path the upstream has no other route for ends here too, so nothing that reaches the
+/// upstream goes uncounted.
+async fn orders(
+    State(seen): State<Seen>,
+    uri: axum::http::Uri,
+    headers: HeaderMap,
+    body: Bytes,
+) -> Response {
     let n = seen.runs.fetch_add(1, Ordering::SeqCst) + 1;
     seen.headers.lock().unwrap().push(headers.clone());
+    seen.paths.lock().unwrap().push(uri.path().to_owned());
     if let Some(ms) = headers.get("x-delay-ms") {
         let ms: u64 = ms.to_str().unwrap().parse().unwrap();
         tokio::time::sleep(Duration::from_millis(ms)).await;
@@ -122,6 +131,7 @@ async fn start_upstream_on(listener: TcpListener) -> Seen {
         .route("/stalls", route_post(stalls))
         .route("/private", route_post(private))
         .route("/_idem/health", get(|| async { "the upstream's own path" }))
+        .fallback(orders)
         .with_state(seen.clone());
     tokio::spawn(async move { axum::serve(listener, app).await.unwrap() });
     seen
@@ -170,7 +180,30 @@ fn client() -> Client<HttpConnector, Full<Bytes>> {
     Client::builder(TokioExecutor::new()).build(HttpConnector::new())
 }
 
+/// The credential `send` adds when a test gives none: guarded requests without one are
+/// refused by default.
+const CALLER: &str = "Bearer test-caller";
+
+/// Sends a request as the caller [`CALLER`], unless `headers` names another (or a blank one).
 async fn send(
+    addr: SocketAddr,
+    method: Method,
+    path: &str,
+    headers: &[(&str, &str)],
+    body: &str,
+) -> Reply {
+    let mut all = headers.to_vec();
+    if !headers
+        .iter()
+        .any(|(k, _)| k.eq_ignore_ascii_case("authorization"))
+    {
+        all.push(("authorization", CALLER));
+    }
+    send_anonymous(addr, method, path, &all, body).await
+}
+
+/// Sends a request with exactly `headers`.
+async fn send_anonymous(
     addr: SocketAddr,
     method: Method,
     path: &str,
@@ -646,4 +679,427 @@ async fn answers_lose_their_hop_by_hop_fields_and_metrics_are_named() {
     ] {
         assert!(metrics.contains(line), "no {line:?} in\n{metrics}");
     }
+}
+
+fn is_problem(r: &Reply) -> bool {
+    r.headers
+        .get("content-type")
+        .is_some_and(|v| v == "application/problem+json")
+}
+
+#[tokio::test]
+async fn no_spelling_of_a_guarded_path_reaches_the_upstream_unguarded() {
+    let (seen, up) = start_upstream().await;
+    let config = r#"
+        [[route]]
+        path = "/v1/payments/**"
+        key = "required"
+        namespace = "payments"
+    "#;
+    let gw = start_gateway(up, memory(), config).await;
+    for (path, code) in [
+        ("/v1/./payments/charge", "idempotency_key_missing"),
+        ("/v1/x/../payments/charge", "idempotency_key_missing"),
+        ("//v1//%70ayments/charge", "idempotency_key_missing"),
+        ("/v1/%2e/payments/charge", "ambiguous_path"),
+        ("/v1/x/%2E%2E/payments/charge", "ambiguous_path"),
+        ("/v1/payments%2Fcharge", "ambiguous_path"),
+        ("/v1/payments%5ccharge", "ambiguous_path"),
+        ("/v1\\payments/charge", "ambiguous_path"),
+        ("/v1;x/payments/charge", "ambiguous_path"),
+        ("/v1/payments;x/charge", "ambiguous_path"),
+        ("/v1/%00/payments/charge", "ambiguous_path"),
+        ("/../v1/payments/charge", "ambiguous_path"),
+    ] {
+        let r = send(gw, Method::POST, path, &[], "pay").await;
+        assert_eq!(r.status, StatusCode::BAD_REQUEST, "{path}: {}", r.body);
+        assert_eq!(r.code(), code, "{path}");
+        assert!(is_problem(&r), "{path}");
+    }
+    assert_eq!(seen.runs(), 0, "a spelling reached the upstream");
+
+    // With a key, any clean spelling is the one request the upstream sees under its one name,
+    // and a retry spelled differently is a retry of it.
+    let r = post(gw, "/v1/./payments/x/../charge", "p-1", "pay").await;
+    assert_eq!(r.status, StatusCode::CREATED, "{}", r.body);
+    assert_eq!(
+        seen.paths.lock().unwrap().as_slice(),
+        ["/v1/payments/charge"]
+    );
+    let r = post(gw, "/v1/payments/%63harge", "p-1", "pay").await;
+    assert!(r.replayed(), "{}", r.body);
+    // the query is kept as it was
+    post(gw, "//v1/payments/charge?x=%2F", "p-2", "pay").await;
+    assert_eq!(seen.runs(), 2);
+    assert_eq!(
+        seen.paths.lock().unwrap().last().unwrap(),
+        "/v1/payments/charge"
+    );
+}
+
+#[tokio::test]
+async fn guarded_requests_without_a_credential_are_refused_unless_the_route_shares() {
+    let (seen, up) = start_upstream().await;
+    let config = r#"
+        [[route]]
+        path = "/public/**"
+        anonymous = "shared"
+    "#;
+    let gw = start_gateway(up, memory(), config).await;
+    let keyed = [("idempotency-key", "k")];
+    for auth in [None, Some(""), Some("  ")] {
+        let mut headers = keyed.to_vec();
+        headers.extend(auth.map(|a| ("authorization", a)));
+        let r = send_anonymous(gw, Method::POST, "/orders", &headers, "pay").await;
+        assert_eq!(r.status, StatusCode::UNAUTHORIZED, "{auth:?}");
+        assert_eq!(r.code(), "credential_required");
+        assert!(is_problem(&r));
+    }
+    assert_eq!(seen.runs(), 0);
+    // Unguarded requests pass as before: no key, or a method not guarded.
+    let r = send_anonymous(gw, Method::POST, "/orders", &[], "pay").await;
+    assert_eq!(r.status, StatusCode::CREATED);
+    let r = send_anonymous(gw, Method::GET, "/orders", &keyed, "").await;
+    assert_eq!(r.status, StatusCode::CREATED);
+    assert_eq!(seen.runs(), 2);
+
+    // A route that shares: two anonymous callers are one scope.
+    let first = send_anonymous(gw, Method::POST, "/public/poll", &keyed, "vote").await;
+    assert_eq!(first.status, StatusCode::CREATED);
+    let second = send_anonymous(gw, Method::POST, "/public/poll", &keyed, "vote").await;
+    assert!(second.replayed());
+    assert_eq!(seen.runs(), 3);
+
+    // The auth scheme is case-insensitive: `bearer alice` is `Bearer alice`.
+    let as_alice = |auth: &'static str| async move {
+        send(
+            gw,
+            Method::POST,
+            "/orders",
+            &[("idempotency-key", "a"), ("authorization", auth)],
+            "pay",
+        )
+        .await
+    };
+    assert!(!as_alice("Bearer alice").await.replayed());
+    assert!(as_alice("bearer alice").await.replayed());
+    assert!(as_alice("BEARER   alice").await.replayed());
+    assert!(!as_alice("Bearer ALICE").await.replayed());
+    assert_eq!(seen.runs(), 5);
+}
+
+#[test]
+fn the_operator_is_warned_of_shared_scopes_and_withheld_logs() {
+    let file = FileConfig::parse(
+        r#"
+        [[route]]
+        path = "/public/**"
+        anonymous = "shared"
+        [[route]]
+        path = "/private/**"
+        "#,
+    )
+    .unwrap();
+    let url = UpstreamUrl::parse("http://127.0.0.1:1").unwrap();
+    let gateway = Gateway::new(url.clone(), memory())
+        .configure(&file)
+        .unwrap();
+    let warnings = gateway.warnings();
+    assert_eq!(warnings.len(), 2, "{warnings:#?}");
+    assert!(warnings[0].starts_with("/public/**: "), "{warnings:#?}");
+    assert!(
+        warnings[1].contains("no scope_secret_file"),
+        "{warnings:#?}"
+    );
+
+    let dir = tempfile::tempdir().unwrap();
+    let secret = dir.path().join("scope-secret");
+    std::fs::write(&secret, format!("{}\n", "s".repeat(64))).unwrap();
+    let file = FileConfig::parse(&format!(
+        "scope_secret_file = {:?}\ntrusted_proxies = [\"10.0.0.0/8\", \"::1\"]\n\
+         [defaults]\nanonymous = \"shared\"",
+        secret.display()
+    ))
+    .unwrap();
+    let gateway = Gateway::new(url.clone(), memory())
+        .configure(&file)
+        .unwrap();
+    assert_eq!(
+        gateway.warnings(),
+        [
+            "requests no route matches: guarded requests without the authorization header share \
+             one scope (anonymous = \"shared\"), so any such caller can replay another's stored \
+             answer by reusing its key",
+            "X-Forwarded-* and Forwarded headers are believed from 10.0.0.0/8, ::1/128; make \
+             sure only those proxies can reach the gateway",
+        ]
+    );
+    std::fs::write(&secret, "short").unwrap();
+    let file = FileConfig::parse(&format!("scope_secret_file = {:?}", secret.display())).unwrap();
+    let err = Gateway::new(url, memory()).configure(&file).err().unwrap();
+    assert!(err.contains("at least 32 bytes"), "{err}");
+}
+
+/// Collects what the gateway logs on this thread.
+#[derive(Clone, Default)]
+struct Log(Arc<Mutex<Vec<u8>>>);
+
+impl Log {
+    fn text(&self) -> String {
+        String::from_utf8_lossy(&self.0.lock().unwrap()).into_owned()
+    }
+}
+
+impl std::io::Write for Log {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        self.0.lock().unwrap().extend_from_slice(buf);
+        Ok(buf.len())
+    }
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+/// The `scope=` field of the log's unknown-outcome line.
+fn logged_scope(log: &str) -> String {
+    let line = log
+        .lines()
+        .find(|l| l.contains("outcome unknown"))
+        .unwrap_or_else(|| panic!("no unknown outcome in the log:\n{log}"));
+    let at = line.find("scope=").unwrap() + "scope=".len();
+    line[at..].split_whitespace().next().unwrap().to_owned()
+}
+
+// A single-threaded runtime: the gateway's tasks log on this thread, to this test's subscriber.
+#[tokio::test(flavor = "current_thread")]
+async fn scopes_are_logged_only_when_keyed_and_the_record_tools_take_both_forms() {
+    const TOKEN: &str = "operator-token-0123456789";
+    let log = Log::default();
+    let writer = log.clone();
+    let subscriber = tracing_subscriber::fmt()
+        .with_ansi(false)
+        .with_writer(move || writer.clone())
+        .finish();
+    let _guard = tracing::subscriber::set_default(subscriber);
+
+    let dir = tempfile::tempdir().unwrap();
+    let token_file = dir.path().join("admin-token");
+    std::fs::write(&token_file, TOKEN).unwrap();
+    let secret_file = dir.path().join("scope-secret");
+    std::fs::write(&secret_file, "0123456789abcdef0123456789abcdef\n").unwrap();
+    let alice = "Bearer alice-secret";
+    let plain = {
+        let parts = Request::builder()
+            .header("authorization", alice)
+            .body(())
+            .unwrap()
+            .into_parts()
+            .0;
+        idem_http::ScopeSource::default().scope_of(&parts)
+    };
+    let slow = [
+        ("idempotency-key", "t"),
+        ("authorization", alice),
+        ("x-delay-ms", "1000"),
+    ];
+    let (_, up) = start_upstream().await;
+    let inspect = |gw: SocketAddr, body: Value| async move {
+        let headers = [
+            ("authorization", "Bearer operator-token-0123456789"),
+            ("content-type", "application/json"),
+        ];
+        send(
+            gw,
+            Method::POST,
+            "/_idem/records/inspect",
+            &headers,
+            &body.to_string(),
+        )
+        .await
+    };
+
+    // Without a secret the log withholds the scope; the tools take the credential.
+    let config = format!(
+        "upstream_timeout = \"200ms\"\nadmin_token_file = {:?}",
+        token_file.display()
+    );
+    let gw = start_gateway(up, memory(), &config).await;
+    let r = send(gw, Method::POST, "/orders", &slow, "pay").await;
+    assert_eq!(r.code(), "upstream_timeout");
+    let text = log.text();
+    assert_eq!(logged_scope(&text), "withheld");
+    assert!(!text.contains(plain.as_str()), "{text}");
+    assert!(text.contains("no scope_secret_file"), "{text}");
+    let r = inspect(
+        gw,
+        serde_json::json!({"path": "/orders", "key": "t", "credential": alice}),
+    )
+    .await;
+    assert_eq!(r.json()["state"], "unknown", "{}", r.body);
+    let r = inspect(
+        gw,
+        serde_json::json!({"path": "/orders", "key": "t", "scope": "withheld"}),
+    )
+    .await;
+    assert_eq!(r.code(), "invalid_request");
+    assert!(r.json()["detail"].as_str().unwrap().contains("credential"));
+
+    // With a secret the log carries the keyed scope, and the tools take it or the credential
+    // (any spelling of its scheme).
+    log.0.lock().unwrap().clear();
+    let config = format!(
+        "upstream_timeout = \"200ms\"\nadmin_token_file = {:?}\nscope_secret_file = {:?}",
+        token_file.display(),
+        secret_file.display()
+    );
+    let gw = start_gateway(up, memory(), &config).await;
+    let r = send(gw, Method::POST, "/orders", &slow, "pay").await;
+    assert_eq!(r.code(), "upstream_timeout");
+    let text = log.text();
+    let keyed = logged_scope(&text);
+    assert!(
+        keyed.starts_with("cred-") && keyed != plain.as_str(),
+        "{text}"
+    );
+    assert!(!text.contains(plain.as_str()), "{text}");
+    assert!(!text.contains("no scope_secret_file"), "{text}");
+    for who in [
+        serde_json::json!({"scope": keyed}),
+        serde_json::json!({"credential": alice}),
+        serde_json::json!({"credential": "bearer alice-secret"}),
+    ] {
+        let mut body = serde_json::json!({"path": "/orders", "key": "t"});
+        body.as_object_mut()
+            .unwrap()
+            .extend(who.as_object().unwrap().clone());
+        let r = inspect(gw, body.clone()).await;
+        assert_eq!(r.json()["state"], "unknown", "{body}: {}", r.body);
+    }
+    let r = inspect(
+        gw,
+        serde_json::json!({"path": "/orders", "key": "t", "scope": plain.as_str()}),
+    )
+    .await;
+    assert_eq!(r.code(), "record_not_found");
+    // The path is read as a request's would be.
+    let r = inspect(
+        gw,
+        serde_json::json!({"path": "/x/../orders", "key": "t", "scope": keyed}),
+    )
+    .await;
+    assert_eq!(r.json()["state"], "unknown", "{}", r.body);
+    let r = inspect(
+        gw,
+        serde_json::json!({"path": "/%2e/orders", "key": "t", "scope": keyed}),
+    )
+    .await;
+    assert_eq!(r.code(), "ambiguous_path");
+}
+
+#[tokio::test]
+async fn forwarding_headers_are_this_hop_s_unless_the_peer_is_trusted() {
+    let (seen, up) = start_upstream().await;
+    let spoofed = [
+        ("x-forwarded-for", "203.0.113.9"),
+        ("x-forwarded-proto", "https"),
+        ("x-forwarded-host", "admin.internal"),
+        ("x-forwarded-port", "443"),
+        ("x-real-ip", "203.0.113.9"),
+        ("forwarded", "for=203.0.113.9;proto=https"),
+    ];
+    let last_headers = || seen.headers.lock().unwrap().last().cloned().unwrap();
+
+    let gw = start_gateway(up, memory(), "").await;
+    for method in [Method::GET, Method::POST] {
+        send(gw, method, "/orders", &spoofed, "").await;
+        let h = last_headers();
+        assert_eq!(h["x-forwarded-for"], "127.0.0.1");
+        assert_eq!(h["x-forwarded-proto"], "http");
+        assert_eq!(h["x-forwarded-host"], gw.to_string());
+        for gone in ["x-forwarded-port", "x-real-ip", "forwarded"] {
+            assert!(h.get(gone).is_none(), "{gone}");
+        }
+        assert_eq!(h["host"], up.to_string());
+    }
+
+    let behind = start_gateway(up, memory(), "trusted_proxies = [\"127.0.0.0/8\"]").await;
+    send(behind, Method::POST, "/orders", &spoofed, "").await;
+    let h = last_headers();
+    assert_eq!(h["x-forwarded-for"], "203.0.113.9, 127.0.0.1");
+    assert_eq!(h["x-forwarded-proto"], "https");
+    assert_eq!(h["x-forwarded-host"], "admin.internal");
+    assert_eq!(h["forwarded"], "for=203.0.113.9;proto=https");
+    assert_eq!(h["x-real-ip"], "203.0.113.9");
+    // From a trusted proxy that sent none, the gateway's own view.
+    send(behind, Method::POST, "/orders", &[], "").await;
+    let h = last_headers();
+    assert_eq!(h["x-forwarded-for"], "127.0.0.1");
+    assert_eq!(h["x-forwarded-proto"], "http");
+
+    let elsewhere = start_gateway(up, memory(), "trusted_proxies = [\"10.0.0.0/8\"]").await;
+    send(elsewhere, Method::POST, "/orders", &spoofed, "").await;
+    assert_eq!(last_headers()["x-forwarded-for"], "127.0.0.1");
+    let file = FileConfig::parse("trusted_proxies = [\"10.0.0.0/40\"]").unwrap();
+    let url = UpstreamUrl::parse(&format!("http://{up}")).unwrap();
+    assert!(Gateway::new(url, memory()).configure(&file).is_err());
+}
+
+#[tokio::test]
+async fn nothing_under_the_reserved_prefix_is_ever_forwarded() {
+    let (seen, up) = start_upstream().await;
+    let gw = start_gateway(up, memory(), "").await;
+    for method in [Method::GET, Method::POST, Method::DELETE] {
+        for path in [
+            "/_idem",
+            "/_idem/",
+            "/_idem/nothing-here",
+            "//_idem/health/x",
+            "/%5Fidem/x",
+            "/%5fidem/",
+            "/x/../_idem/x",
+            "/./_idem/x",
+            "/_IDEM/health",
+            "/_Idem/records/reopen",
+        ] {
+            let r = send(gw, method.clone(), path, &[("idempotency-key", "k")], "").await;
+            assert_eq!(
+                r.status,
+                StatusCode::NOT_FOUND,
+                "{method} {path}: {}",
+                r.body
+            );
+            assert_eq!(r.code(), "not_found", "{method} {path}");
+            assert!(is_problem(&r), "{method} {path}");
+        }
+    }
+    for path in ["/_idem%2Fhealth", "/_idem/%2e%2e/orders", "/_idem;x/health"] {
+        let r = send(gw, Method::POST, path, &[], "").await;
+        assert_eq!(r.code(), "ambiguous_path", "{path}");
+    }
+    assert_eq!(seen.runs(), 0, "{:?}", seen.paths.lock().unwrap());
+
+    // Every spelling of the exact prefix is the gateway's own endpoint.
+    for path in [
+        "/_idem/health",
+        "//_idem/./health",
+        "/%5Fidem/health/",
+        "/_idem/metrics?x=1",
+    ] {
+        let r = send(gw, Method::GET, path, &[], "").await;
+        assert_eq!(r.status, StatusCode::OK, "{path}: {}", r.body);
+    }
+    // A wrong method is a problem too, with the methods it takes.
+    for (method, path, allow) in [
+        (Method::POST, "/_idem/health", "GET,HEAD"),
+        (Method::DELETE, "/_idem/metrics", "GET,HEAD"),
+        (Method::GET, "/_idem/records/reopen", "POST"),
+        (Method::PUT, "/_idem/records/inspect", "POST"),
+    ] {
+        let r = send(gw, method.clone(), path, &[], "").await;
+        assert_eq!(r.status, StatusCode::METHOD_NOT_ALLOWED, "{method} {path}");
+        assert_eq!(r.code(), "method_not_allowed", "{method} {path}");
+        assert!(is_problem(&r), "{method} {path}");
+        assert_eq!(r.headers["allow"], allow, "{method} {path}");
+    }
+    assert_eq!(seen.runs(), 0);
 }

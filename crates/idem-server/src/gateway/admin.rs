@@ -109,6 +109,16 @@ pub(super) fn router(state: AdminState) -> Router {
         .route("/records/inspect", post(inspect))
         .route("/records/reopen", post(reopen))
         .fallback(|| async { Problem::not_found("There is no such gateway endpoint.") })
+        // The `Allow` header is still added by the router.
+        .method_not_allowed_fallback(|| async {
+            Problem::new(
+                StatusCode::METHOD_NOT_ALLOWED,
+                "method_not_allowed",
+                "Method not allowed",
+                "This gateway endpoint does not take this method; the Allow header lists those \
+                 it takes.",
+            )
+        })
         .with_state(state)
 }
 
@@ -161,7 +171,7 @@ struct RecordRef {
     path: String,
     /// The client's `Idempotency-Key` value (unquoted).
     key: String,
-    /// The caller's scope as logged (`cred-…`, or `anonymous`).
+    /// The caller's scope as logged (`cred-…`, or `anonymous`; with a scope secret only).
     scope: Option<String>,
     /// Or the caller's credential header value, hashed here as on a request.
     credential: Option<String>,
@@ -172,7 +182,15 @@ impl AdminState {
         if !r.path.starts_with('/') {
             return Err(Problem::invalid_request("`path` must start with /."));
         }
+        // The path as the request's was: in normal form, which is what routes match.
+        let path = super::path::normalize(&r.path).map_err(super::path_problem)?;
         let scope = match (r.scope, r.credential) {
+            (Some(scope), None) if scope == idem_http::scope::WITHHELD => {
+                return Err(Problem::invalid_request(
+                    "The log withholds callers' scopes on this gateway (it has no \
+                     scope_secret_file); give the caller's `credential` instead.",
+                ));
+            }
             (Some(scope), None) => Scope::new(scope).map_err(|e| {
                 Problem::invalid_request(format!("`scope` is not a valid scope: {e}."))
             })?,
@@ -188,13 +206,15 @@ impl AdminState {
         let (routes, default) = &*self.namespaces;
         let namespace = routes
             .iter()
-            .find(|(pattern, _)| pattern.matches(&r.path))
+            .find(|(pattern, _)| pattern.matches(&path))
             .map_or(default, |(_, ns)| ns);
         Ok(Key::new(scope, namespace.clone(), client_key))
     }
 
+    /// The scope a request carrying `credential` in the scope header gets: the same hash,
+    /// keyed or not, and the same reading of the auth scheme.
     fn scope_of_credential(&self, credential: &str) -> Result<Scope, Problem> {
-        let ScopeSource::Header(name) = &self.scope else {
+        let Some(name) = self.scope.header_name() else {
             return Err(Problem::invalid_request(
                 "This gateway does not scope by a header; give `scope`.",
             ));
@@ -261,7 +281,7 @@ async fn reopen(
         Ok(Reopened::Reopened { fence }) => {
             info!(
                 key = %key.log_tag(),
-                scope = %key.scope(),
+                scope = %s.scope.log_form(key.scope()),
                 namespace = %key.namespace(),
                 fence,
                 "an operator reopened an unknown outcome; the next retry runs it"

@@ -4,12 +4,15 @@
 //! upstream = "http://127.0.0.1:8080"
 //! upstream_timeout = "30s"
 //! scope_header = "authorization"
+//! scope_secret_file = "/etc/idem/scope-secret" # keyed scope hashes, logged with outcomes
+//! trusted_proxies = ["10.0.0.0/8"]             # whose X-Forwarded-* / Forwarded are kept
 //! admin_prefix = "/_idem"
 //! admin_token_file = "/etc/idem/admin-token"   # enables the record tools
 //!
 //! [defaults]              # every route, and requests no route matches
 //! methods = ["POST", "PATCH"]
 //! key = "optional"
+//! anonymous = "refuse"    # guarded requests without the scope header: 401
 //!
 //! [[route]]               # the first route whose path matches wins
 //! path = "/v1/payments/**"
@@ -46,6 +49,12 @@ pub struct FileConfig {
     pub upstream_timeout: Option<String>,
     /// The header whose (hashed) value scopes keys.
     pub scope_header: Option<String>,
+    /// A file holding the secret that keys the hash of callers' credentials; every gateway on
+    /// one store needs the same one.
+    pub scope_secret_file: Option<std::path::PathBuf>,
+    /// Addresses (`10.0.0.7`) and networks (`10.0.0.0/8`) of the proxies in front whose
+    /// `X-Forwarded-*` and `Forwarded` headers are passed on; everyone else's are replaced.
+    pub trusted_proxies: Option<Vec<String>>,
     /// How often expired records are purged.
     pub purge_interval: Option<String>,
     /// Settings for every route.
@@ -63,6 +72,12 @@ pub struct FileConfig {
 pub struct RouteSettings {
     /// The path pattern (routes only): `/exact`, `*` for one segment, a final `**` for any rest.
     pub path: Option<String>,
+    /// Whether the pattern's letters must match in case (`true` by default); `false` for
+    /// upstreams that route without regard to case.
+    pub case_sensitive: Option<bool>,
+    /// What guarded requests without the scope header get: `refuse` (401) or `shared` (one
+    /// scope for all of them).
+    pub anonymous: Option<String>,
     /// The guarded methods.
     pub methods: Option<Vec<String>>,
     /// `required` or `optional`.
@@ -99,10 +114,22 @@ impl FileConfig {
 }
 
 /// A path pattern: segments, each literal or `*`; a final `**` matches any rest (even none).
+///
+/// Patterns are matched against paths in normal form ([`super::path::normalize`]), segment
+/// by segment with every percent-encoding decoded on both sides, so `/v1/%70ayments`,
+/// `/v1/./payments` and `//v1/payments` all match `/v1/payments`. A final slash is ignored.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct PathPattern {
-    segments: Vec<String>,
+    text: String,
+    segments: Vec<Segment>,
     rest: bool,
+    case_sensitive: bool,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+enum Segment {
+    Any,
+    Literal(Vec<u8>),
 }
 
 impl PathPattern {
@@ -111,63 +138,122 @@ impl PathPattern {
         let Some(body) = pattern.strip_prefix('/') else {
             return Err(format!("route path {pattern:?} must start with /"));
         };
-        let mut segments: Vec<String> = body.split('/').map(str::to_owned).collect();
-        if segments.last().is_some_and(String::is_empty) {
-            segments.pop();
+        let mut parts: Vec<&str> = body.split('/').collect();
+        if parts.last().is_some_and(|s| s.is_empty()) {
+            parts.pop();
         }
-        let rest = segments.last().is_some_and(|s| s == "**");
+        let rest = parts.last().is_some_and(|s| *s == "**");
         if rest {
-            segments.pop();
+            parts.pop();
         }
-        if segments.iter().any(|s| s == "**") {
-            return Err(format!(
-                "route path {pattern:?}: ** may only be the last segment"
-            ));
-        }
-        if segments.iter().any(String::is_empty) {
-            return Err(format!("route path {pattern:?} has an empty segment"));
-        }
-        Ok(Self { segments, rest })
+        let segments = parts
+            .into_iter()
+            .map(|s| match s {
+                "**" => Err(format!(
+                    "route path {pattern:?}: ** may only be the last segment"
+                )),
+                "*" => Ok(Segment::Any),
+                "" => Err(format!("route path {pattern:?} has an empty segment")),
+                "." | ".." => Err(format!("route path {pattern:?} has a dot segment")),
+                literal => match super::path::normalize(&format!("/{literal}")) {
+                    Ok(normal) if normal.len() > 1 && !normal[1..].contains('/') => {
+                        Ok(Segment::Literal(super::path::decoded(&normal[1..])))
+                    }
+                    Ok(_) => Err(format!("route path {pattern:?} has a dot segment")),
+                    Err(e) => Err(format!("route path {pattern:?}: {e}")),
+                },
+            })
+            .collect::<Result<_, String>>()?;
+        Ok(Self {
+            text: pattern.to_owned(),
+            segments,
+            rest,
+            case_sensitive: true,
+        })
     }
 
-    /// Whether `path` matches. Empty segments are skipped and percent-encodings decoded
-    /// before comparing (`//v1/%70ayments` matches `/v1/payments`), so a request cannot slip
-    /// past its route's policy by spelling the path differently from the upstream's router.
+    /// The same pattern, matching letters with or without regard to case.
+    #[must_use]
+    pub fn case_sensitive(mut self, yes: bool) -> Self {
+        self.case_sensitive = yes;
+        self
+    }
+
+    /// The pattern as written.
+    pub fn as_str(&self) -> &str {
+        &self.text
+    }
+
+    /// Whether `path`, in normal form, matches.
     pub fn matches(&self, path: &str) -> bool {
         let mut parts = path.split('/').filter(|s| !s.is_empty());
         for want in &self.segments {
-            match parts.next() {
-                Some(got) if want == "*" || decoded_eq(got, want) => {}
-                _ => return false,
+            match (parts.next(), want) {
+                (Some(_), Segment::Any) => {}
+                (Some(got), Segment::Literal(want)) => {
+                    let got = super::path::decoded(got);
+                    let same = if self.case_sensitive {
+                        got == *want
+                    } else {
+                        got.eq_ignore_ascii_case(want)
+                    };
+                    if !same {
+                        return false;
+                    }
+                }
+                (None, _) => return false,
             }
         }
         self.rest || parts.next().is_none()
     }
 }
 
-/// Whether a path segment, percent-decoded, equals `want`. Allocates nothing.
-fn decoded_eq(got: &str, want: &str) -> bool {
-    let (mut got, mut want) = (got.as_bytes(), want.as_bytes());
-    loop {
-        let (byte, rest) = match got {
-            [] => return want.is_empty(),
-            [b'%', h, l, rest @ ..] => match (hex(*h), hex(*l)) {
-                (Some(h), Some(l)) => (h << 4 | l, rest),
-                _ => (b'%', &got[1..]),
-            },
-            [b, rest @ ..] => (*b, rest),
-        };
-        match want {
-            [w, wrest @ ..] if *w == byte => (got, want) = (rest, wrest),
-            _ => return false,
-        }
+impl std::fmt::Display for PathPattern {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.text)
     }
 }
 
-fn hex(b: u8) -> Option<u8> {
-    char::from(b)
-        .to_digit(16)
-        .and_then(|d| u8::try_from(d).ok())
+/// What a guarded request without the scope header gets.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Anonymous {
+    /// 401 `credential_required`: no caller's record can be read or taken by one who does not
+    /// say who it is.
+    #[default]
+    Refuse,
+    /// Every such request shares the scope `anonymous`, so each can replay the others'
+    /// answers by reusing their keys: only for upstreams whose anonymous callers are one
+    /// party, or that scope callers some other way.
+    Shared,
+}
+
+/// One route's rules: its policy and what its anonymous callers get.
+#[derive(Debug, Clone, Default)]
+pub struct Route {
+    /// The layer's policy.
+    pub policy: Policy,
+    /// Guarded requests without the scope header.
+    pub anonymous: Anonymous,
+}
+
+/// Builds a route's rules from its settings over the defaults.
+pub fn route(
+    route: &RouteSettings,
+    defaults: &RouteSettings,
+    upstream_timeout: Duration,
+) -> Result<Route, String> {
+    let anonymous = match route.anonymous.as_ref().or(defaults.anonymous.as_ref()) {
+        None => Anonymous::default(),
+        Some(a) => match a.as_str() {
+            "refuse" => Anonymous::Refuse,
+            "shared" => Anonymous::Shared,
+            other => return Err(format!("anonymous = {other:?}: expected refuse or shared")),
+        },
+    };
+    Ok(Route {
+        policy: policy(route, defaults, upstream_timeout)?,
+        anonymous,
+    })
 }
 
 /// Parses a duration such as `30s`, `5m`, `24h`.
@@ -325,30 +411,238 @@ fn header_names(names: &[String]) -> Result<Vec<HeaderName>, String> {
 mod tests {
     use super::*;
 
+    /// Whether `pattern` matches `path` once the path is in normal form.
+    fn matches(pattern: &PathPattern, path: &str) -> bool {
+        crate::gateway::path::normalize(path).is_ok_and(|p| pattern.matches(&p))
+    }
+
     #[test]
     fn patterns() {
         let p = PathPattern::parse("/v1/orders/*/capture").unwrap();
-        assert!(p.matches("/v1/orders/42/capture"));
-        assert!(p.matches("/v1/orders/42/capture/"));
-        assert!(p.matches("/v1/orders//42/capture"));
-        assert!(p.matches("//v1/%6Frders/42/capture"));
-        assert!(!p.matches("/v1/orders//capture"));
-        assert!(!p.matches("/v1/order%/42/capture"));
-        assert!(!p.matches("/v1/orders/42"));
-        assert!(!p.matches("/v1/orders/42/capture/x"));
+        assert!(matches(&p, "/v1/orders/42/capture"));
+        assert!(matches(&p, "/v1/orders/42/capture/"));
+        assert!(matches(&p, "/v1/orders//42/capture"));
+        assert!(matches(&p, "//v1/%6Frders/42/capture"));
+        assert!(matches(&p, "/v1/./orders/x/../42/capture"));
+        assert!(!matches(&p, "/v1/orders//capture"));
+        assert!(!matches(&p, "/v1/orders/42"));
+        assert!(!matches(&p, "/v1/orders/42/capture/x"));
+        assert!(!matches(&p, "/V1/orders/42/capture"));
+        assert!(p.case_sensitive(false).matches("/V1/ORDERS/42/Capture"));
         let any = PathPattern::parse("/v1/**").unwrap();
-        assert!(any.matches("/v1"));
-        assert!(any.matches("/v1/a/b/c"));
-        assert!(!any.matches("/v2/a"));
+        assert!(matches(&any, "/v1"));
+        assert!(matches(&any, "/v1/a/b/c"));
+        assert!(!matches(&any, "/v2/a"));
+        assert!(!matches(&any, "/v1/.."));
         assert!(
             PathPattern::parse("/**")
                 .unwrap()
                 .matches("/anything/at/all")
         );
         assert!(PathPattern::parse("/exact").unwrap().matches("/exact"));
-        for bad in ["v1", "/a/**/b", "/a//b"] {
+        // a pattern may spell a segment with percent-encodings; both sides are compared decoded
+        let cafe = PathPattern::parse("/caf%c3%a9/%21").unwrap();
+        assert!(matches(&cafe, "/caf\u{e9}/!"));
+        assert!(matches(&cafe, "/caf%C3%A9/%21"));
+        for bad in [
+            "v1", "/a/**/b", "/a//b", "/a/./b", "/a/../b", "/a/%2e", "/a%2Fb", "/a;b", "/a/%zz",
+        ] {
             assert!(PathPattern::parse(bad).is_err(), "{bad}");
         }
+    }
+
+    mod spellings {
+        use super::super::PathPattern;
+        use crate::gateway::path::normalize;
+        use proptest::prelude::*;
+
+        const ROUTES: [&str; 5] = [
+            "/v1/payments/**",
+            "/v1/orders/*/capture",
+            "/v1/orders",
+            "/a/*/b",
+            "/b/**",
+        ];
+
+        /// The index of the first route matching `path` (in normal form), if any.
+        fn route_of(path: &str) -> Option<usize> {
+            ROUTES
+                .iter()
+                .position(|r| PathPattern::parse(r).unwrap().matches(path))
+        }
+
+        /// How the most lenient common upstream reads a path: every percent-encoding
+        /// decoded (an encoded slash splits), `\` taken for `/`, `;` parameters stripped,
+        /// empty segments dropped and dot segments resolved, clamping at the root.
+        fn lenient(raw: &str) -> String {
+            let mut bytes = crate::gateway::path::decoded(raw);
+            for b in &mut bytes {
+                if *b == b'\\' {
+                    *b = b'/';
+                }
+            }
+            let mut segments: Vec<&[u8]> = Vec::new();
+            for seg in bytes.split(|&b| b == b'/') {
+                let seg = seg.split(|&b| b == b';').next().unwrap_or_default();
+                match seg {
+                    b"" | b"." => {}
+                    b".." => {
+                        segments.pop();
+                    }
+                    s => segments.push(s),
+                }
+            }
+            let mut out = String::new();
+            for s in segments {
+                out.push('/');
+                for &b in s {
+                    out.push_str(&format!("%{b:02X}"));
+                }
+            }
+            if out.is_empty() { "/".into() } else { out }
+        }
+
+        /// What is put before a segment (or done to it) when spelling it.
+        #[derive(Debug, Clone)]
+        enum Twist {
+            None,
+            /// `./`
+            Dot,
+            /// `x/../`
+            Up(String),
+            /// `//`
+            Double,
+            /// `%2e/` or `%2E%2E/` after a detour: refused.
+            EncodedDot(bool),
+            /// `;x` after the segment: refused.
+            Param,
+            /// `%2F` or `\` inside the segment: refused.
+            Separator(bool),
+        }
+
+        impl Twist {
+            fn refused(&self) -> bool {
+                matches!(self, Self::EncodedDot(_) | Self::Param | Self::Separator(_))
+            }
+        }
+
+        fn segment() -> impl Strategy<Value = String> {
+            prop_oneof![
+                Just("v1".to_owned()),
+                Just("payments".to_owned()),
+                Just("orders".to_owned()),
+                Just("capture".to_owned()),
+                Just("a".to_owned()),
+                Just("b".to_owned()),
+                "[a-zA-Z0-9._~-]{1,6}".prop_filter("not a dot segment", |s| s != "." && s != ".."),
+            ]
+        }
+
+        fn twist() -> impl Strategy<Value = Twist> {
+            prop_oneof![
+                6 => Just(Twist::None),
+                2 => Just(Twist::Dot),
+                2 => "[a-z]{1,3}".prop_map(Twist::Up),
+                2 => Just(Twist::Double),
+                1 => any::<bool>().prop_map(Twist::EncodedDot),
+                1 => Just(Twist::Param),
+                1 => any::<bool>().prop_map(Twist::Separator),
+            ]
+        }
+
+        /// A segment with some of its characters percent-encoded, hex in either case.
+        fn spell_segment(seg: &str, encode: u64, lower: bool) -> String {
+            seg.bytes()
+                .enumerate()
+                .map(|(i, b)| {
+                    if encode >> (i % 64) & 1 == 1 {
+                        if lower {
+                            format!("%{b:02x}")
+                        } else {
+                            format!("%{b:02X}")
+                        }
+                    } else {
+                        char::from(b).to_string()
+                    }
+                })
+                .collect()
+        }
+
+        proptest! {
+            /// Any spelling of a path is refused, or the gateway reads it as the path it
+            /// spells, and so does a lenient upstream: no spelling reaches a route's handler
+            /// under another route's policy.
+            #[test]
+            fn no_spelling_escapes_its_route(
+                parts in proptest::collection::vec(
+                    (segment(), twist(), any::<u64>(), any::<bool>()),
+                    1..6,
+                ),
+                final_slash in any::<bool>(),
+            ) {
+                let canonical: String = parts.iter().map(|(s, ..)| format!("/{s}")).collect();
+                let mut spelled = String::new();
+                for (seg, twist, encode, lower) in &parts {
+                    let mut seg = spell_segment(seg, *encode, *lower);
+                    match twist {
+                        Twist::None => {}
+                        Twist::Dot => spelled.push_str("/."),
+                        Twist::Up(x) => spelled.push_str(&format!("/{x}/..")),
+                        Twist::Double => spelled.push('/'),
+                        Twist::EncodedDot(true) => spelled.push_str("/%2e"),
+                        Twist::EncodedDot(false) => spelled.push_str("/x/%2E%2E"),
+                        Twist::Param => seg.push_str(";x"),
+                        Twist::Separator(true) => seg.insert_str(0, "x%2F"),
+                        Twist::Separator(false) => seg.insert_str(0, "x\\"),
+                    }
+                    spelled.push('/');
+                    spelled.push_str(&seg);
+                }
+                if final_slash {
+                    spelled.push('/');
+                }
+                let refused = parts.iter().any(|(_, t, ..)| t.refused());
+                match normalize(&spelled) {
+                    Ok(normal) => {
+                        prop_assert!(!refused, "{spelled} was not refused");
+                        let slash = if final_slash { "/" } else { "" };
+                        prop_assert_eq!(&normal, &format!("{canonical}{slash}"), "{}", spelled);
+                        prop_assert_eq!(route_of(&normal), route_of(&canonical), "{}", spelled);
+                        prop_assert_eq!(route_of(&lenient(&spelled)), route_of(&normal));
+                        prop_assert_eq!(normalize(&normal), Ok(normal));
+                    }
+                    Err(e) => prop_assert!(refused, "{spelled} refused: {e}"),
+                }
+            }
+
+            /// The same for any string of the characters that make paths ambiguous.
+            #[test]
+            fn no_odd_path_escapes_its_route(raw in "(/|v1|payments|a|b|x|\\.|%|2|e|E|f|F|5|c|C|;|\\\\|~)*") {
+                let raw = format!("/{raw}");
+                if let Ok(normal) = normalize(&raw) {
+                    prop_assert_eq!(route_of(&lenient(&raw)), route_of(&normal), "{}", raw);
+                    prop_assert_eq!(normalize(&normal), Ok(normal));
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn anonymous_callers_are_refused_unless_a_route_shares() {
+        let t = Duration::from_secs(30);
+        let none = RouteSettings::default();
+        let shared: RouteSettings = toml::from_str("anonymous = \"shared\"").unwrap();
+        let refuse: RouteSettings = toml::from_str("anonymous = \"refuse\"").unwrap();
+        let of = |r, d| route(r, d, t).unwrap().anonymous;
+        assert_eq!(of(&none, &none), Anonymous::Refuse);
+        assert_eq!(of(&none, &shared), Anonymous::Shared, "from [defaults]");
+        assert_eq!(of(&refuse, &shared), Anonymous::Refuse);
+        let bad: RouteSettings = toml::from_str("anonymous = \"open\"").unwrap();
+        assert!(
+            route(&bad, &none, t)
+                .unwrap_err()
+                .contains("refuse or shared")
+        );
     }
 
     #[test]

@@ -3,8 +3,14 @@
 //!
 //! Every request is forwarded to the upstream; requests on guarded routes (POST and PATCH by
 //! default) that carry a key go through [`idem_http::IdempotencyLayer`], so a retry gets the
-//! first answer instead of reaching the upstream again. The gateway's own endpoints live under
-//! one reserved prefix (`/_idem` by default), which is never forwarded:
+//! first answer instead of reaching the upstream again. Before anything else the path is
+//! brought to its normal form ([`path`]), which is what routes match and what the upstream
+//! receives; a path servers read differently is refused with 400 `ambiguous_path`. A guarded
+//! request without the scope header is refused with 401 `credential_required` unless its route
+//! says `anonymous = "shared"`.
+//!
+//! The gateway's own endpoints live under one reserved prefix (`/_idem` by default); nothing
+//! under it, in any spelling or case, is forwarded:
 //!
 //! | path | what |
 //! | --- | --- |
@@ -15,6 +21,7 @@
 
 pub mod admin;
 pub mod config;
+pub mod path;
 pub mod proxy;
 
 use std::convert::Infallible;
@@ -24,17 +31,24 @@ use std::time::Duration;
 
 use axum::Router;
 use axum::body::Body;
-use axum::http::{HeaderName, Request, Response};
+use axum::http::uri::PathAndQuery;
+use axum::http::{HeaderName, Request, StatusCode, Uri};
+use axum::response::{IntoResponse, Response};
 use idem_core::{BoxFuture, Clock, SharedStore, SystemClock};
-use idem_http::{IdempotencyLayer, Idempotent, Policy, ResponseBody, ScopeSource};
+use idem_http::{
+    IDEMPOTENCY_KEY, IdempotencyLayer, Idempotent, KeyRequirement, Problem, ScopeSecret,
+    ScopeSource,
+};
 use tower_layer::Layer;
 use tower_service::Service;
+use tracing::warn;
 
 use crate::metrics::Registry;
 use admin::AdminState;
 pub use admin::AdminToken;
-pub use config::{FileConfig, PathPattern, RouteSettings};
-pub use proxy::{Proxy, Upstream};
+pub use config::{Anonymous, FileConfig, PathPattern, Route, RouteSettings};
+pub use path::AmbiguousPath;
+pub use proxy::{Proxy, TrustedProxies, Upstream};
 
 /// The default reserved prefix.
 pub const DEFAULT_ADMIN_PREFIX: &str = "/_idem";
@@ -54,10 +68,12 @@ pub struct Gateway {
     pub admin_prefix: String,
     /// Where each caller's scope comes from.
     pub scope: ScopeSource,
+    /// The proxies in front whose forwarding headers are believed.
+    pub trusted_proxies: TrustedProxies,
     /// Routes, first match wins.
-    pub routes: Vec<(PathPattern, Policy)>,
-    /// The policy of requests no route matches.
-    pub default_policy: Policy,
+    pub routes: Vec<(PathPattern, Route)>,
+    /// The rules of requests no route matches.
+    pub default_route: Route,
     /// The operator's token for the record tools; `None` disables them.
     pub admin_token: Option<AdminToken>,
 }
@@ -72,8 +88,9 @@ impl Gateway {
             clock: Arc::new(SystemClock),
             admin_prefix: DEFAULT_ADMIN_PREFIX.to_owned(),
             scope: ScopeSource::default(),
+            trusted_proxies: TrustedProxies::default(),
             routes: Vec::new(),
-            default_policy: Policy::default(),
+            default_route: Route::default(),
             admin_token: None,
         }
     }
@@ -92,16 +109,23 @@ impl Gateway {
         if let Some(path) = &file.admin_token_file {
             self.admin_token = Some(AdminToken::from_file(path)?);
         }
-        if let Some(name) = &file.scope_header {
-            let name = HeaderName::from_bytes(name.as_bytes())
-                .map_err(|_| format!("scope_header {name:?} is not a header name"))?;
-            self.scope = ScopeSource::Header(name);
+        let header = match &file.scope_header {
+            Some(name) => HeaderName::from_bytes(name.as_bytes())
+                .map_err(|_| format!("scope_header {name:?} is not a header name"))?,
+            None => axum::http::header::AUTHORIZATION,
+        };
+        self.scope = match &file.scope_secret_file {
+            Some(path) => ScopeSource::KeyedHeader(header, scope_secret(path)?),
+            None => ScopeSource::Header(header),
+        };
+        if let Some(entries) = &file.trusted_proxies {
+            self.trusted_proxies = TrustedProxies::parse(entries)?;
         }
         if file.defaults.path.is_some() {
             return Err("[defaults] takes no path; put it in a [[route]]".into());
         }
         let none = RouteSettings::default();
-        self.default_policy = config::policy(&file.defaults, &none, self.upstream_timeout)
+        self.default_route = config::route(&file.defaults, &none, self.upstream_timeout)
             .map_err(|e| format!("[defaults]: {e}"))?;
         self.routes = file
             .routes
@@ -113,41 +137,90 @@ impl Gateway {
                     .path
                     .as_deref()
                     .ok_or_else(|| format!("{}: needs a path", at()))?;
-                let pattern = PathPattern::parse(path).map_err(|e| format!("{}: {e}", at()))?;
-                let policy = config::policy(r, &file.defaults, self.upstream_timeout)
+                let case = r.case_sensitive.or(file.defaults.case_sensitive);
+                let pattern = PathPattern::parse(path)
+                    .map_err(|e| format!("{}: {e}", at()))?
+                    .case_sensitive(case.unwrap_or(true));
+                let route = config::route(r, &file.defaults, self.upstream_timeout)
                     .map_err(|e| format!("{}: {e}", at()))?;
-                Ok((pattern, policy))
+                Ok((pattern, route))
             })
             .collect::<Result<_, String>>()?;
         Ok(self)
     }
 
+    /// What an operator should know about this configuration before it serves: routes whose
+    /// anonymous callers share one scope, and scopes kept out of the log.
+    pub fn warnings(&self) -> Vec<String> {
+        let mut out = Vec::new();
+        let header = self.scope.header_name();
+        if let Some(name) = header {
+            let shared = self
+                .routes
+                .iter()
+                .map(|(p, r)| (p.as_str(), r))
+                .chain([("requests no route matches", &self.default_route)])
+                .filter(|(_, r)| r.anonymous == Anonymous::Shared);
+            for (what, _) in shared {
+                out.push(format!(
+                    "{what}: guarded requests without the {name} header share one scope \
+                     (anonymous = \"shared\"), so any such caller can replay another's stored \
+                     answer by reusing its key"
+                ));
+            }
+        }
+        if let ScopeSource::Header(name) = &self.scope {
+            out.push(format!(
+                "no scope_secret_file: callers' scopes (hashes of their {name} header) are \
+                 withheld from the log, so the record tools need the caller's credential \
+                 rather than the scope"
+            ));
+        }
+        if !self.trusted_proxies.is_empty() {
+            out.push(format!(
+                "X-Forwarded-* and Forwarded headers are believed from {}; make sure only \
+                 those proxies can reach the gateway",
+                self.trusted_proxies
+            ));
+        }
+        out
+    }
+
     /// The gateway's routes: its own endpoints under the reserved prefix, everything else
-    /// to the upstream.
+    /// to the upstream. Logs [`Gateway::warnings`], once, since a gateway builds its router
+    /// once.
     pub fn router(&self) -> Router {
+        for w in self.warnings() {
+            warn!("{w}");
+        }
         // The recorder first: descriptions sent before it is installed are lost.
         let registry = Registry::global();
         describe_metrics();
-        let proxy = Proxy::new(self.upstream.clone(), self.upstream_timeout);
-        let guard = |policy: &Policy| {
-            IdempotencyLayer::new(self.store.clone(), policy.clone())
+        let proxy = Proxy::new(self.upstream.clone(), self.upstream_timeout)
+            .trusting(self.trusted_proxies.clone());
+        let guard = |route: &Route| Guard {
+            anonymous: route.anonymous,
+            key: route.policy.key,
+            methods: route.policy.methods.clone().into(),
+            svc: IdempotencyLayer::new(self.store.clone(), route.policy.clone())
                 .scope(self.scope.clone())
                 .clock(self.clock.clone())
-                .layer(proxy.clone())
+                .layer(proxy.clone()),
         };
         let dispatch = Dispatch {
             routes: self
                 .routes
                 .iter()
-                .map(|(pattern, policy)| (pattern.clone(), guard(policy)))
+                .map(|(pattern, route)| (pattern.clone(), guard(route)))
                 .collect::<Vec<_>>()
                 .into(),
-            default: guard(&self.default_policy),
+            default: guard(&self.default_route),
+            scope: self.scope.clone(),
         };
         let namespaces = self
             .routes
             .iter()
-            .map(|(pattern, policy)| (pattern.clone(), policy.namespace.clone()))
+            .map(|(pattern, route)| (pattern.clone(), route.policy.namespace.clone()))
             .collect();
         let admin = admin::router(AdminState {
             store: self.store.clone(),
@@ -155,36 +228,153 @@ impl Gateway {
             registry,
             token: self.admin_token.clone(),
             scope: self.scope.clone(),
-            namespaces: Arc::new((namespaces, self.default_policy.namespace.clone())),
+            namespaces: Arc::new((namespaces, self.default_route.policy.namespace.clone())),
         });
-        Router::new()
-            .nest(&self.admin_prefix, admin)
-            .fallback_service(dispatch)
+        Router::new().fallback_service(Front {
+            prefix: self.admin_prefix.as_str().into(),
+            admin,
+            dispatch,
+        })
     }
 }
 
-/// Checks a reserved prefix: `/` and at least one segment, no trailing slash.
+/// Checks a reserved prefix: `/` and at least one segment, no trailing slash; written in
+/// normal form ([`path::normalize`]).
 pub fn admin_prefix(prefix: &str) -> Result<String, String> {
-    let trimmed = prefix.trim_end_matches('/');
-    if !trimmed.starts_with('/') || trimmed.len() < 2 || trimmed.contains(['*', '{', '}']) {
-        return Err(format!(
+    let bad = || {
+        format!(
             "admin prefix {prefix:?} must be a path such as /_idem (not / and without wildcards)"
-        ));
+        )
+    };
+    let normal = path::normalize(prefix).map_err(|_| bad())?;
+    let trimmed = normal.trim_end_matches('/');
+    if trimmed.len() < 2 || trimmed.contains(['*', '{', '}']) {
+        return Err(bad());
     }
     Ok(trimmed.to_owned())
 }
 
-/// Picks the first route whose pattern matches the path.
+fn scope_secret(path: &std::path::Path) -> Result<ScopeSecret, String> {
+    let bytes = std::fs::read(path)
+        .map_err(|e| format!("cannot read scope secret file {}: {e}", path.display()))?;
+    ScopeSecret::new(&bytes).map_err(|e| format!("{}: {e}", path.display()))
+}
+
+/// The whole gateway: brings the path to its normal form (or refuses it), answers under the
+/// reserved prefix itself, and hands everything else to [`Dispatch`].
+#[derive(Clone)]
+struct Front {
+    prefix: Arc<str>,
+    admin: Router,
+    dispatch: Dispatch,
+}
+
+impl Service<Request<Body>> for Front {
+    type Response = Response;
+    type Error = Infallible;
+    type Future = BoxFuture<'static, Result<Response, Infallible>>;
+
+    fn poll_ready(&mut self, _: &mut Context<'_>) -> Poll<Result<(), Infallible>> {
+        Poll::Ready(Ok(()))
+    }
+
+    fn call(&mut self, mut req: Request<Body>) -> Self::Future {
+        let normal = match path::normalize(req.uri().path()) {
+            Ok(normal) => normal,
+            Err(e) => return ready(refuse(path_problem(e))),
+        };
+        if normal != req.uri().path() {
+            let Some(uri) = with_path(req.uri(), &normal) else {
+                return ready(refuse(path_problem(AmbiguousPath::NotAbsolute)));
+            };
+            *req.uri_mut() = uri;
+        }
+        if !path::under_prefix(&normal, &self.prefix) {
+            let mut dispatch = self.dispatch.clone();
+            return Box::pin(async move { Ok(dispatch.call(req).await?.into_response()) });
+        }
+        // Every spelling of the prefix is reserved; only the exact one is served.
+        let Some(rest) = normal.strip_prefix(&*self.prefix) else {
+            return ready(Problem::not_found("There is no such gateway endpoint.").into_response());
+        };
+        // The gateway's endpoints take no final slash: `/_idem/health/` is `/_idem/health`.
+        let rest = rest.trim_end_matches('/');
+        let inner = if rest.is_empty() { "/" } else { rest };
+        let Some(uri) = with_path(req.uri(), inner) else {
+            return ready(Problem::not_found("There is no such gateway endpoint.").into_response());
+        };
+        *req.uri_mut() = uri;
+        let mut admin = self.admin.clone();
+        Box::pin(async move { admin.call(req).await })
+    }
+}
+
+fn ready(res: Response) -> BoxFuture<'static, Result<Response, Infallible>> {
+    Box::pin(std::future::ready(Ok(res)))
+}
+
+/// `uri` with another path, the query kept.
+fn with_path(uri: &Uri, path: &str) -> Option<Uri> {
+    let pq = match uri.query() {
+        Some(q) => format!("{path}?{q}"),
+        None => path.to_owned(),
+    };
+    let mut parts = uri.clone().into_parts();
+    parts.path_and_query = Some(PathAndQuery::try_from(pq).ok()?);
+    Uri::from_parts(parts).ok()
+}
+
+/// 400 `ambiguous_path` (`invalid_request` for a target that is not a path at all).
+pub(crate) fn path_problem(e: AmbiguousPath) -> Problem {
+    if e == AmbiguousPath::NotAbsolute {
+        return Problem::invalid_request(format!("{e}."));
+    }
+    Problem::new(
+        StatusCode::BAD_REQUEST,
+        "ambiguous_path",
+        "Ambiguous path",
+        format!("Refused: {e}; send the path in plain form."),
+    )
+}
+
+/// Counts a request the gateway refused before any route saw it, then answers.
+fn refuse(problem: Problem) -> Response {
+    metrics::counter!("idem_gateway_refused_total", "code" => problem.code()).increment(1);
+    problem.into_response()
+}
+
+/// One route's guarded service, and what the gateway checks before it.
+#[derive(Clone)]
+struct Guard {
+    anonymous: Anonymous,
+    key: KeyRequirement,
+    methods: Arc<[axum::http::Method]>,
+    svc: Idempotent<Proxy>,
+}
+
+impl Guard {
+    /// Whether the layer would guard `req` (a guarded method, with a key or on a route that
+    /// requires one) while the route refuses it without a credential and it has none.
+    fn refuses(&self, req: &Request<Body>, scope: &ScopeSource) -> bool {
+        self.anonymous == Anonymous::Refuse
+            && self.methods.contains(req.method())
+            && (self.key == KeyRequirement::Required || req.headers().contains_key(IDEMPOTENCY_KEY))
+            && scope.credential_missing(req.headers())
+    }
+}
+
+/// Picks the first route whose pattern matches the (normal) path.
 #[derive(Clone)]
 struct Dispatch {
-    routes: Arc<[(PathPattern, Idempotent<Proxy>)]>,
-    default: Idempotent<Proxy>,
+    routes: Arc<[(PathPattern, Guard)]>,
+    default: Guard,
+    scope: ScopeSource,
 }
 
 impl Service<Request<Body>> for Dispatch {
-    type Response = Response<ResponseBody>;
+    type Response = Response;
     type Error = Infallible;
-    type Future = BoxFuture<'static, Result<Response<ResponseBody>, Infallible>>;
+    type Future = BoxFuture<'static, Result<Response, Infallible>>;
 
     fn poll_ready(&mut self, _: &mut Context<'_>) -> Poll<Result<(), Infallible>> {
         // The proxy is always ready, and so is every layer over it.
@@ -193,12 +383,25 @@ impl Service<Request<Body>> for Dispatch {
 
     fn call(&mut self, req: Request<Body>) -> Self::Future {
         let path = req.uri().path();
-        let mut svc = self
+        let guard = self
             .routes
             .iter()
             .find(|(pattern, _)| pattern.matches(path))
-            .map_or_else(|| self.default.clone(), |(_, svc)| svc.clone());
-        Box::pin(svc.call(req))
+            .map_or(&self.default, |(_, guard)| guard);
+        if guard.refuses(&req, &self.scope) {
+            let name = self.scope.header_name().map_or("", HeaderName::as_str);
+            return ready(refuse(Problem::new(
+                StatusCode::UNAUTHORIZED,
+                "credential_required",
+                "Credential required",
+                format!(
+                    "This route keeps each caller's stored answers apart by the {name} header; \
+                     send it with an Idempotency-Key."
+                ),
+            )));
+        }
+        let mut svc = guard.svc.clone();
+        Box::pin(async move { Ok(svc.call(req).await?.into_response()) })
     }
 }
 
@@ -212,5 +415,9 @@ fn describe_metrics() {
     metrics::describe_histogram!(
         "idem_gateway_upstream_seconds",
         "Time until the upstream's answer head (or the failure), in seconds."
+    );
+    metrics::describe_counter!(
+        "idem_gateway_refused_total",
+        "Requests the gateway refused before any route: ambiguous_path, invalid_request, credential_required."
     );
 }

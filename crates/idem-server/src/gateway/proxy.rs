@@ -1,7 +1,7 @@
 //! Forwarding to the upstream, and what each way of failing means for the record.
 
 use std::convert::Infallible;
-use std::net::SocketAddr;
+use std::net::{IpAddr, SocketAddr};
 use std::pin::Pin;
 use std::sync::Arc;
 use std::task::{Context, Poll};
@@ -80,6 +80,7 @@ pub struct Proxy {
     client: Client<HttpConnector, Body>,
     upstream: Upstream,
     timeout: Duration,
+    trusted: Arc<TrustedProxies>,
 }
 
 impl Proxy {
@@ -95,7 +96,86 @@ impl Proxy {
             client,
             upstream,
             timeout,
+            trusted: Arc::default(),
         }
+    }
+
+    /// The same proxy, passing on the forwarding headers of requests from `trusted` peers.
+    #[must_use]
+    pub fn trusting(mut self, trusted: TrustedProxies) -> Self {
+        self.trusted = Arc::new(trusted);
+        self
+    }
+}
+
+/// The peers whose `X-Forwarded-*` and `Forwarded` headers are believed: the proxies in
+/// front of the gateway. Empty by default: every client's are replaced.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct TrustedProxies(Vec<(IpAddr, u8)>);
+
+impl TrustedProxies {
+    /// Parses addresses (`10.0.0.7`, `::1`) and networks (`10.0.0.0/8`, `fd00::/8`);
+    /// `0.0.0.0/0` and `::/0` trust everyone.
+    pub fn parse<S: AsRef<str>>(entries: &[S]) -> Result<Self, String> {
+        entries
+            .iter()
+            .map(|entry| {
+                let entry = entry.as_ref();
+                let bad = || {
+                    format!(
+                        "trusted_proxies: {entry:?} is not an address or a network \
+                         (10.0.0.7, 10.0.0.0/8, fd00::/8)"
+                    )
+                };
+                let (addr, len) = match entry.split_once('/') {
+                    Some((addr, len)) => (addr, Some(len)),
+                    None => (entry, None),
+                };
+                let addr: IpAddr = addr.trim().parse().map_err(|_| bad())?;
+                let max = if addr.is_ipv4() { 32 } else { 128 };
+                let len = match len {
+                    Some(len) => len.trim().parse::<u8>().map_err(|_| bad())?,
+                    None => max,
+                };
+                if len > max {
+                    return Err(bad());
+                }
+                Ok((addr.to_canonical(), len))
+            })
+            .collect::<Result<_, String>>()
+            .map(Self)
+    }
+
+    /// Whether `peer` is one of them (an IPv4 peer seen as `::ffff:a.b.c.d` counts as itself).
+    pub fn contains(&self, peer: IpAddr) -> bool {
+        let peer = peer.to_canonical();
+        self.0.iter().any(|&(net, len)| match (net, peer) {
+            (IpAddr::V4(n), IpAddr::V4(p)) => {
+                let mask = u32::MAX.checked_shl(32 - u32::from(len)).unwrap_or(0);
+                u32::from(n) & mask == u32::from(p) & mask
+            }
+            (IpAddr::V6(n), IpAddr::V6(p)) => {
+                let mask = u128::MAX.checked_shl(128 - u32::from(len)).unwrap_or(0);
+                u128::from(n) & mask == u128::from(p) & mask
+            }
+            _ => false,
+        })
+    }
+
+    /// Whether no peer is trusted.
+    pub fn is_empty(&self) -> bool {
+        self.0.is_empty()
+    }
+}
+
+impl std::fmt::Display for TrustedProxies {
+    /// `10.0.0.0/8, ::1/128`.
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        for (i, (addr, len)) in self.0.iter().enumerate() {
+            let sep = if i == 0 { "" } else { ", " };
+            write!(f, "{sep}{addr}/{len}")?;
+        }
+        Ok(())
     }
 }
 
@@ -125,7 +205,12 @@ impl Proxy {
             .extensions
             .get::<ConnectInfo<SocketAddr>>()
             .map(|c| c.0.ip());
-        forwarded_headers(&mut parts.headers, peer);
+        let seen = Seen {
+            peer,
+            host: parts.uri.authority().map(|a| a.as_str().to_owned()),
+            trusted: peer.is_some_and(|p| self.trusted.contains(p)),
+        };
+        forwarded_headers(&mut parts.headers, &seen);
         parts.uri = uri;
         parts.version = axum::http::Version::HTTP_11;
         parts.extensions = Default::default();
@@ -238,13 +323,49 @@ fn failure(
     res
 }
 
+/// What the gateway saw of a request's connection.
+struct Seen {
+    /// The client's address.
+    peer: Option<IpAddr>,
+    /// The authority of an absolute-form request target (`POST http://host/path`).
+    host: Option<String>,
+    /// Whether the client is a trusted proxy.
+    trusted: bool,
+}
+
+/// The fields through which proxies tell the upstream about the original request. A client
+/// can write any of them, so they are believed only from a trusted proxy.
+const FORWARDING_FIELDS: [&str; 7] = [
+    "forwarded",
+    "x-forwarded-for",
+    "x-forwarded-host",
+    "x-forwarded-proto",
+    "x-forwarded-port",
+    "x-forwarded-prefix",
+    "x-real-ip",
+];
+
 /// Prepares a request's header for the upstream: no hop-by-hop fields, `Host` set from the
-/// upstream URL by the client, and the original host, scheme and client in `X-Forwarded-*`.
-/// Values a proxy in front already set (a TLS terminator's `X-Forwarded-Proto: https`) are
-/// kept; this hop's client address is appended to `X-Forwarded-For`.
-fn forwarded_headers(headers: &mut HeaderMap, peer: Option<std::net::IpAddr>) {
+/// upstream URL by the client, and this hop in `X-Forwarded-*`: the client's address appended
+/// to `X-Forwarded-For`, the scheme (`http`: the gateway does not terminate TLS) in
+/// `X-Forwarded-Proto` and the host the client asked for in `X-Forwarded-Host`.
+///
+/// From a trusted proxy, the forwarding fields it sent are kept (its `X-Forwarded-Proto:
+/// https` stays, and the chain of `X-Forwarded-For` grows); from anyone else they are all
+/// removed first, `Forwarded` and `X-Real-IP` included, so the upstream never believes a
+/// client's claim about itself. `Forwarded` is passed on, never written.
+fn forwarded_headers(headers: &mut HeaderMap, seen: &Seen) {
     remove_hop_by_hop(headers);
-    let host = headers.remove(header::HOST);
+    let host = headers.remove(header::HOST).or_else(|| {
+        seen.host
+            .as_deref()
+            .and_then(|h| HeaderValue::from_str(h).ok())
+    });
+    if !seen.trusted {
+        for name in FORWARDING_FIELDS {
+            headers.remove(name);
+        }
+    }
     let forwarded_host = HeaderName::from_static("x-forwarded-host");
     if let (Some(host), false) = (host, headers.contains_key(&forwarded_host)) {
         headers.insert(forwarded_host, host);
@@ -252,14 +373,14 @@ fn forwarded_headers(headers: &mut HeaderMap, peer: Option<std::net::IpAddr>) {
     headers
         .entry(HeaderName::from_static("x-forwarded-proto"))
         .or_insert(HeaderValue::from_static("http"));
-    if let Some(ip) = peer {
+    if let Some(ip) = seen.peer {
         let xff = HeaderName::from_static("x-forwarded-for");
         let mut chain: Vec<&str> = headers
             .get_all(&xff)
             .iter()
             .filter_map(|v| v.to_str().ok())
             .collect();
-        let ip = ip.to_string();
+        let ip = ip.to_canonical().to_string();
         chain.push(&ip);
         if let Ok(v) = HeaderValue::from_str(&chain.join(", ")) {
             headers.insert(xff, v);
@@ -302,7 +423,12 @@ mod tests {
         h.append("x-forwarded-for", HeaderValue::from_static("10.0.0.1"));
         h.append("x-forwarded-for", HeaderValue::from_static("10.0.0.2"));
         h.insert("x-forwarded-proto", HeaderValue::from_static("https"));
-        forwarded_headers(&mut h, Some([127, 0, 0, 1].into()));
+        let from_proxy = Seen {
+            peer: Some([127, 0, 0, 1].into()),
+            host: None,
+            trusted: true,
+        };
+        forwarded_headers(&mut h, &from_proxy);
         assert!(h.get("x-private").is_none());
         assert!(h.get("keep-alive").is_none());
         assert!(h.get(header::CONNECTION).is_none());
@@ -312,11 +438,80 @@ mod tests {
         assert_eq!(h["x-forwarded-for"], "10.0.0.1, 10.0.0.2, 127.0.0.1");
         assert_eq!(
             h["x-forwarded-proto"], "https",
-            "a front proxy's value is kept"
+            "a trusted proxy's value is kept"
         );
-        let mut plain = HeaderMap::new();
-        forwarded_headers(&mut plain, None);
-        assert_eq!(plain["x-forwarded-proto"], "http");
         assert_eq!(h[header::AUTHORIZATION], "Bearer t");
+        let mut plain = HeaderMap::new();
+        let unknown = Seen {
+            peer: None,
+            host: Some("api.example:8443".into()),
+            trusted: false,
+        };
+        forwarded_headers(&mut plain, &unknown);
+        assert_eq!(plain["x-forwarded-proto"], "http");
+        assert_eq!(plain["x-forwarded-host"], "api.example:8443");
+        assert!(plain.get("x-forwarded-for").is_none());
+    }
+
+    #[test]
+    fn a_client_cannot_speak_for_itself() {
+        let mut h = HeaderMap::new();
+        h.insert(header::HOST, HeaderValue::from_static("api.example"));
+        for (name, value) in [
+            ("x-forwarded-for", "10.9.9.9"),
+            ("x-forwarded-for", "10.8.8.8"),
+            ("x-forwarded-proto", "https"),
+            ("x-forwarded-host", "admin.internal"),
+            ("x-forwarded-port", "443"),
+            ("x-forwarded-prefix", "/admin"),
+            ("x-real-ip", "10.9.9.9"),
+            ("forwarded", "for=10.9.9.9;proto=https"),
+        ] {
+            h.append(name, HeaderValue::from_static(value));
+        }
+        let client = Seen {
+            peer: Some("::ffff:192.0.2.7".parse().unwrap()),
+            host: None,
+            trusted: false,
+        };
+        forwarded_headers(&mut h, &client);
+        assert_eq!(h["x-forwarded-for"], "192.0.2.7");
+        assert_eq!(h["x-forwarded-proto"], "http");
+        assert_eq!(h["x-forwarded-host"], "api.example");
+        for gone in [
+            "x-forwarded-port",
+            "x-forwarded-prefix",
+            "x-real-ip",
+            "forwarded",
+        ] {
+            assert!(h.get(gone).is_none(), "{gone}");
+        }
+        assert_eq!(h.get_all("x-forwarded-for").iter().count(), 1);
+    }
+
+    #[test]
+    fn trusted_proxies() {
+        let t = TrustedProxies::parse(&["10.0.0.0/8", "192.0.2.7", "fd00::/8", " ::1 "]).unwrap();
+        for yes in ["10.1.2.3", "192.0.2.7", "::ffff:10.0.0.1", "fd12::1", "::1"] {
+            assert!(t.contains(yes.parse().unwrap()), "{yes}");
+        }
+        for no in ["11.0.0.1", "192.0.2.8", "fe80::1", "::2", "127.0.0.1"] {
+            assert!(!t.contains(no.parse().unwrap()), "{no}");
+        }
+        assert_eq!(t.to_string(), "10.0.0.0/8, 192.0.2.7/32, fd00::/8, ::1/128");
+        let all = TrustedProxies::parse(&["0.0.0.0/0", "::/0"]).unwrap();
+        assert!(all.contains("203.0.113.9".parse().unwrap()));
+        assert!(all.contains("2001:db8::1".parse().unwrap()));
+        assert!(TrustedProxies::parse::<&str>(&[]).unwrap().is_empty());
+        for bad in [
+            "10.0.0.0/33",
+            "::/129",
+            "localhost",
+            "10.0.0.0/x",
+            "10.0.0/8",
+            "",
+        ] {
+            assert!(TrustedProxies::parse(&[bad]).is_err(), "{bad}");
+        }
     }
 }
