@@ -3,8 +3,10 @@
 //! - [`conformance`]: the one suite every [`Store`](idem_core::Store) passes unchanged, and
 //!   [`conformance_tests!`] to run it as one `#[test]` per case.
 //! - [`locks`]: the suite every lock backend passes, run by [`lock_conformance_tests!`].
-//! - [`FaultyStore`]: wraps a store and fails chosen operations, before or after they take
-//!   effect, to test that callers fail closed.
+//! - [`FaultyStore`]: wraps a store (and a lock store) and fails chosen operations, before or
+//!   after they take effect, to test that callers fail closed; or holds one at a [`Stall`]
+//!   until the test releases it, to test that a caller who gives up while the store is slow
+//!   leaves nothing behind.
 
 // Test support: a failed expectation is meant to panic.
 #![allow(clippy::unwrap_used)]
@@ -14,7 +16,7 @@ mod faulty;
 pub mod locks;
 pub mod services;
 
-pub use faulty::{Fault, FaultyStore, Op};
+pub use faulty::{Fault, FaultyStore, Op, Stall};
 
 /// Runs `fut` to completion on a fresh multi-threaded runtime (four workers, so that storms
 /// really run in parallel).
