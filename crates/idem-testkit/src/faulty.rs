@@ -68,14 +68,15 @@ pub enum Fault {
 ///
 /// async fn a_caller_gives_up<S: Store>(store: FaultyStore<S>, req: BeginRequest) {
 ///     let stall = store.stall_next(Op::Begin);
-///     let caller = tokio::spawn({
+///     let caller = {
 ///         let store = store.clone();
 ///         async move { store.begin(&req, Timestamp::now()).await }
-///     });
-///     stall.reached().await; // the caller waits on the store now...
-///     caller.abort(); // ...and gives up
-///     let _ = caller.await;
-///     stall.release(); // this `begin` never reaches the store (a `StallThenLand` would)
+///     };
+///     // Dropped while its `begin` waits on the store...
+///     stall.abandon(caller).await;
+///     // ...which it never reaches (with `Fault::StallThenLand`, it would now).
+///     stall.release();
+///     // Then: is the next caller served?
 /// }
 /// ```
 #[derive(Clone, Default)]
@@ -110,6 +111,26 @@ impl Stall {
     /// has one, is made. Never resolves for a [`Fault::Stall`] whose caller gave up first.
     pub async fn landed(&self) {
         self.wait(|p| p.landed).await;
+    }
+
+    /// Starts `caller` in a task of its own, waits until the operation it makes is held at
+    /// this gate, and drops it there, as a caller that gives up does (a timeout, a client
+    /// that hangs up). The gate stays closed. Panics if the call does not arrive within
+    /// [`PATIENCE`](crate::PATIENCE).
+    pub async fn abandon<F>(&self, caller: F)
+    where
+        F: Future + Send + 'static,
+        F::Output: Send + 'static,
+    {
+        let task = tokio::spawn(caller);
+        crate::within("the call to reach the stall", self.reached()).await;
+        task.abort();
+        // Resolves once the task's future has been dropped.
+        if let Err(e) = task.await
+            && e.is_panic()
+        {
+            std::panic::resume_unwind(e.into_panic());
+        }
     }
 
     async fn wait(&self, until: impl Fn(&Progress) -> bool) {

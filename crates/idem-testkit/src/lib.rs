@@ -18,6 +18,18 @@ pub mod services;
 
 pub use faulty::{Fault, FaultyStore, Op, Stall};
 
+/// How long a test waits for something that should happen: generous, so that a slow machine
+/// never fails a test, while a bug (a waiter nobody wakes) fails it instead of hanging.
+pub const PATIENCE: std::time::Duration = std::time::Duration::from_secs(30);
+
+/// `fut`'s output, or a panic naming `what` if it takes longer than [`PATIENCE`].
+pub async fn within<F: std::future::Future>(what: &str, fut: F) -> F::Output {
+    match tokio::time::timeout(PATIENCE, fut).await {
+        Ok(out) => out,
+        Err(_) => panic!("{what}: still waiting after {PATIENCE:?}"),
+    }
+}
+
 /// Runs `fut` to completion on a fresh multi-threaded runtime (four workers, so that storms
 /// really run in parallel).
 pub fn block_on<F: std::future::Future>(fut: F) -> F::Output {
