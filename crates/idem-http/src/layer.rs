@@ -343,7 +343,7 @@ async fn claim(cfg: &Config, begin: &BeginRequest) -> Result<Lease, Response<Res
     let policy = &cfg.policy;
     let mut reopened = false;
     loop {
-        let outcome = begin_waiting(&*cfg.store, &*cfg.clock, begin, policy.in_flight)
+        let outcome = begin_waiting(&cfg.store, &*cfg.clock, begin, policy.in_flight)
             .await
             .map_err(|e| reject(Problem::store(&e)))?;
         let now = cfg.clock.now();
