@@ -634,3 +634,68 @@ async fn a_run_dropped_while_waiting_for_another_attempt_leaves_nothing_behind()
     let replay = counted(&idem, "c4", &Arc::default(), Ok(3)).await.unwrap();
     assert_eq!((replay.value, replay.replayed), (1, true));
 }
+
+/// On PostgreSQL with group commit: a run dropped while its `begin` is in a batch in flight
+/// (the table locked by another session, so every statement waits) leaves the key free once
+/// the table is unlocked. The batch takes the key for a caller that is gone; it is released.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_run_dropped_while_its_batch_is_in_flight_leaves_the_key_free_on_postgres() {
+    use sqlx::Connection as _;
+
+    let Some(url) = idem_testkit::services::POSTGRES.url() else {
+        return;
+    };
+    let options = idem::PostgresOptions {
+        table: "idem_test_cancel".into(),
+        lock_timeout: PATIENCE,
+        ..idem::PostgresOptions::default()
+    };
+    let store = idem::PostgresStore::connect_with(&url, options)
+        .await
+        .unwrap();
+    let idem = Idempotency::new(store).with_clock(ManualClock::starting_now());
+    let run = |k: String, waits: Duration| {
+        let idem = idem.clone();
+        tokio::spawn(async move {
+            idem.once(&key(&k))
+                .in_flight(InFlight::Wait(waits))
+                .run(|_| async { Ok::<_, PayError>(k) })
+                .await
+        })
+    };
+    let mut locker = sqlx::PgConnection::connect(&url).await.unwrap();
+    sqlx::raw_sql("BEGIN; LOCK TABLE idem_test_cancel IN EXCLUSIVE MODE")
+        .execute(&mut locker)
+        .await
+        .unwrap();
+    let waiting = "SELECT count(*) FROM pg_locks WHERE relation = 'idem_test_cancel'::regclass AND NOT granted";
+    let mut until_waiting = async |n: i64| {
+        within("statements to wait for the table", async {
+            while sqlx::query_scalar::<_, i64>(waiting)
+                .fetch_one(&mut locker)
+                .await
+                .unwrap()
+                < n
+            {
+                tokio::time::sleep(Duration::from_millis(5)).await;
+            }
+        })
+        .await;
+    };
+    let n: u64 = rand::random();
+    // The first caller's begin runs on its own (the lanes are idle) and waits for the table;
+    // the second's is queued behind it and sent by a lane, as a batch, which waits too.
+    let first = run(format!("first-{n:x}"), Duration::ZERO);
+    until_waiting(1).await;
+    let gone = run(format!("gone-{n:x}"), Duration::ZERO);
+    until_waiting(2).await;
+    gone.abort();
+    assert!(gone.await.unwrap_err().is_cancelled());
+    sqlx::raw_sql("ROLLBACK")
+        .execute(&mut locker)
+        .await
+        .unwrap();
+    within("the first run", first).await.unwrap().unwrap();
+    let next = run(format!("gone-{n:x}"), PATIENCE).await.unwrap().unwrap();
+    assert!(!next.replayed);
+}
