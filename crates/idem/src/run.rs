@@ -416,7 +416,8 @@ impl<S: Store + Clone, C: Clock> Drop for ReleaseOnDrop<S, C> {
         if let Ok(handle) = tokio::runtime::Handle::try_current() {
             let (key, lease, now) = (self.key.clone(), self.lease, self.clock.now());
             handle.spawn(async move {
-                let _ = DynStore::release(&store, &key, &lease, now).await;
+                let store: &dyn DynStore = &store;
+                let _ = settle_retrying(|| store.release(&key, &lease, now)).await;
             });
         }
     }
