@@ -44,8 +44,12 @@ pub async fn begin_waiting<S: Store + Clone>(
         ),
     };
     let mut pause = Duration::from_millis(5);
+    // Owned, so that a `begin` can outlive this future; handed from attempt to attempt.
+    let mut owned = (store.clone(), req.clone());
     loop {
-        let outcome = begin_to_the_end(store, req, clock.now()).await?;
+        let (outcome, back) = begin_to_the_end(owned, clock.now()).await;
+        owned = back;
+        let outcome = outcome?;
         let left = deadline.map_or(Duration::ZERO, |d| {
             d.saturating_duration_since(tokio::time::Instant::now())
         });
@@ -58,26 +62,25 @@ pub async fn begin_waiting<S: Store + Clone>(
 }
 
 /// One `begin`, finished in the background if its caller stops waiting; a key it takes then
-/// is released (at the same `now`, so a released record expires as the caller's would).
+/// is released (at the same `now`, so a released record expires as the caller's would). Hands
+/// the store and request back with the outcome.
 ///
 /// Through [`DynStore`], whose futures are boxed and named `Send`: a future that awaits a
 /// generic `Store` method of `Arc<dyn DynStore>` cannot be proven `Send` by the compiler
 /// ("implementation of `Store` is not general enough").
 fn begin_to_the_end<S: Store + Clone>(
-    store: &S,
-    req: &BeginRequest,
+    (store, req): (S, BeginRequest),
     now: Timestamp,
-) -> impl Future<Output = Result<BeginOutcome, StoreError>> + Send + 'static {
-    let call = {
-        let (store, req) = (store.clone(), req.clone());
-        async move { DynStore::begin(&store, &req, now).await }
+) -> impl Future<Output = (Result<BeginOutcome, StoreError>, (S, BeginRequest))> + Send + 'static {
+    let call = async move {
+        let outcome = DynStore::begin(&store, &req, now).await;
+        (outcome, (store, req))
     };
-    let (store, key) = (store.clone(), req.key.clone());
-    finishing(call, move |outcome| async move {
+    finishing(call, move |(outcome, (store, req))| async move {
         if let Ok(BeginOutcome::Acquired(lease)) = outcome {
             let store: &dyn DynStore = &store;
             // If this fails too, the key frees itself when the lease runs out.
-            let _ = settle_retrying(|| store.release(&key, &lease, now)).await;
+            let _ = settle_retrying(|| store.release(&req.key, &lease, now)).await;
         }
     })
 }
