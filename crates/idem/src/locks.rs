@@ -92,6 +92,16 @@ const RETRY_AFTER_FAILURE: Duration = Duration::from_millis(100);
 /// The default longest wait between two attempts of a waiter.
 pub const DEFAULT_POLL: Duration = Duration::from_millis(500);
 
+/// Whether a lock granted to a caller who stopped waiting is released on its behalf.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum GiveBack {
+    /// Yes: the owner id is this call's own, so the holding is surely new and nobody else
+    /// could use it.
+    Yes,
+    /// No: the caller keeps the owner id and may repeat the call to get the holding back.
+    No,
+}
+
 impl Locks {
     /// Locks in `store`.
     pub fn new(store: impl LockStore) -> Self {
@@ -255,19 +265,7 @@ impl Locks {
         let name = LockName::new(name)?;
         self.store.release(&name, owner.digest(), fence).await
     }
-}
 
-/// Whether a lock granted to a caller who stopped waiting is released on its behalf.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum GiveBack {
-    /// Yes: the owner id is this call's own, so the holding is surely new and nobody else
-    /// could use it.
-    Yes,
-    /// No: the caller keeps the owner id and may repeat the call to get the holding back.
-    No,
-}
-
-impl Locks {
     /// One acquire. With [`GiveBack::Yes`] it is finished in the background if the caller
     /// stops waiting, and a lock it gets then is released.
     async fn acquire_once(
