@@ -240,10 +240,9 @@ where
         .with_lease(policy.lease)
         .with_ttl(policy.ttl);
     // Claiming the key and running the handler happen in a task of its own: a client that
-    // hangs up cancels neither half way. Dropped while the store was taking the key, the claim
-    // would leave it held with no one to settle it, so every retry would be told "in
-    // progress" until the lease ran out; dropped inside the handler, the work would stop
-    // half done.
+    // hangs up cancels neither half way. The work does not stop half done, and its answer is
+    // stored for the client's retry. (A claim dropped on its own would leave nothing held:
+    // `begin_waiting` gives back a key taken for a caller that left.)
     let task = tokio::spawn(async move {
         let lease = match claim(&cfg, &begin).await {
             Ok(lease) => lease,
@@ -343,7 +342,7 @@ async fn claim(cfg: &Config, begin: &BeginRequest) -> Result<Lease, Response<Res
     let policy = &cfg.policy;
     let mut reopened = false;
     loop {
-        let outcome = begin_waiting(&*cfg.store, &*cfg.clock, begin, policy.in_flight)
+        let outcome = begin_waiting(&cfg.store, &*cfg.clock, begin, policy.in_flight)
             .await
             .map_err(|e| reject(Problem::store(&e)))?;
         let now = cfg.clock.now();

@@ -18,7 +18,7 @@ use idem_http::{
     Guarded, IdempotencyLayer, InFlight, KeyRequirement, OnUnknown, Policy, Preset, Settle,
 };
 use idem_store::MemoryStore;
-use idem_testkit::FaultyStore;
+use idem_testkit::{Fault, FaultyStore, Op, PATIENCE, Stall, within};
 use serde_json::Value;
 use tokio::sync::Notify;
 use tower::ServiceExt;
@@ -520,27 +520,49 @@ async fn a_client_that_hangs_up_does_not_cancel_the_work() {
 #[tokio::test]
 async fn a_client_that_hangs_up_while_the_key_is_taken_leaves_no_stranded_record() {
     let store = FaultyStore::new(MemoryStore::new());
-    // The store takes the key at once; its answer is on the way for 300 ms.
-    store.fail_next(
-        idem_testkit::Op::Begin,
-        idem_testkit::Fault::SlowReply(Duration::from_millis(300)),
+    // The begin is sent and waits at the store until released, whatever the client does.
+    let taken = Stall::new();
+    store.fail_next(Op::Begin, Fault::StallThenLand(taken.clone()));
+    let app = app_on(
+        Arc::new(store),
+        Policy::default().in_flight(InFlight::Wait(PATIENCE)),
     );
-    let app = app_on(Arc::new(store), Policy::default());
-    let first = app.spawn("/orders", "k");
-    tokio::time::sleep(Duration::from_millis(50)).await;
-    first.abort(); // the connection is gone while the key is being taken
-    // The retry gets the answer once the first attempt finishes; a stranded record would
-    // answer "in progress" until its 60 s lease ran out (and the test clock never moves).
-    let mut r = app.send(post_with("/orders", "k", "")).await;
-    for _ in 0..200 {
-        if r.code() != "request_in_progress" {
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(10)).await;
-        r = app.send(post_with("/orders", "k", "")).await;
-    }
+    let router = app.router.clone();
+    // The connection is gone while the key is being taken.
+    taken
+        .abandon(async move { router.oneshot(post_with("/orders", "k", "")).await })
+        .await;
+    taken.release();
+    // The retry gets the first attempt's answer; a stranded record would answer "in
+    // progress" until its 60 s lease ran out (and the test clock never moves).
+    let r = within("the retry", app.send(post_with("/orders", "k", ""))).await;
     assert_eq!(r.status, StatusCode::CREATED, "{}", r.body);
     assert!(r.replayed());
+    assert_eq!(app.runs(), 1);
+}
+
+#[tokio::test]
+async fn a_client_that_hangs_up_while_waiting_for_another_attempt_leaves_nothing_behind() {
+    let store = Arc::new(FaultyStore::new(MemoryStore::new()));
+    let app = app_on(
+        store.clone(),
+        Policy::default().in_flight(InFlight::Wait(PATIENCE)),
+    );
+    let first = app.spawn("/slow", "k");
+    within("the first attempt", app.counters.entered.notified()).await;
+    // The second is told "in progress" once, then hangs up while it waits to ask again.
+    let asked = Stall::new();
+    store.fail_next(Op::Begin, Fault::StallThenLand(asked.clone()));
+    asked.release();
+    let second = app.spawn("/slow", "k");
+    within("the second attempt", asked.landed()).await;
+    second.abort();
+    assert!(second.await.unwrap_err().is_cancelled());
+    app.counters.gate.notify_one();
+    assert_eq!(first.await.unwrap().status(), StatusCode::OK);
+    let r = within("a retry", app.send(post_with("/slow", "k", ""))).await;
+    assert!(r.replayed());
+    assert_eq!(r.body, "slow run 1");
     assert_eq!(app.runs(), 1);
 }
 

@@ -551,12 +551,13 @@ mod tests {
         }
     }
 
-    /// A runner that records each batch's job numbers, waits for a permit per batch, and
-    /// answers each job with its number times ten.
+    /// A runner that records each batch's job numbers, adds a permit to `started`, waits for
+    /// a permit of `gate` per batch, and answers each job with its number times ten.
     #[derive(Clone)]
     struct Recorder {
         batches: Arc<Mutex<Vec<Vec<usize>>>>,
         gate: Arc<Semaphore>,
+        started: Arc<Semaphore>,
     }
 
     impl Default for Recorder {
@@ -564,6 +565,7 @@ mod tests {
             Self {
                 batches: Arc::default(),
                 gate: Arc::new(Semaphore::new(0)),
+                started: Arc::new(Semaphore::new(0)),
             }
         }
     }
@@ -580,6 +582,7 @@ mod tests {
                 Box::pin(async move {
                     let numbers: Vec<usize> = jobs.iter().map(|j| j.1).collect();
                     this.batches.lock().unwrap().push(numbers.clone());
+                    this.started.add_permits(1);
                     this.gate.acquire().await.unwrap().forget();
                     numbers.iter().map(|n| n * 10).collect()
                 })
@@ -588,6 +591,32 @@ mod tests {
 
         fn batches(&self) -> Vec<Vec<usize>> {
             self.batches.lock().unwrap().clone()
+        }
+
+        /// As [`Recorder::runner`], but a batch holding job `n` panics.
+        fn runner_failing_on(
+            &self,
+            n: usize,
+        ) -> impl Fn(Vec<Numbered>) -> std::pin::Pin<Box<dyn Future<Output = Vec<usize>> + Send>>
+        + Send
+        + 'static {
+            let record = self.runner();
+            move |jobs| {
+                assert!(jobs.iter().all(|j| j.1 != n), "the runner failed");
+                record(jobs)
+            }
+        }
+
+        /// Waits until `n` batches have started in all.
+        async fn until_started(&self, n: u32) {
+            let started = self.started.acquire_many(n);
+            let permits = tokio::time::timeout(std::time::Duration::from_secs(30), started);
+            permits
+                .await
+                .expect("the batches started")
+                .unwrap()
+                .forget();
+            self.started.add_permits(n as usize);
         }
     }
 
@@ -885,6 +914,89 @@ mod tests {
             assert_eq!(done.len(), 5);
             assert!(done.iter().all(Result::is_err));
             assert_eq!(store.alone.load(std::sync::atomic::Ordering::SeqCst), 0);
+        });
+    }
+
+    /// Drops the call `task` makes, as a caller that goes away does.
+    async fn leave<T>(task: tokio::task::JoinHandle<T>) {
+        task.abort();
+        assert!(task.await.is_err_and(|e| e.is_cancelled()));
+    }
+
+    /// Whether the batcher is idle: no lane running, nobody inline, nothing queued.
+    fn idle<T: Job, R>(batcher: &Batcher<T, R>) -> bool {
+        let state = batcher.shared.lock();
+        state.running == 0 && !state.inline && state.queue.is_empty()
+    }
+
+    /// A caller that goes away while its batch is in flight leaves the batch to finish and the
+    /// lane to serve the next callers; the batcher ends idle.
+    #[test]
+    fn a_caller_that_leaves_while_its_batch_is_in_flight_leaves_the_lane_serving() {
+        runtime().block_on(async {
+            let batcher = Batcher::new(1, 8);
+            let recorder = Recorder::default();
+            let inline = submit(&batcher, &recorder, "a", 0);
+            recorder.until_started(1).await;
+            let gone = submit(&batcher, &recorder, "b", 1);
+            recorder.until_started(2).await;
+            leave(gone).await;
+            let next = submit(&batcher, &recorder, "c", 2);
+            recorder.gate.add_permits(100);
+            assert_eq!(inline.await.unwrap().unwrap(), 0);
+            assert_eq!(next.await.unwrap().unwrap(), 20);
+            assert_eq!(recorder.batches(), [[0], [1], [2]]);
+            assert!(idle(&batcher));
+        });
+    }
+
+    /// A caller running its job inline that goes away leaves the batcher free for the next
+    /// one to run inline too.
+    #[test]
+    fn an_inline_caller_that_leaves_lets_the_next_run_inline() {
+        runtime().block_on(async {
+            let batcher = Batcher::new(2, 8);
+            let recorder = Recorder::default();
+            let gone = submit(&batcher, &recorder, "a", 0);
+            recorder.until_started(1).await;
+            leave(gone).await;
+            assert!(idle(&batcher));
+            recorder.gate.add_permits(100);
+            let next = batcher
+                .submit(Numbered(key("a"), 1), || recorder.runner())
+                .await
+                .unwrap();
+            assert_eq!(next, 10);
+            assert!(idle(&batcher));
+        });
+    }
+
+    /// A lane whose runner panics fails the calls it held and gives its place back: the next
+    /// caller is served, and the batcher ends idle.
+    #[test]
+    fn a_lane_that_panics_fails_its_calls_and_the_next_is_served() {
+        runtime().block_on(async {
+            let batcher: Batcher<Numbered, usize> = Batcher::new(1, 8);
+            let recorder = Recorder::default();
+            let call = |k: &str, n| {
+                let (batcher, recorder, key) = (batcher.clone(), recorder.clone(), key(k));
+                tokio::spawn(async move {
+                    batcher
+                        .submit(Numbered(key, n), || recorder.runner_failing_on(1))
+                        .await
+                })
+            };
+            let inline = call("a", 0);
+            recorder.until_started(1).await;
+            let failed = call("b", 1);
+            assert!(
+                failed.await.unwrap().is_err(),
+                "the lane's call got an answer"
+            );
+            recorder.gate.add_permits(100);
+            assert_eq!(inline.await.unwrap().unwrap(), 0);
+            assert_eq!(call("c", 2).await.unwrap().unwrap(), 20);
+            assert!(idle(&batcher));
         });
     }
 }

@@ -9,6 +9,7 @@ use std::time::Duration;
 
 use idem_core::{BeginOutcome, BeginRequest, Fingerprint, Key, Store, StoreError, Timestamp};
 use idem_store::{SqliteOptions, SqliteStore};
+use idem_testkit::{PATIENCE, within};
 
 fn req(k: &str) -> BeginRequest {
     BeginRequest::new(
@@ -84,49 +85,111 @@ async fn a_failing_batch_gives_every_caller_the_real_error() {
     assert!(matches!(acquired, BeginOutcome::Acquired(l) if l.fence == 1));
 }
 
+/// A store whose writer queue holds one operation: a call that finds it taken is refused at
+/// once, so a call that gets in shows that the writer has taken what was waiting there.
+fn open_with_a_queue_of_one(dir: &tempfile::TempDir) -> SqliteStore {
+    let mut options = SqliteOptions::default();
+    options.busy_timeout = PATIENCE;
+    options.max_queue = 1;
+    open_with(dir, options)
+}
+
+/// `call`, polled once: sent to the writer, and waiting for its answer.
+async fn sent<F: Future>(call: F) -> std::pin::Pin<Box<F>> {
+    let mut call = Box::pin(call);
+    assert!(
+        tokio::time::timeout(Duration::ZERO, call.as_mut())
+            .await
+            .is_err(),
+        "answered at once"
+    );
+    call
+}
+
+/// Makes `probe` calls, each polled once, until one gets into the writer's queue (it is
+/// left waiting there, and dropped).
+async fn until_one_gets_in<T, Fut>(mut probe: impl FnMut() -> Fut)
+where
+    T: std::fmt::Debug,
+    Fut: Future<Output = Result<T, StoreError>>,
+{
+    within("room in the writer's queue", async {
+        loop {
+            match tokio::time::timeout(Duration::ZERO, probe()).await {
+                Err(_) => return,
+                Ok(Err(StoreError::Unavailable { .. })) => {
+                    tokio::time::sleep(Duration::from_millis(1)).await;
+                }
+                Ok(other) => panic!("answered while the writer is stalled: {other:?}"),
+            }
+        }
+    })
+    .await;
+}
+
+/// `call`, made again while the writer's queue (one place long) is full.
+async fn once_in<T, Fut>(mut call: impl FnMut() -> Fut) -> Result<T, StoreError>
+where
+    Fut: Future<Output = Result<T, StoreError>>,
+{
+    within("room in the writer's queue", async {
+        loop {
+            match call().await {
+                Err(StoreError::Unavailable { message, .. })
+                    if message.contains("operations waiting") =>
+                {
+                    tokio::time::sleep(Duration::from_millis(1)).await;
+                }
+                other => return other,
+            }
+        }
+    })
+    .await
+}
+
+/// A caller that stops waiting while the writer, stalled on another connection's lock, holds
+/// its claim in hand: once the writer resumes, the claim is made for nobody and given back at
+/// once, so the next caller takes the key.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_claim_made_for_a_caller_that_stopped_waiting_is_given_back() {
     let dir = tempfile::tempdir().unwrap();
-    let store = open(&dir, Duration::from_secs(5));
+    let store = open_with_a_queue_of_one(&dir);
     let blocker = Blocker::new(&dir);
-    let now = Timestamp::now();
-    // The idle writer takes this begin at once, then waits for the lock with it in hand.
-    let gave_up =
-        tokio::time::timeout(Duration::from_millis(100), store.begin(&req("k"), now)).await;
-    assert!(gave_up.is_err(), "the begin should still be waiting");
+    let (k, now) = (req("k"), Timestamp::now());
+    let caller = sent(store.begin(&k, now)).await;
+    // A probe gets into the queue: the writer has taken the claim.
+    let probe = req("probe").key;
+    until_one_gets_in(|| store.get(&probe, now)).await;
+    // Its caller stops waiting.
+    drop(caller);
     drop(blocker);
-    // The claim was made (fence 1) for nobody and released in the next transaction, so this
-    // begin, queued behind that release, acquires with fence 2.
-    match store.begin(&req("k"), now).await.unwrap() {
-        BeginOutcome::Acquired(lease) => assert_eq!(lease.fence, 2),
+    match once_in(|| store.begin(&k, now)).await.unwrap() {
+        BeginOutcome::Acquired(_) => {}
         other => panic!("the key is still held for a caller that left: {other:?}"),
     }
 }
 
+/// A caller that stops waiting while its claim waits in the queue behind the writer's
+/// stalled batch: the claim is skipped, never made, and the next caller takes the key.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_claim_whose_caller_left_before_its_batch_is_not_made() {
     let dir = tempfile::tempdir().unwrap();
-    let store = open(&dir, Duration::from_secs(5));
+    let store = open_with_a_queue_of_one(&dir);
     let blocker = Blocker::new(&dir);
-    let now = Timestamp::now();
-    // The writer is stuck on the lock with "first"; "k" waits in the queue behind it.
-    let first = {
-        let store = store.clone();
-        tokio::spawn(async move { store.begin(&req("first"), now).await })
-    };
-    tokio::time::sleep(Duration::from_millis(50)).await;
-    let gave_up =
-        tokio::time::timeout(Duration::from_millis(50), store.begin(&req("k"), now)).await;
-    assert!(gave_up.is_err());
+    let (k, now) = (req("k"), Timestamp::now());
+    // The writer takes "first" and waits for the lock with it in hand...
+    let first_req = req("first");
+    let first = sent(store.begin(&first_req, now)).await;
+    // ...and "k" gets into the queue behind it, where its caller leaves.
+    until_one_gets_in(|| store.begin(&k, now)).await;
     drop(blocker);
     assert!(matches!(
-        first.await.unwrap().unwrap(),
+        within("the first claim", first).await.unwrap(),
         BeginOutcome::Acquired(_)
     ));
-    // "k" was skipped, never claimed: the first real claim has fence 1.
-    match store.begin(&req("k"), now).await.unwrap() {
-        BeginOutcome::Acquired(lease) => assert_eq!(lease.fence, 1),
-        other => panic!("{other:?}"),
+    match once_in(|| store.begin(&k, now)).await.unwrap() {
+        BeginOutcome::Acquired(_) => {}
+        other => panic!("the key is held for a caller that left: {other:?}"),
     }
 }
 

@@ -3,8 +3,10 @@
 //! - [`conformance`]: the one suite every [`Store`](idem_core::Store) passes unchanged, and
 //!   [`conformance_tests!`] to run it as one `#[test]` per case.
 //! - [`locks`]: the suite every lock backend passes, run by [`lock_conformance_tests!`].
-//! - [`FaultyStore`]: wraps a store and fails chosen operations, before or after they take
-//!   effect, to test that callers fail closed.
+//! - [`FaultyStore`]: wraps a store (and a lock store) and fails chosen operations, before or
+//!   after they take effect, to test that callers fail closed; or holds one at a [`Stall`]
+//!   until the test releases it, to test that a caller who gives up while the store is slow
+//!   leaves nothing behind.
 
 // Test support: a failed expectation is meant to panic.
 #![allow(clippy::unwrap_used)]
@@ -14,7 +16,19 @@ mod faulty;
 pub mod locks;
 pub mod services;
 
-pub use faulty::{Fault, FaultyStore, Op};
+pub use faulty::{Fault, FaultyStore, Op, Stall};
+
+/// How long a test waits for something that should happen: generous, so that a slow machine
+/// never fails a test, while a bug (a waiter nobody wakes) fails it instead of hanging.
+pub const PATIENCE: std::time::Duration = std::time::Duration::from_secs(30);
+
+/// `fut`'s output, or a panic naming `what` if it takes longer than [`PATIENCE`].
+pub async fn within<F: std::future::Future>(what: &str, fut: F) -> F::Output {
+    match tokio::time::timeout(PATIENCE, fut).await {
+        Ok(out) => out,
+        Err(_) => panic!("{what}: still waiting after {PATIENCE:?}"),
+    }
+}
 
 /// Runs `fut` to completion on a fresh multi-threaded runtime (four workers, so that storms
 /// really run in parallel).

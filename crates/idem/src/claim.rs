@@ -5,7 +5,10 @@
 use std::future::Future;
 use std::time::Duration;
 
-use idem_core::{BeginOutcome, BeginRequest, Clock, DynStore, LeaseError, StoreError};
+use crate::cancel::finishing;
+use idem_core::{
+    BeginOutcome, BeginRequest, Clock, DynStore, LeaseError, Store, StoreError, Timestamp,
+};
 
 /// What to do when another attempt holds the key.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -23,11 +26,11 @@ pub enum InFlight {
 /// another attempt holds the key and `in_flight` says to wait. Answers the store's last
 /// outcome: [`BeginOutcome::InProgress`] only once the wait is over.
 ///
-/// The store is taken as `&dyn DynStore`, whose futures are boxed and named `Send`: a future
-/// that awaits a generic `Store` method of `Arc<dyn DynStore>` cannot be proven `Send` by the
-/// compiler ("implementation of `Store` is not general enough").
-pub async fn begin_waiting(
-    store: &dyn DynStore,
+/// Safe to drop at any point: a `begin` already on its way to the store is carried on in a
+/// task of its own, and if it takes the key, the key is released at once, so that nobody is
+/// told "in progress" for a lease held on behalf of a caller who is gone.
+pub async fn begin_waiting<S: Store + Clone>(
+    store: &S,
     clock: &dyn Clock,
     req: &BeginRequest,
     in_flight: InFlight,
@@ -41,8 +44,12 @@ pub async fn begin_waiting(
         ),
     };
     let mut pause = Duration::from_millis(5);
+    // Owned, so that a `begin` can outlive this future; handed from attempt to attempt.
+    let mut owned = (store.clone(), req.clone());
     loop {
-        let outcome = store.begin(req, clock.now()).await?;
+        let (outcome, back) = begin_to_the_end(owned, clock.now()).await;
+        owned = back;
+        let outcome = outcome?;
         let left = deadline.map_or(Duration::ZERO, |d| {
             d.saturating_duration_since(tokio::time::Instant::now())
         });
@@ -52,6 +59,30 @@ pub async fn begin_waiting(
         tokio::time::sleep(pause.min(left)).await;
         pause = (pause * 2).min(Duration::from_millis(200));
     }
+}
+
+/// One `begin`, finished in the background if its caller stops waiting; a key it takes then
+/// is released (at the same `now`, so a released record expires as the caller's would). Hands
+/// the store and request back with the outcome.
+///
+/// Through [`DynStore`], whose futures are boxed and named `Send`: a future that awaits a
+/// generic `Store` method of `Arc<dyn DynStore>` cannot be proven `Send` by the compiler
+/// ("implementation of `Store` is not general enough").
+fn begin_to_the_end<S: Store + Clone>(
+    (store, req): (S, BeginRequest),
+    now: Timestamp,
+) -> impl Future<Output = (Result<BeginOutcome, StoreError>, (S, BeginRequest))> + Send + 'static {
+    let call = async move {
+        let outcome = DynStore::begin(&store, &req, now).await;
+        (outcome, (store, req))
+    };
+    finishing(call, move |(outcome, (store, req))| async move {
+        if let Ok(BeginOutcome::Acquired(lease)) = outcome {
+            let store: &dyn DynStore = &store;
+            // If this fails too, the key frees itself when the lease runs out.
+            let _ = settle_retrying(|| store.release(&req.key, &lease, now)).await;
+        }
+    })
 }
 
 fn far_future() -> tokio::time::Instant {

@@ -45,6 +45,7 @@
 //! # tokio::runtime::Runtime::new().unwrap().block_on(demo()).unwrap();
 //! ```
 
+mod cancel;
 pub mod claim;
 pub mod locks;
 pub mod purge;

@@ -46,13 +46,22 @@
 //! timer covers releases it cannot hear of (a lease that simply ran out, another process on
 //! the same SQLite file, a lost notification): it retries at the holder's lease end, or after
 //! [`Locks::poll_interval`] at most.
+//!
+//! # Giving up
+//!
+//! Any of these futures may be dropped (a timeout, a client that hangs up) without leaving a
+//! lock held for nobody: an acquire already sent to the backend is finished in the background
+//! and a lock it got is released (except by [`Locks::acquire_as`], whose owner id the caller
+//! keeps and may use to get the holding back); a waiter holds nothing while it waits; a guard
+//! dropped, or dropped while it releases, releases in the background.
 
 use std::sync::Arc;
 use std::time::Duration;
 
+use crate::cancel::finishing;
 use idem_core::{
     Acquire, Held, LockError, LockName, LockOwner, LockStore, OwnerDigest, ReleaseListener,
-    Timestamp,
+    StoreError, Timestamp,
 };
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
@@ -83,6 +92,16 @@ const RETRY_AFTER_FAILURE: Duration = Duration::from_millis(100);
 /// The default longest wait between two attempts of a waiter.
 pub const DEFAULT_POLL: Duration = Duration::from_millis(500);
 
+/// Whether a lock granted to a caller who stopped waiting is released on its behalf.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum GiveBack {
+    /// Yes: the owner id is this call's own, so the holding is surely new and nobody else
+    /// could use it.
+    Yes,
+    /// No: the caller keeps the owner id and may repeat the call to get the holding back.
+    No,
+}
+
 impl Locks {
     /// Locks in `store`.
     pub fn new(store: impl LockStore) -> Self {
@@ -111,33 +130,62 @@ impl Locks {
     }
 
     /// Acquires `name` for `lease` if nobody holds it; [`LockError::Held`] otherwise.
+    /// Dropped before it answers, it leaves the lock free (see [`Locks::acquire`]).
     pub async fn try_acquire(&self, name: &str, lease: Duration) -> Result<LockGuard, LockError> {
-        self.acquire_as(name, LockOwner::random(), lease, Duration::ZERO)
-            .await
+        self.acquire_for(
+            name,
+            LockOwner::random(),
+            lease,
+            Duration::ZERO,
+            GiveBack::Yes,
+        )
+        .await
     }
 
     /// Acquires `name` for `lease`, waiting up to `wait` for its holder to release it;
     /// [`LockError::Timeout`] if it does not. Store failures that may pass are retried while
     /// the wait lasts.
+    ///
+    /// Safe to drop at any point: an acquire already sent to the backend is finished in the
+    /// background, and a lock it got (for an owner id nobody else knows) is released at once,
+    /// rather than held for its whole lease on behalf of a caller who is gone.
     pub async fn acquire(
         &self,
         name: &str,
         lease: Duration,
         wait: Duration,
     ) -> Result<LockGuard, LockError> {
-        self.acquire_as(name, LockOwner::random(), lease, wait)
+        self.acquire_for(name, LockOwner::random(), lease, wait, GiveBack::Yes)
             .await
     }
 
     /// As [`Locks::acquire`], for an owner id the caller keeps: repeating the call with the
     /// same id after a lost answer gets the same holding back (same fence, lease extended).
     /// With a zero `wait`, a held lock answers [`LockError::Held`].
+    ///
+    /// Dropped before it answers, it may leave the lock held by `owner` (the backend may have
+    /// granted it): the id's keeper gets it back by repeating the call, or it ends with its
+    /// lease. It is not released on the caller's behalf, since the same id may already have
+    /// held it before this call (a repeated acquire), and a holder must not lose its lock to
+    /// a retry it gave up on.
     pub async fn acquire_as(
         &self,
         name: &str,
         owner: LockOwner,
         lease: Duration,
         wait: Duration,
+    ) -> Result<LockGuard, LockError> {
+        self.acquire_for(name, owner, lease, wait, GiveBack::No)
+            .await
+    }
+
+    async fn acquire_for(
+        &self,
+        name: &str,
+        owner: LockOwner,
+        lease: Duration,
+        wait: Duration,
+        give_back: GiveBack,
     ) -> Result<LockGuard, LockError> {
         let name = LockName::new(name)?;
         let digest = owner.digest();
@@ -149,7 +197,7 @@ impl Locks {
         };
         loop {
             let asked = Instant::now();
-            let answer = match self.store.acquire(&name, digest, lease).await {
+            let answer = match self.acquire_once(&name, digest, lease, give_back).await {
                 // A store that is briefly away (a restart, a failover) is tried again while
                 // the wait lasts; the owner id makes a repeated attempt safe.
                 Err(e) if e.is_transient() && asked + RETRY_AFTER_FAILURE < deadline => {
@@ -216,6 +264,34 @@ impl Locks {
     ) -> Result<(), LockError> {
         let name = LockName::new(name)?;
         self.store.release(&name, owner.digest(), fence).await
+    }
+
+    /// One acquire. With [`GiveBack::Yes`] it is finished in the background if the caller
+    /// stops waiting, and a lock it gets then is released.
+    async fn acquire_once(
+        &self,
+        name: &LockName,
+        digest: OwnerDigest,
+        lease: Duration,
+        give_back: GiveBack,
+    ) -> Result<Acquire, StoreError> {
+        if give_back == GiveBack::No {
+            return self.store.acquire(name, digest, lease).await;
+        }
+        let call = {
+            let (store, name) = (Arc::clone(&self.store), name.clone());
+            async move { store.acquire(&name, digest, lease).await }
+        };
+        let (store, name) = (Arc::clone(&self.store), name.clone());
+        finishing(call, move |answer| async move {
+            if let Ok(Acquire::Acquired(held)) = answer
+                && let Err(e) = store.release(&name, digest, held.fence).await
+            {
+                // The lock frees itself when the lease runs out.
+                tracing::debug!(lock = %name, error = %e, "releasing a lock acquired for a caller that left failed");
+            }
+        })
+        .await
     }
 }
 
@@ -447,12 +523,16 @@ impl LockGuard {
 
     /// Stops any renewal, then releases the lock so that a waiter gets it at once.
     /// [`LockError::NotOwner`] if another owner took it meanwhile (the lease ran out).
+    /// Dropped before the backend answers, the guard releases the lock in the background, as
+    /// a dropped guard does.
     pub async fn release(mut self) -> Result<(), LockError> {
         self.stop_renewing().await;
-        self.released = true;
         self.shared.mark_lost();
         let s = &self.shared;
-        s.store.release(&s.name, s.digest, s.fence).await
+        let answer = s.store.release(&s.name, s.digest, s.fence).await;
+        // Only now: until the backend has answered, dropping the guard releases it again.
+        self.released = true;
+        answer
     }
 
     /// Hands the holding over to the caller, who renews and releases it by owner and fence

@@ -3,6 +3,7 @@
 use std::future::Future;
 use std::time::Duration;
 
+use crate::cancel::finishing;
 use crate::claim::{InFlight, begin_waiting, settle_retrying};
 use idem_core::{
     BeginOutcome, BeginRequest, Bytes, Clock, DEFAULT_LEASE, DEFAULT_TTL, DynStore, Fingerprint,
@@ -238,15 +239,16 @@ impl<'a, S: Store + Clone, C: Clock + Clone, P> Once<'a, S, C, P> {
 
     /// Runs `work` unless a result is stored, and stores its result.
     ///
-    /// `work` gets the [`Lease`]; its `fence` can guard writes to other resources. If this
-    /// future is dropped while the work runs (a timeout, a cancelled request) or the work
-    /// panics, the key is released in the background so that a retry does not have to wait
-    /// for the lease to run out.
+    /// `work` gets the [`Lease`]; its `fence` can guard writes to other resources.
     ///
-    /// Dropped while the store is still taking the key, it cannot know whether the key was
-    /// taken: a taken key then stays held until its lease runs out, and retries meanwhile are
-    /// told it is in progress. Where the caller may be cancelled at any point (an HTTP handler
-    /// whose client hangs up), run this in a task of its own.
+    /// This future may be dropped at any point (a timeout, a cancelled request) and leaves no
+    /// key held for nobody:
+    /// - while the store is taking the key, the `begin` is finished in the background and a
+    ///   key it took is released at once;
+    /// - while the work runs (or if the work panics), the key is released in the background,
+    ///   so that a retry does not have to wait for the lease to run out;
+    /// - while the result is being stored (or the key released after a retryable error),
+    ///   that is finished in the background: the work has run, and a retry gets its result.
     pub async fn run<T, E, F, Fut>(self, work: F) -> Result<Done<T>, RunError<E>>
     where
         T: Serialize + DeserializeOwned,
@@ -300,13 +302,9 @@ impl<'a, S: Store + Clone, C: Clock + Clone, P> Once<'a, S, C, P> {
         // again just because this future is dropped while the store answers.
         guard.store = None;
 
-        // Through `DynStore`, whose futures are boxed and `Send` by name, so that this future
-        // is `Send` for a store chosen at run time (`Arc<dyn DynStore>`) too.
-        let store: &dyn DynStore = &engine.store;
-        let now = || engine.clock.now();
         match stored {
             Some(Ok(bytes)) => {
-                settle_retrying(|| store.complete(self.key, &lease, bytes.clone(), now()))
+                settle(engine, self.key, lease, Some(bytes))
                     .await
                     .map_err(lease_error)?;
             }
@@ -315,7 +313,7 @@ impl<'a, S: Store + Clone, C: Clock + Clone, P> Once<'a, S, C, P> {
                 // retry run the work again; store a marker instead, replayed as this error.
                 let marker = encode(&Stored::<(), ()>::Unencodable(codec.to_string()))
                     .map_err(RunError::Codec)?;
-                settle_retrying(|| store.complete(self.key, &lease, marker.clone(), now()))
+                settle(engine, self.key, lease, Some(marker))
                     .await
                     .map_err(lease_error)?;
                 return Err(RunError::Codec(codec));
@@ -323,7 +321,7 @@ impl<'a, S: Store + Clone, C: Clock + Clone, P> Once<'a, S, C, P> {
             None => {
                 // If the release fails the key frees itself when the lease runs out; the
                 // caller still gets the work's own error.
-                let _ = settle_retrying(|| store.release(self.key, &lease, now())).await;
+                let _ = settle(engine, self.key, lease, None).await;
             }
         }
         match result {
@@ -356,6 +354,31 @@ impl<'a, S: Store + Clone, C: Clock + Clone, P> Once<'a, S, C, P> {
             }),
         }
     }
+}
+
+/// Completes the record with `response`, or releases the key if there is none, retrying while
+/// the store is briefly unavailable. Carried on to its end if the caller stops waiting: the
+/// work has run, and its outcome is recorded whatever becomes of the caller.
+///
+/// Through [`DynStore`], whose futures are boxed and `Send` by name, so that this future is
+/// `Send` for a store chosen at run time (`Arc<dyn DynStore>`) too.
+fn settle<S: Store + Clone, C: Clock + Clone>(
+    engine: &Idempotency<S, C>,
+    key: &Key,
+    lease: Lease,
+    response: Option<Bytes>,
+) -> impl Future<Output = Result<(), LeaseError>> + Send + 'static {
+    let (store, clock, key) = (engine.store.clone(), engine.clock.clone(), key.clone());
+    let call = async move {
+        let store: &dyn DynStore = &store;
+        match response {
+            Some(bytes) => {
+                settle_retrying(|| store.complete(&key, &lease, bytes.clone(), clock.now())).await
+            }
+            None => settle_retrying(|| store.release(&key, &lease, clock.now())).await,
+        }
+    };
+    finishing(call, |_| async {})
 }
 
 enum Claim {
@@ -393,7 +416,8 @@ impl<S: Store + Clone, C: Clock> Drop for ReleaseOnDrop<S, C> {
         if let Ok(handle) = tokio::runtime::Handle::try_current() {
             let (key, lease, now) = (self.key.clone(), self.lease, self.clock.now());
             handle.spawn(async move {
-                let _ = DynStore::release(&store, &key, &lease, now).await;
+                let store: &dyn DynStore = &store;
+                let _ = settle_retrying(|| store.release(&key, &lease, now)).await;
             });
         }
     }

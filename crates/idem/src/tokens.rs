@@ -166,6 +166,9 @@ impl Tokens {
 
     /// Consumes `token` for `purpose` on behalf of the caller `scope`: exactly one consumer
     /// of a token ever gets `Ok`.
+    ///
+    /// Dropped before it answers, it leaves the token unused, or used as if it had answered
+    /// `Ok` (its one writing step reached the store): never half used.
     pub async fn consume(&self, scope: &str, token: &str, purpose: &str) -> Result<(), TokenError> {
         // Not a token of ours: no need to ask the store.
         if token.len() != 32 || !token.bytes().all(|b| b.is_ascii_hexdigit()) {

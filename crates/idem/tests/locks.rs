@@ -9,9 +9,10 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
-use idem::{LockError, LockStore, Locks, MemoryStore, SqliteStore};
+use idem::{LockError, LockOwner, LockStore, Locks, MemoryStore, SqliteStore};
 use idem_store::{Fenced, PostgresOptions, PostgresStore, RedisOptions, RedisStore, SqlFences};
 use idem_testkit::services::{POSTGRES, REDIS, RedisServer};
+use idem_testkit::{Fault, FaultyStore, Op, PATIENCE, Stall, within};
 
 const LONG: Duration = Duration::from_secs(60);
 
@@ -305,18 +306,33 @@ async fn dropping_a_guard_releases_the_lock() {
 }
 
 /// A waiter is woken by the release itself: its timer alone (a minute) would let it time out.
+/// Another waiter that gave up before (its future dropped while it waited) takes nothing with
+/// it: the release feed still reaches the next one.
 async fn a_release_wakes_the_waiter(store: impl LockStore) {
-    let locks = Locks::new(store).poll_interval(LONG);
+    let store = FaultyStore::new(store);
+    let locks = Locks::new(store.clone()).poll_interval(LONG);
     let name = unique("handoff");
     let guard = locks.try_acquire(&name, LONG).await.unwrap();
-    let waiter = {
+    // A waiter, once told the lock is busy, waits for a release.
+    let waiter = || {
+        let told_busy = Stall::new();
+        store.fail_next(Op::LockAcquire, Fault::StallThenLand(told_busy.clone()));
+        told_busy.release();
         let (locks, name) = (locks.clone(), name.clone());
-        tokio::spawn(async move { locks.acquire(&name, LONG, Duration::from_secs(10)).await })
+        let task = tokio::spawn(async move { locks.acquire(&name, LONG, PATIENCE).await });
+        (task, told_busy)
     };
-    // Let the waiter subscribe and fail its first attempt.
-    tokio::time::sleep(Duration::from_millis(500)).await;
+    let (gave_up, told_busy) = waiter();
+    within("the first waiter's attempt", told_busy.landed()).await;
+    gave_up.abort();
+    assert!(gave_up.await.unwrap_err().is_cancelled());
+    let (waiting, told_busy) = waiter();
+    within("the next waiter's attempt", told_busy.landed()).await;
     guard.release().await.unwrap();
-    let next = waiter.await.unwrap().expect("woken by the release");
+    let next = within("the waiter", waiting)
+        .await
+        .unwrap()
+        .expect("woken by the release");
     next.release().await.unwrap();
 }
 
@@ -364,6 +380,69 @@ async fn waits_are_bounded() {
         locks.try_acquire("", LONG).await,
         Err(LockError::Invalid(_))
     ));
+}
+
+/// An acquire dropped after the backend granted it (its answer on the way) leaves the lock
+/// free: the grant is released for the caller that left, instead of holding the lock for its
+/// whole lease.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_acquire_dropped_while_the_backend_grants_it_leaves_the_lock_free() {
+    let store = FaultyStore::new(MemoryStore::new());
+    let locks = Locks::new(store.clone());
+    let granted = Stall::new();
+    store.fail_next(Op::LockAcquire, Fault::StallThenLand(granted.clone()));
+    let caller = {
+        let locks = locks.clone();
+        async move { locks.acquire("orphan", LONG, LONG).await }
+    };
+    granted.abandon(caller).await;
+    granted.release();
+    within("the grant", granted.landed()).await;
+    let next = locks.acquire("orphan", LONG, PATIENCE).await.unwrap();
+    next.release().await.unwrap();
+}
+
+/// Already so: an acquire for an owner id the caller keeps, dropped after the backend granted
+/// it, leaves the holding to that id (its keeper gets it back by asking again), since the same
+/// id may have held the lock before the call.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_acquire_as_dropped_leaves_the_holding_to_its_owner() {
+    let store = FaultyStore::new(MemoryStore::new());
+    let locks = Locks::new(store.clone());
+    let owner = LockOwner::random();
+    let granted = Stall::new();
+    store.fail_next(Op::LockAcquire, Fault::StallThenLand(granted.clone()));
+    let caller = {
+        let (locks, owner) = (locks.clone(), owner.clone());
+        async move { locks.acquire_as("kept", owner, LONG, LONG).await }
+    };
+    granted.abandon(caller).await;
+    granted.release();
+    within("the grant", granted.landed()).await;
+    assert!(matches!(
+        locks.try_acquire("kept", LONG).await,
+        Err(LockError::Held { .. })
+    ));
+    let again = locks
+        .acquire_as("kept", owner, LONG, Duration::ZERO)
+        .await
+        .unwrap();
+    again.release().await.unwrap();
+    locks.try_acquire("kept", LONG).await.unwrap();
+}
+
+/// A guard's release dropped before the backend answered (here: before it reached it) still
+/// releases the lock, as dropping the guard does.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_release_dropped_midway_still_releases_the_lock() {
+    let store = FaultyStore::new(MemoryStore::new());
+    let locks = Locks::new(store.clone());
+    let guard = locks.try_acquire("midway", LONG).await.unwrap();
+    let stall = store.stall_next(Op::LockRelease);
+    stall.abandon(guard.release()).await;
+    stall.release();
+    let next = locks.acquire("midway", LONG, PATIENCE).await.unwrap();
+    next.release().await.unwrap();
 }
 
 /// Redis restarted (losing everything: no persistence) while a lock is held: the next holder

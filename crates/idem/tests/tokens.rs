@@ -8,6 +8,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
 use idem::{ManualClock, MemoryStore, SharedStore, TokenError, Tokens};
+use idem_testkit::{Fault, FaultyStore, Op, Stall, within};
 
 fn tokens() -> (Tokens, ManualClock) {
     let store: SharedStore = Arc::new(MemoryStore::new());
@@ -173,4 +174,75 @@ async fn the_store_never_holds_the_token_itself() {
         .consume("shop", &t.token, "order-form")
         .await
         .unwrap();
+}
+
+/// Tokens over a memory store that can be stalled.
+fn stallable() -> (Arc<FaultyStore<MemoryStore>>, Tokens) {
+    let store = Arc::new(FaultyStore::new(MemoryStore::new()));
+    let shared: SharedStore = store.clone();
+    let tokens = Tokens::new(shared, Arc::new(ManualClock::starting_now()));
+    (store, tokens)
+}
+
+fn consume(tokens: &Tokens, token: &str) -> impl Future<Output = ()> + Send + 'static {
+    let (tokens, token) = (tokens.clone(), token.to_owned());
+    async move {
+        let _ = tokens.consume("shop", &token, "order-form").await;
+    }
+}
+
+/// Already so: a consumer that gives up while the store is stalled leaves the token usable
+/// (its use had not reached the store) or used (it had), never half used, never twice.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_consumer_that_gives_up_leaves_the_token_usable_or_used_once() {
+    let (store, tokens) = stallable();
+    let ttl = Duration::from_secs(600);
+    let t = tokens.issue("shop", "order-form", ttl).await.unwrap();
+    let stall = store.stall_next(Op::Reopen);
+    stall.abandon(consume(&tokens, &t.token)).await;
+    stall.release();
+    tokens
+        .consume("shop", &t.token, "order-form")
+        .await
+        .unwrap();
+
+    let t = tokens.issue("shop", "order-form", ttl).await.unwrap();
+    let stall = Stall::new();
+    store.fail_next(Op::Reopen, Fault::StallThenLand(stall.clone()));
+    stall.abandon(consume(&tokens, &t.token)).await;
+    stall.release();
+    within("the use to land", stall.landed()).await;
+    assert!(matches!(
+        tokens.consume("shop", &t.token, "order-form").await,
+        Err(TokenError::AlreadyUsed)
+    ));
+}
+
+/// Already so: an issuer that gives up while the store is stalled, before or after its
+/// record was written, leaves nothing in anyone's way (its token was never handed out).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_issuer_that_gives_up_leaves_nothing_in_the_way() {
+    let (store, tokens) = stallable();
+    for op in [Op::Begin, Op::Complete] {
+        let stall = Stall::new();
+        store.fail_next(op, Fault::StallThenLand(stall.clone()));
+        let issuer = tokens.clone();
+        stall
+            .abandon(async move {
+                let _ = issuer
+                    .issue("shop", "order-form", Duration::from_secs(600))
+                    .await;
+            })
+            .await;
+        stall.release();
+        within("the issue to land", stall.landed()).await;
+        let t = tokens
+            .issue("shop", "order-form", Duration::from_secs(600))
+            .await
+            .unwrap();
+        tokens
+            .consume("shop", &t.token, "order-form")
+            .await
+            .unwrap();
+    }
 }
