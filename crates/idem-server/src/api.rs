@@ -5,7 +5,7 @@ use std::sync::LazyLock;
 use std::time::Duration;
 
 use axum::Json;
-use axum::extract::{Path, State};
+use axum::extract::State;
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 use idem_core::{
@@ -18,7 +18,7 @@ use tracing::{debug, warn};
 
 use crate::AppState;
 use crate::auth::Caller;
-use crate::json::JsonBody;
+use crate::json::{JsonBody, PathParams};
 use idem_http::Problem;
 
 /// The longest `fingerprint` string accepted.
@@ -323,10 +323,8 @@ async fn settle(
 pub(crate) async fn get(
     State(state): State<AppState>,
     caller: Caller,
-    path: Result<Path<(String, String)>, axum::extract::rejection::PathRejection>,
+    PathParams((namespace, client_key)): PathParams<(String, String)>,
 ) -> Result<Response, Problem> {
-    let Path((namespace, client_key)) =
-        path.map_err(|e| Problem::invalid_request(format!("Bad record path: {e}.")))?;
     let key = record_key(&caller, &namespace, &client_key)?;
     let record = state
         .store

@@ -21,7 +21,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use axum::Json;
-use axum::extract::{Path, RawQuery, State};
+use axum::extract::{RawQuery, State};
 use axum::http::StatusCode;
 use idem_http::Problem;
 use idem_id::{IdError, LeasedSnowflake};
@@ -29,6 +29,7 @@ use serde_json::{Value, json};
 
 use crate::AppState;
 use crate::auth::Caller;
+use crate::json::PathParams;
 
 /// The most ids one request may ask for.
 pub const MAX_COUNT: u32 = 1000;
@@ -322,7 +323,7 @@ pub async fn snowflake(
 pub async fn segment(
     State(state): State<AppState>,
     caller: Caller,
-    Path(tag): Path<String>,
+    PathParams(tag): PathParams<String>,
     RawQuery(q): RawQuery,
 ) -> Result<Json<Value>, Problem> {
     let n = count(q.as_deref())?;

@@ -19,7 +19,7 @@ use std::fmt::Write;
 use std::time::Duration;
 
 use axum::Json;
-use axum::extract::{Path, State};
+use axum::extract::State;
 use axum::http::StatusCode;
 use idem::{LockError, LockOwner, Locks};
 use idem_core::{Held, Timestamp};
@@ -31,7 +31,7 @@ use sha2::{Digest, Sha256};
 use crate::AppState;
 use crate::api::{MAX_LEASE, rfc3339};
 use crate::auth::Caller;
-use crate::json::JsonBody;
+use crate::json::{JsonBody, PathParams};
 
 /// The longest a caller may wait for a lock in one request.
 pub const MAX_WAIT: Duration = Duration::from_secs(60);
@@ -169,7 +169,7 @@ fn problem(e: &LockError) -> Problem {
 pub async fn acquire(
     State(state): State<AppState>,
     caller: Caller,
-    Path(name): Path<String>,
+    PathParams(name): PathParams<String>,
     JsonBody(body): JsonBody<AcquireBody>,
 ) -> Result<Json<Value>, Problem> {
     let locks = locks(&state)?;
@@ -208,7 +208,7 @@ pub async fn acquire(
 pub async fn renew(
     State(state): State<AppState>,
     caller: Caller,
-    Path(name): Path<String>,
+    PathParams(name): PathParams<String>,
     JsonBody(body): JsonBody<RenewBody>,
 ) -> Result<Json<Value>, Problem> {
     let locks = locks(&state)?;
@@ -226,7 +226,7 @@ pub async fn renew(
 pub async fn release(
     State(state): State<AppState>,
     caller: Caller,
-    Path(name): Path<String>,
+    PathParams(name): PathParams<String>,
     JsonBody(body): JsonBody<ReleaseBody>,
 ) -> Result<Json<Value>, Problem> {
     let locks = locks(&state)?;
