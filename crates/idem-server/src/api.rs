@@ -16,6 +16,8 @@ use serde::Deserialize;
 use serde_json::{Value, json};
 use tracing::{debug, warn};
 
+use idem::InFlight;
+
 use crate::AppState;
 use crate::auth::Caller;
 use crate::json::{JsonBody, PathParams};
@@ -158,10 +160,10 @@ pub(crate) async fn begin(
             MAX_TTL,
         )?);
     let now = state.clock.now();
-    // Problem::store logs the failure.
-    let outcome = state
-        .store
-        .begin(&req, now)
+    // Through the engine's claim, which is safe to drop: a client that hangs up while the
+    // store takes the key does not leave it held for the whole lease (a key taken for a
+    // caller who left is released). Problem::store logs a failure.
+    let outcome = idem::claim::begin_waiting(&state.store, &*state.clock, &req, InFlight::Reject)
         .await
         .map_err(|e| Problem::store(&e))?;
     debug!(key = %req.key.log_tag(), outcome = outcome_name(&outcome), "begin");

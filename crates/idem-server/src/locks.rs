@@ -184,21 +184,25 @@ pub async fn acquire(
             "`wait_ms` must be at most 60000 (one minute).",
         ));
     }
-    let owner = match &body.owner {
-        Some(id) => LockOwner::parse(id).map_err(|e| {
-            Problem::new(
-                StatusCode::BAD_REQUEST,
-                "invalid_owner",
-                "Invalid owner",
-                format!("{e}."),
-            )
-        })?,
-        None => LockOwner::random(),
+    let acquired = match &body.owner {
+        Some(id) => {
+            let owner = LockOwner::parse(id).map_err(|e| {
+                Problem::new(
+                    StatusCode::BAD_REQUEST,
+                    "invalid_owner",
+                    "Invalid owner",
+                    format!("{e}."),
+                )
+            })?;
+            // A caller that hangs up keeps the holding: it knows the owner id and gets the
+            // holding back by asking again.
+            locks.acquire_as(&name, owner, lease, wait).await
+        }
+        // Nobody else knows this owner id: a lock granted after the caller hung up is
+        // released for it, rather than held for its whole lease.
+        None => locks.acquire(&name, lease, wait).await,
     };
-    let guard = locks
-        .acquire_as(&name, owner, lease, wait)
-        .await
-        .map_err(|e| problem(&e))?;
+    let guard = acquired.map_err(|e| problem(&e))?;
     // The caller holds the lock through its handle, not through this guard.
     let (owner, holding) = guard.detach();
     Ok(held(&owner, holding))

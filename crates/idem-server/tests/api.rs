@@ -12,7 +12,7 @@ use idem_core::{ManualClock, SharedStore};
 use idem_server::auth::Auth;
 use idem_server::{AppState, router};
 use idem_store::MemoryStore;
-use idem_testkit::{FaultyStore, within};
+use idem_testkit::{Fault, FaultyStore, Op, Stall, within};
 use serde_json::{Value, json};
 use tower::ServiceExt;
 
@@ -614,4 +614,33 @@ async fn requests_the_http_parser_refuses_get_its_bare_answer() {
     assert!(answer.starts_with("http/1.1 400"), "{answer}");
     assert!(!answer.contains("problem+json"), "{answer}");
     server.abort();
+}
+
+/// A client that hangs up after the store took its key does not leave the key held for the
+/// whole lease: the key is given back, and the next begin takes it at once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_that_hangs_up_while_its_key_is_taken_leaves_the_key_free() {
+    let store = FaultyStore::new(MemoryStore::new());
+    let api = Api::with(Arc::new(store.clone()), Auth::anonymous());
+    // The begin is sent and waits at the store, then takes effect whatever the client does.
+    let taken = Stall::new();
+    store.fail_next(Op::Begin, Fault::StallThenLand(taken.clone()));
+    // Tells when the key is given back.
+    let given_back = Stall::new();
+    given_back.release();
+    store.fail_next(Op::Release, Fault::Stall(given_back.clone()));
+    let begin = json!({"namespace": "pay", "key": "k", "request": 1, "lease_ms": 600_000});
+    let req = Request::post("/v1/records/begin")
+        .header(header::CONTENT_TYPE, "application/json")
+        .body(Body::from(begin.to_string()))
+        .unwrap();
+    let app = api.app.clone();
+    taken.abandon(async move { app.oneshot(req).await }).await;
+    taken.release();
+    within("the key to be taken", taken.landed()).await;
+    within("the key to be given back", given_back.landed()).await;
+    // The test clock never moves: a key still held would answer `in_progress`.
+    let r = api.post("/v1/records/begin", None, &begin).await;
+    assert_eq!(r.status, StatusCode::OK, "{}", r.body);
+    assert_eq!(r.body["outcome"], "acquired");
 }
