@@ -5,7 +5,7 @@ use std::sync::LazyLock;
 use std::time::Duration;
 
 use axum::Json;
-use axum::extract::{Path, State};
+use axum::extract::State;
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 use idem_core::{
@@ -16,9 +16,11 @@ use serde::Deserialize;
 use serde_json::{Value, json};
 use tracing::{debug, warn};
 
+use idem::InFlight;
+
 use crate::AppState;
 use crate::auth::Caller;
-use crate::json::JsonBody;
+use crate::json::{JsonBody, PathParams};
 use idem_http::Problem;
 
 /// The longest `fingerprint` string accepted.
@@ -158,10 +160,10 @@ pub(crate) async fn begin(
             MAX_TTL,
         )?);
     let now = state.clock.now();
-    // Problem::store logs the failure.
-    let outcome = state
-        .store
-        .begin(&req, now)
+    // Through the engine's claim, which is safe to drop: a client that hangs up while the
+    // store takes the key does not leave it held for the whole lease (a key taken for a
+    // caller who left is released). Problem::store logs a failure.
+    let outcome = idem::claim::begin_waiting(&state.store, &*state.clock, &req, InFlight::Reject)
         .await
         .map_err(|e| Problem::store(&e))?;
     debug!(key = %req.key.log_tag(), outcome = outcome_name(&outcome), "begin");
@@ -323,10 +325,8 @@ async fn settle(
 pub(crate) async fn get(
     State(state): State<AppState>,
     caller: Caller,
-    path: Result<Path<(String, String)>, axum::extract::rejection::PathRejection>,
+    PathParams((namespace, client_key)): PathParams<(String, String)>,
 ) -> Result<Response, Problem> {
-    let Path((namespace, client_key)) =
-        path.map_err(|e| Problem::invalid_request(format!("Bad record path: {e}.")))?;
     let key = record_key(&caller, &namespace, &client_key)?;
     let record = state
         .store

@@ -6,15 +6,22 @@
 //! | `GET /v1/ids/snowflake?count=N` | `{"ids":[…],"id_strings":["…"],"worker":W}`: 64-bit ids as JSON numbers and, since JavaScript loses precision above 2^53, as strings |
 //! | `GET /v1/ids/segment/{tag}?count=N` | `{"ids":[…],"id_strings":["…"]}`: the caller's own sequence `tag` (Leaf-segment), increasing per server |
 //!
+//! A caller holds at most [`TAGS_PER_SCOPE`] segment tags at a time (its scope's quota), and
+//! the server [`MAX_TAGS`] of all callers (see [`SegmentLimits`]). A tag unused for
+//! [`TAG_IDLE_AFTER`] is idle, and its slot may be given to a new tag: it loses the rest of its
+//! ranges (its ids skip a gap, never repeat). A new tag of a caller at its quota with no idle
+//! tag is 429 `tag_quota_exceeded`; other callers are not affected.
+//!
 //! `count` is 1 (the default) to [`MAX_COUNT`]; anything else is 400 `invalid_count`. The
 //! server claims its Snowflake worker id from its store when it starts (see
 //! `idem_id::WorkerPool`); without one the Snowflake endpoint answers 503.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
 
 use axum::Json;
-use axum::extract::{Path, RawQuery, State};
+use axum::extract::{RawQuery, State};
 use axum::http::StatusCode;
 use idem_http::Problem;
 use idem_id::{IdError, LeasedSnowflake};
@@ -22,40 +29,174 @@ use serde_json::{Value, json};
 
 use crate::AppState;
 use crate::auth::Caller;
+use crate::json::PathParams;
 
 /// The most ids one request may ask for.
 pub const MAX_COUNT: u32 = 1000;
 
-/// The most segment tags one server serves (each holds two ranges in memory).
+/// The most segment tags one server serves, of all callers together (each holds two ranges
+/// in memory); see [`SegmentLimits::total`].
 pub const MAX_TAGS: usize = 1024;
+
+/// The most segment tags one caller (one scope) may hold at a time; see
+/// [`SegmentLimits::per_scope`].
+pub const TAGS_PER_SCOPE: usize = 64;
+
+/// How long a tag may go unused before its slot may be given to a new one; see
+/// [`SegmentLimits::idle_after`].
+pub const TAG_IDLE_AFTER: Duration = Duration::from_secs(10 * 60);
+
+/// Bounds on the segment tags a server keeps in memory.
+///
+/// A tag's allocator holds the rest of its ranges. Dropping it (evicting the tag) loses them:
+/// the next request for the tag fetches a new range above every id issued, so ids skip a gap
+/// but never repeat.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SegmentLimits {
+    /// The most tags one caller may hold. A caller at its quota that asks for a new tag has
+    /// its own tags idle longer than [`idle_after`](Self::idle_after) evicted; if none is,
+    /// it is refused with 429 `tag_quota_exceeded`, and nobody else is.
+    pub per_scope: usize,
+    /// The most tags of all callers together, a last resort for memory. When full, the least
+    /// recently used tag no request is using, whoever it belongs to, makes room; only a table
+    /// whose every tag is in use refuses, with 503 `too_many_tags`.
+    pub total: usize,
+    /// How long a tag goes unused before it counts as idle.
+    pub idle_after: Duration,
+}
+
+impl Default for SegmentLimits {
+    fn default() -> Self {
+        Self {
+            per_scope: TAGS_PER_SCOPE,
+            total: MAX_TAGS,
+            idle_after: TAG_IDLE_AFTER,
+        }
+    }
+}
 
 /// A caller's scope and a tag.
 type ScopedTag = (String, String);
 
-/// Segment allocators by caller scope and tag.
+/// A tag's allocator and when it was last asked for.
+struct Slot {
+    segments: Arc<idem_id::Segments>,
+    used: Instant,
+}
+
+impl Slot {
+    /// Whether a request (or a range fetch it started) is using the allocator right now: the
+    /// table's is then not its only handle.
+    fn busy(&self) -> bool {
+        Arc::strong_count(&self.segments) > 1
+    }
+
+    fn idle(&self, now: Instant, after: Duration) -> bool {
+        !self.busy() && now.saturating_duration_since(self.used) >= after
+    }
+}
+
+#[derive(Default)]
+struct Table {
+    limits: SegmentLimits,
+    slots: HashMap<ScopedTag, Slot>,
+    /// How many tags each scope holds.
+    held: HashMap<String, usize>,
+}
+
+impl Table {
+    fn evict(&mut self, key: &ScopedTag) {
+        if self.slots.remove(key).is_some()
+            && let Some(n) = self.held.get_mut(&key.0)
+        {
+            *n -= 1;
+            if *n == 0 {
+                self.held.remove(&key.0);
+            }
+        }
+    }
+
+    /// Evicts the idle tags of `scope` (of every scope with `None`).
+    fn evict_idle(&mut self, scope: Option<&str>, now: Instant) {
+        let after = self.limits.idle_after;
+        let idle: Vec<ScopedTag> = self
+            .slots
+            .iter()
+            .filter(|(k, slot)| scope.is_none_or(|s| k.0 == s) && slot.idle(now, after))
+            .map(|(k, _)| k.clone())
+            .collect();
+        for key in &idle {
+            self.evict(key);
+        }
+    }
+
+    /// Evicts the least recently used tag that no request is using; false if every tag is
+    /// in use.
+    fn evict_least_recent(&mut self) -> bool {
+        let Some(key) = self
+            .slots
+            .iter()
+            .filter(|(_, slot)| !slot.busy())
+            .min_by_key(|(_, slot)| slot.used)
+            .map(|(k, _)| k.clone())
+        else {
+            return false;
+        };
+        self.evict(&key);
+        true
+    }
+}
+
+/// Segment allocators by caller scope and tag, made on first use, within [`SegmentLimits`].
 #[derive(Clone, Default)]
-pub struct SegmentTable(Arc<Mutex<HashMap<ScopedTag, Arc<idem_id::Segments>>>>);
+pub struct SegmentTable(Arc<Mutex<Table>>);
 
 impl SegmentTable {
-    fn get(
+    /// An empty table within `limits`.
+    pub fn new(limits: SegmentLimits) -> Self {
+        Self(Arc::new(Mutex::new(Table {
+            limits,
+            ..Table::default()
+        })))
+    }
+
+    /// How many tags the table holds, of all callers.
+    pub fn len(&self) -> usize {
+        self.lock().slots.len()
+    }
+
+    /// Whether the table holds no tag.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, Table> {
+        self.0
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    /// The allocator of `scope`'s `tag`, made if it is new, as asked for at `now` (which
+    /// marks it used). The caller keeps the answer while it takes ids from it: a tag with a
+    /// holder is busy and never evicted.
+    ///
+    /// # Errors
+    ///
+    /// 400 `invalid_tag` for a tag that is not a valid key, 429 `tag_quota_exceeded` for a
+    /// new tag of a scope at its quota, 503 `too_many_tags` when every tag of the table is in
+    /// use.
+    pub fn segments(
         &self,
         store: &idem_core::SharedStore,
         scope: &str,
         tag: &str,
+        now: Instant,
     ) -> Result<Arc<idem_id::Segments>, Problem> {
-        let mut table = self
-            .0
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        let mut table = self.lock();
         let key = (scope.to_owned(), tag.to_owned());
-        if let Some(s) = table.get(&key) {
-            return Ok(s.clone());
-        }
-        if table.len() >= MAX_TAGS {
-            return Err(unavailable(
-                "too_many_tags",
-                format!("This server already serves {MAX_TAGS} segment tags."),
-            ));
+        if let Some(slot) = table.slots.get_mut(&key) {
+            slot.used = slot.used.max(now);
+            return Ok(slot.segments.clone());
         }
         let segments = idem_id::Segments::scoped(
             store.clone(),
@@ -71,7 +212,51 @@ impl SegmentTable {
                 format!("{e}."),
             )
         })?;
-        table.insert(key, segments.clone());
+        let limits = table.limits;
+        let held = |t: &Table| t.held.get(scope).copied().unwrap_or(0);
+        if held(&table) >= limits.per_scope {
+            table.evict_idle(Some(scope), now);
+        }
+        if held(&table) >= limits.per_scope {
+            return Err(Problem::new(
+                StatusCode::TOO_MANY_REQUESTS,
+                "tag_quota_exceeded",
+                "Tag quota exceeded",
+                format!(
+                    "A caller may hold {} segment tags at a time; this caller holds that many, \
+                     each used within the last {} seconds. Reuse a tag, or ask again once one \
+                     has been idle that long.",
+                    limits.per_scope,
+                    limits.idle_after.as_secs()
+                ),
+            )
+            .with("quota", limits.per_scope)
+            .retry_after(limits.idle_after));
+        }
+        if table.slots.len() >= limits.total {
+            // Idle tags first (anyone's), then the least recently used of the rest.
+            table.evict_idle(None, now);
+            while table.slots.len() >= limits.total {
+                if !table.evict_least_recent() {
+                    return Err(unavailable(
+                        "too_many_tags",
+                        format!(
+                            "This server serves at most {} segment tags, and all are in use.",
+                            limits.total
+                        ),
+                    )
+                    .retry_after(Duration::from_secs(1)));
+                }
+            }
+        }
+        *table.held.entry(scope.to_owned()).or_default() += 1;
+        table.slots.insert(
+            key,
+            Slot {
+                segments: segments.clone(),
+                used: now,
+            },
+        );
         Ok(segments)
     }
 }
@@ -138,13 +323,14 @@ pub async fn snowflake(
 pub async fn segment(
     State(state): State<AppState>,
     caller: Caller,
-    Path(tag): Path<String>,
+    PathParams(tag): PathParams<String>,
     RawQuery(q): RawQuery,
 ) -> Result<Json<Value>, Problem> {
     let n = count(q.as_deref())?;
-    let segments = state
-        .segments
-        .get(&state.store, caller.scope.as_str(), &tag)?;
+    let segments =
+        state
+            .segments
+            .segments(&state.store, caller.scope.as_str(), &tag, Instant::now())?;
     let mut ids = Vec::with_capacity(usize::try_from(n).unwrap_or(0));
     for _ in 0..n {
         let id = match segments.try_next() {
@@ -204,4 +390,98 @@ fn unavailable(code: &'static str, detail: impl Into<String>) -> Problem {
 
 fn bad_query() -> Problem {
     Problem::invalid_request("The query takes only `count`, once: `?count=N`.")
+}
+
+#[cfg(test)]
+mod tests {
+    use idem_core::SharedStore;
+    use idem_store::MemoryStore;
+
+    use super::*;
+
+    fn table(per_scope: usize, total: usize) -> (SegmentTable, SharedStore) {
+        let limits = SegmentLimits {
+            per_scope,
+            total,
+            idle_after: Duration::from_secs(600),
+        };
+        (SegmentTable::new(limits), Arc::new(MemoryStore::new()))
+    }
+
+    #[test]
+    fn an_idle_tag_is_evicted_and_its_slot_reused() {
+        let (table, store) = table(2, 8);
+        let t0 = Instant::now();
+        drop(table.segments(&store, "shop", "a", t0).unwrap());
+        drop(table.segments(&store, "shop", "b", t0).unwrap());
+        // `a` is used again later; `b` is not.
+        let later = t0 + Duration::from_secs(500);
+        drop(table.segments(&store, "shop", "a", later).unwrap());
+        let err = table
+            .segments(&store, "shop", "c", later)
+            .map(drop)
+            .unwrap_err();
+        assert_eq!(err.code(), "tag_quota_exceeded");
+        // Ten minutes after its last use `b` is idle, and `c` takes its slot.
+        let idle = t0 + Duration::from_secs(600);
+        drop(table.segments(&store, "shop", "c", idle).unwrap());
+        assert_eq!(table.len(), 2);
+        let slots = table.lock();
+        assert!(slots.slots.contains_key(&("shop".into(), "a".into())));
+        assert!(!slots.slots.contains_key(&("shop".into(), "b".into())));
+        assert_eq!(slots.held["shop"], 2);
+    }
+
+    #[test]
+    fn a_busy_tag_is_never_evicted() {
+        let (table, store) = table(1, 2);
+        let t0 = Instant::now();
+        // A request is taking ids from `a` (it holds the allocator), for a long time.
+        let in_use = table.segments(&store, "shop", "a", t0).unwrap();
+        let much_later = t0 + Duration::from_secs(86_400);
+        let err = table
+            .segments(&store, "shop", "b", much_later)
+            .map(drop)
+            .unwrap_err();
+        assert_eq!(err.code(), "tag_quota_exceeded");
+        // Nor by the global bound: the table is full of tags in use.
+        let also_in_use = table.segments(&store, "bank", "x", much_later).unwrap();
+        let err = table
+            .segments(&store, "mint", "y", much_later)
+            .map(drop)
+            .unwrap_err();
+        assert_eq!(err.code(), "too_many_tags");
+        assert!(Arc::ptr_eq(
+            &in_use,
+            &table.segments(&store, "shop", "a", much_later).unwrap()
+        ));
+        drop(also_in_use);
+        // Once unused, the least recently used tag of anyone makes room, idle or not.
+        drop(table.segments(&store, "mint", "y", much_later).unwrap());
+        let slots = table.lock();
+        assert!(!slots.slots.contains_key(&("bank".into(), "x".into())));
+        assert!(!slots.held.contains_key("bank"));
+    }
+
+    #[test]
+    fn a_full_table_evicts_the_least_recently_used_tag_of_anyone() {
+        let (table, store) = table(4, 3);
+        let t0 = Instant::now();
+        for (n, (scope, tag)) in [("shop", "a"), ("bank", "b"), ("shop", "c")]
+            .into_iter()
+            .enumerate()
+        {
+            let at = t0 + Duration::from_secs(n as u64);
+            drop(table.segments(&store, scope, tag, at).unwrap());
+        }
+        let at = t0 + Duration::from_secs(10);
+        drop(table.segments(&store, "mint", "d", at).unwrap());
+        assert_eq!(table.len(), 3);
+        assert!(
+            !table
+                .lock()
+                .slots
+                .contains_key(&("shop".into(), "a".into()))
+        );
+    }
 }

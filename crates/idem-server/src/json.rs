@@ -1,7 +1,10 @@
-//! Request bodies: bounded, JSON only, with every rejection a problem+json.
+//! Request bodies and path parameters: bodies bounded and JSON only, and every rejection a
+//! problem+json (axum's own extractors answer `text/plain`).
 
 use axum::body::Body;
-use axum::extract::{FromRequest, Request};
+use axum::extract::rejection::PathRejection;
+use axum::extract::{FromRequest, FromRequestParts, Request};
+use axum::http::request::Parts;
 use axum::http::{StatusCode, header};
 use serde::de::DeserializeOwned;
 
@@ -79,6 +82,48 @@ impl<T: DeserializeOwned, S: BodyLimit + Sync> FromRequest<S> for JsonBody<T> {
             }
         })
     }
+}
+
+/// The route's path parameters, as [`axum::extract::Path`] takes them, refused with a
+/// problem+json: 400 `invalid_path` for a parameter that does not decode (percent-encoded
+/// bytes that are not UTF-8, as in `/v1/locks/%FF/acquire`).
+pub struct PathParams<T>(pub T);
+
+impl<T, S> FromRequestParts<S> for PathParams<T>
+where
+    T: DeserializeOwned + Send,
+    S: Send + Sync,
+{
+    type Rejection = Problem;
+
+    async fn from_request_parts(parts: &mut Parts, state: &S) -> Result<Self, Problem> {
+        match axum::extract::Path::<T>::from_request_parts(parts, state).await {
+            Ok(axum::extract::Path(value)) => Ok(PathParams(value)),
+            Err(e) => Err(path_problem(&e)),
+        }
+    }
+}
+
+/// The problem for a path that does not fit its route. Its detail names no part of the path:
+/// the parameters are the caller's keys and names.
+fn path_problem(e: &PathRejection) -> Problem {
+    let status = e.status();
+    if status.is_server_error() {
+        // A route whose handler takes parameters the route does not have: idem's own bug.
+        tracing::error!(error = %e, "path parameters do not fit the route");
+        return Problem::new(
+            StatusCode::INTERNAL_SERVER_ERROR,
+            "internal_error",
+            "Internal error",
+            "The server could not read this route's parameters.",
+        );
+    }
+    Problem::new(
+        StatusCode::BAD_REQUEST,
+        "invalid_path",
+        "Invalid path",
+        "A path segment does not decode: percent-encoded bytes must make UTF-8 text.",
+    )
 }
 
 /// Describes a body of the wrong shape without repeating the values it holds: serde's messages

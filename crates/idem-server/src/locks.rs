@@ -19,7 +19,7 @@ use std::fmt::Write;
 use std::time::Duration;
 
 use axum::Json;
-use axum::extract::{Path, State};
+use axum::extract::State;
 use axum::http::StatusCode;
 use idem::{LockError, LockOwner, Locks};
 use idem_core::{Held, Timestamp};
@@ -31,7 +31,7 @@ use sha2::{Digest, Sha256};
 use crate::AppState;
 use crate::api::{MAX_LEASE, rfc3339};
 use crate::auth::Caller;
-use crate::json::JsonBody;
+use crate::json::{JsonBody, PathParams};
 
 /// The longest a caller may wait for a lock in one request.
 pub const MAX_WAIT: Duration = Duration::from_secs(60);
@@ -169,7 +169,7 @@ fn problem(e: &LockError) -> Problem {
 pub async fn acquire(
     State(state): State<AppState>,
     caller: Caller,
-    Path(name): Path<String>,
+    PathParams(name): PathParams<String>,
     JsonBody(body): JsonBody<AcquireBody>,
 ) -> Result<Json<Value>, Problem> {
     let locks = locks(&state)?;
@@ -184,21 +184,25 @@ pub async fn acquire(
             "`wait_ms` must be at most 60000 (one minute).",
         ));
     }
-    let owner = match &body.owner {
-        Some(id) => LockOwner::parse(id).map_err(|e| {
-            Problem::new(
-                StatusCode::BAD_REQUEST,
-                "invalid_owner",
-                "Invalid owner",
-                format!("{e}."),
-            )
-        })?,
-        None => LockOwner::random(),
+    let acquired = match &body.owner {
+        Some(id) => {
+            let owner = LockOwner::parse(id).map_err(|e| {
+                Problem::new(
+                    StatusCode::BAD_REQUEST,
+                    "invalid_owner",
+                    "Invalid owner",
+                    format!("{e}."),
+                )
+            })?;
+            // A caller that hangs up keeps the holding: it knows the owner id and gets the
+            // holding back by asking again.
+            locks.acquire_as(&name, owner, lease, wait).await
+        }
+        // Nobody else knows this owner id: a lock granted after the caller hung up is
+        // released for it, rather than held for its whole lease.
+        None => locks.acquire(&name, lease, wait).await,
     };
-    let guard = locks
-        .acquire_as(&name, owner, lease, wait)
-        .await
-        .map_err(|e| problem(&e))?;
+    let guard = acquired.map_err(|e| problem(&e))?;
     // The caller holds the lock through its handle, not through this guard.
     let (owner, holding) = guard.detach();
     Ok(held(&owner, holding))
@@ -208,7 +212,7 @@ pub async fn acquire(
 pub async fn renew(
     State(state): State<AppState>,
     caller: Caller,
-    Path(name): Path<String>,
+    PathParams(name): PathParams<String>,
     JsonBody(body): JsonBody<RenewBody>,
 ) -> Result<Json<Value>, Problem> {
     let locks = locks(&state)?;
@@ -226,7 +230,7 @@ pub async fn renew(
 pub async fn release(
     State(state): State<AppState>,
     caller: Caller,
-    Path(name): Path<String>,
+    PathParams(name): PathParams<String>,
     JsonBody(body): JsonBody<ReleaseBody>,
 ) -> Result<Json<Value>, Problem> {
     let locks = locks(&state)?;

@@ -12,7 +12,7 @@ use idem_core::{ManualClock, SharedStore};
 use idem_server::auth::Auth;
 use idem_server::{AppState, router};
 use idem_store::MemoryStore;
-use idem_testkit::FaultyStore;
+use idem_testkit::{Fault, FaultyStore, Op, Stall, within};
 use serde_json::{Value, json};
 use tower::ServiceExt;
 
@@ -42,8 +42,11 @@ impl Api {
     }
 
     fn with(store: SharedStore, auth: Auth) -> Self {
+        Self::with_state(AppState::new(store), auth)
+    }
+
+    fn with_state(mut state: AppState, auth: Auth) -> Self {
         let clock = ManualClock::starting_now();
-        let mut state = AppState::new(store);
         state.clock = Arc::new(clock.clone());
         state.auth = Arc::new(auth);
         state.max_body = 4096;
@@ -503,4 +506,141 @@ async fn records_kept_beyond_year_9999_are_still_shown() {
     let r = api.get("/v1/records/pay/forever", None).await;
     assert_eq!(r.status, StatusCode::OK, "{}", r.body);
     assert_eq!(r.body["expires_at"], "9999-12-31T23:59:59.999Z");
+}
+
+/// Every POST endpoint, with a body of the right shape.
+fn post_endpoints() -> Vec<(&'static str, Value)> {
+    let lease = "1.0123456789abcdef0123456789abcdef";
+    let lock = "0123456789abcdef0123.1";
+    vec![
+        (
+            "/v1/records/begin",
+            json!({"namespace": "pay", "key": "k", "request": 1}),
+        ),
+        (
+            "/v1/records/complete",
+            json!({"namespace": "pay", "key": "k", "lease": lease, "response": 1}),
+        ),
+        (
+            "/v1/records/release",
+            json!({"namespace": "pay", "key": "k", "lease": lease}),
+        ),
+        ("/v1/tokens", json!({"purpose": "p"})),
+        ("/v1/tokens/consume", json!({"token": "t", "purpose": "p"})),
+        ("/v1/locks/l/acquire", json!({"lease_ms": 1000})),
+        ("/v1/locks/l/renew", json!({"lock": lock, "lease_ms": 1000})),
+        ("/v1/locks/l/release", json!({"lock": lock})),
+    ]
+}
+
+#[tokio::test]
+async fn undecodable_paths_and_bad_bodies_are_problems_on_every_endpoint() {
+    let store = Arc::new(MemoryStore::new());
+    let api = Api::with_state(
+        AppState::new(store.clone()).with_locks(store),
+        Auth::anonymous(),
+    );
+    // `send` checks that every refusal is problem+json.
+    for path in [
+        "/v1/ids/segment/%FF",
+        "/v1/records/%FF/k",
+        "/v1/records/pay/%C3%28",
+    ] {
+        let r = api.get(path, None).await;
+        assert_eq!(
+            (r.status, r.code()),
+            (StatusCode::BAD_REQUEST, "invalid_path"),
+            "{path}"
+        );
+    }
+    for (path, body) in post_endpoints() {
+        if let Some(action) = path.strip_prefix("/v1/locks/l/") {
+            let r = api
+                .post(&format!("/v1/locks/%FF/{action}"), None, &body)
+                .await;
+            assert_eq!(
+                (r.status, r.code()),
+                (StatusCode::BAD_REQUEST, "invalid_path"),
+                "{path}"
+            );
+        }
+        let r = api
+            .post_raw(path, None, "application/json", "{oops".into())
+            .await;
+        assert_eq!(
+            (r.status, r.code()),
+            (StatusCode::BAD_REQUEST, "malformed_json"),
+            "{path}"
+        );
+        let r = api.post(path, None, &json!([1])).await;
+        assert_eq!(
+            (r.status, r.code()),
+            (StatusCode::BAD_REQUEST, "invalid_request"),
+            "{path}"
+        );
+        let r = api
+            .post_raw(path, None, "text/plain", body.to_string())
+            .await;
+        assert_eq!(r.code(), "unsupported_media_type", "{path}");
+        let big = json!({"padding": "x".repeat(5000)}).to_string();
+        let r = api.post_raw(path, None, "application/json", big).await;
+        assert_eq!(
+            (r.status, r.code()),
+            (StatusCode::PAYLOAD_TOO_LARGE, "body_too_large"),
+            "{path}"
+        );
+    }
+}
+
+/// What the HTTP library refuses before idem sees the request (here a space in the path)
+/// gets its bare answer, not a problem+json: the README lists these cases.
+#[tokio::test]
+async fn requests_the_http_parser_refuses_get_its_bare_answer() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let app = router(AppState::new(Arc::new(MemoryStore::new())));
+    let server = tokio::spawn(async move { axum::serve(listener, app).await });
+    let mut conn = tokio::net::TcpStream::connect(addr).await.unwrap();
+    conn.write_all(b"GET /v1/ids/uuid 7 HTTP/1.1\r\nHost: idem\r\n\r\n")
+        .await
+        .unwrap();
+    let mut answer = Vec::new();
+    within("the answer", conn.read_to_end(&mut answer))
+        .await
+        .unwrap();
+    let answer = String::from_utf8_lossy(&answer).to_ascii_lowercase();
+    assert!(answer.starts_with("http/1.1 400"), "{answer}");
+    assert!(!answer.contains("problem+json"), "{answer}");
+    server.abort();
+}
+
+/// A client that hangs up after the store took its key does not leave the key held for the
+/// whole lease: the key is given back, and the next begin takes it at once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_that_hangs_up_while_its_key_is_taken_leaves_the_key_free() {
+    let store = FaultyStore::new(MemoryStore::new());
+    let api = Api::with(Arc::new(store.clone()), Auth::anonymous());
+    // The begin is sent and waits at the store, then takes effect whatever the client does.
+    let taken = Stall::new();
+    store.fail_next(Op::Begin, Fault::StallThenLand(taken.clone()));
+    // Tells when the key is given back.
+    let given_back = Stall::new();
+    given_back.release();
+    store.fail_next(Op::Release, Fault::Stall(given_back.clone()));
+    let begin = json!({"namespace": "pay", "key": "k", "request": 1, "lease_ms": 600_000});
+    let req = Request::post("/v1/records/begin")
+        .header(header::CONTENT_TYPE, "application/json")
+        .body(Body::from(begin.to_string()))
+        .unwrap();
+    let app = api.app.clone();
+    taken.abandon(async move { app.oneshot(req).await }).await;
+    taken.release();
+    within("the key to be taken", taken.landed()).await;
+    within("the key to be given back", given_back.landed()).await;
+    // The test clock never moves: a key still held would answer `in_progress`.
+    let r = api.post("/v1/records/begin", None, &begin).await;
+    assert_eq!(r.status, StatusCode::OK, "{}", r.body);
+    assert_eq!(r.body["outcome"], "acquired");
 }

@@ -3,6 +3,8 @@
 
 #![allow(clippy::unwrap_used)]
 
+mod common;
+
 use std::collections::HashSet;
 use std::sync::Arc;
 
@@ -123,4 +125,38 @@ async fn segment_ids_increase_per_tag_and_bad_tags_are_refused() {
     let (status, body) = get(&state, "/v1/ids/segment/%20bad").await;
     assert_eq!(status, StatusCode::BAD_REQUEST, "{body}");
     assert_eq!(body["code"], "invalid_tag");
+}
+
+#[tokio::test]
+async fn a_caller_at_its_tag_quota_is_refused_and_other_callers_are_not() {
+    let state = common::with_callers(AppState::new(Arc::new(MemoryStore::new())));
+    let quota = idem_server::ids::TAGS_PER_SCOPE;
+    for n in 0..quota {
+        let (status, _, body) =
+            common::get(&state, common::SHOP, &format!("/v1/ids/segment/t{n}")).await;
+        assert_eq!(status, StatusCode::OK, "tag {n}: {body}");
+    }
+    let (status, content_type, body) =
+        common::get(&state, common::SHOP, "/v1/ids/segment/one-more").await;
+    assert_eq!(status, StatusCode::TOO_MANY_REQUESTS, "{body}");
+    assert_eq!(content_type, "application/problem+json");
+    assert_eq!(body["code"], "tag_quota_exceeded");
+    assert!(
+        body["detail"]
+            .as_str()
+            .unwrap()
+            .contains(&quota.to_string()),
+        "{body}"
+    );
+    assert_eq!(body["quota"], quota);
+    // The caller's own tags still answer.
+    let (status, _, _) = common::get(&state, common::SHOP, "/v1/ids/segment/t0").await;
+    assert_eq!(status, StatusCode::OK);
+    // Another caller still gets new tags.
+    for tag in ["t0", "fresh"] {
+        let (status, _, body) =
+            common::get(&state, common::BANK, &format!("/v1/ids/segment/{tag}")).await;
+        assert_eq!(status, StatusCode::OK, "{body}");
+        assert_eq!(body["ids"][0], 1);
+    }
 }

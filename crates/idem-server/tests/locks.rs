@@ -13,7 +13,8 @@ use common::{BANK, SHOP, post, with_callers};
 use idem_server::AppState;
 use idem_server::auth::Auth;
 use idem_store::MemoryStore;
-use serde_json::json;
+use idem_testkit::{Fault, FaultyStore, Op, Stall, within};
+use serde_json::{Value, json};
 
 fn state() -> AppState {
     let store = Arc::new(MemoryStore::new());
@@ -266,4 +267,68 @@ async fn a_store_without_locks_says_so() {
     .await;
     assert_eq!(status, StatusCode::NOT_IMPLEMENTED);
     assert_eq!(body["code"], "locks_unsupported");
+}
+
+/// An acquire of `name` as the shop, with `body`, whose client hangs up while the store
+/// grants it: the grant lands once the client has gone. `before` plans more faults first.
+async fn an_acquire_granted_after_the_client_left(
+    name: &str,
+    body: &Value,
+    before: impl FnOnce(&FaultyStore<MemoryStore>),
+) -> AppState {
+    let store = FaultyStore::new(MemoryStore::new());
+    let state =
+        with_callers(AppState::new(Arc::new(store.clone())).with_locks(Arc::new(store.clone())));
+    // The acquire is sent and waits at the store, then takes effect whatever the client does.
+    let granted = Stall::new();
+    store.fail_next(Op::LockAcquire, Fault::StallThenLand(granted.clone()));
+    before(&store);
+    let caller = {
+        let (state, body) = (state.clone(), body.clone());
+        let path = format!("/v1/locks/{name}/acquire");
+        async move { post(&state, SHOP, &path, body).await }
+    };
+    granted.abandon(caller).await;
+    granted.release();
+    within("the grant", granted.landed()).await;
+    state
+}
+
+/// An acquire without an owner id whose client hangs up while the store grants it leaves the
+/// lock free: nobody else knows its owner id, so the grant is released for the caller that
+/// left rather than held for its whole lease.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_that_hangs_up_while_its_lock_is_granted_leaves_the_lock_free() {
+    let acquire = json!({"lease_ms": 600_000});
+    // Tells when the lock is given back.
+    let given_back = Stall::new();
+    given_back.release();
+    let state = an_acquire_granted_after_the_client_left("payouts", &acquire, |store| {
+        store.fail_next(Op::LockRelease, Fault::Stall(given_back.clone()));
+    })
+    .await;
+    within("the lock to be given back", given_back.landed()).await;
+    let (status, body) = post(&state, SHOP, "/v1/locks/payouts/acquire", acquire).await;
+    assert_eq!(status, StatusCode::OK, "{body}");
+}
+
+/// With its own owner id, the client keeps the holding when it hangs up: it gets it back by
+/// asking again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_with_an_owner_id_that_hangs_up_gets_its_holding_back() {
+    let acquire = json!({"lease_ms": 600_000, "owner": "worker-0123456789abcdef"});
+    let state = an_acquire_granted_after_the_client_left("kept", &acquire, |_| {}).await;
+    let (status, body) = post(
+        &state,
+        SHOP,
+        "/v1/locks/kept/acquire",
+        json!({"lease_ms": 1000}),
+    )
+    .await;
+    assert_eq!(
+        (status, &body["code"]),
+        (StatusCode::CONFLICT, &json!("lock_held"))
+    );
+    let (status, body) = post(&state, SHOP, "/v1/locks/kept/acquire", acquire).await;
+    assert_eq!(status, StatusCode::OK, "{body}");
 }

@@ -1,6 +1,8 @@
 //! What the endpoint suites share: two callers with API keys, and a JSON POST as one of them.
 
 #![allow(clippy::unwrap_used)]
+// Each suite uses some of these.
+#![allow(dead_code)]
 
 use std::sync::Arc;
 
@@ -41,4 +43,29 @@ pub(crate) async fn post(
         .await
         .unwrap();
     (status, serde_json::from_slice(&bytes).unwrap())
+}
+
+/// GETs `path` as the caller with API key `key`: the status, the content type and the JSON
+/// answer.
+pub(crate) async fn get(state: &AppState, key: &str, path: &str) -> (StatusCode, String, Value) {
+    let req = Request::get(path)
+        .header(header::AUTHORIZATION, format!("Bearer {key}"))
+        .body(Body::empty())
+        .unwrap();
+    let res = router(state.clone()).oneshot(req).await.unwrap();
+    let status = res.status();
+    let content_type = res
+        .headers()
+        .get(header::CONTENT_TYPE)
+        .and_then(|v| v.to_str().ok())
+        .unwrap_or_default()
+        .to_owned();
+    let bytes = axum::body::to_bytes(res.into_body(), usize::MAX)
+        .await
+        .unwrap();
+    (
+        status,
+        content_type,
+        serde_json::from_slice(&bytes).unwrap(),
+    )
 }
