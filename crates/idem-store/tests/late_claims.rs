@@ -118,3 +118,87 @@ mod redis_store {
         });
     }
 }
+
+/// PostgreSQL never gives up on a statement it sent; a stalled server fails the ping the pool
+/// sends before handing out a connection, so a `begin` that fails was never sent, and the key
+/// is free the moment the server is back.
+#[cfg(feature = "postgres")]
+mod postgres {
+    use std::time::Duration;
+
+    use idem_core::{BeginOutcome, BeginRequest, Fingerprint, Key, Store, StoreError, Timestamp};
+    use idem_store::{PostgresOptions, PostgresStore};
+    use idem_testkit::services::{SqlKind, SqlServer};
+
+    /// Sends `signal` to the server's processes: the postmaster and every child (backends
+    /// lead process groups of their own). Stopped parent first, resumed parent last.
+    fn signal(postmaster: &str, signal: &str) {
+        let parent = || {
+            std::process::Command::new("kill")
+                .args([signal, postmaster])
+                .status()
+                .unwrap()
+        };
+        let children = || {
+            std::process::Command::new("pkill")
+                .args([signal, "-P", postmaster])
+                .status()
+                .unwrap()
+        };
+        if signal == "-STOP" {
+            assert!(parent().success());
+            assert!(children().success());
+        } else {
+            assert!(children().success());
+            assert!(parent().success());
+        }
+    }
+
+    #[test]
+    fn a_begin_against_a_stalled_server_is_never_sent() {
+        idem_testkit::block_on(async {
+            let Some(server) = SqlServer::start(SqlKind::Postgres) else {
+                return;
+            };
+            let options = PostgresOptions {
+                acquire_timeout: Duration::from_millis(500),
+                ..PostgresOptions::default()
+            };
+            let store = PostgresStore::connect_with(&server.url(), options)
+                .await
+                .unwrap();
+            let backend: i32 = sqlx::query_scalar("SELECT pg_backend_pid()")
+                .fetch_one(store.pool())
+                .await
+                .unwrap();
+            let ps = std::process::Command::new("ps")
+                .args(["-o", "ppid=", "-p", &backend.to_string()])
+                .output()
+                .unwrap();
+            let postmaster = String::from_utf8(ps.stdout).unwrap().trim().to_owned();
+            let req = BeginRequest::new(
+                Key::parse("late", "claims", "pg").unwrap(),
+                Fingerprint::of_bytes(b"body"),
+            );
+            signal(&postmaster, "-STOP");
+            let failed =
+                tokio::time::timeout(Duration::from_secs(30), store.begin(&req, Timestamp::now()))
+                    .await;
+            signal(&postmaster, "-CONT");
+            let failed = failed.expect("a begin against a stalled server gives up by itself");
+            assert!(
+                matches!(failed, Err(StoreError::Unavailable { .. })),
+                "{failed:?}"
+            );
+            let next =
+                tokio::time::timeout(Duration::from_secs(30), store.begin(&req, Timestamp::now()))
+                    .await
+                    .unwrap()
+                    .unwrap();
+            assert!(
+                matches!(next, BeginOutcome::Acquired(lease) if lease.fence == 1),
+                "the failed begin took nothing: {next:?}"
+            );
+        });
+    }
+}
