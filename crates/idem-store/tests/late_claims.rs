@@ -5,13 +5,65 @@
 
 #![allow(clippy::unwrap_used)]
 
+/// What every test here does: stall its own server, `begin`, resume it, and look again.
+#[cfg(any(feature = "redis", feature = "postgres", feature = "mysql"))]
+mod support {
+    use std::time::Duration;
+
+    use idem_core::{BeginOutcome, BeginRequest, Fingerprint, Key, Store, StoreError, Timestamp};
+
+    /// Sends `signal` (`-STOP`, `-CONT`) to a process of the test's own server.
+    pub(crate) fn kill(signal: &str, pid: &str) {
+        let done = std::process::Command::new("kill")
+            .args([signal, pid])
+            .status()
+            .unwrap();
+        assert!(done.success(), "kill {signal} {pid}");
+    }
+
+    pub(crate) fn request(k: &str) -> BeginRequest {
+        BeginRequest::new(
+            Key::parse("late", "claims", k).unwrap(),
+            Fingerprint::of_bytes(b"body"),
+        )
+    }
+
+    /// Runs `begin` between `stop` and `resume` (called however the call ends): it must
+    /// fail as unavailable, by itself.
+    pub(crate) async fn begin_while_stalled<S: Store>(
+        store: &S,
+        req: &BeginRequest,
+        stop: impl FnOnce(),
+        resume: impl FnOnce(),
+    ) {
+        stop();
+        let outcome =
+            tokio::time::timeout(Duration::from_secs(30), store.begin(req, Timestamp::now())).await;
+        resume();
+        let outcome = outcome.expect("a begin against a stalled server gives up by itself");
+        assert!(
+            matches!(outcome, Err(StoreError::Unavailable { .. })),
+            "a begin against a stalled server fails as unavailable: {outcome:?}"
+        );
+    }
+
+    pub(crate) async fn begin<S: Store>(store: &S, req: &BeginRequest) -> BeginOutcome {
+        tokio::time::timeout(Duration::from_secs(30), store.begin(req, Timestamp::now()))
+            .await
+            .unwrap()
+            .unwrap()
+    }
+}
+
 #[cfg(feature = "redis")]
 mod redis_store {
     use std::time::Duration;
 
-    use idem_core::{BeginOutcome, BeginRequest, Fingerprint, Key, Store, StoreError, Timestamp};
+    use idem_core::{BeginOutcome, Store, Timestamp};
     use idem_store::{RedisOptions, RedisStore};
     use idem_testkit::services::RedisServer;
+
+    use crate::support::{begin, begin_while_stalled, kill, request};
 
     /// A private server, a store on it whose commands give up after 300 ms, and the
     /// server's process id.
@@ -38,43 +90,6 @@ mod redis_store {
         Some((server, store, pid))
     }
 
-    /// Sends `signal` to the test's own server.
-    fn signal(pid: &str, signal: &str) {
-        let done = std::process::Command::new("kill")
-            .args([signal, pid])
-            .status()
-            .unwrap();
-        assert!(done.success(), "kill {signal} {pid}");
-    }
-
-    /// Runs `begin` while the server is stopped: it must fail as unavailable. The server
-    /// is resumed however the call ends.
-    async fn begin_while_stalled(store: &RedisStore, pid: &str, req: &BeginRequest) {
-        signal(pid, "-STOP");
-        let outcome =
-            tokio::time::timeout(Duration::from_secs(30), store.begin(req, Timestamp::now())).await;
-        signal(pid, "-CONT");
-        let outcome = outcome.expect("a begin against a stalled server gives up by itself");
-        assert!(
-            matches!(outcome, Err(StoreError::Unavailable { .. })),
-            "a begin against a stalled server fails as unavailable: {outcome:?}"
-        );
-    }
-
-    fn request(k: &str) -> BeginRequest {
-        BeginRequest::new(
-            Key::parse("late", "claims", k).unwrap(),
-            Fingerprint::of_bytes(b"body"),
-        )
-    }
-
-    async fn begin(store: &RedisStore, req: &BeginRequest) -> BeginOutcome {
-        tokio::time::timeout(Duration::from_secs(30), store.begin(req, Timestamp::now()))
-            .await
-            .unwrap()
-            .unwrap()
-    }
-
     /// A fresh key: the failed `begin` is the plain `SET … NX`, run when the server resumes.
     #[test]
     fn a_fresh_key_a_timed_out_begin_took_is_given_back() {
@@ -83,7 +98,7 @@ mod redis_store {
                 return;
             };
             let req = request("fresh");
-            begin_while_stalled(&store, &pid, &req).await;
+            begin_while_stalled(&store, &req, || kill("-STOP", &pid), || kill("-CONT", &pid)).await;
             // Another attempt at the same request.
             let next = begin(&store, &req).await;
             assert!(
@@ -105,7 +120,7 @@ mod redis_store {
             let BeginOutcome::Acquired(holder) = begin(&store, &req).await else {
                 panic!("a fresh key is acquired");
             };
-            begin_while_stalled(&store, &pid, &req).await;
+            begin_while_stalled(&store, &req, || kill("-STOP", &pid), || kill("-CONT", &pid)).await;
             assert!(matches!(
                 begin(&store, &req).await,
                 BeginOutcome::InProgress { .. }
@@ -119,43 +134,38 @@ mod redis_store {
     }
 }
 
-/// PostgreSQL never gives up on a statement it sent; a stalled server fails the ping the pool
-/// sends before handing out a connection, so a `begin` that fails was never sent, and the key
-/// is free the moment the server is back.
-#[cfg(feature = "postgres")]
-mod postgres {
+/// The SQL stores never give up on a statement they sent; a stalled server fails the ping
+/// the pool sends before handing out a connection, so a `begin` that fails was never sent,
+/// and the key is free the moment the server is back.
+#[cfg(any(feature = "postgres", feature = "mysql"))]
+mod sql {
     use std::time::Duration;
 
-    use idem_core::{BeginOutcome, BeginRequest, Fingerprint, Key, Store, StoreError, Timestamp};
-    use idem_store::{PostgresOptions, PostgresStore};
+    use idem_core::{BeginOutcome, Store};
     use idem_testkit::services::{SqlKind, SqlServer};
 
-    /// Sends `signal` to the server's processes: the postmaster and every child (backends
-    /// lead process groups of their own). Stopped parent first, resumed parent last.
-    fn signal(postmaster: &str, signal: &str) {
-        let parent = || {
-            std::process::Command::new("kill")
-                .args([signal, postmaster])
-                .status()
-                .unwrap()
-        };
-        let children = || {
-            std::process::Command::new("pkill")
-                .args([signal, "-P", postmaster])
-                .status()
-                .unwrap()
-        };
-        if signal == "-STOP" {
-            assert!(parent().success());
-            assert!(children().success());
-        } else {
-            assert!(children().success());
-            assert!(parent().success());
-        }
+    use crate::support::{begin, begin_while_stalled, kill, request};
+
+    /// A `begin` while `stop`ped fails; once resumed, the next attempt gets a fresh key.
+    async fn a_failed_begin_took_nothing<S: Store>(
+        store: &S,
+        key: &str,
+        stop: impl FnOnce(),
+        resume: impl FnOnce(),
+    ) {
+        let req = request(key);
+        begin_while_stalled(store, &req, stop, resume).await;
+        let next = begin(store, &req).await;
+        assert!(
+            matches!(next, BeginOutcome::Acquired(lease) if lease.fence == 1),
+            "the failed begin took nothing: {next:?}"
+        );
     }
 
+    #[cfg(feature = "postgres")]
     #[test]
-    fn a_begin_against_a_stalled_server_is_never_sent() {
+    fn a_begin_against_a_stalled_postgres_is_never_sent() {
+        use idem_store::{PostgresOptions, PostgresStore};
         idem_testkit::block_on(async {
             let Some(server) = SqlServer::start(SqlKind::Postgres) else {
                 return;
@@ -176,29 +186,51 @@ mod postgres {
                 .output()
                 .unwrap();
             let postmaster = String::from_utf8(ps.stdout).unwrap().trim().to_owned();
-            let req = BeginRequest::new(
-                Key::parse("late", "claims", "pg").unwrap(),
-                Fingerprint::of_bytes(b"body"),
-            );
-            signal(&postmaster, "-STOP");
-            let failed =
-                tokio::time::timeout(Duration::from_secs(30), store.begin(&req, Timestamp::now()))
-                    .await;
-            signal(&postmaster, "-CONT");
-            let failed = failed.expect("a begin against a stalled server gives up by itself");
-            assert!(
-                matches!(failed, Err(StoreError::Unavailable { .. })),
-                "{failed:?}"
-            );
-            let next =
-                tokio::time::timeout(Duration::from_secs(30), store.begin(&req, Timestamp::now()))
-                    .await
-                    .unwrap()
+            // The postmaster and every child (backends lead process groups of their own):
+            // the parent stopped first and resumed last.
+            let children = |signal: &str| {
+                let done = std::process::Command::new("pkill")
+                    .args([signal, "-P", &postmaster])
+                    .status()
                     .unwrap();
-            assert!(
-                matches!(next, BeginOutcome::Acquired(lease) if lease.fence == 1),
-                "the failed begin took nothing: {next:?}"
-            );
+                assert!(done.success(), "pkill {signal} -P {postmaster}");
+            };
+            let stop = || {
+                kill("-STOP", &postmaster);
+                children("-STOP");
+            };
+            let resume = || {
+                children("-CONT");
+                kill("-CONT", &postmaster);
+            };
+            a_failed_begin_took_nothing(&store, "pg", stop, resume).await;
+        });
+    }
+
+    #[cfg(feature = "mysql")]
+    #[test]
+    fn a_begin_against_a_stalled_mariadb_is_never_sent() {
+        use idem_store::{MySqlOptions, MySqlStore};
+        idem_testkit::block_on(async {
+            let Some(server) = SqlServer::start(SqlKind::MariaDb) else {
+                return;
+            };
+            let options = MySqlOptions {
+                acquire_timeout: Duration::from_millis(500),
+                ..MySqlOptions::default()
+            };
+            let store = MySqlStore::connect_with(&server.url(), options)
+                .await
+                .unwrap();
+            // One process, many threads: stopping it stops the server.
+            let pid_file: String = sqlx::query_scalar("SELECT @@pid_file")
+                .fetch_one(store.pool())
+                .await
+                .unwrap();
+            let pid = std::fs::read_to_string(pid_file).unwrap().trim().to_owned();
+            let stop = || kill("-STOP", &pid);
+            let resume = || kill("-CONT", &pid);
+            a_failed_begin_took_nothing(&store, "mariadb", stop, resume).await;
         });
     }
 }
