@@ -19,6 +19,11 @@
 //! [`EXPIRY_MARGIN`], so servers whose clocks differ a little never see a record vanish early.
 //! `purge_expired` has nothing to do.
 //!
+//! **A `begin` that fails** (its answer not back within [`RedisOptions::response_timeout`], or
+//! its connection broken) may still run when the server gets to it; what it took then is
+//! given back by a release under its lease id, queued on the same connection right behind it
+//! (see `RedisStore::give_back`), so a failed `begin` leaves the key free.
+//!
 //! **Eviction** would forget records: a server with `maxmemory` set and a policy other than
 //! `noeviction` is refused at connect unless [`RedisOptions::allow_eviction`] says otherwise.
 //!
@@ -402,7 +407,22 @@ fn may_have_run(e: &redis::RedisError) -> bool {
 /// Redis errors: the connection or the server being unreachable, busy or failing over may
 /// pass; anything else (a script error, a wrong type at the key) is a backend error.
 pub(crate) fn error(what: &str, e: redis::RedisError) -> StoreError {
-    let transient = e.is_io_error()
+    if e.code() == Some("WRONGTYPE") || e.to_string().contains(FOREIGN) {
+        return StoreError::Corrupt(format!(
+            "{what}: the Redis key holds a value this store did not write"
+        ));
+    }
+    let message = format!("{what}: {e}");
+    if transient(&e) {
+        StoreError::unavailable(message, e)
+    } else {
+        StoreError::backend(message, e)
+    }
+}
+
+/// Whether `e` may pass: the connection or the server being unreachable, busy or failing over.
+fn transient(e: &redis::RedisError) -> bool {
+    e.is_io_error()
         || e.is_timeout()
         || e.is_connection_dropped()
         || e.is_connection_refusal()
@@ -416,18 +436,7 @@ pub(crate) fn error(what: &str, e: redis::RedisError) -> StoreError {
                     | redis::ServerErrorKind::MasterDown
                     | redis::ServerErrorKind::ReadOnly
             )
-        );
-    if e.code() == Some("WRONGTYPE") || e.to_string().contains(FOREIGN) {
-        return StoreError::Corrupt(format!(
-            "{what}: the Redis key holds a value this store did not write"
-        ));
-    }
-    let message = format!("{what}: {e}");
-    if transient {
-        StoreError::unavailable(message, e)
-    } else {
-        StoreError::backend(message, e)
-    }
+        )
 }
 
 pub(crate) fn corrupt(what: &str) -> StoreError {
@@ -747,7 +756,8 @@ impl RedisStore {
             let mut pause = Duration::from_millis(100);
             loop {
                 match call.query_async::<Value>(&mut conn).await {
-                    Err(e) if may_have_run(&e) || e.is_connection_refusal() => {}
+                    // Not answered, or the server not ready (still loading, failing over).
+                    Err(e) if transient(&e) => {}
                     // Answered (done, or nothing to give back), or refused for good.
                     _ => return,
                 }
