@@ -19,6 +19,11 @@
 //! [`EXPIRY_MARGIN`], so servers whose clocks differ a little never see a record vanish early.
 //! `purge_expired` has nothing to do.
 //!
+//! **A `begin` that fails** (its answer not back within [`RedisOptions::response_timeout`], or
+//! its connection broken) may still run when the server gets to it; what it took then is
+//! given back by a release under its lease id, queued on the same connection right behind it
+//! (see `RedisStore::give_back`), so a failed `begin` leaves the key free.
+//!
 //! **Eviction** would forget records: a server with `maxmemory` set and a policy other than
 //! `noeviction` is refused at connect unless [`RedisOptions::allow_eviction`] says otherwise.
 //!
@@ -123,6 +128,22 @@ exp = math.min(now + ttl, MAX)
 redis.call('SET', KEYS[1], '1' .. ARGV[5] .. string.sub(v, 3, 118)
   .. string.format('%016d%016d', now, exp) .. (ARGV[6] or ''), 'PX', exp - now + tonumber(ARGV[4]))
 return 'ok'
+";
+
+/// Gives back what a `begin` may have taken though its caller was told it failed (it timed
+/// out, or its connection broke): ARGV = now, lease id, margin. Releases the record if it is
+/// in progress under that lease id, whatever its fence (a takeover's fence is not known to
+/// the client); answers 1 if it did. Where the `begin` took nothing, no record holds that
+/// random 128-bit id, and nothing changes. Sent with `EVAL`, not `EVALSHA`: it must run on the
+/// first try even on a server that has not loaded it (see [`RedisStore::give_back`]).
+const GIVE_BACK: &str = r"
+local now = tonumber(ARGV[1])
+local v, st, _, _, ttl, exp = record()
+if not v or st ~= 'p' or exp <= now or string.sub(v, 35, 50) ~= ARGV[2] then return 0 end
+exp = math.min(now + ttl, MAX)
+redis.call('SET', KEYS[1], '1r' .. string.sub(v, 3, 118) .. string.format('%016d%016d', now, exp),
+  'PX', exp - now + tonumber(ARGV[3]))
+return 1
 ";
 
 /// ARGV = now, lease id, fence, new lease end, margin. Answers 1 if it renewed the lease.
@@ -236,6 +257,8 @@ pub struct RedisStore {
     renew: Script,
     reopen: Script,
     raise: Script,
+    /// [`GIVE_BACK`] with [`RECORD`] before it, sent whole with `EVAL`.
+    give_back_script: String,
 }
 
 impl std::fmt::Debug for RedisStore {
@@ -305,6 +328,7 @@ impl RedisStore {
             renew: record_script(RENEW),
             reopen: record_script(REOPEN),
             raise: Script::new(RAISE),
+            give_back_script: format!("{RECORD}{GIVE_BACK}"),
         }
     }
 
@@ -373,10 +397,32 @@ fn native_ttl(at: Timestamp, now: Timestamp) -> u64 {
     millis(at.saturating_since(now) + EXPIRY_MARGIN).max(1)
 }
 
+/// Whether a command that failed with `e` may have run on the server, or may still run
+/// there: it was given up on while in flight (a response timeout) or its connection broke.
+/// An error the server answered, or a connection never made, means it did not run.
+fn may_have_run(e: &redis::RedisError) -> bool {
+    (e.is_io_error() || e.is_timeout() || e.is_connection_dropped()) && !e.is_connection_refusal()
+}
+
 /// Redis errors: the connection or the server being unreachable, busy or failing over may
 /// pass; anything else (a script error, a wrong type at the key) is a backend error.
 pub(crate) fn error(what: &str, e: redis::RedisError) -> StoreError {
-    let transient = e.is_io_error()
+    if e.code() == Some("WRONGTYPE") || e.to_string().contains(FOREIGN) {
+        return StoreError::Corrupt(format!(
+            "{what}: the Redis key holds a value this store did not write"
+        ));
+    }
+    let message = format!("{what}: {e}");
+    if transient(&e) {
+        StoreError::unavailable(message, e)
+    } else {
+        StoreError::backend(message, e)
+    }
+}
+
+/// Whether `e` may pass: the connection or the server being unreachable, busy or failing over.
+fn transient(e: &redis::RedisError) -> bool {
+    e.is_io_error()
         || e.is_timeout()
         || e.is_connection_dropped()
         || e.is_connection_refusal()
@@ -390,18 +436,7 @@ pub(crate) fn error(what: &str, e: redis::RedisError) -> StoreError {
                     | redis::ServerErrorKind::MasterDown
                     | redis::ServerErrorKind::ReadOnly
             )
-        );
-    if e.code() == Some("WRONGTYPE") || e.to_string().contains(FOREIGN) {
-        return StoreError::Corrupt(format!(
-            "{what}: the Redis key holds a value this store did not write"
-        ));
-    }
-    let message = format!("{what}: {e}");
-    if transient {
-        StoreError::unavailable(message, e)
-    } else {
-        StoreError::backend(message, e)
-    }
+        )
 }
 
 pub(crate) fn corrupt(what: &str) -> StoreError {
@@ -632,6 +667,14 @@ impl RedisStore {
         let key = self.redis_key(&fresh.key);
         let packed = pack(fresh);
         let ttl = native_ttl(fresh.expires_at, now);
+        // Either command may run on the server after its answer was given up on (a response
+        // timeout, a broken connection); then what it took is given back.
+        let failed = |e: redis::RedisError| {
+            if may_have_run(&e) {
+                self.give_back(&key, &lease, now);
+            }
+            error("cannot begin the record", e)
+        };
         // A key Redis does not have is the common case: claim it with one plain command.
         let set: Value = redis::cmd("SET")
             .arg(&key)
@@ -641,7 +684,7 @@ impl RedisStore {
             .arg(ttl)
             .query_async(&mut self.conn.clone())
             .await
-            .map_err(|e| error("cannot begin the record", e))?;
+            .map_err(failed)?;
         match set {
             Value::Okay => return Ok(BeginOutcome::Acquired(lease)),
             Value::Nil => {}
@@ -649,7 +692,7 @@ impl RedisStore {
         }
         let answer: Value = self
             .begin
-            .key(key)
+            .key(&key)
             .arg(exact(now.as_millis()))
             .arg(&fresh.fingerprint.as_bytes()[..])
             .arg(&lease.id.to_bytes()[..])
@@ -657,7 +700,7 @@ impl RedisStore {
             .arg(ttl)
             .invoke_async(&mut self.conn.clone())
             .await
-            .map_err(|e| error("cannot begin the record", e))?;
+            .map_err(failed)?;
         let Value::Array(mut parts) = answer else {
             return Err(corrupt("begin answer"));
         };
@@ -682,6 +725,59 @@ impl RedisStore {
                 }))
             }
             _ => Err(corrupt("begin answer")),
+        }
+    }
+
+    /// Gives back what a failed `begin` under `lease` may still take: releases the record at
+    /// `key` if it is in progress under that lease id, whenever the server gets to it.
+    ///
+    /// The first attempt is queued on the connection before this returns: a single Redis
+    /// connection carries commands in order and the server runs them in that order, so on a
+    /// server that stalled, the give-back runs right after the late `begin` (and before
+    /// anything this store sends afterwards), however long the stall. If that attempt fails
+    /// too (the server is still stalled or away), a task repeats it, backing off from 100 ms
+    /// to 5 s, until it is answered or the lease has run out: if the connection broke and was
+    /// replaced meanwhile, a `begin` that ran before the break is given back once the server
+    /// is reachable again. Only a `begin` that ran on the old connection after the new one
+    /// was answered (a server that read it late from a connection the client had already
+    /// dropped) escapes; it then holds the key until its lease ends.
+    fn give_back(&self, key: &str, lease: &Lease, now: Timestamp) {
+        let mut call = redis::cmd("EVAL");
+        call.arg(&self.give_back_script)
+            .arg(1)
+            .arg(key)
+            .arg(exact(now.as_millis()))
+            .arg(&lease.id.to_bytes()[..])
+            .arg(millis(EXPIRY_MARGIN));
+        let mut conn = self.conn.clone();
+        let lasts = lease.expires_at.saturating_since(now);
+        let mut attempts = Box::pin(async move {
+            let until = tokio::time::Instant::now() + lasts;
+            let mut pause = Duration::from_millis(100);
+            loop {
+                match call.query_async::<Value>(&mut conn).await {
+                    // Not answered, or the server not ready (still loading, failing over).
+                    Err(e) if transient(&e) => {}
+                    // Answered (done, or nothing to give back), or refused for good.
+                    _ => return,
+                }
+                if tokio::time::Instant::now() + pause >= until {
+                    return;
+                }
+                tokio::time::sleep(pause).await;
+                pause = (pause * 2).min(Duration::from_secs(5));
+            }
+        });
+        // Polled once here, which queues the first attempt on the connection.
+        let waker = std::task::Waker::noop();
+        let first = attempts
+            .as_mut()
+            .poll(&mut std::task::Context::from_waker(waker));
+        if first.is_pending() {
+            // Without a runtime to carry on, the queued attempt still goes out.
+            if let Ok(runtime) = tokio::runtime::Handle::try_current() {
+                runtime.spawn(attempts);
+            }
         }
     }
 
@@ -747,19 +843,24 @@ mod tests {
         assert_eq!(back.expires_at, r.expires_at);
     }
 
+    /// A store on the project's Redis, or `None` if there is none.
+    async fn shared_store() -> Option<RedisStore> {
+        let url = idem_testkit::services::REDIS.url()?;
+        let options = RedisOptions {
+            prefix: "idem-test:".into(),
+            ..RedisOptions::default()
+        };
+        Some(RedisStore::connect(&url, options).await.unwrap())
+    }
+
     /// A `begin` whose answer was lost and which is sent again (the client retries on a
     /// dropped connection) holds the lease it was first given, whichever way it first went.
     #[test]
     fn a_begin_sent_again_holds_its_lease() {
         idem_testkit::block_on(async {
-            let Some(url) = idem_testkit::services::REDIS.url() else {
+            let Some(store) = shared_store().await else {
                 return;
             };
-            let options = RedisOptions {
-                prefix: "idem-test:".into(),
-                ..RedisOptions::default()
-            };
-            let store = RedisStore::connect(&url, options).await.unwrap();
             let now = Timestamp::now();
             let scope = format!("resend-{}-{}", std::process::id(), now.as_millis());
             let req = |k: &str| {
@@ -787,6 +888,64 @@ mod tests {
                 store.begin_as(&fresh, other, now).await.unwrap(),
                 BeginOutcome::InProgress { .. }
             ));
+        });
+    }
+
+    /// The give-back of a failed `begin` releases what that `begin` took, by a plain `SET`
+    /// or by the script's takeover, and nothing else. (The tests in `tests/late_claims.rs`
+    /// stall a server to make a `begin` fail and land late; a stall cannot fall between the
+    /// `SET` and the script, so the takeover's give-back is tested here directly.)
+    #[test]
+    fn a_give_back_releases_only_what_its_lease_took() {
+        idem_testkit::block_on(async {
+            let Some(store) = shared_store().await else {
+                return;
+            };
+            let now = Timestamp::now();
+            let scope = format!("give-back-{}-{}", std::process::id(), now.as_millis());
+            let req = BeginRequest::new(
+                Key::parse(&scope, "n", "k").unwrap(),
+                Fingerprint::of_bytes(b"b"),
+            );
+            let key = store.redis_key(&req.key);
+            let (first, fresh) = Record::acquired(&req, now, 1);
+            store.begin_as(&fresh, first, now).await.unwrap();
+            // Another lease's give-back leaves the holder's record alone.
+            let (stranger, _) = Record::acquired(&req, now, 1);
+            store.give_back(&key, &stranger, now);
+            store.give_back(
+                &key,
+                &Lease {
+                    fence: 1,
+                    ..stranger
+                },
+                now,
+            );
+            // The plain `SET`'s record, given back.
+            store.give_back(&key, &first, now);
+            let (second, fresh) = Record::acquired(&req, now, 1);
+            let taken = store.begin_as(&fresh, second, now).await.unwrap();
+            assert_eq!(taken, BeginOutcome::Acquired(Lease { fence: 2, ..second }));
+            // The script's takeover, given back; the record keeps its fence.
+            store.give_back(&key, &second, now);
+            let record = store.get(&req.key, now).await.unwrap().unwrap();
+            assert_eq!((record.status, record.fence), (Status::Released, 2));
+            let (third, fresh) = Record::acquired(&req, now, 1);
+            let taken = store.begin_as(&fresh, third, now).await.unwrap();
+            assert_eq!(taken, BeginOutcome::Acquired(Lease { fence: 3, ..third }));
+            // A completed record is not given back.
+            store
+                .complete(
+                    &req.key,
+                    &Lease { fence: 3, ..third },
+                    Bytes::from_static(b"r"),
+                    now,
+                )
+                .await
+                .unwrap();
+            store.give_back(&key, &third, now);
+            let record = store.get(&req.key, now).await.unwrap().unwrap();
+            assert_eq!(record.status, Status::Completed);
         });
     }
 
