@@ -390,3 +390,39 @@ fn purge_health(purge: &PurgeStatus) -> Component {
     }
     c
 }
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+
+    use super::*;
+    use idem_core::SystemClock;
+    use idem_store::MemoryStore;
+    use idem_testkit::FaultyStore;
+
+    /// With nobody asking for health, the background evaluation logs a store going down once,
+    /// however many evaluations see it down, and once as it comes back.
+    // One thread, and Tokio's timers paused (they run ahead whenever every task waits): each
+    // evaluation happens while the test holds the store's state, and logs to its subscriber.
+    #[tokio::test(flavor = "current_thread", start_paused = true)]
+    async fn the_background_evaluation_logs_each_change_once() {
+        let log = tempfile::NamedTempFile::new().unwrap();
+        let subscriber = tracing_subscriber::fmt()
+            .with_ansi(false)
+            .with_writer(Mutex::new(log.reopen().unwrap()))
+            .finish();
+        let _guard = tracing::subscriber::set_default(subscriber);
+        let faulty = FaultyStore::new(MemoryStore::new());
+        faulty.set_down(true);
+        let monitor = Monitor::default();
+        let components = Components::store_only(Arc::new(faulty.clone()), Arc::new(SystemClock));
+        let watch = tokio::spawn(monitor.watch(components));
+        tokio::time::sleep(WATCH_EVERY * 3).await;
+        faulty.set_down(false);
+        tokio::time::sleep(WATCH_EVERY * 3).await;
+        watch.abort();
+        let text = std::fs::read_to_string(log.path()).unwrap();
+        assert_eq!(text.matches("store is down").count(), 1, "{text}");
+        assert_eq!(text.matches("store is ok again").count(), 1, "{text}");
+    }
+}
