@@ -22,7 +22,7 @@
 //! so a degraded state is logged even when nobody asks.
 
 use std::collections::BTreeMap;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, LazyLock, Mutex, PoisonError};
 use std::time::Duration;
 
@@ -220,9 +220,15 @@ pub struct Monitor(Arc<Inner>);
 struct Inner {
     purge: PurgeStatus,
     stopping: AtomicBool,
-    /// Each component's last state and when it began, as last logged.
-    shown: Mutex<BTreeMap<&'static str, (Level, Timestamp)>>,
+    /// Numbers evaluations in the order they start.
+    started: AtomicU64,
+    /// Each component's last state and when it began, as last logged, and the number of the
+    /// evaluation that said so.
+    shown: Mutex<(Shown, u64)>,
 }
+
+/// Each component's state as last logged, and when it began.
+type Shown = BTreeMap<&'static str, (Level, Timestamp)>;
 
 impl std::fmt::Debug for Monitor {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -244,6 +250,7 @@ impl Monitor {
 
     /// Evaluates every component (one read from the store) and logs what changed.
     pub async fn check(&self, c: &Components) -> Report {
+        let number = self.0.started.fetch_add(1, Ordering::Relaxed) + 1;
         let mut components = BTreeMap::new();
         components.insert("store", probe_store(&c.store, &*c.clock).await);
         if let Some(snowflake) = &c.snowflake {
@@ -264,7 +271,7 @@ impl Monitor {
             store: c.store.kind(),
             components,
         };
-        self.log_changes(&mut report, c.clock.now());
+        self.log_changes(&mut report, number, c.clock.now());
         report
     }
 
@@ -280,9 +287,15 @@ impl Monitor {
     }
 
     /// Logs each component whose state changed since last logged, and fills in `since` where
-    /// the component did not say.
-    fn log_changes(&self, report: &mut Report, now: Timestamp) {
-        let mut shown = self.0.shown.lock().unwrap_or_else(PoisonError::into_inner);
+    /// the component did not say. An evaluation that started before the one last logged (they
+    /// overlap: the background one and requests) is older news and changes nothing.
+    fn log_changes(&self, report: &mut Report, number: u64, now: Timestamp) {
+        let mut guard = self.0.shown.lock().unwrap_or_else(PoisonError::into_inner);
+        let (shown, last) = &mut *guard;
+        let stale = number < *last;
+        if !stale {
+            *last = number;
+        }
         for (name, c) in &mut report.components {
             let before = shown.get(name).copied();
             let since = match before {
@@ -292,7 +305,7 @@ impl Monitor {
             if c.level != Level::Ok && c.since.is_none() {
                 c.since = Some(since);
             }
-            if before.is_some_and(|(level, _)| level == c.level) {
+            if stale || before.is_some_and(|(level, _)| level == c.level) {
                 continue;
             }
             shown.insert(name, (c.level, since));
