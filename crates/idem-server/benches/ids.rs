@@ -38,14 +38,13 @@ fn main() {
         let store: SharedStore = Arc::new(idem_store::MemoryStore::new());
         let clock: Arc<dyn Clock> = Arc::new(SystemClock);
         let pool = idem_id::WorkerPool::new(store.clone(), clock, "bench");
-        let g = pool
-            .claim(
-                idem_id::Layout::default(),
-                idem_id::SnowflakeOptions::default(),
-            )
-            .await
-            .unwrap();
-        g.spawn_heartbeat();
+        let g = idem_id::ManagedSnowflake::start(
+            pool,
+            idem_id::Layout::default(),
+            idem_id::SnowflakeOptions::default(),
+        )
+        .await
+        .unwrap();
         let mut state = AppState::new(store);
         state.snowflake = Some(g);
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();

@@ -1,7 +1,6 @@
 //! The record API: begin, complete, release and get of idempotency records, for services in
 //! any language.
 
-use std::sync::LazyLock;
 use std::time::Duration;
 
 use axum::Json;
@@ -10,7 +9,7 @@ use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 use idem_core::{
     BeginOutcome, BeginRequest, Bytes, ClientKey, Clock, Fingerprint, Key, KeyError, Lease,
-    LeaseError, LeaseId, Namespace, Record, SharedStore, Status, Store, Timestamp,
+    LeaseError, LeaseId, Namespace, Record, Status, Store, Timestamp,
 };
 use serde::Deserialize;
 use serde_json::{Value, json};
@@ -360,19 +359,8 @@ fn record_json(r: &Record) -> Value {
     body
 }
 
+/// `GET /healthz`: each component's health (see [`crate::health`]); 503 if the store fails.
 pub(crate) async fn health(State(state): State<AppState>) -> Response {
-    store_health(&state.store, &*state.clock).await
-}
-
-/// 200 `{"status":"ok","store":KIND}` if the store answers a read, else 503 with the problem.
-pub(crate) async fn store_health(store: &SharedStore, clock: &dyn Clock) -> Response {
-    // A read of a key nobody uses proves the store answers without touching any record.
-    static PROBE: LazyLock<Key> =
-        LazyLock::new(|| Key::parse("idem.health", "health", "probe").expect("a valid key"));
-    match store.get(&PROBE, clock.now()).await {
-        Ok(_) => Json(json!({"status": "ok", "store": store.kind()})).into_response(),
-        Err(e) => Problem::store(&e)
-            .with("store", store.kind())
-            .into_response(),
-    }
+    let components = crate::health::Components::of(&state);
+    state.health.check(&components).await.into_response()
 }

@@ -13,8 +13,10 @@
 //! tag is 429 `tag_quota_exceeded`; other callers are not affected.
 //!
 //! `count` is 1 (the default) to [`MAX_COUNT`]; anything else is 400 `invalid_count`. The
-//! server claims its Snowflake worker id from its store when it starts (see
-//! `idem_id::WorkerPool`); without one the Snowflake endpoint answers 503.
+//! server leases its Snowflake worker id from its store and keeps it (see
+//! `idem_id::ManagedSnowflake`); while it holds none (at start, or after the store lost it, until
+//! a new one can safely be claimed) the Snowflake endpoint answers 503 `no_worker_id` with a
+//! `Retry-After`.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
@@ -24,7 +26,7 @@ use axum::Json;
 use axum::extract::{RawQuery, State};
 use axum::http::StatusCode;
 use idem_http::Problem;
-use idem_id::{IdError, LeasedSnowflake};
+use idem_id::{Batch, IdError, ManagedSnowflake};
 use serde_json::{Value, json};
 
 use crate::AppState;
@@ -259,6 +261,26 @@ impl SegmentTable {
         );
         Ok(segments)
     }
+
+    /// How many tags fail to fetch from the store, with the reason and start of the longest
+    /// failing one (for health reports; no store call).
+    pub fn failing(&self) -> (usize, Option<(std::time::SystemTime, String)>) {
+        let table = self
+            .0
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        let mut count = 0;
+        let mut oldest: Option<(std::time::SystemTime, String)> = None;
+        for segments in table.values() {
+            if let idem_id::SegmentStatus::Failing { since, reason, .. } = segments.status() {
+                count += 1;
+                if oldest.as_ref().is_none_or(|(s, _)| since < *s) {
+                    oldest = Some((since, reason));
+                }
+            }
+        }
+        (count, oldest)
+    }
 }
 
 /// `count` from the query (`count=N`, nothing else); 1 without one.
@@ -307,15 +329,17 @@ pub async fn snowflake(
     let Some(generator) = &state.snowflake else {
         return Err(unavailable(
             "no_worker_id",
-            "This server holds no Snowflake worker id (none was free in its store when it started).",
+            "This server issues no Snowflake ids (it was started without a worker id pool).",
         ));
     };
-    let ids = take(generator, n).await?;
+    let batch = take(generator, n).await?;
+    let worker = batch.worker();
+    let ids: Vec<u64> = batch.collect();
     let strings: Vec<String> = ids.iter().map(u64::to_string).collect();
     Ok(Json(json!({
         "ids": ids,
         "id_strings": strings,
-        "worker": generator.worker(),
+        "worker": worker,
     })))
 }
 
@@ -351,11 +375,21 @@ pub async fn segment(
 }
 
 /// `n` ids, waiting (briefly, without blocking a thread) while the layout's rate is exceeded.
-async fn take(generator: &Arc<LeasedSnowflake>, n: u32) -> Result<Vec<u64>, Problem> {
+async fn take(generator: &ManagedSnowflake, n: u32) -> Result<Batch, Problem> {
     for _ in 0..50 {
         match generator.try_next_batch(n) {
-            Ok(batch) => return Ok(batch.collect()),
+            Ok(batch) => return Ok(batch),
             Err(IdError::Exhausted { retry_after }) => tokio::time::sleep(retry_after).await,
+            Err(IdError::NoWorker {
+                reason,
+                retry_after,
+            }) => {
+                return Err(unavailable(
+                    "no_worker_id",
+                    format!("This server holds no Snowflake worker id now ({reason}); it claims one by itself."),
+                )
+                .retry_after(retry_after));
+            }
             Err(IdError::LeaseExpired) => {
                 return Err(unavailable(
                     "worker_lease_expired",
@@ -366,7 +400,7 @@ async fn take(generator: &Arc<LeasedSnowflake>, n: u32) -> Result<Vec<u64>, Prob
             Err(IdError::WorkerLost) => {
                 return Err(unavailable(
                     "worker_lost",
-                    "This server's worker id was taken over; it issues no more Snowflake ids.",
+                    "This server's worker id was lost; it issues no more Snowflake ids.",
                 ));
             }
             Err(e) => return Err(unavailable("ids_unavailable", format!("No ids: {e}."))),

@@ -5,7 +5,7 @@
 //!
 //! | method and path | what it does |
 //! | --- | --- |
-//! | `GET /healthz` | 200 `{"status":"ok","store":KIND}`; 503 if the store fails |
+//! | `GET /healthz` | 200 `{"status":"ok"\|"degraded","store":KIND,"components":{…}}`; 503 if the store fails (see [`health`]) |
 //! | `POST /v1/records/begin` | claim a key: `acquired` with a lease, `replay` with the stored response, 409 `in_progress`, 422 `fingerprint_mismatch` |
 //! | `POST /v1/records/complete` | store the response under the lease; 409 `stale_lease` |
 //! | `POST /v1/records/release` | give the key back after a retryable failure; 409 `stale_lease` |
@@ -17,6 +17,7 @@
 pub mod api;
 pub mod auth;
 pub mod gateway;
+pub mod health;
 pub mod ids;
 pub mod json;
 pub mod locks;
@@ -52,8 +53,11 @@ pub struct AppState {
     pub default_lease: Duration,
     /// The retention when a `begin` does not give one.
     pub default_ttl: Duration,
-    /// The Snowflake generator on this server's leased worker id, if it got one.
-    pub snowflake: Option<Arc<idem_id::LeasedSnowflake>>,
+    /// The Snowflake generator, keeping a worker id leased from the store (none: this server
+    /// issues no Snowflake ids).
+    pub snowflake: Option<Arc<idem_id::ManagedSnowflake>>,
+    /// Health by component, and the memory of what was logged about it.
+    pub health: health::Monitor,
     /// Segment allocators by caller scope and tag, made on first use.
     pub segments: ids::SegmentTable,
     /// Locks, if the store keeps them.
@@ -71,6 +75,7 @@ impl AppState {
             default_lease: DEFAULT_LEASE,
             default_ttl: DEFAULT_TTL,
             snowflake: None,
+            health: health::Monitor::default(),
             segments: ids::SegmentTable::default(),
             locks: None,
         }

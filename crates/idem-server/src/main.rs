@@ -7,10 +7,11 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use clap::{Parser, Subcommand};
+use idem::purge::purge_loop_reporting;
 use idem_core::{Clock, SharedStore, SystemClock};
 use idem_server::auth::Auth;
 use idem_server::gateway::{FileConfig, Gateway, Upstream};
-use idem_server::{AppState, DEFAULT_MAX_BODY, purge_loop, router};
+use idem_server::{AppState, DEFAULT_MAX_BODY, router};
 use idem_store::StoreUrl;
 use tracing::{info, warn};
 
@@ -322,25 +323,22 @@ async fn serve(args: &ServeArgs) -> Result<(), String> {
         );
     }
     let clock: Arc<dyn Clock> = Arc::new(SystemClock);
-    // A Snowflake worker id of its own, leased from the store for as long as it runs.
+    // A Snowflake worker id of its own, leased from the store and kept (or replaced) for as
+    // long as it runs; the generator logs what happens to it.
     let pool = idem_id::WorkerPool::new(store.clone(), clock.clone(), &args.id_space);
-    let snowflake = match pool
-        .claim(
-            idem_id::Layout::default(),
-            idem_id::SnowflakeOptions::default(),
+    let snowflake = idem_id::ManagedSnowflake::start(
+        pool,
+        idem_id::Layout::default(),
+        idem_id::SnowflakeOptions::default(),
+    )
+    .await
+    .map_err(|e| {
+        format!(
+            "cannot issue Snowflake ids in id space {:?}: {e}",
+            args.id_space
         )
-        .await
-    {
-        Ok(g) => {
-            info!(worker = g.worker(), "holding a Snowflake worker id");
-            g.spawn_heartbeat();
-            Some(g)
-        }
-        Err(e) => {
-            warn!(error = %e, "no Snowflake worker id: /v1/ids/snowflake will answer 503");
-            None
-        }
-    };
+    })?;
+    let health = idem_server::health::Monitor::default();
     let state = AppState {
         store: store.clone(),
         clock: clock.clone(),
@@ -348,23 +346,30 @@ async fn serve(args: &ServeArgs) -> Result<(), String> {
         max_body: args.max_body,
         default_lease: args.lease,
         default_ttl: args.ttl,
-        snowflake: snowflake.clone(),
+        snowflake: Some(snowflake.clone()),
+        health: health.clone(),
         segments: idem_server::ids::SegmentTable::default(),
         locks: locks.map(idem::Locks::shared),
     };
+    let watch = tokio::spawn(
+        health
+            .clone()
+            .watch(idem_server::health::Components::of(&state)),
+    );
     let served = run(
         args.listen,
         router(state),
         store,
         clock,
         args.purge_interval,
+        health.purge_status(),
     )
     .await;
-    if let Some(g) = snowflake {
-        // Into quarantine, so no other process reuses it at once.
-        if let Err(e) = g.release().await {
-            warn!(error = %e, "could not give the Snowflake worker id back; it expires with its lease");
-        }
+    health.shutting_down();
+    watch.abort();
+    // Into quarantine, so no other process reuses it at once.
+    if let Err(e) = snowflake.release().await {
+        warn!(error = %e, "could not give the Snowflake worker id back; it expires with its lease");
     }
     served
 }
@@ -421,7 +426,20 @@ async fn gateway(args: GatewayArgs) -> Result<(), String> {
         "gateway to the upstream"
     );
     let clock = gateway.clock.clone();
-    run(listen, gateway.router(), store, clock, purge_interval).await
+    let health = gateway.health.clone();
+    let components = idem_server::health::Components::store_only(store.clone(), clock.clone());
+    let watch = tokio::spawn(health.clone().watch(components));
+    let served = run(
+        listen,
+        gateway.router(),
+        store,
+        clock,
+        purge_interval,
+        health.purge_status(),
+    )
+    .await;
+    watch.abort();
+    served
 }
 
 /// Serves `app` on `listen` until SIGTERM or Ctrl-C, purging expired records meanwhile.
@@ -431,6 +449,7 @@ async fn run(
     store: SharedStore,
     clock: Arc<dyn Clock>,
     purge_interval: Duration,
+    purge: idem::purge::PurgeStatus,
 ) -> Result<(), String> {
     let listener = tokio::net::TcpListener::bind(listen)
         .await
@@ -438,7 +457,12 @@ async fn run(
     let local = listener
         .local_addr()
         .map_err(|e| format!("cannot read the listening address: {e}"))?;
-    tokio::spawn(purge_loop(store.clone(), clock, purge_interval));
+    tokio::spawn(purge_loop_reporting(
+        store.clone(),
+        clock,
+        purge_interval,
+        purge,
+    ));
     info!(store = store.kind(), "listening on http://{local}");
     let app = app.into_make_service_with_connect_info::<SocketAddr>();
     axum::serve(listener, app)

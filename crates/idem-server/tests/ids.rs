@@ -11,7 +11,7 @@ use std::sync::Arc;
 use axum::body::Body;
 use axum::http::{Request, StatusCode};
 use idem_core::{Clock, SharedStore, SystemClock};
-use idem_id::{Layout, SnowflakeOptions, WorkerPool};
+use idem_id::{Layout, ManagedSnowflake, SnowflakeOptions, WorkerPool};
 use idem_server::{AppState, router};
 use idem_store::MemoryStore;
 use serde_json::Value;
@@ -31,8 +31,7 @@ async fn state_with_worker() -> AppState {
     let store: SharedStore = Arc::new(MemoryStore::new());
     let clock: Arc<dyn Clock> = Arc::new(SystemClock);
     let pool = WorkerPool::new(store.clone(), clock, "test");
-    let g = pool
-        .claim(Layout::default(), SnowflakeOptions::default())
+    let g = ManagedSnowflake::start(pool, Layout::default(), SnowflakeOptions::default())
         .await
         .unwrap();
     let mut state = AppState::new(store);

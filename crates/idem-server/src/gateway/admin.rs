@@ -90,6 +90,7 @@ pub(super) struct AdminState {
     pub(super) clock: Arc<dyn Clock>,
     pub(super) registry: Registry,
     pub(super) token: Option<AdminToken>,
+    pub(super) health: crate::health::Monitor,
     pub(super) scope: ScopeSource,
     /// Each route's pattern and key namespace, then the namespace of requests no route matches.
     pub(super) namespaces: Arc<(Vec<(PathPattern, Namespace)>, Namespace)>,
@@ -123,7 +124,8 @@ pub(super) fn router(state: AdminState) -> Router {
 }
 
 async fn health(State(s): State<AdminState>) -> Response {
-    crate::api::store_health(&s.store, &*s.clock).await
+    let components = crate::health::Components::store_only(s.store.clone(), s.clock.clone());
+    s.health.check(&components).await.into_response()
 }
 
 async fn metrics(State(s): State<AdminState>) -> Response {

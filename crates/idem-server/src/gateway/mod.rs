@@ -14,7 +14,7 @@
 //!
 //! | path | what |
 //! | --- | --- |
-//! | `{prefix}/health` | 200 `{"status":"ok","store":KIND}`, 503 if the store fails |
+//! | `{prefix}/health` | 200 `{"status":"ok"\|"degraded","store":KIND,"components":{…}}`, 503 if the store fails (see [`crate::health`]) |
 //! | `{prefix}/metrics` | Prometheus text |
 //! | `POST {prefix}/records/inspect` | what a record holds (admin token) |
 //! | `POST {prefix}/records/reopen` | run an unknown outcome again on the next retry (admin token) |
@@ -76,6 +76,8 @@ pub struct Gateway {
     pub default_route: Route,
     /// The operator's token for the record tools; `None` disables them.
     pub admin_token: Option<AdminToken>,
+    /// Health (`{prefix}/health`), and the purge loop's status it reports.
+    pub health: crate::health::Monitor,
 }
 
 impl Gateway {
@@ -92,6 +94,7 @@ impl Gateway {
             routes: Vec::new(),
             default_route: Route::default(),
             admin_token: None,
+            health: crate::health::Monitor::default(),
         }
     }
 
@@ -227,6 +230,7 @@ impl Gateway {
             clock: self.clock.clone(),
             registry,
             token: self.admin_token.clone(),
+            health: self.health.clone(),
             scope: self.scope.clone(),
             namespaces: Arc::new((namespaces, self.default_route.policy.namespace.clone())),
         });
