@@ -271,8 +271,8 @@ impl SegmentTable {
             .unwrap_or_else(std::sync::PoisonError::into_inner);
         let mut count = 0;
         let mut oldest: Option<(std::time::SystemTime, String)> = None;
-        for segments in table.values() {
-            if let idem_id::SegmentStatus::Failing { since, reason, .. } = segments.status() {
+        for slot in table.slots.values() {
+            if let idem_id::SegmentStatus::Failing { since, reason, .. } = slot.segments.status() {
                 count += 1;
                 if oldest.as_ref().is_none_or(|(s, _)| since < *s) {
                     oldest = Some((since, reason));
