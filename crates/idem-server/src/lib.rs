@@ -19,6 +19,7 @@ pub mod auth;
 pub mod gateway;
 pub mod ids;
 pub mod json;
+pub mod listener;
 pub mod locks;
 pub mod metrics;
 pub mod tokens;
