@@ -16,19 +16,21 @@
 //! - **connections**: past `max_connections` open connections, new ones are still accepted
 //!   (up to an overflow of an eighth more) but without keep-alive: a request for the health
 //!   path is answered as usual, any other gets 503 `overloaded` with `Retry-After`, and the
-//!   connection is closed. Past the overflow, a connection is closed at once.
+//!   connection is closed. Past the overflow, the oldest over-cap connection with no request
+//!   in flight is closed to make room (or, if all are busy, the new one).
 //!
 //! Each limit that bites is counted in `idem_server_timeouts_total{kind}` or
 //! `idem_server_connections_refused_total{reason}` and logged: the first occurrence at once,
 //! then at most one line a minute with the count.
 
+use std::collections::VecDeque;
 use std::convert::Infallible;
 use std::future::Future;
 use std::io;
 use std::net::SocketAddr;
 use std::pin::Pin;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex, PoisonError};
+use std::sync::{Arc, Mutex, PoisonError, Weak};
 use std::task::{Context, Poll, ready};
 use std::time::Duration;
 
@@ -95,7 +97,7 @@ impl Limits {
 
     /// How many connections over the cap are accepted to answer health checks and 503s.
     fn overflow(&self) -> usize {
-        (self.max_connections / 8).max(16)
+        (self.max_connections / 8).max(4)
     }
 }
 
@@ -127,7 +129,7 @@ pub fn describe_metrics() {
     metrics::describe_counter!(
         "idem_server_connections_refused_total",
         "Connections refused by the connection cap, by reason: at_capacity (answered 503 \
-         overloaded unless for the health path), overflow (closed at once)."
+         overloaded unless for the health path), overflow (closed to make room)."
     );
     metrics::describe_counter!(
         "idem_server_timeouts_total",
@@ -169,7 +171,7 @@ impl Bite {
                 "at the connection cap: a connection was served only the health path"
             }
             Bite::Overflow => {
-                "past the connection cap and its overflow: a connection was closed at once"
+                "past the connection cap and its overflow: a connection was closed to make room"
             }
             Bite::Accept => "accepting a connection failed (out of descriptors?)",
         }
@@ -241,6 +243,9 @@ pub async fn serve(
     let limits = Arc::new(limits);
     let log = Arc::new(Log::default());
     let open = Arc::new(AtomicUsize::new(0));
+    let normal = Arc::new(AtomicUsize::new(0));
+    // The connections over the cap, oldest first.
+    let mut over: VecDeque<Weak<Activity>> = VecDeque::new();
     let (stop_tx, stop_rx) = watch::channel(false);
     // Every connection holds a sender; when all are gone, recv() answers None.
     let (done_tx, mut done_rx) = mpsc::channel::<()>(1);
@@ -271,14 +276,29 @@ pub async fn serve(
                 }
             },
         };
-        let n = open.load(Ordering::Relaxed);
-        let capped = n >= limits.max_connections;
-        if capped && n >= limits.max_connections + limits.overflow() {
-            log.bite(Bite::Overflow);
-            drop(stream);
-            continue;
-        }
+        let activity = Arc::new(Activity::new());
+        let capped = normal.load(Ordering::Relaxed) >= limits.max_connections;
         if capped {
+            over.retain(|a| a.strong_count() > 0);
+            if over.len() >= limits.overflow() {
+                // Make room by closing the oldest that has no request in flight: a flood
+                // of silent connections must not keep the next health check out.
+                let oldest = over
+                    .iter()
+                    .position(|a| a.upgrade().is_some_and(|a| a.evictable()));
+                log.bite(Bite::Overflow);
+                match oldest
+                    .and_then(|i| over.remove(i))
+                    .and_then(|a| a.upgrade())
+                {
+                    Some(a) => a.evict(),
+                    None => {
+                        drop(stream);
+                        continue;
+                    }
+                }
+            }
+            over.push_back(Arc::downgrade(&activity));
             log.bite(Bite::AtCapacity);
         }
         let _ = stream.set_nodelay(true);
@@ -288,7 +308,8 @@ pub async fn serve(
             app: app.clone(),
             peer,
             capped,
-            open: OpenGuard::new(open.clone()),
+            activity,
+            open: OpenGuard::new(open.clone(), (!capped).then(|| normal.clone())),
         };
         let stop = stop_rx.clone();
         let done = done_tx.clone();
@@ -328,20 +349,29 @@ fn is_connection_error(e: &io::Error) -> bool {
     )
 }
 
-/// Counts one open connection in the total and the gauge.
-struct OpenGuard(Arc<AtomicUsize>);
+/// Counts one open connection in the total, the gauge and (under the cap) the normal ones.
+struct OpenGuard {
+    open: Arc<AtomicUsize>,
+    normal: Option<Arc<AtomicUsize>>,
+}
 
 impl OpenGuard {
-    fn new(open: Arc<AtomicUsize>) -> Self {
+    fn new(open: Arc<AtomicUsize>, normal: Option<Arc<AtomicUsize>>) -> Self {
         open.fetch_add(1, Ordering::Relaxed);
+        if let Some(n) = &normal {
+            n.fetch_add(1, Ordering::Relaxed);
+        }
         metrics::gauge!("idem_server_connections").increment(1.0);
-        Self(open)
+        Self { open, normal }
     }
 }
 
 impl Drop for OpenGuard {
     fn drop(&mut self) {
-        self.0.fetch_sub(1, Ordering::Relaxed);
+        self.open.fetch_sub(1, Ordering::Relaxed);
+        if let Some(n) = &self.normal {
+            n.fetch_sub(1, Ordering::Relaxed);
+        }
         metrics::gauge!("idem_server_connections").decrement(1.0);
     }
 }
@@ -352,12 +382,13 @@ struct Connection {
     app: Router,
     peer: SocketAddr,
     capped: bool,
+    activity: Arc<Activity>,
     open: OpenGuard,
 }
 
 impl Connection {
     async fn run(self, stream: TcpStream, mut stop: watch::Receiver<bool>) {
-        let activity = Arc::new(Activity::new());
+        let activity = self.activity;
         let io = TokioIo::new(Watched {
             inner: stream,
             activity: activity.clone(),
@@ -380,6 +411,9 @@ impl Connection {
         let mut conn = std::pin::pin!(conn);
         let mut closing = false;
         loop {
+            if activity.evicted.load(Ordering::Relaxed) {
+                break;
+            }
             let (deadline, bite) = activity.deadline(&self.limits);
             let expired = async {
                 match deadline {
@@ -412,6 +446,8 @@ impl Connection {
 struct Activity {
     state: Mutex<Phase>,
     changed: Notify,
+    /// Set to close the connection to make room for a newer one.
+    evicted: AtomicBool,
 }
 
 struct Phase {
@@ -431,7 +467,22 @@ impl Activity {
                 since: Instant::now(),
             }),
             changed: Notify::new(),
+            evicted: AtomicBool::new(false),
         }
+    }
+
+    /// Whether closing the connection drops no request.
+    fn evictable(&self) -> bool {
+        self.state
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .in_flight
+            == 0
+    }
+
+    fn evict(&self) {
+        self.evicted.store(true, Ordering::Relaxed);
+        self.changed.notify_one();
     }
 
     fn update(&self, f: impl FnOnce(&mut Phase) -> bool) {

@@ -295,9 +295,14 @@ fn start(args: &[&str]) -> Server {
 }
 
 fn start_command(command: &str, args: &[&str]) -> Server {
-    let mut child = idem()
-        .args([command, "--listen", "127.0.0.1:0"])
-        .args(args)
+    let mut cmd = idem();
+    cmd.args([command, "--listen", "127.0.0.1:0"]).args(args);
+    start_child(cmd)
+}
+
+/// Runs `cmd` (a server listening on port 0) and waits for the address it prints.
+fn start_child(mut cmd: Command) -> Server {
+    let mut child = cmd
         .env("IDEM_LOG", "info")
         .stderr(Stdio::piped())
         .spawn()
@@ -706,4 +711,21 @@ fn a_gateway_at_its_connection_cap_answers_health_and_counts_refusals() {
         metrics.contains("# HELP idem_server_connections "),
         "{metrics}"
     );
+}
+
+#[test]
+fn a_flood_of_silent_connections_past_the_descriptor_limit_leaves_health_answerable() {
+    // A process with 256 descriptors, sent 400 connections that say nothing: the cap (three
+    // quarters of the limit) and the overflow close the oldest to let the health check in.
+    let mut sh = Command::new("sh");
+    sh.args([
+        "-c",
+        "ulimit -n 256 && exec \"$0\" serve --listen 127.0.0.1:0 --store memory://",
+    ])
+    .arg(env!("CARGO_BIN_EXE_idem"));
+    let server = start_child(sh);
+    let idle = crowd(&server.addr, 400);
+    let (status, body) = get(&server.addr, "/healthz");
+    assert_eq!(status, 200, "{body}");
+    drop(idle);
 }
