@@ -735,6 +735,23 @@ mod tests {
     use super::*;
 
     #[test]
+    fn a_connection_owes_a_head_then_idles_between_requests() {
+        let limits = Limits::new("/healthz");
+        let a = Activity::new();
+        assert!(matches!(a.deadline(&limits), (Some(_), Bite::Header)));
+        a.request_started();
+        assert!(matches!(a.deadline(&limits), (None, _)));
+        assert!(!a.evictable());
+        a.received(); // a pipelined byte during the request changes nothing
+        assert!(matches!(a.deadline(&limits), (None, _)));
+        a.request_finished();
+        assert!(matches!(a.deadline(&limits), (Some(_), Bite::Idle)));
+        assert!(a.evictable());
+        a.received();
+        assert!(matches!(a.deadline(&limits), (Some(_), Bite::Header)));
+    }
+
+    #[test]
     fn the_default_cap_leaves_descriptors_over() {
         let n = default_max_connections();
         assert!((1..=10_000).contains(&n));
