@@ -20,6 +20,7 @@ pub mod gateway;
 pub mod health;
 pub mod ids;
 pub mod json;
+pub mod listener;
 pub mod locks;
 pub mod metrics;
 pub mod tokens;

@@ -11,6 +11,7 @@ use idem::purge::purge_loop_reporting;
 use idem_core::{Clock, SharedStore, SystemClock};
 use idem_server::auth::Auth;
 use idem_server::gateway::{FileConfig, Gateway, Upstream};
+use idem_server::listener::{self, Limits};
 use idem_server::{AppState, DEFAULT_MAX_BODY, router};
 use idem_store::StoreUrl;
 use tracing::{info, warn};
@@ -125,6 +126,34 @@ struct GatewayArgs {
     /// How often expired records are purged (at most 24h) [default: 60s].
     #[arg(long, env = "IDEM_PURGE_INTERVAL", value_parser = parse_purge_interval)]
     purge_interval: Option<Duration>,
+
+    #[command(flatten)]
+    limits: LimitArgs,
+}
+
+/// Connection limits, shared by serve and gateway (which also reads them from its file).
+#[derive(clap::Args)]
+struct LimitArgs {
+    /// How long a request's head may take to arrive, from the connection's accept or the
+    /// first byte of a later request (at most 5m) [default: 10s].
+    #[arg(long, env = "IDEM_HEADER_TIMEOUT", value_parser = parse_header_timeout)]
+    header_timeout: Option<Duration>,
+
+    /// How long a keep-alive connection may wait for its next request (at most 1h)
+    /// [default: 60s].
+    #[arg(long, env = "IDEM_IDLE_TIMEOUT", value_parser = parse_idle_or_body_timeout)]
+    idle_timeout: Option<Duration>,
+
+    /// How long a request's body may take to arrive, from its head; a slower one is answered
+    /// 408 body_timeout (at most 1h) [default: 30s].
+    #[arg(long, env = "IDEM_BODY_TIMEOUT", value_parser = parse_idle_or_body_timeout)]
+    body_timeout: Option<Duration>,
+
+    /// How many connections are served at once; past it, new connections get only the
+    /// health check, anything else 503 overloaded (1 to 1,000,000) [default: the smaller of
+    /// 10,000 and three quarters of the open-file limit].
+    #[arg(long, env = "IDEM_MAX_CONNECTIONS", value_parser = parse_max_connections)]
+    max_connections: Option<usize>,
 }
 
 #[derive(clap::Args)]
@@ -167,6 +196,9 @@ struct ServeArgs {
     /// The Snowflake id space: servers sharing a store and a name never share a worker id.
     #[arg(long, env = "IDEM_ID_SPACE", default_value = "default")]
     id_space: String,
+
+    #[command(flatten)]
+    limits: LimitArgs,
 }
 
 fn parse_duration(s: &str) -> Result<Duration, String> {
@@ -202,6 +234,84 @@ fn parse_upstream_timeout(s: &str) -> Result<Duration, String> {
 
 fn parse_purge_interval(s: &str) -> Result<Duration, String> {
     parse_bounded(s, Duration::from_secs(24 * 60 * 60))
+}
+
+fn parse_header_timeout(s: &str) -> Result<Duration, String> {
+    parse_bounded(s, listener::MAX_HEADER_TIMEOUT)
+}
+
+fn parse_idle_or_body_timeout(s: &str) -> Result<Duration, String> {
+    parse_bounded(s, listener::MAX_IDLE_OR_BODY_TIMEOUT)
+}
+
+fn parse_max_connections(s: &str) -> Result<usize, String> {
+    match s.parse::<usize>() {
+        Ok(n) if (1..=listener::MAX_CONNECTIONS).contains(&n) => Ok(n),
+        _ => Err(format!(
+            "must be a whole number from 1 to {}",
+            listener::MAX_CONNECTIONS
+        )),
+    }
+}
+
+/// The connection limits: the command line, else the config file, else the defaults.
+fn limits(
+    args: &LimitArgs,
+    file: Option<&FileConfig>,
+    health_path: String,
+) -> Result<Limits, String> {
+    type Parse = fn(&str) -> Result<Duration, String>;
+    /// Where a timeout goes, the flag's value, the file's key and value, and their parser.
+    type Setting<'a> = (
+        &'a mut Duration,
+        Option<Duration>,
+        &'a str,
+        &'a Option<String>,
+        Parse,
+    );
+    let none = FileConfig::default();
+    let file = file.unwrap_or(&none);
+    let mut limits = Limits::new(health_path);
+    let timeouts: [Setting<'_>; 3] = [
+        (
+            &mut limits.header_timeout,
+            args.header_timeout,
+            "header_timeout",
+            &file.header_timeout,
+            parse_header_timeout,
+        ),
+        (
+            &mut limits.idle_timeout,
+            args.idle_timeout,
+            "idle_timeout",
+            &file.idle_timeout,
+            parse_idle_or_body_timeout,
+        ),
+        (
+            &mut limits.body_timeout,
+            args.body_timeout,
+            "body_timeout",
+            &file.body_timeout,
+            parse_idle_or_body_timeout,
+        ),
+    ];
+    for (slot, arg, key, text, parse) in timeouts {
+        match (arg, text) {
+            (Some(d), _) => *slot = d,
+            (None, Some(t)) => *slot = parse(t).map_err(|e| format!("{key} = {t:?}: {e}"))?,
+            (None, None) => {}
+        }
+    }
+    let from_file = file
+        .max_connections
+        .map(|n| {
+            parse_max_connections(&n.to_string()).map_err(|e| format!("max_connections = {n}: {e}"))
+        })
+        .transpose()?;
+    if let Some(n) = args.max_connections.or(from_file) {
+        limits.max_connections = n;
+    }
+    Ok(limits)
 }
 
 fn main() -> ExitCode {
@@ -363,6 +473,7 @@ async fn serve(args: &ServeArgs) -> Result<(), String> {
         clock,
         args.purge_interval,
         health.purge_status(),
+        limits(&args.limits, None, "/healthz".to_owned())?,
     )
     .await;
     health.shutting_down();
@@ -420,6 +531,11 @@ async fn gateway(args: GatewayArgs) -> Result<(), String> {
         (None, None) => Duration::from_secs(60),
     };
     let gateway = gateway.configure(&file)?;
+    let limits = limits(
+        &args.limits,
+        Some(&file),
+        format!("{}/health", gateway.admin_prefix),
+    )?;
     info!(
         admin = %gateway.admin_prefix,
         routes = gateway.routes.len(),
@@ -436,13 +552,15 @@ async fn gateway(args: GatewayArgs) -> Result<(), String> {
         clock,
         purge_interval,
         health.purge_status(),
+        limits,
     )
     .await;
     watch.abort();
     served
 }
 
-/// Serves `app` on `listen` until SIGTERM or Ctrl-C, purging expired records meanwhile.
+/// Serves `app` on `listen` with `limits` until SIGTERM or Ctrl-C, purging expired records
+/// meanwhile.
 async fn run(
     listen: SocketAddr,
     app: axum::Router,
@@ -450,11 +568,12 @@ async fn run(
     clock: Arc<dyn Clock>,
     purge_interval: Duration,
     purge: idem::purge::PurgeStatus,
+    limits: Limits,
 ) -> Result<(), String> {
-    let listener = tokio::net::TcpListener::bind(listen)
+    let socket = tokio::net::TcpListener::bind(listen)
         .await
         .map_err(|e| format!("cannot listen on {listen}: {e}"))?;
-    let local = listener
+    let local = socket
         .local_addr()
         .map_err(|e| format!("cannot read the listening address: {e}"))?;
     tokio::spawn(purge_loop_reporting(
@@ -463,12 +582,25 @@ async fn run(
         purge_interval,
         purge,
     ));
+    listener::describe_metrics();
+    info!(
+        header_timeout = %humantime::format_duration(limits.header_timeout),
+        idle_timeout = %humantime::format_duration(limits.idle_timeout),
+        body_timeout = %humantime::format_duration(limits.body_timeout),
+        max_connections = limits.max_connections,
+        "connection limits"
+    );
+    if let Some(soft) = listener::descriptor_limit()
+        && u64::try_from(limits.max_connections).is_ok_and(|n| n > soft)
+    {
+        warn!(
+            max_connections = limits.max_connections,
+            open_file_limit = soft,
+            "--max-connections is above the open-file limit: connections will fail before the cap bites"
+        );
+    }
     info!(store = store.kind(), "listening on http://{local}");
-    let app = app.into_make_service_with_connect_info::<SocketAddr>();
-    axum::serve(listener, app)
-        .with_graceful_shutdown(shutdown_signal())
-        .await
-        .map_err(|e| format!("server failed: {e}"))?;
+    listener::serve(socket, app, limits, shutdown_signal()).await;
     info!("stopped");
     Ok(())
 }

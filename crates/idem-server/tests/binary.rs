@@ -295,9 +295,14 @@ fn start(args: &[&str]) -> Server {
 }
 
 fn start_command(command: &str, args: &[&str]) -> Server {
-    let mut child = idem()
-        .args([command, "--listen", "127.0.0.1:0"])
-        .args(args)
+    let mut cmd = idem();
+    cmd.args([command, "--listen", "127.0.0.1:0"]).args(args);
+    start_child(cmd)
+}
+
+/// Runs `cmd` (a server listening on port 0) and waits for the address it prints.
+fn start_child(mut cmd: Command) -> Server {
+    let mut child = cmd
         .env("IDEM_LOG", "info")
         .stderr(Stdio::piped())
         .spawn()
@@ -344,10 +349,7 @@ fn serves_the_record_api_on_sqlite_and_keeps_records_across_restarts() {
     let begin = r#"{"namespace":"transfer","key":"order-42","request":{"amount":100}}"#;
 
     let server = start(&["--store", &store]);
-    let (status, body) = http(
-        &server.addr,
-        "GET /healthz HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n",
-    );
+    let (status, body) = get(&server.addr, "/healthz");
     assert_eq!(status, 200);
     assert!(body.contains(r#""store":"sqlite""#), "{body}");
     let (status, body) = post_json(&server.addr, "/v1/records/begin", begin);
@@ -388,10 +390,7 @@ fn chunked_bodies_over_the_limit_are_refused() {
 #[test]
 fn sigterm_shuts_down_cleanly() {
     let mut server = start(&["--store", "memory://"]);
-    let (status, _) = http(
-        &server.addr,
-        "GET /healthz HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n",
-    );
+    let (status, _) = get(&server.addr, "/healthz");
     assert_eq!(status, 200);
     let killed = Command::new("kill")
         .args(["-TERM", &server.child.id().to_string()])
@@ -522,10 +521,7 @@ fn a_fresh_gateway_process_describes_its_metrics() {
     // one guarded request, to an upstream that is not there: a metric of each family
     let (status, _) = order(&gateway.addr);
     assert_eq!(status, 502);
-    let (status, body) = http(
-        &gateway.addr,
-        "GET /_idem/metrics HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n",
-    );
+    let (status, body) = get(&gateway.addr, "/_idem/metrics");
     assert_eq!(status, 200);
     for help in [
         "# HELP idem_http_requests_total ",
@@ -533,4 +529,203 @@ fn a_fresh_gateway_process_describes_its_metrics() {
     ] {
         assert!(body.contains(help), "no {help:?} in\n{body}");
     }
+}
+
+/// Reads what the server sends until it closes the connection, writing `trickle` one byte at
+/// a time first (a pause between bytes); `None` if it is still open after 30 s.
+fn read_until_closed(s: &mut TcpStream, trickle: &[u8]) -> Option<String> {
+    let started = std::time::Instant::now();
+    s.set_read_timeout(Some(Duration::from_millis(100)))
+        .unwrap();
+    let mut trickle = trickle.iter();
+    let mut out = Vec::new();
+    let mut buf = [0; 4096];
+    while started.elapsed() < Duration::from_secs(30) {
+        if let Some(b) = trickle.next()
+            && s.write_all(&[*b]).is_err()
+        {
+            return Some(String::from_utf8_lossy(&out).into_owned());
+        }
+        match s.read(&mut buf) {
+            Ok(0) => return Some(String::from_utf8_lossy(&out).into_owned()),
+            Ok(n) => out.extend_from_slice(&buf[..n]),
+            Err(e)
+                if matches!(
+                    e.kind(),
+                    std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
+                ) => {}
+            Err(_) => return Some(String::from_utf8_lossy(&out).into_owned()),
+        }
+    }
+    None
+}
+
+/// `n` connections that send nothing.
+fn crowd(addr: &str, n: usize) -> Vec<TcpStream> {
+    (0..n).map(|_| TcpStream::connect(addr).unwrap()).collect()
+}
+
+fn get(addr: &str, path: &str) -> (u16, String) {
+    http(
+        addr,
+        &format!("GET {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"),
+    )
+}
+
+#[test]
+fn connection_limits_are_checked_on_the_command_line() {
+    fails_with(&["serve", "--header-timeout", "0s"], "longer than zero");
+    fails_with(&["serve", "--header-timeout", "1h"], "at most 5m");
+    fails_with(&["serve", "--idle-timeout", "2h"], "at most 1h");
+    fails_with(&["gateway", "--body-timeout", "soon"], "--body-timeout");
+    fails_with(&["serve", "--max-connections", "0"], "from 1 to 1000000");
+    let dir = tempfile::tempdir().unwrap();
+    let config = dir.path().join("gateway.toml");
+    std::fs::write(
+        &config,
+        "upstream = \"http://127.0.0.1:1\"\nheader_timeout = \"0s\"\n",
+    )
+    .unwrap();
+    fails_with(
+        &["gateway", "--config", config.to_str().unwrap()],
+        "header_timeout = \"0s\"",
+    );
+}
+
+#[test]
+fn a_request_head_sent_one_byte_at_a_time_is_cut_off() {
+    let server = start(&["--store", "memory://", "--header-timeout", "1s"]);
+    let mut s = TcpStream::connect(&server.addr).unwrap();
+    s.write_all(b"GET /healthz HTTP/1.1\r\n").unwrap();
+    // 300 header bytes at 100 ms each: 30 s, far past the 1 s the head may take
+    let slow = [b'X'; 300];
+    let answer = read_until_closed(&mut s, &slow).expect("closed before the head was complete");
+    assert!(answer.is_empty(), "{answer}");
+}
+
+#[test]
+fn an_idle_keep_alive_connection_is_closed() {
+    let server = start(&["--store", "memory://", "--idle-timeout", "1s"]);
+    let mut s = TcpStream::connect(&server.addr).unwrap();
+    s.write_all(b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n")
+        .unwrap();
+    let answer = read_until_closed(&mut s, b"").expect("the idle connection was closed");
+    assert!(answer.starts_with("HTTP/1.1 200"), "{answer}");
+}
+
+#[test]
+fn a_trickling_body_is_answered_408() {
+    let server = start(&["--store", "memory://", "--body-timeout", "2s"]);
+    let mut s = TcpStream::connect(&server.addr).unwrap();
+    s.write_all(
+        b"POST /v1/records/begin HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: 50\r\n\r\n",
+    )
+    .unwrap();
+    // three of the fifty bytes, then nothing
+    let answer = read_until_closed(&mut s, b"{\"k").expect("the slow body was cut off");
+    assert!(answer.starts_with("HTTP/1.1 408"), "{answer}");
+    assert!(answer.contains("application/problem+json"), "{answer}");
+    assert!(answer.contains("\"code\":\"body_timeout\""), "{answer}");
+}
+
+#[test]
+fn at_the_connection_cap_health_still_answers_and_the_rest_is_refused() {
+    let server = start(&[
+        "--store",
+        "memory://",
+        "--max-connections",
+        "4",
+        "--header-timeout",
+        "5m",
+    ]);
+    let idle = crowd(&server.addr, 10);
+    // accepted in order, so these two come after the ten idle ones
+    let (status, body) = get(&server.addr, "/healthz");
+    assert_eq!(status, 200, "{body}");
+    let mut s = TcpStream::connect(&server.addr).unwrap();
+    s.write_all(b"GET /v1/ids/uuid7 HTTP/1.1\r\nHost: x\r\n\r\n")
+        .unwrap();
+    let answer = read_until_closed(&mut s, b"").expect("closed after the 503");
+    assert!(answer.starts_with("HTTP/1.1 503"), "{answer}");
+    assert!(answer.contains("application/problem+json"), "{answer}");
+    assert!(answer.contains("\"code\":\"overloaded\""), "{answer}");
+    assert!(
+        answer.to_ascii_lowercase().contains("retry-after: 1\r\n"),
+        "{answer}"
+    );
+    drop(idle);
+}
+
+#[test]
+fn a_gateway_at_its_connection_cap_answers_health_and_counts_refusals() {
+    use std::sync::atomic::Ordering;
+    let dir = tempfile::tempdir().unwrap();
+    let config = dir.path().join("gateway.toml");
+    std::fs::write(
+        &config,
+        "max_connections = 2\nheader_timeout = \"5m\"\nidle_timeout = \"5m\"\n",
+    )
+    .unwrap();
+    let (upstream, runs) = counting_upstream();
+    let gateway = start_command(
+        "gateway",
+        &[
+            "--upstream",
+            &format!("http://{upstream}"),
+            "--store",
+            "memory://",
+            "--config",
+            config.to_str().unwrap(),
+        ],
+    );
+    let idle = crowd(&gateway.addr, 5);
+    let (status, body) = get(&gateway.addr, "/_idem/health");
+    assert_eq!(status, 200, "{body}");
+    let (status, body) = order(&gateway.addr);
+    assert_eq!(status, 503, "{body}");
+    assert!(body.contains("\"code\":\"overloaded\""), "{body}");
+    assert_eq!(
+        runs.load(Ordering::SeqCst),
+        0,
+        "refused requests reach no upstream"
+    );
+    drop(idle);
+    // Once the server has seen the idle connections go, the metrics page is served again.
+    let started = std::time::Instant::now();
+    let metrics = loop {
+        let (status, body) = get(&gateway.addr, "/_idem/metrics");
+        if status == 200 {
+            break body;
+        }
+        assert!(
+            started.elapsed() < Duration::from_secs(30),
+            "{status} {body}"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    assert!(
+        metrics.contains("idem_server_connections_refused_total{reason=\"at_capacity\"}"),
+        "{metrics}"
+    );
+    assert!(
+        metrics.contains("# HELP idem_server_connections "),
+        "{metrics}"
+    );
+}
+
+#[test]
+fn a_flood_of_silent_connections_past_the_descriptor_limit_leaves_health_answerable() {
+    // A process with 256 descriptors, sent 400 connections that say nothing: the cap (three
+    // quarters of the limit) and the overflow close the oldest to let the health check in.
+    let mut sh = Command::new("sh");
+    sh.args([
+        "-c",
+        "ulimit -n 256 && exec \"$0\" serve --listen 127.0.0.1:0 --store memory://",
+    ])
+    .arg(env!("CARGO_BIN_EXE_idem"));
+    let server = start_child(sh);
+    let idle = crowd(&server.addr, 400);
+    let (status, body) = get(&server.addr, "/healthz");
+    assert_eq!(status, 200, "{body}");
+    drop(idle);
 }

@@ -57,6 +57,14 @@ pub struct FileConfig {
     pub trusted_proxies: Option<Vec<String>>,
     /// How often expired records are purged.
     pub purge_interval: Option<String>,
+    /// How long a request's head may take to arrive (`10s`).
+    pub header_timeout: Option<String>,
+    /// How long a keep-alive connection may wait for its next request (`60s`).
+    pub idle_timeout: Option<String>,
+    /// How long a request's body may take to arrive, from its head (`30s`).
+    pub body_timeout: Option<String>,
+    /// How many connections are served at once.
+    pub max_connections: Option<u64>,
     /// Settings for every route.
     #[serde(default)]
     pub defaults: RouteSettings,
