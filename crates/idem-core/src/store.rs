@@ -49,6 +49,15 @@ pub enum StoreError {
         #[source]
         source: Option<Box<dyn StdError + Send + Sync>>,
     },
+    /// The store holds as much as it is allowed to and none of it may be forgotten yet (a
+    /// bounded in-memory store whose records are all live). Only a `begin` that would create
+    /// a record gets it; nothing was stored. Transient: records expire, so a later attempt
+    /// may find room. Over HTTP it is 503 with the code `store_full`.
+    #[error("store full: {message}")]
+    Full {
+        /// Which bound was reached, without keys or payloads.
+        message: String,
+    },
     /// A counter would pass `i64::MAX` (what every backend can hold).
     #[error("the counter is used up")]
     CounterExhausted,
@@ -82,7 +91,7 @@ impl StoreError {
 
     /// Whether retrying the operation later may succeed.
     pub fn is_transient(&self) -> bool {
-        matches!(self, Self::Unavailable { .. })
+        matches!(self, Self::Unavailable { .. } | Self::Full { .. })
     }
 }
 
