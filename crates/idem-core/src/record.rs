@@ -241,7 +241,10 @@ pub struct BeginStep {
 
 /// Refusal of `complete` or `release` by the state machine.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
-#[error("the lease is no longer current: the record expired, was released or was taken over")]
+#[error(
+    "the lease is no longer current: the record was taken over, released, forgotten after its \
+     retention, or already completed with a different response"
+)]
 pub struct StaleLease;
 
 impl Record {
@@ -326,7 +329,12 @@ impl Record {
     }
 
     /// The `complete` transition. `Ok(Some(r))`: store `r`. `Ok(None)`: this lease already
-    /// completed the record; nothing changes (the first response stays). `Err`: refused.
+    /// completed the record with the same response bytes; nothing changes. `Err`: refused,
+    /// which includes a repeated `complete` by the same lease with a *different* response
+    /// (the first response stays and is what retries replay).
+    ///
+    /// A lease that ran out but was not taken over may still complete: nobody else holds the
+    /// key, and refusing would leave work that already took effect to run a second time.
     pub fn complete(
         existing: Option<&Record>,
         lease: &Lease,
@@ -354,8 +362,10 @@ impl Record {
                 self.settle(now);
                 Ok(true)
             }
-            Status::Completed => Ok(false),
-            Status::Released => Err(StaleLease),
+            // A retry of the same completion is harmless; a different response would be
+            // silently dropped, so it is refused instead.
+            Status::Completed if self.response.as_deref() == Some(&response[..]) => Ok(false),
+            Status::Completed | Status::Released => Err(StaleLease),
         }
     }
 
@@ -520,10 +530,23 @@ mod tests {
             .unwrap()
             .unwrap();
         assert_eq!(
-            Record::complete(Some(&done), &lease, Bytes::from_static(b"2"), t(2)),
+            Record::complete(Some(&done), &lease, Bytes::from_static(b"1"), t(2)),
             Ok(None)
         );
         assert_eq!(Record::release(Some(&done), &lease, t(2)), Err(StaleLease));
+    }
+
+    #[test]
+    fn repeated_complete_with_a_different_response_is_stale() {
+        let (lease, rec) = acquire(None, &req(b"a"), t(0));
+        let done = Record::complete(Some(&rec), &lease, Bytes::from_static(b"1"), t(1))
+            .unwrap()
+            .unwrap();
+        assert_eq!(
+            Record::complete(Some(&done), &lease, Bytes::from_static(b"2"), t(2)),
+            Err(StaleLease)
+        );
+        assert_eq!(done.response.as_deref(), Some(&b"1"[..]));
     }
 
     #[test]

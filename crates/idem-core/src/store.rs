@@ -49,6 +49,15 @@ pub enum StoreError {
         #[source]
         source: Option<Box<dyn StdError + Send + Sync>>,
     },
+    /// The store holds as much as it is allowed to and none of it may be forgotten yet (a
+    /// bounded in-memory store whose records are all live). Only a `begin` that would create
+    /// a record gets it; nothing was stored. Transient: records expire, so a later attempt
+    /// may find room. Over HTTP it is 503 with the code `store_full`.
+    #[error("store full: {message}")]
+    Full {
+        /// Which bound was reached, without keys or payloads.
+        message: String,
+    },
     /// A counter would pass `i64::MAX` (what every backend can hold).
     #[error("the counter is used up")]
     CounterExhausted,
@@ -82,7 +91,7 @@ impl StoreError {
 
     /// Whether retrying the operation later may succeed.
     pub fn is_transient(&self) -> bool {
-        matches!(self, Self::Unavailable { .. })
+        matches!(self, Self::Unavailable { .. } | Self::Full { .. })
     }
 }
 
@@ -116,10 +125,14 @@ pub enum LeaseError {
 ///   their fence until they are purged).
 /// - **Stale leases are refused.** `complete` and `release` succeed only while the live record
 ///   holds that very lease (same id and fence). A lease whose record was taken over, released,
-///   completed by another lease, expired or purged gets [`LeaseError::Stale`] and changes
-///   nothing. A lease that ran out but was *not* taken over may still complete. Repeating a
-///   successful `complete` or `release` with the same lease is a no-op success (the first
-///   response stays).
+///   completed by another lease, or is no longer live (its retention ended, or it was purged)
+///   gets [`LeaseError::Stale`] and changes nothing. A lease that ran out but was *not* taken
+///   over may still complete: nobody else holds the key, and refusing would make the next
+///   `begin` run work that already took effect a second time.
+/// - **Repeats.** Repeating a successful `release`, or a successful `complete` with the same
+///   response bytes, with the same lease is a no-op success. A repeated `complete` with a
+///   different response is [`LeaseError::Stale`] and the first response stays; the comparison
+///   is part of the same atomic step.
 /// - **Expiry is by the caller's clock.** Every operation takes `now`; a store never reads a
 ///   clock to decide liveness. A completed or released record expires at `completed_at + ttl`;
 ///   an expired record is absent to `begin` and `get`. Native TTLs (Redis) may be used only to

@@ -88,6 +88,17 @@ impl Problem {
     /// 503 for a store failure: the work must not run. The store's own message (which may
     /// name a database user or host) is logged, not sent to the client.
     pub fn store(e: &idem_core::StoreError) -> Self {
+        if let idem_core::StoreError::Full { .. } = e {
+            tracing::warn!(error = %e, "the record store is full; answered store_full");
+            return Self::new(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "store_full",
+                "Store full",
+                "The record store holds as many records as it may, so nothing was done; try \
+                 again later.",
+            )
+            .retry_after(Duration::from_secs(1));
+        }
         let (code, detail) = if e.is_transient() {
             (
                 "store_unavailable",

@@ -715,6 +715,22 @@ async fn an_operator_reopens_a_held_unknown_outcome_and_nothing_else() {
 }
 
 #[tokio::test]
+async fn a_full_store_refuses_new_keys_and_still_replays() {
+    let store = MemoryStore::with_limits(idem_store::MemoryLimits::new(1, usize::MAX));
+    let app = app_on(Arc::new(store), Policy::default());
+    assert_eq!(
+        app.send(post_with("/orders", "k", "x")).await.status,
+        StatusCode::CREATED
+    );
+    let r = app.send(post_with("/orders", "other", "x")).await;
+    assert_eq!(r.status, StatusCode::SERVICE_UNAVAILABLE);
+    assert_eq!(r.code(), "store_full");
+    assert!(r.headers.contains_key("retry-after"));
+    assert_eq!(app.runs(), 1);
+    assert!(app.send(post_with("/orders", "k", "x")).await.replayed());
+}
+
+#[tokio::test]
 async fn a_failing_store_fails_closed() {
     let store = Arc::new(FaultyStore::new(MemoryStore::new()));
     let app = app_on(store.clone(), Policy::default());

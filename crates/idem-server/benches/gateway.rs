@@ -208,7 +208,13 @@ fn main() {
     println!("| store | way | req/s | p50 (ms) | p99 (ms) | × direct |");
     println!("|---|---|---:|---:|---:|---:|");
     let stores: Vec<(&str, SharedStore)> = vec![
-        ("memory", Arc::new(idem_store::MemoryStore::new())),
+        // Unbounded: a long run of fresh keys passes the default bound.
+        (
+            "memory",
+            Arc::new(idem_store::MemoryStore::with_limits(
+                idem_store::MemoryLimits::new(usize::MAX, usize::MAX),
+            )),
+        ),
         (
             "sqlite",
             Arc::new(idem_store::SqliteStore::open(dir.path().join("bench.db")).unwrap()),

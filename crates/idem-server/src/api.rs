@@ -248,8 +248,9 @@ fn lease_problem(e: &LeaseError, key: &Key, op: &str) -> Problem {
             StatusCode::CONFLICT,
             "stale_lease",
             "Stale lease",
-            "This lease no longer holds the record: it expired and was taken over, or the \
-             record was completed, released or expired. Nothing was changed.",
+            "This lease no longer holds the record: another attempt took it over, or the \
+             record was released, forgotten, or completed with another response. Nothing \
+             was changed.",
         ),
         LeaseError::Store(e) => Problem::store(e),
         other => {

@@ -222,6 +222,23 @@ async fn stale_lease_is_refused_after_takeover() {
 }
 
 #[tokio::test]
+async fn a_late_complete_is_accepted_and_a_different_repeat_is_stale() {
+    let api = Api::new();
+    let lease = lease_of(&api.begin(None, "k", json!(1)).await);
+    // The lease ran out but nobody took the key over: the result is kept.
+    api.clock.advance(Duration::from_secs(11));
+    let r = api.complete(None, "k", &lease, json!("first")).await;
+    assert_eq!(r.status, StatusCode::OK, "{}", r.body);
+    let r = api.complete(None, "k", &lease, json!("first")).await;
+    assert_eq!(r.status, StatusCode::OK, "{}", r.body);
+    let r = api.complete(None, "k", &lease, json!("second")).await;
+    assert_eq!(r.status, StatusCode::CONFLICT);
+    assert_eq!(r.code(), "stale_lease");
+    let replay = api.begin(None, "k", json!(1)).await;
+    assert_eq!(replay.body["response"], json!("first"));
+}
+
+#[tokio::test]
 async fn a_null_request_is_a_request() {
     let api = Api::new();
     let lease = lease_of(&api.begin(None, "null", Value::Null).await);

@@ -24,8 +24,8 @@ use idem_core::{
     Timestamp,
 };
 use idem_store::{
-    MemoryStore, MySqlOptions, MySqlStore, PostgresOptions, PostgresStore, RedisOptions,
-    RedisStore, SqliteOptions, SqliteStore, Synchronous,
+    MemoryLimits, MemoryStore, MySqlOptions, MySqlStore, PostgresOptions, PostgresStore,
+    RedisOptions, RedisStore, SqliteOptions, SqliteStore, Synchronous,
 };
 use idem_testkit::services::{MYSQL, POSTGRES, REDIS};
 
@@ -271,10 +271,12 @@ fn main() {
         let n = 1_000_000 / scale;
         let mut base = bare_map(n);
         row("bare Mutex<HashMap> (baseline)", 1, &mut base, None);
-        let mem = MemoryStore::new();
+        // Unbounded: the run writes more fresh keys than the default bound holds.
+        let unbounded = MemoryLimits::new(usize::MAX, usize::MAX);
+        let mem = MemoryStore::with_limits(unbounded);
         let mut f = single.block_on(run_store(&mem, 1, n));
         row("memory", 1, &mut f, Some(("bare map", base.per_sec())));
-        let mem = MemoryStore::new();
+        let mem = MemoryStore::with_limits(unbounded);
         let mut f = multi.block_on(run_store(&mem, 64, n / 64));
         row("memory", 64, &mut f, Some(("bare map", base.per_sec())));
     }

@@ -36,7 +36,7 @@ mod url;
 pub use fence::Fenced;
 #[cfg(any(feature = "postgres", feature = "sqlite"))]
 pub use fence::SqlFences;
-pub use memory::MemoryStore;
+pub use memory::{MemoryLimits, MemoryStore, RECORD_OVERHEAD};
 #[cfg(feature = "mysql")]
 pub use mysql::{MySqlOptions, MySqlStore};
 #[cfg(feature = "postgres")]

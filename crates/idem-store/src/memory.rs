@@ -1,14 +1,14 @@
 //! An in-memory store: for tests, and for a single process that can afford to forget
-//! everything when it stops.
+//! everything when it stops. It holds at most [`MemoryLimits`] records and bytes.
 
 use std::collections::HashMap;
 use std::collections::hash_map::Entry;
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 
 use idem_core::{
     Acquire, BeginOutcome, BeginRequest, BoxFuture, Bytes, Held, Key, Lease, LeaseError, LockError,
-    LockName, LockState, LockStore, OwnerDigest, Record, ReleaseListener, StaleLease, Store,
-    StoreError, Timestamp,
+    LockName, LockState, LockStore, OwnerDigest, Record, ReleaseListener, StaleLease, Status,
+    Store, StoreError, Timestamp,
 };
 
 use crate::lock_feed::ReleaseFeed;
@@ -17,7 +17,55 @@ const SHARDS: usize = 16;
 
 type Shard = Mutex<HashMap<Key, Box<Record>>>;
 
-/// Records in a sharded hash map. Clones share the same records.
+/// What one record costs beyond its key and response, for [`MemoryLimits::max_bytes`]: the
+/// record itself, the box and the map slot that hold it, the key's shared allocation and
+/// allocator headers. An estimate (about 250 bytes on 64-bit targets), not a measurement.
+pub const RECORD_OVERHEAD: usize = std::mem::size_of::<Record>() + 128;
+
+/// How much a [`MemoryStore`] may hold.
+///
+/// Both bounds are checked when a `begin` creates a record for a key that has none: when
+/// either would be passed, records that are no longer live are purged first, and if that does
+/// not make room the `begin` is refused with [`StoreError::Full`]. A live record is never
+/// evicted to make room (forgetting it would run its work again). A `begin` on a key that
+/// already has a record (a replay, an in-progress answer, a takeover) and every `complete`
+/// need no room: refusing a completion would lose the result of work that already ran. So
+/// usage can pass `max_bytes` by the responses of the records in progress when it was
+/// reached; bound those with the HTTP layer's response limit.
+///
+/// A record counts as its key, its response and [`RECORD_OVERHEAD`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct MemoryLimits {
+    /// The most records held, live or not yet purged (default 100,000).
+    pub max_records: usize,
+    /// The most bytes held, as estimated above (default 256 MiB).
+    pub max_bytes: usize,
+}
+
+impl MemoryLimits {
+    /// The default: 100,000 records and 256 MiB.
+    pub const DEFAULT: Self = Self {
+        max_records: 100_000,
+        max_bytes: 256 << 20,
+    };
+
+    /// Limits of `max_records` records and `max_bytes` bytes.
+    pub const fn new(max_records: usize, max_bytes: usize) -> Self {
+        Self {
+            max_records,
+            max_bytes,
+        }
+    }
+}
+
+impl Default for MemoryLimits {
+    fn default() -> Self {
+        Self::DEFAULT
+    }
+}
+
+/// Records in a sharded hash map, within [`MemoryLimits`]. Clones share the same records.
 ///
 /// Every operation on a key runs under its shard's mutex, which makes `begin` atomic. Nothing
 /// survives the process.
@@ -29,9 +77,24 @@ pub struct MemoryStore {
 #[derive(Debug)]
 struct Inner {
     shards: Vec<Shard>,
+    limits: MemoryLimits,
+    /// Taken after a shard's mutex, never before it.
+    usage: Mutex<Usage>,
+    /// Held by the one scan that purges to make room.
+    scan: Mutex<()>,
     counters: Mutex<HashMap<Key, u64>>,
     locks: Mutex<Locks>,
     released: ReleaseFeed,
+}
+
+/// What the records hold, and a bound on when the first of them can die.
+#[derive(Debug)]
+struct Usage {
+    records: usize,
+    bytes: usize,
+    /// No record stops being live before this (milliseconds): a full store does not scan
+    /// for dead records before then. Lowered by every write; recomputed by each scan.
+    next_death: u64,
 }
 
 /// Lock states, with a count of acquisitions since the last sweep of stale ones.
@@ -48,11 +111,23 @@ impl Default for MemoryStore {
 }
 
 impl MemoryStore {
-    /// An empty store.
+    /// An empty store with the default [`MemoryLimits`].
     pub fn new() -> Self {
+        Self::with_limits(MemoryLimits::DEFAULT)
+    }
+
+    /// An empty store that holds at most `limits`.
+    pub fn with_limits(limits: MemoryLimits) -> Self {
         Self {
             inner: Arc::new(Inner {
                 shards: (0..SHARDS).map(|_| Mutex::default()).collect(),
+                limits,
+                usage: Mutex::new(Usage {
+                    records: 0,
+                    bytes: 0,
+                    next_death: u64::MAX,
+                }),
+                scan: Mutex::default(),
                 counters: Mutex::default(),
                 locks: Mutex::default(),
                 released: ReleaseFeed::new(),
@@ -62,7 +137,126 @@ impl MemoryStore {
 
     /// How many records are held, live or not.
     pub fn len(&self) -> usize {
-        self.inner.shards.iter().map(|s| lock(s).len()).sum()
+        self.usage().0
+    }
+
+    /// The records held (live or not yet purged) and their bytes as [`MemoryLimits`] counts
+    /// them: for a metric.
+    pub fn usage(&self) -> (usize, usize) {
+        let u = self.usage_lock();
+        (u.records, u.bytes)
+    }
+
+    /// The limits this store was made with.
+    pub fn limits(&self) -> MemoryLimits {
+        self.inner.limits
+    }
+
+    fn usage_lock(&self) -> MutexGuard<'_, Usage> {
+        self.inner
+            .usage
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// Accounts for a record that changed from `before` bytes to `after` (an existing slot).
+    fn changed(&self, before: usize, after: &Record) {
+        let mut u = self.usage_lock();
+        u.bytes = u.bytes.saturating_sub(before).saturating_add(size(after));
+        u.next_death = u.next_death.min(death(after));
+    }
+
+    /// Reserves room for a new record of `bytes`, if the limits allow it.
+    fn reserve(&self, record: &Record) -> bool {
+        let limits = self.inner.limits;
+        let bytes = size(record);
+        let mut u = self.usage_lock();
+        if u.records >= limits.max_records || u.bytes.saturating_add(bytes) > limits.max_bytes {
+            return false;
+        }
+        u.records += 1;
+        u.bytes += bytes;
+        u.next_death = u.next_death.min(death(record));
+        true
+    }
+
+    /// Deletes up to `limit` records that are not live at `now`, shard by shard; answers how
+    /// many it deleted and the earliest death of the records it kept (0 if it stopped early).
+    fn purge(&self, now: Timestamp, limit: usize) -> (usize, u64) {
+        let mut purged = 0usize;
+        let mut earliest = u64::MAX;
+        for shard in &self.inner.shards {
+            if purged >= limit {
+                earliest = 0;
+                break;
+            }
+            let mut map = lock(shard);
+            let (mut records, mut bytes) = (0usize, 0usize);
+            map.retain(|_, r| {
+                if purged < limit && !r.is_live(now) {
+                    purged += 1;
+                    records += 1;
+                    bytes += size(r);
+                    false
+                } else {
+                    earliest = earliest.min(death(r));
+                    true
+                }
+            });
+            let mut u = self.usage_lock();
+            u.records = u.records.saturating_sub(records);
+            u.bytes = u.bytes.saturating_sub(bytes);
+        }
+        (purged, earliest)
+    }
+
+    /// When the store is full: purges every record that is no longer live, unless no record
+    /// can have died yet. One scan at a time, over at most `max_records` records, and only
+    /// once some record's death has come, so a full store of live records costs a refused
+    /// `begin` no scan.
+    fn make_room(&self, now: Timestamp) {
+        let _scan = self
+            .inner
+            .scan
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner);
+        {
+            let mut u = self.usage_lock();
+            if u.next_death > now.as_millis() {
+                return;
+            }
+            u.next_death = u64::MAX;
+        }
+        let (_, earliest) = self.purge(now, usize::MAX);
+        let mut u = self.usage_lock();
+        u.next_death = u.next_death.min(earliest);
+    }
+
+    /// `begin` within the limits: `None` if it needs room that there is not.
+    fn try_begin(&self, req: &BeginRequest, now: Timestamp) -> Option<BeginOutcome> {
+        let mut shard = self.shard(&req.key);
+        // One lookup: keys are reference-counted, so the clone for `entry` is cheap.
+        Some(match shard.entry(req.key.clone()) {
+            Entry::Occupied(mut slot) => {
+                let step = Record::begin(Some(slot.get()), req, now);
+                if let Some(new) = step.write {
+                    let before = size(slot.get());
+                    self.changed(before, &new);
+                    **slot.get_mut() = new;
+                }
+                step.outcome
+            }
+            Entry::Vacant(slot) => {
+                let step = Record::begin(None, req, now);
+                if let Some(new) = step.write {
+                    if !self.reserve(&new) {
+                        return None;
+                    }
+                    slot.insert(Box::new(new));
+                }
+                step.outcome
+            }
+        })
     }
 
     /// Whether no record is held.
@@ -84,9 +278,24 @@ impl MemoryStore {
 /// single `insert` or a transition that checks before it writes, so the map is consistent and
 /// we keep serving.
 fn lock(shard: &Shard) -> MutexGuard<'_, HashMap<Key, Box<Record>>> {
-    shard
-        .lock()
-        .unwrap_or_else(std::sync::PoisonError::into_inner)
+    shard.lock().unwrap_or_else(PoisonError::into_inner)
+}
+
+/// A record's size as [`MemoryLimits`] counts it.
+fn size(r: &Record) -> usize {
+    let key = r.key.scope().as_str().len()
+        + r.key.namespace().as_str().len()
+        + r.key.client_key().as_str().len();
+    RECORD_OVERHEAD + key + r.response.as_ref().map_or(0, Bytes::len)
+}
+
+/// The first instant (milliseconds) at which the record is not live (see [`Record::is_live`]).
+fn death(r: &Record) -> u64 {
+    let end = r.expires_at.as_millis();
+    match r.status {
+        Status::InProgress => end.max(r.lease_expires_at.as_millis()),
+        _ => end,
+    }
 }
 
 impl MemoryStore {
@@ -94,7 +303,7 @@ impl MemoryStore {
         self.inner
             .locks
             .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .unwrap_or_else(PoisonError::into_inner)
     }
 
     fn update(
@@ -104,7 +313,10 @@ impl MemoryStore {
     ) -> Result<(), LeaseError> {
         let mut shard = self.shard(key);
         let record = shard.get_mut(key).ok_or(StaleLease)?;
-        transition(record)?;
+        let before = size(record);
+        if transition(record)? {
+            self.changed(before, record);
+        }
         Ok(())
     }
 }
@@ -115,22 +327,21 @@ impl Store for MemoryStore {
     }
 
     async fn begin(&self, req: &BeginRequest, now: Timestamp) -> Result<BeginOutcome, StoreError> {
-        let mut shard = self.shard(&req.key);
-        // One lookup: keys are reference-counted, so the clone for `entry` is cheap.
-        Ok(match shard.entry(req.key.clone()) {
-            Entry::Occupied(mut slot) => {
-                let step = Record::begin(Some(slot.get()), req, now);
-                if let Some(new) = step.write {
-                    **slot.get_mut() = new;
-                }
-                step.outcome
-            }
-            Entry::Vacant(slot) => {
-                let step = Record::begin(None, req, now);
-                if let Some(new) = step.write {
-                    slot.insert(Box::new(new));
-                }
-                step.outcome
+        if let Some(outcome) = self.try_begin(req, now) {
+            return Ok(outcome);
+        }
+        // Full: make room without holding the key's shard, then decide afresh.
+        self.make_room(now);
+        self.try_begin(req, now).ok_or_else(|| {
+            let MemoryLimits {
+                max_records,
+                max_bytes,
+            } = self.inner.limits;
+            StoreError::Full {
+                message: format!(
+                    "the memory store holds its most records ({max_records}) or bytes \
+                     ({max_bytes}) in live records"
+                ),
             }
         })
     }
@@ -158,14 +369,23 @@ impl Store for MemoryStore {
     ) -> Result<Lease, LeaseError> {
         let mut shard = self.shard(key);
         let record = shard.get_mut(key).ok_or(StaleLease)?;
-        Ok(record.renew_in_place(lease, length, now)?)
+        let before = size(record);
+        let renewed = record.renew_in_place(lease, length, now)?;
+        self.changed(before, record);
+        Ok(renewed)
     }
 
     async fn reopen(&self, key: &Key, fence: u64, now: Timestamp) -> Result<bool, StoreError> {
-        Ok(self
-            .shard(key)
-            .get_mut(key)
-            .is_some_and(|r| r.reopen_in_place(fence, now)))
+        let mut shard = self.shard(key);
+        let Some(record) = shard.get_mut(key) else {
+            return Ok(false);
+        };
+        let before = size(record);
+        let reopened = record.reopen_in_place(fence, now);
+        if reopened {
+            self.changed(before, record);
+        }
+        Ok(reopened)
     }
 
     async fn advance(&self, key: &Key, by: u64) -> Result<u64, StoreError> {
@@ -173,7 +393,7 @@ impl Store for MemoryStore {
             .inner
             .counters
             .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner);
+            .unwrap_or_else(PoisonError::into_inner);
         let by = idem_core::counter_step(by)?;
         let value = counters.entry(key.clone()).or_insert(0);
         let next = value
@@ -189,7 +409,7 @@ impl Store for MemoryStore {
             .inner
             .counters
             .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner);
+            .unwrap_or_else(PoisonError::into_inner);
         let value = counters.entry(key.clone()).or_insert(0);
         *value = (*value).max(to.min(idem_core::MAX_COUNTER));
         Ok(*value)
@@ -204,22 +424,7 @@ impl Store for MemoryStore {
     }
 
     async fn purge_expired(&self, now: Timestamp, limit: usize) -> Result<u64, StoreError> {
-        let mut purged = 0usize;
-        for shard in &self.inner.shards {
-            if purged >= limit {
-                break;
-            }
-            let mut map = lock(shard);
-            map.retain(|_, r| {
-                if purged < limit && !r.is_live(now) {
-                    purged += 1;
-                    false
-                } else {
-                    true
-                }
-            });
-        }
-        Ok(purged as u64)
+        Ok(self.purge(now, limit).0 as u64)
     }
 }
 

@@ -405,7 +405,6 @@ impl MySqlStore {
         now: Timestamp,
     ) -> Result<(), LeaseError> {
         let now_ms = sql_int(now.as_millis());
-        let completing = response.is_some();
         let q = match &response {
             Some(r) => sqlx::query(self.sql.complete.clone()).bind(&r[..]),
             None => sqlx::query(self.sql.release.clone()),
@@ -424,7 +423,7 @@ impl MySqlStore {
         let Some(mut record) = self.load(c, key).await? else {
             return Err(StaleLease.into());
         };
-        sql::repeated_settle(&mut record, lease, completing, now)
+        sql::repeated_settle(&mut record, lease, response, now)
     }
 }
 

@@ -436,7 +436,6 @@ impl PostgresStore {
             .bind(sql_int(now.as_millis()))
             .bind(&lease.id.to_bytes()[..])
             .bind(sql_int(lease.fence));
-        let completing = response.is_some();
         if let Some(r) = &response {
             q = q.bind(&r[..]);
         }
@@ -450,7 +449,7 @@ impl PostgresStore {
         let Some(mut record) = self.load(c, key).await? else {
             return Err(StaleLease.into());
         };
-        sql::repeated_settle(&mut record, lease, completing, now)
+        sql::repeated_settle(&mut record, lease, response, now)
     }
 }
 

@@ -115,14 +115,18 @@ return {'acquired', f}
 ";
 
 /// Shared by complete and release: ARGV = now, lease id, fence, margin, target state
-/// (`c` or `r`), response (complete only). Answers `ok` or `stale`.
+/// (`c` or `r`), response (complete only). Answers `ok` or `stale`; a repeated complete is
+/// `ok` only with the response already stored.
 const SETTLE: &str = r"
 local now = tonumber(ARGV[1])
 local v, st, fence, _, ttl, exp = record()
 if not v or exp <= now or string.sub(v, 35, 50) ~= ARGV[2] or fence ~= tonumber(ARGV[3]) then
   return 'stale'
 end
-if st == ARGV[5] then return 'ok' end
+if st == ARGV[5] then
+  if st == 'c' and string.sub(v, 151) ~= ARGV[6] then return 'stale' end
+  return 'ok'
+end
 if st ~= 'p' then return 'stale' end
 exp = math.min(now + ttl, MAX)
 redis.call('SET', KEYS[1], '1' .. ARGV[5] .. string.sub(v, 3, 118)

@@ -85,16 +85,17 @@ pub(crate) fn pending<'m>(
 }
 
 /// After a lease-conditioned update changed nothing, decides from the row as read: a repeat by
-/// the same lease of what it already did is `Ok`, anything else is stale. If the row as read
-/// would change after all, it moved between the update and the read: try again.
+/// the same lease of what it already did (for a `complete`, with the same response bytes) is
+/// `Ok`, anything else is stale. If the row as read would change after all, it moved between
+/// the update and the read: try again. `response` is `Some` for a `complete`.
 pub(crate) fn repeated_settle(
     record: &mut Record,
     lease: &Lease,
-    completing: bool,
+    response: Option<Bytes>,
     now: Timestamp,
 ) -> Result<(), LeaseError> {
-    let would_change = if completing {
-        record.complete_in_place(lease, Bytes::new(), now)?
+    let would_change = if let Some(response) = response {
+        record.complete_in_place(lease, response, now)?
     } else {
         record.release_in_place(lease, now)?
     };

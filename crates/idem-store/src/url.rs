@@ -1,6 +1,8 @@
 //! Store URLs: how a store is named on the command line and in configuration.
 //!
-//! - `memory://`: an in-process store, forgotten at exit.
+//! - `memory://`: an in-process store, forgotten at exit, for tests and a single process that
+//!   may forget everything. `max_records=N` and `max_bytes=N` bound it (default 100000 and
+//!   268435456, 256 MiB; see [`MemoryLimits`](crate::MemoryLimits)).
 //! - `sqlite://PATH`: a SQLite file; `sqlite://idem.db` is relative to the working directory,
 //!   `sqlite:///var/lib/idem/idem.db` is absolute. Options as a query string:
 //!   `synchronous=full|normal` and `busy_timeout_ms=N`.
@@ -26,8 +28,8 @@ use crate::MemoryStore;
 #[derive(Debug, Clone, PartialEq, Eq)]
 #[non_exhaustive]
 pub enum StoreUrl {
-    /// `memory://`
-    Memory,
+    /// `memory://`, with its bounds.
+    Memory(crate::MemoryLimits),
     /// `sqlite://PATH`
     #[cfg(feature = "sqlite")]
     Sqlite {
@@ -123,7 +125,6 @@ fn split_idem_options(url: &str) -> (String, Vec<(String, String)>) {
 }
 
 /// The `name=value` pairs of a URL query.
-#[cfg(feature = "sqlite")]
 fn params(query: &str) -> impl Iterator<Item = (&str, &str)> {
     query
         .split('&')
@@ -145,10 +146,30 @@ impl FromStr for StoreUrl {
         let (location, query) = rest.split_once('?').unwrap_or((rest, ""));
         match scheme {
             "memory" => {
-                if !location.is_empty() || !query.is_empty() {
-                    return Err(err("memory:// takes no path or options"));
+                if !location.is_empty() {
+                    return Err(err(
+                        "memory:// takes no path, only the options max_records and max_bytes",
+                    ));
                 }
-                Ok(StoreUrl::Memory)
+                let mut limits = crate::MemoryLimits::DEFAULT;
+                for (name, value) in params(query) {
+                    let bound = match name {
+                        "max_records" => &mut limits.max_records,
+                        "max_bytes" => &mut limits.max_bytes,
+                        _ => {
+                            return Err(err(format!(
+                                "unknown memory:// option {name:?}; the options are max_records \
+                                 and max_bytes"
+                            )));
+                        }
+                    };
+                    *bound = value.parse().ok().filter(|n| *n > 0).ok_or_else(|| {
+                        err(format!(
+                            "memory:// {name}={value:?} is not a positive whole number"
+                        ))
+                    })?;
+                }
+                Ok(StoreUrl::Memory(limits))
             }
             #[cfg(feature = "sqlite")]
             "sqlite" => {
@@ -336,7 +357,7 @@ impl StoreUrl {
             (Arc::new(store.clone()), Some(Arc::new(store)))
         }
         match self {
-            StoreUrl::Memory => Ok(both(MemoryStore::new())),
+            StoreUrl::Memory(limits) => Ok(both(MemoryStore::with_limits(*limits))),
             #[cfg(feature = "sqlite")]
             StoreUrl::Sqlite {
                 path,
@@ -454,13 +475,51 @@ mod tests {
 
     #[test]
     fn parses_the_documented_forms() {
-        assert_eq!("memory://".parse(), Ok(StoreUrl::Memory));
+        assert_eq!(
+            "memory://".parse(),
+            Ok(StoreUrl::Memory(crate::MemoryLimits::DEFAULT))
+        );
         assert!("memory://x".parse::<StoreUrl>().is_err());
         assert!("idem.db".parse::<StoreUrl>().is_err());
         assert!("redis2://x".parse::<StoreUrl>().is_err());
     }
 
     #[cfg(feature = "sqlite")]
+    #[test]
+    fn parses_memory_bounds() {
+        assert_eq!(
+            "memory://?max_records=10&max_bytes=4096".parse(),
+            Ok(StoreUrl::Memory(crate::MemoryLimits::new(10, 4096)))
+        );
+        assert_eq!(
+            "memory://?max_bytes=1".parse(),
+            Ok(StoreUrl::Memory(crate::MemoryLimits::new(100_000, 1)))
+        );
+        for (url, says) in [
+            (
+                "memory://?max_records=0",
+                "max_records=\"0\" is not a positive",
+            ),
+            (
+                "memory://?max_records=-1",
+                "max_records=\"-1\" is not a positive",
+            ),
+            (
+                "memory://?max_bytes=1M",
+                "max_bytes=\"1M\" is not a positive",
+            ),
+            ("memory://?max_bytes", "max_bytes=\"\" is not a positive"),
+            (
+                "memory://?max_keys=1",
+                "unknown memory:// option \"max_keys\"",
+            ),
+            ("memory://x?max_bytes=1", "takes no path"),
+        ] {
+            let e = url.parse::<StoreUrl>().unwrap_err().to_string();
+            assert!(e.contains(says), "{url}: {e}");
+        }
+    }
+
     #[test]
     fn parses_sqlite_paths_and_options() {
         assert_eq!(

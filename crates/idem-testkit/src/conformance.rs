@@ -347,9 +347,28 @@ pub async fn expired_lease_not_taken_over_may_complete<S: Store>(store: &S) {
     assert_eq!(&replayed(store, &req, c.at(31)).await[..], b"late");
 }
 
-/// Repeating `complete` with the same lease succeeds and keeps the first response;
-/// `release` after `complete` is refused.
+/// Repeating `complete` with the same lease and the same response succeeds and changes
+/// nothing; `release` after `complete` is refused.
 pub async fn repeated_complete_is_a_noop<S: Store>(store: &S) {
+    let c = Case::new();
+    let req = c.req("k", "a");
+    let lease = acquire(store, &req, c.at(0)).await;
+    for at in [1, 2] {
+        store
+            .complete(&req.key, &lease, Bytes::from_static(b"first"), c.at(at))
+            .await
+            .unwrap();
+    }
+    assert_stale(store.release(&req.key, &lease, c.at(2)).await);
+    let rec = store.get(&req.key, c.at(3)).await.unwrap().unwrap();
+    assert_eq!(rec.updated_at, c.at(1));
+    assert_eq!(&replayed(store, &req, c.at(3)).await[..], b"first");
+}
+
+/// Repeating `complete` with the same lease but another response is refused as stale, also
+/// after the lease ran out, and the first response is what retries replay: a second result
+/// is never dropped silently.
+pub async fn repeated_complete_with_another_response_is_stale<S: Store>(store: &S) {
     let c = Case::new();
     let req = c.req("k", "a");
     let lease = acquire(store, &req, c.at(0)).await;
@@ -357,12 +376,34 @@ pub async fn repeated_complete_is_a_noop<S: Store>(store: &S) {
         .complete(&req.key, &lease, Bytes::from_static(b"first"), c.at(1))
         .await
         .unwrap();
+    for (response, at) in [(&b"second"[..], 2), (b"", 2), (b"first and more", 30)] {
+        assert_stale(
+            store
+                .complete(&req.key, &lease, Bytes::from_static(response), c.at(at))
+                .await,
+        );
+    }
+    assert_eq!(&replayed(store, &req, c.at(31)).await[..], b"first");
+}
+
+/// A lease that ran out and was taken over cannot complete even with the response its
+/// successor stored.
+pub async fn taken_over_lease_is_stale_even_with_the_same_response<S: Store>(store: &S) {
+    let c = Case::new();
+    let req = c.req("k", "a");
+    let old = acquire(store, &req, c.at(0)).await;
+    let new = acquire(store, &req, c.at(11)).await;
     store
-        .complete(&req.key, &lease, Bytes::from_static(b"second"), c.at(2))
+        .complete(&req.key, &new, Bytes::from_static(b"same"), c.at(12))
         .await
         .unwrap();
-    assert_stale(store.release(&req.key, &lease, c.at(2)).await);
-    assert_eq!(&replayed(store, &req, c.at(3)).await[..], b"first");
+    assert_stale(
+        store
+            .complete(&req.key, &old, Bytes::from_static(b"same"), c.at(13))
+            .await,
+    );
+    let rec = store.get(&req.key, c.at(13)).await.unwrap().unwrap();
+    assert_eq!((rec.fence, rec.updated_at), (new.fence, c.at(12)));
 }
 
 /// A lease with a made-up id, or for a key that has no record, is stale.
@@ -871,4 +912,57 @@ pub async fn storm_over_many_keys<S: Store + Clone>(store: &S) {
         }
     }
     assert_eq!(winners.len(), 50);
+}
+
+/// 40 keys completed at once, then completed again at once by the same leases, half with the
+/// same response and half with another: the first are `Ok`, the others stale, and every key
+/// replays its first response (stores that complete many records in one statement must agree).
+pub async fn concurrent_repeated_completes<S: Store + Clone>(store: &S) {
+    let c = Case::new();
+    let now = c.at(0);
+    let mut leases = Vec::new();
+    for i in 0..40 {
+        let req = c.req(&format!("key-{i}"), "a");
+        leases.push((req.clone(), acquire(store, &req, now).await));
+    }
+    let complete_all = |second: bool| {
+        let tasks: Vec<_> = leases
+            .iter()
+            .enumerate()
+            .map(|(i, (req, lease))| {
+                let (store, key, lease) = (store.clone(), req.key.clone(), *lease);
+                let body = if second && i % 2 == 1 {
+                    "other"
+                } else {
+                    "first"
+                };
+                tokio::spawn(async move {
+                    store
+                        .complete(&key, &lease, Bytes::from(format!("{body}-{i}")), now)
+                        .await
+                })
+            })
+            .collect();
+        async move {
+            let mut results = Vec::new();
+            for t in tasks {
+                results.push(t.await.unwrap());
+            }
+            results
+        }
+    };
+    for done in complete_all(false).await {
+        done.unwrap();
+    }
+    for (i, done) in complete_all(true).await.into_iter().enumerate() {
+        if i % 2 == 1 {
+            assert_stale(done);
+        } else {
+            done.unwrap();
+        }
+    }
+    for (i, (req, _)) in leases.iter().enumerate() {
+        let expected = format!("first-{i}");
+        assert_eq!(&replayed(store, req, now).await[..], expected.as_bytes());
+    }
 }

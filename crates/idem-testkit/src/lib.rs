@@ -64,6 +64,8 @@ macro_rules! conformance_tests {
             stale_lease_cannot_complete_or_release,
             expired_lease_not_taken_over_may_complete,
             repeated_complete_is_a_noop,
+            repeated_complete_with_another_response_is_stale,
+            taken_over_lease_is_stale_even_with_the_same_response,
             forged_or_absent_lease_is_stale,
             completed_record_expires_after_ttl,
             in_progress_record_expires_after_lease_and_retention,
@@ -82,6 +84,7 @@ macro_rules! conformance_tests {
             duplicate_storm,
             duplicate_storm_with_completion,
             storm_over_many_keys,
+            concurrent_repeated_completes,
         );
     };
     (@cases $fixture:expr; $($case:ident,)*) => {
