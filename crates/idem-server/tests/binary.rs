@@ -484,7 +484,12 @@ fn a_gateway_killed_mid_request_neither_runs_it_twice_at_once_nor_loses_the_answ
         let mut out = Vec::new();
         let _ = s.read_to_end(&mut out);
     });
+    let waiting = std::time::Instant::now();
     while runs.load(Ordering::SeqCst) == 0 {
+        assert!(
+            waiting.elapsed() < Duration::from_secs(30),
+            "the request never reached the upstream"
+        );
         std::thread::sleep(Duration::from_millis(10));
     }
     gateway.child.kill().unwrap(); // SIGKILL: no clean-up of any kind
