@@ -347,6 +347,25 @@ fn main() -> ExitCode {
     }
 }
 
+/// Opens the store at `url` and, where it keeps them, its locks; an in-memory store also
+/// publishes its size as gauges. The error names the store with any password hidden.
+async fn open_with_locks(
+    url: &str,
+) -> Result<(SharedStore, Option<Arc<dyn idem_core::LockStore>>), String> {
+    let parsed: StoreUrl = url
+        .parse()
+        .map_err(|e| format!("invalid store URL {:?}: {e}", idem_store::redact(url)))?;
+    if let StoreUrl::Memory(limits) = &parsed {
+        let store = idem_store::MemoryStore::with_limits(*limits);
+        tokio::spawn(idem_server::metrics::watch_memory_store(store.clone()));
+        return Ok((Arc::new(store.clone()), Some(Arc::new(store))));
+    }
+    parsed
+        .open_with_locks()
+        .await
+        .map_err(|e| format!("store {:?}: {e}", idem_store::redact(url)))
+}
+
 /// Opens the store at `url`; the error names it with any password hidden.
 async fn open_store(url: &str) -> Result<SharedStore, String> {
     idem_store::open(url)
@@ -407,9 +426,9 @@ async fn migrate(args: &MigrateArgs) -> Result<(), String> {
 }
 
 async fn serve(args: &ServeArgs) -> Result<(), String> {
-    let url: StoreUrl = args
-        .store
-        .parse()
+    // Checked first, so that a typo is reported before anything else is set up.
+    args.store
+        .parse::<StoreUrl>()
         .map_err(|e| format!("invalid --store: {e}"))?;
     let auth = match &args.api_keys {
         Some(path) => Auth::from_file(path).map_err(|e| e.to_string())?,
@@ -422,7 +441,7 @@ async fn serve(args: &ServeArgs) -> Result<(), String> {
             args.listen
         ));
     }
-    let (store, locks) = url.open_with_locks().await.map_err(|e| e.to_string())?;
+    let (store, locks) = open_with_locks(&args.store).await?;
     if locks.is_none() {
         warn!("this store keeps no locks: /v1/locks answers 501");
     }
@@ -510,7 +529,7 @@ async fn gateway(args: GatewayArgs) -> Result<(), String> {
         .store
         .or(file.store.clone())
         .unwrap_or_else(|| "sqlite://idem.db".to_owned());
-    let store = open_store(&store_url).await?;
+    let (store, _) = open_with_locks(&store_url).await?;
     // The command line wins over the file.
     let mut gateway = Gateway::new(upstream, store.clone());
     if let Some(t) = args.upstream_timeout {

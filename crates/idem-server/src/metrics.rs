@@ -199,6 +199,40 @@ impl Registry {
     }
 }
 
+/// Publishes an in-memory store's size every 5 s as the gauges `idem_store_memory_records` and
+/// `idem_store_memory_bytes`, beside its bounds (`idem_store_memory_max_records`,
+/// `idem_store_memory_max_bytes`), so that an operator sees it fill up before it refuses new
+/// keys with 503 `store_full`. Runs until its task is aborted or the runtime stops.
+pub async fn watch_memory_store(store: idem_store::MemoryStore) {
+    let limits = store.limits();
+    loop {
+        // Described and set on every pass: the store is opened before the recorder is
+        // installed, and what reaches no recorder is lost.
+        metrics::describe_gauge!(
+            "idem_store_memory_records",
+            "Records held by the in-memory store, live or not yet purged."
+        );
+        metrics::describe_gauge!(
+            "idem_store_memory_bytes",
+            "Bytes held by the in-memory store, as it estimates them."
+        );
+        metrics::describe_gauge!(
+            "idem_store_memory_max_records",
+            "The in-memory store's bound on records."
+        );
+        metrics::describe_gauge!(
+            "idem_store_memory_max_bytes",
+            "The in-memory store's bound on bytes."
+        );
+        metrics::gauge!("idem_store_memory_max_records").set(limits.max_records as f64);
+        metrics::gauge!("idem_store_memory_max_bytes").set(limits.max_bytes as f64);
+        let (records, bytes) = store.usage();
+        metrics::gauge!("idem_store_memory_records").set(records as f64);
+        metrics::gauge!("idem_store_memory_bytes").set(bytes as f64);
+        tokio::time::sleep(std::time::Duration::from_secs(5)).await;
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -536,6 +536,47 @@ fn a_fresh_gateway_process_describes_its_metrics() {
     }
 }
 
+#[test]
+fn a_gateway_on_memory_publishes_the_stores_size_and_bounds() {
+    let (upstream, _runs) = counting_upstream();
+    let gateway = start_command(
+        "gateway",
+        &[
+            "--upstream",
+            &format!("http://{upstream}"),
+            "--store",
+            "memory://?max_records=50&max_bytes=1000000",
+        ],
+    );
+    let (status, body) = order(&gateway.addr);
+    assert_eq!(status, 201, "{body}");
+    // The gauges are refreshed every few seconds: wait for the stored record to show.
+    let started = std::time::Instant::now();
+    loop {
+        let (status, body) = get(&gateway.addr, "/_idem/metrics");
+        assert_eq!(status, 200, "{body}");
+        if body.lines().any(|l| l == "idem_store_memory_records 1") {
+            assert!(
+                body.lines()
+                    .any(|l| l == "idem_store_memory_max_records 50"),
+                "{body}"
+            );
+            assert!(
+                body.lines()
+                    .any(|l| l == "idem_store_memory_max_bytes 1000000"),
+                "{body}"
+            );
+            assert!(body.contains("# HELP idem_store_memory_bytes "), "{body}");
+            break;
+        }
+        assert!(
+            started.elapsed() < Duration::from_secs(30),
+            "no record counted in\n{body}"
+        );
+        std::thread::sleep(Duration::from_millis(200));
+    }
+}
+
 /// Reads what the server sends until it closes the connection, writing `trickle` one byte at
 /// a time first (a pause between bytes); `None` if it is still open after 30 s.
 fn read_until_closed(s: &mut TcpStream, trickle: &[u8]) -> Option<String> {
