@@ -84,7 +84,6 @@ return {1}
 ";
 
 /// The lock scripts and the release feed, shared by a store's clones.
-#[derive(Clone)]
 pub(crate) struct LockScripts {
     acquire: Script,
     renew: Script,

@@ -31,6 +31,7 @@
 //! survives a crash of the server; with the defaults the last second may be lost, and with a
 //! replica failover the last writes may be lost too. Choose the store for what it may forget.
 
+use std::sync::Arc;
 use std::time::Duration;
 
 use idem_core::{
@@ -255,14 +256,21 @@ pub struct RedisStore {
     /// A client of one server (of the Cluster's first node given), for the lock release
     /// feed's own connection.
     pub(crate) client: Option<redis::Client>,
-    pub(crate) locks: crate::redis_locks::LockScripts,
+    /// Shared by every clone: the run-once claim clones its store for each `begin`, and a
+    /// script's text and hash would otherwise be copied each time.
+    pub(crate) locks: Arc<crate::redis_locks::LockScripts>,
+    scripts: Arc<RecordScripts>,
+}
+
+/// The record scripts, loaded once per store.
+struct RecordScripts {
     begin: Script,
     settle: Script,
     renew: Script,
     reopen: Script,
     raise: Script,
     /// [`GIVE_BACK`] with [`RECORD`] before it, sent whole with `EVAL`.
-    give_back_script: String,
+    give_back: String,
 }
 
 impl std::fmt::Debug for RedisStore {
@@ -326,13 +334,15 @@ impl RedisStore {
             conn,
             prefix: options.prefix,
             client: None,
-            locks: crate::redis_locks::LockScripts::new(),
-            begin: record_script(BEGIN),
-            settle: record_script(SETTLE),
-            renew: record_script(RENEW),
-            reopen: record_script(REOPEN),
-            raise: Script::new(RAISE),
-            give_back_script: format!("{RECORD}{GIVE_BACK}"),
+            locks: Arc::new(crate::redis_locks::LockScripts::new()),
+            scripts: Arc::new(RecordScripts {
+                begin: record_script(BEGIN),
+                settle: record_script(SETTLE),
+                renew: record_script(RENEW),
+                reopen: record_script(REOPEN),
+                raise: Script::new(RAISE),
+                give_back: format!("{RECORD}{GIVE_BACK}"),
+            }),
         }
     }
 
@@ -586,6 +596,7 @@ impl Store for RedisStore {
         let renewed = lease.renewed(length, now);
         let ends = renewed.expires_at;
         let done: i64 = self
+            .scripts
             .renew
             .key(self.redis_key(key))
             .arg(exact(now.as_millis()))
@@ -603,6 +614,7 @@ impl Store for RedisStore {
 
     async fn reopen(&self, key: &Key, fence: u64, now: Timestamp) -> Result<bool, StoreError> {
         let done: i64 = self
+            .scripts
             .reopen
             .key(self.redis_key(key))
             .arg(exact(now.as_millis()))
@@ -644,6 +656,7 @@ impl Store for RedisStore {
         // 2^53, and counters go to 2^63.
         let to = to.min(idem_core::MAX_COUNTER).to_string();
         let value: String = self
+            .scripts
             .raise
             .key(format!("{}:n", self.redis_key(key)))
             .arg(to)
@@ -695,6 +708,7 @@ impl RedisStore {
             _ => return Err(corrupt("SET answer")),
         }
         let answer: Value = self
+            .scripts
             .begin
             .key(&key)
             .arg(exact(now.as_millis()))
@@ -747,7 +761,7 @@ impl RedisStore {
     /// dropped) escapes; it then holds the key until its lease ends.
     fn give_back(&self, key: &str, lease: &Lease, now: Timestamp) {
         let mut call = redis::cmd("EVAL");
-        call.arg(&self.give_back_script)
+        call.arg(&self.scripts.give_back)
             .arg(1)
             .arg(key)
             .arg(exact(now.as_millis()))
@@ -793,7 +807,7 @@ impl RedisStore {
         response: Option<Bytes>,
         now: Timestamp,
     ) -> Result<(), LeaseError> {
-        let mut call = self.settle.key(self.redis_key(key));
+        let mut call = self.scripts.settle.key(self.redis_key(key));
         call.arg(exact(now.as_millis()))
             .arg(&lease.id.to_bytes()[..])
             .arg(lease.fence)
