@@ -616,7 +616,8 @@ impl RequestService {
         let (parts, body) = req.into_parts();
         let body = TimeoutBody {
             inner: body,
-            sleep: Box::pin(tokio::time::sleep(self.limits.body_timeout)),
+            deadline: tokio::time::Instant::now() + self.limits.body_timeout,
+            sleep: None,
             timed_out: timed_out.clone(),
         };
         let mut req = Request::from_parts(parts, Body::new(body));
@@ -698,10 +699,13 @@ impl http_body::Body for Tracked {
 #[error("the request body did not arrive within the body timeout")]
 struct BodyTimedOut;
 
-/// A request body that fails once its deadline passes.
+/// A request body that fails once its deadline (counted from the head) passes. The timer is
+/// armed only when a read has to wait, so a request whose body is already there (or empty, as
+/// most are) registers none.
 struct TimeoutBody {
     inner: Incoming,
-    sleep: Pin<Box<Sleep>>,
+    deadline: tokio::time::Instant,
+    sleep: Option<Pin<Box<Sleep>>>,
     timed_out: Arc<AtomicBool>,
 }
 
@@ -716,7 +720,11 @@ impl http_body::Body for TimeoutBody {
         if let Poll::Ready(frame) = Pin::new(&mut self.inner).poll_frame(cx) {
             return Poll::Ready(frame.map(|f| f.map_err(Into::into)));
         }
-        ready!(self.sleep.as_mut().poll(cx));
+        let deadline = self.deadline;
+        let sleep = self
+            .sleep
+            .get_or_insert_with(|| Box::pin(tokio::time::sleep_until(deadline)));
+        ready!(sleep.as_mut().poll(cx));
         self.timed_out.store(true, Ordering::Relaxed);
         Poll::Ready(Some(Err(BodyTimedOut.into())))
     }
