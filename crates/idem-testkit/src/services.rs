@@ -1,7 +1,8 @@
 //! The real servers backend suites run against, and what to do when one is missing.
 //!
 //! Each service has a loopback default and an environment variable to point elsewhere
-//! (`IDEM_TEST_POSTGRES_URL`, `IDEM_TEST_MYSQL_URL`, `IDEM_TEST_REDIS_URL`). When the server
+//! (`IDEM_TEST_POSTGRES_URL`, `IDEM_TEST_MYSQL_URL`, `IDEM_TEST_REDIS_URL`,
+//! `IDEM_TEST_AMQP_URL`, `IDEM_TEST_NATS_URL`). When the server
 //! cannot be reached, a suite is skipped with a note on standard error saying why, unless
 //! `CI=true`: there a missing service fails the test.
 
@@ -34,6 +35,20 @@ pub const MYSQL: Service = Service {
     name: "MySQL/MariaDB",
     env: "IDEM_TEST_MYSQL_URL",
     default_url: "mysql://root@127.0.0.1:3306/test",
+};
+
+/// RabbitMQ, user `guest`, the default virtual host.
+pub const RABBITMQ: Service = Service {
+    name: "RabbitMQ",
+    env: "IDEM_TEST_AMQP_URL",
+    default_url: "amqp://guest:guest@127.0.0.1:5672/%2f",
+};
+
+/// NATS with JetStream.
+pub const NATS: Service = Service {
+    name: "NATS",
+    env: "IDEM_TEST_NATS_URL",
+    default_url: "nats://127.0.0.1:4222",
 };
 
 /// Redis.
@@ -81,6 +96,9 @@ fn authority(url: &str) -> String {
     let port = match scheme {
         "postgres" | "postgresql" => 5432,
         "mysql" | "mariadb" => 3306,
+        "amqp" => 5672,
+        "amqps" => 5671,
+        "nats" => 4222,
         _ => 6379,
     };
     format!("{host_port}:{port}")
