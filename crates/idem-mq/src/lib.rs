@@ -9,6 +9,8 @@
 
 mod error;
 pub mod source;
+#[cfg(feature = "amqp")]
+pub mod amqp;
 
 pub use error::MqError;
 pub use source::{DeadLetter, Delivery, Disposition, Horizon, Reason, Source};
