@@ -81,16 +81,16 @@ use std::time::Duration;
 
 use futures_util::StreamExt;
 use lapin::options::{
-    BasicAckOptions, BasicCancelOptions, BasicConsumeOptions, BasicPublishOptions,
-    BasicQosOptions, ConfirmSelectOptions, ExchangeDeclareOptions, ExchangeDeleteOptions,
-    QueueBindOptions, QueueDeclareOptions, QueueDeleteOptions,
+    BasicAckOptions, BasicCancelOptions, BasicConsumeOptions, BasicPublishOptions, BasicQosOptions,
+    ConfirmSelectOptions, ExchangeDeclareOptions, ExchangeDeleteOptions, QueueBindOptions,
+    QueueDeclareOptions, QueueDeleteOptions,
 };
 use lapin::types::{AMQPValue, FieldTable, LongString, ShortString};
 use lapin::{Channel, Confirmation, Connection, ConnectionProperties, ExchangeKind};
 use tokio::time::Instant;
 
-use crate::source::{DeadLetter, Delivery, Disposition, Horizon, Source};
 use crate::MqError;
+use crate::source::{DeadLetter, Delivery, Disposition, Horizon, Source};
 
 pub use lapin;
 pub use lapin::BasicProperties;

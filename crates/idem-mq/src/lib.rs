@@ -7,10 +7,10 @@
 //! runs the handler, stores its result, and only then acks; a redelivery of a message whose
 //! result is stored is acked without running.
 
-mod error;
-pub mod source;
 #[cfg(feature = "amqp")]
 pub mod amqp;
+mod error;
+pub mod source;
 
 pub use error::MqError;
 pub use source::{DeadLetter, Delivery, Disposition, Horizon, Reason, Source};

@@ -8,7 +8,7 @@ use std::time::Duration;
 use idem_mq::amqp::lapin::options::{BasicAckOptions, BasicGetOptions, QueueDeclareOptions};
 use idem_mq::amqp::lapin::types::FieldTable;
 use idem_mq::amqp::lapin::{Connection, ConnectionProperties};
-use idem_mq::amqp::{AmqpPublisher, AmqpSource, BasicProperties, QueueType, ATTEMPT_HEADER};
+use idem_mq::amqp::{ATTEMPT_HEADER, AmqpPublisher, AmqpSource, BasicProperties, QueueType};
 use idem_mq::{DeadLetter, Delivery, Disposition, Reason, Source};
 use idem_testkit::services::RABBITMQ;
 
@@ -132,8 +132,14 @@ async fn published_message_is_delivered_with_its_key_and_acked() {
     let publisher = AmqpPublisher::connect(&url).await.expect("publisher");
     let props = BasicProperties::default().with_headers({
         let mut h = FieldTable::default();
-        h.insert("tenant".into(), idem_mq::amqp::lapin::types::AMQPValue::LongString("t-7".into()));
-        h.insert("n".into(), idem_mq::amqp::lapin::types::AMQPValue::LongInt(42));
+        h.insert(
+            "tenant".into(),
+            idem_mq::amqp::lapin::types::AMQPValue::LongString("t-7".into()),
+        );
+        h.insert(
+            "n".into(),
+            idem_mq::amqp::lapin::types::AMQPValue::LongInt(42),
+        );
         h
     });
     publisher
@@ -166,7 +172,13 @@ async fn publish_once_refuses_an_invalid_key_and_an_unroutable_message() {
         .expect_err("empty key");
     assert!(matches!(err, idem_mq::MqError::Config(_)), "{err}");
     let err = publisher
-        .publish_once("", &unique("nowhere"), "k-1", b"x", BasicProperties::default())
+        .publish_once(
+            "",
+            &unique("nowhere"),
+            "k-1",
+            b"x",
+            BasicProperties::default(),
+        )
         .await
         .expect_err("no queue takes it");
     assert!(matches!(err, idem_mq::MqError::Broker { .. }), "{err}");
@@ -237,7 +249,13 @@ async fn dead_letter_carries_the_reason() {
     let mut source = AmqpSource::connect(&url, &queue).await.expect("source");
     let publisher = AmqpPublisher::connect(&url).await.expect("publisher");
     publisher
-        .publish_once("", &queue, "k-poison", b"poison", BasicProperties::default())
+        .publish_once(
+            "",
+            &queue,
+            "k-poison",
+            b"poison",
+            BasicProperties::default(),
+        )
         .await
         .expect("publish");
     let d = next(&mut source).await;
@@ -249,9 +267,18 @@ async fn dead_letter_carries_the_reason() {
     .expect("dead-letter");
     let dead = get_one(&url, source.dead_letter_queue()).await;
     let props = &dead.delivery.properties;
-    assert_eq!(header_text(props, "x-idem-reason").as_deref(), Some("permanent"));
-    assert_eq!(header_text(props, "x-idem-detail").as_deref(), Some("out of stock"));
-    assert_eq!(props.message_id().as_ref().map(|m| m.as_str()), Some("k-poison"));
+    assert_eq!(
+        header_text(props, "x-idem-reason").as_deref(),
+        Some("permanent")
+    );
+    assert_eq!(
+        header_text(props, "x-idem-detail").as_deref(),
+        Some("out of stock")
+    );
+    assert_eq!(
+        props.message_id().as_ref().map(|m| m.as_str()),
+        Some("k-poison")
+    );
     assert_eq!(dead.delivery.data, b"poison");
     source.shutdown().await;
     assert_eq!(depth(&url, &queue).await, 0, "the original was acked");
@@ -271,13 +298,105 @@ async fn an_unsettled_delivery_comes_back_counted_after_the_connection_closes() 
     let d = next(&mut first).await;
     assert_eq!(d.delivery_count(), Some(1));
     first.shutdown().await;
-    let err = d.settle(Disposition::Ack).await.expect_err("the channel is gone");
+    let err = d
+        .settle(Disposition::Ack)
+        .await
+        .expect_err("the channel is gone");
     assert!(matches!(err, idem_mq::MqError::Broker { .. }), "{err}");
 
     let mut second = AmqpSource::connect(&url, &queue).await.expect("source");
     let d = next(&mut second).await;
     assert_eq!(d.message_id(), Some("k-lost"));
-    assert_eq!(d.delivery_count(), Some(2), "the quorum queue counted the return");
+    assert_eq!(
+        d.delivery_count(),
+        Some(2),
+        "the quorum queue counted the return"
+    );
     d.settle(Disposition::Ack).await.expect("ack");
     second.shutdown().await;
+}
+
+/// Closes, on the broker's side, every connection whose client properties mention `name`
+/// (`rabbitmqctl close_connection`). False when `rabbitmqctl` cannot be run.
+fn kill_connections(name: &str) -> bool {
+    let Ok(out) = std::process::Command::new("rabbitmqctl")
+        .args(["-q", "list_connections", "pid", "client_properties"])
+        .output()
+    else {
+        return false;
+    };
+    assert!(out.status.success(), "rabbitmqctl list_connections failed");
+    let mut killed = 0;
+    for line in String::from_utf8_lossy(&out.stdout).lines() {
+        let Some((pid, properties)) = line.split_once('\t') else {
+            continue;
+        };
+        if !properties.contains(name) {
+            continue;
+        }
+        let status = std::process::Command::new("rabbitmqctl")
+            .args([
+                "-q",
+                "close_connection",
+                pid,
+                "closed by the idem test suite",
+            ])
+            .status()
+            .expect("rabbitmqctl close_connection");
+        assert!(status.success(), "rabbitmqctl close_connection failed");
+        killed += 1;
+    }
+    assert!(killed > 0, "no connection named {name} at the broker");
+    true
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn source_reconnects_after_the_broker_closes_its_connection() {
+    let Some((url, queue, _cleanup)) = setup("reconnect", QueueType::Quorum).await else {
+        return;
+    };
+    let name = unique("conn");
+    let mut source = AmqpSource::builder(&url, &queue)
+        .connection_name(name.clone())
+        .connect()
+        .await
+        .expect("source");
+    let publisher = AmqpPublisher::connect(&url).await.expect("publisher");
+    publisher
+        .publish_once("", &queue, "k-held", b"x", BasicProperties::default())
+        .await
+        .expect("publish");
+    let held = next(&mut source).await;
+    assert!(source.is_connected());
+    if !kill_connections(&name) {
+        eprintln!("rabbitmqctl cannot close connections here: reconnection test skipped");
+        return;
+    }
+    publisher
+        .publish_once("", &queue, "k-after", b"y", BasicProperties::default())
+        .await
+        .expect("publish");
+
+    let mut seen = Vec::new();
+    while seen.len() < 2 {
+        let d = next(&mut source).await;
+        seen.push(d.message_id().map(str::to_owned));
+        d.settle(Disposition::Ack)
+            .await
+            .expect("ack on the new connection");
+    }
+    seen.sort();
+    assert_eq!(
+        seen,
+        vec![Some("k-after".to_owned()), Some("k-held".to_owned())],
+        "the held message came back and the new one arrived"
+    );
+    assert!(source.is_connected());
+    let err = held
+        .settle(Disposition::Ack)
+        .await
+        .expect_err("a delivery of the lost channel cannot be settled");
+    assert!(matches!(err, idem_mq::MqError::Broker { .. }), "{err}");
+    source.shutdown().await;
+    assert_eq!(depth(&url, &queue).await, 0);
 }
