@@ -14,7 +14,7 @@
 //! | `<queue>` | the work queue; a quorum queue by default (`x-queue-type=quorum`), so the broker counts deliveries (`x-delivery-count`); its `x-dead-letter-exchange` is the exchange below |
 //! | `<queue>.dlx` | the dead-letter exchange (fanout) |
 //! | `<queue>.dead` | the dead-letter queue, bound to it |
-//! | `<queue>.delay.<ms>` | one delay queue per delay bucket, declared on first use: `x-message-ttl=<ms>`, dead-lettering to the work queue |
+//! | `<queue>.delay.<ms>` | one delay queue per delay bucket, declared on first use, of the work queue's type: `x-message-ttl=<ms>`, dead-lettering to the work queue (at least once, for quorum queues) |
 //!
 //! A declaration with other arguments than an existing queue's is refused by the broker
 //! (`PRECONDITION_FAILED`): turn declarations off ([`AmqpSourceBuilder::declare`]) to consume
@@ -119,6 +119,9 @@ const DEFAULT_PREFETCH: u16 = 64;
 const FIRST_BACKOFF: Duration = Duration::from_millis(100);
 const MAX_BACKOFF: Duration = Duration::from_secs(5);
 const PERSISTENT: u8 = 2;
+/// How long a publish waits for the broker's confirm (a broker short of memory or disk blocks
+/// publishers) before it fails: the message may or may not have been taken.
+pub const CONFIRM_TIMEOUT: Duration = Duration::from_secs(30);
 
 /// The kind of queue the source declares.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -194,6 +197,23 @@ impl Topology {
 
     fn delay_queue_arguments(&self, bucket_ms: u64) -> FieldTable {
         let mut args = FieldTable::default();
+        args.insert(
+            "x-queue-type".into(),
+            AMQPValue::LongString(self.queue_type.argument().into()),
+        );
+        if self.queue_type == QueueType::Quorum {
+            // A quorum queue moves an expired message to its dead-letter target only once the
+            // target confirmed it (RabbitMQ 3.10 and later): a delayed copy survives a node
+            // failure. The strategy requires `reject-publish` overflow.
+            args.insert(
+                "x-dead-letter-strategy".into(),
+                AMQPValue::LongString("at-least-once".into()),
+            );
+            args.insert(
+                "x-overflow".into(),
+                AMQPValue::LongString("reject-publish".into()),
+            );
+        }
         args.insert(
             "x-message-ttl".into(),
             AMQPValue::LongLongInt(i64::try_from(bucket_ms).unwrap_or(i64::MAX)),
@@ -932,8 +952,13 @@ async fn publish_confirmed(
             props,
         )
         .await
-        .map_err(|e| MqError::broker("publishing", e))?
+        .map_err(|e| MqError::broker("publishing", e))?;
+    let confirm = tokio::time::timeout(CONFIRM_TIMEOUT, confirm)
         .await
+        .map_err(|_| MqError::Broker {
+            message: format!("no publisher confirm within {CONFIRM_TIMEOUT:?}"),
+            source: None,
+        })?
         .map_err(|e| MqError::broker("waiting for the publisher confirm", e))?;
     match confirm {
         Confirmation::Ack(None) => Ok(()),
@@ -956,7 +981,8 @@ async fn publish_confirmed(
 /// Publishes `payload` once per idempotency `key`: the message id is the key, the message
 /// persistent, and the call returns when the broker confirmed it.
 ///
-/// `channel` must be in confirm mode (`confirm_select`). The publish is mandatory: a message no
+/// `channel` must be in confirm mode (`confirm_select`); without a confirm within
+/// [`CONFIRM_TIMEOUT`] the call fails. The publish is mandatory: a message no
 /// queue takes is returned by the broker and reported as an error. A publisher that retries
 /// after an error may publish twice; the consumer's records absorb the duplicate, since both
 /// copies carry the same message id.
