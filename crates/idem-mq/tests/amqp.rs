@@ -400,3 +400,39 @@ async fn source_reconnects_after_the_broker_closes_its_connection() {
     source.shutdown().await;
     assert_eq!(depth(&url, &queue).await, 0);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn queue_options_are_declared_and_the_horizon_reported() {
+    let Some((url, queue, _cleanup)) = setup("options", QueueType::Quorum).await else {
+        return;
+    };
+    let source = AmqpSource::builder(&url, &queue)
+        .delivery_limit(5)
+        .consumer_timeout(Duration::from_secs(3600))
+        .connect()
+        .await
+        .expect("a quorum queue with a delivery limit and a consumer timeout");
+    assert_eq!(source.redelivery_horizon(), idem_mq::Horizon::Unbounded);
+    source.shutdown().await;
+    let source = AmqpSource::builder(&url, &queue)
+        .delivery_limit(5)
+        .consumer_timeout(Duration::from_secs(3600))
+        .redelivery_horizon(Duration::from_secs(7200))
+        .connect()
+        .await
+        .expect("declaring again with the same arguments");
+    assert_eq!(
+        source.redelivery_horizon(),
+        idem_mq::Horizon::Bounded(Duration::from_secs(7200))
+    );
+    source.shutdown().await;
+    let refused = AmqpSource::builder(&url, &queue)
+        .queue_type(QueueType::Classic)
+        .connect()
+        .await
+        .expect_err("an existing queue declared with other arguments");
+    assert!(
+        matches!(refused, idem_mq::MqError::Broker { .. }),
+        "{refused}"
+    );
+}
