@@ -31,7 +31,9 @@
 //!   RabbitMQ only expires messages at the head of a queue: a long delay would hold back the
 //!   short ones queued behind it. A crash (or a lost connection) between the confirm and the
 //!   ack leaves two copies, the original redelivered and the delayed one: a duplicate, which
-//!   the idempotency record absorbs like any other.
+//!   the idempotency record absorbs like any other. If the copy is not confirmed (a nack, no
+//!   queue for it, no confirm within [`CONFIRM_TIMEOUT`]), the original is given back to the
+//!   queue at once (`basic.nack` with requeue) and the settle fails.
 //! * [`Disposition::DeadLetter`] publishes a copy to the dead-letter exchange with the headers
 //!   `x-idem-reason` ([`Reason::code`](crate::Reason::code)) and `x-idem-detail`, waits for the
 //!   confirm, then acks the original. A plain `basic.reject` would dead-letter through the
@@ -81,9 +83,9 @@ use std::time::Duration;
 
 use futures_util::StreamExt;
 use lapin::options::{
-    BasicAckOptions, BasicCancelOptions, BasicConsumeOptions, BasicPublishOptions, BasicQosOptions,
-    ConfirmSelectOptions, ExchangeDeclareOptions, ExchangeDeleteOptions, QueueBindOptions,
-    QueueDeclareOptions, QueueDeleteOptions,
+    BasicAckOptions, BasicCancelOptions, BasicConsumeOptions, BasicNackOptions,
+    BasicPublishOptions, BasicQosOptions, ConfirmSelectOptions, ExchangeDeclareOptions,
+    ExchangeDeleteOptions, QueueBindOptions, QueueDeclareOptions, QueueDeleteOptions,
 };
 use lapin::types::{AMQPValue, FieldTable, LongString, ShortString};
 use lapin::{Channel, Confirmation, Connection, ConnectionProperties, ExchangeKind};
@@ -531,21 +533,39 @@ impl Live {
 /// ```no_run
 /// # async fn example() -> Result<(), idem_mq::MqError> {
 /// use idem_mq::amqp::{AmqpPublisher, AmqpSource, BasicProperties};
-/// use idem_mq::{Delivery, Disposition, Source};
+/// use idem_mq::{Consumer, Failure, Message};
 ///
 /// let url = "amqp://guest:guest@127.0.0.1:5672/%2f";
+/// let source = AmqpSource::builder(url, "orders").prefetch(32).connect().await?;
+///
+/// // The message id is the idempotency key: publishing it twice runs the handler once.
 /// let publisher = AmqpPublisher::connect(url).await?;
-/// let mut source = AmqpSource::builder(url, "orders").prefetch(32).connect().await?;
-/// publisher
-///     .publish_once("", "orders", "order-1042", b"{\"sku\":\"A1\"}", BasicProperties::default())
-///     .await?;
-/// if let Some(delivery) = source.next().await {
+/// let order = br#"{"sku":"A1","qty":2}"#;
+/// publisher.publish_once("", "orders", "order-1042", order, BasicProperties::default()).await?;
+/// publisher.publish_once("", "orders", "order-1042", order, BasicProperties::default()).await?;
+///
+/// // Records in memory for the example; a shared store (PostgreSQL, Redis) in production.
+/// let consumer = Consumer::new(idem::MemoryStore::new()).concurrency(32);
+/// let handler = |msg: Message| async move {
+///     // deduct the stock for msg.payload ...
+///     Ok::<_, Failure<String>>(msg.payload.len())
+/// };
+/// let shutdown = std::future::pending::<()>(); // a signal handler, in a real service
+/// consumer.run(source, handler, shutdown).await?;
+/// # Ok(()) }
+/// ```
+///
+/// Without the consumer, a source is a stream of [`AmqpDelivery`]s, each settled once:
+///
+/// ```no_run
+/// # async fn example(mut source: idem_mq::amqp::AmqpSource) -> Result<(), idem_mq::MqError> {
+/// use idem_mq::{Delivery, Disposition, Source};
+///
+/// while let Some(delivery) = source.next().await {
 ///     let delivery = delivery?;
-///     assert_eq!(delivery.message_id(), Some("order-1042"));
+///     // ... handle delivery.payload() ...
 ///     delivery.settle(Disposition::Ack).await?;
 /// }
-/// source.close().await;
-/// source.shutdown().await;
 /// # Ok(()) }
 /// ```
 pub struct AmqpSource {
@@ -782,7 +802,7 @@ impl AmqpDelivery {
             .clone()
             .with_headers(headers)
             .with_delivery_mode(PERSISTENT);
-        publish_confirmed(
+        let published = publish_confirmed(
             &self.link.publish,
             exchange,
             routing_key,
@@ -790,7 +810,21 @@ impl AmqpDelivery {
             props,
             true,
         )
-        .await?;
+        .await;
+        if let Err(e) = published {
+            // The copy may not exist: give the original back to the queue now rather than
+            // leave it unacknowledged until the channel closes. (If the broker did take the
+            // copy, both come back: a duplicate the record absorbs.)
+            let _ = self
+                .inner
+                .acker
+                .nack(BasicNackOptions {
+                    multiple: false,
+                    requeue: true,
+                })
+                .await;
+            return Err(e);
+        }
         // Between the confirm above and this ack a crash leaves both copies: a duplicate, which
         // the idempotency record absorbs.
         ack(&self.inner).await
