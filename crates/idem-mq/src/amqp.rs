@@ -78,7 +78,10 @@
 
 use std::borrow::Cow;
 use std::collections::HashSet;
+use std::future::Future;
+use std::pin::Pin;
 use std::sync::{Arc, Mutex};
+use std::task::{Context, Poll};
 use std::time::Duration;
 
 use futures_util::StreamExt;
@@ -124,6 +127,9 @@ const PERSISTENT: u8 = 2;
 /// How long a publish waits for the broker's confirm (a broker short of memory or disk blocks
 /// publishers) before it fails: the message may or may not have been taken.
 pub const CONFIRM_TIMEOUT: Duration = Duration::from_secs(30);
+/// How long any other broker operation (connecting, declaring, acking, cancelling, closing)
+/// may take before it fails.
+pub const OP_TIMEOUT: Duration = Duration::from_secs(30);
 
 /// The kind of queue the source declares.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -247,16 +253,16 @@ impl Topology {
                 },
                 FieldTable::default(),
             )
-            .await
-            .map_err(|e| MqError::broker("declaring the dead-letter exchange", e))?;
+            .bounded("declaring the dead-letter exchange")
+            .await?;
         channel
             .queue_declare(
                 short(&self.dead_letter_queue)?,
                 durable(),
                 self.dead_queue_arguments(),
             )
-            .await
-            .map_err(|e| MqError::broker("declaring the dead-letter queue", e))?;
+            .bounded("declaring the dead-letter queue")
+            .await?;
         channel
             .queue_bind(
                 short(&self.dead_letter_queue)?,
@@ -265,12 +271,12 @@ impl Topology {
                 QueueBindOptions::default(),
                 FieldTable::default(),
             )
-            .await
-            .map_err(|e| MqError::broker("binding the dead-letter queue", e))?;
+            .bounded("binding the dead-letter queue")
+            .await?;
         channel
             .queue_declare(short(&self.queue)?, durable(), self.work_queue_arguments())
-            .await
-            .map_err(|e| MqError::broker("declaring the work queue", e))?;
+            .bounded("declaring the work queue")
+            .await?;
         Ok(())
     }
 }
@@ -447,17 +453,17 @@ impl Link {
         let channel = self
             .connection
             .create_channel()
-            .await
-            .map_err(|e| MqError::broker("opening a channel", e))?;
+            .bounded("opening a channel")
+            .await?;
         channel
             .queue_declare(
                 short(&name)?,
                 durable(),
                 self.topology.delay_queue_arguments(bucket_ms),
             )
-            .await
-            .map_err(|e| MqError::broker("declaring a delay queue", e))?;
-        let _ = channel.close(200, "OK".into()).await;
+            .bounded("declaring a delay queue")
+            .await?;
+        let _ = channel.close(200, "OK".into()).bounded("closing").await;
         if let Ok(mut d) = self.delays.lock() {
             d.insert(bucket_ms);
         }
@@ -478,31 +484,31 @@ impl Live {
             props = props.with_connection_name(LongString::from(name.as_str()));
         }
         let connection = Connection::connect(&config.url, props)
-            .await
-            .map_err(|e| MqError::broker("connecting to the AMQP broker", e))?;
+            .bounded("connecting to the AMQP broker")
+            .await?;
         let setup = connection
             .create_channel()
-            .await
-            .map_err(|e| MqError::broker("opening a channel", e))?;
+            .bounded("opening a channel")
+            .await?;
         config.topology.declare(&setup).await?;
-        let _ = setup.close(200, "OK".into()).await;
+        let _ = setup.close(200, "OK".into()).bounded("closing").await;
 
         let publish = connection
             .create_channel()
-            .await
-            .map_err(|e| MqError::broker("opening a channel", e))?;
+            .bounded("opening a channel")
+            .await?;
         publish
             .confirm_select(ConfirmSelectOptions::default())
-            .await
-            .map_err(|e| MqError::broker("enabling publisher confirms", e))?;
+            .bounded("enabling publisher confirms")
+            .await?;
         let consume = connection
             .create_channel()
-            .await
-            .map_err(|e| MqError::broker("opening a channel", e))?;
+            .bounded("opening a channel")
+            .await?;
         consume
             .basic_qos(config.prefetch, BasicQosOptions::default())
-            .await
-            .map_err(|e| MqError::broker("setting the prefetch", e))?;
+            .bounded("setting the prefetch")
+            .await?;
         let consumer = consume
             .basic_consume(
                 short(&config.topology.queue)?,
@@ -510,8 +516,8 @@ impl Live {
                 BasicConsumeOptions::default(),
                 FieldTable::default(),
             )
-            .await
-            .map_err(|e| MqError::broker("consuming the queue", e))?;
+            .bounded("consuming the queue")
+            .await?;
         let tag = consumer.tag();
         Ok(Self {
             link: Arc::new(Link {
@@ -630,7 +636,12 @@ impl AmqpSource {
     pub async fn shutdown(mut self) {
         self.closed = true;
         if let Some(live) = self.live.take() {
-            let _ = live.link.connection.close(200, "OK".into()).await;
+            let _ = live
+                .link
+                .connection
+                .close(200, "OK".into())
+                .bounded("closing")
+                .await;
         }
     }
 
@@ -639,28 +650,28 @@ impl AmqpSource {
     pub async fn delete_topology(url: &str, queue: &str) -> Result<(), MqError> {
         let topology = Self::builder(url, queue).topology;
         let connection = Connection::connect(url, ConnectionProperties::default())
-            .await
-            .map_err(|e| MqError::broker("connecting to the AMQP broker", e))?;
+            .bounded("connecting to the AMQP broker")
+            .await?;
         let channel = connection
             .create_channel()
-            .await
-            .map_err(|e| MqError::broker("opening a channel", e))?;
+            .bounded("opening a channel")
+            .await?;
         let mut queues = vec![topology.queue.clone(), topology.dead_letter_queue.clone()];
         queues.extend(DELAY_BUCKETS_MS.iter().map(|b| topology.delay_queue(*b)));
         for queue in queues {
             channel
                 .queue_delete(short(&queue)?, QueueDeleteOptions::default())
-                .await
-                .map_err(|e| MqError::broker("deleting a queue", e))?;
+                .bounded("deleting a queue")
+                .await?;
         }
         channel
             .exchange_delete(
                 short(&topology.dead_letter_exchange)?,
                 ExchangeDeleteOptions::default(),
             )
-            .await
-            .map_err(|e| MqError::broker("deleting an exchange", e))?;
-        let _ = connection.close(200, "OK".into()).await;
+            .bounded("deleting an exchange")
+            .await?;
+        let _ = connection.close(200, "OK".into()).bounded("closing").await;
         Ok(())
     }
 
@@ -746,6 +757,7 @@ impl Source for AmqpSource {
                 .link
                 .consume
                 .basic_cancel(live.tag.clone(), BasicCancelOptions::default())
+                .bounded("cancelling the consumer")
                 .await;
         }
     }
@@ -822,12 +834,13 @@ impl AmqpDelivery {
                     multiple: false,
                     requeue: true,
                 })
+                .bounded("giving a delivery back")
                 .await;
             return Err(e);
         }
         // Between the confirm above and this ack a crash leaves both copies: a duplicate, which
         // the idempotency record absorbs.
-        ack(&self.inner).await
+        ack(&self.inner, &self.link).await
     }
 
     fn copied_headers(&self) -> FieldTable {
@@ -843,15 +856,57 @@ impl AmqpDelivery {
     }
 }
 
-async fn ack(delivery: &lapin::message::Delivery) -> Result<(), MqError> {
-    match delivery.acker.ack(BasicAckOptions::default()).await {
-        Ok(true) => Ok(()),
-        Ok(false) => Err(MqError::Broker {
-            message: "delivery cannot be acked: its channel is closed (the broker redelivers it)"
-                .into(),
-            source: None,
-        }),
-        Err(e) => Err(MqError::broker("acking a delivery", e)),
+async fn ack(delivery: &lapin::message::Delivery, link: &Link) -> Result<(), MqError> {
+    let closed = || MqError::Broker {
+        message: "delivery cannot be acked: its channel is closed (the broker redelivers it)"
+            .into(),
+        source: None,
+    };
+    if !link.consume.status().connected() {
+        return Err(closed());
+    }
+    match delivery
+        .acker
+        .ack(BasicAckOptions::default())
+        .bounded("acking a delivery")
+        .await?
+    {
+        true => Ok(()),
+        false => Err(closed()),
+    }
+}
+
+/// A broker operation with a deadline: lapin can leave an operation unanswered when its
+/// connection dies under it, and a consumer must not wait for it forever.
+trait Bounded<T>: Future<Output = lapin::Result<T>> + Sized {
+    fn bounded(self, what: &'static str) -> BoundedOp<Self> {
+        BoundedOp {
+            inner: Box::pin(tokio::time::timeout(OP_TIMEOUT, self)),
+            what,
+        }
+    }
+}
+
+impl<T, F: Future<Output = lapin::Result<T>>> Bounded<T> for F {}
+
+struct BoundedOp<F> {
+    inner: Pin<Box<tokio::time::Timeout<F>>>,
+    what: &'static str,
+}
+
+impl<T, F: Future<Output = lapin::Result<T>>> Future for BoundedOp<F> {
+    type Output = Result<T, MqError>;
+
+    fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        let what = self.what;
+        self.inner.as_mut().poll(cx).map(|done| match done {
+            Ok(Ok(value)) => Ok(value),
+            Ok(Err(e)) => Err(MqError::broker(what, e)),
+            Err(_) => Err(MqError::Broker {
+                message: format!("{what}: no answer from the broker within {OP_TIMEOUT:?}"),
+                source: None,
+            }),
+        })
     }
 }
 
@@ -928,7 +983,7 @@ impl Delivery for AmqpDelivery {
 
     async fn settle(self, how: Disposition) -> Result<(), MqError> {
         match how {
-            Disposition::Ack => ack(&self.inner).await,
+            Disposition::Ack => ack(&self.inner, &self.link).await,
             Disposition::Requeue { delay } => {
                 let attempts = self
                     .delivery_count()
@@ -985,8 +1040,8 @@ async fn publish_confirmed(
             payload,
             props,
         )
-        .await
-        .map_err(|e| MqError::broker("publishing", e))?;
+        .bounded("publishing")
+        .await?;
     let confirm = tokio::time::timeout(CONFIRM_TIMEOUT, confirm)
         .await
         .map_err(|_| MqError::Broker {
@@ -1055,12 +1110,12 @@ impl AmqpPublisher {
     /// publisher is dropped.
     pub async fn connect(url: &str) -> Result<Self, MqError> {
         let connection = Connection::connect(url, ConnectionProperties::default())
-            .await
-            .map_err(|e| MqError::broker("connecting to the AMQP broker", e))?;
+            .bounded("connecting to the AMQP broker")
+            .await?;
         let channel = connection
             .create_channel()
-            .await
-            .map_err(|e| MqError::broker("opening a channel", e))?;
+            .bounded("opening a channel")
+            .await?;
         let mut publisher = Self::on_channel(channel).await?;
         publisher.connection = Some(Arc::new(connection));
         Ok(publisher)
@@ -1070,8 +1125,8 @@ impl AmqpPublisher {
     pub async fn on_channel(channel: Channel) -> Result<Self, MqError> {
         channel
             .confirm_select(ConfirmSelectOptions::default())
-            .await
-            .map_err(|e| MqError::broker("enabling publisher confirms", e))?;
+            .bounded("enabling publisher confirms")
+            .await?;
         Ok(Self {
             connection: None,
             channel,
@@ -1098,7 +1153,7 @@ impl AmqpPublisher {
     /// Closes the connection (if this publisher opened it).
     pub async fn close(self) {
         if let Some(connection) = &self.connection {
-            let _ = connection.close(200, "OK".into()).await;
+            let _ = connection.close(200, "OK".into()).bounded("closing").await;
         }
     }
 }

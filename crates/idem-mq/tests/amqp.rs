@@ -599,6 +599,7 @@ async fn messages_published_twice_run_once() {
     assert_eq!(c.handled, N as u64);
     assert_eq!(c.replayed, total - N as u64);
     assert_eq!(c.unsettled, 0);
+    assert_eq!(c.dead_lettered, 0);
     assert_eq!(depth(&url, &queue).await, 0, "every message was acked");
 }
 
@@ -690,6 +691,7 @@ async fn a_redelivery_to_a_second_consumer_never_runs_beside_the_first() {
         requeued > 0,
         "no copy found its key held by the other consumer: the test did not test anything"
     );
+    assert!(counts.iter().all(|c| c.dead_lettered == 0), "{counts:?}");
     assert_eq!(depth(&url, &queue).await, 0);
 }
 
@@ -883,6 +885,7 @@ async fn every_message_runs_once_across_connections_closed_by_the_broker() {
     // Each message was published once: a replay is a redelivery of a message whose ack a cut
     // lost, an unsettled delivery one whose ack a cut refused.
     let c = consumer.counts();
+    assert_eq!(c.dead_lettered, 0, "{c:?}");
     assert!(
         c.unsettled + c.replayed > 0,
         "no cut caught a delivery between claim and ack: the test did not test anything ({c:?})"
@@ -961,7 +964,10 @@ async fn kill_child() {
     .await
     .expect("store");
     let pool = sqlx::PgPool::connect(&task.postgres).await.expect("pool");
+    // Crash-loop protection is not under test: each kill returns the deliveries in flight,
+    // and each wait for a lease left by a killed run requeues, both counting as deliveries.
     let consumer = Consumer::new(store.clone())
+        .max_attempts(1000)
         .lease(CHILD_LEASE)
         .concurrency(8)
         .wait_in_flight(Duration::from_millis(200))
@@ -1132,6 +1138,11 @@ async fn kill_and_restart(
         }
     }
     assert!(empty, "messages were left in the queue after 10 rounds");
+    assert_eq!(
+        depth(&url, &format!("{queue}.dead")).await,
+        0,
+        "nothing was dead-lettered"
+    );
     Some((task, pool, cleanup))
 }
 
