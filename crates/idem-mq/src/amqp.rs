@@ -652,27 +652,48 @@ impl AmqpSource {
         let connection = Connection::connect(url, ConnectionProperties::default())
             .bounded("connecting to the AMQP broker")
             .await?;
-        let channel = connection
-            .create_channel()
-            .bounded("opening a channel")
-            .await?;
         let mut queues = vec![topology.queue.clone(), topology.dead_letter_queue.clone()];
         queues.extend(DELAY_BUCKETS_MS.iter().map(|b| topology.delay_queue(*b)));
-        for queue in queues {
-            channel
-                .queue_delete(short(&queue)?, QueueDeleteOptions::default())
-                .bounded("deleting a queue")
-                .await?;
+        // One channel per deletion, going on after a failure (a refusal closes its channel):
+        // as much as possible is deleted, and the first failure reported.
+        let mut first_error = None;
+        for queue in &queues {
+            let deleted = async {
+                let channel = connection
+                    .create_channel()
+                    .bounded("opening a channel")
+                    .await?;
+                channel
+                    .queue_delete(short(queue)?, QueueDeleteOptions::default())
+                    .bounded("deleting a queue")
+                    .await?;
+                let _ = channel.close(200, "OK".into()).bounded("closing").await;
+                Ok::<_, MqError>(())
+            }
+            .await;
+            if let Err(e) = deleted {
+                first_error.get_or_insert(e);
+            }
         }
-        channel
-            .exchange_delete(
-                short(&topology.dead_letter_exchange)?,
-                ExchangeDeleteOptions::default(),
-            )
-            .bounded("deleting an exchange")
-            .await?;
+        let deleted = async {
+            let channel = connection
+                .create_channel()
+                .bounded("opening a channel")
+                .await?;
+            channel
+                .exchange_delete(
+                    short(&topology.dead_letter_exchange)?,
+                    ExchangeDeleteOptions::default(),
+                )
+                .bounded("deleting an exchange")
+                .await
+        }
+        .await;
+        if let Err(e) = deleted {
+            first_error.get_or_insert(e);
+        }
         let _ = connection.close(200, "OK".into()).bounded("closing").await;
-        Ok(())
+        first_error.map_or(Ok(()), Err)
     }
 
     fn lost(&mut self) {

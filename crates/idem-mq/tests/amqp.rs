@@ -35,7 +35,7 @@ impl Drop for Cleanup {
     fn drop(&mut self) {
         let (url, queue) = (self.url.clone(), self.queue.clone());
         // A fresh runtime on a fresh thread: the test's runtime may be gone or busy.
-        let _ = std::thread::spawn(move || {
+        let deleted = std::thread::spawn(move || {
             let rt = tokio::runtime::Builder::new_current_thread()
                 .enable_all()
                 .build()
@@ -43,6 +43,9 @@ impl Drop for Cleanup {
             rt.block_on(async { AmqpSource::delete_topology(&url, &queue).await })
         })
         .join();
+        if let Ok(Err(e)) = deleted {
+            eprintln!("cleanup: {e}");
+        }
     }
 }
 
