@@ -294,12 +294,14 @@ async fn dead_letter_carries_the_reason() {
     assert_eq!(depth(&url, &queue).await, 0, "the original was acked");
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn an_unsettled_delivery_comes_back_counted_after_the_connection_closes() {
-    let Some((url, queue, _cleanup)) = setup("lost", QueueType::Quorum).await else {
-        return;
+async fn unsettled_delivery_comes_back(queue_type: QueueType) -> Option<u32> {
+    let (url, queue, _cleanup) = setup("lost", queue_type).await?;
+    let source = || {
+        AmqpSource::builder(&url, &queue)
+            .queue_type(queue_type)
+            .connect()
     };
-    let mut first = AmqpSource::connect(&url, &queue).await.expect("source");
+    let mut first = source().await.expect("source");
     let publisher = AmqpPublisher::connect(&url).await.expect("publisher");
     publisher
         .publish_once("", &queue, "k-lost", b"x", BasicProperties::default())
@@ -314,16 +316,70 @@ async fn an_unsettled_delivery_comes_back_counted_after_the_connection_closes() 
         .expect_err("the channel is gone");
     assert!(matches!(err, idem_mq::MqError::Broker { .. }), "{err}");
 
-    let mut second = AmqpSource::connect(&url, &queue).await.expect("source");
+    let mut second = source().await.expect("source");
     let d = next(&mut second).await;
     assert_eq!(d.message_id(), Some("k-lost"));
+    assert!(d.redelivered());
+    let count = d.delivery_count();
+    d.settle(Disposition::Ack).await.expect("ack");
+    second.shutdown().await;
+    assert_eq!(depth(&url, &queue).await, 0);
+    count
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_unsettled_delivery_comes_back_counted_by_a_quorum_queue() {
+    if RABBITMQ.url().is_none() {
+        return;
+    }
     assert_eq!(
-        d.delivery_count(),
+        unsettled_delivery_comes_back(QueueType::Quorum).await,
         Some(2),
         "the quorum queue counted the return"
     );
-    d.settle(Disposition::Ack).await.expect("ack");
-    second.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_unsettled_delivery_comes_back_uncounted_by_a_classic_queue() {
+    if RABBITMQ.url().is_none() {
+        return;
+    }
+    assert_eq!(
+        unsettled_delivery_comes_back(QueueType::Classic).await,
+        None,
+        "a classic queue does not say how often it delivered"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_closed_source_hands_out_nothing_more_and_settles_what_it_handed_out() {
+    let Some((url, queue, _cleanup)) = setup("close", QueueType::Quorum).await else {
+        return;
+    };
+    let mut source = AmqpSource::builder(&url, &queue)
+        .prefetch(1)
+        .connect()
+        .await
+        .expect("source");
+    let publisher = AmqpPublisher::connect(&url).await.expect("publisher");
+    for key in ["k-1", "k-2"] {
+        publisher
+            .publish_once("", &queue, key, b"x", BasicProperties::default())
+            .await
+            .expect("publish");
+    }
+    let d = next(&mut source).await;
+    source.close().await;
+    assert!(source.next().await.is_none(), "a closed source ends");
+    d.settle(Disposition::Ack)
+        .await
+        .expect("a delivery handed out before close can be acked");
+    source.shutdown().await;
+    assert_eq!(
+        depth(&url, &queue).await,
+        1,
+        "the other message waits in the queue"
+    );
 }
 
 /// Closes, on the broker's side, every connection whose client properties mention `name`
