@@ -8,6 +8,8 @@
 //! result is stored is acked without running.
 
 mod error;
+#[cfg(feature = "nats")]
+pub mod nats;
 pub mod source;
 
 pub use error::MqError;
