@@ -156,6 +156,11 @@ impl NatsSourceBuilder {
     /// How many messages one pull request asks for (the prefetch; default 64, at least 1).
     /// A consumer this builder creates also gets `max_ack_pending` set to it, unless
     /// [`max_ack_pending`](Self::max_ack_pending) says otherwise.
+    ///
+    /// A prefetched message's ack timer runs from its delivery, while it waits in the buffer
+    /// for a free handler: with slow handlers keep the batch near the consumer's concurrency,
+    /// or a buffered message times out and is delivered again elsewhere (harmless with the
+    /// records, but wasted).
     pub fn batch(mut self, batch: usize) -> Self {
         self.batch = batch.max(1);
         self
@@ -773,13 +778,13 @@ async fn check_dead_letter(
             stream.config.name
         )));
     }
-    if let DeadLetterTarget::Stream(_) = target {
-        if let Err(e) = js.stream_by_subject(subject.as_str()).await {
-            return Err(MqError::Config(format!(
-                "no stream stores the dead-letter subject {subject} ({e}); create one, or \
-                 dead-letter to a core subject or with a term only"
-            )));
-        }
+    if let DeadLetterTarget::Stream(_) = target
+        && let Err(e) = js.stream_by_subject(subject.as_str()).await
+    {
+        return Err(MqError::Config(format!(
+            "no stream stores the dead-letter subject {subject} ({e}); create one, or \
+             dead-letter to a core subject or with a term only"
+        )));
     }
     Ok(())
 }

@@ -326,3 +326,170 @@ async fn a_dead_letter_subject_read_back_or_not_stored_is_refused() {
         .await
         .expect("term only needs no stream");
 }
+
+#[tokio::test]
+async fn progress_holds_a_message_and_its_absence_lets_it_go() {
+    let Some(url) = nats_url() else { return };
+    let streams = Streams::new(&url, |_| {}).await;
+    let ack_wait = Duration::from_secs(2);
+    let open = || async {
+        NatsSource::builder(&streams.name, "shared")
+            .ack_wait(ack_wait)
+            .connect(&url)
+            .await
+            .expect("source")
+    };
+    let mut first = open().await;
+    let mut second = open().await;
+    publish_once(&streams.js, streams.subject(), "slow", Bytes::new())
+        .await
+        .expect("publish");
+    let held = next(&mut first).await;
+    assert_eq!(held.delivery_count(), Some(1));
+
+    // Three ack waits with progress every tenth of one: the second instance gets nothing.
+    let progress = async {
+        for _ in 0..30 {
+            held.in_progress().await.expect("progress");
+            tokio::time::sleep(ack_wait / 10).await;
+        }
+    };
+    let stolen = tokio::time::timeout(ack_wait * 3, next(&mut second));
+    let ((), stolen) = tokio::join!(progress, stolen);
+    assert!(
+        stolen.is_err(),
+        "a message with progress reported is not redelivered"
+    );
+
+    // No more progress: after ack_wait the server gives it to whoever pulls.
+    let again = next(&mut second).await;
+    assert_eq!(again.message_id(), Some("slow"));
+    // At least the second delivery: the first instance's pull may have taken a redelivery
+    // into its buffer (unread there, it timed out again).
+    assert!(
+        again.delivery_count() >= Some(2),
+        "{:?}",
+        again.delivery_count()
+    );
+    again.settle(Disposition::Ack).await.expect("ack");
+    // The stale delivery's ack is harmless.
+    held.settle(Disposition::Ack).await.expect("late ack");
+}
+
+/// A `nats-server` of the test's own, on a free port, killed when dropped.
+struct OwnServer {
+    child: std::process::Child,
+    port: u16,
+    dir: tempfile::TempDir,
+}
+
+impl OwnServer {
+    const BINARY: &'static str = "/usr/sbin/nats-server";
+
+    fn start() -> Option<Self> {
+        if !std::path::Path::new(Self::BINARY).exists() {
+            eprintln!("server restart test skipped: no {}", Self::BINARY);
+            return None;
+        }
+        let port = std::net::TcpListener::bind("127.0.0.1:0")
+            .expect("a free port")
+            .local_addr()
+            .expect("addr")
+            .port();
+        let dir = tempfile::tempdir().expect("tempdir");
+        let mut server = Self {
+            child: Self::spawn(port, dir.path()),
+            port,
+            dir,
+        };
+        server.wait_up();
+        Some(server)
+    }
+
+    fn spawn(port: u16, dir: &std::path::Path) -> std::process::Child {
+        std::process::Command::new(Self::BINARY)
+            .args(["-js", "-a", "127.0.0.1", "-p", &port.to_string(), "-sd"])
+            .arg(dir)
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::null())
+            .spawn()
+            .expect("start nats-server")
+    }
+
+    fn wait_up(&mut self) {
+        let deadline = std::time::Instant::now() + WAIT;
+        while std::net::TcpStream::connect(("127.0.0.1", self.port)).is_err() {
+            assert!(
+                std::time::Instant::now() < deadline,
+                "nats-server did not start"
+            );
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+
+    fn url(&self) -> String {
+        format!("nats://127.0.0.1:{}", self.port)
+    }
+
+    fn restart(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+        self.child = Self::spawn(self.port, self.dir.path());
+        self.wait_up();
+    }
+}
+
+impl Drop for OwnServer {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+#[tokio::test]
+async fn pulling_goes_on_after_the_server_restarts() {
+    let Some(mut server) = OwnServer::start() else {
+        return;
+    };
+    let url = server.url();
+    let client = async_nats::connect(&url).await.expect("connect");
+    let js = jetstream::new(client);
+    js.create_stream(stream::Config {
+        name: "RESTART".to_owned(),
+        subjects: vec!["RESTART.in".to_owned()],
+        ..Default::default()
+    })
+    .await
+    .expect("stream");
+    let mut source = NatsSource::builder("RESTART", "survivor")
+        .dead_letter(DeadLetterTarget::TermOnly)
+        .retry_backoff(Duration::from_millis(50), Duration::from_secs(1))
+        .connect(&url)
+        .await
+        .expect("source");
+    publish_once(&js, "RESTART.in", "before", Bytes::new())
+        .await
+        .expect("publish");
+    let d = next(&mut source).await;
+    assert_eq!(d.message_id(), Some("before"));
+    d.settle(Disposition::Ack).await.expect("ack");
+
+    server.restart();
+
+    // The publisher's client reconnects too; retry its publish until the server is back.
+    tokio::time::timeout(WAIT, async {
+        while publish_once(&js, "RESTART.in", "after", Bytes::new())
+            .await
+            .is_err()
+        {
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    })
+    .await
+    .expect("publish after the restart");
+    let d = next(&mut source).await;
+    assert_eq!(d.message_id(), Some("after"));
+    d.settle(Disposition::Ack)
+        .await
+        .expect("ack after the restart");
+}
