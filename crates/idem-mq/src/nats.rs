@@ -240,9 +240,15 @@ impl NatsSourceBuilder {
             .get_stream(&self.stream)
             .await
             .map_err(|e| MqError::broker(format!("stream {} not found", self.stream), e))?;
+        if self.binding == Binding::CreateIfMissing {
+            // Before creating anything, with the filter the consumer would get.
+            let filter = self.filter_subject.as_deref().unwrap_or_default();
+            check_dead_letter(&js, stream.cached_info(), filter, &dead_letter).await?;
+        }
         let consumer = open_consumer(&stream, &self).await?;
         let info = consumer.cached_info().clone();
-        check_dead_letter(&js, stream.cached_info(), &info.config, &dead_letter).await?;
+        check_dead_letter(&js, stream.cached_info(), &info.config.filter_subject, &dead_letter)
+            .await?;
 
         let shared = Arc::new(Shared {
             stream: self.stream.clone(),
@@ -515,6 +521,10 @@ impl NatsDelivery {
 
     /// Sends one acknowledgement (`+ACK`, `-NAK`, `+TERM`, `+WPI`) for this message, waiting
     /// for the server's confirmation if `confirm`.
+    ///
+    /// A confirmed acknowledgement is what `async-nats` calls a double ack, sent as a request
+    /// on the client's one shared reply subscription: its `double_ack` subscribes a fresh
+    /// inbox for every ack, two more protocol messages per message.
     async fn send(&self, payload: Bytes, confirm: bool) -> Result<(), MqError> {
         let Some(reply) = self.message.reply.clone() else {
             return Err(MqError::Broker {
@@ -757,7 +767,7 @@ async fn open_consumer(
 async fn check_dead_letter(
     js: &jetstream::Context,
     stream: &jetstream::stream::Info,
-    consumer: &consumer::Config,
+    filter: &str,
     target: &DeadLetterTarget,
 ) -> Result<(), MqError> {
     let subject = match target {
@@ -769,8 +779,7 @@ async fn check_dead_letter(
         .subjects
         .iter()
         .any(|p| subject_matches(p, subject));
-    let filtered_in =
-        consumer.filter_subject.is_empty() || subject_matches(&consumer.filter_subject, subject);
+    let filtered_in = filter.is_empty() || subject_matches(filter, subject);
     if captured && filtered_in {
         return Err(MqError::Config(format!(
             "the dead-letter subject {subject} is stored in stream {} and read by the consumer \

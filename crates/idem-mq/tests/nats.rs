@@ -3,6 +3,9 @@
 
 #![cfg(feature = "nats")]
 
+use std::collections::HashMap;
+use std::future::Future;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use async_nats::jetstream::{self, stream};
@@ -11,7 +14,9 @@ use idem_mq::nats::{
     DELIVERIES_HEADER, DETAIL_HEADER, DeadLetterTarget, MSG_ID_HEADER, NatsDelivery, NatsSource,
     REASON_HEADER, SEQUENCE_HEADER, STREAM_HEADER, SUBJECT_HEADER, publish_once,
 };
-use idem_mq::{DeadLetter, Delivery, Disposition, Horizon, MqError, Reason, Source};
+use idem_mq::{
+    Consumer, DeadLetter, Delivery, Disposition, Failure, Horizon, Message, MqError, Reason, Source,
+};
 
 /// Generous bound on any single wait for the broker.
 const WAIT: Duration = Duration::from_secs(30);
@@ -492,4 +497,786 @@ async fn pulling_goes_on_after_the_server_restarts() {
     d.settle(Disposition::Ack)
         .await
         .expect("ack after the restart");
+}
+
+// ---------------------------------------------------------------------------------------------
+// Through the consumer.
+
+/// A [`NatsSource`] that counts each message id's deliveries and, with `progress` off, hides
+/// the broker's ack timer from the consumer and swallows its progress reports (so the server
+/// redelivers a message whose handler outlives `ack_wait`).
+struct Observed {
+    inner: NatsSource,
+    deliveries: Arc<Mutex<HashMap<String, u32>>>,
+    progress: bool,
+}
+
+impl Observed {
+    fn new(inner: NatsSource, deliveries: &Arc<Mutex<HashMap<String, u32>>>) -> Self {
+        Self {
+            inner,
+            deliveries: Arc::clone(deliveries),
+            progress: true,
+        }
+    }
+
+    fn without_progress(mut self) -> Self {
+        self.progress = false;
+        self
+    }
+}
+
+struct ObservedDelivery {
+    inner: NatsDelivery,
+    progress: bool,
+}
+
+impl Source for Observed {
+    type Delivery = ObservedDelivery;
+
+    fn name(&self) -> &str {
+        self.inner.name()
+    }
+
+    async fn next(&mut self) -> Option<Result<ObservedDelivery, MqError>> {
+        let next = self.inner.next().await?;
+        Some(next.map(|inner| {
+            if let Some(id) = inner.message_id() {
+                *lock(&self.deliveries).entry(id.to_owned()).or_default() += 1;
+            }
+            ObservedDelivery {
+                inner,
+                progress: self.progress,
+            }
+        }))
+    }
+
+    fn ack_wait(&self) -> Option<Duration> {
+        if self.progress {
+            self.inner.ack_wait()
+        } else {
+            None
+        }
+    }
+
+    fn redelivery_horizon(&self) -> Horizon {
+        self.inner.redelivery_horizon()
+    }
+
+    async fn close(&mut self) {
+        self.inner.close().await;
+    }
+}
+
+impl Delivery for ObservedDelivery {
+    fn message_id(&self) -> Option<&str> {
+        self.inner.message_id()
+    }
+
+    fn header(&self, name: &str) -> Option<std::borrow::Cow<'_, str>> {
+        self.inner.header(name)
+    }
+
+    fn payload(&self) -> &[u8] {
+        self.inner.payload()
+    }
+
+    fn delivery_count(&self) -> Option<u32> {
+        self.inner.delivery_count()
+    }
+
+    async fn in_progress(&self) -> Result<(), MqError> {
+        if self.progress {
+            self.inner.in_progress().await
+        } else {
+            Ok(())
+        }
+    }
+
+    async fn settle(self, how: Disposition) -> Result<(), MqError> {
+        self.inner.settle(how).await
+    }
+}
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// What the handlers did: runs per id, and how many ran one id at once at most.
+#[derive(Default)]
+struct Runs {
+    runs: Mutex<HashMap<String, u32>>,
+    running: Mutex<HashMap<String, u32>>,
+    most_at_once: Mutex<u32>,
+}
+
+impl Runs {
+    /// Marks a run of `id` as started; the guard marks it ended, also when the run is dropped.
+    fn start(self: &Arc<Self>, id: &str) -> RunGuard {
+        *lock(&self.runs).entry(id.to_owned()).or_default() += 1;
+        let now = {
+            let mut running = lock(&self.running);
+            let n = running.entry(id.to_owned()).or_default();
+            *n += 1;
+            *n
+        };
+        let mut most = lock(&self.most_at_once);
+        *most = (*most).max(now);
+        RunGuard {
+            runs: Arc::clone(self),
+            id: id.to_owned(),
+        }
+    }
+
+    fn of(&self, id: &str) -> u32 {
+        lock(&self.runs).get(id).copied().unwrap_or(0)
+    }
+
+    fn ids(&self) -> usize {
+        lock(&self.runs).len()
+    }
+}
+
+struct RunGuard {
+    runs: Arc<Runs>,
+    id: String,
+}
+
+impl Drop for RunGuard {
+    fn drop(&mut self) {
+        if let Some(n) = lock(&self.runs.running).get_mut(&self.id) {
+            *n -= 1;
+        }
+    }
+}
+
+/// Waits (bounded by `bound`) until `done` holds, checking every 50 ms.
+async fn until(bound: Duration, what: &str, mut done: impl FnMut() -> bool) {
+    tokio::time::timeout(bound, async {
+        while !done() {
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    })
+    .await
+    .unwrap_or_else(|_| panic!("not within {bound:?}: {what}"));
+}
+
+/// Everything settled: nothing left for the consumer `name`, nothing waiting for an ack.
+async fn assert_all_settled(streams: &Streams, name: &str) {
+    let info = streams
+        .js
+        .get_stream(&streams.name)
+        .await
+        .expect("stream")
+        .consumer_info(name)
+        .await
+        .expect("consumer info");
+    assert_eq!(info.num_pending, 0, "messages left unread");
+    assert_eq!(info.num_ack_pending, 0, "messages left unsettled");
+}
+
+/// A shutdown switch for [`Consumer::run`].
+fn shutdown_switch() -> (Arc<tokio::sync::Notify>, impl Future<Output = ()> + Send) {
+    let notify = Arc::new(tokio::sync::Notify::new());
+    let waiter = Arc::clone(&notify);
+    (notify, async move { waiter.notified().await })
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn messages_published_twice_run_once_per_id() {
+    let Some(url) = nats_url() else { return };
+    // A window this short lets the second publish of an id through to the consumer, which is
+    // what a re-publish after a real two-minute window looks like.
+    let streams = Streams::new(&url, |c| c.duplicate_window = Duration::from_millis(100)).await;
+    const N: usize = 300;
+    let twice: Vec<usize> = (0..N).filter(|i| i % 10 < 3).collect();
+    for i in 0..N {
+        publish_once(&streams.js, streams.subject(), &format!("order-{i}"), Bytes::from(i.to_string()))
+            .await
+            .expect("publish");
+    }
+    for &i in &twice {
+        let key = format!("order-{i}");
+        tokio::time::timeout(WAIT, async {
+            // Until the server's window for this id has passed.
+            while publish_once(&streams.js, streams.subject(), &key, Bytes::from(i.to_string()))
+                .await
+                .expect("publish again")
+                .duplicate
+            {
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+        })
+        .await
+        .expect("the duplicate window passes");
+    }
+
+    let deliveries = Arc::default();
+    let source = NatsSource::builder(&streams.name, "once")
+        .batch(32)
+        .max_deliver(20)
+        .connect(&url)
+        .await
+        .expect("source");
+    let source = Observed::new(source, &deliveries);
+    let consumer = Consumer::new(idem::MemoryStore::new()).concurrency(32);
+    let runs = Arc::new(Runs::default());
+    let handler = {
+        let runs = Arc::clone(&runs);
+        move |msg: Message| {
+            let runs = Arc::clone(&runs);
+            async move {
+                let _run = runs.start(msg.message_id.as_deref().unwrap_or(""));
+                tokio::time::sleep(Duration::from_millis(2)).await;
+                Ok::<_, Failure<String>>(())
+            }
+        }
+    };
+    let (stop, shutdown) = shutdown_switch();
+    let run = tokio::spawn({
+        let consumer = consumer.clone();
+        async move { consumer.run(source, handler, shutdown).await }
+    });
+    until(WAIT * 2, "every delivery settled", || {
+        let c = consumer.counts();
+        c.handled + c.replayed >= (N + twice.len()) as u64
+    })
+    .await;
+    stop.notify_one();
+    run.await.expect("task").expect("run");
+
+    let deliveries = lock(&deliveries).clone();
+    for i in 0..N {
+        let id = format!("order-{i}");
+        let expected = if twice.contains(&i) { 2 } else { 1 };
+        assert!(
+            deliveries.get(&id).copied().unwrap_or(0) >= expected,
+            "{id} was delivered {:?} times, published {expected}",
+            deliveries.get(&id)
+        );
+        assert_eq!(runs.of(&id), 1, "{id} ran once");
+    }
+    assert_eq!(runs.ids(), N);
+    let c = consumer.counts();
+    assert_eq!(c.handled, N as u64);
+    assert!(c.replayed >= twice.len() as u64, "{c:?}");
+    assert_eq!(*lock(&runs.most_at_once), 1);
+    assert_all_settled(&streams, "once").await;
+}
+
+/// Two instances on one durable consumer, handlers three times longer than `ack_wait`.
+async fn slow_handlers_on_two_instances(progress: bool) {
+    let Some(url) = nats_url() else { return };
+    let streams = Streams::new(&url, |_| {}).await;
+    let name = if progress { "progress" } else { "silent" };
+    const N: usize = 4;
+    for i in 0..N {
+        publish_once(&streams.js, streams.subject(), &format!("slow-{i}"), Bytes::new())
+            .await
+            .expect("publish");
+    }
+    let ack_wait = Duration::from_secs(1);
+    let store = idem::MemoryStore::new();
+    let deliveries = Arc::default();
+    let runs = Arc::new(Runs::default());
+    let mut instances = Vec::new();
+    for _ in 0..2 {
+        let source = NatsSource::builder(&streams.name, name)
+            .ack_wait(ack_wait)
+            .batch(N)
+            .max_deliver(50)
+            .max_requeue_delay(Duration::from_millis(500))
+            .connect(&url)
+            .await
+            .expect("source");
+        let mut source = Observed::new(source, &deliveries);
+        if !progress {
+            source = source.without_progress();
+        }
+        let consumer = Consumer::new(store.clone())
+            .concurrency(N)
+            .max_attempts(50)
+            .wait_in_flight(Duration::from_millis(300))
+            .backoff(Duration::from_millis(100), Duration::from_millis(500));
+        let handler = {
+            let runs = Arc::clone(&runs);
+            move |msg: Message| {
+                let runs = Arc::clone(&runs);
+                async move {
+                    let _run = runs.start(msg.message_id.as_deref().unwrap_or(""));
+                    tokio::time::sleep(ack_wait * 3).await;
+                    Ok::<_, Failure<String>>(())
+                }
+            }
+        };
+        let (stop, shutdown) = shutdown_switch();
+        let run = tokio::spawn({
+            let consumer = consumer.clone();
+            async move { consumer.run(source, handler, shutdown).await }
+        });
+        instances.push((consumer, stop, run));
+    }
+    until(WAIT * 2, "every message handled", || {
+        let handled: u64 = instances.iter().map(|(c, _, _)| c.counts().handled).sum();
+        handled >= N as u64
+    })
+    .await;
+    if !progress {
+        // The redeliveries settle too (each replayed once the first run stored its result).
+        until(WAIT * 2, "the redeliveries replayed", || {
+            let replayed: u64 = instances.iter().map(|(c, _, _)| c.counts().replayed).sum();
+            replayed >= 1
+        })
+        .await;
+    }
+    for (_, stop, run) in instances {
+        stop.notify_one();
+        run.await.expect("task").expect("run");
+    }
+
+    let deliveries = lock(&deliveries).clone();
+    for i in 0..N {
+        let id = format!("slow-{i}");
+        assert_eq!(runs.of(&id), 1, "{id} ran once");
+        let n = deliveries.get(&id).copied().unwrap_or(0);
+        if progress {
+            assert_eq!(n, 1, "{id}: with progress reported it is not redelivered");
+        } else {
+            assert!(n >= 2, "{id}: without progress it is redelivered ({n})");
+        }
+    }
+    assert_eq!(*lock(&runs.most_at_once), 1, "never two runs of one id at once");
+    assert_all_settled(&streams, name).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn with_progress_a_slow_message_is_not_redelivered() {
+    slow_handlers_on_two_instances(true).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_redelivery_to_a_second_instance_never_runs_concurrently() {
+    slow_handlers_on_two_instances(false).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn poison_keyless_and_exhausted_messages_reach_the_dead_letter() {
+    let Some(url) = nats_url() else { return };
+    let streams = Streams::new(&url, |_| {}).await;
+    let js = &streams.js;
+    publish_once(js, streams.subject(), "poison-1", Bytes::from_static(b"poison"))
+        .await
+        .expect("publish");
+    publish_once(js, streams.subject(), "flaky-1", Bytes::from_static(b"flaky"))
+        .await
+        .expect("publish");
+    publish_once(js, streams.subject(), "fine-1", Bytes::from_static(b"fine"))
+        .await
+        .expect("publish");
+    js.publish(streams.subject(), Bytes::from_static(b"anonymous"))
+        .await
+        .expect("publish")
+        .await
+        .expect("ack");
+
+    let source = NatsSource::builder(&streams.name, "dl")
+        .max_deliver(10)
+        .connect(&url)
+        .await
+        .expect("source");
+    let consumer = Consumer::new(idem::MemoryStore::new())
+        .max_attempts(3)
+        .backoff(Duration::from_millis(50), Duration::from_millis(200));
+    let runs = Arc::new(Runs::default());
+    let handler = {
+        let runs = Arc::clone(&runs);
+        move |msg: Message| {
+            let runs = Arc::clone(&runs);
+            async move {
+                let _run = runs.start(msg.message_id.as_deref().unwrap_or(""));
+                match &msg.payload[..] {
+                    b"poison" => Err(Failure::Permanent("malformed order".to_owned())),
+                    b"flaky" => Err(Failure::Retry("database down".to_owned())),
+                    _ => Ok(()),
+                }
+            }
+        }
+    };
+    let (stop, shutdown) = shutdown_switch();
+    let run = tokio::spawn({
+        let consumer = consumer.clone();
+        async move { consumer.run(source, handler, shutdown).await }
+    });
+    until(WAIT * 2, "three dead letters and one handled", || {
+        let c = consumer.counts();
+        c.dead_lettered >= 3 && c.handled >= 1
+    })
+    .await;
+    stop.notify_one();
+    run.await.expect("task").expect("run");
+
+    let dead = streams.dead_letters().await;
+    let by_reason = |code: &str| -> Vec<&jetstream::message::StreamMessage> {
+        dead.iter()
+            .filter(|m| header(m, REASON_HEADER) == Some(code))
+            .collect()
+    };
+    assert_eq!(dead.len(), 3, "poison, keyless, exhausted");
+    let poison = by_reason("permanent");
+    assert_eq!(poison.len(), 1);
+    assert_eq!(header(poison[0], MSG_ID_HEADER), Some("poison-1"));
+    assert!(header(poison[0], DETAIL_HEADER).is_some_and(|d| d.contains("malformed order")));
+    let keyless = by_reason("no_key");
+    assert_eq!(keyless.len(), 1);
+    assert_eq!(keyless[0].payload.as_ref(), b"anonymous");
+    let exhausted = by_reason("attempts_exhausted");
+    assert_eq!(exhausted.len(), 1);
+    assert_eq!(header(exhausted[0], MSG_ID_HEADER), Some("flaky-1"));
+    assert_eq!(header(exhausted[0], DELIVERIES_HEADER), Some("3"), "the server's count");
+    assert_eq!(runs.of("poison-1"), 1);
+    assert_eq!(runs.of("flaky-1"), 3, "one run per delivery, up to max_attempts");
+    assert_eq!(runs.of("fine-1"), 1);
+    assert_eq!(runs.of(""), 0, "a keyless message does not run");
+    assert_all_settled(&streams, "dl").await;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Consumers killed with SIGKILL between claim and ack. The test binary runs itself as the
+// consumer processes: `kill_child_consumer` is ignored, and does nothing without its
+// environment.
+
+#[cfg(feature = "postgres")]
+mod killed {
+    use super::*;
+    use std::process::{Child, Command, Stdio};
+    use std::time::{SystemTime, UNIX_EPOCH};
+
+    use idem::{PostgresOptions, PostgresStore};
+    use sqlx::PgPool;
+
+    const ENV_NATS: &str = "IDEM_NATS_CHILD_URL";
+    const ENV_PG: &str = "IDEM_NATS_CHILD_PG";
+    const ENV_STREAM: &str = "IDEM_NATS_CHILD_STREAM";
+    const ENV_TABLES: &str = "IDEM_NATS_CHILD_TABLES";
+    const ENV_MODE: &str = "IDEM_NATS_CHILD_MODE";
+    /// The durable consumer every child pulls from.
+    const DURABLE: &str = "killed";
+    /// The records' lease: a killed attempt's key is taken over this long after its claim at
+    /// the earliest.
+    const LEASE: Duration = Duration::from_secs(2);
+    const ACK_WAIT: Duration = Duration::from_secs(2);
+    const CONCURRENCY: usize = 4;
+
+    fn micros_now() -> i64 {
+        let d = SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .expect("after 1970");
+        i64::try_from(d.as_micros()).expect("fits")
+    }
+
+    async fn store(pg: &str, tables: &str) -> PostgresStore {
+        PostgresStore::connect_with(
+            pg,
+            PostgresOptions {
+                table: format!("{tables}_records"),
+                max_connections: 8,
+                ..Default::default()
+            },
+        )
+        .await
+        .expect("the PostgreSQL store")
+    }
+
+    /// A consumer process: consumes until it is killed.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    #[ignore = "run by the killed-consumer tests as their child process"]
+    async fn kill_child_consumer() {
+        let (Ok(url), Ok(pg), Ok(stream), Ok(tables), Ok(mode)) = (
+            std::env::var(ENV_NATS),
+            std::env::var(ENV_PG),
+            std::env::var(ENV_STREAM),
+            std::env::var(ENV_TABLES),
+            std::env::var(ENV_MODE),
+        ) else {
+            return;
+        };
+        let store = store(&pg, &tables).await;
+        let pool = store.pool().clone();
+        let source = NatsSource::builder(&stream, DURABLE)
+            .ack_wait(ACK_WAIT)
+            .max_deliver(200)
+            .batch(CONCURRENCY)
+            .max_ack_pending(64)
+            .max_requeue_delay(Duration::from_secs(1))
+            .connect(&url)
+            .await
+            .expect("source");
+        let consumer = Consumer::new(store)
+            .concurrency(CONCURRENCY)
+            .lease(LEASE)
+            .max_attempts(150)
+            .wait_in_flight(Duration::from_millis(300))
+            .backoff(Duration::from_millis(100), Duration::from_secs(1));
+        let pid = i32::try_from(std::process::id()).expect("pid");
+        let runs = format!("{tables}_runs");
+        assert_eq!(mode, "plain", "unknown mode {mode}");
+        let handler = move |msg: Message| {
+            let (pool, runs) = (pool.clone(), runs.clone());
+            async move {
+                let id = msg.message_id.clone().unwrap_or_default();
+                let fence = i64::try_from(msg.fence().unwrap_or(0)).expect("fence");
+                let row: (i64,) = sqlx::query_as(&format!(
+                    "INSERT INTO {runs} (id, fence, pid, started) VALUES ($1, $2, $3, $4) \
+                     RETURNING run"
+                ))
+                .bind(&id)
+                .bind(fence)
+                .bind(pid)
+                .bind(micros_now())
+                .fetch_one(&pool)
+                .await
+                .map_err(|e| Failure::Retry(e.to_string()))?;
+                // The work: long enough for kills to land inside it.
+                let ms = 20 + rand::random::<u64>() % 100;
+                tokio::time::sleep(Duration::from_millis(ms)).await;
+                sqlx::query(&format!("UPDATE {runs} SET finished = $1 WHERE run = $2"))
+                    .bind(micros_now())
+                    .bind(row.0)
+                    .execute(&pool)
+                    .await
+                    .map_err(|e| Failure::Retry(e.to_string()))?;
+                Ok::<_, Failure<String>>(())
+            }
+        };
+        consumer
+            .run(source, handler, std::future::pending())
+            .await
+            .expect("run");
+    }
+
+    /// The child processes, killed when dropped.
+    struct Children {
+        env: Vec<(&'static str, String)>,
+        live: Vec<Child>,
+        /// Pid and when it was killed (micros since the epoch).
+        killed: HashMap<i32, i64>,
+    }
+
+    impl Children {
+        fn spawn(&mut self) {
+            let exe = std::env::current_exe().expect("the test binary");
+            let mut cmd = Command::new(exe);
+            cmd.args([
+                "--exact",
+                "killed::kill_child_consumer",
+                "--nocapture",
+                "--ignored",
+            ])
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null());
+            for (k, v) in &self.env {
+                cmd.env(k, v);
+            }
+            self.live.push(cmd.spawn().expect("spawn a consumer"));
+        }
+
+        fn kill_one(&mut self) {
+            if self.live.is_empty() {
+                return;
+            }
+            let i = usize::try_from(rand::random::<u64>() % self.live.len() as u64).expect("idx");
+            let mut child = self.live.swap_remove(i);
+            let pid = i32::try_from(child.id()).expect("pid");
+            child.kill().expect("SIGKILL");
+            let _ = child.wait();
+            self.killed.insert(pid, micros_now());
+        }
+    }
+
+    impl Drop for Children {
+        fn drop(&mut self) {
+            for child in &mut self.live {
+                let _ = child.kill();
+                let _ = child.wait();
+            }
+        }
+    }
+
+    /// Drops the test's tables, also after a failed assertion.
+    struct Tables {
+        pg: String,
+        prefix: String,
+    }
+
+    impl Drop for Tables {
+        fn drop(&mut self) {
+            let (pg, prefix) = (self.pg.clone(), self.prefix.clone());
+            let _ = std::thread::spawn(move || {
+                let rt = tokio::runtime::Builder::new_current_thread()
+                    .enable_all()
+                    .build()
+                    .expect("runtime");
+                rt.block_on(async move {
+                    if let Ok(pool) = PgPool::connect(&pg).await {
+                        for t in ["runs", "records", "effects"] {
+                            let _ = sqlx::query(&format!("DROP TABLE IF EXISTS {prefix}_{t}"))
+                                .execute(&pool)
+                                .await;
+                        }
+                    }
+                });
+            })
+            .join();
+        }
+    }
+
+    #[derive(Debug, sqlx::FromRow)]
+    struct Run {
+        id: String,
+        fence: i64,
+        pid: i32,
+        started: i64,
+        finished: Option<i64>,
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn consumers_killed_mid_message_never_run_an_id_twice_within_a_lease() {
+        let Some(url) = nats_url() else { return };
+        let Some(pg) = idem_testkit::services::POSTGRES.url() else {
+            return;
+        };
+        let streams = Streams::new(&url, |_| {}).await;
+        let prefix = format!("idemt_nats_{:08x}", rand::random::<u32>());
+        let _tables = Tables {
+            pg: pg.clone(),
+            prefix: prefix.clone(),
+        };
+        let pool = PgPool::connect(&pg).await.expect("PostgreSQL");
+        sqlx::query(&format!(
+            "CREATE TABLE {prefix}_runs (run BIGSERIAL PRIMARY KEY, id TEXT NOT NULL, \
+             fence BIGINT NOT NULL, pid INT NOT NULL, started BIGINT NOT NULL, finished BIGINT)"
+        ))
+        .execute(&pool)
+        .await
+        .expect("runs table");
+        // The records table, made once here rather than by racing children.
+        drop(store(&pg, &prefix).await);
+
+        const N: usize = 400;
+        for i in 0..N {
+            publish_once(&streams.js, streams.subject(), &format!("m-{i}"), Bytes::new())
+                .await
+                .expect("publish");
+        }
+
+        let mut children = Children {
+            env: vec![
+                (ENV_NATS, url.clone()),
+                (ENV_PG, pg.clone()),
+                (ENV_STREAM, streams.name.clone()),
+                (ENV_TABLES, prefix.clone()),
+                (ENV_MODE, "plain".to_owned()),
+            ],
+            live: Vec::new(),
+            killed: HashMap::new(),
+        };
+        children.spawn();
+        children.spawn();
+        // Kill one at a random moment, start another, several times.
+        for _ in 0..8 {
+            let ms = 300 + rand::random::<u64>() % 700;
+            tokio::time::sleep(Duration::from_millis(ms)).await;
+            children.kill_one();
+            children.spawn();
+        }
+        let finished_ids = format!(
+            "SELECT COUNT(DISTINCT id) FROM {prefix}_runs WHERE finished IS NOT NULL"
+        );
+        tokio::time::timeout(Duration::from_secs(120), async {
+            loop {
+                let (done,): (i64,) = sqlx::query_as(&finished_ids)
+                    .fetch_one(&pool)
+                    .await
+                    .expect("count");
+                if done == N as i64 {
+                    break;
+                }
+                tokio::time::sleep(Duration::from_millis(200)).await;
+            }
+        })
+        .await
+        .expect("every message handled within two minutes");
+        // Let the survivors settle what they hold, then stop them.
+        tokio::time::timeout(Duration::from_secs(60), async {
+            loop {
+                let info = streams
+                    .js
+                    .get_stream(&streams.name)
+                    .await
+                    .expect("stream")
+                    .consumer_info(DURABLE)
+                    .await
+                    .expect("info");
+                if info.num_pending == 0 && info.num_ack_pending == 0 {
+                    break;
+                }
+                tokio::time::sleep(Duration::from_millis(200)).await;
+            }
+        })
+        .await
+        .expect("every message settled");
+        let killed = children.killed.clone();
+        drop(children);
+
+        let runs: Vec<Run> = sqlx::query_as(&format!(
+            "SELECT id, fence, pid, started, finished FROM {prefix}_runs ORDER BY id, fence"
+        ))
+        .fetch_all(&pool)
+        .await
+        .expect("runs");
+        let mut by_id: HashMap<&str, Vec<&Run>> = HashMap::new();
+        for r in &runs {
+            by_id.entry(r.id.as_str()).or_default().push(r);
+        }
+        assert_eq!(by_id.len(), N, "every id ran");
+        let lease = i64::try_from(LEASE.as_micros()).expect("fits");
+        let slack = 200_000; // between the claim and the run's first statement
+        let mut again = 0;
+        let mut again_after_finish = 0;
+        for (id, runs) in &by_id {
+            assert!(
+                runs.iter().any(|r| r.finished.is_some()),
+                "{id}: no run finished"
+            );
+            for pair in runs.windows(2) {
+                let (first, second) = (pair[0], pair[1]);
+                again += 1;
+                assert!(first.fence < second.fence, "{id}: a fence ran twice: {runs:?}");
+                let killed_at = killed.get(&first.pid).unwrap_or_else(|| {
+                    panic!("{id} ran again though its first run's process was not killed: {runs:?}")
+                });
+                assert!(
+                    second.started > *killed_at,
+                    "{id}: the second run started before the first one's process died: {runs:?}"
+                );
+                assert!(
+                    second.started + slack >= first.started + lease,
+                    "{id}: taken over within the lease: {runs:?}"
+                );
+                if first.finished.is_some() {
+                    // Killed after the handler's work, before its result was stored: the
+                    // at-least-once window of plain mode.
+                    again_after_finish += 1;
+                }
+            }
+        }
+        eprintln!(
+            "{N} ids, {} runs, {} kills: {again} re-runs after a kill, {again_after_finish} of \
+             them after the killed run had finished its work (plain mode's at-least-once window)",
+            runs.len(),
+            killed.len()
+        );
+        assert!(!killed.is_empty());
+    }
 }
