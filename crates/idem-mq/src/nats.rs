@@ -247,8 +247,13 @@ impl NatsSourceBuilder {
         }
         let consumer = open_consumer(&stream, &self).await?;
         let info = consumer.cached_info().clone();
-        check_dead_letter(&js, stream.cached_info(), &info.config.filter_subject, &dead_letter)
-            .await?;
+        check_dead_letter(
+            &js,
+            stream.cached_info(),
+            &info.config.filter_subject,
+            &dead_letter,
+        )
+        .await?;
 
         let shared = Arc::new(Shared {
             stream: self.stream.clone(),

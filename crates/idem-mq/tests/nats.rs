@@ -691,18 +691,28 @@ async fn messages_published_twice_run_once_per_id() {
     const N: usize = 300;
     let twice: Vec<usize> = (0..N).filter(|i| i % 10 < 3).collect();
     for i in 0..N {
-        publish_once(&streams.js, streams.subject(), &format!("order-{i}"), Bytes::from(i.to_string()))
-            .await
-            .expect("publish");
+        publish_once(
+            &streams.js,
+            streams.subject(),
+            &format!("order-{i}"),
+            Bytes::from(i.to_string()),
+        )
+        .await
+        .expect("publish");
     }
     for &i in &twice {
         let key = format!("order-{i}");
         tokio::time::timeout(WAIT, async {
             // Until the server's window for this id has passed.
-            while publish_once(&streams.js, streams.subject(), &key, Bytes::from(i.to_string()))
-                .await
-                .expect("publish again")
-                .duplicate
+            while publish_once(
+                &streams.js,
+                streams.subject(),
+                &key,
+                Bytes::from(i.to_string()),
+            )
+            .await
+            .expect("publish again")
+            .duplicate
             {
                 tokio::time::sleep(Duration::from_millis(50)).await;
             }
@@ -771,9 +781,14 @@ async fn slow_handlers_on_two_instances(progress: bool) {
     let name = if progress { "progress" } else { "silent" };
     const N: usize = 4;
     for i in 0..N {
-        publish_once(&streams.js, streams.subject(), &format!("slow-{i}"), Bytes::new())
-            .await
-            .expect("publish");
+        publish_once(
+            &streams.js,
+            streams.subject(),
+            &format!("slow-{i}"),
+            Bytes::new(),
+        )
+        .await
+        .expect("publish");
     }
     let ack_wait = Duration::from_secs(1);
     let store = idem::MemoryStore::new();
@@ -845,7 +860,11 @@ async fn slow_handlers_on_two_instances(progress: bool) {
             assert!(n >= 2, "{id}: without progress it is redelivered ({n})");
         }
     }
-    assert_eq!(*lock(&runs.most_at_once), 1, "never two runs of one id at once");
+    assert_eq!(
+        *lock(&runs.most_at_once),
+        1,
+        "never two runs of one id at once"
+    );
     assert_all_settled(&streams, name).await;
 }
 
@@ -864,12 +883,22 @@ async fn poison_keyless_and_exhausted_messages_reach_the_dead_letter() {
     let Some(url) = nats_url() else { return };
     let streams = Streams::new(&url, |_| {}).await;
     let js = &streams.js;
-    publish_once(js, streams.subject(), "poison-1", Bytes::from_static(b"poison"))
-        .await
-        .expect("publish");
-    publish_once(js, streams.subject(), "flaky-1", Bytes::from_static(b"flaky"))
-        .await
-        .expect("publish");
+    publish_once(
+        js,
+        streams.subject(),
+        "poison-1",
+        Bytes::from_static(b"poison"),
+    )
+    .await
+    .expect("publish");
+    publish_once(
+        js,
+        streams.subject(),
+        "flaky-1",
+        Bytes::from_static(b"flaky"),
+    )
+    .await
+    .expect("publish");
     publish_once(js, streams.subject(), "fine-1", Bytes::from_static(b"fine"))
         .await
         .expect("publish");
@@ -932,9 +961,17 @@ async fn poison_keyless_and_exhausted_messages_reach_the_dead_letter() {
     let exhausted = by_reason("attempts_exhausted");
     assert_eq!(exhausted.len(), 1);
     assert_eq!(header(exhausted[0], MSG_ID_HEADER), Some("flaky-1"));
-    assert_eq!(header(exhausted[0], DELIVERIES_HEADER), Some("3"), "the server's count");
+    assert_eq!(
+        header(exhausted[0], DELIVERIES_HEADER),
+        Some("3"),
+        "the server's count"
+    );
     assert_eq!(runs.of("poison-1"), 1);
-    assert_eq!(runs.of("flaky-1"), 3, "one run per delivery, up to max_attempts");
+    assert_eq!(
+        runs.of("flaky-1"),
+        3,
+        "one run per delivery, up to max_attempts"
+    );
     assert_eq!(runs.of("fine-1"), 1);
     assert_eq!(runs.of(""), 0, "a keyless message does not run");
     assert_all_settled(&streams, "dl").await;
@@ -1025,10 +1062,10 @@ mod killed {
             async move {
                 let id = msg.message_id.clone().unwrap_or_default();
                 let fence = i64::try_from(msg.fence().unwrap_or(0)).expect("fence");
-                let row: (i64,) = sqlx::query_as(&format!(
+                let row: (i64,) = sqlx::query_as(sqlx::AssertSqlSafe(format!(
                     "INSERT INTO {runs} (id, fence, pid, started) VALUES ($1, $2, $3, $4) \
                      RETURNING run"
-                ))
+                )))
                 .bind(&id)
                 .bind(fence)
                 .bind(pid)
@@ -1039,12 +1076,14 @@ mod killed {
                 // The work: long enough for kills to land inside it.
                 let ms = 20 + rand::random::<u64>() % 100;
                 tokio::time::sleep(Duration::from_millis(ms)).await;
-                sqlx::query(&format!("UPDATE {runs} SET finished = $1 WHERE run = $2"))
-                    .bind(micros_now())
-                    .bind(row.0)
-                    .execute(&pool)
-                    .await
-                    .map_err(|e| Failure::Retry(e.to_string()))?;
+                sqlx::query(sqlx::AssertSqlSafe(format!(
+                    "UPDATE {runs} SET finished = $1 WHERE run = $2"
+                )))
+                .bind(micros_now())
+                .bind(row.0)
+                .execute(&pool)
+                .await
+                .map_err(|e| Failure::Retry(e.to_string()))?;
                 Ok::<_, Failure<String>>(())
             }
         };
@@ -1120,9 +1159,11 @@ mod killed {
                 rt.block_on(async move {
                     if let Ok(pool) = PgPool::connect(&pg).await {
                         for t in ["runs", "records", "effects"] {
-                            let _ = sqlx::query(&format!("DROP TABLE IF EXISTS {prefix}_{t}"))
-                                .execute(&pool)
-                                .await;
+                            let _ = sqlx::query(sqlx::AssertSqlSafe(format!(
+                                "DROP TABLE IF EXISTS {prefix}_{t}"
+                            )))
+                            .execute(&pool)
+                            .await;
                         }
                     }
                 });
@@ -1131,7 +1172,7 @@ mod killed {
         }
     }
 
-    #[derive(Debug, sqlx::FromRow)]
+    #[derive(Debug)]
     struct Run {
         id: String,
         fence: i64,
@@ -1153,10 +1194,10 @@ mod killed {
             prefix: prefix.clone(),
         };
         let pool = PgPool::connect(&pg).await.expect("PostgreSQL");
-        sqlx::query(&format!(
+        sqlx::query(sqlx::AssertSqlSafe(format!(
             "CREATE TABLE {prefix}_runs (run BIGSERIAL PRIMARY KEY, id TEXT NOT NULL, \
              fence BIGINT NOT NULL, pid INT NOT NULL, started BIGINT NOT NULL, finished BIGINT)"
-        ))
+        )))
         .execute(&pool)
         .await
         .expect("runs table");
@@ -1165,9 +1206,14 @@ mod killed {
 
         const N: usize = 400;
         for i in 0..N {
-            publish_once(&streams.js, streams.subject(), &format!("m-{i}"), Bytes::new())
-                .await
-                .expect("publish");
+            publish_once(
+                &streams.js,
+                streams.subject(),
+                &format!("m-{i}"),
+                Bytes::new(),
+            )
+            .await
+            .expect("publish");
         }
 
         let mut children = Children {
@@ -1190,12 +1236,11 @@ mod killed {
             children.kill_one();
             children.spawn();
         }
-        let finished_ids = format!(
-            "SELECT COUNT(DISTINCT id) FROM {prefix}_runs WHERE finished IS NOT NULL"
-        );
+        let finished_ids =
+            format!("SELECT COUNT(DISTINCT id) FROM {prefix}_runs WHERE finished IS NOT NULL");
         tokio::time::timeout(Duration::from_secs(120), async {
             loop {
-                let (done,): (i64,) = sqlx::query_as(&finished_ids)
+                let (done,): (i64,) = sqlx::query_as(sqlx::AssertSqlSafe(finished_ids.clone()))
                     .fetch_one(&pool)
                     .await
                     .expect("count");
@@ -1229,12 +1274,23 @@ mod killed {
         let killed = children.killed.clone();
         drop(children);
 
-        let runs: Vec<Run> = sqlx::query_as(&format!(
-            "SELECT id, fence, pid, started, finished FROM {prefix}_runs ORDER BY id, fence"
-        ))
-        .fetch_all(&pool)
-        .await
-        .expect("runs");
+        let rows: Vec<(String, i64, i32, i64, Option<i64>)> =
+            sqlx::query_as(sqlx::AssertSqlSafe(format!(
+                "SELECT id, fence, pid, started, finished FROM {prefix}_runs ORDER BY id, fence"
+            )))
+            .fetch_all(&pool)
+            .await
+            .expect("runs");
+        let runs: Vec<Run> = rows
+            .into_iter()
+            .map(|(id, fence, pid, started, finished)| Run {
+                id,
+                fence,
+                pid,
+                started,
+                finished,
+            })
+            .collect();
         let mut by_id: HashMap<&str, Vec<&Run>> = HashMap::new();
         for r in &runs {
             by_id.entry(r.id.as_str()).or_default().push(r);
@@ -1252,7 +1308,10 @@ mod killed {
             for pair in runs.windows(2) {
                 let (first, second) = (pair[0], pair[1]);
                 again += 1;
-                assert!(first.fence < second.fence, "{id}: a fence ran twice: {runs:?}");
+                assert!(
+                    first.fence < second.fence,
+                    "{id}: a fence ran twice: {runs:?}"
+                );
                 let killed_at = killed.get(&first.pid).unwrap_or_else(|| {
                     panic!("{id} ran again though its first run's process was not killed: {runs:?}")
                 });
