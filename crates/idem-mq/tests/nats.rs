@@ -1244,7 +1244,7 @@ mod killed {
                     .fetch_one(&pool)
                     .await
                     .expect("count");
-                if done == N as i64 {
+                if usize::try_from(done).is_ok_and(|d| d == N) {
                     break;
                 }
                 tokio::time::sleep(Duration::from_millis(200)).await;
