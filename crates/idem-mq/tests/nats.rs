@@ -1339,3 +1339,106 @@ mod killed {
         assert!(!killed.is_empty());
     }
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_consumer_runs_each_id_once_across_a_server_restart() {
+    let Some(mut server) = OwnServer::start() else {
+        return;
+    };
+    let url = server.url();
+    let js = jetstream::new(async_nats::connect(&url).await.expect("connect"));
+    js.create_stream(stream::Config {
+        name: "RESTARTED".to_owned(),
+        subjects: vec!["RESTARTED.in".to_owned()],
+        ..Default::default()
+    })
+    .await
+    .expect("stream");
+    const BEFORE: usize = 200;
+    const AFTER: usize = 100;
+    for i in 0..BEFORE {
+        publish_once(&js, "RESTARTED.in", &format!("r-{i}"), Bytes::new())
+            .await
+            .expect("publish");
+    }
+    let source = NatsSource::builder("RESTARTED", "through")
+        .dead_letter(DeadLetterTarget::TermOnly)
+        .ack_wait(Duration::from_secs(2))
+        .max_deliver(100)
+        .batch(4)
+        .retry_backoff(Duration::from_millis(50), Duration::from_secs(1))
+        .connect(&url)
+        .await
+        .expect("source");
+    let consumer = Consumer::new(idem::MemoryStore::new())
+        .concurrency(4)
+        .max_attempts(50)
+        .backoff(Duration::from_millis(50), Duration::from_millis(500));
+    let runs = Arc::new(Runs::default());
+    let handler = {
+        let runs = Arc::clone(&runs);
+        move |msg: Message| {
+            let runs = Arc::clone(&runs);
+            async move {
+                let _run = runs.start(msg.message_id.as_deref().unwrap_or(""));
+                tokio::time::sleep(Duration::from_millis(30)).await;
+                Ok::<_, Failure<String>>(())
+            }
+        }
+    };
+    let (stop, shutdown) = shutdown_switch();
+    let run = tokio::spawn({
+        let consumer = consumer.clone();
+        async move { consumer.run(source, handler, shutdown).await }
+    });
+    until(WAIT, "some handled before the restart", || {
+        consumer.counts().handled >= 40
+    })
+    .await;
+
+    let at_restart = consumer.counts().handled;
+    server.restart();
+
+    tokio::time::timeout(WAIT * 2, async {
+        for i in 0..AFTER {
+            let key = format!("r-{}", BEFORE + i);
+            while publish_once(&js, "RESTARTED.in", &key, Bytes::new())
+                .await
+                .is_err()
+            {
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+        }
+    })
+    .await
+    .expect("publish after the restart");
+    until(WAIT * 2, "every id ran", || runs.ids() == BEFORE + AFTER).await;
+    let settled = || async {
+        let info = js
+            .get_stream("RESTARTED")
+            .await
+            .ok()?
+            .consumer_info("through")
+            .await
+            .ok()?;
+        Some(info.num_pending == 0 && info.num_ack_pending == 0)
+    };
+    tokio::time::timeout(WAIT * 2, async {
+        while settled().await != Some(true) {
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+    })
+    .await
+    .expect("every message settled after the restart");
+    stop.notify_one();
+    run.await.expect("task").expect("run");
+
+    for i in 0..BEFORE + AFTER {
+        assert_eq!(runs.of(&format!("r-{i}")), 1, "r-{i} ran once");
+    }
+    assert_eq!(*lock(&runs.most_at_once), 1);
+    assert!(
+        at_restart < BEFORE as u64,
+        "the restart came in the middle of the run ({at_restart} handled)"
+    );
+}
