@@ -290,19 +290,22 @@ impl NatsSourceBuilder {
 /// # async fn example() -> Result<(), idem_mq::MqError> {
 /// use std::time::Duration;
 /// use idem_mq::nats::NatsSource;
-/// use idem_mq::{Delivery, Disposition, Source};
+/// use idem_mq::{Consumer, Failure, Message};
 ///
-/// let mut source = NatsSource::builder("ORDERS", "inventory")
+/// let source = NatsSource::builder("ORDERS", "inventory")
 ///     .ack_wait(Duration::from_secs(30))
+///     // Above the consumer's max_attempts; bounds the redelivery horizon.
 ///     .max_deliver(20)
 ///     .batch(64)
 ///     .connect("nats://127.0.0.1:4222")
 ///     .await?;
-/// // Usually handed to `idem_mq::Consumer`; by hand:
-/// while let Some(delivery) = source.next().await {
-///     let delivery = delivery?;
-///     delivery.settle(Disposition::Ack).await?;
-/// }
+/// let consumer = Consumer::new(idem::MemoryStore::new()).max_attempts(5);
+/// let handler = |msg: Message| async move {
+///     // Deduct stock for msg.payload; msg.fence() can guard writes elsewhere.
+///     Ok::<_, Failure<String>>(())
+/// };
+/// // Until the shutdown future completes (a signal, say): then it drains and closes.
+/// consumer.run(source, handler, std::future::pending()).await?;
 /// # Ok(())
 /// # }
 /// ```
@@ -702,6 +705,23 @@ pub struct Published {
 /// message's key on the consumer side. A re-publish within the stream's `duplicate_window` is
 /// dropped by the server ([`Published::duplicate`]); a later one is stored again and the
 /// consumer's records catch it (see [the module docs](self#two-duplicate-filters-and-what-each-one-catches)).
+///
+/// ```no_run
+/// # async fn example() -> Result<(), idem_mq::MqError> {
+/// use idem_mq::nats::publish_once;
+///
+/// let client = async_nats::connect("nats://127.0.0.1:4222")
+///     .await
+///     .map_err(|e| idem_mq::MqError::broker("connect", e))?;
+/// let js = async_nats::jetstream::new(client);
+/// // The payment's id is the key: a retry of this publish is the same message.
+/// let published = publish_once(&js, "ORDERS.paid", "payment-8812", "{}".into()).await?;
+/// if published.duplicate {
+///     // Published before within the stream's duplicate window; the server kept the first.
+/// }
+/// # Ok(())
+/// # }
+/// ```
 pub async fn publish_once(
     js: &jetstream::Context,
     subject: impl Into<String>,
