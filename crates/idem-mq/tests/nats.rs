@@ -1442,3 +1442,52 @@ async fn the_consumer_runs_each_id_once_across_a_server_restart() {
         "the restart came in the middle of the run ({at_restart} handled)"
     );
 }
+
+#[tokio::test]
+async fn close_hands_back_what_was_prefetched() {
+    let Some(url) = nats_url() else { return };
+    let streams = Streams::new(&url, |_| {}).await;
+    for i in 0..100 {
+        publish_once(
+            &streams.js,
+            streams.subject(),
+            &format!("c-{i}"),
+            Bytes::new(),
+        )
+        .await
+        .expect("publish");
+    }
+    // An ack wait far beyond the test's bound: a message left in the closed source's buffer
+    // would not come back in time.
+    let open = || async {
+        NatsSource::builder(&streams.name, "closing")
+            .ack_wait(Duration::from_secs(600))
+            .batch(10)
+            .max_ack_pending(1000)
+            .connect(&url)
+            .await
+            .expect("source")
+    };
+    let mut first = open().await;
+    next(&mut first)
+        .await
+        .settle(Disposition::Ack)
+        .await
+        .expect("ack");
+    // Let the prefetch arrive.
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    first.close().await;
+    assert!(first.next().await.is_none());
+
+    let mut second = open().await;
+    let mut handed_back = 0;
+    for _ in 1..100 {
+        let d = next(&mut second).await;
+        if d.delivery_count() == Some(2) {
+            handed_back += 1;
+        }
+        d.settle(Disposition::Ack).await.expect("ack");
+    }
+    assert!(handed_back > 0, "the prefetched messages were handed back");
+    assert_all_settled(&streams, "closing").await;
+}
