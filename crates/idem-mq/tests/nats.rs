@@ -989,6 +989,7 @@ mod killed {
     use std::time::{SystemTime, UNIX_EPOCH};
 
     use idem::{PostgresOptions, PostgresStore};
+    use idem_mq::inbox::{Inbox, inbox_fn};
     use sqlx::PgPool;
 
     const ENV_NATS: &str = "IDEM_NATS_CHILD_URL";
@@ -1003,6 +1004,8 @@ mod killed {
     const LEASE: Duration = Duration::from_secs(2);
     const ACK_WAIT: Duration = Duration::from_secs(2);
     const CONCURRENCY: usize = 4;
+    /// Messages per chaos run.
+    const N: usize = 400;
 
     fn micros_now() -> i64 {
         let d = SystemTime::now()
@@ -1038,6 +1041,7 @@ mod killed {
             return;
         };
         let store = store(&pg, &tables).await;
+        let inbox_store = store.clone();
         let pool = store.pool().clone();
         let source = NatsSource::builder(&stream, DURABLE)
             .ack_wait(ACK_WAIT)
@@ -1056,12 +1060,13 @@ mod killed {
             .backoff(Duration::from_millis(100), Duration::from_secs(1));
         let pid = i32::try_from(std::process::id()).expect("pid");
         let runs = format!("{tables}_runs");
-        assert_eq!(mode, "plain", "unknown mode {mode}");
-        let handler = move |msg: Message| {
+        let effects = format!("{tables}_effects");
+        // Every run is logged on its own connection (it stays if the run is rolled back or
+        // killed); the handler's work is long enough for kills to land inside it.
+        let log_run = move |id: String, fence: u64| {
             let (pool, runs) = (pool.clone(), runs.clone());
             async move {
-                let id = msg.message_id.clone().unwrap_or_default();
-                let fence = i64::try_from(msg.fence().unwrap_or(0)).expect("fence");
+                let fence = i64::try_from(fence).expect("fence");
                 let row: (i64,) = sqlx::query_as(sqlx::AssertSqlSafe(format!(
                     "INSERT INTO {runs} (id, fence, pid, started) VALUES ($1, $2, $3, $4) \
                      RETURNING run"
@@ -1073,7 +1078,6 @@ mod killed {
                 .fetch_one(&pool)
                 .await
                 .map_err(|e| Failure::Retry(e.to_string()))?;
-                // The work: long enough for kills to land inside it.
                 let ms = 20 + rand::random::<u64>() % 100;
                 tokio::time::sleep(Duration::from_millis(ms)).await;
                 sqlx::query(sqlx::AssertSqlSafe(format!(
@@ -1087,10 +1091,53 @@ mod killed {
                 Ok::<_, Failure<String>>(())
             }
         };
-        consumer
-            .run(source, handler, std::future::pending())
-            .await
-            .expect("run");
+        match mode.as_str() {
+            "plain" => {
+                let handler = move |msg: Message| {
+                    let work = log_run(
+                        msg.message_id.clone().unwrap_or_default(),
+                        msg.fence().unwrap_or(0),
+                    );
+                    async move { work.await }
+                };
+                consumer
+                    .run(source, handler, std::future::pending())
+                    .await
+                    .expect("run");
+            }
+            "inbox" => {
+                let handler = inbox_fn(
+                    move |tx: &mut sqlx::Transaction<'static, sqlx::Postgres>, msg: Message| {
+                        let id = msg.message_id.clone().unwrap_or_default();
+                        let fence = msg.fence().unwrap_or(0);
+                        let work = log_run(id.clone(), fence);
+                        let effects = effects.clone();
+                        Box::pin(async move {
+                            // The business write, in the inbox's transaction.
+                            sqlx::query(sqlx::AssertSqlSafe(format!(
+                                "INSERT INTO {effects} (id, fence, pid) VALUES ($1, $2, $3)"
+                            )))
+                            .bind(&id)
+                            .bind(i64::try_from(fence).expect("fence"))
+                            .bind(pid)
+                            .execute(&mut **tx)
+                            .await
+                            .map_err(|e| Failure::Retry(e.to_string()))?;
+                            work.await
+                        })
+                    },
+                );
+                consumer
+                    .run(
+                        source,
+                        Inbox::new(inbox_store, handler),
+                        std::future::pending(),
+                    )
+                    .await
+                    .expect("run");
+            }
+            other => panic!("unknown mode {other}"),
+        }
     }
 
     /// The child processes, killed when dropped.
@@ -1181,12 +1228,19 @@ mod killed {
         finished: Option<i64>,
     }
 
-    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-    async fn consumers_killed_mid_message_never_run_an_id_twice_within_a_lease() {
-        let Some(url) = nats_url() else { return };
-        let Some(pg) = idem_testkit::services::POSTGRES.url() else {
-            return;
-        };
+    /// What a chaos run left: every handler run, every committed effect, every kill.
+    struct Chaos {
+        runs: Vec<Run>,
+        effects: HashMap<String, i64>,
+        killed: HashMap<i32, i64>,
+    }
+
+    /// Publishes `N` messages, consumes them with two child processes in `mode`, killing one
+    /// at a random moment and starting another eight times, until every message is done and
+    /// settled.
+    async fn chaos(mode: &str) -> Option<Chaos> {
+        let url = nats_url()?;
+        let pg = idem_testkit::services::POSTGRES.url()?;
         let streams = Streams::new(&url, |_| {}).await;
         let prefix = format!("idemt_nats_{:08x}", rand::random::<u32>());
         let _tables = Tables {
@@ -1201,10 +1255,16 @@ mod killed {
         .execute(&pool)
         .await
         .expect("runs table");
+        sqlx::query(sqlx::AssertSqlSafe(format!(
+            "CREATE TABLE {prefix}_effects (id TEXT NOT NULL, fence BIGINT NOT NULL, \
+             pid INT NOT NULL)"
+        )))
+        .execute(&pool)
+        .await
+        .expect("effects table");
         // The records table, made once here rather than by racing children.
         drop(store(&pg, &prefix).await);
 
-        const N: usize = 400;
         for i in 0..N {
             publish_once(
                 &streams.js,
@@ -1222,25 +1282,27 @@ mod killed {
                 (ENV_PG, pg.clone()),
                 (ENV_STREAM, streams.name.clone()),
                 (ENV_TABLES, prefix.clone()),
-                (ENV_MODE, "plain".to_owned()),
+                (ENV_MODE, mode.to_owned()),
             ],
             live: Vec::new(),
             killed: HashMap::new(),
         };
         children.spawn();
         children.spawn();
-        // Kill one at a random moment, start another, several times.
         for _ in 0..8 {
             let ms = 300 + rand::random::<u64>() % 700;
             tokio::time::sleep(Duration::from_millis(ms)).await;
             children.kill_one();
             children.spawn();
         }
-        let finished_ids =
-            format!("SELECT COUNT(DISTINCT id) FROM {prefix}_runs WHERE finished IS NOT NULL");
+        let done_ids = if mode == "plain" {
+            format!("SELECT COUNT(DISTINCT id) FROM {prefix}_runs WHERE finished IS NOT NULL")
+        } else {
+            format!("SELECT COUNT(DISTINCT id) FROM {prefix}_effects")
+        };
         tokio::time::timeout(Duration::from_secs(120), async {
             loop {
-                let (done,): (i64,) = sqlx::query_as(sqlx::AssertSqlSafe(finished_ids.clone()))
+                let (done,): (i64,) = sqlx::query_as(sqlx::AssertSqlSafe(done_ids.clone()))
                     .fetch_one(&pool)
                     .await
                     .expect("count");
@@ -1281,7 +1343,7 @@ mod killed {
             .fetch_all(&pool)
             .await
             .expect("runs");
-        let runs: Vec<Run> = rows
+        let runs = rows
             .into_iter()
             .map(|(id, fence, pid, started, finished)| Run {
                 id,
@@ -1291,6 +1353,24 @@ mod killed {
                 finished,
             })
             .collect();
+        let effects: Vec<(String, i64)> = sqlx::query_as(sqlx::AssertSqlSafe(format!(
+            "SELECT id, COUNT(*) FROM {prefix}_effects GROUP BY id"
+        )))
+        .fetch_all(&pool)
+        .await
+        .expect("effects");
+        Some(Chaos {
+            runs,
+            effects: effects.into_iter().collect(),
+            killed,
+        })
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn consumers_killed_mid_message_never_run_an_id_twice_within_a_lease() {
+        let Some(Chaos { runs, killed, .. }) = chaos("plain").await else {
+            return;
+        };
         let mut by_id: HashMap<&str, Vec<&Run>> = HashMap::new();
         for r in &runs {
             by_id.entry(r.id.as_str()).or_default().push(r);
@@ -1331,10 +1411,34 @@ mod killed {
             }
         }
         eprintln!(
-            "{N} ids, {} runs, {} kills: {again} re-runs after a kill, {again_after_finish} of \
-             them after the killed run had finished its work (plain mode's at-least-once window)",
+            "plain: {N} ids, {} runs, {} kills: {again} re-runs after a kill, \
+             {again_after_finish} of them after the killed run had finished its work (plain \
+             mode's at-least-once window)",
             runs.len(),
             killed.len()
+        );
+        assert!(!killed.is_empty());
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn consumers_killed_mid_message_leave_one_effect_per_id_in_inbox_mode() {
+        let Some(Chaos {
+            runs,
+            effects,
+            killed,
+        }) = chaos("inbox").await
+        else {
+            return;
+        };
+        assert_eq!(effects.len(), N, "every id has its effect");
+        for (id, n) in &effects {
+            assert_eq!(*n, 1, "{id}: one effect, however often it ran");
+        }
+        eprintln!(
+            "inbox: {N} ids, {} runs, {} kills: {} runs rolled back",
+            runs.len(),
+            killed.len(),
+            runs.len() - N
         );
         assert!(!killed.is_empty());
     }
