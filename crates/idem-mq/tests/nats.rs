@@ -1094,11 +1094,10 @@ mod killed {
         match mode.as_str() {
             "plain" => {
                 let handler = move |msg: Message| {
-                    let work = log_run(
+                    log_run(
                         msg.message_id.clone().unwrap_or_default(),
                         msg.fence().unwrap_or(0),
-                    );
-                    async move { work.await }
+                    )
                 };
                 consumer
                     .run(source, handler, std::future::pending())
