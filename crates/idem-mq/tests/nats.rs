@@ -333,6 +333,51 @@ async fn a_dead_letter_subject_read_back_or_not_stored_is_refused() {
 }
 
 #[tokio::test]
+async fn a_bound_source_reports_the_consumer_s_own_timers() {
+    let Some(url) = nats_url() else { return };
+    let streams = Streams::new(&url, |_| {}).await;
+    let err = NatsSource::builder(&streams.name, "existing")
+        .bind()
+        .connect(&url)
+        .await
+        .expect_err("nothing to bind to");
+    assert!(matches!(err, MqError::Broker { .. }), "{err}");
+    streams
+        .js
+        .get_stream(&streams.name)
+        .await
+        .expect("stream")
+        .create_consumer(jetstream::consumer::pull::Config {
+            durable_name: Some("existing".to_owned()),
+            ack_policy: jetstream::consumer::AckPolicy::Explicit,
+            ack_wait: Duration::from_secs(7),
+            max_deliver: 3,
+            backoff: vec![Duration::from_secs(1), Duration::from_secs(10)],
+            ..Default::default()
+        })
+        .await
+        .expect("create the consumer");
+    let source = NatsSource::builder(&streams.name, "existing")
+        .bind()
+        // Ignored when binding: the consumer's own settings apply.
+        .ack_wait(Duration::from_secs(3))
+        .max_deliver(-1)
+        .max_requeue_delay(Duration::from_secs(20))
+        .connect(&url)
+        .await
+        .expect("bind");
+    assert_eq!(source.consumer_name(), "existing");
+    // With a backoff the server's ack wait is its first step.
+    assert_eq!(source.ack_wait(), Some(Duration::from_secs(1)));
+    // Two redeliveries at most, each after at most the longest backoff step plus the longest
+    // requeue delay.
+    assert_eq!(
+        source.redelivery_horizon(),
+        Horizon::Bounded(Duration::from_secs(2 * (10 + 20)))
+    );
+}
+
+#[tokio::test]
 async fn progress_holds_a_message_and_its_absence_lets_it_go() {
     let Some(url) = nats_url() else { return };
     let streams = Streams::new(&url, |_| {}).await;
