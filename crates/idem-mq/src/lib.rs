@@ -2,15 +2,25 @@
 //!
 //! A broker delivers a message at least once: a consumer that did the work but whose ack was
 //! lost, a connection that dropped, a redelivery timer that fired, or a publisher that retried
-//! all bring it back. `idem-mq` consumes a queue (RabbitMQ) or a durable JetStream consumer
-//! (NATS) so that the handler's effect happens once per message key: it claims the key,
-//! runs the handler, stores its result, and only then acks; a redelivery of a message whose
-//! result is stored is acked without running.
+//! all bring it back. `idem-mq` consumes a queue (RabbitMQ, feature `amqp`) or a durable
+//! JetStream consumer (NATS, feature `nats`) so that the handler's effect happens once per
+//! message key: it claims the key, runs the handler, stores its result, and only then acks; a
+//! redelivery of a message whose result is stored is acked without running. See
+//! [`Consumer`] for the order and what each outcome does, and the `inbox` module (features
+//! `postgres`, `mysql`) for handlers whose
+//! business write and record commit in one transaction.
 
+mod consumer;
 mod error;
+#[cfg(any(feature = "postgres", feature = "mysql"))]
+pub mod inbox;
+pub mod key;
+pub mod memory;
 #[cfg(feature = "nats")]
 pub mod nats;
 pub mod source;
 
+pub use consumer::{Consumer, Counts, Failure, Handler, Message, MissingKey, Outcome};
 pub use error::MqError;
+pub use key::KeyFrom;
 pub use source::{DeadLetter, Delivery, Disposition, Horizon, Reason, Source};

@@ -56,7 +56,9 @@ pub use claim::InFlight;
 pub use locks::{LockGuard, Locks};
 pub use tokens::{IssuedToken, TokenError, Tokens};
 
-pub use run::{AllRetryable, Done, ErrorPolicy, Idempotency, Once, PermanentIf, RunError};
+pub use run::{
+    AllRetryable, Done, ErrorPolicy, Idempotency, Once, PermanentIf, RunError, stored_value,
+};
 
 pub use idem_core::{
     self, BeginOutcome, BeginRequest, Bytes, Clock, DynStore, Fingerprint, Key, KeyError, Lease,

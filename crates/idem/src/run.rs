@@ -386,6 +386,13 @@ enum Claim {
     Replay { response: Bytes, fence: u64 },
 }
 
+/// The bytes [`Once::run`] stores for a successful `value`: what work that completes the record
+/// itself, inside a transaction of its own (`PostgresStore::complete_in`), must store, so that
+/// the `complete` that `run` sends afterwards finds the same response and changes nothing.
+pub fn stored_value<T: Serialize + ?Sized>(value: &T) -> Result<Bytes, serde_json::Error> {
+    encode(&Stored::<&T, ()>::Ok(value))
+}
+
 fn encode<T: Serialize>(value: &T) -> Result<Bytes, serde_json::Error> {
     serde_json::to_vec(value).map(Bytes::from)
 }
