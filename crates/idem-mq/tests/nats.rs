@@ -33,6 +33,24 @@ struct Streams {
     js: jetstream::Context,
 }
 
+/// Creates a stream, trying again a few times: a 2.9 server that deletes an account's last
+/// stream while another is created can fail the creation (its storage directory is removed
+/// under it), and the tests create and delete streams in parallel.
+async fn create_stream(js: &jetstream::Context, config: stream::Config) {
+    let mut tries = 0;
+    loop {
+        match js.create_stream(config.clone()).await {
+            Ok(_) => return,
+            Err(e) if tries < 5 => {
+                tries += 1;
+                eprintln!("creating stream {} failed, trying again: {e}", config.name);
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+            Err(e) => panic!("create stream {}: {e}", config.name),
+        }
+    }
+}
+
 impl Streams {
     async fn new(url: &str, configure: impl FnOnce(&mut stream::Config)) -> Self {
         let name = format!("IDEMT_{:016x}", rand::random::<u64>());
@@ -45,15 +63,17 @@ impl Streams {
             ..Default::default()
         };
         configure(&mut config);
-        js.create_stream(config).await.expect("create the stream");
-        js.create_stream(stream::Config {
-            name: format!("{name}_DL"),
-            subjects: vec![format!("{name}.dead")],
-            max_age: Duration::from_secs(3600),
-            ..Default::default()
-        })
-        .await
-        .expect("create the dead-letter stream");
+        create_stream(&js, config).await;
+        create_stream(
+            &js,
+            stream::Config {
+                name: format!("{name}_DL"),
+                subjects: vec![format!("{name}.dead")],
+                max_age: Duration::from_secs(3600),
+                ..Default::default()
+            },
+        )
+        .await;
         Self {
             url: url.to_owned(),
             name,
