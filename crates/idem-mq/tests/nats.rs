@@ -855,7 +855,9 @@ async fn slow_handlers_on_two_instances(progress: bool) {
         .await
         .expect("publish");
     }
-    let ack_wait = Duration::from_secs(1);
+    // Progress goes out every third of it: a stall of over a second and a half would be needed
+    // for a redelivery with progress on.
+    let ack_wait = Duration::from_secs(2);
     let store = idem::MemoryStore::new();
     let deliveries = Arc::default();
     let runs = Arc::new(Runs::default());
