@@ -160,7 +160,10 @@ impl NatsSourceBuilder {
     /// A prefetched message's ack timer runs from its delivery, while it waits in the buffer
     /// for a free handler: with slow handlers keep the batch near the consumer's concurrency,
     /// or a buffered message times out and is delivered again elsewhere (harmless with the
-    /// records, but wasted).
+    /// records, but wasted). Likewise, when a process crashes, every message it held (running
+    /// or buffered) comes back with its delivery count raised: a message that crashes its
+    /// consumer each time raises its bystanders' counts with its own, and with a small
+    /// `max_attempts` they may be dead-lettered with it.
     pub fn batch(mut self, batch: usize) -> Self {
         self.batch = batch.max(1);
         self

@@ -1073,6 +1073,8 @@ mod killed {
     const CONCURRENCY: usize = 4;
     /// Messages per chaos run.
     const N: usize = 400;
+    /// The consumer's `max_attempts` in the crash-loop test.
+    const CRASH_ATTEMPTS: u32 = 3;
 
     fn micros_now() -> i64 {
         let d = SystemTime::now()
@@ -1110,19 +1112,23 @@ mod killed {
         let store = store(&pg, &tables).await;
         let inbox_store = store.clone();
         let pool = store.pool().clone();
+        // In the crash loop one message at a time: every message a crashing process holds
+        // has its delivery counted, and the bystanders would exhaust their attempts too.
+        let crash = mode == "crash";
+        let concurrency = if crash { 1 } else { CONCURRENCY };
         let source = NatsSource::builder(&stream, DURABLE)
             .ack_wait(ACK_WAIT)
             .max_deliver(200)
-            .batch(CONCURRENCY)
-            .max_ack_pending(64)
+            .batch(concurrency)
+            .max_ack_pending(if crash { 1 } else { 64 })
             .max_requeue_delay(Duration::from_secs(1))
             .connect(&url)
             .await
             .expect("source");
         let consumer = Consumer::new(store)
-            .concurrency(CONCURRENCY)
+            .concurrency(concurrency)
             .lease(LEASE)
-            .max_attempts(150)
+            .max_attempts(if mode == "crash" { CRASH_ATTEMPTS } else { 150 })
             .wait_in_flight(Duration::from_millis(300))
             .backoff(Duration::from_millis(100), Duration::from_secs(1));
         let pid = i32::try_from(std::process::id()).expect("pid");
@@ -1165,6 +1171,27 @@ mod killed {
                         msg.message_id.clone().unwrap_or_default(),
                         msg.fence().unwrap_or(0),
                     )
+                };
+                consumer
+                    .run(source, handler, std::future::pending())
+                    .await
+                    .expect("run");
+            }
+            "crash" => {
+                // A message that kills its consumer every time it runs.
+                let handler = move |msg: Message| {
+                    let crash = &msg.payload[..] == b"crash";
+                    let run = log_run(
+                        msg.message_id.clone().unwrap_or_default(),
+                        msg.fence().unwrap_or(0),
+                    );
+                    async move {
+                        let done = run.await;
+                        if crash {
+                            std::process::abort();
+                        }
+                        done
+                    }
                 };
                 consumer
                     .run(source, handler, std::future::pending())
@@ -1231,6 +1258,14 @@ mod killed {
                 cmd.env(k, v);
             }
             self.live.push(cmd.spawn().expect("spawn a consumer"));
+        }
+
+        /// Forgets the children that exited by themselves; how many did.
+        fn reap(&mut self) -> usize {
+            let before = self.live.len();
+            self.live
+                .retain_mut(|c| c.try_wait().map(|s| s.is_none()).unwrap_or(false));
+            before - self.live.len()
         }
 
         fn kill_one(&mut self) {
@@ -1507,6 +1542,121 @@ mod killed {
             runs.len() - N
         );
         assert!(!killed.is_empty());
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_message_that_crashes_its_consumer_ends_in_the_dead_letter() {
+        let Some(url) = nats_url() else { return };
+        let Some(pg) = idem_testkit::services::POSTGRES.url() else {
+            return;
+        };
+        let streams = Streams::new(&url, |_| {}).await;
+        let prefix = format!("idemt_nats_{:08x}", rand::random::<u32>());
+        let _tables = Tables {
+            pg: pg.clone(),
+            prefix: prefix.clone(),
+        };
+        let pool = PgPool::connect(&pg).await.expect("PostgreSQL");
+        sqlx::query(sqlx::AssertSqlSafe(format!(
+            "CREATE TABLE {prefix}_runs (run BIGSERIAL PRIMARY KEY, id TEXT NOT NULL, \
+             fence BIGINT NOT NULL, pid INT NOT NULL, started BIGINT NOT NULL, finished BIGINT)"
+        )))
+        .execute(&pool)
+        .await
+        .expect("runs table");
+        drop(store(&pg, &prefix).await);
+        publish_once(
+            &streams.js,
+            streams.subject(),
+            "crash-1",
+            Bytes::from_static(b"crash"),
+        )
+        .await
+        .expect("publish");
+        for i in 0..10 {
+            publish_once(
+                &streams.js,
+                streams.subject(),
+                &format!("ok-{i}"),
+                Bytes::new(),
+            )
+            .await
+            .expect("publish");
+        }
+        let mut children = Children {
+            env: vec![
+                (ENV_NATS, url.clone()),
+                (ENV_PG, pg.clone()),
+                (ENV_STREAM, streams.name.clone()),
+                (ENV_TABLES, prefix.clone()),
+                (ENV_MODE, "crash".to_owned()),
+            ],
+            live: Vec::new(),
+            killed: HashMap::new(),
+        };
+        // One consumer at a time, started again whenever the message crashed it.
+        let mut crashes = 0;
+        tokio::time::timeout(Duration::from_secs(120), async {
+            loop {
+                crashes += children.reap();
+                if children.live.is_empty() {
+                    children.spawn();
+                }
+                if !streams.dead_letters().await.is_empty() {
+                    break;
+                }
+                tokio::time::sleep(Duration::from_millis(200)).await;
+            }
+        })
+        .await
+        .expect("the crashing message dead-lettered within two minutes");
+        tokio::time::timeout(Duration::from_secs(60), async {
+            loop {
+                let info = streams
+                    .js
+                    .get_stream(&streams.name)
+                    .await
+                    .expect("stream")
+                    .consumer_info(DURABLE)
+                    .await
+                    .expect("info");
+                if info.num_pending == 0 && info.num_ack_pending == 0 {
+                    break;
+                }
+                tokio::time::sleep(Duration::from_millis(200)).await;
+            }
+        })
+        .await
+        .expect("every message settled");
+        drop(children);
+
+        let dead = streams.dead_letters().await;
+        assert_eq!(dead.len(), 1);
+        assert_eq!(header(&dead[0], MSG_ID_HEADER), Some("crash-1"));
+        assert_eq!(header(&dead[0], REASON_HEADER), Some("attempts_exhausted"));
+        let attempts = CRASH_ATTEMPTS.to_string();
+        let deliveries = (CRASH_ATTEMPTS + 1).to_string();
+        assert_eq!(
+            header(&dead[0], DELIVERIES_HEADER),
+            Some(deliveries.as_str()),
+            "dead-lettered on the delivery after the last allowed, as the server counts"
+        );
+        let runs: Vec<(String, i64)> = sqlx::query_as(sqlx::AssertSqlSafe(format!(
+            "SELECT id, COUNT(*) FROM {prefix}_runs GROUP BY id"
+        )))
+        .fetch_all(&pool)
+        .await
+        .expect("runs");
+        let runs: HashMap<String, i64> = runs.into_iter().collect();
+        assert_eq!(
+            runs.get("crash-1").map(i64::to_string).as_deref(),
+            Some(attempts.as_str()),
+            "it ran once per allowed delivery"
+        );
+        for i in 0..10 {
+            assert!(runs.contains_key(&format!("ok-{i}")), "ok-{i} ran");
+        }
+        assert!(crashes >= 1, "the message crashed its consumer");
     }
 }
 
