@@ -353,6 +353,69 @@ async fn a_dead_letter_subject_read_back_or_not_stored_is_refused() {
 }
 
 #[tokio::test]
+async fn a_core_dead_letter_subject_gets_the_copy_and_term_only_gets_none() {
+    let Some(url) = nats_url() else { return };
+    let streams = Streams::new(&url, |_| {}).await;
+    let core = format!("{}.core-dead", streams.name);
+    let mut watcher = streams
+        .js
+        .client()
+        .subscribe(core.clone())
+        .await
+        .expect("subscribe");
+    streams.js.client().flush().await.expect("flush");
+    for key in ["to-core", "term-only"] {
+        publish_once(
+            &streams.js,
+            streams.subject(),
+            key,
+            Bytes::from_static(b"x"),
+        )
+        .await
+        .expect("publish");
+    }
+    let dead = |reason| {
+        Disposition::DeadLetter(DeadLetter {
+            reason,
+            detail: "gave up".to_owned(),
+        })
+    };
+    let mut to_core = NatsSource::builder(&streams.name, "shared-dl")
+        .dead_letter(DeadLetterTarget::Subject(core))
+        .connect(&url)
+        .await
+        .expect("source");
+    let d = next(&mut to_core).await;
+    assert_eq!(d.message_id(), Some("to-core"));
+    d.settle(dead(Reason::Mismatch)).await.expect("dead-letter");
+    let copy = tokio::time::timeout(WAIT, futures_util::StreamExt::next(&mut watcher))
+        .await
+        .expect("the copy within the bound")
+        .expect("a message");
+    let headers = copy.headers.expect("headers");
+    assert_eq!(
+        headers.get(REASON_HEADER).map(|v| v.as_str()),
+        Some("mismatch")
+    );
+    assert_eq!(
+        headers.get(MSG_ID_HEADER).map(|v| v.as_str()),
+        Some("to-core")
+    );
+    to_core.close().await;
+
+    let mut term_only = NatsSource::builder(&streams.name, "shared-dl")
+        .dead_letter(DeadLetterTarget::TermOnly)
+        .connect(&url)
+        .await
+        .expect("source");
+    let d = next(&mut term_only).await;
+    assert_eq!(d.message_id(), Some("term-only"));
+    d.settle(dead(Reason::Permanent)).await.expect("term");
+    assert!(streams.dead_letters().await.is_empty(), "nothing stored");
+    assert_all_settled(&streams, "shared-dl").await;
+}
+
+#[tokio::test]
 async fn a_bound_source_reports_the_consumer_s_own_timers() {
     let Some(url) = nats_url() else { return };
     let streams = Streams::new(&url, |_| {}).await;
