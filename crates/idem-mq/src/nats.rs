@@ -1,8 +1,9 @@
 //! NATS JetStream: a durable pull consumer as a [`Source`], and publishing with `Nats-Msg-Id`.
 //!
-//! [`NatsSource`] pulls from a durable consumer with explicit acks. Each message's key is its
-//! `Nats-Msg-Id` header; its delivery count is JetStream's own `num_delivered`, so a consumer
-//! that crashes in a loop on one message still sees the count rise and dead-letters it.
+//! [`NatsSource`] pulls from a durable consumer with explicit acks. A message's id (the
+//! consumer's default key) is its `Nats-Msg-Id` header; its delivery count is JetStream's own
+//! `num_delivered`, so a consumer that crashes in a loop on one message still sees the count
+//! rise and dead-letters it.
 //!
 //! | disposition | what the broker is told |
 //! | --- | --- |
@@ -68,7 +69,8 @@ pub const SEQUENCE_HEADER: &str = "Idem-Sequence";
 pub const DELIVERIES_HEADER: &str = "Idem-Deliveries";
 /// Header carrying the original `Nats-Msg-Id` of a dead-lettered message. The copy's own
 /// `Nats-Msg-Id` is `<stream>:<sequence>`, so that dead-lettering one message twice (a crash
-/// between the copy and the `+TERM`) stores one copy.
+/// between the copy and the `+TERM`, then a redelivery) stores one copy, within the
+/// dead-letter stream's duplicate window.
 pub const MSG_ID_HEADER: &str = "Idem-Msg-Id";
 
 /// Longest `Idem-Detail` value, in bytes; longer sentences are cut at a character boundary.
@@ -243,20 +245,23 @@ impl NatsSourceBuilder {
             .get_stream(&self.stream)
             .await
             .map_err(|e| MqError::broker(format!("stream {} not found", self.stream), e))?;
+        let wanted_filter = self.filter_subject.clone().unwrap_or_default();
         if self.binding == Binding::CreateIfMissing {
             // Before creating anything, with the filter the consumer would get.
-            let filter = self.filter_subject.as_deref().unwrap_or_default();
-            check_dead_letter(&js, stream.cached_info(), filter, &dead_letter).await?;
+            check_dead_letter(&js, stream.cached_info(), &wanted_filter, &dead_letter).await?;
         }
         let consumer = open_consumer(&stream, &self).await?;
         let info = consumer.cached_info().clone();
-        check_dead_letter(
-            &js,
-            stream.cached_info(),
-            &info.config.filter_subject,
-            &dead_letter,
-        )
-        .await?;
+        if self.binding == Binding::Bind || info.config.filter_subject != wanted_filter {
+            // The consumer as it is (bound, or made earlier with another filter).
+            check_dead_letter(
+                &js,
+                stream.cached_info(),
+                &info.config.filter_subject,
+                &dead_letter,
+            )
+            .await?;
+        }
 
         let shared = Arc::new(Shared {
             stream: self.stream.clone(),
