@@ -18,6 +18,8 @@ mod error;
 pub mod inbox;
 pub mod key;
 pub mod memory;
+#[cfg(feature = "nats")]
+pub mod nats;
 pub mod source;
 
 pub use consumer::{Consumer, Counts, Failure, Handler, Message, MissingKey, Outcome};
