@@ -10,6 +10,8 @@
 //! `postgres`, `mysql`) for handlers whose
 //! business write and record commit in one transaction.
 
+#[cfg(feature = "amqp")]
+pub mod amqp;
 mod consumer;
 mod error;
 #[cfg(any(feature = "postgres", feature = "mysql"))]
