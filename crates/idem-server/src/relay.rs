@@ -266,3 +266,152 @@ where
         }
     }
 }
+
+/// Where the relay takes messages from.
+#[derive(Debug, Clone)]
+pub enum From {
+    /// A RabbitMQ queue (`amqp://` or `amqps://`).
+    Amqp {
+        /// The broker's URL.
+        url: String,
+        /// The queue.
+        queue: String,
+    },
+    /// A durable JetStream consumer of a stream (`nats://`).
+    Nats {
+        /// The server's URL.
+        url: String,
+        /// The stream.
+        stream: String,
+        /// The durable consumer (created if missing).
+        consumer: String,
+    },
+}
+
+impl From {
+    /// Reads `--from` with `--queue`, or with `--stream` and `--consumer`.
+    pub fn parse(
+        url: &str,
+        queue: Option<&str>,
+        stream: Option<&str>,
+        consumer: Option<&str>,
+    ) -> Result<Self, String> {
+        let scheme = url.split_once("://").map_or("", |(s, _)| s);
+        match scheme {
+            "amqp" | "amqps" => {
+                let queue = queue.ok_or("--from amqp://… needs --queue NAME")?;
+                if stream.is_some() || consumer.is_some() {
+                    return Err("--stream and --consumer are for nats://; use --queue".into());
+                }
+                Ok(From::Amqp {
+                    url: url.to_owned(),
+                    queue: queue.to_owned(),
+                })
+            }
+            "nats" => {
+                let stream = stream.ok_or("--from nats://… needs --stream NAME")?;
+                if queue.is_some() {
+                    return Err("--queue is for amqp://; use --stream and --consumer".into());
+                }
+                Ok(From::Nats {
+                    url: url.to_owned(),
+                    stream: stream.to_owned(),
+                    consumer: consumer.unwrap_or("idem-relay").to_owned(),
+                })
+            }
+            _ => Err(format!(
+                "--from must be an amqp://, amqps:// or nats:// URL, not {:?}",
+                redact_url(url)
+            )),
+        }
+    }
+
+    /// The broker's URL with any password hidden, for messages.
+    pub fn display(&self) -> String {
+        match self {
+            From::Amqp { url, queue } => format!("{} queue {queue}", redact_url(url)),
+            From::Nats {
+                url,
+                stream,
+                consumer,
+            } => format!("{} stream {stream} consumer {consumer}", redact_url(url)),
+        }
+    }
+
+    /// Connects to the broker and relays until `shutdown` completes: up to `prefetch`
+    /// messages at once.
+    pub async fn relay<S, C>(
+        &self,
+        consumer: &idem_mq::Consumer<S, C>,
+        relay: Relay,
+        prefetch: u16,
+        shutdown: impl Future<Output = ()> + Send,
+    ) -> Result<(), idem_mq::MqError>
+    where
+        S: idem_core::Store + Clone,
+        C: idem_core::Clock + Clone,
+    {
+        let consumer = consumer.clone().concurrency(usize::from(prefetch));
+        match self {
+            From::Amqp { url, queue } => {
+                let source = idem_mq::amqp::AmqpSource::builder(url.clone(), queue.clone())
+                    .prefetch(prefetch)
+                    .connection_name("idem relay")
+                    .connect()
+                    .await?;
+                consumer.run(source, relay, shutdown).await
+            }
+            From::Nats {
+                url,
+                stream,
+                consumer: name,
+            } => {
+                let source = idem_mq::nats::NatsSource::builder(stream.clone(), name.clone())
+                    .batch(usize::from(prefetch))
+                    .connect(url)
+                    .await?;
+                consumer.run(source, relay, shutdown).await
+            }
+        }
+    }
+}
+
+/// `url` with the password, if any, replaced by `***`.
+fn redact_url(url: &str) -> String {
+    let Some((scheme, rest)) = url.split_once("://") else {
+        return url.to_owned();
+    };
+    let (authority, path) = rest.split_at(rest.find('/').unwrap_or(rest.len()));
+    match authority.rsplit_once('@') {
+        Some((user, host)) => match user.split_once(':') {
+            Some((user, _)) => format!("{scheme}://{user}:***@{host}{path}"),
+            None => url.to_owned(),
+        },
+        None => url.to_owned(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sources_are_read_from_the_flags_and_passwords_never_shown() {
+        let amqp = From::parse(
+            "amqp://guest:secret@127.0.0.1:5672/%2f",
+            Some("orders"),
+            None,
+            None,
+        )
+        .unwrap_or_else(|e| panic!("{e}"));
+        assert!(!amqp.display().contains("secret"), "{}", amqp.display());
+        assert!(From::parse("amqp://h/", None, None, None).is_err());
+        assert!(From::parse("amqp://h/", Some("q"), Some("s"), None).is_err());
+        let nats = From::parse("nats://127.0.0.1:4222", None, Some("ORDERS"), None)
+            .unwrap_or_else(|e| panic!("{e}"));
+        assert!(matches!(nats, From::Nats { ref consumer, .. } if consumer == "idem-relay"));
+        assert!(From::parse("nats://h", Some("q"), Some("S"), None).is_err());
+        let err = From::parse("kafka://u:pw@h", Some("q"), None, None).unwrap_err();
+        assert!(!err.contains("pw"), "{err}");
+    }
+}
