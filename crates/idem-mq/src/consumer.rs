@@ -392,8 +392,9 @@ impl<S: Store + Clone, C: Clock + Clone> Consumer<S, C> {
             Horizon::Unbounded => tracing::warn!(
                 source = source.name(),
                 ?ttl,
-                "the broker redelivers without limit: a message redelivered after its record \
-                 expired runs again; set a delivery limit shorter than the record TTL"
+                "the broker may redeliver a message at any time: one redelivered after its \
+                 record expired runs again; bound how long messages live in the broker, or \
+                 raise the record TTL"
             ),
             _ => {}
         }

@@ -505,6 +505,12 @@ async fn relay(args: RelayArgs) -> Result<(), String> {
         consumer = consumer.namespace(ns.clone());
     }
     if let Some(addr) = args.metrics_listen {
+        idem_server::metrics::Registry::global();
+        idem_mq::describe_metrics();
+        metrics::describe_counter!(
+            "idem_relay_requests_total",
+            "POSTs to the target, by result (2xx, 3xx, 4xx, 5xx, timeout, unreachable, failed)."
+        );
         let listener = tokio::net::TcpListener::bind(addr)
             .await
             .map_err(|e| format!("cannot listen on {addr}: {e}"))?;
@@ -545,7 +551,21 @@ async fn relay(args: RelayArgs) -> Result<(), String> {
         dead_lettered = c.dead_lettered,
         "relay stopped"
     );
-    ran.map_err(|e| e.to_string())
+    ran.map_err(|e| with_causes(&e))
+}
+
+/// `e` and the errors beneath it, as one line: "connecting to the broker: Connection refused".
+fn with_causes(e: &dyn std::error::Error) -> String {
+    let mut text = e.to_string();
+    let mut cause = e.source();
+    while let Some(c) = cause {
+        let c_text = c.to_string();
+        if !text.contains(&c_text) {
+            text = format!("{text}: {c_text}");
+        }
+        cause = c.source();
+    }
+    text
 }
 
 async fn print_ids(args: &IdArgs) -> Result<(), String> {
