@@ -52,6 +52,29 @@ async fn create_stream(js: &jetstream::Context, config: stream::Config) {
 }
 
 impl Streams {
+    /// Waits (a minute at most) until the durable consumer `durable` has nothing pending
+    /// and nothing unacknowledged.
+    async fn wait_settled(&self, durable: &str) {
+        tokio::time::timeout(Duration::from_secs(60), async {
+            loop {
+                let info = self
+                    .js
+                    .get_stream(&self.name)
+                    .await
+                    .expect("stream")
+                    .consumer_info(durable)
+                    .await
+                    .expect("info");
+                if info.num_pending == 0 && info.num_ack_pending == 0 {
+                    break;
+                }
+                tokio::time::sleep(Duration::from_millis(200)).await;
+            }
+        })
+        .await
+        .expect("every message settled");
+    }
+
     async fn new(url: &str, configure: impl FnOnce(&mut stream::Config)) -> Self {
         let name = format!("IDEMT_{:016x}", rand::random::<u64>());
         let client = async_nats::connect(url).await.expect("connect to NATS");
@@ -1479,24 +1502,7 @@ mod killed {
         .await
         .expect("every message handled within two minutes");
         // Let the survivors settle what they hold, then stop them.
-        tokio::time::timeout(Duration::from_secs(60), async {
-            loop {
-                let info = streams
-                    .js
-                    .get_stream(&streams.name)
-                    .await
-                    .expect("stream")
-                    .consumer_info(DURABLE)
-                    .await
-                    .expect("info");
-                if info.num_pending == 0 && info.num_ack_pending == 0 {
-                    break;
-                }
-                tokio::time::sleep(Duration::from_millis(200)).await;
-            }
-        })
-        .await
-        .expect("every message settled");
+        streams.wait_settled(DURABLE).await;
         let killed = children.killed.clone();
         drop(children);
 
@@ -1673,24 +1679,7 @@ mod killed {
         })
         .await
         .expect("the crashing message dead-lettered within two minutes");
-        tokio::time::timeout(Duration::from_secs(60), async {
-            loop {
-                let info = streams
-                    .js
-                    .get_stream(&streams.name)
-                    .await
-                    .expect("stream")
-                    .consumer_info(DURABLE)
-                    .await
-                    .expect("info");
-                if info.num_pending == 0 && info.num_ack_pending == 0 {
-                    break;
-                }
-                tokio::time::sleep(Duration::from_millis(200)).await;
-            }
-        })
-        .await
-        .expect("every message settled");
+        streams.wait_settled(DURABLE).await;
         drop(children);
 
         let dead = streams.dead_letters().await;

@@ -161,6 +161,40 @@ fn run_with_kills(args: &[&str], seen: &Arc<Mutex<HashMap<String, usize>>>, tota
     kills
 }
 
+/// Runs the relay from `source` (its `--from` and queue or stream flags) to the gateway at
+/// `gw`, killing it four times mid-stream, and checks that the service saw each of `ids`
+/// exactly once.
+fn relay_through_kills(
+    source: &[&str],
+    dir: &std::path::Path,
+    gw: &str,
+    seen: &Arc<Mutex<HashMap<String, usize>>>,
+    ids: &[String],
+) {
+    let store = format!("sqlite://{}", dir.join("relay.db").display());
+    let to = format!("http://{gw}/events");
+    let rest = [
+        "--to",
+        &to,
+        "--store",
+        &store,
+        "--header",
+        "Authorization: Bearer relay",
+        "--prefetch",
+        "8",
+        "--lease",
+        "2s",
+        "--status-every",
+        "1s",
+    ];
+    let kills = run_with_kills(&[source, &rest].concat(), seen, ids.len());
+    assert_eq!(kills, 4);
+    let seen = seen.lock().unwrap().clone();
+    for id in ids {
+        assert_eq!(seen.get(id), Some(&1), "{id} ran once (kills: {kills})");
+    }
+}
+
 fn ids(n: usize) -> Vec<String> {
     (0..n).map(|i| format!("evt-{i}")).collect()
 }
@@ -204,33 +238,13 @@ fn a_relay_killed_and_restarted_delivers_each_amqp_message_once_through_the_gate
         publisher.close().await;
     });
 
-    let store = format!("sqlite://{}", dir.path().join("relay.db").display());
-    let to = format!("http://{gw}/events");
-    let args = [
-        "--from",
-        url.as_str(),
-        "--queue",
-        queue.as_str(),
-        "--to",
-        to.as_str(),
-        "--store",
-        store.as_str(),
-        "--header",
-        "Authorization: Bearer relay",
-        "--prefetch",
-        "8",
-        "--lease",
-        "2s",
-        "--status-every",
-        "1s",
-    ];
-    let kills = run_with_kills(&args, &seen, ids.len());
-    assert_eq!(kills, 4);
-    // Let a restarted relay finish acking what the last one left, then check the queue.
-    let seen = seen.lock().unwrap().clone();
-    for id in &ids {
-        assert_eq!(seen.get(id), Some(&1), "{id} ran once (kills: {kills})");
-    }
+    relay_through_kills(
+        &["--from", &url, "--queue", &queue],
+        dir.path(),
+        &gw,
+        &seen,
+        &ids,
+    );
     rt.block_on(async {
         AmqpSource::delete_topology(&url, &queue).await.unwrap();
     });
@@ -292,32 +306,13 @@ fn a_relay_killed_and_restarted_delivers_each_jetstream_message_once_through_the
         js
     });
 
-    let store = format!("sqlite://{}", dir.path().join("relay.db").display());
-    let to = format!("http://{gw}/events");
-    let args = [
-        "--from",
-        url.as_str(),
-        "--stream",
-        name.as_str(),
-        "--consumer",
-        "relay",
-        "--to",
-        to.as_str(),
-        "--store",
-        store.as_str(),
-        "--header",
-        "Authorization: Bearer relay",
-        "--prefetch",
-        "8",
-        "--lease",
-        "2s",
-    ];
-    let kills = run_with_kills(&args, &seen, ids.len());
-    assert_eq!(kills, 4);
-    let seen = seen.lock().unwrap().clone();
-    for id in &ids {
-        assert_eq!(seen.get(id), Some(&1), "{id} ran once (kills: {kills})");
-    }
+    relay_through_kills(
+        &["--from", &url, "--stream", &name, "--consumer", "relay"],
+        dir.path(),
+        &gw,
+        &seen,
+        &ids,
+    );
     rt.block_on(async {
         js.delete_stream(&name).await.unwrap();
         js.delete_stream(format!("{name}_DL")).await.unwrap();
