@@ -375,8 +375,25 @@ impl<S: Store + Clone, C: Clock + Clone> Consumer<S, C> {
     }
 
     /// Checks the settings against the source: a valid scope and namespace, and a record TTL
-    /// that outlives the broker's redelivery horizon.
+    /// that outlives the broker's redelivery horizon. A broker that may redeliver without a
+    /// bound is logged as a warning. [`Consumer::run`] checks this at start.
     pub fn check<Src: Source>(&self, source: &Src) -> Result<(), MqError> {
+        self.context(source)?;
+        if source.redelivery_horizon() == Horizon::Unbounded {
+            tracing::warn!(
+                source = source.name(),
+                ttl = ?self.settings.ttl,
+                "the broker may redeliver a message at any time: one redelivered after its \
+                 record expired runs again; bound how long messages live in the broker, or \
+                 raise the record TTL"
+            );
+        }
+        Ok(())
+    }
+
+    /// The errors of [`Consumer::check`], without the warning (checked on every
+    /// [`Consumer::process`]).
+    fn validate<Src: Source>(&self, source: &Src) -> Result<(), MqError> {
         Scope::new(self.settings.scope.clone())
             .map_err(|e| MqError::Config(format!("the scope is not valid: {e}")))?;
         self.namespace_for(source.name())?;
@@ -389,12 +406,6 @@ impl<S: Store + Clone, C: Clock + Clone> Consumer<S, C> {
                      raise the TTL or lower the broker's redelivery limit"
                 )));
             }
-            Horizon::Unbounded => tracing::warn!(
-                source = source.name(),
-                ?ttl,
-                "the broker redelivers without limit: a message redelivered after its record \
-                 expired runs again; set a delivery limit shorter than the record TTL"
-            ),
             _ => {}
         }
         Ok(())
@@ -414,6 +425,7 @@ impl<S: Store + Clone, C: Clock + Clone> Consumer<S, C> {
         H: Handler,
         S: Clone,
     {
+        self.check(&source)?;
         let ctx = Arc::new(self.context(&source)?);
         let label = &*ctx.source;
         let handler = Arc::new(handler);
@@ -488,7 +500,7 @@ impl<S: Store + Clone, C: Clock + Clone> Consumer<S, C> {
     }
 
     fn context<Src: Source>(&self, source: &Src) -> Result<Ctx, MqError> {
-        self.check(source)?;
+        self.validate(source)?;
         Ok(Ctx {
             source: Arc::from(source.name()),
             namespace: self.namespace_for(source.name())?,

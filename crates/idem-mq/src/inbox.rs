@@ -63,51 +63,36 @@ pub trait InboxStore: Store + Clone {
     ) -> impl Future<Output = Result<(), LeaseError>> + Send;
 }
 
-#[cfg(feature = "postgres")]
-impl InboxStore for idem::PostgresStore {
-    type Db = sqlx::Postgres;
+/// `InboxStore` for a SQL store of idem's, over its pool and its own `complete_in`.
+macro_rules! sql_inbox_store {
+    ($feature:literal, $store:ty, $db:ty) => {
+        #[cfg(feature = $feature)]
+        impl InboxStore for $store {
+            type Db = $db;
 
-    async fn begin_tx(&self) -> Result<Transaction<'static, sqlx::Postgres>, StoreError> {
-        self.pool()
-            .begin()
-            .await
-            .map_err(|e| StoreError::unavailable("cannot open a transaction", e))
-    }
+            async fn begin_tx(&self) -> Result<Transaction<'static, $db>, StoreError> {
+                self.pool()
+                    .begin()
+                    .await
+                    .map_err(|e| StoreError::unavailable("cannot open a transaction", e))
+            }
 
-    async fn complete_in(
-        &self,
-        tx: &mut Transaction<'static, sqlx::Postgres>,
-        key: &Key,
-        lease: &Lease,
-        response: Bytes,
-        now: Timestamp,
-    ) -> Result<(), LeaseError> {
-        idem::PostgresStore::complete_in(self, tx, key, lease, response, now).await
-    }
+            async fn complete_in(
+                &self,
+                tx: &mut Transaction<'static, $db>,
+                key: &Key,
+                lease: &Lease,
+                response: Bytes,
+                now: Timestamp,
+            ) -> Result<(), LeaseError> {
+                <$store>::complete_in(self, tx, key, lease, response, now).await
+            }
+        }
+    };
 }
 
-#[cfg(feature = "mysql")]
-impl InboxStore for idem::MySqlStore {
-    type Db = sqlx::MySql;
-
-    async fn begin_tx(&self) -> Result<Transaction<'static, sqlx::MySql>, StoreError> {
-        self.pool()
-            .begin()
-            .await
-            .map_err(|e| StoreError::unavailable("cannot open a transaction", e))
-    }
-
-    async fn complete_in(
-        &self,
-        tx: &mut Transaction<'static, sqlx::MySql>,
-        key: &Key,
-        lease: &Lease,
-        response: Bytes,
-        now: Timestamp,
-    ) -> Result<(), LeaseError> {
-        idem::MySqlStore::complete_in(self, tx, key, lease, response, now).await
-    }
-}
+sql_inbox_store!("postgres", idem::PostgresStore, sqlx::Postgres);
+sql_inbox_store!("mysql", idem::MySqlStore, sqlx::MySql);
 
 /// A handler that writes in the inbox's transaction.
 pub trait InboxHandler<Db: sqlx::Database>: Send + Sync + 'static {

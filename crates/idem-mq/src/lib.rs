@@ -18,9 +18,29 @@ mod error;
 pub mod inbox;
 pub mod key;
 pub mod memory;
+#[cfg(feature = "nats")]
+pub mod nats;
 pub mod source;
 
 pub use consumer::{Consumer, Counts, Failure, Handler, Message, MissingKey, Outcome};
 pub use error::MqError;
 pub use key::KeyFrom;
 pub use source::{DeadLetter, Delivery, Disposition, Horizon, Reason, Source};
+
+/// Describes the consumers' metrics to the installed `metrics` recorder (help texts for
+/// Prometheus). Labels: `source` (the queue or stream), `outcome` (`handled`, `replayed`,
+/// `requeued`, `dead_lettered`, `unsettled`) and `reason` (a dead letter's code).
+pub fn describe_metrics() {
+    metrics::describe_counter!(
+        "idem_mq_received_total",
+        "Deliveries received from the broker."
+    );
+    metrics::describe_counter!(
+        "idem_mq_messages_total",
+        "Deliveries settled, by outcome (handled, replayed, requeued, dead_lettered, unsettled) and dead-letter reason."
+    );
+    metrics::describe_counter!(
+        "idem_mq_source_errors_total",
+        "Failures to receive from the broker (the source reconnects)."
+    );
+}

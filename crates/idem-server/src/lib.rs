@@ -23,6 +23,7 @@ pub mod json;
 pub mod listener;
 pub mod locks;
 pub mod metrics;
+pub mod relay;
 pub mod tokens;
 
 use std::sync::Arc;

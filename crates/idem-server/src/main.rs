@@ -51,12 +51,106 @@ enum Command {
     /// only read and write rows. Stores without a schema (memory, Redis) need nothing.
     Migrate(MigrateArgs),
 
+    /// Feed a queue's messages to an HTTP service, once each.
+    ///
+    /// Consumes a RabbitMQ queue (--from amqp://… --queue NAME) or a durable JetStream
+    /// consumer (--from nats://… --stream NAME --consumer NAME) and POSTs each message's body
+    /// to --to with Idempotency-Key set to the message's key (its message id, or
+    /// --key-header, or --key-json). Answers are recorded in --store and the message acked;
+    /// 5xx and network errors are retried with backoff and dead-lettered after
+    /// --max-attempts. With `idem gateway` in front of the target, each message runs once
+    /// even when the relay is killed mid-call.
+    Relay(RelayArgs),
+
     /// Print new ids, one per line.
     ///
     /// uuid7 (the default) and token need nothing; snowflake leases a worker id from --store
     /// for as long as it runs, so it never repeats an id another process issues in the same
     /// id space; segment takes a range of the sequence --tag from --store.
     Id(IdArgs),
+}
+
+#[derive(clap::Args)]
+struct RelayArgs {
+    /// The broker: amqp://user:password@host:5672/vhost (RabbitMQ) or nats://host:4222.
+    #[arg(long, env = "IDEM_RELAY_FROM", value_name = "URL")]
+    from: String,
+
+    /// The queue to consume (RabbitMQ). Declared if missing, with a dead-letter queue
+    /// NAME.dead beside it.
+    #[arg(long, env = "IDEM_RELAY_QUEUE", value_name = "NAME")]
+    queue: Option<String>,
+
+    /// The stream to consume (NATS JetStream).
+    #[arg(long, env = "IDEM_RELAY_STREAM", value_name = "NAME")]
+    stream: Option<String>,
+
+    /// The durable JetStream consumer (created if missing) [default: idem-relay].
+    #[arg(long, env = "IDEM_RELAY_CONSUMER", value_name = "NAME")]
+    consumer: Option<String>,
+
+    /// Where each message is POSTed: an http:// URL.
+    #[arg(long, env = "IDEM_RELAY_TO", value_name = "URL")]
+    to: String,
+
+    /// Where the relay records which messages got an answer: sqlite://PATH (the embedded
+    /// default), postgres://…, mysql://…, redis://… (see the README's stores).
+    #[arg(long, env = "IDEM_STORE", default_value = "sqlite://idem-relay.db")]
+    store: String,
+
+    /// Take the key from this message header instead of the message id.
+    #[arg(long, value_name = "NAME", conflicts_with = "key_json")]
+    key_header: Option<String>,
+
+    /// Take the key from this JSON pointer into the payload (e.g. /order/id).
+    #[arg(long, value_name = "POINTER")]
+    key_json: Option<String>,
+
+    /// The records' namespace [default: the queue's or stream's name].
+    #[arg(long)]
+    namespace: Option<String>,
+
+    /// The Content-Type of each POST.
+    #[arg(long, default_value = "application/json")]
+    content_type: String,
+
+    /// An extra header on each POST, as "Name: value" (repeatable).
+    #[arg(long = "header", value_name = "NAME: VALUE")]
+    headers: Vec<String>,
+
+    /// How long a POST may take, answer included.
+    #[arg(long, default_value = "30s", value_parser = parse_upstream_timeout)]
+    timeout: Duration,
+
+    /// Deliveries of a message before it is dead-lettered.
+    #[arg(long, default_value_t = 5, value_parser = clap::value_parser!(u32).range(1..=1000))]
+    max_attempts: u32,
+
+    /// Messages in flight at once (the broker's prefetch, and POSTs at once).
+    #[arg(long, default_value_t = 64, value_parser = clap::value_parser!(u16).range(1..))]
+    prefetch: u16,
+
+    /// How long a message's key is held for a relay that stops answering (killed, cut off)
+    /// before another may POST it again; renewed while a POST runs.
+    #[arg(long, default_value = "60s", value_parser = parse_lease)]
+    lease: Duration,
+
+    /// How long an answer is remembered; a message redelivered later is POSTed again.
+    #[arg(long, default_value = "24h", value_parser = parse_ttl)]
+    ttl: Duration,
+
+    /// Dead-letter messages the target refuses with a 4xx, instead of recording and acking
+    /// them.
+    #[arg(long)]
+    dead_letter_4xx: bool,
+
+    /// Serve /metrics (Prometheus text) and /healthz on this address.
+    #[arg(long, value_name = "ADDR")]
+    metrics_listen: Option<SocketAddr>,
+
+    /// How often to log a status line with the counts (when they changed).
+    #[arg(long, default_value = "30s", value_parser = parse_purge_interval)]
+    status_every: Duration,
 }
 
 #[derive(clap::Args)]
@@ -334,6 +428,7 @@ fn main() -> ExitCode {
                     Command::Serve(args) => serve(&args).await,
                     Command::Gateway(args) => gateway(args).await,
                     Command::Migrate(args) => migrate(&args).await,
+                    Command::Relay(args) => relay(args).await,
                     Command::Id(args) => print_ids(&args).await,
                 }
             })
@@ -371,6 +466,106 @@ async fn open_store(url: &str) -> Result<SharedStore, String> {
     idem_store::open(url)
         .await
         .map_err(|e| format!("store {:?}: {e}", idem_store::redact(url)))
+}
+
+async fn relay(args: RelayArgs) -> Result<(), String> {
+    use idem_server::relay;
+    let from = relay::From::parse(
+        &args.from,
+        args.queue.as_deref(),
+        args.stream.as_deref(),
+        args.consumer.as_deref(),
+    )?;
+    let mut target = relay::Target::parse(&args.to)?
+        .timeout(args.timeout)
+        .dead_letter_4xx(args.dead_letter_4xx)
+        .header("content-type", &args.content_type)?;
+    for h in &args.headers {
+        let (name, value) = h
+            .split_once(':')
+            .ok_or_else(|| format!("--header {h:?} must be \"Name: value\""))?;
+        target = target.header(name, value)?;
+    }
+    args.store
+        .parse::<StoreUrl>()
+        .map_err(|e| format!("invalid --store: {e}"))?;
+    let store = open_store(&args.store).await?;
+    let mut consumer = idem_mq::Consumer::new(store.clone())
+        .scope("relay")
+        .max_attempts(args.max_attempts)
+        .lease(args.lease)
+        .ttl(args.ttl);
+    if let Some(name) = &args.key_header {
+        consumer = consumer.key(idem_mq::KeyFrom::Header(name.clone()));
+    }
+    if let Some(pointer) = &args.key_json {
+        consumer = consumer.key(idem_mq::KeyFrom::JsonPointer(pointer.clone()));
+    }
+    if let Some(ns) = &args.namespace {
+        consumer = consumer.namespace(ns.clone());
+    }
+    if let Some(addr) = args.metrics_listen {
+        idem_server::metrics::Registry::global();
+        idem_mq::describe_metrics();
+        metrics::describe_counter!(
+            "idem_relay_requests_total",
+            "POSTs to the target, by result (2xx, 3xx, 4xx, 5xx, timeout, unreachable, failed)."
+        );
+        let listener = tokio::net::TcpListener::bind(addr)
+            .await
+            .map_err(|e| format!("cannot listen on {addr}: {e}"))?;
+        let registry = idem_server::metrics::Registry::global();
+        let app = axum::Router::new()
+            .route(
+                "/metrics",
+                axum::routing::get(move || {
+                    let registry = registry.clone();
+                    async move { registry.render() }
+                }),
+            )
+            .route("/healthz", axum::routing::get(|| async { "ok" }));
+        tokio::spawn(async move { axum::serve(listener, app).await });
+        info!(%addr, "metrics on /metrics");
+    }
+    tokio::spawn(idem::purge::purge_loop(
+        store,
+        Arc::new(SystemClock),
+        Duration::from_secs(60),
+    ));
+    let status = tokio::spawn(relay::status_line(consumer.clone(), args.status_every));
+    info!(from = %from.display(), to = %args.to, "relaying");
+    let ran = from
+        .relay(
+            &consumer,
+            relay::Relay::new(target),
+            args.prefetch,
+            shutdown_signal(),
+        )
+        .await;
+    status.abort();
+    let c = consumer.counts();
+    info!(
+        delivered = c.handled,
+        replayed = c.replayed,
+        requeued = c.requeued,
+        dead_lettered = c.dead_lettered,
+        "relay stopped"
+    );
+    ran.map_err(|e| with_causes(&e))
+}
+
+/// `e` and the errors beneath it, as one line: "connecting to the broker: Connection refused".
+fn with_causes(e: &dyn std::error::Error) -> String {
+    let mut text = e.to_string();
+    let mut cause = e.source();
+    while let Some(c) = cause {
+        let c_text = c.to_string();
+        if !text.contains(&c_text) {
+            text = format!("{text}: {c_text}");
+        }
+        cause = c.source();
+    }
+    text
 }
 
 async fn print_ids(args: &IdArgs) -> Result<(), String> {
