@@ -29,10 +29,30 @@ fn unique(prefix: &str) -> String {
 struct Cleanup {
     url: String,
     queue: String,
+    /// PostgreSQL tables to drop too, with the database's URL.
+    tables: Option<(String, Vec<String>)>,
 }
 
 impl Drop for Cleanup {
     fn drop(&mut self) {
+        if let Some((pg, tables)) = self.tables.take() {
+            let _ = std::thread::spawn(move || {
+                let rt = tokio::runtime::Builder::new_current_thread()
+                    .enable_all()
+                    .build()
+                    .expect("runtime");
+                rt.block_on(async {
+                    let Ok(pool) = sqlx::PgPool::connect(&pg).await else {
+                        return;
+                    };
+                    for table in tables {
+                        let sql = format!("DROP TABLE IF EXISTS {table}");
+                        let _ = sqlx::query(sqlx::AssertSqlSafe(sql)).execute(&pool).await;
+                    }
+                });
+            })
+            .join();
+        }
         let (url, queue) = (self.url.clone(), self.queue.clone());
         // A fresh runtime on a fresh thread: the test's runtime may be gone or busy.
         let deleted = std::thread::spawn(move || {
@@ -127,6 +147,7 @@ async fn setup(prefix: &str, queue_type: QueueType) -> Option<(String, String, C
     let cleanup = Cleanup {
         url: url.clone(),
         queue: queue.clone(),
+        tables: None,
     };
     let _ = queue_type;
     Some((url, queue, cleanup))
@@ -1127,7 +1148,7 @@ async fn kill_and_restart(
     inbox: bool,
     n: i64,
 ) -> Option<(ChildTask, sqlx::PgPool, Cleanup)> {
-    let (url, queue, cleanup) = setup(prefix, QueueType::Quorum).await?;
+    let (url, queue, mut cleanup) = setup(prefix, QueueType::Quorum).await?;
     let pg = POSTGRES.url()?;
     let suffix = format!("{:012x}", rand::random::<u64>() >> 16);
     let task = ChildTask {
@@ -1138,6 +1159,18 @@ async fn kill_and_restart(
         runs: format!("idem_amqp_{prefix}_runs_{suffix}"),
         effects: inbox.then(|| format!("idem_amqp_{prefix}_effects_{suffix}")),
     };
+    // Dropped at the end, or when an assertion fails.
+    let companions = ["counters", "locks", "migrations"].map(|t| format!("{}_{t}", task.records));
+    let tables = [Some(&task.runs), Some(&task.records), task.effects.as_ref()];
+    cleanup.tables = Some((
+        pg.clone(),
+        tables
+            .into_iter()
+            .flatten()
+            .chain(&companions)
+            .cloned()
+            .collect(),
+    ));
     let pool = sqlx::PgPool::connect(&pg).await.expect("pool");
     sqlx::query(sqlx::AssertSqlSafe(format!(
         "CREATE TABLE {} (id text NOT NULL, fence bigint NOT NULL, started_ms bigint NOT NULL, \
@@ -1215,16 +1248,6 @@ async fn kill_and_restart(
     Some((task, pool, cleanup))
 }
 
-async fn drop_tables(pool: &sqlx::PgPool, task: &ChildTask) {
-    let companions = ["counters", "locks", "migrations"].map(|t| format!("{}_{t}", task.records));
-    let tables = [Some(&task.runs), Some(&task.records), task.effects.as_ref()];
-    for table in tables.into_iter().flatten().chain(&companions) {
-        let _ = sqlx::query(sqlx::AssertSqlSafe(format!("DROP TABLE IF EXISTS {table}")))
-            .execute(pool)
-            .await;
-    }
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn consumer_killed_and_restarted_never_runs_an_id_twice_within_a_lease() {
     const N: i64 = 400;
@@ -1238,7 +1261,6 @@ async fn consumer_killed_and_restarted_never_runs_an_id_twice_within_a_lease() {
     .fetch_all(&pool)
     .await
     .expect("runs");
-    drop_tables(&pool, &task).await;
     let mut by_id: HashMap<String, Vec<(i64, i64, i64)>> = HashMap::new();
     for (id, fence, started, expires) in rows {
         by_id.entry(id).or_default().push((fence, started, expires));
@@ -1279,7 +1301,6 @@ async fn inbox_mode_consumer_killed_and_restarted_leaves_each_effect_exactly_onc
     let total = count(&pool, format!("SELECT count(*) FROM {effects}")).await;
     let distinct = count(&pool, format!("SELECT count(DISTINCT id) FROM {effects}")).await;
     let runs = count(&pool, format!("SELECT count(*) FROM {}", task.runs)).await;
-    drop_tables(&pool, &task).await;
     assert_eq!(distinct, N, "every id has its effect");
     assert_eq!(total, N, "no id has two effects");
     assert!(
