@@ -1309,3 +1309,50 @@ async fn inbox_mode_consumer_killed_and_restarted_leaves_each_effect_exactly_onc
     );
     eprintln!("inbox mode: {runs} runs for {N} ids, one effect each");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_requeue_whose_copy_is_refused_gives_the_original_back() {
+    let Some((url, queue, _cleanup)) = setup("refused", QueueType::Quorum).await else {
+        return;
+    };
+    let mut source = AmqpSource::connect(&url, &queue).await.expect("source");
+    let publisher = AmqpPublisher::connect(&url).await.expect("publisher");
+    publisher
+        .publish_once("", &queue, "k-refused", b"x", BasicProperties::default())
+        .await
+        .expect("publish");
+    // The first requeue declares the 100 ms delay queue.
+    let d = next(&mut source).await;
+    d.settle(Disposition::Requeue {
+        delay: Duration::from_millis(50),
+    })
+    .await
+    .expect("requeue");
+    let d = next(&mut source).await;
+    assert_eq!(d.delivery_count(), Some(2));
+    // Without the delay queue the copy has nowhere to go: the broker returns it.
+    let conn = Connection::connect(&url, ConnectionProperties::default())
+        .await
+        .expect("connect");
+    let ch = conn.create_channel().await.expect("channel");
+    ch.queue_delete(
+        format!("{queue}.delay.100").as_str().into(),
+        Default::default(),
+    )
+    .await
+    .expect("delete the delay queue");
+    let _ = conn.close(200, "OK".into()).await;
+    let err = d
+        .settle(Disposition::Requeue {
+            delay: Duration::from_millis(50),
+        })
+        .await
+        .expect_err("the copy was returned");
+    assert!(matches!(err, idem_mq::MqError::Broker { .. }), "{err}");
+    let d = next(&mut source).await;
+    assert_eq!(d.message_id(), Some("k-refused"), "the original came back");
+    assert!(d.redelivered());
+    d.settle(Disposition::Ack).await.expect("ack");
+    source.shutdown().await;
+    assert_eq!(depth(&url, &queue).await, 0);
+}
