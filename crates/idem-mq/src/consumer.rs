@@ -11,8 +11,8 @@
 //!    progress, so that neither the record nor the broker's timer gives it to someone else.
 //! 3. **Store** the result (a success, or a permanent failure) in the record.
 //! 4. **Settle**: ack, or dead-letter a permanent failure. A retryable failure or a panic gives
-//!    the key back and requeues the message with backoff; after `max_attempts` deliveries it
-//!    is dead-lettered.
+//!    the key back and requeues the message with backoff; after `max_attempts` runs it is
+//!    dead-lettered.
 
 use std::fmt::{self, Display};
 use std::future::Future;
@@ -49,7 +49,9 @@ pub struct Message {
     pub payload: Bytes,
     /// The publisher's message id.
     pub message_id: Option<String>,
-    /// Which delivery this is (1 on the first), as the broker counts, or 1 if it does not.
+    /// Which run of its key this is (1 on the first): the attempts that took the key before
+    /// failed in a retryable way or died while running. For a message run without a key, the
+    /// broker's delivery count (1 if it does not count).
     pub attempt: u32,
 }
 
@@ -298,9 +300,12 @@ impl<S: Store + Clone, C: Clock + Clone> Consumer<S, C> {
         self.set(|s| s.missing_key = what)
     }
 
-    /// How many deliveries a message gets before it is dead-lettered (`attempts_exhausted`);
-    /// at least 1. A redelivery after a crash counts, so a message that crashes its consumer
-    /// every time ends in the dead letter too.
+    /// How many times a message's handler may run before it is dead-lettered
+    /// (`attempts_exhausted`); at least 1. Runs are counted by the record (each attempt that
+    /// takes the key raises its fence), so a run whose consumer died counts (a message that
+    /// crashes its consumer every time ends in the dead letter too), while a redelivery that
+    /// only waited for a running attempt, or sat unstarted in a dead consumer's prefetch
+    /// buffer, does not. Messages without a key are counted by the broker's deliveries.
     pub fn max_attempts(self, n: u32) -> Self {
         self.set(|s| s.max_attempts = n.max(1))
     }
@@ -590,17 +595,21 @@ impl<S: Store + Clone, C: Clock + Clone> Consumer<S, C> {
             .in_flight(InFlight::Wait(s.wait_in_flight))
             .permanent_if(|f: &Fault<H::Error>| matches!(f, Fault::Permanent(_)))
             .run(|lease| async move {
-                if attempt > s.max_attempts {
-                    // A crash loop: the deliveries before this one never settled.
-                    return Err(Fault::Exhausted);
+                // The fence counts the attempts that took this key: runs that failed in a
+                // retryable way, and runs whose consumer died (a crash loop), but not
+                // deliveries that only waited for the key or sat in a dead consumer's buffer.
+                let run = u32::try_from(lease.fence).unwrap_or(u32::MAX);
+                if run > s.max_attempts {
+                    return Err(Fault::Exhausted(run - 1));
                 }
                 let message = Message {
                     lease: Some(lease),
+                    attempt: run,
                     ..message
                 };
                 let renew = self.keep_alive(key, lease, delivery, ctx.ack_wait);
                 tokio::select! {
-                    done = guarded(handler.handle(message)) => done,
+                    done = guarded(run, handler.handle(message)) => done,
                     never = renew => match never {},
                 }
             })
@@ -608,7 +617,7 @@ impl<S: Store + Clone, C: Clock + Clone> Consumer<S, C> {
         match result {
             Ok(done) if done.replayed => (Disposition::Ack, Outcome::Replayed),
             Ok(_) => (Disposition::Ack, Outcome::Handled),
-            Err(RunError::Failed { error, .. }) => self.after_failure(error, attempt),
+            Err(RunError::Failed { error, .. }) => self.after_failure(error),
             Err(RunError::InProgress { retry_after }) => {
                 requeue(retry_after.clamp(s.backoff_first, s.backoff_max))
             }
@@ -632,26 +641,31 @@ impl<S: Store + Clone, C: Clock + Clone> Consumer<S, C> {
         }
     }
 
-    fn after_failure<E: Display>(&self, fault: Fault<E>, attempt: u32) -> (Disposition, Outcome) {
+    /// What follows a run that did not succeed: a permanent failure is dead-lettered; a
+    /// retryable one (or a panic) is requeued with backoff until the `max_attempts`-th run.
+    fn after_failure<E: Display>(&self, fault: Fault<E>) -> (Disposition, Outcome) {
         let max = self.settings.max_attempts;
-        let detail = match fault {
+        let (detail, run) = match fault {
             Fault::Permanent(e) => return dead(Reason::Permanent, e.to_string()),
-            Fault::Exhausted => {
+            Fault::Exhausted(runs) => {
                 return dead(
                     Reason::AttemptsExhausted,
-                    format!("delivered {attempt} times; at most {max} are allowed"),
+                    format!(
+                        "its key was taken {runs} times without a result (failures, or \
+                         consumers that died while running it); at most {max} are allowed"
+                    ),
                 );
             }
-            Fault::Retry(e) => e.to_string(),
-            Fault::Panicked(why) => format!("the handler panicked: {why}"),
+            Fault::Retry(e, run) => (e.to_string(), run),
+            Fault::Panicked(why, run) => (format!("the handler panicked: {why}"), run),
         };
-        if attempt >= max {
+        if run >= max {
             dead(
                 Reason::AttemptsExhausted,
-                format!("failed {attempt} times, the last: {detail}"),
+                format!("failed {run} times, the last: {detail}"),
             )
         } else {
-            requeue(self.delay_after(attempt))
+            requeue(self.delay_after(run))
         }
     }
 
@@ -670,9 +684,9 @@ impl<S: Store + Clone, C: Clock + Clone> Consumer<S, C> {
             message_id: delivery.message_id().map(str::to_owned),
             attempt,
         };
-        match guarded(handler.handle(message)).await {
+        match guarded(attempt, handler.handle(message)).await {
             Ok(_) => (Disposition::Ack, Outcome::Handled),
-            Err(fault) => self.after_failure(fault, attempt),
+            Err(fault) => self.after_failure(fault),
         }
     }
 
@@ -725,31 +739,37 @@ struct Ctx {
 }
 
 /// Why a run did not succeed, as the run-once engine stores it: only a permanent failure is
-/// ever stored (and read back); the other variants give the key back.
+/// ever stored (and read back); the other variants give the key back. The numbers say which
+/// run it was, or how many runs came before.
 #[derive(Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 enum Fault<E> {
     Permanent(E),
     #[serde(skip)]
-    Retry(E),
+    Retry(E, u32),
     #[serde(skip)]
-    Panicked(String),
+    Panicked(String, u32),
     #[serde(skip)]
-    Exhausted,
+    Exhausted(u32),
 }
 
-/// Runs a handler's future, turning a panic into a retryable fault.
-async fn guarded<T, E>(work: impl Future<Output = Result<T, Failure<E>>>) -> Result<T, Fault<E>> {
+/// Runs a handler's future (the `run`-th run of its key), turning a panic into a retryable
+/// fault.
+async fn guarded<T, E>(
+    run: u32,
+    work: impl Future<Output = Result<T, Failure<E>>>,
+) -> Result<T, Fault<E>> {
     match AssertUnwindSafe(work).catch_unwind().await {
         Ok(Ok(value)) => Ok(value),
         Ok(Err(Failure::Permanent(e))) => Err(Fault::Permanent(e)),
-        Ok(Err(Failure::Retry(e))) => Err(Fault::Retry(e)),
+        Ok(Err(Failure::Retry(e))) => Err(Fault::Retry(e, run)),
         Err(panic) => Err(Fault::Panicked(
             panic
                 .downcast_ref::<&str>()
                 .map(|s| (*s).to_owned())
                 .or_else(|| panic.downcast_ref::<String>().cloned())
                 .unwrap_or_else(|| "(no message)".into()),
+            run,
         )),
     }
 }

@@ -360,3 +360,37 @@ async fn shutdown_stops_taking_messages_and_finishes_what_runs() {
     assert_eq!(q.acked(), 1, "the running handler finished and was acked");
     assert_eq!(q.pending(), 4, "the rest stay in the queue");
 }
+
+#[tokio::test(start_paused = true)]
+async fn deliveries_that_only_waited_for_the_key_do_not_count_as_runs() {
+    let q = Queue::new("orders");
+    q.publish(Some("waited"), b"{}".as_slice());
+    let mut source = q.source();
+    // Five deliveries that each found the key held and were requeued, as a redelivery does
+    // while another consumer runs the message.
+    for _ in 0..5 {
+        let d = source.next().await.expect("open").expect("delivery");
+        idem_mq::Delivery::settle(
+            d,
+            idem_mq::Disposition::Requeue {
+                delay: Duration::ZERO,
+            },
+        )
+        .await
+        .expect("requeue");
+    }
+    let runs = Runs::default();
+    let consumer = Consumer::new(MemoryStore::new()).max_attempts(2);
+    let d = source.next().await.expect("open").expect("delivery");
+    assert_eq!(idem_mq::Delivery::delivery_count(&d), Some(6));
+    let outcome = consumer
+        .process(&source, d, &counting(&runs))
+        .await
+        .expect("process");
+    assert_eq!(
+        outcome,
+        Outcome::Handled,
+        "the first run of the key, on the sixth delivery"
+    );
+    assert_eq!(runs.lock().expect("lock").get("waited"), Some(&1));
+}
