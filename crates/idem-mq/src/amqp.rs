@@ -48,7 +48,10 @@
 //! count of the copy: a quorum queue's `x-delivery-count` plus one, or one for a copy the broker
 //! has not delivered before (`redelivered` unset). A classic queue does not count redeliveries
 //! after a lost connection: there a redelivered message without a quorum count answers `None`.
-//! Use a quorum queue so that a crash loop is counted and ends in the dead letter.
+//! The consumer counts a message's runs by its record, not by this count (see
+//! [`Consumer::max_attempts`](crate::Consumer::max_attempts)); the count matters for
+//! messages without a key, which have no record: use a quorum queue so that a crash loop
+//! among those is counted too.
 //!
 //! # Timers
 //!

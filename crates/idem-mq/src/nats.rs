@@ -132,8 +132,9 @@ impl NatsSourceBuilder {
     }
 
     /// How many times the server delivers one message at most, for a consumer this builder
-    /// creates; `-1` (the default, JetStream's own) for no limit. Set it above the consumer's
-    /// `max_attempts`, so that the consumer dead-letters a message with its reason before the
+    /// creates; `-1` (the default, JetStream's own) for no limit. Set it well above the
+    /// consumer's `max_attempts` (deliveries that only waited for a running attempt count here,
+    /// not there), so that the consumer dead-letters a message with its reason before the
     /// server silently stops delivering it; a finite value bounds the
     /// [redelivery horizon](self#redelivery-horizon).
     pub fn max_deliver(mut self, max_deliver: i64) -> Self {
@@ -163,9 +164,9 @@ impl NatsSourceBuilder {
     /// for a free handler: with slow handlers keep the batch near the consumer's concurrency,
     /// or a buffered message times out and is delivered again elsewhere (harmless with the
     /// records, but wasted). Likewise, when a process crashes, every message it held (running
-    /// or buffered) comes back with its delivery count raised: a message that crashes its
-    /// consumer each time raises its bystanders' counts with its own, and with a small
-    /// `max_attempts` they may be dead-lettered with it.
+    /// or buffered) comes back with its delivery count raised; the consumer counts runs by the
+    /// record, not by this count, so a buffered bystander of a crash loop is not dead-lettered
+    /// with the message that crashes its consumer.
     pub fn batch(mut self, batch: usize) -> Self {
         self.batch = batch.max(1);
         self
