@@ -430,7 +430,8 @@ struct Config {
 /// One connection's worth of state, shared with the deliveries it handed out: the connection
 /// stays open while the source or any of them holds it.
 struct Link {
-    connection: Connection,
+    /// Shared, so that the close sent when the link is dropped can own it.
+    connection: Arc<Connection>,
     /// The channel the deliveries arrived on (and are acked on).
     consume: Channel,
     /// A channel in confirm mode, for the copies requeues and dead letters publish.
@@ -438,6 +439,23 @@ struct Link {
     topology: Topology,
     /// The delay buckets declared on this connection.
     delays: Mutex<HashSet<u64>>,
+}
+
+/// Closes the connection once the source and every delivery of it are gone, explicitly:
+/// lapin closes a connection by itself only when the last handle to it and to each of its
+/// channels is gone, and a connection left open keeps its unacknowledged deliveries from
+/// every other consumer until the process exits.
+impl Drop for Link {
+    fn drop(&mut self) {
+        let connection = self.connection.clone();
+        if connection.status().connected()
+            && let Ok(runtime) = tokio::runtime::Handle::try_current()
+        {
+            runtime.spawn(async move {
+                let _ = connection.close(200, "OK".into()).bounded("closing").await;
+            });
+        }
+    }
 }
 
 impl Link {
@@ -524,7 +542,7 @@ impl Live {
         let tag = consumer.tag();
         Ok(Self {
             link: Arc::new(Link {
-                connection,
+                connection: Arc::new(connection),
                 consume,
                 publish,
                 topology: config.topology.clone(),

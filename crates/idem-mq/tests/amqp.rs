@@ -348,6 +348,37 @@ async fn unsettled_delivery_comes_back(queue_type: QueueType) -> Option<u32> {
     count
 }
 
+/// A consumer task that is aborted (its source and deliveries dropped, no `shutdown`) must
+/// not keep its connection, or the message it held would stay unacknowledged, delivered to
+/// nobody, until the process exits.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dropped_source_closes_its_connection_and_its_messages_come_back() {
+    let Some((url, queue, _cleanup)) = setup("dropped", QueueType::Quorum).await else {
+        return;
+    };
+    let mut first = AmqpSource::builder(&url, &queue)
+        .connect()
+        .await
+        .expect("source");
+    let publisher = AmqpPublisher::connect(&url).await.expect("publisher");
+    publisher
+        .publish_once("", &queue, "k-dropped", b"x", BasicProperties::default())
+        .await
+        .expect("publish");
+    let held = next(&mut first).await;
+    drop(held);
+    drop(first);
+    let mut second = AmqpSource::builder(&url, &queue)
+        .connect()
+        .await
+        .expect("source");
+    let d = next(&mut second).await;
+    assert_eq!(d.message_id(), Some("k-dropped"));
+    d.settle(Disposition::Ack).await.expect("ack");
+    second.shutdown().await;
+    publisher.close().await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_unsettled_delivery_comes_back_counted_by_a_quorum_queue() {
     if RABBITMQ.url().is_none() {
