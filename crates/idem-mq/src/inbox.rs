@@ -10,6 +10,14 @@
 //! redelivery is acked without running. Either way the database holds exactly one effect per
 //! message key.
 //!
+//! A consumer *process* that dies takes its transactions with it: the database rolls them back
+//! when their connections close. A consumer *future* dropped mid-handler (a drain time that
+//! ran out, a task aborted) leaves the rollback to sqlx, which sends it when the connection
+//! goes back to its pool; a query dropped while it waits (on a row lock, say) holds that
+//! connection, and the transaction's locks, until the query ends. Give the pool a
+//! `lock_timeout` and a `statement_timeout` shorter than the lease, so that a dropped handler
+//! can never hold a row another attempt needs for longer than that.
+//!
 //! ```no_run
 //! # async fn demo(store: idem::PostgresStore, source: idem_mq::memory::MemorySource)
 //! # -> Result<(), idem_mq::MqError> {
