@@ -3,8 +3,10 @@
 //! and an inventory consumer takes one item of the order's SKU for it through `idem-mq`'s
 //! inbox mode on the shop's database: the deduction, its row in the stock events table and
 //! the record of having handled the event commit in one transaction, and only then is the
-//! event acked. The chaos kills the consumer at random moments (its task is dropped mid-way,
-//! its connection closes, the broker delivers its unacked events again) and starts a new one.
+//! event acked. The chaos kills the consumer at random moments and starts a new one: its
+//! connections to the broker and the database are cut (each goes through a relay of its own)
+//! and its task is dropped wherever it was, so the broker delivers its unacked events again
+//! and the database rolls back its open transaction, as after a crashed process.
 //!
 //! Inbox mode needs the records in the shop's database, so the leg runs on PostgreSQL and
 //! MySQL/MariaDB only; on the SQLite default, or with no broker answering, it is skipped and
@@ -26,6 +28,7 @@ use serde::{Deserialize, Serialize};
 use sqlx::{MySql, Postgres, Transaction};
 use tokio::sync::watch;
 
+use crate::chaos::{Rates, Workload};
 use crate::db::{Db, DbError, Engine};
 use crate::schema::{Guard, Guards, Opening, Tables};
 
@@ -35,7 +38,8 @@ pub const DEFAULT_AMQP: &str = "amqp://guest:guest@127.0.0.1:5672/%2f";
 /// How long the demo waits for a broker to answer before it runs without the events leg.
 const PROBE_TIMEOUT: Duration = Duration::from_secs(3);
 
-/// How often an event is published a second time under the same message id.
+/// How often an event is published a second time under the same message id (unless the run
+/// is calm).
 const TWICE: f64 = 0.3;
 
 /// How many events one consumer handles at once.
@@ -116,6 +120,7 @@ pub struct Publisher {
     amqp: AmqpPublisher,
     queue: String,
     skus: i64,
+    twice: f64,
     rng: Mutex<StdRng>,
     ledger: Arc<Ledger>,
 }
@@ -138,7 +143,7 @@ impl Publisher {
             .rng
             .lock()
             .unwrap_or_else(PoisonError::into_inner)
-            .random_bool(TWICE);
+            .random_bool(self.twice);
         let id = OrderPaid::message_id(order);
         let body = serde_json::to_vec(&OrderPaid::of(order, self.skus)).unwrap_or_default();
         let mut confirmed = 0;
@@ -346,14 +351,14 @@ impl Current {
 /// The outcomes of every life of the consumer.
 #[derive(Default)]
 struct Tally {
-    /// Received, handled, acked without running, requeued, dead-lettered, by lives that
-    /// ended (and every delivery the by-hand consumer received).
-    ended: Mutex<[u64; 5]>,
+    /// Received, handled, acked without running, requeued, dead-lettered, unsettled, by lives
+    /// that ended (and every delivery the by-hand consumer received).
+    ended: Mutex<[u64; 6]>,
     current: Mutex<Option<Current>>,
 }
 
 impl Tally {
-    fn now(&self) -> [u64; 5] {
+    fn now(&self) -> [u64; 6] {
         let mut sum = *self.ended.lock().unwrap_or_else(PoisonError::into_inner);
         if let Some(c) = &*self.current.lock().unwrap_or_else(PoisonError::into_inner) {
             let c = c.counts();
@@ -546,6 +551,9 @@ pub struct EventsReport {
     pub kills: u64,
     /// Events published.
     pub published: u64,
+    /// Deliveries a consumer held, not yet settled, when it was killed (`None` for the
+    /// consumer by hand, which does not count them).
+    pub held_when_killed: Option<u64>,
 }
 
 /// Starts the events leg for a shop on `database` (`None`: the SQLite default) whose tables
@@ -557,11 +565,11 @@ pub async fn start(
     db: &Db,
     t: &Tables,
     guards: &Guards,
-    opening: &Opening,
-    seed: u64,
+    workload: &Workload,
 ) -> Leg {
+    let (opening, chaos, seed) = (&workload.opening, &workload.rates, workload.seed);
     let Some(url) = amqp else {
-        return Leg::Skipped("no broker given (--amqp)".into());
+        return Leg::Skipped("no AMQP broker given".into());
     };
     let (Some(database), Engine::Postgres | Engine::MySql) = (database, db.engine()) else {
         return Leg::Skipped(
@@ -583,7 +591,7 @@ pub async fn start(
             ));
         }
     }
-    match start_running(url, &queue, database, db, t, guards, opening, seed).await {
+    match start_running(url, &queue, database, db, t, guards, opening, chaos, seed).await {
         Ok(r) => Leg::Running(r),
         Err(e) => Leg::Skipped(format!("the events leg could not start: {e}")),
     }
@@ -598,6 +606,7 @@ async fn start_running(
     t: &Tables,
     guards: &Guards,
     opening: &Opening,
+    chaos: &Rates,
     seed: u64,
 ) -> Result<Running, String> {
     let inventory = Inventory::new(t, 6, seed.wrapping_add(4))?;
@@ -636,6 +645,7 @@ async fn start_running(
         amqp,
         queue: queue.to_owned(),
         skus: opening.skus,
+        twice: if chaos.duplicate > 0.0 { TWICE } else { 0.0 },
         rng: Mutex::new(StdRng::seed_from_u64(seed.wrapping_add(3))),
         ledger: ledger.clone(),
     });
@@ -657,6 +667,7 @@ async fn start_running(
             ledger: ledger.clone(),
         },
         kills_stopped,
+        chaos.crash > 0.0,
         seed.wrapping_add(5),
     ));
     Ok(Running {
@@ -812,16 +823,21 @@ impl Life {
     }
 }
 
-/// Runs the consumer, killing it after 100 to 600 ms and starting a new one, until told to
-/// stop killing; the consumer alive then runs on until `done`.
-async fn kill_and_restart(shared: Shared, mut stop_kills: watch::Receiver<bool>, seed: u64) {
+/// Runs the consumer, killing it (if `kills`) after 100 to 600 ms and starting a new one,
+/// until told to stop killing; the consumer alive then runs on until `done`.
+async fn kill_and_restart(
+    shared: Shared,
+    mut stop_kills: watch::Receiver<bool>,
+    kills: bool,
+    seed: u64,
+) {
     let mut rng = StdRng::seed_from_u64(seed);
     let mut life = Life::start(&shared).await;
     loop {
         let lifetime = Duration::from_millis(rng.random_range(100..=600));
         // Without relays (a TLS broker) a kill could not cut the connections; that consumer
         // is left to live.
-        let killable = life.wires.is_some();
+        let killable = kills && life.wires.is_some();
         let kill = tokio::select! {
             _ = stop_kills.wait_for(|s| *s) => false,
             () = tokio::time::sleep(lifetime), if killable => true,
@@ -895,8 +911,10 @@ impl Running {
             ("inventory consumer killed", get(&l.kills)),
             ("  deliveries received", n[0]),
         ];
-        if !self.by_hand {
+        let held = (!self.by_hand).then(|| n[0].saturating_sub(n[1..].iter().sum::<u64>()));
+        if let Some(held) = held {
             rows.extend([
+                ("  held by a consumer when it was killed", held),
                 ("  handled", n[1]),
                 ("  acked without running (duplicates)", n[2]),
                 ("  requeued", n[3]),
@@ -912,6 +930,7 @@ impl Running {
                 .collect(),
             kills: get(&l.kills),
             published: get(&l.events),
+            held_when_killed: held,
         }
     }
 }

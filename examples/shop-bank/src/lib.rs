@@ -204,8 +204,7 @@ pub async fn run(demo: &Demo) -> Result<Report, Error> {
         &db,
         &tables,
         &demo.guards,
-        &w.opening,
-        w.seed,
+        w,
     )
     .await;
     if let events::Leg::Running(running) = &leg {

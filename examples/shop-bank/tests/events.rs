@@ -60,6 +60,10 @@ async fn each_paid_event_takes_stock_once_with_the_consumer_killed_on_postgres()
     let report = run(&demo(db, Some(amqp), "pg")).await;
     assert_events_ran(&report);
     assert!(
+        report.events.held_when_killed.unwrap() > 0,
+        "some kills caught the consumer holding events"
+    );
+    assert!(
         report.findings.ok(),
         "violations: {:#?}",
         report.findings.violations
