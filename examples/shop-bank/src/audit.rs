@@ -8,6 +8,7 @@ use idem_guard::Scalar;
 
 use crate::chaos::{Ack, Journal};
 use crate::db::{Db, DbError, Engine, int, text};
+use crate::events::Ledger;
 use crate::schema::{MERCHANT, Opening, Tables, coupon, order};
 
 /// One broken rule.
@@ -80,12 +81,14 @@ fn repeated<K: Ord + Clone>(keys: impl IntoIterator<Item = K>) -> Vec<(K, usize)
     counts.into_iter().filter(|(_, n)| *n > 1).collect()
 }
 
-/// Audits the books in `db` against `opening` and the answers in `journal`.
+/// Audits the books in `db` against `opening` and the answers in `journal`, and, if the
+/// events leg ran, the stock events against the events in `paid_events`.
 pub async fn audit(
     db: &Db,
     t: &Tables,
     opening: &Opening,
     journal: &Journal,
+    paid_events: Option<&Ledger>,
 ) -> Result<Findings, DbError> {
     // One transaction, one snapshot of the books (REPEATABLE READ on PostgreSQL; MySQL's
     // default; SQLite's own).
@@ -140,6 +143,12 @@ pub async fn audit(
     let payments = tx
         .rows(
             &format!("SELECT payment, order_id, amount FROM {}", t.payments),
+            &[],
+        )
+        .await?;
+    let stock_events = tx
+        .rows(
+            &format!("SELECT order_id, sku, qty, outcome FROM {}", t.stock_events),
             &[],
         )
         .await?;
@@ -231,6 +240,10 @@ pub async fn audit(
 
     let mut deducted: HashMap<String, i64> = HashMap::new();
     for r in deductions.iter().filter(|r| text(r, 3) == "deducted") {
+        *deducted.entry(text(r, 1)).or_default() += int(r, 2);
+    }
+    // The inventory consumer's deductions, one per "order paid" event it handled.
+    for r in stock_events.iter().filter(|r| text(r, 3) == "deducted") {
         *deducted.entry(text(r, 1)).or_default() += int(r, 2);
     }
     let found = stock
@@ -408,6 +421,49 @@ pub async fn audit(
         }
     }
     f.check("each payment credited once", checked, found);
+
+    // "Order paid" events.
+    if let Some(ledger) = paid_events {
+        let published = ledger.published();
+        let unconfirmed = ledger.unconfirmed();
+        let mut effects: BTreeMap<i64, usize> = BTreeMap::new();
+        for r in &stock_events {
+            *effects.entry(int(r, 0)).or_default() += 1;
+        }
+        let mut found = Vec::new();
+        for o in &published {
+            match effects.get(o).copied().unwrap_or(0) {
+                1 => {}
+                0 => found.push(format!("order {o}'s paid event never took its stock")),
+                n => found.push(format!("order {o}'s paid event took its stock {n} times")),
+            }
+            if order_row
+                .get(o)
+                .is_none_or(|r| !matches!(r.2, order::PAID | order::SHIPPED))
+            {
+                found.push(format!(
+                    "order {o}'s paid event was published; it is not paid"
+                ));
+            }
+        }
+        for (o, n) in &effects {
+            if published.contains(o) {
+                continue;
+            }
+            if !unconfirmed.contains(o) {
+                found.push(format!(
+                    "order {o}'s stock was taken {n} times; no event was published for it"
+                ));
+            } else if *n > 1 {
+                found.push(format!("order {o}'s paid event took its stock {n} times"));
+            }
+        }
+        f.check(
+            "each paid event takes stock once",
+            published.len() + unconfirmed.len(),
+            found,
+        );
+    }
 
     // Versions.
     let mut history: HashMap<i64, Vec<(i64, i64)>> = HashMap::new();

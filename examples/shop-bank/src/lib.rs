@@ -11,10 +11,15 @@
 //! loose on it (timeouts, lost answers, duplicates, double clicks, a service that stops after
 //! committing), and then [`audit`]s the books against the opening books and every answer the
 //! clients accepted.
+//!
+//! On PostgreSQL or MySQL, with a RabbitMQ broker answering, the [`events`] leg runs too: an
+//! "order paid" event for every credited payment, consumed by an inventory consumer that is
+//! killed and restarted during the run, and audited to have taken stock once per event.
 
 pub mod audit;
 pub mod chaos;
 pub mod db;
+pub mod events;
 pub mod schema;
 pub mod shop;
 
@@ -29,6 +34,7 @@ use rand::{RngExt, SeedableRng};
 pub use audit::{Findings, Violation};
 pub use chaos::{Journal, Rates, Workload};
 pub use db::Db;
+pub use events::{DEFAULT_AMQP, EventsReport};
 pub use schema::{Guard, Guards, Opening, Tables};
 pub use shop::{ServerChaos, Shop};
 
@@ -60,8 +66,10 @@ pub struct Demo {
     pub workload: Workload,
     /// Whether to print progress to standard error.
     pub progress: bool,
-    /// Whether to drop the tables after the audit (server databases only).
+    /// Whether to drop the tables (and the events queue) after the audit.
     pub drop_after: bool,
+    /// The AMQP broker for the events leg (`None`: no events leg).
+    pub amqp: Option<String>,
 }
 
 impl Demo {
@@ -80,6 +88,7 @@ impl Demo {
             },
             progress: false,
             drop_after: false,
+            amqp: Some(DEFAULT_AMQP.into()),
         }
     }
 }
@@ -99,6 +108,8 @@ pub struct Report {
     pub traffic: String,
     /// How long the clients ran.
     pub elapsed: Duration,
+    /// The events leg: what ran, or why it was skipped.
+    pub events: EventsReport,
 }
 
 /// The shop's database and idem's store for `database`; the temporary directory holding
@@ -179,16 +190,27 @@ pub async fn run(demo: &Demo) -> Result<Report, Error> {
     let store = store.open().await?;
     let rates = &w.rates;
     let chaos = ServerChaos::new(rates.crash, rates.pause_ms, w.seed.wrapping_add(1));
-    let shop = Arc::new(
-        Shop::new(
-            db.clone(),
-            tables.clone(),
-            store.clone(),
-            demo.guards.clone(),
-            chaos,
-        )
-        .map_err(Error::Setup)?,
-    );
+    let mut shop = Shop::new(
+        db.clone(),
+        tables.clone(),
+        store.clone(),
+        demo.guards.clone(),
+        chaos,
+    )
+    .map_err(Error::Setup)?;
+    let leg = events::start(
+        demo.amqp.as_deref(),
+        demo.database.as_deref(),
+        &db,
+        &tables,
+        &demo.guards,
+        w,
+    )
+    .await;
+    if let events::Leg::Running(running) = &leg {
+        shop = shop.with_events(running.publisher.clone());
+    }
+    let shop = Arc::new(shop);
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
         .await
         .map_err(|e| Error::Setup(e.to_string()))?;
@@ -224,7 +246,21 @@ pub async fn run(demo: &Demo) -> Result<Report, Error> {
         let _ = p.await;
     }
     let _ = server.await;
-    let findings = audit::audit(&db, &tables, &w.opening, &journal).await?;
+    let (events, ledger) = match leg {
+        events::Leg::Skipped(why) => (
+            EventsReport {
+                skipped: Some(why),
+                ..EventsReport::default()
+            },
+            None,
+        ),
+        events::Leg::Running(running) => {
+            let ledger = running.ledger.clone();
+            let report = running.finish(&db, &tables, demo.drop_after).await;
+            (report, Some(ledger))
+        }
+    };
+    let findings = audit::audit(&db, &tables, &w.opening, &journal, ledger.as_deref()).await?;
     if demo.drop_after {
         tables.drop_all(&db).await?;
     }
@@ -232,8 +268,9 @@ pub async fn run(demo: &Demo) -> Result<Report, Error> {
     let _ = tokio::time::timeout(Duration::from_secs(10), db.close()).await;
     Ok(Report {
         findings,
-        traffic: traffic(&journal),
+        traffic: traffic(&journal) + &events.traffic,
         elapsed,
+        events,
     })
 }
 

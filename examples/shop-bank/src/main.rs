@@ -33,8 +33,15 @@ struct Cli {
     /// Operations in all (default 1500, or 20000 with --random).
     #[arg(long)]
     ops: Option<u64>,
+    /// The RabbitMQ broker for the "order paid" events leg (PostgreSQL or MySQL only). With
+    /// no broker answering, the demo runs without that leg and says so.
+    #[arg(long, env = "SHOP_AMQP", default_value = shop_bank::DEFAULT_AMQP, value_name = "URL")]
+    amqp: String,
+    /// Run without the events leg.
+    #[arg(long)]
+    no_events: bool,
     /// Switch a guard off to watch the audit catch it: ticket, stock, coupon, token, account,
-    /// payment or version. Repeatable.
+    /// payment, version or events. Repeatable.
     #[arg(long = "unguard", value_name = "GUARD")]
     unguard: Vec<Guard>,
     /// No timeouts, lost answers, duplicates, double clicks or crashes.
@@ -80,6 +87,7 @@ async fn main() -> ExitCode {
     demo.prefix = cli.prefix.clone();
     demo.guards = guards;
     demo.progress = true;
+    demo.amqp = (!cli.no_events).then(|| cli.amqp.clone());
     let w = &mut demo.workload;
     w.clients = usize::try_from(cli.clients).unwrap_or(16);
     if cli.random {
@@ -114,6 +122,10 @@ async fn main() -> ExitCode {
             return ExitCode::from(2);
         }
     };
+    match &report.events.skipped {
+        Some(why) => println!("events leg skipped: {why}"),
+        None => println!("events leg: {}", report.events.description),
+    }
     println!("\ntraffic ({:.1} s)", report.elapsed.as_secs_f64());
     print!("{}", report.traffic);
     println!("\naudit");

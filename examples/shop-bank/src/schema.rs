@@ -26,11 +26,14 @@ pub enum Guard {
     Payment,
     /// Order status changes under an optimistic lock (seeds 001/004).
     Version,
+    /// The inventory consumer of "order paid" events runs each event once through
+    /// `idem-mq`'s inbox mode (seed 004's MQ redelivery); off, it deducts and acks by hand.
+    Events,
 }
 
 impl Guard {
     /// Every guard.
-    pub const ALL: [Guard; 7] = [
+    pub const ALL: [Guard; 8] = [
         Guard::Ticket,
         Guard::Stock,
         Guard::Coupon,
@@ -38,6 +41,7 @@ impl Guard {
         Guard::Account,
         Guard::Payment,
         Guard::Version,
+        Guard::Events,
     ];
 
     /// Its name on the command line.
@@ -50,6 +54,7 @@ impl Guard {
             Guard::Account => "account",
             Guard::Payment => "payment",
             Guard::Version => "version",
+            Guard::Events => "events",
         }
     }
 }
@@ -205,6 +210,10 @@ pub struct Tables {
     pub order_events: String,
     /// Credited payments: `payment`, `order_id`, `amount`.
     pub payments: String,
+    /// What the inventory consumer did for each "order paid" event it handled: `order_id`
+    /// (deliberately not unique, so that the audit counts duplicates), `sku`, `qty`,
+    /// `outcome`.
+    pub stock_events: String,
     /// idem's records (PostgreSQL and MySQL only; SQLite keeps them in a file of their own).
     pub records: String,
 }
@@ -234,11 +243,17 @@ impl Tables {
             orders: t("orders"),
             order_events: t("order_events"),
             payments: t("payments"),
+            stock_events: t("stock_events"),
             records: t("idem_records"),
         })
     }
 
-    fn all(&self) -> [&str; 9] {
+    /// The prefix the tables are named with.
+    pub fn prefix(&self) -> &str {
+        self.accounts.strip_suffix("accounts").unwrap_or_default()
+    }
+
+    fn all(&self) -> [&str; 10] {
         [
             &self.accounts,
             &self.tickets,
@@ -249,6 +264,7 @@ impl Tables {
             &self.orders,
             &self.order_events,
             &self.payments,
+            &self.stock_events,
         ]
     }
 
@@ -321,6 +337,11 @@ impl Tables {
                 "CREATE TABLE {} (payment VARCHAR(64) NOT NULL, order_id BIGINT NOT NULL, amount BIGINT NOT NULL)",
                 self.payments
             ),
+            format!(
+                "CREATE TABLE {} (order_id BIGINT NOT NULL, sku VARCHAR(64) NOT NULL, \
+                 qty BIGINT NOT NULL, outcome VARCHAR(32) NOT NULL)",
+                self.stock_events
+            ),
         ];
         for stmt in &ddl {
             db.exec(stmt, &[]).await?;
@@ -346,6 +367,7 @@ impl Tables {
         indexes.push(index(false, "form", &self.orders, "form"));
         indexes.push(index(false, "order", &self.order_events, "order_id"));
         indexes.push(index(false, "order", &self.payments, "order_id"));
+        indexes.push(index(false, "order", &self.stock_events, "order_id"));
         for stmt in &indexes {
             db.exec(stmt, &[]).await?;
         }

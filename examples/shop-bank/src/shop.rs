@@ -102,6 +102,7 @@ pub struct Shop {
     coupon_state: StateMachine,
     order_state: StateMachine,
     order_version: Versioned,
+    events: Option<Arc<crate::events::Publisher>>,
 }
 
 /// How long a form token is good for.
@@ -167,6 +168,7 @@ impl Shop {
                 .edge(order::CREATED, order::CANCELLED)
                 .map_err(g)?,
             order_version: Versioned::new(&t.orders, "id", "version").map_err(g)?,
+            events: None,
             once: Idempotency::new(store.clone()),
             tokens: Tokens::new(store, Arc::new(idem::SystemClock)),
             db,
@@ -175,6 +177,21 @@ impl Shop {
             ids,
             chaos,
         })
+    }
+
+    /// Publishes an "order paid" event through `events` whenever a payment is credited.
+    #[must_use]
+    pub fn with_events(mut self, events: Arc<crate::events::Publisher>) -> Self {
+        self.events = Some(events);
+        self
+    }
+
+    /// Publishes the "order paid" event, if events are on. After the commit: the books hold
+    /// the payment whether or not the broker takes the event.
+    async fn order_paid(&self, order_id: i64) {
+        if let Some(events) = &self.events {
+            events.order_paid(order_id).await;
+        }
     }
 
     /// The database.
@@ -1506,6 +1523,7 @@ async fn pay_tx(
                 )));
             }
             tx.commit().await?;
+            shop.order_paid(order_id).await;
             if shop.chaos.crashes() {
                 // Committed, and the answer lost with the process: the record is released,
                 // and the next callback finds the order paid.
@@ -1594,6 +1612,7 @@ async fn pay_unguarded(
         return Ok(Err(internal("the merchant cannot be credited")));
     }
     tx.commit().await?;
+    shop.order_paid(order_id).await;
     let paid = Paid {
         payment: cb.payment.clone(),
         order: order_id.to_string(),
