@@ -72,13 +72,16 @@ pub enum Failure<E> {
     /// Retrying may help (a database outage): the key is given back and the message requeued
     /// with backoff, up to the consumer's `max_attempts`.
     Retry(E),
+    /// Like [`Failure::Retry`], not before this long (a downstream's `Retry-After`); the
+    /// delay is bounded by the consumer's backoff maximum.
+    RetryAfter(E, Duration),
 }
 
 impl<E: Display> Display for Failure<E> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
             Failure::Permanent(e) => write!(f, "permanent: {e}"),
-            Failure::Retry(e) => write!(f, "retryable: {e}"),
+            Failure::Retry(e) | Failure::RetryAfter(e, _) => write!(f, "retryable: {e}"),
         }
     }
 }
@@ -645,7 +648,7 @@ impl<S: Store + Clone, C: Clock + Clone> Consumer<S, C> {
     /// retryable one (or a panic) is requeued with backoff until the `max_attempts`-th run.
     fn after_failure<E: Display>(&self, fault: Fault<E>) -> (Disposition, Outcome) {
         let max = self.settings.max_attempts;
-        let (detail, run) = match fault {
+        let (detail, run, after) = match fault {
             Fault::Permanent(e) => return dead(Reason::Permanent, e.to_string()),
             Fault::Exhausted(runs) => {
                 return dead(
@@ -656,8 +659,8 @@ impl<S: Store + Clone, C: Clock + Clone> Consumer<S, C> {
                     ),
                 );
             }
-            Fault::Retry(e, run) => (e.to_string(), run),
-            Fault::Panicked(why, run) => (format!("the handler panicked: {why}"), run),
+            Fault::Retry(e, run, after) => (e.to_string(), run, after),
+            Fault::Panicked(why, run) => (format!("the handler panicked: {why}"), run, None),
         };
         if run >= max {
             dead(
@@ -665,7 +668,8 @@ impl<S: Store + Clone, C: Clock + Clone> Consumer<S, C> {
                 format!("failed {run} times, the last: {detail}"),
             )
         } else {
-            requeue(self.delay_after(run))
+            let backoff = self.delay_after(run);
+            requeue(after.map_or(backoff, |a| a.min(self.settings.backoff_max)))
         }
     }
 
@@ -746,7 +750,7 @@ struct Ctx {
 enum Fault<E> {
     Permanent(E),
     #[serde(skip)]
-    Retry(E, u32),
+    Retry(E, u32, Option<Duration>),
     #[serde(skip)]
     Panicked(String, u32),
     #[serde(skip)]
@@ -762,7 +766,8 @@ async fn guarded<T, E>(
     match AssertUnwindSafe(work).catch_unwind().await {
         Ok(Ok(value)) => Ok(value),
         Ok(Err(Failure::Permanent(e))) => Err(Fault::Permanent(e)),
-        Ok(Err(Failure::Retry(e))) => Err(Fault::Retry(e, run)),
+        Ok(Err(Failure::Retry(e))) => Err(Fault::Retry(e, run, None)),
+        Ok(Err(Failure::RetryAfter(e, after))) => Err(Fault::Retry(e, run, Some(after))),
         Err(panic) => Err(Fault::Panicked(
             panic
                 .downcast_ref::<&str>()

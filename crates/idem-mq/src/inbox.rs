@@ -220,6 +220,9 @@ where
             Ok(value) => value,
             Err(Failure::Permanent(e)) => return Err(Failure::Permanent(InboxError::Handler(e))),
             Err(Failure::Retry(e)) => return Err(Failure::Retry(InboxError::Handler(e))),
+            Err(Failure::RetryAfter(e, after)) => {
+                return Err(Failure::RetryAfter(InboxError::Handler(e), after));
+            }
         };
         // The bytes `run` stores afterwards, so that its own `complete` changes nothing.
         let response = idem::stored_value(&value).map_err(|e| db(&e))?;

@@ -394,3 +394,41 @@ async fn deliveries_that_only_waited_for_the_key_do_not_count_as_runs() {
     );
     assert_eq!(runs.lock().expect("lock").get("waited"), Some(&1));
 }
+
+#[tokio::test(start_paused = true)]
+async fn a_retry_after_sets_the_requeue_delay_within_the_backoff_bound() {
+    let q = Queue::new("orders");
+    q.publish(Some("later"), b"{}".as_slice());
+    let ran = Arc::new(AtomicUsize::new(0));
+    let counter = ran.clone();
+    let handler = move |_m: Message| {
+        let n = counter.fetch_add(1, Ordering::SeqCst);
+        async move {
+            if n == 0 {
+                Err(Failure::RetryAfter(
+                    "rate limited".to_owned(),
+                    Duration::from_secs(40),
+                ))
+            } else {
+                Ok(())
+            }
+        }
+    };
+    let consumer = Consumer::new(MemoryStore::new())
+        .backoff(Duration::from_millis(10), Duration::from_secs(30));
+    let start = tokio::time::Instant::now();
+    // Paused time: the bound on the wait is virtual, past the 30 s requeue.
+    tokio::time::timeout(
+        Duration::from_secs(120),
+        consumer.run(q.source(), handler, q.clone().drained()),
+    )
+    .await
+    .expect("drains")
+    .expect("runs");
+    assert_eq!(ran.load(Ordering::SeqCst), 2);
+    let waited = start.elapsed();
+    assert!(
+        waited >= Duration::from_secs(30) && waited < Duration::from_secs(40),
+        "asked for 40 s, bounded at 30 s: {waited:?}"
+    );
+}

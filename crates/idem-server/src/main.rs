@@ -89,6 +89,11 @@ struct RelayArgs {
     #[arg(long, env = "IDEM_RELAY_CONSUMER", value_name = "NAME")]
     consumer: Option<String>,
 
+    /// Only the stream's messages on this subject (wildcards allowed), for a JetStream
+    /// consumer the relay creates.
+    #[arg(long, env = "IDEM_RELAY_SUBJECT", value_name = "SUBJECT")]
+    subject: Option<String>,
+
     /// Where each message is POSTed: an http:// URL.
     #[arg(long, env = "IDEM_RELAY_TO", value_name = "URL")]
     to: String,
@@ -475,6 +480,7 @@ async fn relay(args: RelayArgs) -> Result<(), String> {
         args.queue.as_deref(),
         args.stream.as_deref(),
         args.consumer.as_deref(),
+        args.subject.as_deref(),
     )?;
     let mut target = relay::Target::parse(&args.to)?
         .timeout(args.timeout)

@@ -6,7 +6,7 @@
 //! is acked without calling the target again. 5xx, 408, 425, 429, a 409 "in progress", a
 //! connection that fails and a timeout are retried with backoff (the same key every time, so
 //! a target that honours `Idempotency-Key`, such as `idem gateway`, runs the request once),
-//! and dead-lettered after the last attempt.
+//! and dead-lettered after the last attempt; a `Retry-After` in seconds sets the delay.
 
 use std::fmt;
 use std::sync::Arc;
@@ -170,7 +170,17 @@ impl Relay {
         metrics::counter!("idem_relay_requests_total", "result" => status_class(status))
             .increment(1);
         if retryable(status, &head.headers, body.as_deref()) {
-            return Err(retry(format!("the target answered {status}")));
+            let why = RelayError(format!("the target answered {status}"));
+            // A delay the target asks for (in seconds; an HTTP date is not followed).
+            let after = head
+                .headers
+                .get(RETRY_AFTER)
+                .and_then(|v| v.to_str().ok()?.trim().parse::<u64>().ok())
+                .map(Duration::from_secs);
+            return Err(match after {
+                Some(after) => Failure::RetryAfter(why, after),
+                None => Failure::Retry(why),
+            });
         }
         if status.is_client_error() && self.target.dead_letter_4xx {
             return Err(Failure::Permanent(RelayError(format!(
@@ -285,6 +295,9 @@ pub enum From {
         stream: String,
         /// The durable consumer (created if missing).
         consumer: String,
+        /// The subjects it takes, for a consumer the relay creates (default: all the
+        /// stream's).
+        subject: Option<String>,
     },
 }
 
@@ -295,13 +308,16 @@ impl From {
         queue: Option<&str>,
         stream: Option<&str>,
         consumer: Option<&str>,
+        subject: Option<&str>,
     ) -> Result<Self, String> {
         let scheme = url.split_once("://").map_or("", |(s, _)| s);
         match scheme {
             "amqp" | "amqps" => {
                 let queue = queue.ok_or("--from amqp://… needs --queue NAME")?;
-                if stream.is_some() || consumer.is_some() {
-                    return Err("--stream and --consumer are for nats://; use --queue".into());
+                if stream.is_some() || consumer.is_some() || subject.is_some() {
+                    return Err(
+                        "--stream, --consumer and --subject are for nats://; use --queue".into(),
+                    );
                 }
                 Ok(From::Amqp {
                     url: url.to_owned(),
@@ -317,6 +333,7 @@ impl From {
                     url: url.to_owned(),
                     stream: stream.to_owned(),
                     consumer: consumer.unwrap_or("idem-relay").to_owned(),
+                    subject: subject.map(str::to_owned),
                 })
             }
             _ => Err(format!(
@@ -334,6 +351,7 @@ impl From {
                 url,
                 stream,
                 consumer,
+                ..
             } => format!("{} stream {stream} consumer {consumer}", redact_url(url)),
         }
     }
@@ -365,11 +383,14 @@ impl From {
                 url,
                 stream,
                 consumer: name,
+                subject,
             } => {
-                let source = idem_mq::nats::NatsSource::builder(stream.clone(), name.clone())
-                    .batch(usize::from(prefetch))
-                    .connect(url)
-                    .await?;
+                let mut builder = idem_mq::nats::NatsSource::builder(stream.clone(), name.clone())
+                    .batch(usize::from(prefetch));
+                if let Some(subject) = subject {
+                    builder = builder.filter_subject(subject.clone());
+                }
+                let source = builder.connect(url).await?;
                 consumer.run(source, relay, shutdown).await
             }
         }
@@ -402,16 +423,18 @@ mod tests {
             Some("orders"),
             None,
             None,
+            None,
         )
         .unwrap_or_else(|e| panic!("{e}"));
         assert!(!amqp.display().contains("secret"), "{}", amqp.display());
-        assert!(From::parse("amqp://h/", None, None, None).is_err());
-        assert!(From::parse("amqp://h/", Some("q"), Some("s"), None).is_err());
-        let nats = From::parse("nats://127.0.0.1:4222", None, Some("ORDERS"), None)
+        assert!(From::parse("amqp://h/", None, None, None, None).is_err());
+        assert!(From::parse("amqp://h/", Some("q"), Some("s"), None, None).is_err());
+        assert!(From::parse("amqp://h/", Some("q"), None, None, Some("a.>")).is_err());
+        let nats = From::parse("nats://127.0.0.1:4222", None, Some("ORDERS"), None, None)
             .unwrap_or_else(|e| panic!("{e}"));
         assert!(matches!(nats, From::Nats { ref consumer, .. } if consumer == "idem-relay"));
-        assert!(From::parse("nats://h", Some("q"), Some("S"), None).is_err());
-        let err = From::parse("kafka://u:pw@h", Some("q"), None, None).unwrap_err();
+        assert!(From::parse("nats://h", Some("q"), Some("S"), None, None).is_err());
+        let err = From::parse("kafka://u:pw@h", Some("q"), None, None, None).unwrap_err();
         assert!(!err.contains("pw"), "{err}");
     }
 }
