@@ -25,6 +25,22 @@ fn nats_url() -> Option<String> {
     idem_testkit::services::NATS.url()
 }
 
+/// What a test handler's run returns.
+type Run = std::pin::Pin<Box<dyn Future<Output = Result<(), Failure<String>>> + Send>>;
+
+/// A handler that records each run in `runs` and takes `takes` to finish.
+fn timed_handler(runs: &Arc<Runs>, takes: Duration) -> impl Fn(Message) -> Run + use<> {
+    let runs = Arc::clone(runs);
+    move |msg: Message| {
+        let runs = Arc::clone(&runs);
+        Box::pin(async move {
+            let _run = runs.start(msg.message_id.as_deref().unwrap_or(""));
+            tokio::time::sleep(takes).await;
+            Ok::<_, Failure<String>>(())
+        })
+    }
+}
+
 /// A stream `name` on `<name>.in`, and its dead-letter stream `<name>_DL` on `<name>.dead`;
 /// both deleted when dropped.
 struct Streams {
@@ -882,17 +898,7 @@ async fn messages_published_twice_run_once_per_id() {
     let source = Observed::new(source, &deliveries);
     let consumer = Consumer::new(idem::MemoryStore::new()).concurrency(32);
     let runs = Arc::new(Runs::default());
-    let handler = {
-        let runs = Arc::clone(&runs);
-        move |msg: Message| {
-            let runs = Arc::clone(&runs);
-            async move {
-                let _run = runs.start(msg.message_id.as_deref().unwrap_or(""));
-                tokio::time::sleep(Duration::from_millis(2)).await;
-                Ok::<_, Failure<String>>(())
-            }
-        }
-    };
+    let handler = timed_handler(&runs, Duration::from_millis(2));
     let (stop, shutdown) = shutdown_switch();
     let run = tokio::spawn({
         let consumer = consumer.clone();
@@ -1747,17 +1753,7 @@ async fn the_consumer_runs_each_id_once_across_a_server_restart() {
         .max_attempts(50)
         .backoff(Duration::from_millis(50), Duration::from_millis(500));
     let runs = Arc::new(Runs::default());
-    let handler = {
-        let runs = Arc::clone(&runs);
-        move |msg: Message| {
-            let runs = Arc::clone(&runs);
-            async move {
-                let _run = runs.start(msg.message_id.as_deref().unwrap_or(""));
-                tokio::time::sleep(Duration::from_millis(30)).await;
-                Ok::<_, Failure<String>>(())
-            }
-        }
-    };
+    let handler = timed_handler(&runs, Duration::from_millis(30));
     let (stop, shutdown) = shutdown_switch();
     let run = tokio::spawn({
         let consumer = consumer.clone();
