@@ -5,7 +5,7 @@
 //! (`idem`) and the server plug into it.
 //!
 //! ```
-//! use idem_core::{BeginOutcome, BeginRequest, Fingerprint, Key, Record, Timestamp};
+//! use idem_core::{BeginOutcome, BeginRequest, Fingerprint, Key, LeaseId, Record, Timestamp};
 //!
 //! let key = Key::parse("tenant-1", "transfer", "order-42").unwrap();
 //! let fp = Fingerprint::of_json_str(r#"{"amount": 100, "to": "bob"}"#).unwrap();
@@ -13,14 +13,14 @@
 //! let now = Timestamp::from_millis(1_000);
 //!
 //! // The first attempt acquires the key...
-//! let step = Record::begin(None, &req, now);
+//! let step = Record::begin(None, &req, now, LeaseId::generate());
 //! let BeginOutcome::Acquired(lease) = step.outcome else { panic!() };
 //! let record = step.write.unwrap();
 //! // ...a concurrent retry is told it is in progress...
-//! assert!(matches!(Record::begin(Some(&record), &req, now).outcome, BeginOutcome::InProgress { .. }));
+//! assert!(matches!(Record::begin(Some(&record), &req, now, LeaseId::generate()).outcome, BeginOutcome::InProgress { .. }));
 //! // ...and once completed, every retry gets the stored answer.
 //! let done = Record::complete(Some(&record), &lease, "sent".into(), now).unwrap().unwrap();
-//! assert!(matches!(Record::begin(Some(&done), &req, now).outcome, BeginOutcome::Replay(_)));
+//! assert!(matches!(Record::begin(Some(&done), &req, now, LeaseId::generate()).outcome, BeginOutcome::Replay(_)));
 //! ```
 
 pub mod clock;

@@ -268,7 +268,14 @@ impl Record {
 
     /// The `begin` transition: `existing` is the stored record for `req.key`, if any (live or
     /// not), and the store must apply the returned step atomically with having read `existing`.
-    pub fn begin(existing: Option<&Record>, req: &BeginRequest, now: Timestamp) -> BeginStep {
+    /// `id` is the lease id an acquisition hands out; the store draws it
+    /// ([`LeaseId::generate`]), so that the transition is a function of its inputs alone.
+    pub fn begin(
+        existing: Option<&Record>,
+        req: &BeginRequest,
+        now: Timestamp,
+        id: LeaseId,
+    ) -> BeginStep {
         if let Some(r) = existing.filter(|r| r.is_live(now)) {
             let outcome = match (r.status, r.fingerprint == req.fingerprint) {
                 (Status::Completed, true) => Some(BeginOutcome::Replay(Replay {
@@ -293,19 +300,25 @@ impl Record {
             }
         }
         let fence = existing.map_or(0, |r| r.fence).saturating_add(1);
-        let (lease, record) = Self::acquired(req, now, fence);
+        let (lease, record) = Self::acquired(req, now, fence, id);
         BeginStep {
             outcome: BeginOutcome::Acquired(lease),
             write: Some(record),
         }
     }
 
-    /// The lease and the record a `begin` that acquires writes, given the fence. Stores that
+    /// The lease and the record a `begin` that acquires writes, given the fence and the lease
+    /// id. Stores that
     /// decide `begin` inside the database (a SQL statement, a Lua script) take every value but
     /// the fence from here, so they agree with [`Record::begin`] to the millisecond.
-    pub fn acquired(req: &BeginRequest, now: Timestamp, fence: u64) -> (Lease, Record) {
+    pub fn acquired(
+        req: &BeginRequest,
+        now: Timestamp,
+        fence: u64,
+        id: LeaseId,
+    ) -> (Lease, Record) {
         let lease = Lease {
-            id: LeaseId::generate(),
+            id,
             fence,
             expires_at: now.saturating_add(req.lease.max(MIN_DURATION)),
         };
@@ -463,7 +476,7 @@ mod tests {
     }
 
     fn acquire(existing: Option<&Record>, r: &BeginRequest, now: Timestamp) -> (Lease, Record) {
-        let step = Record::begin(existing, r, now);
+        let step = Record::begin(existing, r, now, LeaseId::generate());
         match (step.outcome, step.write) {
             (BeginOutcome::Acquired(l), Some(w)) => (l, w),
             other => panic!("expected acquired, got {other:?}"),
@@ -476,7 +489,7 @@ mod tests {
         let (lease, rec) = acquire(None, &r, t(0));
         assert_eq!(lease.fence, 1);
         assert_eq!(rec.status, Status::InProgress);
-        let step = Record::begin(Some(&rec), &r, t(1));
+        let step = Record::begin(Some(&rec), &r, t(1), LeaseId::generate());
         assert_eq!(
             step.outcome,
             BeginOutcome::InProgress {
@@ -487,12 +500,12 @@ mod tests {
             .unwrap()
             .unwrap();
         assert_eq!(done.expires_at, t(102));
-        match Record::begin(Some(&done), &r, t(3)).outcome {
+        match Record::begin(Some(&done), &r, t(3), LeaseId::generate()).outcome {
             BeginOutcome::Replay(rep) => assert_eq!(&rep.response[..], b"ok"),
             o => panic!("{o:?}"),
         }
         assert_eq!(
-            Record::begin(Some(&done), &req(b"b"), t(3)).outcome,
+            Record::begin(Some(&done), &req(b"b"), t(3), LeaseId::generate()).outcome,
             BeginOutcome::Mismatch
         );
         // after the TTL the key is free again, with a higher fence
@@ -563,16 +576,16 @@ mod tests {
     fn in_progress_with_other_fingerprint_is_a_mismatch_even_after_lease_expiry() {
         let (_, rec) = acquire(None, &req(b"a"), t(0));
         assert_eq!(
-            Record::begin(Some(&rec), &req(b"b"), t(20)).outcome,
+            Record::begin(Some(&rec), &req(b"b"), t(20), LeaseId::generate()).outcome,
             BeginOutcome::Mismatch
         );
         assert_eq!(
-            Record::begin(Some(&rec), &req(b"b"), t(109)).outcome,
+            Record::begin(Some(&rec), &req(b"b"), t(109), LeaseId::generate()).outcome,
             BeginOutcome::Mismatch
         );
         // ...until a whole TTL has passed since the lease ran out
         assert!(matches!(
-            Record::begin(Some(&rec), &req(b"b"), t(110)).outcome,
+            Record::begin(Some(&rec), &req(b"b"), t(110), LeaseId::generate()).outcome,
             BeginOutcome::Acquired(_)
         ));
     }
@@ -585,7 +598,7 @@ mod tests {
         let (lease, rec) = acquire(None, &r, t(0));
         assert_eq!(lease.expires_at, Timestamp::from_millis(1));
         assert!(matches!(
-            Record::begin(Some(&rec), &r, t(0)).outcome,
+            Record::begin(Some(&rec), &r, t(0), LeaseId::generate()).outcome,
             BeginOutcome::InProgress { .. }
         ));
         assert_eq!(rec.ttl_ms, 1);
@@ -597,5 +610,17 @@ mod tests {
         assert_eq!(LeaseId::parse(&id.to_string()), Some(id));
         assert_eq!(LeaseId::parse("xyz"), None);
         assert_eq!(LeaseId::parse(&"+".repeat(32)), None);
+    }
+
+    #[test]
+    fn begin_is_a_function_of_its_inputs() {
+        let r = req(b"a");
+        let id = LeaseId::from_bytes([7; 16]);
+        let (one, two) = (
+            Record::begin(None, &r, t(5), id),
+            Record::begin(None, &r, t(5), id),
+        );
+        assert_eq!(one.write, two.write);
+        assert!(matches!(one.outcome, BeginOutcome::Acquired(l) if l.id == id && l.fence == 1));
     }
 }

@@ -395,7 +395,7 @@ async fn begin_batch<S: ManyAtOnce>(
     }
     let fresh: Vec<_> = jobs
         .iter()
-        .map(|j| Record::acquired(&j.req, j.now, 1))
+        .map(|j| Record::acquired(&j.req, j.now, 1, idem_core::LeaseId::generate()))
         .collect();
     let rows = match store.begin_many(&jobs, &fresh).await {
         Ok(rows) => rows,
@@ -833,7 +833,7 @@ mod tests {
         begins(n)
             .into_iter()
             .map(|j| {
-                let (lease, _) = Record::acquired(&j.req, j.now, 1);
+                let (lease, _) = Record::acquired(&j.req, j.now, 1, idem_core::LeaseId::generate());
                 CompleteJob {
                     key: j.req.key,
                     lease,

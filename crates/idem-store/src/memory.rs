@@ -238,7 +238,8 @@ impl MemoryStore {
         // One lookup: keys are reference-counted, so the clone for `entry` is cheap.
         Some(match shard.entry(req.key.clone()) {
             Entry::Occupied(mut slot) => {
-                let step = Record::begin(Some(slot.get()), req, now);
+                let step =
+                    Record::begin(Some(slot.get()), req, now, idem_core::LeaseId::generate());
                 if let Some(new) = step.write {
                     let before = size(slot.get());
                     self.changed(before, &new);
@@ -247,7 +248,7 @@ impl MemoryStore {
                 step.outcome
             }
             Entry::Vacant(slot) => {
-                let step = Record::begin(None, req, now);
+                let step = Record::begin(None, req, now, idem_core::LeaseId::generate());
                 if let Some(new) = step.write {
                     if !self.reserve(&new) {
                         return None;

@@ -361,7 +361,7 @@ impl MySqlStore {
         req: &BeginRequest,
         now: Timestamp,
     ) -> Result<BeginOutcome, StoreError> {
-        let (lease, fresh) = Record::acquired(req, now, 1);
+        let (lease, fresh) = Record::acquired(req, now, 1, idem_core::LeaseId::generate());
         let now_ms = sql_int(now.as_millis());
         for _ in 0..8 {
             let done = keyed(sqlx::query(self.sql.begin.clone()), &req.key)
@@ -383,7 +383,7 @@ impl MySqlStore {
                 return Ok(BeginOutcome::Acquired(Lease { fence, ..lease }));
             }
             let existing = self.load(c, &req.key).await?;
-            let step = Record::begin(existing.as_ref(), req, now);
+            let step = Record::begin(existing.as_ref(), req, now, idem_core::LeaseId::generate());
             if !matches!(step.outcome, BeginOutcome::Acquired(_)) {
                 return Ok(step.outcome);
             }

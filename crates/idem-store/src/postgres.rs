@@ -384,7 +384,7 @@ impl PostgresStore {
         now: Timestamp,
     ) -> Result<BeginOutcome, StoreError> {
         // The record a fresh acquisition writes; its fence comes from the database.
-        let (lease, fresh) = Record::acquired(req, now, 1);
+        let (lease, fresh) = Record::acquired(req, now, 1, idem_core::LeaseId::generate());
         // A bounded number of rounds: another begin may change the row between our refused
         // upsert and our read (released, expired); then the upsert is tried again.
         for _ in 0..8 {
@@ -407,7 +407,7 @@ impl PostgresStore {
                 return Ok(BeginOutcome::Acquired(Lease { fence, ..lease }));
             }
             let existing = self.load(c, &req.key).await?;
-            let step = Record::begin(existing.as_ref(), req, now);
+            let step = Record::begin(existing.as_ref(), req, now, idem_core::LeaseId::generate());
             if !matches!(step.outcome, BeginOutcome::Acquired(_)) {
                 return Ok(step.outcome);
             }

@@ -566,7 +566,7 @@ impl Store for RedisStore {
     }
 
     async fn begin(&self, req: &BeginRequest, now: Timestamp) -> Result<BeginOutcome, StoreError> {
-        let (lease, fresh) = Record::acquired(req, now, 1);
+        let (lease, fresh) = Record::acquired(req, now, 1, idem_core::LeaseId::generate());
         self.begin_as(&fresh, lease, now).await
     }
 
@@ -837,7 +837,7 @@ mod tests {
         let key = Key::parse("s", "n", "k").unwrap();
         let req = BeginRequest::new(key.clone(), Fingerprint::of_bytes(b"body"));
         let now = Timestamp::from_millis(1_700_000_000_123);
-        let (_, mut r) = Record::acquired(&req, now, 1);
+        let (_, mut r) = Record::acquired(&req, now, 1, idem_core::LeaseId::generate());
         r.fence = u64::MAX;
         r.status = Status::Completed;
         r.response = Some(Bytes::from_static(b"\0{\"ok\":true}\xff"));
@@ -888,20 +888,23 @@ mod tests {
                 )
             };
             // Once by the plain SET, and once after a release, by the script.
-            let (lease, fresh) = Record::acquired(&req("a"), now, 1);
+            let (lease, fresh) =
+                Record::acquired(&req("a"), now, 1, idem_core::LeaseId::generate());
             let first = store.begin_as(&fresh, lease, now).await.unwrap();
             let again = store.begin_as(&fresh, lease, now).await.unwrap();
             assert_eq!(first, BeginOutcome::Acquired(lease));
             assert_eq!(again, first);
             store.release(&fresh.key, &lease, now).await.unwrap();
-            let (lease, fresh) = Record::acquired(&req("a"), now, 1);
+            let (lease, fresh) =
+                Record::acquired(&req("a"), now, 1, idem_core::LeaseId::generate());
             let first = store.begin_as(&fresh, lease, now).await.unwrap();
             let again = store.begin_as(&fresh, lease, now).await.unwrap();
             let taken_over = Lease { fence: 2, ..lease };
             assert_eq!(first, BeginOutcome::Acquired(taken_over));
             assert_eq!(again, first);
             // Another attempt is not the same call.
-            let (other, fresh) = Record::acquired(&req("a"), now, 1);
+            let (other, fresh) =
+                Record::acquired(&req("a"), now, 1, idem_core::LeaseId::generate());
             assert!(matches!(
                 store.begin_as(&fresh, other, now).await.unwrap(),
                 BeginOutcome::InProgress { .. }
@@ -926,10 +929,10 @@ mod tests {
                 Fingerprint::of_bytes(b"b"),
             );
             let key = store.redis_key(&req.key);
-            let (first, fresh) = Record::acquired(&req, now, 1);
+            let (first, fresh) = Record::acquired(&req, now, 1, idem_core::LeaseId::generate());
             store.begin_as(&fresh, first, now).await.unwrap();
             // Another lease's give-back leaves the holder's record alone.
-            let (stranger, _) = Record::acquired(&req, now, 1);
+            let (stranger, _) = Record::acquired(&req, now, 1, idem_core::LeaseId::generate());
             store.give_back(&key, &stranger, now);
             store.give_back(
                 &key,
@@ -941,14 +944,14 @@ mod tests {
             );
             // The plain `SET`'s record, given back.
             store.give_back(&key, &first, now);
-            let (second, fresh) = Record::acquired(&req, now, 1);
+            let (second, fresh) = Record::acquired(&req, now, 1, idem_core::LeaseId::generate());
             let taken = store.begin_as(&fresh, second, now).await.unwrap();
             assert_eq!(taken, BeginOutcome::Acquired(Lease { fence: 2, ..second }));
             // The script's takeover, given back; the record keeps its fence.
             store.give_back(&key, &second, now);
             let record = store.get(&req.key, now).await.unwrap().unwrap();
             assert_eq!((record.status, record.fence), (Status::Released, 2));
-            let (third, fresh) = Record::acquired(&req, now, 1);
+            let (third, fresh) = Record::acquired(&req, now, 1, idem_core::LeaseId::generate());
             let taken = store.begin_as(&fresh, third, now).await.unwrap();
             assert_eq!(taken, BeginOutcome::Acquired(Lease { fence: 3, ..third }));
             // A completed record is not given back.
@@ -971,7 +974,12 @@ mod tests {
     fn a_value_of_another_shape_is_corrupt() {
         let key = Key::parse("s", "n", "k").unwrap();
         let req = BeginRequest::new(key.clone(), Fingerprint::of_bytes(b"body"));
-        let (_, r) = Record::acquired(&req, Timestamp::from_millis(5), 1);
+        let (_, r) = Record::acquired(
+            &req,
+            Timestamp::from_millis(5),
+            1,
+            idem_core::LeaseId::generate(),
+        );
         let good = pack(&r);
         let mut other_format = good.clone();
         other_format[0] = b'2';

@@ -452,7 +452,8 @@ fn apply(tx: &rusqlite::Transaction<'_>, request: &Request) -> rusqlite::Result<
     Ok(match request {
         Request::Begin(req, now) => Answer::Begin(match load(tx, &req.key)? {
             Ok(existing) => {
-                let step = Record::begin(existing.as_ref(), req, *now);
+                let step =
+                    Record::begin(existing.as_ref(), req, *now, idem_core::LeaseId::generate());
                 if let Some(new) = &step.write {
                     save(tx, new)?;
                 }
