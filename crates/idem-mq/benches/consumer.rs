@@ -15,7 +15,8 @@
 //! (`idem_testkit::services`) is skipped with a note.
 //!
 //! `cargo bench -p idem-mq --bench consumer -- [--messages N] [--rounds N] [--prefetch N]
-//! [--broker amqp|nats] [--quick]`
+//! [--broker rabbitmq|nats] [--only idem-memory|idem-redis|idem-postgres] [--quick]`
+//! (`--only` keeps `bare` and that one).
 
 #![allow(
     clippy::unwrap_used,
@@ -56,14 +57,16 @@ struct Args {
     rounds: usize,
     prefetch: u16,
     broker: Option<String>,
+    only: Option<String>,
 }
 
 fn args() -> Args {
     let mut a = Args {
-        messages: 10_000,
+        messages: 20_000,
         rounds: 3,
         prefetch: 64,
         broker: None,
+        only: None,
     };
     let mut it = std::env::args().skip(1);
     while let Some(flag) = it.next() {
@@ -72,6 +75,7 @@ fn args() -> Args {
             "--rounds" => a.rounds = it.next().and_then(|v| v.parse().ok()).expect("N"),
             "--prefetch" => a.prefetch = it.next().and_then(|v| v.parse().ok()).expect("N"),
             "--broker" => a.broker = it.next(),
+            "--only" => a.only = it.next(),
             "--quick" => {
                 a.messages = 2_000;
                 a.rounds = 2;
@@ -444,8 +448,12 @@ fn main() {
 
 async fn run(args: Args) {
     let wanted = |b: &str| args.broker.as_deref().is_none_or(|w| w == b);
-    let mut variants: Vec<Option<Records>> = vec![None, Some(Records::Memory)];
-    if let Some(url) = REDIS.url() {
+    let only = |v: &str| args.only.as_deref().is_none_or(|w| w == v);
+    let mut variants: Vec<Option<Records>> = vec![None];
+    if only("idem-memory") {
+        variants.push(Some(Records::Memory));
+    }
+    if let Some(url) = REDIS.url().filter(|_| only("idem-redis")) {
         let options = RedisOptions {
             prefix: format!("idem-bench-{}:", hex()),
             ..RedisOptions::default()
@@ -456,7 +464,7 @@ async fn run(args: Args) {
     }
     let table = format!("idem_bench_mq_{}", hex());
     let mut postgres = None;
-    if let Some(url) = POSTGRES.url() {
+    if let Some(url) = POSTGRES.url().filter(|_| only("idem-postgres")) {
         let options = PostgresOptions {
             table: table.clone(),
             ..PostgresOptions::default()

@@ -67,7 +67,7 @@ struct Args {
 
 fn args() -> Args {
     let mut a = Args {
-        messages: 5_000,
+        messages: 10_000,
         rounds: 3,
         prefetch: 64,
     };
