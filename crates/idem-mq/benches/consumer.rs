@@ -1,0 +1,540 @@
+//! Messages per second through the idempotent consumer against a bare consumer, on RabbitMQ and
+//! NATS JetStream, in interleaved rounds.
+//!
+//! - `bare`: a loop over the same [`Source`] that settles each delivery with
+//!   [`Disposition::Ack`], with the same concurrency as the consumer (the shape of
+//!   `Consumer::run`: a slot, the next delivery, a task that settles it);
+//! - `idem-<store>`: `Consumer::run` with a handler that does nothing, its records in Redis,
+//!   PostgreSQL or memory (memory separates the consumer's own cost from the store's round
+//!   trips).
+//!
+//! Each row publishes N messages (a fresh key each) to a fresh queue or stream, then times from
+//! the first delivery to the last settle; the queue or stream is deleted after. One round runs
+//! every variant once, in order; the ratio of each `idem-*` row is to the `bare` row of its
+//! round. A broker or store that does not answer at the test URLs
+//! (`idem_testkit::services`) is skipped with a note.
+//!
+//! `cargo bench -p idem-mq --bench consumer -- [--messages N] [--rounds N] [--prefetch N]
+//! [--broker rabbitmq|nats] [--only idem-memory|idem-redis|idem-postgres] [--quick]`
+//! (`--only` keeps `bare` and that one).
+
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    clippy::print_stdout,
+    clippy::print_stderr,
+    clippy::cast_precision_loss
+)]
+
+use std::borrow::Cow;
+use std::collections::BTreeMap;
+use std::future::Future;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, OnceLock};
+use std::time::{Duration, Instant};
+
+use async_nats::jetstream::{self, message::PublishMessage, stream};
+use bytes::Bytes;
+use idem::{PostgresOptions, PostgresStore, RedisOptions, RedisStore};
+use idem_core::Store;
+use idem_mq::amqp::lapin::options::{BasicPublishOptions, ConfirmSelectOptions};
+use idem_mq::amqp::lapin::types::ShortString;
+use idem_mq::amqp::lapin::{Connection, ConnectionProperties};
+use idem_mq::amqp::{AmqpSource, BasicProperties};
+use idem_mq::nats::{DeadLetterTarget, NatsSource};
+use idem_mq::{Consumer, Delivery, Disposition, Failure, Horizon, Message, MqError, Source};
+use idem_testkit::services::{NATS, POSTGRES, RABBITMQ, REDIS};
+use tokio::sync::{Notify, Semaphore};
+
+/// The longest a timed consume may take before the bench gives up on it.
+const WAIT: Duration = Duration::from_secs(300);
+
+/// The body of every message: a small order, as a JSON API would carry it.
+const BODY: &[u8] = br#"{"order":"ord_000000","sku":"A1","qty":2,"amount":1999,"currency":"eur"}"#;
+
+struct Args {
+    messages: usize,
+    rounds: usize,
+    prefetch: u16,
+    broker: Option<String>,
+    only: Option<String>,
+}
+
+fn args() -> Args {
+    let mut a = Args {
+        messages: 20_000,
+        rounds: 3,
+        prefetch: 64,
+        broker: None,
+        only: None,
+    };
+    let mut it = std::env::args().skip(1);
+    while let Some(flag) = it.next() {
+        match flag.as_str() {
+            "--messages" => a.messages = it.next().and_then(|v| v.parse().ok()).expect("N"),
+            "--rounds" => a.rounds = it.next().and_then(|v| v.parse().ok()).expect("N"),
+            "--prefetch" => a.prefetch = it.next().and_then(|v| v.parse().ok()).expect("N"),
+            "--broker" => a.broker = it.next(),
+            "--only" => a.only = it.next(),
+            "--quick" => {
+                a.messages = 2_000;
+                a.rounds = 2;
+            }
+            _ => {} // cargo bench passes --bench
+        }
+    }
+    a
+}
+
+fn hex() -> String {
+    format!("{:016x}", rand::random::<u64>())
+}
+
+// ---------------------------------------------------------------------------------------------
+// Timing: a source wrapper that notes the first delivery and the last settle.
+
+/// When a timed consume started and ended, and how many deliveries were settled.
+struct Meter {
+    want: usize,
+    first: OnceLock<Instant>,
+    last: OnceLock<Instant>,
+    settled: AtomicUsize,
+    failed: AtomicUsize,
+    done: Notify,
+}
+
+impl Meter {
+    fn new(want: usize) -> Arc<Self> {
+        Arc::new(Self {
+            want,
+            first: OnceLock::new(),
+            last: OnceLock::new(),
+            settled: AtomicUsize::new(0),
+            failed: AtomicUsize::new(0),
+            done: Notify::new(),
+        })
+    }
+
+    fn elapsed(&self) -> Duration {
+        let (first, last) = (self.first.get().unwrap(), self.last.get().unwrap());
+        last.duration_since(*first)
+    }
+}
+
+struct Timed<S> {
+    inner: S,
+    meter: Arc<Meter>,
+}
+
+struct TimedDelivery<D> {
+    inner: D,
+    meter: Arc<Meter>,
+}
+
+impl<S: Source> Source for Timed<S> {
+    type Delivery = TimedDelivery<S::Delivery>;
+
+    fn name(&self) -> &str {
+        self.inner.name()
+    }
+
+    async fn next(&mut self) -> Option<Result<Self::Delivery, MqError>> {
+        let next = self.inner.next().await?;
+        Some(next.map(|inner| {
+            let _ = self.meter.first.set(Instant::now());
+            TimedDelivery {
+                inner,
+                meter: Arc::clone(&self.meter),
+            }
+        }))
+    }
+
+    fn ack_wait(&self) -> Option<Duration> {
+        self.inner.ack_wait()
+    }
+
+    fn redelivery_horizon(&self) -> Horizon {
+        self.inner.redelivery_horizon()
+    }
+
+    async fn close(&mut self) {
+        self.inner.close().await;
+    }
+}
+
+impl<D: Delivery> Delivery for TimedDelivery<D> {
+    fn message_id(&self) -> Option<&str> {
+        self.inner.message_id()
+    }
+
+    fn header(&self, name: &str) -> Option<Cow<'_, str>> {
+        self.inner.header(name)
+    }
+
+    fn payload(&self) -> &[u8] {
+        self.inner.payload()
+    }
+
+    fn delivery_count(&self) -> Option<u32> {
+        self.inner.delivery_count()
+    }
+
+    async fn in_progress(&self) -> Result<(), MqError> {
+        self.inner.in_progress().await
+    }
+
+    async fn settle(self, how: Disposition) -> Result<(), MqError> {
+        let meter = self.meter;
+        let settled = self.inner.settle(how).await;
+        if settled.is_ok() {
+            if meter.settled.fetch_add(1, Ordering::AcqRel) + 1 == meter.want {
+                let _ = meter.last.set(Instant::now());
+                meter.done.notify_one();
+            }
+        } else {
+            meter.failed.fetch_add(1, Ordering::Relaxed);
+        }
+        settled
+    }
+}
+
+/// Completes when every message is settled; panics after [`WAIT`].
+async fn all_settled(meter: Arc<Meter>) {
+    tokio::time::timeout(WAIT, meter.done.notified())
+        .await
+        .expect("every message settled within the bench's bound");
+}
+
+// ---------------------------------------------------------------------------------------------
+// The two consumers.
+
+/// The bare consumer: `concurrency` deliveries at once, each acked, nothing recorded.
+async fn bare<S: Source>(mut source: S, concurrency: usize, shutdown: impl Future<Output = ()>) {
+    let slots = Arc::new(Semaphore::new(concurrency));
+    let mut running = tokio::task::JoinSet::new();
+    let mut shutdown = std::pin::pin!(shutdown);
+    loop {
+        let slot = tokio::select! {
+            biased;
+            () = &mut shutdown => break,
+            slot = slots.clone().acquire_owned() => slot.unwrap(),
+        };
+        let next = tokio::select! {
+            biased;
+            () = &mut shutdown => break,
+            next = source.next() => next,
+        };
+        match next {
+            None => break,
+            Some(Err(e)) => {
+                eprintln!("bare consumer: cannot receive: {e}");
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+            Some(Ok(delivery)) => {
+                running.spawn(async move {
+                    let _slot = slot;
+                    if let Err(e) = delivery.settle(Disposition::Ack).await {
+                        eprintln!("bare consumer: ack refused: {e}");
+                    }
+                });
+            }
+        }
+        while running.try_join_next().is_some() {}
+    }
+    source.close().await;
+    while running.join_next().await.is_some() {}
+}
+
+/// The handler of the idempotent consumer: nothing to do.
+async fn nothing(_: Message) -> Result<(), Failure<String>> {
+    Ok(())
+}
+
+#[derive(Clone)]
+enum Records {
+    Memory,
+    Redis(Box<RedisStore>),
+    Postgres(Box<PostgresStore>),
+}
+
+impl Records {
+    fn label(&self) -> &'static str {
+        match self {
+            Records::Memory => "idem-memory",
+            Records::Redis(_) => "idem-redis",
+            Records::Postgres(_) => "idem-postgres",
+        }
+    }
+}
+
+/// What one timed consume measured.
+struct Row {
+    seconds: f64,
+    rate: f64,
+    note: String,
+}
+
+/// Runs `variant` (`None`: bare) over `source` until all `n` messages are settled.
+async fn consume<S: Source>(source: S, variant: Option<&Records>, prefetch: u16, n: usize) -> Row {
+    let meter = Meter::new(n);
+    let source = Timed {
+        inner: source,
+        meter: Arc::clone(&meter),
+    };
+    let concurrency = usize::from(prefetch);
+    let shutdown = all_settled(Arc::clone(&meter));
+    let note = match variant {
+        None => {
+            bare(source, concurrency, shutdown).await;
+            String::new()
+        }
+        Some(Records::Memory) => {
+            let consumer = idem_consumer(idem::MemoryStore::new(), concurrency);
+            consumer.run(source, nothing, shutdown).await.unwrap();
+            counts_note(consumer.counts(), n)
+        }
+        Some(Records::Redis(store)) => {
+            let consumer = idem_consumer((**store).clone(), concurrency);
+            consumer.run(source, nothing, shutdown).await.unwrap();
+            counts_note(consumer.counts(), n)
+        }
+        Some(Records::Postgres(store)) => {
+            let consumer = idem_consumer((**store).clone(), concurrency);
+            consumer.run(source, nothing, shutdown).await.unwrap();
+            counts_note(consumer.counts(), n)
+        }
+    };
+    let seconds = meter.elapsed().as_secs_f64();
+    let failed = meter.failed.load(Ordering::Relaxed);
+    let note = if failed > 0 {
+        format!("{note} {failed} settles failed").trim().to_owned()
+    } else {
+        note
+    };
+    Row {
+        seconds,
+        rate: n as f64 / seconds,
+        note,
+    }
+}
+
+fn idem_consumer<S: Store + Clone>(store: S, concurrency: usize) -> Consumer<S> {
+    // Ten minutes: long enough for the run, and the Redis records expire by themselves.
+    Consumer::new(store)
+        .concurrency(concurrency)
+        .ttl(Duration::from_secs(600))
+}
+
+/// Empty when each message was handled exactly once, as it should be; else what happened.
+fn counts_note(c: idem_mq::Counts, n: usize) -> String {
+    let n = n as u64;
+    if c.handled == n && c.received == n {
+        String::new()
+    } else {
+        format!(
+            "received {}, handled {}, replayed {}, requeued {}, unsettled {}",
+            c.received, c.handled, c.replayed, c.requeued, c.unsettled
+        )
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Brokers: a fresh queue or stream per row, filled before the timed consume.
+
+/// RabbitMQ: declares the queue as the source does (a quorum queue), publishes `n` messages
+/// with publisher confirms, then consumes it with a fresh source.
+async fn amqp_row(url: &str, variant: Option<&Records>, prefetch: u16, n: usize) -> Row {
+    let queue = format!("idem-bench-{}", hex());
+    // The topology as the source declares it; closed before anything is published.
+    AmqpSource::builder(url, &queue)
+        .prefetch(prefetch)
+        .connect()
+        .await
+        .unwrap()
+        .shutdown()
+        .await;
+    let connection = Connection::connect(url, ConnectionProperties::default())
+        .await
+        .unwrap();
+    let channel = connection.create_channel().await.unwrap();
+    channel
+        .confirm_select(ConfirmSelectOptions::default())
+        .await
+        .unwrap();
+    let routing_key = ShortString::try_new(queue.as_str()).unwrap();
+    for chunk in (0..n).collect::<Vec<_>>().chunks(1000) {
+        let mut confirms = Vec::with_capacity(chunk.len());
+        for i in chunk {
+            let props = BasicProperties::default()
+                .with_message_id(ShortString::try_new(format!("m-{i}")).unwrap())
+                .with_delivery_mode(2);
+            let confirm = channel
+                .basic_publish(
+                    ShortString::try_new("").unwrap(),
+                    routing_key.clone(),
+                    BasicPublishOptions::default(),
+                    BODY,
+                    props,
+                )
+                .await
+                .unwrap();
+            confirms.push(confirm);
+        }
+        for confirm in confirms {
+            assert!(confirm.await.unwrap().is_ack(), "publish confirmed");
+        }
+    }
+    let _ = connection.close(200, "OK".into()).await;
+
+    let source = AmqpSource::builder(url, &queue)
+        .prefetch(prefetch)
+        .connect()
+        .await
+        .unwrap();
+    let row = consume(source, variant, prefetch, n).await;
+    AmqpSource::delete_topology(url, &queue).await.unwrap();
+    row
+}
+
+/// NATS JetStream: a fresh stream on `<name>.in`, `n` messages published with `Nats-Msg-Id`
+/// and acked by the stream, then consumed by a fresh durable pull consumer (batch = prefetch,
+/// confirmed acks as by default; dead letters, of which there are none, only terminated).
+async fn nats_row(url: &str, variant: Option<&Records>, prefetch: u16, n: usize) -> Row {
+    let name = format!("IDEMB_{}", hex());
+    let client = async_nats::connect(url).await.unwrap();
+    let js = jetstream::new(client);
+    js.create_stream(stream::Config {
+        name: name.clone(),
+        subjects: vec![format!("{name}.in")],
+        max_age: Duration::from_secs(3600),
+        ..Default::default()
+    })
+    .await
+    .unwrap();
+    let subject = format!("{name}.in");
+    for chunk in (0..n).collect::<Vec<_>>().chunks(500) {
+        let mut acks = Vec::with_capacity(chunk.len());
+        for i in chunk {
+            let publish = PublishMessage::build()
+                .message_id(format!("m-{i}"))
+                .payload(Bytes::from_static(BODY));
+            acks.push(js.send_publish(subject.clone(), publish).await.unwrap());
+        }
+        for ack in acks {
+            ack.await.unwrap();
+        }
+    }
+    let source = NatsSource::builder(name.clone(), "bench")
+        .batch(usize::from(prefetch))
+        .dead_letter(DeadLetterTarget::TermOnly)
+        .connect(url)
+        .await
+        .unwrap();
+    let row = consume(source, variant, prefetch, n).await;
+    js.delete_stream(&name).await.unwrap();
+    row
+}
+
+// ---------------------------------------------------------------------------------------------
+
+fn main() {
+    let args = args();
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    runtime.block_on(run(args));
+}
+
+async fn run(args: Args) {
+    let wanted = |b: &str| args.broker.as_deref().is_none_or(|w| w == b);
+    let only = |v: &str| args.only.as_deref().is_none_or(|w| w == v);
+    let mut variants: Vec<Option<Records>> = vec![None];
+    if only("idem-memory") {
+        variants.push(Some(Records::Memory));
+    }
+    if let Some(url) = REDIS.url().filter(|_| only("idem-redis")) {
+        let options = RedisOptions {
+            prefix: format!("idem-bench-{}:", hex()),
+            ..RedisOptions::default()
+        };
+        variants.push(Some(Records::Redis(Box::new(
+            RedisStore::connect(&url, options).await.unwrap(),
+        ))));
+    }
+    let table = format!("idem_bench_mq_{}", hex());
+    let mut postgres = None;
+    if let Some(url) = POSTGRES.url().filter(|_| only("idem-postgres")) {
+        let options = PostgresOptions {
+            table: table.clone(),
+            ..PostgresOptions::default()
+        };
+        let store = PostgresStore::connect_with(&url, options).await.unwrap();
+        postgres = Some(store.clone());
+        variants.push(Some(Records::Postgres(Box::new(store))));
+    }
+
+    let cores = std::thread::available_parallelism().map_or(1, usize::from);
+    println!(
+        "consumer bench: {} messages per row, prefetch and concurrency {}, {} rounds; {cores} cores\n",
+        args.messages, args.prefetch, args.rounds
+    );
+    println!("| broker | round | consumer | s | msg/s | × bare (same round) | note |");
+    println!("|---|---:|---|---:|---:|---:|---|");
+    let mut ratios: BTreeMap<(&str, &str), Vec<f64>> = BTreeMap::new();
+    let brokers = [("rabbitmq", RABBITMQ.url()), ("nats", NATS.url())];
+    for (broker, url) in brokers {
+        let Some(url) = url.filter(|_| wanted(broker)) else {
+            continue;
+        };
+        for round in 1..=args.rounds {
+            let mut bare_rate = None;
+            for variant in &variants {
+                let row = match broker {
+                    "rabbitmq" => {
+                        amqp_row(&url, variant.as_ref(), args.prefetch, args.messages).await
+                    }
+                    _ => nats_row(&url, variant.as_ref(), args.prefetch, args.messages).await,
+                };
+                let label = variant.as_ref().map_or("bare", Records::label);
+                let ratio = match bare_rate {
+                    None => {
+                        bare_rate = Some(row.rate);
+                        "1.00".to_owned()
+                    }
+                    Some(bare) => {
+                        let ratio = row.rate / bare;
+                        ratios.entry((broker, label)).or_default().push(ratio);
+                        format!("{ratio:.2}")
+                    }
+                };
+                println!(
+                    "| {broker} | {round} | {label} | {:.2} | {:.0} | {ratio} | {} |",
+                    row.seconds, row.rate, row.note
+                );
+            }
+        }
+    }
+
+    println!("\n| broker | consumer | × bare, range over rounds |");
+    println!("|---|---|---|");
+    for ((broker, label), r) in &ratios {
+        let min = r.iter().copied().fold(f64::INFINITY, f64::min);
+        let max = r.iter().copied().fold(0.0, f64::max);
+        println!("| {broker} | {label} | {min:.2}–{max:.2} |");
+    }
+
+    if let Some(store) = postgres {
+        for t in [
+            table.clone(),
+            format!("{table}_counters"),
+            format!("{table}_locks"),
+            format!("{table}_migrations"),
+        ] {
+            sqlx::query(sqlx::AssertSqlSafe(format!("DROP TABLE IF EXISTS {t}")))
+                .execute(store.pool())
+                .await
+                .unwrap();
+        }
+    }
+}
