@@ -511,6 +511,8 @@ impl<S: Store + Clone, C: Clock + Clone> Consumer<S, C> {
         self.validate(source)?;
         Ok(Ctx {
             source: Arc::from(source.name()),
+            scope: Scope::new(self.settings.scope.clone())
+                .map_err(|e| MqError::Config(format!("the scope is not valid: {e}")))?,
             namespace: self.namespace_for(source.name())?,
             ack_wait: source.ack_wait(),
         })
@@ -524,7 +526,7 @@ impl<S: Store + Clone, C: Clock + Clone> Consumer<S, C> {
     ) -> Outcome {
         let source = &*ctx.source;
         self.counters.received.fetch_add(1, Ordering::Relaxed);
-        metrics::counter!("idem_mq_received_total", "source" => source.to_owned()).increment(1);
+        metrics::counter!("idem_mq_received_total", "source" => ctx.source.clone()).increment(1);
         let (disposition, outcome) = self.decide(ctx, &delivery, handler).await;
         let outcome = match delivery.settle(disposition).await {
             Ok(()) => outcome,
@@ -545,7 +547,7 @@ impl<S: Store + Clone, C: Clock + Clone> Consumer<S, C> {
             Outcome::DeadLettered(r) => r.code(),
             _ => "",
         };
-        metrics::counter!("idem_mq_messages_total", "source" => source.to_owned(),
+        metrics::counter!("idem_mq_messages_total", "source" => ctx.source.clone(),
             "outcome" => outcome.label(), "reason" => reason)
         .increment(1);
         outcome
@@ -566,14 +568,8 @@ impl<S: Store + Clone, C: Clock + Clone> Consumer<S, C> {
                 MissingKey::RunUnguarded => self.unguarded(delivery, handler, attempt).await,
             };
         };
-        let key = match Scope::new(s.scope.clone()).and_then(|scope| {
-            Ok(Key::new(
-                scope,
-                ctx.namespace.clone(),
-                ClientKey::new(found)?,
-            ))
-        }) {
-            Ok(key) => key,
+        let key = match ClientKey::new(found) {
+            Ok(client_key) => Key::new(ctx.scope.clone(), ctx.namespace.clone(), client_key),
             Err(e) => return dead(Reason::InvalidKey, e.to_string()),
         };
         let fingerprint = if s.fingerprint {
@@ -738,6 +734,7 @@ impl<S: Store + Clone, C: Clock + Clone> Consumer<S, C> {
 #[derive(Clone)]
 struct Ctx {
     source: Arc<str>,
+    scope: Scope,
     namespace: Namespace,
     ack_wait: Option<Duration>,
 }
