@@ -81,7 +81,8 @@ struct RelayArgs {
     #[arg(long, env = "IDEM_RELAY_QUEUE", value_name = "NAME")]
     queue: Option<String>,
 
-    /// The stream to consume (NATS JetStream).
+    /// The stream to consume (NATS JetStream). Dead letters are copied to the subject
+    /// STREAM.dead, which a stream must store (the relay checks at start).
     #[arg(long, env = "IDEM_RELAY_STREAM", value_name = "NAME")]
     stream: Option<String>,
 
@@ -127,7 +128,8 @@ struct RelayArgs {
     #[arg(long, default_value = "30s", value_parser = parse_upstream_timeout)]
     timeout: Duration,
 
-    /// Deliveries of a message before it is dead-lettered.
+    /// POSTs of a message (failed in a retryable way, or cut off by a relay that died) before
+    /// it is dead-lettered.
     #[arg(long, default_value_t = 5, value_parser = clap::value_parser!(u32).range(1..=1000))]
     max_attempts: u32,
 
