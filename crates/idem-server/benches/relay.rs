@@ -27,13 +27,12 @@
     clippy::cast_precision_loss
 )]
 
-use std::borrow::Cow;
 use std::collections::BTreeMap;
 use std::future::Future;
 use std::net::SocketAddr;
+use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::{Arc, OnceLock};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use axum::Router;
 use axum::body::Body;
@@ -48,13 +47,10 @@ use idem_mq::amqp::lapin::options::{BasicPublishOptions, ConfirmSelectOptions};
 use idem_mq::amqp::lapin::types::ShortString;
 use idem_mq::amqp::lapin::{Connection, ConnectionProperties};
 use idem_mq::amqp::{AmqpSource, BasicProperties};
-use idem_mq::{Consumer, Delivery, Disposition, Horizon, MqError, Source};
+use idem_mq::{Consumer, Delivery, Disposition, Source};
 use idem_server::relay::{Relay, Target};
 use idem_testkit::services::{RABBITMQ, REDIS};
-use tokio::sync::{Notify, Semaphore};
-
-/// The longest a timed consume may take before the bench gives up on it.
-const WAIT: Duration = Duration::from_secs(300);
+use tokio::sync::Semaphore;
 
 /// The body of every message: a small order, as a JSON API would take it.
 const BODY: &[u8] = br#"{"order":"ord_000000","sku":"A1","qty":2,"amount":1999,"currency":"eur"}"#;
@@ -87,124 +83,9 @@ fn args() -> Args {
     a
 }
 
-fn hex() -> String {
-    format!("{:016x}", rand::random::<u64>())
-}
-
-// ---------------------------------------------------------------------------------------------
-// Timing: a source wrapper that notes the first delivery and the last settle.
-
-/// When a timed consume started and ended, and how many deliveries were settled.
-struct Meter {
-    want: usize,
-    first: OnceLock<Instant>,
-    last: OnceLock<Instant>,
-    settled: AtomicUsize,
-    failed: AtomicUsize,
-    done: Notify,
-}
-
-impl Meter {
-    fn new(want: usize) -> Arc<Self> {
-        Arc::new(Self {
-            want,
-            first: OnceLock::new(),
-            last: OnceLock::new(),
-            settled: AtomicUsize::new(0),
-            failed: AtomicUsize::new(0),
-            done: Notify::new(),
-        })
-    }
-
-    fn elapsed(&self) -> Duration {
-        let (first, last) = (self.first.get().unwrap(), self.last.get().unwrap());
-        last.duration_since(*first)
-    }
-}
-
-struct Timed<S> {
-    inner: S,
-    meter: Arc<Meter>,
-}
-
-struct TimedDelivery<D> {
-    inner: D,
-    meter: Arc<Meter>,
-}
-
-impl<S: Source> Source for Timed<S> {
-    type Delivery = TimedDelivery<S::Delivery>;
-
-    fn name(&self) -> &str {
-        self.inner.name()
-    }
-
-    async fn next(&mut self) -> Option<Result<Self::Delivery, MqError>> {
-        let next = self.inner.next().await?;
-        Some(next.map(|inner| {
-            let _ = self.meter.first.set(Instant::now());
-            TimedDelivery {
-                inner,
-                meter: Arc::clone(&self.meter),
-            }
-        }))
-    }
-
-    fn ack_wait(&self) -> Option<Duration> {
-        self.inner.ack_wait()
-    }
-
-    fn redelivery_horizon(&self) -> Horizon {
-        self.inner.redelivery_horizon()
-    }
-
-    async fn close(&mut self) {
-        self.inner.close().await;
-    }
-}
-
-impl<D: Delivery> Delivery for TimedDelivery<D> {
-    fn message_id(&self) -> Option<&str> {
-        self.inner.message_id()
-    }
-
-    fn header(&self, name: &str) -> Option<Cow<'_, str>> {
-        self.inner.header(name)
-    }
-
-    fn payload(&self) -> &[u8] {
-        self.inner.payload()
-    }
-
-    fn delivery_count(&self) -> Option<u32> {
-        self.inner.delivery_count()
-    }
-
-    async fn in_progress(&self) -> Result<(), MqError> {
-        self.inner.in_progress().await
-    }
-
-    async fn settle(self, how: Disposition) -> Result<(), MqError> {
-        let meter = self.meter;
-        let settled = self.inner.settle(how).await;
-        if settled.is_ok() {
-            if meter.settled.fetch_add(1, Ordering::AcqRel) + 1 == meter.want {
-                let _ = meter.last.set(Instant::now());
-                meter.done.notify_one();
-            }
-        } else {
-            meter.failed.fetch_add(1, Ordering::Relaxed);
-        }
-        settled
-    }
-}
-
-/// Completes when every message is settled; panics after [`WAIT`].
-async fn all_settled(meter: Arc<Meter>) {
-    tokio::time::timeout(WAIT, meter.done.notified())
-        .await
-        .expect("every message settled within the bench's bound");
-}
+#[path = "../../idem-mq/benches/support/timed.rs"]
+mod timed;
+use timed::{Meter, Timed, all_settled, hex};
 
 // ---------------------------------------------------------------------------------------------
 // The target, and the two relays.
