@@ -64,18 +64,25 @@ async fn pg_store(url: &str, name: &str) -> idem::PostgresStore {
         .expect("connect")
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn duplicates_and_failures_after_the_write_leave_one_effect_per_key_on_postgres() {
-    let Some(url) = idem_testkit::services::POSTGRES.url() else {
-        return;
-    };
+/// A PostgreSQL store with tables of its own, and an effects table beside it: the store, the
+/// tables' suffix, the effects table's name.
+async fn pg_with_effects(url: &str) -> (idem::PostgresStore, String, String) {
     let name = suffix();
-    let store = pg_store(&url, &name).await;
+    let store = pg_store(url, &name).await;
     let table = format!("effects_{name}");
     sqlx::query(sql(format!("CREATE TABLE {table} (id TEXT NOT NULL)")))
         .execute(store.pool())
         .await
         .expect("create");
+    (store, name, table)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn duplicates_and_failures_after_the_write_leave_one_effect_per_key_on_postgres() {
+    let Some(url) = idem_testkit::services::POSTGRES.url() else {
+        return;
+    };
+    let (store, name, table) = pg_with_effects(&url).await;
 
     let q = Queue::new("stock");
     for i in 0..120 {
@@ -123,13 +130,7 @@ async fn a_consumer_dying_before_its_commit_leaves_nothing_and_the_redelivery_ru
     let Some(url) = idem_testkit::services::POSTGRES.url() else {
         return;
     };
-    let name = suffix();
-    let store = pg_store(&url, &name).await;
-    let table = format!("effects_{name}");
-    sqlx::query(sql(format!("CREATE TABLE {table} (id TEXT NOT NULL)")))
-        .execute(store.pool())
-        .await
-        .expect("create");
+    let (store, name, table) = pg_with_effects(&url).await;
     let q = Queue::new("stock");
     q.publish(Some("dies"), b"{}".as_slice());
 
