@@ -16,7 +16,6 @@ use axum::body::Body;
 use axum::http::header::{CONTENT_TYPE, RETRY_AFTER};
 use axum::http::uri::Scheme;
 use axum::http::{HeaderMap, HeaderName, HeaderValue, Method, Request, StatusCode, Uri};
-use http_body::Body as _;
 use hyper_util::client::legacy::Client;
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::TokioExecutor;
@@ -143,7 +142,10 @@ impl Relay {
         let sent = tokio::time::timeout(self.target.timeout, async {
             let res = self.client.request(req).await?;
             let (head, body) = res.into_parts();
-            let body = read_bounded(body).await;
+            // The body, if it fits and arrives whole: only a problem's `code` is read from it.
+            let body = axum::body::to_bytes(Body::new(body), MAX_ANSWER_BODY)
+                .await
+                .ok();
             Ok::<_, hyper_util::client::legacy::Error>((head, body))
         })
         .await;
@@ -232,23 +234,6 @@ fn status_class(status: StatusCode) -> &'static str {
         400..=499 => "4xx",
         _ => "5xx",
     }
-}
-
-/// The answer's body, if it fits in [`MAX_ANSWER_BODY`] and arrives whole.
-async fn read_bounded(mut body: hyper::body::Incoming) -> Option<Vec<u8>> {
-    let mut out = Vec::new();
-    while let Some(frame) =
-        std::future::poll_fn(|cx| std::pin::Pin::new(&mut body).poll_frame(cx)).await
-    {
-        let Ok(data) = frame.ok()?.into_data() else {
-            continue;
-        };
-        if out.len() + data.len() > MAX_ANSWER_BODY {
-            return None;
-        }
-        out.extend_from_slice(&data);
-    }
-    Some(out)
 }
 
 /// Logs the consumer's counts every `every` until dropped: what an operator watching the
