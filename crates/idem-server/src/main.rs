@@ -513,6 +513,7 @@ async fn relay(args: RelayArgs) -> Result<(), String> {
         consumer = consumer.namespace(ns.clone());
     }
     if let Some(addr) = args.metrics_listen {
+        // The recorder first: descriptions sent before it is installed are lost.
         idem_server::metrics::Registry::global();
         idem_mq::describe_metrics();
         metrics::describe_counter!(
@@ -522,18 +523,22 @@ async fn relay(args: RelayArgs) -> Result<(), String> {
         let listener = tokio::net::TcpListener::bind(addr)
             .await
             .map_err(|e| format!("cannot listen on {addr}: {e}"))?;
+        let addr = listener.local_addr().unwrap_or(addr);
         let registry = idem_server::metrics::Registry::global();
         let app = axum::Router::new()
             .route(
                 "/metrics",
-                axum::routing::get(move || {
-                    let registry = registry.clone();
-                    async move { registry.render() }
-                }),
+                axum::routing::get(move || std::future::ready(registry.response())),
             )
             .route("/healthz", axum::routing::get(|| async { "ok" }));
-        tokio::spawn(async move { axum::serve(listener, app).await });
-        info!(%addr, "metrics on /metrics");
+        // The same connection limits as `serve` and `gateway`; it ends with the process.
+        tokio::spawn(listener::serve(
+            listener,
+            app,
+            Limits::new("/healthz"),
+            std::future::pending(),
+        ));
+        info!("metrics on http://{addr}/metrics");
     }
     tokio::spawn(idem::purge::purge_loop(
         store,

@@ -92,6 +92,18 @@ impl Registry {
         family_mut(&mut all).entry(key.clone()).or_default().clone()
     }
 
+    /// The rendered text as an HTTP answer, with the Prometheus text format's content type.
+    pub fn response(&self) -> axum::response::Response {
+        use axum::response::IntoResponse as _;
+        (
+            [(
+                axum::http::header::CONTENT_TYPE,
+                "text/plain; version=0.0.4",
+            )],
+            self.render(),
+        )
+            .into_response()
+    }
     /// Everything recorded so far, in the Prometheus text exposition format.
     pub fn render(&self) -> String {
         let f = self.families();

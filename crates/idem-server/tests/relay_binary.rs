@@ -320,6 +320,96 @@ fn a_relay_killed_and_restarted_delivers_each_jetstream_message_once_through_the
 }
 
 #[test]
+fn the_relay_serves_its_counts_as_metrics() {
+    let Some(url) = idem_testkit::services::RABBITMQ.url() else {
+        return;
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let queue = format!("relay-m-{:08x}", rand::random::<u32>());
+    let (service, seen) = counting_service();
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    rt.block_on(async {
+        AmqpSource::builder(url.clone(), queue.clone())
+            .connect()
+            .await
+            .unwrap()
+            .shutdown()
+            .await;
+        let publisher = AmqpPublisher::connect(&url).await.unwrap();
+        for id in ["m-1", "m-1", "m-2"] {
+            publisher
+                .publish_once("", &queue, id, b"{}", BasicProperties::default())
+                .await
+                .unwrap();
+        }
+        publisher.close().await;
+    });
+    let store = format!("sqlite://{}", dir.path().join("relay.db").display());
+    let to = format!("http://{service}/events");
+    let mut child = idem(&[
+        "relay",
+        "--from",
+        &url,
+        "--queue",
+        &queue,
+        "--to",
+        &to,
+        "--store",
+        &store,
+        "--metrics-listen",
+        "127.0.0.1:0",
+        "--prefetch",
+        "1",
+    ])
+    .stderr(Stdio::piped())
+    .spawn()
+    .unwrap();
+    let mut lines = BufReader::new(child.stderr.take().unwrap()).lines();
+    let metrics = loop {
+        let line = lines
+            .next()
+            .expect("the relay printed its metrics address")
+            .unwrap();
+        if let Some(rest) = line.split("metrics on http://").nth(1) {
+            break rest.split('/').next().unwrap().to_owned();
+        }
+    };
+    std::thread::spawn(move || for _ in lines {});
+    let relay = Proc(child);
+    let started = Instant::now();
+    let text = loop {
+        let text = http_get(&metrics);
+        if text.contains("outcome=\"replayed\"") && seen.lock().unwrap().len() == 2 {
+            break text;
+        }
+        assert!(started.elapsed() < PATIENCE, "no counts in time: {text}");
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    assert!(
+        text.contains("# TYPE idem_mq_messages_total counter"),
+        "{text}"
+    );
+    assert!(text.contains("idem_relay_requests_total"), "{text}");
+    drop(relay);
+    rt.block_on(async {
+        AmqpSource::delete_topology(&url, &queue).await.unwrap();
+    });
+}
+
+/// The body of `GET /metrics` at `addr`.
+fn http_get(addr: &str) -> String {
+    let mut s = std::net::TcpStream::connect(addr).unwrap();
+    write!(
+        s,
+        "GET /metrics HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"
+    )
+    .unwrap();
+    let mut out = String::new();
+    s.read_to_string(&mut out).unwrap();
+    out
+}
+
+#[test]
 fn relay_flags_are_checked_with_readable_errors() {
     let out = idem(&[
         "relay",

@@ -11,7 +11,7 @@ use std::sync::Arc;
 
 use axum::extract::{FromRequestParts, State};
 use axum::http::request::Parts;
-use axum::http::{HeaderValue, Request, StatusCode, header};
+use axum::http::{HeaderValue, Request, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::{Json, Router};
 use idem_core::{ClientKey, Clock, Fingerprint, Key, Namespace, Scope, SharedStore};
@@ -129,12 +129,7 @@ async fn health(State(s): State<AdminState>) -> Response {
 }
 
 async fn metrics(State(s): State<AdminState>) -> Response {
-    (
-        StatusCode::OK,
-        [(header::CONTENT_TYPE, "text/plain; version=0.0.4")],
-        s.registry.render(),
-    )
-        .into_response()
+    s.registry.response()
 }
 
 /// A request that presented the admin token.
