@@ -477,7 +477,7 @@ async fn open_store(url: &str) -> Result<SharedStore, String> {
 
 async fn relay(args: RelayArgs) -> Result<(), String> {
     use idem_server::relay;
-    let from = relay::From::parse(
+    let from = relay::Broker::parse(
         &args.from,
         args.queue.as_deref(),
         args.stream.as_deref(),
@@ -494,9 +494,6 @@ async fn relay(args: RelayArgs) -> Result<(), String> {
             .ok_or_else(|| format!("--header {h:?} must be \"Name: value\""))?;
         target = target.header(name, value)?;
     }
-    args.store
-        .parse::<StoreUrl>()
-        .map_err(|e| format!("invalid --store: {e}"))?;
     let store = open_store(&args.store).await?;
     let mut consumer = idem_mq::Consumer::new(store.clone())
         .scope("relay")

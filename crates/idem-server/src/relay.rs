@@ -18,7 +18,6 @@ use axum::http::uri::Scheme;
 use axum::http::{HeaderMap, HeaderName, HeaderValue, Method, Request, StatusCode, Uri};
 use hyper_util::client::legacy::Client;
 use hyper_util::client::legacy::connect::HttpConnector;
-use hyper_util::rt::TokioExecutor;
 use idem_mq::{Failure, Handler, Message};
 use serde::{Deserialize, Serialize};
 
@@ -114,11 +113,8 @@ pub struct Relay {
 impl Relay {
     /// A relay to `target`.
     pub fn new(target: Target) -> Self {
-        let mut connector = HttpConnector::new();
-        connector.set_connect_timeout(Some((target.timeout / 2).min(Duration::from_secs(5))));
-        connector.set_nodelay(true);
         Self {
-            client: Client::builder(TokioExecutor::new()).build(connector),
+            client: crate::gateway::proxy::client(target.timeout),
             target: Arc::new(target),
         }
     }
@@ -130,11 +126,18 @@ impl Relay {
             .uri(self.target.uri.clone());
         if let Some(headers) = req.headers_mut() {
             headers.clone_from(&self.target.headers);
-            if let Some(key) = &message.key
-                && let Ok(value) = HeaderValue::from_str(key.client_key().as_str())
-            {
-                headers.insert("idempotency-key", value);
-            }
+            // Without its key the target could not tell a resend from a new request: a
+            // message that has none (or one that is not a header value) is refused, not sent.
+            let key = message
+                .key
+                .as_ref()
+                .and_then(|k| HeaderValue::from_str(k.client_key().as_str()).ok())
+                .ok_or_else(|| {
+                    Failure::Permanent(RelayError(
+                        "the message has no key that can be sent as Idempotency-Key".into(),
+                    ))
+                })?;
+            headers.insert("idempotency-key", key);
         }
         let req = req.body(Body::from(message.payload)).map_err(|e| {
             Failure::Permanent(RelayError(format!("cannot build the request: {e}")))
@@ -264,7 +267,7 @@ where
 
 /// Where the relay takes messages from.
 #[derive(Debug, Clone)]
-pub enum From {
+pub enum Broker {
     /// A RabbitMQ queue (`amqp://` or `amqps://`).
     Amqp {
         /// The broker's URL.
@@ -286,7 +289,7 @@ pub enum From {
     },
 }
 
-impl From {
+impl Broker {
     /// Reads `--from` with `--queue`, or with `--stream` and `--consumer`.
     pub fn parse(
         url: &str,
@@ -304,7 +307,7 @@ impl From {
                         "--stream, --consumer and --subject are for nats://; use --queue".into(),
                     );
                 }
-                Ok(From::Amqp {
+                Ok(Broker::Amqp {
                     url: url.to_owned(),
                     queue: queue.to_owned(),
                 })
@@ -314,7 +317,7 @@ impl From {
                 if queue.is_some() {
                     return Err("--queue is for amqp://; use --stream and --consumer".into());
                 }
-                Ok(From::Nats {
+                Ok(Broker::Nats {
                     url: url.to_owned(),
                     stream: stream.to_owned(),
                     consumer: consumer.unwrap_or("idem-relay").to_owned(),
@@ -323,7 +326,7 @@ impl From {
             }
             _ => Err(format!(
                 "--from must be an amqp://, amqps:// or nats:// URL, not {:?}",
-                redact_url(url)
+                idem_store::redact(url)
             )),
         }
     }
@@ -331,13 +334,16 @@ impl From {
     /// The broker's URL with any password hidden, for messages.
     pub fn display(&self) -> String {
         match self {
-            From::Amqp { url, queue } => format!("{} queue {queue}", redact_url(url)),
-            From::Nats {
+            Broker::Amqp { url, queue } => format!("{} queue {queue}", idem_store::redact(url)),
+            Broker::Nats {
                 url,
                 stream,
                 consumer,
                 ..
-            } => format!("{} stream {stream} consumer {consumer}", redact_url(url)),
+            } => format!(
+                "{} stream {stream} consumer {consumer}",
+                idem_store::redact(url)
+            ),
         }
     }
 
@@ -356,7 +362,7 @@ impl From {
     {
         let consumer = consumer.clone().concurrency(usize::from(prefetch));
         match self {
-            From::Amqp { url, queue } => {
+            Broker::Amqp { url, queue } => {
                 let source = idem_mq::amqp::AmqpSource::builder(url.clone(), queue.clone())
                     .prefetch(prefetch)
                     .connection_name("idem relay")
@@ -364,7 +370,7 @@ impl From {
                     .await?;
                 consumer.run(source, relay, shutdown).await
             }
-            From::Nats {
+            Broker::Nats {
                 url,
                 stream,
                 consumer: name,
@@ -382,28 +388,13 @@ impl From {
     }
 }
 
-/// `url` with the password, if any, replaced by `***`.
-fn redact_url(url: &str) -> String {
-    let Some((scheme, rest)) = url.split_once("://") else {
-        return url.to_owned();
-    };
-    let (authority, path) = rest.split_at(rest.find('/').unwrap_or(rest.len()));
-    match authority.rsplit_once('@') {
-        Some((user, host)) => match user.split_once(':') {
-            Some((user, _)) => format!("{scheme}://{user}:***@{host}{path}"),
-            None => url.to_owned(),
-        },
-        None => url.to_owned(),
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
 
     #[test]
     fn sources_are_read_from_the_flags_and_passwords_never_shown() {
-        let amqp = From::parse(
+        let amqp = Broker::parse(
             "amqp://guest:secret@127.0.0.1:5672/%2f",
             Some("orders"),
             None,
@@ -412,14 +403,14 @@ mod tests {
         )
         .unwrap_or_else(|e| panic!("{e}"));
         assert!(!amqp.display().contains("secret"), "{}", amqp.display());
-        assert!(From::parse("amqp://h/", None, None, None, None).is_err());
-        assert!(From::parse("amqp://h/", Some("q"), Some("s"), None, None).is_err());
-        assert!(From::parse("amqp://h/", Some("q"), None, None, Some("a.>")).is_err());
-        let nats = From::parse("nats://127.0.0.1:4222", None, Some("ORDERS"), None, None)
+        assert!(Broker::parse("amqp://h/", None, None, None, None).is_err());
+        assert!(Broker::parse("amqp://h/", Some("q"), Some("s"), None, None).is_err());
+        assert!(Broker::parse("amqp://h/", Some("q"), None, None, Some("a.>")).is_err());
+        let nats = Broker::parse("nats://127.0.0.1:4222", None, Some("ORDERS"), None, None)
             .unwrap_or_else(|e| panic!("{e}"));
-        assert!(matches!(nats, From::Nats { ref consumer, .. } if consumer == "idem-relay"));
-        assert!(From::parse("nats://h", Some("q"), Some("S"), None, None).is_err());
-        let err = From::parse("kafka://u:pw@h", Some("q"), None, None, None).unwrap_err();
+        assert!(matches!(nats, Broker::Nats { ref consumer, .. } if consumer == "idem-relay"));
+        assert!(Broker::parse("nats://h", Some("q"), Some("S"), None, None).is_err());
+        let err = Broker::parse("kafka://u:pw@h", Some("q"), None, None, None).unwrap_err();
         assert!(!err.contains("pw"), "{err}");
     }
 }

@@ -83,17 +83,21 @@ pub struct Proxy {
     trusted: Arc<TrustedProxies>,
 }
 
+/// The HTTP client the gateway and the relay send with, for requests that may take `timeout`:
+/// its connect timeout is shorter than that (half, at most 5 s), so that a peer that cannot be
+/// reached is reported as such (nothing was sent: safe to retry) rather than as a timeout.
+pub fn client(timeout: Duration) -> Client<HttpConnector, Body> {
+    let mut connector = HttpConnector::new();
+    connector.set_connect_timeout(Some((timeout / 2).min(Duration::from_secs(5))));
+    connector.set_nodelay(true);
+    Client::builder(TokioExecutor::new()).build(connector)
+}
+
 impl Proxy {
     /// A proxy to `upstream` that waits at most `timeout` for an answer.
     pub fn new(upstream: Upstream, timeout: Duration) -> Self {
-        let mut connector = HttpConnector::new();
-        // Shorter than the whole timeout, so that an upstream that cannot be reached is
-        // reported as such (and the key released) rather than as an unknown outcome.
-        connector.set_connect_timeout(Some((timeout / 2).min(Duration::from_secs(5))));
-        connector.set_nodelay(true);
-        let client = Client::builder(TokioExecutor::new()).build(connector);
         Self {
-            client,
+            client: client(timeout),
             upstream,
             timeout,
             trusted: Arc::default(),
