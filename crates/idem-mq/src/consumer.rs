@@ -238,7 +238,7 @@ pub struct Consumer<S, C = SystemClock> {
 
 impl<S: Store + Clone> Consumer<S> {
     /// A consumer keeping its records in `store`, with the defaults: the key is the message
-    /// id, the namespace the queue's or stream's name, the scope `mq`; payloads are not
+    /// id, the namespace the source's name (the queue, or `<stream>.<consumer>`), the scope `mq`; payloads are not
     /// fingerprinted; a message without a key is dead-lettered; five deliveries at most;
     /// backoff from 1 s doubling to 5 min; a 60 s lease, renewed while the handler runs; a
     /// 24 h TTL; a key held by another attempt waited for 5 s; 64 handlers at once; 30 s to
@@ -287,7 +287,8 @@ impl<S: Store + Clone, C: Clock + Clone> Consumer<S, C> {
         self.set(|s| s.scope = scope.into())
     }
 
-    /// The records' namespace (default: the source's queue or stream name).
+    /// The records' namespace (default: the source's name: the queue, or
+    /// `<stream>.<consumer>` on JetStream).
     pub fn namespace(self, namespace: impl Into<String>) -> Self {
         self.set(|s| s.namespace = Some(namespace.into()))
     }
@@ -376,7 +377,7 @@ impl<S: Store + Clone, C: Clock + Clone> Consumer<S, C> {
                 if self.settings.namespace.is_some() {
                     "the settings"
                 } else {
-                    "the queue's or stream's name"
+                    "the source's name"
                 }
             ))
         })

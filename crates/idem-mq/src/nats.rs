@@ -271,6 +271,7 @@ impl NatsSourceBuilder {
             max_requeue_delay: self.max_requeue_delay,
         });
         let mut source = NatsSource {
+            name: format!("{}.{}", self.stream, self.consumer),
             js,
             settings: self,
             shared,
@@ -319,6 +320,9 @@ impl NatsSourceBuilder {
 /// # }
 /// ```
 pub struct NatsSource {
+    /// `<stream>.<consumer>`: each durable consumer of a stream sees every message, so each
+    /// keeps records of its own (the consumer's default namespace).
+    name: String,
     js: jetstream::Context,
     settings: NatsSourceBuilder,
     shared: Arc<Shared>,
@@ -436,7 +440,7 @@ impl Source for NatsSource {
     type Delivery = NatsDelivery;
 
     fn name(&self) -> &str {
-        &self.settings.stream
+        &self.name
     }
 
     async fn next(&mut self) -> Option<Result<NatsDelivery, MqError>> {

@@ -45,7 +45,9 @@ pub trait Source: Send + 'static {
     /// The deliveries this source hands out.
     type Delivery: Delivery;
 
-    /// The queue's or stream's name: the default namespace of the records.
+    /// The source's name, the default namespace of the records: what competing consumers
+    /// share and nobody else (a queue's name; `<stream>.<consumer>` on JetStream, where each
+    /// durable consumer sees every message).
     fn name(&self) -> &str;
 
     /// The next delivery; `None` once the source is closed for good. A source reconnects by

@@ -931,6 +931,54 @@ async fn messages_published_twice_run_once_per_id() {
     assert_all_settled(&streams, "once").await;
 }
 
+/// Each durable consumer of a stream sees every message: two of them (inventory and billing)
+/// on one record store each run every id, rather than the second taking the first's records
+/// for its own.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_durable_consumers_of_one_stream_each_run_every_message() {
+    let Some(url) = nats_url() else { return };
+    let streams = Streams::new(&url, |_| {}).await;
+    const N: usize = 20;
+    for i in 0..N {
+        publish_once(
+            &streams.js,
+            streams.subject(),
+            &format!("order-{i}"),
+            "{}".into(),
+        )
+        .await
+        .expect("publish");
+    }
+    let store = idem::MemoryStore::new();
+    for name in ["inventory", "billing"] {
+        let source = NatsSource::builder(&streams.name, name)
+            .connect(&url)
+            .await
+            .expect("source");
+        let consumer = Consumer::new(store.clone());
+        let runs = Arc::new(Runs::default());
+        let handler = timed_handler(&runs, Duration::ZERO);
+        let (stop, shutdown) = shutdown_switch();
+        let run = tokio::spawn({
+            let consumer = consumer.clone();
+            async move { consumer.run(source, handler, shutdown).await }
+        });
+        until(WAIT, "every message settled", || {
+            let c = consumer.counts();
+            c.handled + c.replayed >= N as u64
+        })
+        .await;
+        stop.notify_one();
+        run.await.expect("task").expect("run");
+        assert_eq!(runs.ids(), N, "{name} ran every id");
+        assert_eq!(
+            consumer.counts().replayed,
+            0,
+            "{name} took no other consumer's record"
+        );
+    }
+}
+
 /// Two instances on one durable consumer, handlers three times longer than `ack_wait`.
 async fn slow_handlers_on_two_instances(progress: bool) {
     let Some(url) = nats_url() else { return };

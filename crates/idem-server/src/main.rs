@@ -112,7 +112,7 @@ struct RelayArgs {
     #[arg(long, value_name = "POINTER")]
     key_json: Option<String>,
 
-    /// The records' namespace [default: the queue's or stream's name].
+    /// The records' namespace [default: the queue's name, or STREAM.CONSUMER].
     #[arg(long)]
     namespace: Option<String>,
 
