@@ -25,8 +25,8 @@ use bytes::Bytes;
 use futures_util::FutureExt as _;
 use idem::{Idempotency, InFlight, RunError};
 use idem_core::{
-    ClientKey, Clock, DEFAULT_LEASE, DEFAULT_TTL, Fingerprint, Key, Lease, Namespace, Scope, Store,
-    SystemClock,
+    ClientKey, Clock, DEFAULT_LEASE, DEFAULT_TTL, Fingerprint, Key, Lease, LeaseError, Namespace,
+    Scope, Store, SystemClock,
 };
 use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
@@ -610,7 +610,7 @@ impl<S: Store + Clone, C: Clock + Clone> Consumer<S, C> {
                 let renew = self.keep_alive(key, lease, delivery, ctx.ack_wait);
                 tokio::select! {
                     done = guarded(run, handler.handle(message)) => done,
-                    never = renew => match never {},
+                    () = renew => Err(Fault::LeaseLost(run)),
                 }
             })
             .await;
@@ -658,6 +658,11 @@ impl<S: Store + Clone, C: Clock + Clone> Consumer<S, C> {
             }
             Fault::Retry(e, run, after) => (e.to_string(), run, after),
             Fault::Panicked(why, run) => (format!("the handler panicked: {why}"), run, None),
+            Fault::LeaseLost(run) => (
+                "the lease was lost while the handler ran; it was stopped".to_owned(),
+                run,
+                None,
+            ),
         };
         if run >= max {
             dead(
@@ -692,27 +697,50 @@ impl<S: Store + Clone, C: Clock + Clone> Consumer<S, C> {
     }
 
     /// Renews the lease, and tells the broker the message is in progress, while the handler
-    /// runs. Never ends: it is dropped when the handler finishes.
+    /// runs; dropped when the handler finishes. Ends only when the lease is lost: another
+    /// attempt took the key over, or the lease ran out while the store could not renew it.
+    /// Then the handler is stopped, so that it never runs beside an attempt that may have
+    /// taken the key.
     async fn keep_alive<D: Delivery>(
         &self,
         key: &Key,
         lease: Lease,
         delivery: &D,
         ack_wait: Option<Duration>,
-    ) -> std::convert::Infallible {
+    ) {
         let s = &*self.settings;
         let mut every = s.lease / 3;
         if let Some(ack_wait) = ack_wait {
             every = every.min(ack_wait / 3);
         }
         let every = every.max(Duration::from_millis(10));
+        let clock = self.idem.clock();
+        let mut held_until = lease.expires_at;
         loop {
-            tokio::time::sleep(every).await;
-            let now = self.idem.clock().now();
-            if let Err(e) = self.idem.store().renew(key, &lease, s.lease, now).await {
-                tracing::debug!(error = %e, "cannot renew a running message's lease");
+            let left = held_until.saturating_since(clock.now());
+            if left.is_zero() {
+                tracing::warn!(
+                    "a running message's lease ran out unrenewed; its handler is stopped"
+                );
+                return;
             }
-            if let Err(e) = delivery.in_progress().await {
+            tokio::time::sleep(every.min(left)).await;
+            // The two heartbeats at once: a slow store does not hold back the broker's.
+            let (renewed, progress) = tokio::join!(
+                self.idem.store().renew(key, &lease, s.lease, clock.now()),
+                delivery.in_progress()
+            );
+            match renewed {
+                Ok(renewed) => held_until = renewed.expires_at,
+                Err(LeaseError::Stale(_)) => {
+                    tracing::warn!(
+                        "a running message's key was taken over; its handler is stopped"
+                    );
+                    return;
+                }
+                Err(e) => tracing::debug!(error = %e, "cannot renew a running message's lease"),
+            }
+            if let Err(e) = progress {
                 tracing::debug!(error = %e, "cannot tell the broker a message is in progress");
             }
         }
@@ -753,6 +781,8 @@ enum Fault<E> {
     Panicked(String, u32),
     #[serde(skip)]
     Exhausted(u32),
+    #[serde(skip)]
+    LeaseLost(u32),
 }
 
 /// Runs a handler's future (the `run`-th run of its key), turning a panic into a retryable

@@ -432,3 +432,35 @@ async fn a_retry_after_sets_the_requeue_delay_within_the_backoff_bound() {
         "asked for 40 s, bounded at 30 s: {waited:?}"
     );
 }
+
+#[tokio::test]
+async fn a_handler_whose_lease_cannot_be_renewed_is_stopped_when_it_runs_out() {
+    let q = Queue::new("orders");
+    q.publish(Some("cut-off"), b"{}".as_slice());
+    let store = FaultyStore::new(MemoryStore::new());
+    let consumer = Consumer::new(store.clone()).lease(Duration::from_millis(300));
+    let finished = Arc::new(AtomicUsize::new(0));
+    let (done, down) = (finished.clone(), store.clone());
+    let handler = move |_m: Message| {
+        let (done, down) = (done.clone(), down.clone());
+        async move {
+            // The store goes away once the key is claimed: no renewal reaches it.
+            down.set_down(true);
+            tokio::time::sleep(Duration::from_secs(5)).await;
+            done.fetch_add(1, Ordering::SeqCst);
+            Ok::<_, Failure<String>>(())
+        }
+    };
+    let mut source = q.source();
+    let d = source.next().await.expect("open").expect("delivery");
+    let outcome = tokio::time::timeout(PATIENCE, consumer.process(&source, d, &handler))
+        .await
+        .expect("in time")
+        .expect("process");
+    assert_eq!(outcome, Outcome::Requeued, "stopped and requeued");
+    assert_eq!(
+        finished.load(Ordering::SeqCst),
+        0,
+        "the handler never ran past its lease"
+    );
+}
