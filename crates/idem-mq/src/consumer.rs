@@ -384,40 +384,11 @@ impl<S: Store + Clone, C: Clock + Clone> Consumer<S, C> {
     }
 
     /// Checks the settings against the source: a valid scope and namespace, and a record TTL
-    /// that outlives the broker's redelivery horizon. A broker that may redeliver without a
-    /// bound is logged as a warning. [`Consumer::run`] checks this at start.
+    /// that outlives the broker's redelivery horizon. [`Consumer::run`] checks this at start
+    /// (and warns of a broker that may redeliver without a bound), [`Consumer::process`] on
+    /// every call.
     pub fn check<Src: Source>(&self, source: &Src) -> Result<(), MqError> {
-        self.context(source)?;
-        if source.redelivery_horizon() == Horizon::Unbounded {
-            tracing::warn!(
-                source = source.name(),
-                ttl = ?self.settings.ttl,
-                "the broker may redeliver a message at any time: one redelivered after its \
-                 record expired runs again; bound how long messages live in the broker, or \
-                 raise the record TTL"
-            );
-        }
-        Ok(())
-    }
-
-    /// The errors of [`Consumer::check`], without the warning (checked on every
-    /// [`Consumer::process`]).
-    fn validate<Src: Source>(&self, source: &Src) -> Result<(), MqError> {
-        Scope::new(self.settings.scope.clone())
-            .map_err(|e| MqError::Config(format!("the scope is not valid: {e}")))?;
-        self.namespace_for(source.name())?;
-        let ttl = self.settings.ttl;
-        match source.redelivery_horizon() {
-            Horizon::Bounded(h) if h > ttl => {
-                return Err(MqError::Config(format!(
-                    "the record TTL ({ttl:?}) is shorter than the broker's redelivery horizon \
-                     ({h:?}): a message redelivered after its record expired would run again; \
-                     raise the TTL or lower the broker's redelivery limit"
-                )));
-            }
-            _ => {}
-        }
-        Ok(())
+        self.context(source).map(|_| ())
     }
 
     /// Consumes `source` until `shutdown` completes or the source closes: up to
@@ -434,8 +405,16 @@ impl<S: Store + Clone, C: Clock + Clone> Consumer<S, C> {
         H: Handler,
         S: Clone,
     {
-        self.check(&source)?;
         let ctx = Arc::new(self.context(&source)?);
+        if source.redelivery_horizon() == Horizon::Unbounded {
+            tracing::warn!(
+                source = source.name(),
+                ttl = ?self.settings.ttl,
+                "the broker may redeliver a message at any time: one redelivered after its \
+                 record expired runs again; bound how long messages live in the broker, or \
+                 raise the record TTL"
+            );
+        }
         let label = &*ctx.source;
         let handler = Arc::new(handler);
         let slots = Arc::new(tokio::sync::Semaphore::new(self.settings.concurrency));
@@ -508,13 +487,26 @@ impl<S: Store + Clone, C: Clock + Clone> Consumer<S, C> {
         Ok(self.process_in(&ctx, delivery, handler).await)
     }
 
+    /// What every delivery of `source` shares, once the settings are checked against it (see
+    /// [`Consumer::check`]).
     fn context<Src: Source>(&self, source: &Src) -> Result<Ctx, MqError> {
-        self.validate(source)?;
+        let scope = Scope::new(self.settings.scope.clone())
+            .map_err(|e| MqError::Config(format!("the scope is not valid: {e}")))?;
+        let namespace = self.namespace_for(source.name())?;
+        let ttl = self.settings.ttl;
+        if let Horizon::Bounded(h) = source.redelivery_horizon()
+            && h > ttl
+        {
+            return Err(MqError::Config(format!(
+                "the record TTL ({ttl:?}) is shorter than the broker's redelivery horizon \
+                 ({h:?}): a message redelivered after its record expired would run again; \
+                 raise the TTL or lower the broker's redelivery limit"
+            )));
+        }
         Ok(Ctx {
             source: Arc::from(source.name()),
-            scope: Scope::new(self.settings.scope.clone())
-                .map_err(|e| MqError::Config(format!("the scope is not valid: {e}")))?,
-            namespace: self.namespace_for(source.name())?,
+            scope,
+            namespace,
             ack_wait: source.ack_wait(),
         })
     }
