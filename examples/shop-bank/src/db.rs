@@ -1,15 +1,20 @@
 //! The shop's database: SQLite (embedded), PostgreSQL or MySQL/MariaDB, one enum over sqlx's
 //! three pools so each handler is written once. Statements use `?` placeholders; PostgreSQL's
-//! `$n` are put in when a statement runs.
+//! `$n` are put in when a statement runs, or once for a [`Statement`] that runs often. A
+//! [`Tx`] runs its statements on its [`Conn`], which can also be a transaction someone else
+//! opened (idem-mq's inbox hands its handler one).
 
 use std::str::FromStr;
+use std::sync::Arc;
 use std::time::Duration;
 
 use idem_guard::{
     Bounded, Cas, Counter, GuardError, Inserted, LockWait, Locked, RowLock, Scalar, StateMachine,
     Transition, UniqueInsert, Versioned, numbered,
 };
-use sqlx::{MySql, Postgres, Row, Sqlite, Transaction};
+use sqlx::{
+    MySql, MySqlConnection, PgConnection, Postgres, Row, Sqlite, SqliteConnection, Transaction,
+};
 
 /// A database error, with whether trying the transaction again may succeed.
 #[derive(Debug, thiserror::Error)]
@@ -84,6 +89,74 @@ pub enum Tx {
     MySql(Transaction<'static, MySql>),
 }
 
+/// The connection of an open transaction, whoever opened it: a [`Tx`]'s own, or the one
+/// idem-mq's inbox lends its handler. The statements run on it.
+pub enum Conn<'t> {
+    /// SQLite.
+    Sqlite(&'t mut SqliteConnection),
+    /// PostgreSQL.
+    Postgres(&'t mut PgConnection),
+    /// MySQL or MariaDB.
+    MySql(&'t mut MySqlConnection),
+}
+
+impl<'t> From<&'t mut SqliteConnection> for Conn<'t> {
+    fn from(c: &'t mut SqliteConnection) -> Self {
+        Conn::Sqlite(c)
+    }
+}
+
+impl<'t> From<&'t mut PgConnection> for Conn<'t> {
+    fn from(c: &'t mut PgConnection) -> Self {
+        Conn::Postgres(c)
+    }
+}
+
+impl<'t> From<&'t mut MySqlConnection> for Conn<'t> {
+    fn from(c: &'t mut MySqlConnection) -> Self {
+        Conn::MySql(c)
+    }
+}
+
+/// A statement written with `?` placeholders, put once in the form of each engine's
+/// placeholders: for a statement that runs again and again, which [`Conn::exec`] would put
+/// in its engine's form every time.
+#[derive(Debug, Clone)]
+pub struct Statement {
+    /// SQLite's and MySQL's form: `?`.
+    question: Arc<str>,
+    /// PostgreSQL's form: `$1, $2, …`.
+    numbered: Arc<str>,
+}
+
+impl Statement {
+    /// `sql`, with `?` placeholders, in every engine's form.
+    pub fn new(sql: &str) -> Self {
+        Self {
+            question: sql.into(),
+            numbered: numbered(sql).into(),
+        }
+    }
+
+    /// Its text for `engine`.
+    fn text(&self, engine: Engine) -> Arc<str> {
+        match engine {
+            Engine::Postgres => self.numbered.clone(),
+            Engine::Sqlite | Engine::MySql => self.question.clone(),
+        }
+    }
+}
+
+impl Engine {
+    /// `sql`, written with `?` placeholders, in this engine's form.
+    fn placeholders(self, sql: &str) -> Arc<str> {
+        match self {
+            Engine::Postgres => numbered(sql).into(),
+            Engine::Sqlite | Engine::MySql => sql.into(),
+        }
+    }
+}
+
 /// Reads every column of a row as an integer or text.
 fn columns<R: Row>(row: &R) -> Result<Vec<Scalar>, DbError>
 where
@@ -148,25 +221,20 @@ macro_rules! bind_all {
     }};
 }
 
-/// Runs one statement on whichever connection `$c` is, with `$sql` for that engine.
+/// A pool of up to `max` connections, each waited for 10 s at the most.
+fn pool<D: sqlx::Database>(max: u32) -> sqlx::pool::PoolOptions<D> {
+    sqlx::pool::PoolOptions::new()
+        .max_connections(max)
+        .acquire_timeout(Duration::from_secs(10))
+}
+
+/// `$body` with `$c` bound to the connection, whichever engine's it is.
 macro_rules! each {
-    ($self:expr, $c:ident, $sql:ident => $body:expr) => {
-        match $self {
-            Tx::Sqlite(t) => {
-                let $c = &mut **t;
-                let $sql = |s: &str| s.to_owned();
-                $body
-            }
-            Tx::Postgres(t) => {
-                let $c = &mut **t;
-                let $sql = numbered;
-                $body
-            }
-            Tx::MySql(t) => {
-                let $c = &mut **t;
-                let $sql = |s: &str| s.to_owned();
-                $body
-            }
+    ($conn:expr, $c:ident => $body:expr) => {
+        match $conn {
+            Conn::Sqlite($c) => $body,
+            Conn::Postgres($c) => $body,
+            Conn::MySql($c) => $body,
         }
     };
 }
@@ -174,36 +242,20 @@ macro_rules! each {
 impl Db {
     /// Connects to `sqlite://PATH`, `postgres://…` or `mysql://…` (`mariadb://` too).
     pub async fn connect(url: &str, max: u32) -> Result<Db, DbError> {
-        let acquire = Duration::from_secs(10);
         if let Some(rest) = url.strip_prefix("mariadb://") {
             return Box::pin(Db::connect(&format!("mysql://{rest}"), max)).await;
         }
         if url.starts_with("postgres://") || url.starts_with("postgresql://") {
-            let pool = sqlx::postgres::PgPoolOptions::new()
-                .max_connections(max)
-                .acquire_timeout(acquire)
-                .connect(url)
-                .await?;
-            Ok(Db::Postgres(pool))
+            Ok(Db::Postgres(pool(max).connect(url).await?))
         } else if url.starts_with("mysql://") {
-            let pool = sqlx::mysql::MySqlPoolOptions::new()
-                .max_connections(max)
-                .acquire_timeout(acquire)
-                .connect(url)
-                .await?;
-            Ok(Db::MySql(pool))
+            Ok(Db::MySql(pool(max).connect(url).await?))
         } else {
             let options = sqlx::sqlite::SqliteConnectOptions::from_str(url)?
                 .create_if_missing(true)
                 .journal_mode(sqlx::sqlite::SqliteJournalMode::Wal)
                 .synchronous(sqlx::sqlite::SqliteSynchronous::Normal)
                 .busy_timeout(Duration::from_secs(10));
-            let pool = sqlx::sqlite::SqlitePoolOptions::new()
-                .max_connections(max)
-                .acquire_timeout(acquire)
-                .connect_with(options)
-                .await?;
-            Ok(Db::Sqlite(pool))
+            Ok(Db::Sqlite(pool(max).connect_with(options).await?))
         }
     }
 
@@ -262,21 +314,92 @@ impl Db {
 }
 
 impl Tx {
+    /// The transaction's connection, for its statements.
+    pub fn conn(&mut self) -> Conn<'_> {
+        match self {
+            Tx::Sqlite(t) => Conn::Sqlite(t),
+            Tx::Postgres(t) => Conn::Postgres(t),
+            Tx::MySql(t) => Conn::MySql(t),
+        }
+    }
+
+    /// Commits. A failure here leaves the outcome unknown ([`DbError::CommitUnknown`]),
+    /// except a refusal the database explains (a serialization failure), which rolled back.
+    pub async fn commit(self) -> Result<(), DbError> {
+        let result = match self {
+            Tx::Sqlite(t) => t.commit().await,
+            Tx::Postgres(t) => t.commit().await,
+            Tx::MySql(t) => t.commit().await,
+        };
+        match result {
+            Ok(()) => Ok(()),
+            Err(e @ sqlx::Error::Database(_)) => Err(DbError::Sql(e)),
+            Err(e) => Err(DbError::CommitUnknown(e)),
+        }
+    }
+}
+
+/// A [`Tx`]'s statements are its connection's: each of these runs [`Conn`]'s method of the
+/// same name.
+macro_rules! on_conn {
+    ($($name:ident($($arg:ident: $ty:ty),*) -> $out:ty;)*) => {
+        impl Tx {
+            $(
+                #[doc = concat!("[`Conn::", stringify!($name), "`], on the transaction's connection.")]
+                pub async fn $name(&mut self, $($arg: $ty),*) -> Result<$out, DbError> {
+                    self.conn().$name($($arg),*).await
+                }
+            )*
+        }
+    };
+}
+
+on_conn! {
+    exec(sql: &str, args: &[Scalar]) -> u64;
+    rows(sql: &str, args: &[Scalar]) -> Vec<Vec<Scalar>>;
+    int(sql: &str, args: &[Scalar]) -> Option<i64>;
+    transition(sm: &StateMachine, key: Scalar, from: i64, to: i64) -> Transition;
+    cas(v: &Versioned, key: Scalar, expected: i64, sets: &[(&str, Scalar)]) -> Cas;
+    add(c: &Counter, key: Scalar, delta: i64) -> Bounded;
+    insert(u: &UniqueInsert, values: &[Scalar]) -> Inserted<Values>;
+    lock(l: &RowLock, key: Scalar) -> Locked;
+}
+
+impl Conn<'_> {
+    /// Which engine this is.
+    pub fn engine(&self) -> Engine {
+        match self {
+            Conn::Sqlite(_) => Engine::Sqlite,
+            Conn::Postgres(_) => Engine::Postgres,
+            Conn::MySql(_) => Engine::MySql,
+        }
+    }
+
     /// Runs a statement; the number of rows it changed.
     pub async fn exec(&mut self, sql: &str, args: &[Scalar]) -> Result<u64, DbError> {
-        each!(self, c, dialect => {
-            let text = dialect(sql);
+        let text = self.engine().placeholders(sql);
+        self.execute(text, args).await
+    }
+
+    /// Runs a statement put in the engines' forms beforehand; the number of rows it changed.
+    pub async fn run(&mut self, statement: &Statement, args: &[Scalar]) -> Result<u64, DbError> {
+        let text = statement.text(self.engine());
+        self.execute(text, args).await
+    }
+
+    async fn execute(&mut self, text: Arc<str>, args: &[Scalar]) -> Result<u64, DbError> {
+        each!(self, c => {
             let q = bind_all!(sqlx::query(sqlx::AssertSqlSafe(text)), args);
-            Ok(q.execute(c).await?.rows_affected())
+            Ok(q.execute(&mut **c).await?.rows_affected())
         })
     }
 
     /// Reads rows, each column an integer or text.
     pub async fn rows(&mut self, sql: &str, args: &[Scalar]) -> Result<Vec<Vec<Scalar>>, DbError> {
-        each!(self, c, dialect => {
-            let text = dialect(sql);
+        let text = self.engine().placeholders(sql);
+        each!(self, c => {
             let q = bind_all!(sqlx::query(sqlx::AssertSqlSafe(text)), args);
-            q.fetch_all(c).await?.iter().map(columns).collect()
+            q.fetch_all(&mut **c).await?.iter().map(columns).collect()
         })
     }
 
@@ -298,9 +421,9 @@ impl Tx {
         to: i64,
     ) -> Result<Transition, DbError> {
         Ok(match self {
-            Tx::Sqlite(t) => sm.transition_sqlite(t, key, from, to).await?,
-            Tx::Postgres(t) => sm.transition_pg(t, key, from, to).await?,
-            Tx::MySql(t) => sm.transition_mysql(t, key, from, to).await?,
+            Conn::Sqlite(c) => sm.transition_sqlite(c, key, from, to).await?,
+            Conn::Postgres(c) => sm.transition_pg(c, key, from, to).await?,
+            Conn::MySql(c) => sm.transition_mysql(c, key, from, to).await?,
         })
     }
 
@@ -313,18 +436,18 @@ impl Tx {
         sets: &[(&str, Scalar)],
     ) -> Result<Cas, DbError> {
         Ok(match self {
-            Tx::Sqlite(t) => v.update_sqlite(t, key, expected, sets).await?,
-            Tx::Postgres(t) => v.update_pg(t, key, expected, sets).await?,
-            Tx::MySql(t) => v.update_mysql(t, key, expected, sets).await?,
+            Conn::Sqlite(c) => v.update_sqlite(c, key, expected, sets).await?,
+            Conn::Postgres(c) => v.update_pg(c, key, expected, sets).await?,
+            Conn::MySql(c) => v.update_mysql(c, key, expected, sets).await?,
         })
     }
 
     /// [`Counter`] bounded change.
     pub async fn add(&mut self, c: &Counter, key: Scalar, delta: i64) -> Result<Bounded, DbError> {
         Ok(match self {
-            Tx::Sqlite(t) => c.add_sqlite(t, key, delta).await?,
-            Tx::Postgres(t) => c.add_pg(t, key, delta).await?,
-            Tx::MySql(t) => c.add_mysql(t, key, delta).await?,
+            Conn::Sqlite(t) => c.add_sqlite(t, key, delta).await?,
+            Conn::Postgres(t) => c.add_pg(t, key, delta).await?,
+            Conn::MySql(t) => c.add_mysql(t, key, delta).await?,
         })
     }
 
@@ -335,9 +458,9 @@ impl Tx {
         values: &[Scalar],
     ) -> Result<Inserted<Values>, DbError> {
         Ok(match self {
-            Tx::Sqlite(t) => u.insert_sqlite(t, values).await?,
-            Tx::Postgres(t) => u.insert_pg(t, values).await?,
-            Tx::MySql(t) => u.insert_mysql(t, values).await?,
+            Conn::Sqlite(c) => u.insert_sqlite(c, values).await?,
+            Conn::Postgres(c) => u.insert_pg(c, values).await?,
+            Conn::MySql(c) => u.insert_mysql(c, values).await?,
         })
     }
 
@@ -345,24 +468,9 @@ impl Tx {
     /// `BEGIN IMMEDIATE` already holds the only write lock, whether the row exists.
     pub async fn lock(&mut self, l: &RowLock, key: Scalar) -> Result<Locked, DbError> {
         Ok(match self {
-            Tx::Sqlite(t) => l.lock_sqlite(t, key).await?,
-            Tx::Postgres(t) => l.lock_pg(t, key, LockWait::Wait).await?,
-            Tx::MySql(t) => l.lock_mysql(t, key, LockWait::Wait).await?,
+            Conn::Sqlite(c) => l.lock_sqlite(c, key).await?,
+            Conn::Postgres(c) => l.lock_pg(c, key, LockWait::Wait).await?,
+            Conn::MySql(c) => l.lock_mysql(c, key, LockWait::Wait).await?,
         })
-    }
-
-    /// Commits. A failure here leaves the outcome unknown ([`DbError::CommitUnknown`]),
-    /// except a refusal the database explains (a serialization failure), which rolled back.
-    pub async fn commit(self) -> Result<(), DbError> {
-        let result = match self {
-            Tx::Sqlite(t) => t.commit().await,
-            Tx::Postgres(t) => t.commit().await,
-            Tx::MySql(t) => t.commit().await,
-        };
-        match result {
-            Ok(()) => Ok(()),
-            Err(e @ sqlx::Error::Database(_)) => Err(DbError::Sql(e)),
-            Err(e) => Err(DbError::CommitUnknown(e)),
-        }
     }
 }
