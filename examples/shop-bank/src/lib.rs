@@ -32,11 +32,11 @@ use rand::rngs::StdRng;
 use rand::{RngExt, SeedableRng};
 
 pub use audit::{Findings, Violation};
-pub use chaos::{Journal, Rates, Workload};
+pub use chaos::{Journal, Rates, ServerChaos, Workload};
 pub use db::Db;
 pub use events::{DEFAULT_AMQP, EventsReport};
 pub use schema::{Guard, Guards, Opening, Tables};
-pub use shop::{ServerChaos, Shop};
+pub use shop::Shop;
 
 /// Why the demo could not run (as opposed to an audit that found something).
 #[derive(Debug, thiserror::Error)]
