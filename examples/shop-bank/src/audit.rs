@@ -2,12 +2,13 @@
 //! against every answer the clients accepted.
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
-use std::fmt::Write as _;
+use std::fmt::{Display, Write as _};
+use std::hash::Hash;
 
 use idem_guard::Scalar;
 
 use crate::chaos::{Ack, Journal};
-use crate::db::{Db, DbError, Engine, int, text};
+use crate::db::{Db, DbError, Engine, Tx, int, text};
 use crate::events::Ledger;
 use crate::schema::{MERCHANT, Opening, Tables, coupon, order};
 
@@ -51,6 +52,45 @@ impl Findings {
             .extend(found.into_iter().map(|detail| Violation { check, detail }));
     }
 
+    /// A check of every row: `wrong` says what is wrong with one, if anything.
+    fn each_row<R: AsRef<[Scalar]>>(
+        &mut self,
+        check: &'static str,
+        rows: &[R],
+        wrong: impl Fn(&[Scalar]) -> Option<String>,
+    ) {
+        let found = rows.iter().filter_map(|r| wrong(r.as_ref())).collect();
+        self.check(check, rows.len(), found);
+    }
+
+    /// A check that no two rows share a `key`: `say` says what a key found `n` times means.
+    fn unique<K: Ord + Clone>(
+        &mut self,
+        check: &'static str,
+        rows: &[Vec<Scalar>],
+        key: impl Fn(&[Scalar]) -> K,
+        say: impl Fn(K, usize) -> String,
+    ) {
+        let found = repeated(rows.iter().map(|r| key(r)))
+            .into_iter()
+            .map(|(k, n)| say(k, n))
+            .collect();
+        self.check(check, rows.len(), found);
+    }
+
+    /// Holds each of `answers` against the books: `wrong` says what is wrong with one, if
+    /// anything.
+    fn check_answers<T>(
+        &mut self,
+        check: &'static str,
+        answers: impl Iterator<Item = T>,
+        wrong: impl Fn(&T) -> Option<String>,
+    ) {
+        let answers: Vec<T> = answers.collect();
+        let found = answers.iter().filter_map(wrong).collect();
+        self.check(check, answers.len(), found);
+    }
+
     /// Whether any check failed.
     pub fn ok(&self) -> bool {
         self.violations.is_empty()
@@ -81,6 +121,46 @@ fn repeated<K: Ord + Clone>(keys: impl IntoIterator<Item = K>) -> Vec<(K, usize)
     counts.into_iter().filter(|(_, n)| *n > 1).collect()
 }
 
+/// The rows grouped by `key`, each key's `value`s in the rows' order.
+fn group<K: Eq + Hash, V>(
+    rows: &[Vec<Scalar>],
+    key: impl Fn(&[Scalar]) -> K,
+    value: impl Fn(&[Scalar]) -> V,
+) -> HashMap<K, Vec<V>> {
+    let mut groups: HashMap<K, Vec<V>> = HashMap::new();
+    for r in rows {
+        groups.entry(key(r)).or_default().push(value(r));
+    }
+    groups
+}
+
+/// Holds each answer, a key and the outcome it was answered, against the outcomes the books
+/// hold for the key: exactly that one. What was checked, and what was wrong.
+fn one_outcome_each<'a, K: Eq + Hash + Display + 'a>(
+    noun: &str,
+    books: &HashMap<K, Vec<String>>,
+    answers: impl Iterator<Item = (&'a K, &'a String)>,
+) -> (usize, Vec<String>) {
+    let mut checked = 0;
+    let mut found = Vec::new();
+    for (key, outcome) in answers {
+        checked += 1;
+        let held = books.get(key);
+        if held.is_none_or(|o| o.len() != 1 || &o[0] != outcome) {
+            found.push(format!(
+                "{noun} {key} was answered {outcome}; the books say {held:?}"
+            ));
+        }
+    }
+    (checked, found)
+}
+
+/// Every row of `table`, with its `columns` in that order.
+async fn all(tx: &mut Tx, columns: &str, table: &str) -> Result<Vec<Vec<Scalar>>, DbError> {
+    tx.rows(&format!("SELECT {columns} FROM {table}"), &[])
+        .await
+}
+
 /// Audits the books in `db` against `opening` and the answers in `journal`, and, if the
 /// events leg ran, the stock events against the events in `paid_events`.
 pub async fn audit(
@@ -98,60 +178,20 @@ pub async fn audit(
             .await?;
     }
     let tx = &mut tx;
-    let accounts = tx
-        .rows(
-            &format!("SELECT id, user_id, balance FROM {}", t.accounts),
-            &[],
-        )
-        .await?;
-    let transfers = tx
-        .rows(
-            &format!(
-                "SELECT ticket, from_account, to_account, amount, outcome FROM {}",
-                t.transfers
-            ),
-            &[],
-        )
-        .await?;
-    let stock = tx
-        .rows(&format!("SELECT sku, avail FROM {}", t.stock), &[])
-        .await?;
-    let deductions = tx
-        .rows(
-            &format!("SELECT order_no, sku, qty, outcome FROM {}", t.deductions),
-            &[],
-        )
-        .await?;
-    let coupons = tx
-        .rows(
-            &format!("SELECT coupon, status, order_no FROM {}", t.coupons),
-            &[],
-        )
-        .await?;
-    let orders = tx
-        .rows(
-            &format!("SELECT id, form, amount, status, version FROM {}", t.orders),
-            &[],
-        )
-        .await?;
-    let events = tx
-        .rows(
-            &format!("SELECT order_id, version, status FROM {}", t.order_events),
-            &[],
-        )
-        .await?;
-    let payments = tx
-        .rows(
-            &format!("SELECT payment, order_id, amount FROM {}", t.payments),
-            &[],
-        )
-        .await?;
-    let stock_events = tx
-        .rows(
-            &format!("SELECT order_id, sku, qty, outcome FROM {}", t.stock_events),
-            &[],
-        )
-        .await?;
+    let accounts = all(tx, "id, user_id, balance", &t.accounts).await?;
+    let transfers = all(
+        tx,
+        "ticket, from_account, to_account, amount, outcome",
+        &t.transfers,
+    )
+    .await?;
+    let stock = all(tx, "sku, avail", &t.stock).await?;
+    let deductions = all(tx, "order_no, sku, qty, outcome", &t.deductions).await?;
+    let coupons = all(tx, "coupon, status, order_no", &t.coupons).await?;
+    let orders = all(tx, "id, form, amount, status, version", &t.orders).await?;
+    let events = all(tx, "order_id, version, status", &t.order_events).await?;
+    let payments = all(tx, "payment, order_id, amount", &t.payments).await?;
+    let stock_events = all(tx, "order_id, sku, qty, outcome", &t.stock_events).await?;
     let acks = journal.acks();
     let mut f = Findings::default();
 
@@ -167,18 +207,16 @@ pub async fn audit(
     }
     f.check("money conserved by transfers", customers.len(), found);
 
-    let found = accounts
-        .iter()
-        .filter(|r| int(r, 2) < 0)
-        .map(|r| format!("account {} is overdrawn: {}", int(r, 0), int(r, 2)))
-        .collect();
-    f.check("no account overdrawn", accounts.len(), found);
+    f.each_row("no account overdrawn", &accounts, |r| {
+        (int(r, 2) < 0).then(|| format!("account {} is overdrawn: {}", int(r, 0), int(r, 2)))
+    });
 
-    let found = repeated(transfers.iter().map(|r| int(r, 0)))
-        .into_iter()
-        .map(|(ticket, n)| format!("ticket {ticket} moved money {n} times"))
-        .collect();
-    f.check("each ticket transfers once", transfers.len(), found);
+    f.unique(
+        "each ticket transfers once",
+        &transfers,
+        |r| int(r, 0),
+        |ticket, n| format!("ticket {ticket} moved money {n} times"),
+    );
 
     let mut expected: HashMap<i64, i64> = HashMap::new();
     for n in 1..=opening.customers {
@@ -188,55 +226,33 @@ pub async fn audit(
         *expected.entry(int(r, 1)).or_default() -= int(r, 3);
         *expected.entry(int(r, 2)).or_default() += int(r, 3);
     }
-    let found = customers
-        .iter()
-        .filter(|r| expected.get(&int(r, 0)).copied().unwrap_or(0) != int(r, 2))
-        .map(|r| {
-            format!(
-                "account {} holds {}, its transfers say {}",
-                int(r, 0),
-                int(r, 2),
-                expected.get(&int(r, 0)).copied().unwrap_or(0)
-            )
+    f.each_row("balances match the transfers", &customers, |r| {
+        let said = expected.get(&int(r, 0)).copied().unwrap_or(0);
+        (said != int(r, 2)).then(|| {
+            let (account, holds) = (int(r, 0), int(r, 2));
+            format!("account {account} holds {holds}, its transfers say {said}")
         })
-        .collect();
-    f.check("balances match the transfers", customers.len(), found);
-
-    let by_ticket: HashMap<i64, Vec<String>> = transfers.iter().fold(HashMap::new(), |mut m, r| {
-        m.entry(int(r, 0)).or_default().push(text(r, 4));
-        m
     });
-    let mut checked = 0;
-    let mut found = Vec::new();
-    for ack in &acks {
-        if let Ack::Transfer { ticket, outcome } = ack {
-            checked += 1;
-            if by_ticket
-                .get(ticket)
-                .is_none_or(|o| o.len() != 1 || &o[0] != outcome)
-            {
-                found.push(format!(
-                    "ticket {ticket} was answered {outcome}; the books say {:?}",
-                    by_ticket.get(ticket)
-                ));
-            }
-        }
-    }
+
+    let answers = acks.iter().filter_map(|a| match a {
+        Ack::Transfer { ticket, outcome } => Some((ticket, outcome)),
+        _ => None,
+    });
+    let by_ticket = group(&transfers, |r| int(r, 0), |r| text(r, 4));
+    let (checked, found) = one_outcome_each("ticket", &by_ticket, answers);
     f.check("transfer answers match the books", checked, found);
 
     // Stock.
-    let found = stock
-        .iter()
-        .filter(|r| int(r, 1) < 0)
-        .map(|r| format!("{} has {} items", text(r, 0), int(r, 1)))
-        .collect();
-    f.check("stock never negative", stock.len(), found);
+    f.each_row("stock never negative", &stock, |r| {
+        (int(r, 1) < 0).then(|| format!("{} has {} items", text(r, 0), int(r, 1)))
+    });
 
-    let found = repeated(deductions.iter().map(|r| text(r, 0)))
-        .into_iter()
-        .map(|(order_no, n)| format!("order {order_no} was deducted {n} times"))
-        .collect();
-    f.check("each order deducted once", deductions.len(), found);
+    f.unique(
+        "each order deducted once",
+        &deductions,
+        |r| text(r, 0),
+        |order_no, n| format!("order {order_no} was deducted {n} times"),
+    );
 
     let mut deducted: HashMap<String, i64> = HashMap::new();
     for r in deductions.iter().filter(|r| text(r, 3) == "deducted") {
@@ -246,71 +262,48 @@ pub async fn audit(
     for r in stock_events.iter().filter(|r| text(r, 3) == "deducted") {
         *deducted.entry(text(r, 1)).or_default() += int(r, 2);
     }
-    let found = stock
-        .iter()
-        .filter(|r| opening.stock - int(r, 1) != deducted.get(&text(r, 0)).copied().unwrap_or(0))
-        .map(|r| {
+    f.each_row("stock matches the deductions", &stock, |r| {
+        let lost = opening.stock - int(r, 1);
+        let said = deducted.get(&text(r, 0)).copied().unwrap_or(0);
+        (lost != said).then(|| {
             format!(
-                "{} lost {} items; its deductions say {}",
-                text(r, 0),
-                opening.stock - int(r, 1),
-                deducted.get(&text(r, 0)).copied().unwrap_or(0)
+                "{} lost {lost} items; its deductions say {said}",
+                text(r, 0)
             )
         })
-        .collect();
-    f.check("stock matches the deductions", stock.len(), found);
+    });
 
-    let by_order: HashMap<String, Vec<String>> =
-        deductions.iter().fold(HashMap::new(), |mut m, r| {
-            m.entry(text(r, 0)).or_default().push(text(r, 3));
-            m
-        });
-    let mut checked = 0;
-    let mut found = Vec::new();
-    for ack in &acks {
-        if let Ack::Deduction { order_no, outcome } = ack {
-            checked += 1;
-            if by_order
-                .get(order_no)
-                .is_none_or(|o| o.len() != 1 || &o[0] != outcome)
-            {
-                found.push(format!(
-                    "order {order_no} was answered {outcome}; the books say {:?}",
-                    by_order.get(order_no)
-                ));
-            }
-        }
-    }
+    let answers = acks.iter().filter_map(|a| match a {
+        Ack::Deduction { order_no, outcome } => Some((order_no, outcome)),
+        _ => None,
+    });
+    let by_order = group(&deductions, |r| text(r, 0), |r| text(r, 3));
+    let (checked, found) = one_outcome_each("order", &by_order, answers);
     f.check("deduction answers match the books", checked, found);
 
     // Accounts.
-    let found = repeated(accounts.iter().map(|r| int(r, 1)))
-        .into_iter()
-        .map(|(user, n)| format!("user {user} has {n} accounts"))
-        .collect();
-    f.check("one account per user", accounts.len(), found);
+    f.unique(
+        "one account per user",
+        &accounts,
+        |r| int(r, 1),
+        |user, n| format!("user {user} has {n} accounts"),
+    );
 
-    let account_of: HashMap<i64, Vec<i64>> = accounts.iter().fold(HashMap::new(), |mut m, r| {
-        m.entry(int(r, 1)).or_default().push(int(r, 0));
-        m
+    let account_of = group(&accounts, |r| int(r, 1), |r| int(r, 0));
+    let answers = acks.iter().filter_map(|a| match a {
+        Ack::Account { user, account } => Some((user, account)),
+        _ => None,
     });
-    let mut checked = 0;
-    let mut found = Vec::new();
-    for ack in &acks {
-        if let Ack::Account { user, account } = ack {
-            checked += 1;
-            if account_of
-                .get(user)
-                .is_none_or(|a| a.as_slice() != [*account])
-            {
-                found.push(format!(
-                    "user {user} was told account {account}; the books say {:?}",
-                    account_of.get(user)
-                ));
-            }
-        }
-    }
-    f.check("account answers match the books", checked, found);
+    f.check_answers(
+        "account answers match the books",
+        answers,
+        |(user, account)| {
+            let books = account_of.get(*user);
+            books
+                .is_none_or(|a| a.as_slice() != [**account])
+                .then(|| format!("user {user} was told account {account}; the books say {books:?}"))
+        },
+    );
 
     // Coupons.
     let coupon_row: HashMap<i64, (i64, String)> = coupons
@@ -355,29 +348,27 @@ pub async fn audit(
     f.check("each coupon held by at most one order", checked, found);
 
     // Orders and forms.
-    let found = repeated(orders.iter().map(|r| text(r, 1)))
-        .into_iter()
-        .map(|(form, n)| format!("form {form} created {n} orders"))
-        .collect();
-    f.check("one order per form", orders.len(), found);
+    f.unique(
+        "one order per form",
+        &orders,
+        |r| text(r, 1),
+        |form, n| format!("form {form} created {n} orders"),
+    );
 
     let order_row: HashMap<i64, (String, i64, i64, i64)> = orders
         .iter()
         .map(|r| (int(r, 0), (text(r, 1), int(r, 2), int(r, 3), int(r, 4))))
         .collect();
-    let mut checked = 0;
-    let mut found = Vec::new();
-    for ack in &acks {
-        if let Ack::Order { order: o, form } = ack {
-            checked += 1;
-            if order_row.get(o).is_none_or(|r| &r.0 != form) {
-                found.push(format!(
-                    "order {o} of form {form} was created; it is not in the books"
-                ));
-            }
-        }
-    }
-    f.check("order answers match the books", checked, found);
+    let answers = acks.iter().filter_map(|a| match a {
+        Ack::Order { order, form } => Some((order, form)),
+        _ => None,
+    });
+    f.check_answers("order answers match the books", answers, |(o, form)| {
+        order_row
+            .get(*o)
+            .is_none_or(|r| &r.0 != *form)
+            .then(|| format!("order {o} of form {form} was created; it is not in the books"))
+    });
 
     // Payments.
     let paid_total: i128 = orders
