@@ -1,12 +1,18 @@
-//! Response bodies the layer hands back.
+//! Bodies: a guarded request's, read whole within its limit, and the response bodies the layer
+//! hands back.
 
 use std::pin::Pin;
 use std::task::{Context, Poll};
 
 use bytes::Bytes;
+use http::HeaderMap;
+use http::header::CONTENT_LENGTH;
 use http_body::{Body, Frame, SizeHint};
-use http_body_util::BodyExt;
 use http_body_util::combinators::UnsyncBoxBody;
+use http_body_util::{BodyExt, LengthLimitError, Limited};
+
+use crate::problem::Problem;
+use crate::problem_code::ProblemCode;
 
 /// A boxed error.
 pub type BoxError = Box<dyn std::error::Error + Send + Sync>;
@@ -21,6 +27,35 @@ where
     B::Error: Into<BoxError>,
 {
     body.map_err(Into::into).boxed_unsync()
+}
+
+/// Reads a guarded request's body, refusing one over `max` before reading it if its length
+/// is declared.
+pub(crate) async fn read_body<B>(headers: &HeaderMap, body: B, max: usize) -> Result<Bytes, Problem>
+where
+    B: Body<Data = Bytes>,
+    B::Error: Into<BoxError>,
+{
+    let declared = headers
+        .get(CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok()?.parse::<u64>().ok());
+    if declared.is_some_and(|n| n > max as u64) {
+        return Err(too_large(max));
+    }
+    match Limited::new(body, max).collect().await {
+        Ok(collected) => Ok(collected.to_bytes()),
+        Err(e) if e.is::<LengthLimitError>() => Err(too_large(max)),
+        Err(_) => Err(ProblemCode::RequestBodyUnreadable
+            .problem("The request body could not be read to its end.")),
+    }
+}
+
+fn too_large(max: usize) -> Problem {
+    ProblemCode::BodyTooLarge
+        .problem(format!(
+            "The request body exceeds the limit of {max} bytes."
+        ))
+        .with("max_body", max)
 }
 
 /// A body whose first bytes were already read: yields them, then the rest.

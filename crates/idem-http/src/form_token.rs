@@ -13,7 +13,7 @@
 use std::sync::Arc;
 use std::task::{Context, Poll};
 
-use http::{HeaderName, Request, Response, StatusCode};
+use http::{HeaderName, Request, Response};
 use http_body::Body;
 use http_body_util::Full;
 use idem::{TokenError, Tokens};
@@ -23,6 +23,7 @@ use tower_service::Service;
 
 use crate::body::{BoxError, ResponseBody, boxed};
 use crate::problem::Problem;
+use crate::problem_code::ProblemCode;
 use crate::scope::ScopeSource;
 
 /// The default header carrying the token.
@@ -106,17 +107,13 @@ where
         Box::pin(async move {
             let (parts, body) = req.into_parts();
             let Some(token) = parts.headers.get(&cfg.header).and_then(|v| v.to_str().ok()) else {
-                return Ok(Problem::new(
-                    StatusCode::BAD_REQUEST,
-                    "token_missing",
-                    "Token missing",
-                    format!(
+                return Ok(ProblemCode::TokenMissing
+                    .problem(format!(
                         "This request needs a one-time token in the {} header.",
                         cfg.header
-                    ),
-                )
-                .into_http::<Full<bytes::Bytes>>()
-                .map(boxed));
+                    ))
+                    .into_http::<Full<bytes::Bytes>>()
+                    .map(boxed));
             };
             let scope = cfg.scope.scope_of(&parts);
             if let Err(e) = cfg
@@ -138,22 +135,16 @@ where
 /// `unknown` (also for another caller's token, so that its existence is not revealed), 400 for
 /// an invalid purpose or scope, 503 for a store failure.
 pub fn token_problem(e: &TokenError) -> Problem {
-    let refused = |code, detail: &str| {
-        Problem::new(
-            StatusCode::CONFLICT,
-            code,
-            "Token refused",
-            detail.to_owned(),
-        )
-    };
     match e {
-        TokenError::AlreadyUsed => refused("already_used", "The token was already used."),
-        TokenError::Expired => refused("expired", "The token expired."),
+        TokenError::AlreadyUsed => {
+            ProblemCode::TokenAlreadyUsed.problem("The token was already used.")
+        }
+        TokenError::Expired => ProblemCode::TokenExpired.problem("The token expired."),
         TokenError::WrongPurpose => {
-            refused("wrong_purpose", "The token was issued for another purpose.")
+            ProblemCode::TokenWrongPurpose.problem("The token was issued for another purpose.")
         }
         TokenError::WrongScope | TokenError::Unknown => {
-            refused("unknown", "There is no such token.")
+            ProblemCode::TokenUnknown.problem("There is no such token.")
         }
         TokenError::Invalid(what) => Problem::invalid_request(format!(
             "`{what}` must be 1 to 128 visible ASCII characters."

@@ -13,21 +13,36 @@
 //!   for it ([`InFlight`]).
 //! - The handler's answer is stored and replayed with `Idempotent-Replayed: true`, except 5xx
 //!   (IETF preset), 408, 425 and 429, which release the key so a retry runs again.
-//! - Errors are RFC 9457 problem details with a stable `code`.
+//! - Errors are RFC 9457 problem details with a stable `code`; [`ProblemCode`] is the
+//!   catalogue of every code idem answers with (the layer's, `idem serve`'s and
+//!   `idem gateway`'s).
 //!
 //! Expired records stay in the store until deleted: a service spawns
 //! `idem::purge::purge_loop` next to its server.
 //!
 //! See `docs/design.md` in the repository for the reasoning behind each choice.
+//!
+//! Where things are: `layer.rs` (the [`IdempotencyLayer`] and its configuration),
+//! `service.rs` (the [`IdempotencyService`]: a request from its key to its answer),
+//! `fingerprint.rs`, `claim.rs` (run, replay or refuse), `settle.rs` (storing or releasing
+//! after the handler), `body.rs`, `stored.rs` (the stored answer's layout), `problem.rs` and
+//! `problem_code.rs` (errors and their catalogue), `operator.rs` (inspecting and reopening
+//! records), `metrics.rs`.
 
 mod body;
+mod claim;
+mod fingerprint;
 pub mod form_token;
 pub mod header;
 mod layer;
+mod metrics;
+pub mod operator;
 pub mod policy;
 mod problem;
-pub mod records;
+mod problem_code;
 pub mod scope;
+mod service;
+mod settle;
 mod stored;
 
 pub use body::{BoxError, ResponseBody, boxed};
@@ -35,7 +50,25 @@ pub use form_token::{FORM_TOKEN, FormToken, FormTokenLayer, token_problem};
 pub use header::{
     IDEMPOTENCY_KEY, IDEMPOTENT_REPLAYED, KeyHeaderError, key_from_headers, parse_key,
 };
-pub use layer::{Guarded, IdempotencyLayer, Idempotent, Settle, describe_metrics};
+pub use layer::IdempotencyLayer;
+pub use metrics::describe_metrics;
 pub use policy::{InFlight, KeyRequirement, OnUnknown, Policy, Preset, ReplayHeaders};
 pub use problem::Problem;
+pub use problem_code::ProblemCode;
 pub use scope::{ScopeSecret, ScopeSource};
+pub use service::{IdempotencyService, LeaseFence};
+pub use settle::Settle;
+
+/// The service's former name.
+#[deprecated(note = "renamed to `IdempotencyService`")]
+pub type Idempotent<S> = IdempotencyService<S>;
+
+/// The lease fence's former name.
+#[deprecated(note = "renamed to `LeaseFence`")]
+pub type Guarded = LeaseFence;
+
+/// The operator tools' former module name.
+#[deprecated(note = "renamed to `operator`")]
+pub mod records {
+    pub use crate::operator::*;
+}

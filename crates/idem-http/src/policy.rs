@@ -3,7 +3,7 @@
 use std::time::Duration;
 
 use http::{HeaderName, Method, StatusCode};
-pub use idem::InFlight;
+pub use idem_claim::InFlight;
 use idem_core::Namespace;
 
 /// Which rules to follow where the IETF draft and Stripe differ.

@@ -2,13 +2,16 @@
 //!
 //! Each problem has a stable machine-readable `code` (also in `type` as
 //! `urn:idem:problem:<code>`), a short `title`, and a `detail` sentence for people. Details
-//! never contain keys, tokens or bodies.
+//! never contain keys, tokens or bodies. idem's own codes are in one catalogue,
+//! [`ProblemCode`]; [`Problem::new`] is for a service's own.
 
 use std::time::Duration;
 
 use bytes::Bytes;
 use http::{HeaderValue, Response, StatusCode, header};
 use serde_json::{Map, Value, json};
+
+use crate::problem_code::ProblemCode;
 
 /// An error answer.
 #[derive(Debug)]
@@ -22,7 +25,8 @@ pub struct Problem {
 }
 
 impl Problem {
-    /// A problem with a status, a stable code, a title and a detail sentence.
+    /// A problem with a status, a stable code, a title and a detail sentence. For idem's own
+    /// codes, [`ProblemCode::problem`].
     pub fn new(
         status: StatusCode,
         code: &'static str,
@@ -53,6 +57,13 @@ impl Problem {
         self
     }
 
+    /// Replaces the status (for a code whose status depends on configuration).
+    #[must_use]
+    pub(crate) fn with_status(mut self, status: StatusCode) -> Self {
+        self.status = status;
+        self
+    }
+
     /// Adds an extension member.
     #[must_use]
     pub fn with(mut self, name: &str, value: impl Into<Value>) -> Self {
@@ -62,17 +73,12 @@ impl Problem {
 
     /// 400 `invalid_request`.
     pub fn invalid_request(detail: impl Into<String>) -> Self {
-        Self::new(
-            StatusCode::BAD_REQUEST,
-            "invalid_request",
-            "Invalid request",
-            detail,
-        )
+        ProblemCode::InvalidRequest.problem(detail)
     }
 
     /// 404 `not_found`.
     pub fn not_found(detail: impl Into<String>) -> Self {
-        Self::new(StatusCode::NOT_FOUND, "not_found", "Not found", detail)
+        ProblemCode::NotFound.problem(detail)
     }
 
     /// The HTTP status.
@@ -90,33 +96,26 @@ impl Problem {
     pub fn store(e: &idem_core::StoreError) -> Self {
         if let idem_core::StoreError::Full { .. } = e {
             tracing::warn!(error = %e, "the record store is full; answered store_full");
-            return Self::new(
-                StatusCode::SERVICE_UNAVAILABLE,
-                "store_full",
-                "Store full",
-                "The record store holds as many records as it may, so nothing was done; try \
-                 again later.",
-            )
-            .retry_after(Duration::from_secs(1));
+            return ProblemCode::StoreFull
+                .problem(
+                    "The record store holds as many records as it may, so nothing was done; \
+                     try again later.",
+                )
+                .retry_after(Duration::from_secs(1));
         }
         let (code, detail) = if e.is_transient() {
             (
-                "store_unavailable",
+                ProblemCode::StoreUnavailable,
                 "The record store cannot be reached, so nothing was done; try again shortly.",
             )
         } else {
             (
-                "store_error",
+                ProblemCode::StoreError,
                 "The record store failed, so nothing was done; the server's log says why.",
             )
         };
-        tracing::warn!(error = %e, "the record store failed; answered {code}");
-        Self::new(
-            StatusCode::SERVICE_UNAVAILABLE,
-            code,
-            "Store unavailable",
-            detail,
-        )
+        tracing::warn!(error = %e, "the record store failed; answered {}", code.as_str());
+        code.problem(detail)
     }
 }
 

@@ -15,7 +15,7 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::post;
 use idem_core::{ManualClock, SharedStore};
 use idem_http::{
-    Guarded, IdempotencyLayer, InFlight, KeyRequirement, OnUnknown, Policy, Preset, Settle,
+    IdempotencyLayer, InFlight, KeyRequirement, LeaseFence, OnUnknown, Policy, Preset, Settle,
 };
 use idem_store::MemoryStore;
 use idem_testkit::{Fault, FaultyStore, Op, PATIENCE, Stall, within};
@@ -126,7 +126,7 @@ async fn breaks(State(c): State<Counters>) -> Response {
     )))
 }
 
-async fn fence(State(c): State<Counters>, Extension(g): Extension<Guarded>) -> Response {
+async fn fence(State(c): State<Counters>, Extension(g): Extension<LeaseFence>) -> Response {
     let status = if c.runs.fetch_add(1, Ordering::SeqCst) == 0 {
         StatusCode::INTERNAL_SERVER_ERROR
     } else {
@@ -675,7 +675,7 @@ async fn an_unknown_outcome_runs_again_after_the_lease_when_so_configured() {
 #[tokio::test]
 async fn an_operator_reopens_a_held_unknown_outcome_and_nothing_else() {
     use idem_core::{Clock, Key};
-    use idem_http::records::{RecordState, Reopened, inspect, reopen_unknown};
+    use idem_http::operator::{RecordState, Reopened, inspect, reopen_unknown};
     let store: SharedStore = Arc::new(MemoryStore::new());
     let app = app_on(store.clone(), Policy::default());
     let key = |k: &str| Key::parse("anonymous", "http", k).unwrap();

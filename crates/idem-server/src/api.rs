@@ -5,7 +5,6 @@ use std::time::Duration;
 
 use axum::Json;
 use axum::extract::State;
-use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 use idem_core::{
     BeginOutcome, BeginRequest, Bytes, ClientKey, Clock, Fingerprint, Key, KeyError, Lease,
@@ -20,7 +19,7 @@ use idem::InFlight;
 use crate::AppState;
 use crate::auth::Caller;
 use crate::json::{JsonBody, PathParams};
-use idem_http::Problem;
+use idem_http::{Problem, ProblemCode};
 
 /// The longest `fingerprint` string accepted.
 pub const MAX_FINGERPRINT_LEN: usize = 1024;
@@ -38,12 +37,7 @@ pub(crate) fn rfc3339(t: Timestamp) -> String {
 }
 
 pub(crate) fn key_problem(e: &KeyError) -> Problem {
-    Problem::new(
-        StatusCode::BAD_REQUEST,
-        "invalid_key",
-        "Invalid key",
-        format!("{e}."),
-    )
+    ProblemCode::InvalidKey.problem(format!("{e}."))
 }
 
 fn record_key(caller: &Caller, namespace: &str, key: &str) -> Result<Key, Problem> {
@@ -65,15 +59,10 @@ fn duration_ms(
     };
     let d = Duration::from_millis(ms);
     if ms == 0 || d > max {
-        return Err(Problem::new(
-            StatusCode::BAD_REQUEST,
-            "invalid_duration",
-            "Invalid duration",
-            format!(
-                "{name} must be between 1 and {} milliseconds.",
-                max.as_millis()
-            ),
-        ));
+        return Err(ProblemCode::InvalidDuration.problem(format!(
+            "{name} must be between 1 and {} milliseconds.",
+            max.as_millis()
+        )));
     }
     Ok(d)
 }
@@ -86,12 +75,8 @@ fn lease_token(lease: &Lease) -> String {
 
 fn parse_lease(token: &str) -> Result<Lease, Problem> {
     let invalid = || {
-        Problem::new(
-            StatusCode::BAD_REQUEST,
-            "invalid_lease",
-            "Invalid lease",
-            "lease must be the token returned by begin (as in \"3.9f86d081884c7d65…\").",
-        )
+        ProblemCode::InvalidLease
+            .problem("lease must be the token returned by begin (as in \"3.9f86d081884c7d65…\").")
     };
     let (fence, id) = token.split_once('.').ok_or_else(invalid)?;
     Ok(Lease {
@@ -130,12 +115,9 @@ pub(crate) async fn begin(
             Fingerprint::of_bytes(fp.as_bytes())
         }
         (Some(_), None) => {
-            return Err(Problem::new(
-                StatusCode::BAD_REQUEST,
-                "invalid_fingerprint",
-                "Invalid fingerprint",
-                format!("fingerprint must be 1 to {MAX_FINGERPRINT_LEN} bytes long."),
-            ));
+            return Err(ProblemCode::InvalidFingerprint.problem(format!(
+                "fingerprint must be 1 to {MAX_FINGERPRINT_LEN} bytes long."
+            )));
         }
         (None, Some(request)) => Fingerprint::of_json(request),
         _ => {
@@ -185,17 +167,10 @@ pub(crate) async fn begin(
             insert_response(&mut body, &replay.response);
             Ok(Json(body).into_response())
         }
-        BeginOutcome::InProgress { lease_expires_at } => Err(Problem::new(
-            StatusCode::CONFLICT,
-            "in_progress",
-            "Request in progress",
-            "Another attempt with this key is running; retry after it finishes.",
-        )
-        .retry_after(lease_expires_at.saturating_since(now))),
-        BeginOutcome::Mismatch => Err(Problem::new(
-            StatusCode::UNPROCESSABLE_ENTITY,
-            "fingerprint_mismatch",
-            "Key reused with a different request",
+        BeginOutcome::InProgress { lease_expires_at } => Err(ProblemCode::InProgress
+            .problem("Another attempt with this key is running; retry after it finishes.")
+            .retry_after(lease_expires_at.saturating_since(now))),
+        BeginOutcome::Mismatch => Err(ProblemCode::FingerprintMismatch.problem(
             "This key was used with a different request; use a new key for a new request.",
         )),
     }
@@ -244,10 +219,7 @@ pub(crate) struct ReleaseBody {
 
 fn lease_problem(e: &LeaseError, key: &Key, op: &str) -> Problem {
     match e {
-        LeaseError::Stale(_) => Problem::new(
-            StatusCode::CONFLICT,
-            "stale_lease",
-            "Stale lease",
+        LeaseError::Stale(_) => ProblemCode::StaleLease.problem(
             "This lease no longer holds the record: another attempt took it over, or the \
              record was released, forgotten, or completed with another response. Nothing \
              was changed.",
@@ -255,12 +227,7 @@ fn lease_problem(e: &LeaseError, key: &Key, op: &str) -> Problem {
         LeaseError::Store(e) => Problem::store(e),
         other => {
             warn!(key = %key.log_tag(), error = %other, "record not {op}");
-            Problem::new(
-                StatusCode::SERVICE_UNAVAILABLE,
-                "store_error",
-                "Store error",
-                other.to_string(),
-            )
+            ProblemCode::StoreError.problem(other.to_string())
         }
     }
 }

@@ -11,12 +11,12 @@ use std::fmt;
 use std::path::Path;
 
 use axum::extract::FromRequestParts;
+use axum::http::header;
 use axum::http::request::Parts;
-use axum::http::{StatusCode, header};
 use idem_core::{Fingerprint, Scope};
 
 use crate::AppState;
-use idem_http::Problem;
+use idem_http::{Problem, ProblemCode};
 
 /// The start of the scopes idem keeps its own records under (`idem.ids`, `idem.tokens`); no
 /// API key may have one.
@@ -118,14 +118,7 @@ impl Auth {
             Auth::Anonymous(scope) => return Ok(scope.clone()),
             Auth::Keys(keys) => keys,
         };
-        let unauthorized = |detail: &str| {
-            Problem::new(
-                StatusCode::UNAUTHORIZED,
-                "unauthorized",
-                "Unauthorized",
-                detail,
-            )
-        };
+        let unauthorized = |detail: &str| ProblemCode::Unauthorized.problem(detail);
         if !parts.headers.contains_key(header::AUTHORIZATION) {
             return Err(unauthorized(
                 "Send an API key as `Authorization: Bearer <key>`.",

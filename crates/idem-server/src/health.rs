@@ -27,7 +27,6 @@ use std::sync::{Arc, LazyLock, Mutex, PoisonError};
 use std::time::Duration;
 
 use axum::Json;
-use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 use idem::purge::PurgeStatus;
 use idem_core::{Clock, Key, SharedStore, Timestamp};
@@ -198,12 +197,8 @@ impl IntoResponse for Report {
         if self.level() != Level::Down {
             return Json(body).into_response();
         }
-        let mut problem = idem_http::Problem::new(
-            StatusCode::SERVICE_UNAVAILABLE,
-            "store_unavailable",
-            "Store unavailable",
-            "The record store does not answer, so this instance can do nothing safely.",
-        );
+        let mut problem = idem_http::ProblemCode::StoreUnavailable
+            .problem("The record store does not answer, so this instance can do nothing safely.");
         for (name, value) in ["store", "components"].map(|k| (k, body[k].clone())) {
             problem = problem.with(name, value);
         }

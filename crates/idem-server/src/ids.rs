@@ -24,8 +24,7 @@ use std::time::{Duration, Instant};
 
 use axum::Json;
 use axum::extract::{RawQuery, State};
-use axum::http::StatusCode;
-use idem_http::Problem;
+use idem_http::{Problem, ProblemCode};
 use idem_id::{Batch, IdError, ManagedSnowflake};
 use serde_json::{Value, json};
 
@@ -206,34 +205,23 @@ impl SegmentTable {
             tag,
             idem_id::SegmentOptions::default(),
         )
-        .map_err(|e| {
-            Problem::new(
-                StatusCode::BAD_REQUEST,
-                "invalid_tag",
-                "Invalid tag",
-                format!("{e}."),
-            )
-        })?;
+        .map_err(|e| ProblemCode::InvalidTag.problem(format!("{e}.")))?;
         let limits = table.limits;
         let held = |t: &Table| t.held.get(scope).copied().unwrap_or(0);
         if held(&table) >= limits.per_scope {
             table.evict_idle(Some(scope), now);
         }
         if held(&table) >= limits.per_scope {
-            return Err(Problem::new(
-                StatusCode::TOO_MANY_REQUESTS,
-                "tag_quota_exceeded",
-                "Tag quota exceeded",
-                format!(
+            return Err(ProblemCode::TagQuotaExceeded
+                .problem(format!(
                     "A caller may hold {} segment tags at a time; this caller holds that many, \
                      each used within the last {} seconds. Reuse a tag, or ask again once one \
                      has been idle that long.",
                     limits.per_scope,
                     limits.idle_after.as_secs()
-                ),
-            )
-            .with("quota", limits.per_scope)
-            .retry_after(limits.idle_after));
+                ))
+                .with("quota", limits.per_scope)
+                .retry_after(limits.idle_after));
         }
         if table.slots.len() >= limits.total {
             // Idle tags first (anyone's), then the least recently used of the rest.
@@ -241,7 +229,7 @@ impl SegmentTable {
             while table.slots.len() >= limits.total {
                 if !table.evict_least_recent() {
                     return Err(unavailable(
-                        "too_many_tags",
+                        ProblemCode::TooManyTags,
                         format!(
                             "This server serves at most {} segment tags, and all are in use.",
                             limits.total
@@ -303,12 +291,9 @@ fn count(query: Option<&str>) -> Result<u32, Problem> {
         .ok()
         .filter(|n| (1..=MAX_COUNT).contains(n))
         .ok_or_else(|| {
-            Problem::new(
-                StatusCode::BAD_REQUEST,
-                "invalid_count",
-                "Invalid count",
-                format!("`count` must be a whole number from 1 to {MAX_COUNT}."),
-            )
+            ProblemCode::InvalidCount.problem(format!(
+                "`count` must be a whole number from 1 to {MAX_COUNT}."
+            ))
         })
 }
 
@@ -328,7 +313,7 @@ pub async fn snowflake(
     let n = count(q.as_deref())?;
     let Some(generator) = &state.snowflake else {
         return Err(unavailable(
-            "no_worker_id",
+            ProblemCode::NoWorkerId,
             "This server issues no Snowflake ids (it was started without a worker id pool).",
         ));
     };
@@ -362,7 +347,7 @@ pub async fn segment(
             None => segments.next().await.map_err(|e| {
                 tracing::warn!(error = %e, "segment ids unavailable");
                 unavailable(
-                    "store_unavailable",
+                    ProblemCode::StoreUnavailable,
                     "No segment ids are left in memory and the store cannot be reached.",
                 )
                 .retry_after(std::time::Duration::from_secs(1))
@@ -385,41 +370,42 @@ async fn take(generator: &ManagedSnowflake, n: u32) -> Result<Batch, Problem> {
                 retry_after,
             }) => {
                 return Err(unavailable(
-                    "no_worker_id",
+                    ProblemCode::NoWorkerId,
                     format!("This server holds no Snowflake worker id now ({reason}); it claims one by itself."),
                 )
                 .retry_after(retry_after));
             }
             Err(IdError::LeaseExpired) => {
                 return Err(unavailable(
-                    "worker_lease_expired",
+                    ProblemCode::WorkerLeaseExpired,
                     "The worker id's lease could not be renewed in time; try again shortly.",
                 )
                 .retry_after(std::time::Duration::from_secs(1)));
             }
             Err(IdError::WorkerLost) => {
                 return Err(unavailable(
-                    "worker_lost",
+                    ProblemCode::WorkerLost,
                     "This server's worker id was lost; it issues no more Snowflake ids.",
                 ));
             }
-            Err(e) => return Err(unavailable("ids_unavailable", format!("No ids: {e}."))),
+            Err(e) => {
+                return Err(unavailable(
+                    ProblemCode::IdsUnavailable,
+                    format!("No ids: {e}."),
+                ));
+            }
         }
     }
     Err(unavailable(
-        "ids_busy",
+        ProblemCode::IdsBusy,
         "Ids are asked for faster than this server can issue them.",
     )
     .retry_after(std::time::Duration::from_secs(1)))
 }
 
-fn unavailable(code: &'static str, detail: impl Into<String>) -> Problem {
-    Problem::new(
-        StatusCode::SERVICE_UNAVAILABLE,
-        code,
-        "Ids unavailable",
-        detail,
-    )
+/// A 503: `code` says why no id could be issued.
+fn unavailable(code: ProblemCode, detail: impl Into<String>) -> Problem {
+    code.problem(detail)
 }
 
 fn bad_query() -> Problem {

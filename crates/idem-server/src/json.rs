@@ -4,12 +4,12 @@
 use axum::body::Body;
 use axum::extract::rejection::PathRejection;
 use axum::extract::{FromRequest, FromRequestParts, Request};
+use axum::http::header;
 use axum::http::request::Parts;
-use axum::http::{StatusCode, header};
 use serde::de::DeserializeOwned;
 
 use crate::AppState;
-use idem_http::Problem;
+use idem_http::{Problem, ProblemCode};
 
 /// A JSON request body of at most [`BodyLimit::max_body`] bytes.
 pub struct JsonBody<T>(pub T);
@@ -41,22 +41,16 @@ impl<T: DeserializeOwned, S: BodyLimit + Sync> FromRequest<S> for JsonBody<T> {
             })
             .unwrap_or(false);
         if !is_json {
-            return Err(Problem::new(
-                StatusCode::UNSUPPORTED_MEDIA_TYPE,
-                "unsupported_media_type",
-                "Unsupported media type",
-                "The body must be JSON, sent with `Content-Type: application/json`.",
-            ));
+            return Err(ProblemCode::UnsupportedMediaType
+                .problem("The body must be JSON, sent with `Content-Type: application/json`."));
         }
         let limit = state.max_body();
         let too_large = || {
-            Problem::new(
-                StatusCode::PAYLOAD_TOO_LARGE,
-                "body_too_large",
-                "Body too large",
-                format!("The body is larger than the limit of {limit} bytes."),
-            )
-            .with("limit_bytes", limit)
+            ProblemCode::BodyTooLarge
+                .problem(format!(
+                    "The body is larger than the limit of {limit} bytes."
+                ))
+                .with("limit_bytes", limit)
         };
         let declared = req
             .headers()
@@ -72,12 +66,9 @@ impl<T: DeserializeOwned, S: BodyLimit + Sync> FromRequest<S> for JsonBody<T> {
         serde_json::from_slice(&bytes).map(JsonBody).map_err(|e| {
             use serde_json::error::Category;
             match e.classify() {
-                Category::Syntax | Category::Eof | Category::Io => Problem::new(
-                    StatusCode::BAD_REQUEST,
-                    "malformed_json",
-                    "Malformed JSON",
-                    format!("The body is not valid JSON: {e}."),
-                ),
+                Category::Syntax | Category::Eof | Category::Io => {
+                    ProblemCode::MalformedJson.problem(format!("The body is not valid JSON: {e}."))
+                }
                 Category::Data => Problem::invalid_request(shape_error(&e)),
             }
         })
@@ -111,19 +102,11 @@ fn path_problem(e: &PathRejection) -> Problem {
     if status.is_server_error() {
         // A route whose handler takes parameters the route does not have: idem's own bug.
         tracing::error!(error = %e, "path parameters do not fit the route");
-        return Problem::new(
-            StatusCode::INTERNAL_SERVER_ERROR,
-            "internal_error",
-            "Internal error",
-            "The server could not read this route's parameters.",
-        );
+        return ProblemCode::InternalError
+            .problem("The server could not read this route's parameters.");
     }
-    Problem::new(
-        StatusCode::BAD_REQUEST,
-        "invalid_path",
-        "Invalid path",
-        "A path segment does not decode: percent-encoded bytes must make UTF-8 text.",
-    )
+    ProblemCode::InvalidPath
+        .problem("A path segment does not decode: percent-encoded bytes must make UTF-8 text.")
 }
 
 /// Describes a body of the wrong shape without repeating the values it holds: serde's messages

@@ -30,12 +30,11 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use axum::Router;
-use axum::http::StatusCode;
 use axum::routing::{get, post};
 use idem_core::{Clock, DEFAULT_LEASE, DEFAULT_TTL, SharedStore, SystemClock};
 
 use crate::auth::Auth;
-use idem_http::Problem;
+use idem_http::{Problem, ProblemCode};
 
 /// The default limit on request bodies: 1 MiB.
 pub const DEFAULT_MAX_BODY: usize = 1024 * 1024;
@@ -110,12 +109,7 @@ pub fn router(state: AppState) -> Router {
         .route("/v1/ids/segment/{tag}", get(ids::segment))
         .fallback(|| async { Problem::not_found("There is no such endpoint.") })
         .method_not_allowed_fallback(|| async {
-            Problem::new(
-                StatusCode::METHOD_NOT_ALLOWED,
-                "method_not_allowed",
-                "Method not allowed",
-                "This endpoint does not take that method.",
-            )
+            ProblemCode::MethodNotAllowed.problem("This endpoint does not take that method.")
         })
         .with_state(state)
 }

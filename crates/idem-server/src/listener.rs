@@ -37,11 +37,11 @@ use std::time::Duration;
 use axum::Router;
 use axum::body::{Body, Bytes};
 use axum::extract::ConnectInfo;
-use axum::http::{HeaderValue, Request, Response, StatusCode, header};
+use axum::http::{HeaderValue, Request, Response, header};
 use http_body::{Frame, SizeHint};
 use hyper::body::Incoming;
 use hyper_util::rt::TokioIo;
-use idem_http::Problem;
+use idem_http::ProblemCode;
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{Notify, mpsc, watch};
@@ -602,14 +602,10 @@ impl RequestService {
         // Dropped with the response body, or with this future if the client goes away.
         let finished = Finished(self.activity.clone());
         if self.capped && req.uri().path() != self.limits.health_path {
-            let res = Problem::new(
-                StatusCode::SERVICE_UNAVAILABLE,
-                "overloaded",
-                "Overloaded",
-                "The server is at its connection limit; try again shortly.",
-            )
-            .retry_after(Duration::from_secs(1))
-            .into_http::<Body>();
+            let res = ProblemCode::Overloaded
+                .problem("The server is at its connection limit; try again shortly.")
+                .retry_after(Duration::from_secs(1))
+                .into_http::<Body>();
             return Ok(close(res).map(|b| Tracked::new(b, finished)));
         }
         let timed_out = Arc::new(AtomicBool::new(false));
@@ -627,16 +623,12 @@ impl RequestService {
         if timed_out.load(Ordering::Relaxed) {
             self.log.bite(Bite::Body);
             res = close(
-                Problem::new(
-                    StatusCode::REQUEST_TIMEOUT,
-                    "body_timeout",
-                    "Body too slow",
-                    format!(
+                ProblemCode::BodyTimeout
+                    .problem(format!(
                         "The request body did not arrive within {}.",
                         humantime::format_duration(self.limits.body_timeout)
-                    ),
-                )
-                .into_http::<Body>(),
+                    ))
+                    .into_http::<Body>(),
             );
         }
         Ok(res.map(|b| Tracked::new(b, finished)))

@@ -20,10 +20,9 @@ use std::time::Duration;
 
 use axum::Json;
 use axum::extract::State;
-use axum::http::StatusCode;
 use idem::{LockError, LockOwner, Locks};
 use idem_core::{Held, Timestamp};
-use idem_http::Problem;
+use idem_http::{Problem, ProblemCode};
 use serde::Deserialize;
 use serde_json::{Value, json};
 use sha2::{Digest, Sha256};
@@ -64,12 +63,8 @@ pub struct ReleaseBody {
 
 fn locks(state: &AppState) -> Result<&Locks, Problem> {
     state.locks.as_ref().ok_or_else(|| {
-        Problem::new(
-            StatusCode::NOT_IMPLEMENTED,
-            "locks_unsupported",
-            "Locks unsupported",
-            "This server's store does not keep locks; use SQLite, PostgreSQL or Redis.",
-        )
+        ProblemCode::LocksUnsupported
+            .problem("This server's store does not keep locks; use SQLite, PostgreSQL or Redis.")
     })
 }
 
@@ -77,12 +72,8 @@ fn locks(state: &AppState) -> Result<&Locks, Problem> {
 /// fits) and the name.
 fn scoped(caller: &Caller, name: &str) -> Result<String, Problem> {
     if name.is_empty() || name.len() > MAX_NAME || !name.bytes().all(|b| b.is_ascii_graphic()) {
-        return Err(Problem::new(
-            StatusCode::BAD_REQUEST,
-            "invalid_lock_name",
-            "Invalid lock name",
-            "A lock name is 1 to 128 visible ASCII characters.",
-        ));
+        return Err(ProblemCode::InvalidLockName
+            .problem("A lock name is 1 to 128 visible ASCII characters."));
     }
     let scope = Sha256::digest(caller.scope.as_str().as_bytes());
     let mut out = String::with_capacity(17 + name.len());
@@ -97,26 +88,16 @@ fn scoped(caller: &Caller, name: &str) -> Result<String, Problem> {
 fn lease(ms: u64) -> Result<Duration, Problem> {
     let lease = Duration::from_millis(ms);
     if lease.is_zero() || lease > MAX_LEASE {
-        return Err(Problem::new(
-            StatusCode::BAD_REQUEST,
-            "invalid_lease",
-            "Invalid lease",
-            "`lease_ms` must be from 1 to 86400000 (24 hours).",
-        ));
+        return Err(
+            ProblemCode::InvalidLease.problem("`lease_ms` must be from 1 to 86400000 (24 hours).")
+        );
     }
     Ok(lease)
 }
 
 /// Splits a `lock` handle into its owner and fence.
 fn handle(lock: &str) -> Result<(LockOwner, u64), Problem> {
-    let bad = || {
-        Problem::new(
-            StatusCode::BAD_REQUEST,
-            "invalid_lock",
-            "Invalid lock",
-            "`lock` must be the handle an acquire returned.",
-        )
-    };
+    let bad = || ProblemCode::InvalidLock.problem("`lock` must be the handle an acquire returned.");
     let (owner, fence) = lock.rsplit_once('.').ok_or_else(bad)?;
     let owner = LockOwner::parse(owner).map_err(|_| bad())?;
     let fence = fence.parse().map_err(|_| bad())?;
@@ -133,35 +114,19 @@ fn held(owner: &LockOwner, held: Held) -> Json<Value> {
 
 fn problem(e: &LockError) -> Problem {
     match e {
-        LockError::Held { until } => Problem::new(
-            StatusCode::CONFLICT,
-            "lock_held",
-            "Lock held",
-            "Another owner holds the lock.",
-        )
-        .retry_after(until.saturating_since(Timestamp::now()))
-        .with("held_until", rfc3339(*until)),
-        LockError::Timeout => Problem::new(
-            StatusCode::CONFLICT,
-            "lock_held",
-            "Lock held",
-            "Another owner held the lock for as long as the request waited.",
-        ),
-        LockError::NotOwner | LockError::Lost => Problem::new(
-            StatusCode::CONFLICT,
-            "not_owner",
-            "Not the owner",
+        LockError::Held { until } => ProblemCode::LockHeld
+            .problem("Another owner holds the lock.")
+            .retry_after(until.saturating_since(Timestamp::now()))
+            .with("held_until", rfc3339(*until)),
+        LockError::Timeout => ProblemCode::LockHeld
+            .problem("Another owner held the lock for as long as the request waited."),
+        LockError::NotOwner | LockError::Lost => ProblemCode::NotOwner.problem(
             "This handle does not hold the lock: it was released, its lease ran out, or \
              another owner has taken it since.",
         ),
         LockError::Invalid(e) => Problem::invalid_request(format!("{e}.")),
         LockError::Store(e) => Problem::store(e),
-        _ => Problem::new(
-            StatusCode::INTERNAL_SERVER_ERROR,
-            "lock_error",
-            "Lock error",
-            "The lock operation failed.",
-        ),
+        _ => ProblemCode::LockError.problem("The lock operation failed."),
     }
 }
 
@@ -177,23 +142,14 @@ pub async fn acquire(
     let lease = lease(body.lease_ms)?;
     let wait = Duration::from_millis(body.wait_ms.unwrap_or(0));
     if wait > MAX_WAIT {
-        return Err(Problem::new(
-            StatusCode::BAD_REQUEST,
-            "invalid_wait",
-            "Invalid wait",
-            "`wait_ms` must be at most 60000 (one minute).",
-        ));
+        return Err(
+            ProblemCode::InvalidWait.problem("`wait_ms` must be at most 60000 (one minute).")
+        );
     }
     let acquired = match &body.owner {
         Some(id) => {
-            let owner = LockOwner::parse(id).map_err(|e| {
-                Problem::new(
-                    StatusCode::BAD_REQUEST,
-                    "invalid_owner",
-                    "Invalid owner",
-                    format!("{e}."),
-                )
-            })?;
+            let owner = LockOwner::parse(id)
+                .map_err(|e| ProblemCode::InvalidOwner.problem(format!("{e}.")))?;
             // A caller that hangs up keeps the holding: it knows the owner id and gets the
             // holding back by asking again.
             locks.acquire_as(&name, owner, lease, wait).await

@@ -18,6 +18,7 @@ use axum::http::uri::Scheme;
 use axum::http::{HeaderMap, HeaderName, HeaderValue, Method, Request, StatusCode, Uri};
 use hyper_util::client::legacy::Client;
 use hyper_util::client::legacy::connect::HttpConnector;
+use idem_http::ProblemCode;
 use idem_mq::{Failure, Handler, Message};
 use serde::{Deserialize, Serialize};
 
@@ -224,7 +225,7 @@ fn retryable(status: StatusCode, headers: &HeaderMap, body: Option<&[u8]>) -> bo
                 || body
                     .and_then(|b| serde_json::from_slice::<serde_json::Value>(b).ok())
                     .and_then(|v| v.get("code")?.as_str().map(str::to_owned))
-                    .is_some_and(|code| code == "request_in_progress")
+                    .is_some_and(|code| code == ProblemCode::RequestInProgress.as_str())
         }
         _ => false,
     }

@@ -45,7 +45,6 @@
 //! # tokio::runtime::Runtime::new().unwrap().block_on(demo()).unwrap();
 //! ```
 
-mod cancel;
 pub mod claim;
 pub mod locks;
 pub mod purge;
@@ -53,6 +52,8 @@ mod run;
 pub mod tokens;
 
 pub use claim::InFlight;
+// Store calls finished for a caller who left, shared with the claim helpers.
+use idem_claim::cancel;
 pub use locks::{LockGuard, Locks};
 pub use tokens::{IssuedToken, TokenError, Tokens};
 

@@ -11,12 +11,12 @@ use std::sync::Arc;
 
 use axum::extract::{FromRequestParts, State};
 use axum::http::request::Parts;
-use axum::http::{HeaderValue, Request, StatusCode};
+use axum::http::{HeaderValue, Request};
 use axum::response::{IntoResponse, Response};
 use axum::{Json, Router};
 use idem_core::{ClientKey, Clock, Fingerprint, Key, Namespace, Scope, SharedStore};
-use idem_http::records::{self, RecordState, RecordView, Reopened};
-use idem_http::{Problem, ScopeSource};
+use idem_http::operator::{self, RecordState, RecordView, Reopened};
+use idem_http::{Problem, ProblemCode, ScopeSource};
 use serde::Deserialize;
 use serde_json::{Value, json};
 use tracing::info;
@@ -112,10 +112,7 @@ pub(super) fn router(state: AdminState) -> Router {
         .fallback(|| async { Problem::not_found("There is no such gateway endpoint.") })
         // The `Allow` header is still added by the router.
         .method_not_allowed_fallback(|| async {
-            Problem::new(
-                StatusCode::METHOD_NOT_ALLOWED,
-                "method_not_allowed",
-                "Method not allowed",
+            ProblemCode::MethodNotAllowed.problem(
                 "This gateway endpoint does not take this method; the Allow header lists those \
                  it takes.",
             )
@@ -140,22 +137,15 @@ impl FromRequestParts<AdminState> for Operator {
 
     async fn from_request_parts(parts: &mut Parts, s: &AdminState) -> Result<Self, Problem> {
         let Some(token) = &s.token else {
-            return Err(Problem::new(
-                StatusCode::FORBIDDEN,
-                "admin_disabled",
-                "Admin endpoints disabled",
+            return Err(ProblemCode::AdminDisabled.problem(
                 "The record tools need an admin token: set admin_token_file (or \
                  --admin-token-file) and send it as `Authorization: Bearer <token>`.",
             ));
         };
         match crate::auth::bearer(parts) {
             Some(p) if token.matches(p) => Ok(Operator),
-            _ => Err(Problem::new(
-                StatusCode::UNAUTHORIZED,
-                "unauthorized",
-                "Unauthorized",
-                "Send the admin token as `Authorization: Bearer <token>`.",
-            )),
+            _ => Err(ProblemCode::Unauthorized
+                .problem("Send the admin token as `Authorization: Bearer <token>`.")),
         }
     }
 }
@@ -247,12 +237,7 @@ fn view_json(view: &RecordView) -> Value {
 }
 
 fn not_found() -> Problem {
-    Problem::new(
-        StatusCode::NOT_FOUND,
-        "record_not_found",
-        "No such record",
-        "There is no live record for this path, key and scope.",
-    )
+    ProblemCode::RecordNotFound.problem("There is no live record for this path, key and scope.")
 }
 
 async fn inspect(
@@ -261,7 +246,7 @@ async fn inspect(
     JsonBody(r): JsonBody<RecordRef>,
 ) -> Result<Json<Value>, Problem> {
     let key = s.key_of(r)?;
-    match records::inspect(&*s.store, &key, s.clock.now()).await {
+    match operator::inspect(&*s.store, &key, s.clock.now()).await {
         Ok(Some(view)) => Ok(Json(view_json(&view))),
         Ok(None) => Err(not_found()),
         Err(e) => Err(Problem::store(&e)),
@@ -274,7 +259,7 @@ async fn reopen(
     JsonBody(r): JsonBody<RecordRef>,
 ) -> Result<Json<Value>, Problem> {
     let key = s.key_of(r)?;
-    match records::reopen_unknown(&*s.store, &key, s.clock.now()).await {
+    match operator::reopen_unknown(&*s.store, &key, s.clock.now()).await {
         Ok(Reopened::Reopened { fence }) => {
             info!(
                 key = %key.log_tag(),
@@ -286,16 +271,12 @@ async fn reopen(
             Ok(Json(json!({"reopened": true, "fence": fence})))
         }
         Ok(Reopened::NotFound) => Err(not_found()),
-        Ok(Reopened::NotUnknown(view)) => Err(Problem::new(
-            StatusCode::CONFLICT,
-            "not_unknown",
-            "Outcome not unknown",
-            format!(
+        Ok(Reopened::NotUnknown(view)) => Err(ProblemCode::NotUnknown
+            .problem(format!(
                 "The record is {}, not an unknown outcome; only unknown outcomes are reopened.",
                 view.state.name()
-            ),
-        )
-        .with("record", view_json(&view))),
+            ))
+            .with("record", view_json(&view))),
         Err(e) => Err(Problem::store(&e)),
     }
 }

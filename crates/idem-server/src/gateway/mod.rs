@@ -32,12 +32,12 @@ use std::time::Duration;
 use axum::Router;
 use axum::body::Body;
 use axum::http::uri::PathAndQuery;
-use axum::http::{HeaderName, Request, StatusCode, Uri};
+use axum::http::{HeaderName, Request, Uri};
 use axum::response::{IntoResponse, Response};
 use idem_core::{BoxFuture, Clock, SharedStore, SystemClock};
 use idem_http::{
-    IDEMPOTENCY_KEY, IdempotencyLayer, Idempotent, KeyRequirement, Problem, ScopeSecret,
-    ScopeSource,
+    IDEMPOTENCY_KEY, IdempotencyLayer, IdempotencyService, KeyRequirement, Problem, ProblemCode,
+    ScopeSecret, ScopeSource,
 };
 use tower_layer::Layer;
 use tower_service::Service;
@@ -333,12 +333,7 @@ pub(crate) fn path_problem(e: AmbiguousPath) -> Problem {
     if e == AmbiguousPath::NotAbsolute {
         return Problem::invalid_request(format!("{e}."));
     }
-    Problem::new(
-        StatusCode::BAD_REQUEST,
-        "ambiguous_path",
-        "Ambiguous path",
-        format!("Refused: {e}; send the path in plain form."),
-    )
+    ProblemCode::AmbiguousPath.problem(format!("Refused: {e}; send the path in plain form."))
 }
 
 /// Counts a request the gateway refused before any route saw it, then answers.
@@ -353,7 +348,7 @@ struct Guard {
     anonymous: Anonymous,
     key: KeyRequirement,
     methods: Arc<[axum::http::Method]>,
-    svc: Idempotent<Proxy>,
+    svc: IdempotencyService<Proxy>,
 }
 
 impl Guard {
@@ -394,15 +389,10 @@ impl Service<Request<Body>> for Dispatch {
             .map_or(&self.default, |(_, guard)| guard);
         if guard.refuses(&req, &self.scope) {
             let name = self.scope.header_name().map_or("", HeaderName::as_str);
-            return ready(refuse(Problem::new(
-                StatusCode::UNAUTHORIZED,
-                "credential_required",
-                "Credential required",
-                format!(
-                    "This route keeps each caller's stored answers apart by the {name} header; \
-                     send it with an Idempotency-Key."
-                ),
-            )));
+            return ready(refuse(ProblemCode::CredentialRequired.problem(format!(
+                "This route keeps each caller's stored answers apart by the {name} header; \
+                 send it with an Idempotency-Key."
+            ))));
         }
         let mut svc = guard.svc.clone();
         Box::pin(async move { Ok(svc.call(req).await?.into_response()) })

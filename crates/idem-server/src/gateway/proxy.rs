@@ -11,7 +11,7 @@ use axum::body::Body;
 use axum::body::Bytes;
 use axum::extract::ConnectInfo;
 use axum::http::uri::{Authority, PathAndQuery, Scheme};
-use axum::http::{HeaderMap, HeaderName, HeaderValue, Request, Response, StatusCode, Uri, header};
+use axum::http::{HeaderMap, HeaderName, HeaderValue, Request, Response, Uri, header};
 use http_body::Frame;
 use hyper::body::Incoming;
 use hyper_util::client::legacy::Client;
@@ -19,7 +19,7 @@ use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::TokioExecutor;
 use idem_core::BoxFuture;
 use idem_http::policy::remove_hop_by_hop;
-use idem_http::{BoxError, Guarded, Problem, Settle};
+use idem_http::{BoxError, LeaseFence, Problem, ProblemCode, Settle};
 use tower_service::Service;
 
 /// Where requests go: an `http://` origin and an optional base path.
@@ -200,7 +200,7 @@ impl Service<Request<Body>> for Proxy {
 
 impl Proxy {
     async fn forward(self, req: Request<Body>) -> Response<Body> {
-        let guarded = req.extensions().get::<Guarded>().is_some();
+        let guarded = req.extensions().get::<LeaseFence>().is_some();
         let (mut parts, body) = req.into_parts();
         let Ok(uri) = self.upstream.uri_for(parts.uri.path_and_query()) else {
             return Problem::invalid_request("The request target cannot be forwarded.").into_http();
@@ -239,9 +239,7 @@ impl Proxy {
             Ok(Err(e)) if e.is_connect() => (
                 "unreachable",
                 failure(
-                    StatusCode::BAD_GATEWAY,
-                    "upstream_unreachable",
-                    "Upstream unreachable",
+                    ProblemCode::UpstreamUnreachable,
                     "The upstream could not be reached; nothing was sent, so a retry is safe.",
                     Settle::Release,
                 ),
@@ -249,9 +247,7 @@ impl Proxy {
             Ok(Err(_)) => (
                 "failed",
                 failure(
-                    StatusCode::BAD_GATEWAY,
-                    "upstream_failed",
-                    "Upstream failed",
+                    ProblemCode::UpstreamFailed,
                     "The connection to the upstream broke after the request was sent; \
                      whether it took effect is unknown.",
                     Settle::Unknown,
@@ -260,9 +256,7 @@ impl Proxy {
             Err(_) => (
                 "timeout",
                 failure(
-                    StatusCode::GATEWAY_TIMEOUT,
-                    "upstream_timeout",
-                    "Upstream timed out",
+                    ProblemCode::UpstreamTimeout,
                     "The upstream did not answer in time; whether the request took effect \
                      is unknown.",
                     Settle::Unknown,
@@ -315,14 +309,8 @@ impl http_body::Body for Deadline {
     }
 }
 
-fn failure(
-    status: StatusCode,
-    code: &'static str,
-    title: &'static str,
-    detail: &'static str,
-    settle: Settle,
-) -> Response<Body> {
-    let mut res: Response<Body> = Problem::new(status, code, title, detail).into_http();
+fn failure(code: ProblemCode, detail: &'static str, settle: Settle) -> Response<Body> {
+    let mut res: Response<Body> = code.problem(detail).into_http();
     res.extensions_mut().insert(settle);
     res
 }

@@ -14,7 +14,7 @@ use std::task::{Context, Poll};
 use idem_core::BoxFuture;
 
 /// A store call that is finished in the background if dropped unanswered; see [`finishing`].
-pub(crate) struct Finishing<T: Send + 'static, F: Orphan<T>> {
+struct Finishing<T: Send + 'static, F: Orphan<T>> {
     call: Option<BoxFuture<'static, T>>,
     orphan: Option<F>,
     /// Whether the call was ever polled: one never started has sent nothing.
@@ -24,10 +24,10 @@ pub(crate) struct Finishing<T: Send + 'static, F: Orphan<T>> {
 /// Wraps `call`, which owns everything it needs. If the wrapper is dropped after it was first
 /// polled but before `call` has answered, `call` goes on in a task of its own (on the current
 /// Tokio runtime; without one it is dropped too) and its answer is given to `orphan`.
-pub(crate) fn finishing<T, F, Fut>(
+pub fn finishing<T, F, Fut>(
     call: impl Future<Output = T> + Send + 'static,
     orphan: F,
-) -> Finishing<T, F>
+) -> impl Future<Output = T> + Send + Unpin + 'static
 where
     T: Send + 'static,
     F: FnOnce(T) -> Fut + Send + 'static,
@@ -41,7 +41,7 @@ where
 }
 
 /// What to do with the answer of a call whose caller has gone.
-pub(crate) trait Orphan<T>: Send + 'static {
+trait Orphan<T>: Send + 'static {
     fn orphan(self, answer: T) -> BoxFuture<'static, ()>;
 }
 

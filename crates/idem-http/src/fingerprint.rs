@@ -1,0 +1,61 @@
+//! A guarded request's fingerprint: what makes two requests with one key "the same request".
+
+use bytes::Bytes;
+use http::header::CONTENT_TYPE;
+use idem_core::Fingerprint;
+
+use crate::policy::Policy;
+
+/// Method, path, query, the selected headers, and the body: canonical JSON when it is JSON
+/// (so key order and spacing do not matter), only the selected fields if the policy names
+/// some, the raw bytes otherwise.
+pub(crate) fn fingerprint(
+    policy: &Policy,
+    parts: &http::request::Parts,
+    body: &Bytes,
+) -> Fingerprint {
+    let mut fp = Fingerprint::builder()
+        .part(b"idem-http/2")
+        .part(parts.method.as_str().as_bytes())
+        .part(parts.uri.path().as_bytes())
+        .part(parts.uri.query().unwrap_or("").as_bytes());
+    for name in &policy.fingerprint_headers {
+        let values = parts.headers.get_all(name);
+        // The count frames the values, so no split of values between headers collides.
+        let count = values.iter().count() as u64;
+        fp = fp.part(name.as_str().as_bytes()).part(&count.to_be_bytes());
+        for value in values {
+            fp = fp.part(value.as_bytes());
+        }
+    }
+    let json = parts
+        .headers
+        .get(CONTENT_TYPE)
+        .is_some_and(|ct| is_json(ct.as_bytes()))
+        .then(|| serde_json::from_slice::<serde_json::Value>(body).ok())
+        .flatten();
+    fp = match (json, &policy.fingerprint_json_fields) {
+        (Some(v), Some(fields)) => {
+            let pointers: Vec<&str> = fields.iter().map(String::as_str).collect();
+            fp.part(b"json-fields").part(
+                Fingerprint::of_json_fields(&v, &pointers)
+                    .to_hex()
+                    .as_bytes(),
+            )
+        }
+        (Some(v), None) => fp.part(b"json").json(&v),
+        (None, _) => fp.part(b"bytes").part(body),
+    };
+    fp.finish()
+}
+
+/// `application/json`, or any `+json` type, with or without parameters.
+fn is_json(content_type: &[u8]) -> bool {
+    let essence = content_type
+        .split(|&b| b == b';')
+        .next()
+        .unwrap_or_default()
+        .trim_ascii();
+    essence.eq_ignore_ascii_case(b"application/json")
+        || essence.len() >= 5 && essence[essence.len() - 5..].eq_ignore_ascii_case(b"+json")
+}

@@ -1,0 +1,25 @@
+//! The layer's metrics: what it did with each request, and how each record was settled.
+
+/// Registers the help text of the layer's metrics with the installed `metrics` recorder.
+pub fn describe_metrics() {
+    metrics::describe_counter!(
+        "idem_http_requests_total",
+        "Guarded-route requests by what the layer did: passed_through, executed, replayed, or the problem code."
+    );
+    metrics::describe_counter!(
+        "idem_http_settled_total",
+        "Records settled after the handler ran: stored, released, unknown, too_large, failed."
+    );
+}
+
+/// Counts a request by what the layer did with it: `passed_through`, `executed`,
+/// `replayed`, or the code of the problem it answered with.
+pub(crate) fn count(outcome: &'static str) {
+    metrics::counter!("idem_http_requests_total", "outcome" => outcome).increment(1);
+}
+
+/// Counts how records were settled, once each: `stored`, `released`, `unknown`,
+/// `too_large`, or `failed` when the store could not be told.
+pub(crate) fn count_settled(result: &'static str) {
+    metrics::counter!("idem_http_settled_total", "result" => result).increment(1);
+}
