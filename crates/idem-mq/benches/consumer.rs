@@ -6,7 +6,7 @@
 //!   `Consumer::run`: a slot, the next delivery, a task that settles it);
 //! - `idem-<store>`: `Consumer::run` with a handler that does nothing, its records in Redis,
 //!   PostgreSQL or memory (memory separates the consumer's own cost from the store's round
-//!   trips).
+//!   trips); `idem-redis-1` is Redis with group commit off (`max_batch` 1).
 //!
 //! Each row publishes N messages (a fresh key each) to a fresh queue or stream, then times from
 //! the first delivery to the last settle; the queue or stream is deleted after. One round runs
@@ -16,7 +16,7 @@
 //!
 //! `cargo bench -p idem-mq --bench consumer -- [--messages N] [--rounds N] [--prefetch N]
 //! [--broker rabbitmq|nats] [--only idem-memory|idem-redis|idem-postgres] [--quick]`
-//! (`--only` keeps `bare` and that one).
+//! (`--only` keeps `bare` and the variants whose names begin with it).
 
 #![allow(
     clippy::unwrap_used,
@@ -134,7 +134,8 @@ async fn nothing(_: Message) -> Result<(), Failure<String>> {
 #[derive(Clone)]
 enum Records {
     Memory,
-    Redis(Box<RedisStore>),
+    /// The store, and whether it groups concurrent calls (its default) or sends each alone.
+    Redis(Box<RedisStore>, bool),
     Postgres(Box<PostgresStore>),
 }
 
@@ -142,7 +143,8 @@ impl Records {
     fn label(&self) -> &'static str {
         match self {
             Records::Memory => "idem-memory",
-            Records::Redis(_) => "idem-redis",
+            Records::Redis(_, true) => "idem-redis",
+            Records::Redis(_, false) => "idem-redis-1",
             Records::Postgres(_) => "idem-postgres",
         }
     }
@@ -174,7 +176,7 @@ async fn consume<S: Source>(source: S, variant: Option<&Records>, prefetch: u16,
             consumer.run(source, nothing, shutdown).await.unwrap();
             counts_note(consumer.counts(), n)
         }
-        Some(Records::Redis(store)) => {
+        Some(Records::Redis(store, _)) => {
             let consumer = idem_consumer((**store).clone(), concurrency);
             consumer.run(source, nothing, shutdown).await.unwrap();
             counts_note(consumer.counts(), n)
@@ -329,19 +331,22 @@ fn main() {
 
 async fn run(args: Args) {
     let wanted = |b: &str| args.broker.as_deref().is_none_or(|w| w == b);
-    let only = |v: &str| args.only.as_deref().is_none_or(|w| w == v);
+    // `idem-redis` keeps both Redis rows (with and without group commit).
+    let only = |v: &str| args.only.as_deref().is_none_or(|w| v.starts_with(w));
     let mut variants: Vec<Option<Records>> = vec![None];
     if only("idem-memory") {
         variants.push(Some(Records::Memory));
     }
     if let Some(url) = REDIS.url().filter(|_| only("idem-redis")) {
-        let options = RedisOptions {
-            prefix: format!("idem-bench-{}:", hex()),
-            ..RedisOptions::default()
-        };
-        variants.push(Some(Records::Redis(Box::new(
-            RedisStore::connect(&url, options).await.unwrap(),
-        ))));
+        for batched in [true, false] {
+            let options = RedisOptions {
+                prefix: format!("idem-bench-{}:", hex()),
+                max_batch: if batched { 64 } else { 1 },
+                ..RedisOptions::default()
+            };
+            let store = RedisStore::connect(&url, options).await.unwrap();
+            variants.push(Some(Records::Redis(Box::new(store), batched)));
+        }
     }
     let table = format!("idem_bench_mq_{}", hex());
     let mut postgres = None;

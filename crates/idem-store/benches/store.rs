@@ -437,6 +437,22 @@ async fn servers(scale: usize, tasks: usize, wanted: &dyn Fn(&str) -> bool) {
             }
             let mut f = run_store(&store, tasks, n / tasks).await;
             row("redis", tasks, &mut f, eval.map(|r| ("EVAL", r)));
+            if tasks > 1 {
+                // Group commit off: every call a command of its own.
+                let options = RedisOptions {
+                    prefix: "idem-bench:1:".into(),
+                    max_batch: 1,
+                    ..RedisOptions::default()
+                };
+                let alone = RedisStore::connect(&url, options).await.unwrap();
+                let mut f = run_store(&alone, tasks, n / tasks).await;
+                row(
+                    "redis, max_batch 1",
+                    tasks,
+                    &mut f,
+                    eval.map(|r| ("EVAL", r)),
+                );
+            }
         }
         // Leave nothing behind (the records would otherwise live for their 24 h TTL).
         let _ = std::process::Command::new("sh")

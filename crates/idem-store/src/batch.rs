@@ -1,13 +1,14 @@
-//! Group commit for the stores on SQL servers.
+//! Group commit for the stores on servers: PostgreSQL, MySQL and Redis.
 //!
 //! A small write on PostgreSQL or MariaDB spends most of its time on what every statement
 //! pays whatever its size: the round trip, parsing and executor start-up, the commit and its
-//! log flush. When many tasks begin (or complete) records at once, the calls that arrive while
+//! log flush; on Redis, a command's parsing, dispatch and reply, and a script's start-up. When many tasks begin (or complete) records at once, the calls that arrive while
 //! a statement is in flight wait for it and then go to the server together, as one statement
 //! over many rows: one round trip and one flush serve them all. A caller that finds a lane free
 //! is sent at once, as a batch of one, so nothing waits for company that is not coming.
 //!
-//! No crate does this for sqlx (its pool hands out connections, one statement each), hence this
+//! No crate does this for sqlx (its pool hands out connections, one statement each) or for
+//! redis-rs (its multiplexed connection pipelines commands, but each stays a command), hence this
 //! module: a queue, at most `lanes` tasks draining it, and a reply channel per call.
 
 use std::collections::{HashSet, VecDeque};
@@ -325,7 +326,13 @@ impl GroupCommit {
     /// least one), in batches of at most `max_jobs`. `None` (every call on its own) if
     /// `max_jobs` is 1 or less.
     pub(crate) fn new(connections: u32, max_jobs: usize) -> Option<Self> {
-        let lanes = usize::try_from(connections / 8).unwrap_or(1).max(1);
+        Self::with_lanes(usize::try_from(connections / 8).unwrap_or(1), max_jobs)
+    }
+
+    /// At most `lanes` batches of each kind at once (at least one), of at most `max_jobs`
+    /// each; `None` if `max_jobs` is 1 or less.
+    pub(crate) fn with_lanes(lanes: usize, max_jobs: usize) -> Option<Self> {
+        let lanes = lanes.max(1);
         (max_jobs > 1).then(|| Self {
             begins: Batcher::new(lanes, max_jobs),
             completes: Batcher::new(lanes, max_jobs),

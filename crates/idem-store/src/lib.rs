@@ -10,7 +10,7 @@
 //! [`open`] picks a store from a URL (`sqlite://PATH`, `memory://`, `postgres://…`,
 //! `mysql://…`, `redis://…`, `redis+cluster://…`), as `idem serve --store` does.
 
-#[cfg(any(feature = "postgres", feature = "mysql"))]
+#[cfg(any(feature = "postgres", feature = "mysql", feature = "redis"))]
 mod batch;
 pub mod fence;
 mod lock_feed;

@@ -8,6 +8,11 @@
 //! one acquires. A value the store did not write (another layout, another type) fails every
 //! operation and is left alone.
 //!
+//! **Group commit** (one server): `begin`s and `complete`s that arrive while others are in
+//! flight go together, as one script call over many keys (`crate::batch`): the batched
+//! `begin` writes each fresh record as the plain `SET … NX PX` would, the batched `complete`
+//! runs the one-record settle logic per key; anything else is decided by the one-record call.
+//!
 //! **Keys.** A record's Redis key is `<prefix>{<digest>}`, the digest being 128 bits of SHA-256
 //! over scope, namespace and client key. Each record is a single key, and the braces make it
 //! its own hash tag, so on a Cluster every operation touches exactly one slot; client keys of
@@ -42,6 +47,8 @@ use redis::aio::{ConnectionLike, ConnectionManager, ConnectionManagerConfig};
 use redis::cluster_async::ClusterConnection;
 use redis::{Cmd, Pipeline, RedisFuture, Script, Value};
 
+use crate::batch::{Acquired, BeginJob, CompleteJob, GroupCommit, ManyAtOnce};
+
 /// Added to every native TTL, so that a record outlives its logical expiry by this much.
 pub const EXPIRY_MARGIN: Duration = Duration::from_secs(5);
 
@@ -65,14 +72,14 @@ const HEADER: usize = 150;
 /// The record format this store writes and reads (byte 1 of every record).
 const FORMAT: u8 = b'1';
 
-/// Put before every record script: `record()` reads the record at `KEYS[1]` and answers nil, or
+/// Put before every record script: `record(key)` reads the record at `key` and answers nil, or
 /// its value, state, fence, lease end, TTL and expiry. A value of any other shape raises
 /// [`FOREIGN`]; a key of another type, Redis's `WRONGTYPE`. Expiries the scripts compute are
 /// kept to `MAX` (as `exact` does in the client), so that they fit in their 16 digits.
 const RECORD: &str = r"
 local MAX = 9007199254740991
-local function record()
-  local v = redis.call('GET', KEYS[1])
+local function record(key)
+  local v = redis.call('GET', key)
   if not v then return nil end
   local st = string.sub(v, 2, 2)
   local fence, lexp = tonumber(string.sub(v, 51, 70)), tonumber(string.sub(v, 71, 86))
@@ -93,7 +100,7 @@ const FOREIGN: &str = "idem: the key holds a value this store did not write";
 /// the plain `SET … NX` found the key taken.
 const BEGIN: &str = r"
 local now = tonumber(ARGV[1])
-local v, st, fence, lexp, _, exp = record()
+local v, st, fence, lexp, _, exp = record(KEYS[1])
 local f = 1
 if v then
   f = fence + 1
@@ -115,24 +122,58 @@ redis.call('SET', KEYS[1], string.sub(ARGV[4], 1, 50) .. string.format('%020d', 
 return {'acquired', f}
 ";
 
-/// Shared by complete and release: ARGV = now, lease id, fence, margin, target state
-/// (`c` or `r`), response (complete only). Answers `ok` or `stale`; a repeated complete is
-/// `ok` only with the response already stored.
-const SETTLE: &str = r"
-local now = tonumber(ARGV[1])
-local v, st, fence, _, ttl, exp = record()
-if not v or exp <= now or string.sub(v, 35, 50) ~= ARGV[2] or fence ~= tonumber(ARGV[3]) then
-  return 'stale'
-end
-if st == ARGV[5] then
-  if st == 'c' and string.sub(v, 151) ~= ARGV[6] then return 'stale' end
+/// Put after [`RECORD`] before the settle scripts: `settle(key, now, lease id, fence, margin,
+/// target state, response)` moves the record at `key` from in progress under that lease to
+/// the target state (`c` with the response, or `r`), answering `ok` or `stale`; a repeated
+/// settle is `ok` only with the response already stored.
+const SETTLE_FN: &str = r"
+local function settle(key, now, id, fence, margin, to, response)
+  local v, st, f, _, ttl, exp = record(key)
+  if not v or exp <= now or string.sub(v, 35, 50) ~= id or f ~= fence then
+    return 'stale'
+  end
+  if st == to then
+    if st == 'c' and string.sub(v, 151) ~= response then return 'stale' end
+    return 'ok'
+  end
+  if st ~= 'p' then return 'stale' end
+  exp = math.min(now + ttl, MAX)
+  redis.call('SET', key, '1' .. to .. string.sub(v, 3, 118)
+    .. string.format('%016d%016d', now, exp) .. (response or ''), 'PX', exp - now + margin)
   return 'ok'
 end
-if st ~= 'p' then return 'stale' end
-exp = math.min(now + ttl, MAX)
-redis.call('SET', KEYS[1], '1' .. ARGV[5] .. string.sub(v, 3, 118)
-  .. string.format('%016d%016d', now, exp) .. (ARGV[6] or ''), 'PX', exp - now + tonumber(ARGV[4]))
-return 'ok'
+";
+
+/// Complete or release one record: ARGV = now, lease id, fence, margin, target state (`c` or
+/// `r`), response (complete only).
+const SETTLE: &str = r"
+return settle(KEYS[1], tonumber(ARGV[1]), ARGV[2], tonumber(ARGV[3]), tonumber(ARGV[4]),
+  ARGV[5], ARGV[6])
+";
+
+/// Complete every record of `KEYS` (group commit): ARGV = margin, then now, lease id, fence
+/// and response of each key in turn. Answers, per key, 1 if it is completed with that
+/// response, else 0 (the one-record call then decides it).
+const COMPLETE_MANY: &str = r"
+local margin = tonumber(ARGV[1])
+local done = {}
+for i, key in ipairs(KEYS) do
+  local a = 4 * i - 2
+  done[i] = settle(key, tonumber(ARGV[a]), ARGV[a + 1], tonumber(ARGV[a + 2]), margin, 'c',
+    ARGV[a + 3]) == 'ok' and 1 or 0
+end
+return done
+";
+
+/// Begin every record of `KEYS` that Redis does not have (group commit): ARGV = the fresh
+/// record and its native TTL of each key in turn. Answers, per key, 1 if it wrote the fresh
+/// record (as the plain `SET … NX PX` would), else 0 (the one-record call then decides it).
+const BEGIN_NEW: &str = r"
+local got = {}
+for i, key in ipairs(KEYS) do
+  got[i] = redis.call('SET', key, ARGV[2 * i - 1], 'NX', 'PX', ARGV[2 * i]) and 1 or 0
+end
+return got
 ";
 
 /// Gives back what a `begin` may have taken though its caller was told it failed (it timed
@@ -143,7 +184,7 @@ return 'ok'
 /// first try even on a server that has not loaded it (see [`RedisStore::give_back`]).
 const GIVE_BACK: &str = r"
 local now = tonumber(ARGV[1])
-local v, st, _, _, ttl, exp = record()
+local v, st, _, _, ttl, exp = record(KEYS[1])
 if not v or st ~= 'p' or exp <= now or string.sub(v, 35, 50) ~= ARGV[2] then return 0 end
 exp = math.min(now + ttl, MAX)
 redis.call('SET', KEYS[1], '1r' .. string.sub(v, 3, 118) .. string.format('%016d%016d', now, exp),
@@ -154,7 +195,7 @@ return 1
 /// ARGV = now, lease id, fence, new lease end, margin. Answers 1 if it renewed the lease.
 const RENEW: &str = r"
 local now = tonumber(ARGV[1])
-local v, st, fence, _, ttl, exp = record()
+local v, st, fence, _, ttl, exp = record(KEYS[1])
 if not v or st ~= 'p' or exp <= now or string.sub(v, 35, 50) ~= ARGV[2]
     or fence ~= tonumber(ARGV[3]) then
   return 0
@@ -181,7 +222,7 @@ return cur
 /// ARGV = now, fence, margin. Answers 1 if it reopened the record.
 const REOPEN: &str = r"
 local now = tonumber(ARGV[1])
-local v, st, fence, _, ttl, exp = record()
+local v, st, fence, _, ttl, exp = record(KEYS[1])
 if not v or st ~= 'c' or exp <= now or fence ~= tonumber(ARGV[2]) then return 0 end
 exp = math.min(now + ttl, MAX)
 redis.call('SET', KEYS[1], '1r' .. string.sub(v, 3, 118) .. string.format('%016d%016d', now, exp),
@@ -236,6 +277,11 @@ pub struct RedisOptions {
     /// than `noeviction`). An evicted record is a key forgotten: its work runs again. Default
     /// false: such a server is refused at connect.
     pub allow_eviction: bool,
+    /// The most records one script call begins or completes (group commit, one server only):
+    /// calls that arrive while one is in flight wait and then go together, up to this many
+    /// per call; 1 sends every call on its own; at most 1024. A Cluster sends every call on its
+    /// own (a script may only touch keys of one slot). Default 64.
+    pub max_batch: usize,
 }
 
 impl Default for RedisOptions {
@@ -244,6 +290,7 @@ impl Default for RedisOptions {
             prefix: "idem:".to_owned(),
             response_timeout: Duration::from_secs(5),
             allow_eviction: false,
+            max_batch: 64,
         }
     }
 }
@@ -260,12 +307,16 @@ pub struct RedisStore {
     /// script's text and hash would otherwise be copied each time.
     pub(crate) locks: Arc<crate::redis_locks::LockScripts>,
     scripts: Arc<RecordScripts>,
+    /// `None` when every call goes on its own (`max_batch` 1, or a Cluster).
+    batches: Option<GroupCommit>,
 }
 
 /// The record scripts, loaded once per store.
 struct RecordScripts {
     begin: Script,
     settle: Script,
+    begin_new: Script,
+    complete_many: Script,
     renew: Script,
     reopen: Script,
     raise: Script,
@@ -330,14 +381,22 @@ impl RedisStore {
     }
 
     fn with(conn: Conn, options: RedisOptions) -> Self {
+        // Two lanes: one batch's script call on the wire while the next one gathers.
+        let batches = match conn {
+            Conn::Single(_) => GroupCommit::with_lanes(2, options.max_batch),
+            Conn::Cluster(_) => None,
+        };
         Self {
+            batches,
             conn,
             prefix: options.prefix,
             client: None,
             locks: Arc::new(crate::redis_locks::LockScripts::new()),
             scripts: Arc::new(RecordScripts {
                 begin: record_script(BEGIN),
-                settle: record_script(SETTLE),
+                settle: Script::new(&format!("{RECORD}{SETTLE_FN}{SETTLE}")),
+                begin_new: Script::new(BEGIN_NEW),
+                complete_many: Script::new(&format!("{RECORD}{SETTLE_FN}{COMPLETE_MANY}")),
                 renew: record_script(RENEW),
                 reopen: record_script(REOPEN),
                 raise: Script::new(RAISE),
@@ -566,8 +625,10 @@ impl Store for RedisStore {
     }
 
     async fn begin(&self, req: &BeginRequest, now: Timestamp) -> Result<BeginOutcome, StoreError> {
-        let (lease, fresh) = Record::acquired(req, now, 1, idem_core::LeaseId::generate());
-        self.begin_as(&fresh, lease, now).await
+        match &self.batches {
+            Some(batches) => batches.begin(self, req, now).await,
+            None => self.begin_alone(req, now).await,
+        }
     }
 
     async fn complete(
@@ -577,8 +638,10 @@ impl Store for RedisStore {
         response: Bytes,
         now: Timestamp,
     ) -> Result<(), LeaseError> {
-        self.settle_as(key, lease, Status::Completed, Some(response), now)
-            .await
+        match &self.batches {
+            Some(batches) => batches.complete(self, key, lease, response, now).await,
+            None => self.complete_alone(key, lease, response, now).await,
+        }
     }
 
     async fn release(&self, key: &Key, lease: &Lease, now: Timestamp) -> Result<(), LeaseError> {
@@ -669,6 +732,91 @@ impl Store for RedisStore {
     async fn purge_expired(&self, _now: Timestamp, _limit: usize) -> Result<u64, StoreError> {
         // Redis deletes expired records by itself (see the module's notes).
         Ok(0)
+    }
+}
+
+impl ManyAtOnce for RedisStore {
+    async fn begin_alone(
+        &self,
+        req: &BeginRequest,
+        now: Timestamp,
+    ) -> Result<BeginOutcome, StoreError> {
+        let (lease, fresh) = Record::acquired(req, now, 1, idem_core::LeaseId::generate());
+        self.begin_as(&fresh, lease, now).await
+    }
+
+    async fn complete_alone(
+        &self,
+        key: &Key,
+        lease: &Lease,
+        response: Bytes,
+        now: Timestamp,
+    ) -> Result<(), LeaseError> {
+        self.settle_as(key, lease, Status::Completed, Some(response), now)
+            .await
+    }
+
+    /// Writes the fresh record of every key Redis does not have, in one script call; the
+    /// others are left to `begin_alone`. A call that fails may still run (as `begin_as`
+    /// says), so every lease it carried is given back, and every job fails with its error.
+    async fn begin_many(
+        &self,
+        jobs: &[BeginJob],
+        fresh: &[(Lease, Record)],
+    ) -> Result<Option<Vec<Acquired>>, StoreError> {
+        let keys: Vec<String> = fresh.iter().map(|(_, r)| self.redis_key(&r.key)).collect();
+        let mut call = self.scripts.begin_new.prepare_invoke();
+        for ((job, (_, record)), key) in jobs.iter().zip(fresh).zip(&keys) {
+            call.key(key)
+                .arg(pack(record))
+                .arg(native_ttl(record.expires_at, job.now));
+        }
+        let got: Vec<i64> = match call.invoke_async(&mut self.conn.clone()).await {
+            Ok(got) => got,
+            Err(e) => {
+                if may_have_run(&e) {
+                    for ((job, (lease, _)), key) in jobs.iter().zip(fresh).zip(&keys) {
+                        self.give_back(key, lease, job.now);
+                    }
+                }
+                return Err(error("cannot begin the records", e));
+            }
+        };
+        if got.len() != jobs.len() {
+            return Err(corrupt("batched begin answer"));
+        }
+        Ok(Some(
+            fresh
+                .iter()
+                .zip(got)
+                .filter(|(_, got)| *got == 1)
+                .map(|((lease, _), _)| (lease.id.to_bytes().to_vec(), 1))
+                .collect(),
+        ))
+    }
+
+    /// Completes every job's record its lease still holds, in one script call. A script that
+    /// failed part way (a key holding a value this store did not write) leaves every job to
+    /// `complete_alone`, which finds those it completed done; without the server every job
+    /// fails with the error.
+    async fn complete_many(&self, jobs: &[CompleteJob]) -> Result<Option<Vec<bool>>, StoreError> {
+        let mut call = self.scripts.complete_many.prepare_invoke();
+        call.arg(millis(EXPIRY_MARGIN));
+        for job in jobs {
+            call.key(self.redis_key(&job.key))
+                .arg(exact(job.now.as_millis()))
+                .arg(&job.lease.id.to_bytes()[..])
+                .arg(job.lease.fence)
+                .arg(&job.response[..]);
+        }
+        match call.invoke_async::<Vec<i64>>(&mut self.conn.clone()).await {
+            Ok(done) if done.len() == jobs.len() => {
+                Ok(Some(done.iter().map(|d| *d == 1).collect()))
+            }
+            Ok(_) => Ok(None),
+            Err(e) if transient(&e) => Err(error("cannot complete the records", e)),
+            Err(_) => Ok(None),
+        }
     }
 }
 

@@ -15,7 +15,9 @@
 //!   same `idem_table`, `idem_pool` and `idem_batch` options (`mariadb://` is accepted too).
 //! - `redis://[:password@]host:port[/db]` (feature `redis`): one Redis server;
 //!   `redis+cluster://host:port[,host:port…]`: a Redis Cluster, reached through any of the
-//!   listed nodes. `idem_prefix=P` puts `P` before every key (default `idem:`).
+//!   listed nodes. `idem_prefix=P` puts `P` before every key (default `idem:`); `idem_batch=N`
+//!   caps the records one script call begins or completes on one server (default 64, at most
+//!   1024; 1 turns group commit off; a Cluster sends every call on its own).
 
 use std::str::FromStr;
 use std::sync::Arc;
@@ -238,9 +240,10 @@ impl FromStr for StoreUrl {
                 for (name, value) in ours {
                     match name.as_str() {
                         "idem_prefix" => options.prefix = value,
+                        "idem_batch" => options.max_batch = batch_size(&name, &value)?,
                         _ => {
                             return Err(err(format!(
-                                "unknown option {name:?}; idem's own is idem_prefix"
+                                "unknown option {name:?}; idem's own are idem_prefix, idem_batch"
                             )));
                         }
                     }
@@ -299,36 +302,42 @@ struct SqlOptions {
     batch: Option<usize>,
 }
 
+#[cfg(any(feature = "postgres", feature = "mysql", feature = "redis"))]
+fn positive<N: FromStr + PartialOrd + Default>(
+    name: &str,
+    value: &str,
+) -> Result<N, StoreUrlError> {
+    value
+        .parse()
+        .ok()
+        .filter(|n| *n > N::default())
+        .ok_or_else(|| err(format!("{name}={value:?} is not a positive whole number")))
+}
+
+/// `idem_batch`: the most records one statement or script call begins or completes.
+#[cfg(any(feature = "postgres", feature = "mysql", feature = "redis"))]
+fn batch_size(name: &str, value: &str) -> Result<usize, StoreUrlError> {
+    let n: usize = positive(name, value)?;
+    if n > crate::batch::MAX_JOBS {
+        return Err(err(format!(
+            "{name}={n} is more than {}",
+            crate::batch::MAX_JOBS
+        )));
+    }
+    Ok(n)
+}
+
 /// A SQL server URL without idem's options, and the options (`idem_table`, `idem_pool`,
 /// `idem_batch`) it gave.
 #[cfg(any(feature = "postgres", feature = "mysql"))]
 fn sql_options(url: &str) -> Result<(String, SqlOptions), StoreUrlError> {
-    fn positive<N: FromStr + PartialOrd + Default>(
-        name: &str,
-        value: &str,
-    ) -> Result<N, StoreUrlError> {
-        value
-            .parse()
-            .ok()
-            .filter(|n| *n > N::default())
-            .ok_or_else(|| err(format!("{name}={value:?} is not a positive whole number")))
-    }
     let (url, given) = split_idem_options(url);
     let mut ours = SqlOptions::default();
     for (name, value) in given {
         match name.as_str() {
             "idem_table" => ours.table = Some(value),
             "idem_pool" => ours.pool = Some(positive(&name, &value)?),
-            "idem_batch" => {
-                let n: usize = positive(&name, &value)?;
-                if n > crate::batch::MAX_JOBS {
-                    return Err(err(format!(
-                        "idem_batch={n} is more than {}",
-                        crate::batch::MAX_JOBS
-                    )));
-                }
-                ours.batch = Some(n);
-            }
+            "idem_batch" => ours.batch = Some(batch_size(&name, &value)?),
             _ => {
                 return Err(err(format!(
                     "unknown option {name:?}; idem's own are idem_table, idem_pool, idem_batch"
@@ -577,7 +586,7 @@ mod tests {
     #[cfg(feature = "redis")]
     #[test]
     fn parses_redis_and_cluster_urls() {
-        let parsed = "redis://:pw@cache:6380/2?idem_prefix=app:"
+        let parsed = "redis://:pw@cache:6380/2?idem_prefix=app:&idem_batch=8"
             .parse::<StoreUrl>()
             .unwrap();
         let StoreUrl::Redis {
@@ -591,6 +600,9 @@ mod tests {
         assert_eq!(nodes, ["redis://:pw@cache:6380/2"]);
         assert!(!cluster);
         assert_eq!(options.prefix, "app:");
+        assert_eq!(options.max_batch, 8);
+        assert!("redis://cache?idem_batch=0".parse::<StoreUrl>().is_err());
+        assert!("redis://cache?idem_batch=1025".parse::<StoreUrl>().is_err());
         let parsed = "redis+cluster://a:7000,b:7001".parse::<StoreUrl>().unwrap();
         let StoreUrl::Redis { nodes, cluster, .. } = parsed else {
             panic!("not redis: {parsed:?}");
