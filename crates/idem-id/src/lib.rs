@@ -17,6 +17,7 @@
 //! an atomic while ids are being made (a clock read costs more than an id), and parks after a
 //! second without readers.
 
+mod error;
 mod layout;
 mod managed;
 mod segment;
@@ -25,10 +26,11 @@ mod ticker;
 mod uuid7;
 mod workers;
 
+pub use error::IdError;
 pub use layout::{DEFAULT_EPOCH_MS, Layout, LayoutError, Parts};
 pub use managed::{ManagedSnowflake, WorkerStatus};
 pub use segment::{SegmentOptions, SegmentStatus, Segments};
-pub use snowflake::{Batch, IdError, Snowflake, SnowflakeOptions, SystemTimeSource, TimeSource};
+pub use snowflake::{Batch, Snowflake, SnowflakeOptions, SystemTimeSource, TimeSource};
 pub use uuid::Uuid;
 pub use uuid7::{Uuid7, token, uuid7};
 pub use workers::{LeasedSnowflake, WorkerPool};
