@@ -3,14 +3,14 @@
 //! empty) it claims another and resumes, but only where no id can repeat.
 //!
 //! A worker id is lost when a renewal answers stale. Either another process holds the id now
-//! (this one paused past its lease), and the store's records still fence the next claim as
-//! [`WorkerPool::claim`] describes; or the store forgot its records and counters, and then
-//! they fence nothing: the worker ids look free while other processes may still issue ids under
-//! them until their own leases run out, which they do by themselves (a generator issues nothing
-//! past its lease's end) within one lease of the loss. This generator cannot tell the two apart
-//! (a store that forgot a few keys looks like one that purged them), so it always waits out one
-//! lease after a loss before it claims again, and its new ids start above the end of that wait
-//! and above every id it issued before. Under one clock (as every lease in idem assumes) no
+//! (this one paused past its lease), and the store's records and time floor still keep the
+//! next claim's ids above the old ones, as [`WorkerPool::claim`] describes; or the store forgot
+//! its records and counters, and then they hold nothing back: the worker ids look free while
+//! other processes may still issue ids under them until their own leases run out, which they
+//! do by themselves (a generator issues nothing past its lease's end) within one lease of the
+//! loss. This generator cannot tell the two apart (a store that forgot a few keys looks like
+//! one that purged them), so it always waits out one lease after a loss before it claims again,
+//! and its new ids start above the end of that wait and above every id it issued before. Under one clock (as every lease in idem assumes) no
 //! lease granted before the loss still runs then, so whatever worker id it gets, nobody else
 //! issues ids under it at those times.
 

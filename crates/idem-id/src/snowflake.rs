@@ -15,9 +15,10 @@ pub struct SnowflakeOptions {
     /// up: ids of the next milliseconds are issued at once, up to this far ahead, instead of
     /// waiting. Default 1 s.
     pub max_borrow: Duration,
-    /// No id is issued with a timestamp below this (milliseconds since the layout's epoch):
-    /// set it above every id issued before (a durable time fence) so a process restarted after
-    /// the wall clock went back still issues larger ids. Default 0.
+    /// The time floor: no id is issued with a timestamp below this (milliseconds since the
+    /// layout's epoch). Set it above every id issued before (a [`crate::WorkerPool`] keeps it
+    /// durably per id space) so a process restarted after the wall clock went back still
+    /// issues larger ids. Default 0.
     pub floor_millis: u64,
 }
 
@@ -162,8 +163,8 @@ impl Snowflake {
             .saturating_add(elapsed.saturating_sub(self.anchor_elapsed_ms))
     }
 
-    /// The timestamp of the last id issued (0 before the first): a durable time fence must be
-    /// kept above this.
+    /// The timestamp of the last id issued (0 before the first): the id space's time floor
+    /// must be raised to this for the next generator to start above it.
     pub fn last_millis(&self) -> u64 {
         self.last.load(Ordering::Acquire) >> self.layout.sequence_bits()
     }

@@ -10,14 +10,17 @@
 //! completes its record instead of deleting it: the record lives on for the quarantine, during
 //! which nobody can claim the id.
 //!
-//! A time fence per id space (a counter raised with `Store::raise`) records the time of the
+//! A time floor per id space (a counter raised with `Store::raise`) records the time of the
 //! last id each generator issued, every second and when it stops; a new generator starts above
 //! it, so a process restarted after the wall clock was set back still issues ids above the ids
 //! issued before. The one exception is a process that crashed: the ids of its last second may
 //! sort above a successor's first ones (they never collide: its worker id stays held until its
-//! lease runs out by the same clock). Keeping the fence ahead of the ids instead would close
-//! that second, but every restart would then start ahead of the fence and push it further, so
+//! lease runs out by the same clock). Keeping the floor ahead of the ids instead would close
+//! that second, but every restart would then start ahead of the floor and push it further, so
 //! the ids of a fleet that restarts often would drift into the future.
+//!
+//! (A time floor is not a fence: a record's or a lock's fence counts acquisitions, while the
+//! time floor holds a time, the one below which no new id may be stamped.)
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
@@ -66,7 +69,9 @@ impl WorkerPool {
         }
     }
 
-    fn fence_key(&self) -> Result<Key, IdError> {
+    /// The counter holding the id space's time floor. Its stored name, `time-fence`, predates
+    /// the term and stays: a new name would start every existing id space from a floor of 0.
+    fn time_floor_key(&self) -> Result<Key, IdError> {
         Key::parse(
             "idem.ids",
             &format!("snowflake.{}", self.name),
@@ -114,7 +119,7 @@ impl WorkerPool {
     }
 
     /// How often a holder renews: every third of the lease, and at least every second (each
-    /// renewal also records the last id's time in the fence).
+    /// renewal also records the last id's time in the time floor).
     pub(crate) fn beat_every(&self) -> Duration {
         (self.lease / 3).min(Duration::from_secs(1))
     }
@@ -142,15 +147,15 @@ impl WorkerPool {
         layout: Layout,
         options: SnowflakeOptions,
     ) -> Result<Arc<LeasedSnowflake>, IdError> {
-        // Every id ever issued in this space is below the fence (Unix milliseconds).
-        let fence = self.store.raise(&self.fence_key()?, 0).await?;
+        // Every id ever issued in this space is below the time floor (Unix milliseconds).
+        let time_floor = self.store.raise(&self.time_floor_key()?, 0).await?;
         let count = layout.max_worker() + 1;
         let start = rand::random::<u64>() % count;
         for i in 0..count {
             let worker = (start + i) % count;
             let key = self.key(worker)?;
             let now = self.clock.now();
-            // What the last holder left: its lease end is a time fence for our ids.
+            // What the last holder left: its lease end is a time floor for our ids.
             let previous = self.store.get(&key, now).await?;
             let req = BeginRequest::new(key.clone(), Fingerprint::of_bytes(b"idem worker id"))
                 .with_lease(self.lease)
@@ -171,12 +176,12 @@ impl WorkerPool {
             };
             let last_use = previous.map_or(0, |r| r.lease_expires_at.max(r.updated_at).as_millis());
             // Strictly after: ids of that millisecond under other worker ids may sort higher.
-            let fence = fence
+            let floor_millis = time_floor
                 .max(last_use)
                 .saturating_sub(layout.epoch_ms())
                 .saturating_add(1);
             let options = SnowflakeOptions {
-                floor_millis: options.floor_millis.max(fence),
+                floor_millis: options.floor_millis.max(floor_millis),
                 ..options
             };
             let made = match &self.time {
@@ -193,8 +198,8 @@ impl WorkerPool {
             let leased = LeasedSnowflake {
                 pool: self.clone(),
                 key,
-                fence_key: self.fence_key()?,
-                fenced: AtomicU64::new(0),
+                time_floor_key: self.time_floor_key()?,
+                floor_written: AtomicU64::new(0),
                 lease: Mutex::new(lease),
                 generator,
             };
@@ -248,8 +253,8 @@ impl Drop for Granted {
 }
 
 /// Gives back a worker id under which no id was issued: its lease is cut to end now, so the
-/// next claim may take it at once (and takes its end, now, as its time fence). Releasing the
-/// record instead would keep the lease's end, up to a lease ahead, as the next holder's fence,
+/// next claim may take it at once (and takes its end, now, as its time floor). Releasing the
+/// record instead would keep the lease's end, up to a lease ahead, as the next holder's floor,
 /// and push that holder's ids into the future. If the store cannot be reached, the lease runs
 /// out by itself.
 async fn give_back(store: &SharedStore, key: &Key, lease: &Lease, now: Timestamp) {
@@ -261,9 +266,9 @@ async fn give_back(store: &SharedStore, key: &Key, lease: &Lease, now: Timestamp
 pub struct LeasedSnowflake {
     pool: WorkerPool,
     key: Key,
-    fence_key: Key,
-    /// The last time (layout milliseconds) written to the fence.
-    fenced: AtomicU64,
+    time_floor_key: Key,
+    /// The last time (layout milliseconds) written to the time floor.
+    floor_written: AtomicU64,
     lease: Mutex<Lease>,
     generator: Snowflake,
 }
@@ -293,30 +298,33 @@ impl LeasedSnowflake {
             .unwrap_or_else(std::sync::PoisonError::into_inner)
     }
 
-    /// Records the time of the last id issued in the id space's time fence, then lets the
+    /// Records the time of the last id issued in the id space's time floor, then lets the
     /// generator issue until the lease's end.
     async fn extend(&self, lease: &Lease) -> Result<(), IdError> {
         let g = &self.generator;
-        self.raise_fence().await?;
+        self.raise_time_floor().await?;
         let lease_left = lease.expires_at.saturating_since(self.pool.clock.now());
         let lease_left = u64::try_from(lease_left.as_millis()).unwrap_or(u64::MAX);
         g.set_valid_until(g.now_millis().saturating_add(lease_left));
         Ok(())
     }
 
-    /// Raises the id space's time fence to this generator's last id.
-    async fn raise_fence(&self) -> Result<(), IdError> {
+    /// Raises the id space's time floor to this generator's last id.
+    async fn raise_time_floor(&self) -> Result<(), IdError> {
         let g = &self.generator;
         let last = g.last_millis();
         // Nothing issued since the last raise: no write.
-        if last <= self.fenced.load(Ordering::Acquire) {
+        if last <= self.floor_written.load(Ordering::Acquire) {
             return Ok(());
         }
         self.pool
             .store
-            .raise(&self.fence_key, g.layout().epoch_ms().saturating_add(last))
+            .raise(
+                &self.time_floor_key,
+                g.layout().epoch_ms().saturating_add(last),
+            )
             .await?;
-        self.fenced.fetch_max(last, Ordering::AcqRel);
+        self.floor_written.fetch_max(last, Ordering::AcqRel);
         Ok(())
     }
 
@@ -376,11 +384,11 @@ impl LeasedSnowflake {
     ///
     /// Issuing stops before the first `.await`: dropped before it ends, no id is issued any
     /// more all the same, and the record stays held until its lease runs out instead of
-    /// entering the quarantine (the time fence may then lag the last ids by up to a second, as
+    /// entering the quarantine (the time floor may then lag the last ids by up to a second, as
     /// after a crash).
     pub async fn release(&self) -> Result<(), IdError> {
         self.generator.mark_lost();
-        let fenced = self.raise_fence().await;
+        let floor_raised = self.raise_time_floor().await;
         let lease = self.lease();
         let last = self.generator.last_millis();
         self.pool
@@ -393,6 +401,6 @@ impl LeasedSnowflake {
             )
             .await
             .map_err(|e| IdError::Store(e.to_string()))?;
-        fenced
+        floor_raised
     }
 }

@@ -116,11 +116,11 @@ async fn a_worker_id_the_store_forgot_is_replaced_once_every_forgotten_lease_has
         "an id issued twice"
     );
 
-    // The new store's time fence is back above A's ids.
-    let fence = Key::parse("idem.ids", "snowflake.orders", "time-fence").unwrap();
+    // The new store's time floor (stored as `time-fence`) is back above A's ids.
+    let time_floor = Key::parse("idem.ids", "snowflake.orders", "time-fence").unwrap();
     let_it_run().await;
-    let fenced = store.raise(&fence, 0).await.unwrap();
-    assert!(fenced >= small_layout().decode(*a_ids.last().unwrap()).millis + DEFAULT_EPOCH_MS);
+    let floor = store.raise(&time_floor, 0).await.unwrap();
+    assert!(floor >= small_layout().decode(*a_ids.last().unwrap()).millis + DEFAULT_EPOCH_MS);
 }
 
 /// A store that cannot be reached past the lease: the status says the lease ran out (and

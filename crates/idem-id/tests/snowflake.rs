@@ -1,5 +1,5 @@
 //! The Snowflake generator: unique and increasing under threads, unmoved by a wall clock that
-//! steps back, above a time fence after a restart, borrowing then refusing when asked for too
+//! steps back, above a time floor after a restart, borrowing then refusing when asked for too
 //! many, and silent once its worker id is lost.
 
 #![allow(clippy::unwrap_used)]
@@ -87,29 +87,29 @@ fn a_wall_clock_stepped_back_neither_stops_issuing_nor_repeats() {
 }
 
 #[test]
-fn a_restart_after_a_clock_rollback_stays_above_the_time_fence() {
+fn a_restart_after_a_clock_rollback_stays_above_the_time_floor() {
     let start = SystemTime::now();
     let time = ManualTime::new(start);
     let before = generator(&time, SnowflakeOptions::default());
     time.advance(60_000);
     let issued: Vec<u64> = (0..1000).map(|_| before.try_next().unwrap()).collect();
-    let fence = before.last_millis() + 1;
+    let time_floor = before.last_millis() + 1;
 
     // The process restarts while the wall clock is an hour behind.
     let rolled_back = ManualTime::new(start - Duration::from_secs(3600));
-    let unfenced = generator(&rolled_back, SnowflakeOptions::default());
+    let unfloored = generator(&rolled_back, SnowflakeOptions::default());
     assert!(
-        unfenced.try_next().unwrap() < issued[0],
+        unfloored.try_next().unwrap() < issued[0],
         "the hazard this guards against"
     );
-    let fenced = generator(
+    let floored = generator(
         &rolled_back,
         SnowflakeOptions {
-            floor_millis: fence,
+            floor_millis: time_floor,
             ..SnowflakeOptions::default()
         },
     );
-    let after = fenced.try_next().unwrap();
+    let after = floored.try_next().unwrap();
     assert!(issued.iter().all(|id| *id < after));
 }
 

@@ -1,5 +1,5 @@
 //! Leased worker ids: distinct per live process, given up by a process that lost its lease,
-//! kept from reuse during the quarantine, and a time fence for the next holder.
+//! kept from reuse during the quarantine, and a time floor for the next holder.
 
 #![allow(clippy::unwrap_used)]
 
@@ -92,7 +92,7 @@ async fn a_process_past_its_lease_stops_issuing_and_a_stale_renewal_stops_it_for
 }
 
 #[tokio::test]
-async fn a_released_worker_id_waits_out_its_quarantine_and_fences_the_next_holder() {
+async fn a_released_worker_id_waits_out_its_quarantine_and_sets_the_next_holders_floor() {
     let store = store();
     let clock = ManualClock::starting_now();
     let shared: Arc<dyn Clock> = Arc::new(clock.clone());
@@ -148,14 +148,14 @@ async fn a_released_worker_id_waits_out_its_quarantine_and_fences_the_next_holde
         l.decode(first),
         l.decode(last_of_a)
     );
-    let fence = small_layout()
+    let time_floor = small_layout()
         .millis_at(a_lease_end.to_system_time())
         .unwrap();
-    assert!(small_layout().decode(first).millis >= fence);
+    assert!(small_layout().decode(first).millis >= time_floor);
 }
 
 /// A process restarted while the wall clock is an hour behind still issues ids above every id
-/// issued before (the id space's time fence), under another worker id (the old one still looks
+/// issued before (the id space's time floor), under another worker id (the old one still looks
 /// held by the rolled-back clock).
 #[tokio::test]
 async fn a_restart_after_a_clock_rollback_issues_above_everything_before() {
@@ -184,10 +184,10 @@ async fn a_restart_after_a_clock_rollback_issues_above_everything_before() {
     assert!(issued.iter().all(|id| *id < first));
 }
 
-/// A heartbeat writes the time fence only when ids were issued since the last write: an idle
+/// A heartbeat writes the time floor only when ids were issued since the last write: an idle
 /// generator costs the store one renewal per beat, not two writes.
 #[tokio::test]
-async fn an_idle_heartbeat_leaves_the_fence_alone() {
+async fn an_idle_heartbeat_leaves_the_time_floor_alone() {
     use idem_testkit::{Fault, FaultyStore, Op};
     let faulty = Arc::new(FaultyStore::new(MemoryStore::new()));
     let store: SharedStore = faulty.clone();
@@ -196,16 +196,16 @@ async fn an_idle_heartbeat_leaves_the_fence_alone() {
         .claim(small_layout(), SnowflakeOptions::default())
         .await
         .unwrap();
-    // Nothing issued: a failing fence write is never tried.
+    // Nothing issued: a failing time floor write is never tried.
     faulty.fail_next(Op::Raise, Fault::Unavailable);
     g.heartbeat().await.unwrap();
-    // Once ids are issued, the beat writes the fence (and here meets the planned failure).
+    // Once ids are issued, the beat writes the time floor (and here meets the planned failure).
     g.try_next().unwrap();
     assert!(matches!(g.heartbeat().await, Err(IdError::Store(_))));
 }
 
 /// A claim dropped after the store granted it a worker id (its caller went away while it
-/// recorded the time fence) gives the worker id back at once, rather than leaving it held by
+/// recorded the time floor) gives the worker id back at once, rather than leaving it held by
 /// nobody until its lease runs out; and gives it back cut to end now, so the next holder's ids
 /// do not start a lease ahead of the clock.
 #[tokio::test]
@@ -215,10 +215,14 @@ async fn a_claim_dropped_after_its_worker_id_was_granted_gives_it_back() {
     let pool = WorkerPool::new(store.clone(), Arc::new(clock.clone()), "orders")
         .lease(Duration::from_secs(30))
         .time_source(ManualTime::new(&clock));
-    // Ids were issued in this space before: once granted, a claim records the time fence.
-    let fence = Key::parse("idem.ids", "snowflake.orders", "time-fence").unwrap();
-    store.raise(&fence, clock.now().as_millis()).await.unwrap();
-    // The claim's second raise (the fence, after the grant) is held; its caller goes away.
+    // Ids were issued in this space before: once granted, a claim records the time floor
+    // (stored under its older name, `time-fence`).
+    let time_floor = Key::parse("idem.ids", "snowflake.orders", "time-fence").unwrap();
+    store
+        .raise(&time_floor, clock.now().as_millis())
+        .await
+        .unwrap();
+    // The claim's second raise (the time floor, after the grant) is held; its caller goes away.
     let raise = store.stall(Op::Raise, 1, When::Before);
     let given_back = store.stall(Op::Renew, 0, When::After);
     let claim = tokio::spawn({
