@@ -6,10 +6,12 @@
 //!   clock, so a wall clock stepped back neither stops it nor repeats an id), lock-free, that
 //!   borrows the next milliseconds (up to a bound) when a millisecond's sequence is used up.
 //! - [`WorkerPool`] / [`LeasedSnowflake`]: worker ids leased from an idem store, so no two
-//!   live processes share one; [`ManagedSnowflake`]: a generator that keeps its worker id
-//!   (renews it, and replaces a lost one where no id can repeat) and reports a
-//!   [`WorkerStatus`] for health checks.
-//! - [`Segments`]: Leaf-style ranges of a per-tag counter in the store, fetched ahead.
+//!   live processes share one, and a time floor per id space in the store, so a process
+//!   restarted after a clock rollback still issues ids above those issued before;
+//!   [`ManagedSnowflake`]: a generator that keeps its worker id (renews it, and replaces a
+//!   lost one where no id can repeat) and reports a [`WorkerStatus`] for health checks.
+//! - [`Segments`]: Leaf-style ranges of a per-tag counter in the store, with a segment buffer
+//!   (the current range and a spare) so the next range is fetched ahead.
 //! - [`uuid7`] / [`Uuid7`]: RFC 9562 version 7 UUIDs that strictly increase within the
 //!   process, and [`token`]: 128 random bits for ids that must not be guessable.
 //!
