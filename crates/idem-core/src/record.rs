@@ -436,6 +436,9 @@ impl Record {
     /// The `reopen` transition: a completed record whose stored result must not be replayed
     /// any more (an outcome recorded as unknown, repaired by an operator or a policy) is turned
     /// into a released one, so that the next `begin` runs the work again with a higher fence.
+    /// A one-time token is spent by the same step, under the name
+    /// [`Store::release_completed`](crate::Store::release_completed): issued is completed, used
+    /// is released.
     ///
     /// Applies only while the record is live, completed, and completed by the lease with
     /// `fence`; answers whether it changed. Naming the fence makes concurrent reopens safe: once

@@ -140,7 +140,8 @@ pub enum LeaseError {
 /// - **`renew`** extends the lease of a live in-progress record held by exactly that lease,
 ///   atomically, keeping its id and fence.
 /// - **`reopen`** turns a live record completed by the lease with that fence into a released
-///   one, atomically, and does nothing to any other record.
+///   one, atomically, and does nothing to any other record. (`release_completed` is the same
+///   step under the name one-time tokens use; it is provided, and not to be overridden.)
 /// - **`advance`** adds to a named counter and returns the new value in one atomic step, so
 ///   concurrent callers get disjoint ranges; counters never expire.
 /// - **`purge_expired`** deletes at most `limit` records that are not live at `now` and
@@ -197,6 +198,22 @@ pub trait Store: Send + Sync + 'static {
         now: Timestamp,
     ) -> impl Future<Output = Result<bool, StoreError>> + Send;
 
+    /// Releases the live record for `key` if it is completed with `fence`, and answers whether
+    /// it did: the very step [`Store::reopen`] takes, named for callers that hold a completed
+    /// record as a right to be used once rather than as work to run again. One-time tokens are
+    /// spent this way: of any number of concurrent calls with one fence, at most one answers
+    /// `true`, and only while the record is live and completed with that fence.
+    ///
+    /// Provided, and not to be overridden: it is `reopen`, which the conformance suite checks.
+    fn release_completed(
+        &self,
+        key: &Key,
+        fence: u64,
+        now: Timestamp,
+    ) -> impl Future<Output = Result<bool, StoreError>> + Send {
+        self.reopen(key, fence, now)
+    }
+
     /// The live record for `key`, if any.
     fn get(
         &self,
@@ -205,8 +222,8 @@ pub trait Store: Send + Sync + 'static {
     ) -> impl Future<Output = Result<Option<Record>, StoreError>> + Send;
 
     /// Raises the counter named `key` to at least `to` in one atomic step and returns its
-    /// value (the larger of `to` and what it was). A durable high-water mark, such as a time
-    /// fence.
+    /// value (the larger of `to` and what it was). A durable high-water mark, such as an id
+    /// space's time floor.
     fn raise(&self, key: &Key, to: u64) -> impl Future<Output = Result<u64, StoreError>> + Send;
 
     /// Adds `by` (at least 1) to the counter named `key` (0 if it never moved) in one atomic

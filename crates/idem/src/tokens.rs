@@ -2,8 +2,8 @@
 //!
 //! The seeds' double-submit guard ("issue a token with the form; delete it on use") done so
 //! that two submissions racing cannot both pass: consuming is one atomic step in the store
-//! (`Store::reopen` of the token's record by its fence), so of any number of concurrent
-//! consumers exactly one wins. A second use, an expired token, another purpose and another
+//! (`Store::release_completed` of the token's record by its fence: issued is completed, used is
+//! released), so of any number of concurrent consumers exactly one wins. A second use, an expired token, another purpose and another
 //! caller are refused, each with its own reason.
 //!
 //! Tokens are 128 random bits (32 hex digits). The store keeps only their SHA-256: a token is
@@ -198,8 +198,12 @@ impl Tokens {
         if now.as_millis() >= issued.expires_at {
             return Err(TokenError::Expired);
         }
-        // The one atomic step: only one reopen of this completion succeeds.
-        if self.store.reopen(&key, record.fence, now).await? {
+        // The one atomic step: only one release of this completion succeeds.
+        if self
+            .store
+            .release_completed(&key, record.fence, now)
+            .await?
+        {
             Ok(())
         } else {
             Err(TokenError::AlreadyUsed)
