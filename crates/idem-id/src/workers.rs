@@ -19,8 +19,8 @@
 //! that second, but every restart would then start ahead of the floor and push it further, so
 //! the ids of a fleet that restarts often would drift into the future.
 //!
-//! (A time floor is not a fence: a record's or a lock's fence counts acquisitions, while the
-//! time floor holds a time, the one below which no new id may be stamped.)
+//! (A time floor is not a fence: a record's or a lock's fence rises with each acquisition,
+//! while the time floor holds a time, the one below which no new id may be stamped.)
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
