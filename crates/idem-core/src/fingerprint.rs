@@ -324,6 +324,20 @@ mod tests {
         assert_ne!(ab_c, a_bc);
     }
 
+    /// Stored records hold these digests: a change of hash library must not change a byte.
+    /// The expected values are `sha256sum` of the tag followed by the (canonical) input.
+    #[test]
+    fn digests_are_plain_sha256_of_tag_and_input() {
+        assert_eq!(
+            Fingerprint::of_bytes(b"hello").to_hex(),
+            "415778691c746335e06cd88310679962d6762405efebdea67f365bfa683eab3d"
+        );
+        assert_eq!(
+            Fingerprint::of_json(&json!({"b": 1, "a": [1.0, "x"]})).to_hex(),
+            "527826dcd7f659c3f5b01b06e00bced0034e18fb9a81d9e8f59a9ef273aa5ead"
+        );
+    }
+
     #[test]
     fn hex_round_trip_and_rejects_garbage() {
         let fp = Fingerprint::of_bytes(b"x");
