@@ -84,6 +84,8 @@ use std::pin::Pin;
 use std::task::{Context, Poll};
 use std::time::Duration;
 
+use lapin::{Channel, Connection};
+
 use crate::MqError;
 
 mod delivery;
@@ -147,6 +149,14 @@ impl QueueType {
             QueueType::Classic => "classic",
         }
     }
+}
+
+/// Opens a channel on `connection`, within [`OP_TIMEOUT`].
+async fn open_channel(connection: &Connection) -> Result<Channel, MqError> {
+    connection
+        .create_channel()
+        .bounded("opening a channel")
+        .await
 }
 
 /// A broker operation with a deadline: lapin can leave an operation unanswered when its

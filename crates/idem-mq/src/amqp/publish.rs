@@ -6,7 +6,7 @@ use lapin::options::{BasicPublishOptions, ConfirmSelectOptions};
 use lapin::{Channel, Confirmation, Connection, ConnectionProperties};
 
 use super::topology::short;
-use super::{Bounded, CONFIRM_TIMEOUT, PERSISTENT};
+use super::{Bounded, CONFIRM_TIMEOUT, PERSISTENT, open_channel};
 use crate::MqError;
 use lapin::BasicProperties;
 
@@ -103,10 +103,7 @@ impl AmqpPublisher {
         let connection = Connection::connect(url, ConnectionProperties::default())
             .bounded("connecting to the AMQP broker")
             .await?;
-        let channel = connection
-            .create_channel()
-            .bounded("opening a channel")
-            .await?;
+        let channel = open_channel(&connection).await?;
         let mut publisher = Self::on_channel(channel).await?;
         publisher.connection = Some(Arc::new(connection));
         Ok(publisher)

@@ -15,7 +15,10 @@ use tokio::time::Instant;
 
 use super::delivery::AmqpDelivery;
 use super::topology::{Topology, durable, short};
-use super::{Bounded, DEFAULT_PREFETCH, DELAY_BUCKETS_MS, FIRST_BACKOFF, MAX_BACKOFF, QueueType};
+use super::{
+    Bounded, DEFAULT_PREFETCH, DELAY_BUCKETS_MS, FIRST_BACKOFF, MAX_BACKOFF, QueueType,
+    open_channel,
+};
 use crate::MqError;
 use crate::source::{Horizon, Source};
 
@@ -178,11 +181,7 @@ impl Link {
         }
         // A separate channel: a refused declaration closes its channel, and must not take the
         // publishing channel with it.
-        let channel = self
-            .connection
-            .create_channel()
-            .bounded("opening a channel")
-            .await?;
+        let channel = open_channel(&self.connection).await?;
         channel
             .queue_declare(
                 short(&name)?,
@@ -214,25 +213,16 @@ impl Live {
         let connection = Connection::connect(&config.url, props)
             .bounded("connecting to the AMQP broker")
             .await?;
-        let setup = connection
-            .create_channel()
-            .bounded("opening a channel")
-            .await?;
+        let setup = open_channel(&connection).await?;
         config.topology.declare(&setup).await?;
         let _ = setup.close(200, "OK".into()).bounded("closing").await;
 
-        let publish = connection
-            .create_channel()
-            .bounded("opening a channel")
-            .await?;
+        let publish = open_channel(&connection).await?;
         publish
             .confirm_select(ConfirmSelectOptions::default())
             .bounded("enabling publisher confirms")
             .await?;
-        let consume = connection
-            .create_channel()
-            .bounded("opening a channel")
-            .await?;
+        let consume = open_channel(&connection).await?;
         consume
             .basic_qos(config.prefetch, BasicQosOptions::default())
             .bounded("setting the prefetch")
@@ -387,10 +377,7 @@ impl AmqpSource {
         let mut first_error = None;
         for queue in &queues {
             let deleted = async {
-                let channel = connection
-                    .create_channel()
-                    .bounded("opening a channel")
-                    .await?;
+                let channel = open_channel(&connection).await?;
                 channel
                     .queue_delete(short(queue)?, QueueDeleteOptions::default())
                     .bounded("deleting a queue")
@@ -404,10 +391,7 @@ impl AmqpSource {
             }
         }
         let deleted = async {
-            let channel = connection
-                .create_channel()
-                .bounded("opening a channel")
-                .await?;
+            let channel = open_channel(&connection).await?;
             channel
                 .exchange_delete(
                     short(&topology.dead_letter_exchange)?,
