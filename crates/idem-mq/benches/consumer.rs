@@ -27,26 +27,18 @@
 )]
 
 use std::collections::BTreeMap;
-use std::future::Future;
 use std::sync::Arc;
-use std::sync::atomic::Ordering;
 use std::time::Duration;
 
 use async_nats::jetstream::{self, message::PublishMessage, stream};
 use bytes::Bytes;
 use idem::{PostgresOptions, PostgresStore, RedisOptions, RedisStore};
 use idem_core::Store;
-use idem_mq::amqp::lapin::options::{BasicPublishOptions, ConfirmSelectOptions};
-use idem_mq::amqp::lapin::types::ShortString;
-use idem_mq::amqp::lapin::{Connection, ConnectionProperties};
-use idem_mq::amqp::{AmqpSource, BasicProperties};
+use idem_mq::amqp::AmqpSource;
 use idem_mq::nats::{DeadLetterTarget, NatsSource};
 use idem_mq::{Consumer, Delivery, Disposition, Failure, Message, Source};
+use idem_testkit::mq::{BODY, Meter, Row, Timed, all_settled, bare, fill_amqp, hex};
 use idem_testkit::services::{NATS, POSTGRES, RABBITMQ, REDIS};
-use tokio::sync::Semaphore;
-
-/// The body of every message: a small order, as a JSON API would carry it.
-const BODY: &[u8] = br#"{"order":"ord_000000","sku":"A1","qty":2,"amount":1999,"currency":"eur"}"#;
 
 struct Args {
     messages: usize,
@@ -82,48 +74,14 @@ fn args() -> Args {
     a
 }
 
-#[path = "support/timed.rs"]
-mod timed;
-use timed::{Meter, Timed, all_settled, hex};
-
 // ---------------------------------------------------------------------------------------------
 // The two consumers.
 
-/// The bare consumer: `concurrency` deliveries at once, each acked, nothing recorded.
-async fn bare<S: Source>(mut source: S, concurrency: usize, shutdown: impl Future<Output = ()>) {
-    let slots = Arc::new(Semaphore::new(concurrency));
-    let mut running = tokio::task::JoinSet::new();
-    let mut shutdown = std::pin::pin!(shutdown);
-    loop {
-        let slot = tokio::select! {
-            biased;
-            () = &mut shutdown => break,
-            slot = slots.clone().acquire_owned() => slot.unwrap(),
-        };
-        let next = tokio::select! {
-            biased;
-            () = &mut shutdown => break,
-            next = source.next() => next,
-        };
-        match next {
-            None => break,
-            Some(Err(e)) => {
-                eprintln!("bare consumer: cannot receive: {e}");
-                tokio::time::sleep(Duration::from_millis(100)).await;
-            }
-            Some(Ok(delivery)) => {
-                running.spawn(async move {
-                    let _slot = slot;
-                    if let Err(e) = delivery.settle(Disposition::Ack).await {
-                        eprintln!("bare consumer: ack refused: {e}");
-                    }
-                });
-            }
-        }
-        while running.try_join_next().is_some() {}
+/// The bare consumer's work on a delivery: an ack, nothing recorded.
+async fn bare_ack(delivery: impl Delivery) {
+    if let Err(e) = delivery.settle(Disposition::Ack).await {
+        eprintln!("bare consumer: ack refused: {e}");
     }
-    source.close().await;
-    while running.join_next().await.is_some() {}
 }
 
 /// The handler of the idempotent consumer: nothing to do.
@@ -150,13 +108,6 @@ impl Records {
     }
 }
 
-/// What one timed consume measured.
-struct Row {
-    seconds: f64,
-    rate: f64,
-    note: String,
-}
-
 /// Runs `variant` (`None`: bare) over `source` until all `n` messages are settled.
 async fn consume<S: Source>(source: S, variant: Option<&Records>, prefetch: u16, n: usize) -> Row {
     let meter = Meter::new(n);
@@ -168,7 +119,7 @@ async fn consume<S: Source>(source: S, variant: Option<&Records>, prefetch: u16,
     let shutdown = all_settled(Arc::clone(&meter));
     let note = match variant {
         None => {
-            bare(source, concurrency, shutdown).await;
+            bare(source, "bare consumer", concurrency, shutdown, bare_ack).await;
             String::new()
         }
         Some(Records::Memory) => {
@@ -187,18 +138,7 @@ async fn consume<S: Source>(source: S, variant: Option<&Records>, prefetch: u16,
             counts_note(consumer.counts(), n)
         }
     };
-    let seconds = meter.elapsed().as_secs_f64();
-    let failed = meter.failed.load(Ordering::Relaxed);
-    let note = if failed > 0 {
-        format!("{note} {failed} settles failed").trim().to_owned()
-    } else {
-        note
-    };
-    Row {
-        seconds,
-        rate: n as f64 / seconds,
-        note,
-    }
+    Row::of(&meter, note)
 }
 
 fn idem_consumer<S: Store + Clone>(store: S, concurrency: usize) -> Consumer<S> {
@@ -228,47 +168,7 @@ fn counts_note(c: idem_mq::Counts, n: usize) -> String {
 /// with publisher confirms, then consumes it with a fresh source.
 async fn amqp_row(url: &str, variant: Option<&Records>, prefetch: u16, n: usize) -> Row {
     let queue = format!("idem-bench-{}", hex());
-    // The topology as the source declares it; closed before anything is published.
-    AmqpSource::builder(url, &queue)
-        .prefetch(prefetch)
-        .connect()
-        .await
-        .unwrap()
-        .shutdown()
-        .await;
-    let connection = Connection::connect(url, ConnectionProperties::default())
-        .await
-        .unwrap();
-    let channel = connection.create_channel().await.unwrap();
-    channel
-        .confirm_select(ConfirmSelectOptions::default())
-        .await
-        .unwrap();
-    let routing_key = ShortString::try_new(queue.as_str()).unwrap();
-    for chunk in (0..n).collect::<Vec<_>>().chunks(1000) {
-        let mut confirms = Vec::with_capacity(chunk.len());
-        for i in chunk {
-            let props = BasicProperties::default()
-                .with_message_id(ShortString::try_new(format!("m-{i}")).unwrap())
-                .with_delivery_mode(2);
-            let confirm = channel
-                .basic_publish(
-                    ShortString::try_new("").unwrap(),
-                    routing_key.clone(),
-                    BasicPublishOptions::default(),
-                    BODY,
-                    props,
-                )
-                .await
-                .unwrap();
-            confirms.push(confirm);
-        }
-        for confirm in confirms {
-            assert!(confirm.await.unwrap().is_ack(), "publish confirmed");
-        }
-    }
-    let _ = connection.close(200, "OK".into()).await;
-
+    fill_amqp(url, &queue, prefetch, n).await;
     let source = AmqpSource::builder(url, &queue)
         .prefetch(prefetch)
         .connect()

@@ -21,6 +21,8 @@ pub mod memory;
 #[cfg(feature = "nats")]
 pub mod nats;
 pub mod source;
+#[cfg(any(feature = "amqp", feature = "nats"))]
+mod text;
 
 pub use consumer::{Consumer, Counts, Failure, Handler, Message, MissingKey, Outcome};
 pub use error::MqError;

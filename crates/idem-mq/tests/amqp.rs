@@ -18,8 +18,7 @@ use idem_mq::amqp::{ATTEMPT_HEADER, AmqpPublisher, AmqpSource, BasicProperties, 
 use idem_mq::inbox::{Inbox, InboxFn, inbox_fn};
 use idem_mq::{Consumer, DeadLetter, Delivery, Disposition, Failure, Message, Reason, Source};
 use idem_testkit::services::{POSTGRES, RABBITMQ};
-
-const WAIT: Duration = Duration::from_secs(30);
+use idem_testkit::{PATIENCE, within};
 
 fn unique(prefix: &str) -> String {
     format!("idem-test-{prefix}-{:016x}", rand::random::<u64>())
@@ -70,7 +69,7 @@ impl Drop for Cleanup {
 }
 
 async fn next<S: Source>(source: &mut S) -> S::Delivery {
-    tokio::time::timeout(WAIT, async {
+    within("a delivery", async {
         loop {
             match source.next().await {
                 Some(Ok(d)) => return d,
@@ -80,7 +79,6 @@ async fn next<S: Source>(source: &mut S) -> S::Delivery {
         }
     })
     .await
-    .expect("a delivery within 30 s")
 }
 
 /// How many messages a queue holds (ready, not unacked).
@@ -104,13 +102,13 @@ async fn depth(url: &str, queue: &str) -> u32 {
     q.message_count()
 }
 
-/// Takes one message off `queue` (waiting up to 30 s for one) and acks it.
+/// Takes one message off `queue` (waiting up to [`PATIENCE`] for one) and acks it.
 async fn get_one(url: &str, queue: &str) -> idem_mq::amqp::lapin::message::BasicGetMessage {
     let conn = Connection::connect(url, ConnectionProperties::default())
         .await
         .expect("connect");
     let ch = conn.create_channel().await.expect("channel");
-    let deadline = tokio::time::Instant::now() + WAIT;
+    let deadline = tokio::time::Instant::now() + PATIENCE;
     loop {
         if let Some(m) = ch
             .basic_get(queue.into(), BasicGetOptions::default())
@@ -127,7 +125,7 @@ async fn get_one(url: &str, queue: &str) -> idem_mq::amqp::lapin::message::Basic
         }
         assert!(
             tokio::time::Instant::now() < deadline,
-            "no message on {queue} within 30 s"
+            "no message on {queue} within {PATIENCE:?}"
         );
         tokio::time::sleep(Duration::from_millis(50)).await;
     }

@@ -11,10 +11,7 @@ use idem_mq::memory::{Published, Queue};
 use idem_mq::{
     Consumer, Failure, Horizon, KeyFrom, Message, MissingKey, MqError, Outcome, Reason, Source,
 };
-use idem_testkit::{Fault, FaultyStore, Op};
-
-/// Bounds every wait of these tests; a test that reaches it has failed.
-const PATIENCE: Duration = Duration::from_secs(30);
+use idem_testkit::{Fault, FaultyStore, Op, within};
 
 type Runs = Arc<Mutex<HashMap<String, usize>>>;
 
@@ -34,10 +31,12 @@ async fn consume_all<H: idem_mq::Handler>(
     q: &Queue,
     h: H,
 ) {
-    tokio::time::timeout(PATIENCE, consumer.run(q.source(), h, q.clone().drained()))
-        .await
-        .expect("the queue drains in time")
-        .expect("the consumer runs");
+    within(
+        "the queue drains",
+        consumer.run(q.source(), h, q.clone().drained()),
+    )
+    .await
+    .expect("the consumer runs");
 }
 
 #[tokio::test]
@@ -350,12 +349,11 @@ async fn shutdown_stops_taking_messages_and_finishes_what_runs() {
     };
     let consumer = Consumer::new(MemoryStore::new()).concurrency(1);
     let signal = started.clone();
-    tokio::time::timeout(
-        PATIENCE,
+    within(
+        "the run",
         consumer.run(q.source(), handler, async move { signal.notified().await }),
     )
     .await
-    .expect("in time")
     .expect("runs");
     assert_eq!(q.acked(), 1, "the running handler finished and was acked");
     assert_eq!(q.pending(), 4, "the rest stay in the queue");
@@ -453,9 +451,8 @@ async fn a_handler_whose_lease_cannot_be_renewed_is_stopped_when_it_runs_out() {
     };
     let mut source = q.source();
     let d = source.next().await.expect("open").expect("delivery");
-    let outcome = tokio::time::timeout(PATIENCE, consumer.process(&source, d, &handler))
+    let outcome = within("the process", consumer.process(&source, d, &handler))
         .await
-        .expect("in time")
         .expect("process");
     assert_eq!(outcome, Outcome::Requeued, "stopped and requeued");
     assert_eq!(

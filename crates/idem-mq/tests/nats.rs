@@ -17,9 +17,7 @@ use idem_mq::nats::{
 use idem_mq::{
     Consumer, DeadLetter, Delivery, Disposition, Failure, Horizon, Message, MqError, Reason, Source,
 };
-
-/// Generous bound on any single wait for the broker.
-const WAIT: Duration = Duration::from_secs(30);
+use idem_testkit::{PATIENCE, within};
 
 fn nats_url() -> Option<String> {
     idem_testkit::services::NATS.url()
@@ -167,7 +165,7 @@ impl Drop for Streams {
 }
 
 async fn next(source: &mut NatsSource) -> NatsDelivery {
-    tokio::time::timeout(WAIT, async {
+    within("a delivery", async {
         loop {
             match source.next().await {
                 Some(Ok(d)) => return d,
@@ -177,7 +175,6 @@ async fn next(source: &mut NatsSource) -> NatsDelivery {
         }
     })
     .await
-    .expect("a delivery within the bound")
 }
 
 fn header<'a>(m: &'a jetstream::message::StreamMessage, name: &str) -> Option<&'a str> {
@@ -428,9 +425,8 @@ async fn a_core_dead_letter_subject_gets_the_copy_and_term_only_gets_none() {
     let d = next(&mut to_core).await;
     assert_eq!(d.message_id(), Some("to-core"));
     d.settle(dead(Reason::Mismatch)).await.expect("dead-letter");
-    let copy = tokio::time::timeout(WAIT, futures_util::StreamExt::next(&mut watcher))
+    let copy = within("the copy", futures_util::StreamExt::next(&mut watcher))
         .await
-        .expect("the copy within the bound")
         .expect("a message");
     let headers = copy.headers.expect("headers");
     assert_eq!(
@@ -590,7 +586,7 @@ impl OwnServer {
     }
 
     fn wait_up(&mut self) {
-        let deadline = std::time::Instant::now() + WAIT;
+        let deadline = std::time::Instant::now() + PATIENCE;
         while std::net::TcpStream::connect(("127.0.0.1", self.port)).is_err() {
             assert!(
                 std::time::Instant::now() < deadline,
@@ -650,7 +646,7 @@ async fn pulling_goes_on_after_the_server_restarts() {
     server.restart();
 
     // The publisher's client reconnects too; retry its publish until the server is back.
-    tokio::time::timeout(WAIT, async {
+    within("publish after the restart", async {
         while publish_once(&js, "RESTART.in", "after", Bytes::new())
             .await
             .is_err()
@@ -658,8 +654,7 @@ async fn pulling_goes_on_after_the_server_restarts() {
             tokio::time::sleep(Duration::from_millis(100)).await;
         }
     })
-    .await
-    .expect("publish after the restart");
+    .await;
     let d = next(&mut source).await;
     assert_eq!(d.message_id(), Some("after"));
     d.settle(Disposition::Ack)
@@ -870,7 +865,7 @@ async fn messages_published_twice_run_once_per_id() {
     }
     for &i in &twice {
         let key = format!("order-{i}");
-        tokio::time::timeout(WAIT, async {
+        within("the duplicate window passes", async {
             // Until the server's window for this id has passed.
             while publish_once(
                 &streams.js,
@@ -885,8 +880,7 @@ async fn messages_published_twice_run_once_per_id() {
                 tokio::time::sleep(Duration::from_millis(50)).await;
             }
         })
-        .await
-        .expect("the duplicate window passes");
+        .await;
     }
 
     let deliveries = Arc::default();
@@ -905,7 +899,7 @@ async fn messages_published_twice_run_once_per_id() {
         let consumer = consumer.clone();
         async move { consumer.run(source, handler, shutdown).await }
     });
-    until(WAIT * 2, "every delivery settled", || {
+    until(PATIENCE * 2, "every delivery settled", || {
         let c = consumer.counts();
         c.handled + c.replayed >= (N + twice.len()) as u64
     })
@@ -964,7 +958,7 @@ async fn two_durable_consumers_of_one_stream_each_run_every_message() {
             let consumer = consumer.clone();
             async move { consumer.run(source, handler, shutdown).await }
         });
-        until(WAIT, "every message settled", || {
+        until(PATIENCE, "every message settled", || {
             let c = consumer.counts();
             c.handled + c.replayed >= N as u64
         })
@@ -1039,14 +1033,14 @@ async fn slow_handlers_on_two_instances(progress: bool) {
         });
         instances.push((consumer, stop, run));
     }
-    until(WAIT * 2, "every message handled", || {
+    until(PATIENCE * 2, "every message handled", || {
         let handled: u64 = instances.iter().map(|(c, _, _)| c.counts().handled).sum();
         handled >= N as u64
     })
     .await;
     if !progress {
         // The redeliveries settle too (each replayed once the first run stored its result).
-        until(WAIT * 2, "the redeliveries replayed", || {
+        until(PATIENCE * 2, "the redeliveries replayed", || {
             let replayed: u64 = instances.iter().map(|(c, _, _)| c.counts().replayed).sum();
             replayed >= 1
         })
@@ -1144,7 +1138,7 @@ async fn poison_keyless_and_exhausted_messages_reach_the_dead_letter() {
         let consumer = consumer.clone();
         async move { consumer.run(source, handler, shutdown).await }
     });
-    until(WAIT * 2, "three dead letters and one handled", || {
+    until(PATIENCE * 2, "three dead letters and one handled", || {
         let c = consumer.counts();
         c.dead_lettered >= 3 && c.handled >= 1
     })
@@ -1808,7 +1802,7 @@ async fn the_consumer_runs_each_id_once_across_a_server_restart() {
         let consumer = consumer.clone();
         async move { consumer.run(source, handler, shutdown).await }
     });
-    until(WAIT, "some handled before the restart", || {
+    until(PATIENCE, "some handled before the restart", || {
         consumer.counts().handled >= 40
     })
     .await;
@@ -1816,7 +1810,7 @@ async fn the_consumer_runs_each_id_once_across_a_server_restart() {
     let at_restart = consumer.counts().handled;
     server.restart();
 
-    tokio::time::timeout(WAIT * 2, async {
+    tokio::time::timeout(PATIENCE * 2, async {
         for i in 0..AFTER {
             let key = format!("r-{}", BEFORE + i);
             while publish_once(&js, "RESTARTED.in", &key, Bytes::new())
@@ -1829,7 +1823,10 @@ async fn the_consumer_runs_each_id_once_across_a_server_restart() {
     })
     .await
     .expect("publish after the restart");
-    until(WAIT * 2, "every id ran", || runs.ids() == BEFORE + AFTER).await;
+    until(PATIENCE * 2, "every id ran", || {
+        runs.ids() == BEFORE + AFTER
+    })
+    .await;
     let settled = || async {
         let info = js
             .get_stream("RESTARTED")
@@ -1840,7 +1837,7 @@ async fn the_consumer_runs_each_id_once_across_a_server_restart() {
             .ok()?;
         Some(info.num_pending == 0 && info.num_ack_pending == 0)
     };
-    tokio::time::timeout(WAIT * 2, async {
+    tokio::time::timeout(PATIENCE * 2, async {
         while settled().await != Some(true) {
             tokio::time::sleep(Duration::from_millis(200)).await;
         }

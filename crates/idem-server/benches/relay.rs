@@ -43,17 +43,11 @@ use hyper_util::client::legacy::Client;
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::TokioExecutor;
 use idem_core::SharedStore;
-use idem_mq::amqp::lapin::options::{BasicPublishOptions, ConfirmSelectOptions};
-use idem_mq::amqp::lapin::types::ShortString;
-use idem_mq::amqp::lapin::{Connection, ConnectionProperties};
-use idem_mq::amqp::{AmqpSource, BasicProperties};
+use idem_mq::amqp::AmqpSource;
 use idem_mq::{Consumer, Delivery, Disposition, Source};
 use idem_server::relay::{Relay, Target};
+use idem_testkit::mq::{Meter, Row, Timed, all_settled, bare, fill_amqp, hex};
 use idem_testkit::services::{RABBITMQ, REDIS};
-use tokio::sync::Semaphore;
-
-/// The body of every message: a small order, as a JSON API would take it.
-const BODY: &[u8] = br#"{"order":"ord_000000","sku":"A1","qty":2,"amount":1999,"currency":"eur"}"#;
 
 struct Args {
     messages: usize,
@@ -83,10 +77,6 @@ fn args() -> Args {
     a
 }
 
-#[path = "../../idem-mq/benches/support/timed.rs"]
-mod timed;
-use timed::{Meter, Timed, all_settled, hex};
-
 // ---------------------------------------------------------------------------------------------
 // The target, and the two relays.
 
@@ -109,8 +99,8 @@ async fn target(hits: Arc<AtomicUsize>) -> SocketAddr {
 }
 
 /// The bare relay: `concurrency` deliveries at once, each POSTed, then acked; no records.
-async fn bare<S: Source>(
-    mut source: S,
+async fn bare_relay<S: Source>(
+    source: S,
     url: &str,
     concurrency: usize,
     shutdown: impl Future<Output = ()>,
@@ -121,120 +111,44 @@ async fn bare<S: Source>(
     connector.set_nodelay(true);
     let client: Client<HttpConnector, Body> =
         Client::builder(TokioExecutor::new()).build(connector);
-    let slots = Arc::new(Semaphore::new(concurrency));
-    let mut running = tokio::task::JoinSet::new();
-    let mut shutdown = std::pin::pin!(shutdown);
-    loop {
-        let slot = tokio::select! {
-            biased;
-            () = &mut shutdown => break,
-            slot = slots.clone().acquire_owned() => slot.unwrap(),
-        };
-        let next = tokio::select! {
-            biased;
-            () = &mut shutdown => break,
-            next = source.next() => next,
-        };
-        match next {
-            None => break,
-            Some(Err(e)) => {
-                eprintln!("bare relay: cannot receive: {e}");
-                tokio::time::sleep(Duration::from_millis(100)).await;
+    bare(source, "bare relay", concurrency, shutdown, |delivery| {
+        let (client, url) = (client.clone(), url.to_owned());
+        async move {
+            let mut req = Request::builder()
+                .method(Method::POST)
+                .uri(url)
+                .header("content-type", "application/json");
+            if let Some(id) = delivery.message_id() {
+                req = req.header("idempotency-key", id);
             }
-            Some(Ok(delivery)) => {
-                let (client, url) = (client.clone(), url.to_owned());
-                running.spawn(async move {
-                    let _slot = slot;
-                    let mut req = Request::builder()
-                        .method(Method::POST)
-                        .uri(url)
-                        .header("content-type", "application/json");
-                    if let Some(id) = delivery.message_id() {
-                        req = req.header("idempotency-key", id);
+            let req = req.body(Body::from(bytes_of(delivery.payload()))).unwrap();
+            let sent = tokio::time::timeout(Duration::from_secs(30), async {
+                let res = client.request(req).await?;
+                let status = res.status();
+                let _ = res.into_body().collect().await;
+                Ok::<_, hyper_util::client::legacy::Error>(status)
+            })
+            .await;
+            let how = match sent {
+                Ok(Ok(status)) if status.is_success() => Disposition::Ack,
+                other => {
+                    eprintln!("bare relay: the target did not take a message: {other:?}");
+                    Disposition::Requeue {
+                        delay: Duration::ZERO,
                     }
-                    let req = req.body(Body::from(bytes_of(delivery.payload()))).unwrap();
-                    let sent = tokio::time::timeout(Duration::from_secs(30), async {
-                        let res = client.request(req).await?;
-                        let status = res.status();
-                        let _ = res.into_body().collect().await;
-                        Ok::<_, hyper_util::client::legacy::Error>(status)
-                    })
-                    .await;
-                    let how = match sent {
-                        Ok(Ok(status)) if status.is_success() => Disposition::Ack,
-                        other => {
-                            eprintln!("bare relay: the target did not take a message: {other:?}");
-                            Disposition::Requeue {
-                                delay: Duration::ZERO,
-                            }
-                        }
-                    };
-                    if let Err(e) = delivery.settle(how).await {
-                        eprintln!("bare relay: settle refused: {e}");
-                    }
-                });
+                }
+            };
+            if let Err(e) = delivery.settle(how).await {
+                eprintln!("bare relay: settle refused: {e}");
             }
         }
-        while running.try_join_next().is_some() {}
-    }
-    source.close().await;
-    while running.join_next().await.is_some() {}
+    })
+    .await;
 }
 
 /// The body as the relay takes it: a copy of the delivery's payload.
 fn bytes_of(payload: &[u8]) -> axum::body::Bytes {
     axum::body::Bytes::copy_from_slice(payload)
-}
-
-/// What one timed consume measured.
-struct Row {
-    seconds: f64,
-    rate: f64,
-    note: String,
-}
-
-/// Publishes `n` messages (message ids `m-0`, `m-1`, …) to a fresh queue, declared as the
-/// relay's source declares it (a quorum queue), with publisher confirms.
-async fn fill(url: &str, queue: &str, prefetch: u16, n: usize) {
-    AmqpSource::builder(url, queue)
-        .prefetch(prefetch)
-        .connect()
-        .await
-        .unwrap()
-        .shutdown()
-        .await;
-    let connection = Connection::connect(url, ConnectionProperties::default())
-        .await
-        .unwrap();
-    let channel = connection.create_channel().await.unwrap();
-    channel
-        .confirm_select(ConfirmSelectOptions::default())
-        .await
-        .unwrap();
-    let routing_key = ShortString::try_new(queue).unwrap();
-    for chunk in (0..n).collect::<Vec<_>>().chunks(1000) {
-        let mut confirms = Vec::with_capacity(chunk.len());
-        for i in chunk {
-            let props = BasicProperties::default()
-                .with_message_id(ShortString::try_new(format!("m-{i}")).unwrap())
-                .with_delivery_mode(2);
-            let confirm = channel
-                .basic_publish(
-                    ShortString::try_new("").unwrap(),
-                    routing_key.clone(),
-                    BasicPublishOptions::default(),
-                    BODY,
-                    props,
-                )
-                .await
-                .unwrap();
-            confirms.push(confirm);
-        }
-        for confirm in confirms {
-            assert!(confirm.await.unwrap().is_ack(), "publish confirmed");
-        }
-    }
-    let _ = connection.close(200, "OK".into()).await;
 }
 
 /// One row: a fresh queue of `n` messages, relayed by `store`'s relay (`None`: bare).
@@ -247,7 +161,7 @@ async fn row(
     n: usize,
 ) -> Row {
     let queue = format!("idem-bench-relay-{}", hex());
-    fill(amqp, &queue, prefetch, n).await;
+    fill_amqp(amqp, &queue, prefetch, n).await;
     let source = AmqpSource::builder(amqp, &queue)
         .prefetch(prefetch)
         .connection_name("idem relay")
@@ -263,7 +177,7 @@ async fn row(
     let hits_before = hits.load(Ordering::Relaxed);
     let mut note = String::new();
     match store {
-        None => bare(source, to, usize::from(prefetch), shutdown).await,
+        None => bare_relay(source, to, usize::from(prefetch), shutdown).await,
         Some(store) => {
             // As `idem relay` builds it (TTL ten minutes rather than a day: the Redis records
             // of the run expire by themselves).
@@ -286,17 +200,8 @@ async fn row(
     if posted != n {
         note = format!("{note} {posted} POSTs").trim().to_owned();
     }
-    let failed = meter.failed.load(Ordering::Relaxed);
-    if failed > 0 {
-        note = format!("{note} {failed} settles failed").trim().to_owned();
-    }
     AmqpSource::delete_topology(amqp, &queue).await.unwrap();
-    let seconds = meter.elapsed().as_secs_f64();
-    Row {
-        seconds,
-        rate: n as f64 / seconds,
-        note,
-    }
+    Row::of(&meter, note)
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -7,6 +7,8 @@
 //!   after they take effect, to test that callers fail closed; or holds one at a [`Stall`]
 //!   until the test releases it, to test that a caller who gives up while the store is slow
 //!   leaves nothing behind.
+//! - [`mq`] (feature `mq`): what the message benches share: a timed source, the bare consume
+//!   loop, and filling a RabbitMQ queue.
 
 // Test support: a failed expectation is meant to panic.
 #![allow(clippy::unwrap_used)]
@@ -14,6 +16,8 @@
 pub mod conformance;
 mod faulty;
 pub mod locks;
+#[cfg(feature = "mq")]
+pub mod mq;
 pub mod services;
 
 pub use faulty::{Fault, FaultyStore, Op, Stall};

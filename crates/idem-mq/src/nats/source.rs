@@ -1,100 +1,15 @@
-//! NATS JetStream: a durable pull consumer as a [`Source`], and publishing with `Nats-Msg-Id`.
-//!
-//! [`NatsSource`] pulls from a durable consumer with explicit acks. A message's id (the
-//! consumer's default key) is its `Nats-Msg-Id` header; its delivery count is JetStream's own
-//! `num_delivered`, so a consumer that crashes in a loop on one message still sees the count
-//! rise and dead-letters it.
-//!
-//! | disposition | what the broker is told |
-//! | --- | --- |
-//! | [`Disposition::Ack`] | `+ACK`, confirmed by the server when [`NatsSourceBuilder::confirm_acks`] is on (the default) |
-//! | [`Disposition::Requeue`] | `-NAK {"delay": …}`: redelivered after the delay |
-//! | [`Disposition::DeadLetter`] | a copy published to the dead-letter subject with the reason, then `+TERM` |
-//!
-//! # Two duplicate filters, and what each one catches
-//!
-//! JetStream drops a publish whose `Nats-Msg-Id` it has seen on the same stream within the
-//! stream's `duplicate_window` (two minutes unless configured). [`publish_once`] sets that
-//! header from the idempotency key, so a publisher that retries after a lost publish ack does
-//! not store the message twice. The window is short by design: the server keeps every id of
-//! the window in memory.
-//!
-//! idem's records sit on the consumer side and live for hours or days (their TTL). They catch
-//! what the window cannot: every redelivery of one stored message (a lost ack, an ack timer
-//! that fired, a consumer that crashed mid-handler), and a re-publish of the same key after
-//! the window closed (a publisher replaying its outbox the next morning). Use both: the window
-//! keeps the stream small, the records make the handler's effect happen once.
-//!
-//! # Redelivery horizon
-//!
-//! [`Source::redelivery_horizon`] is how long after a delivery JetStream may still deliver the
-//! same message again; the consumer refuses to run with a record TTL shorter than it. With a
-//! finite `max_deliver` the adapter reports
-//! `(max_deliver - 1) × (longest ack wait + longest requeue delay)`, where the longest ack
-//! wait is the larger of `ack_wait` and the consumer's `backoff` steps and the longest requeue
-//! delay is [`NatsSourceBuilder::max_requeue_delay`] (requeue delays are clamped to it, so the
-//! bound holds). It counts from the moment a delivery ends (settled or timed out): the time a
-//! handler runs while reporting progress is not in it, and neither is time during which no
-//! instance pulls from the consumer (a message waits for a puller, then comes back). With
-//! `max_deliver` unlimited (`-1`, JetStream's default) the horizon is
-//! [`Horizon::Unbounded`].
+//! The source: its builder, its durable consumer, and pulling.
 
-use std::borrow::Cow;
-use std::str::FromStr;
 use std::sync::Arc;
 use std::time::Duration;
 
-use async_nats::HeaderMap;
-use async_nats::header::{HeaderName, HeaderValue, NATS_MESSAGE_ID};
 use async_nats::jetstream::consumer::{self, AckPolicy, PullConsumer, pull};
-use async_nats::jetstream::message::PublishMessage;
 use async_nats::jetstream::{self, AckKind};
-use bytes::Bytes;
 use futures_util::{FutureExt, StreamExt};
-use idem_core::ClientKey;
 
-use crate::{DeadLetter, Delivery, Disposition, Horizon, MqError, Source};
-
-/// Header carrying [`crate::Reason::code`] on a dead-lettered copy.
-pub const REASON_HEADER: &str = "Idem-Reason";
-/// Header carrying the sentence of a [`DeadLetter`] on a dead-lettered copy.
-pub const DETAIL_HEADER: &str = "Idem-Detail";
-/// Header carrying the stream the dead-lettered message came from.
-pub const STREAM_HEADER: &str = "Idem-Stream";
-/// Header carrying the subject the dead-lettered message was published to.
-pub const SUBJECT_HEADER: &str = "Idem-Subject";
-/// Header carrying the stream sequence of the dead-lettered message.
-pub const SEQUENCE_HEADER: &str = "Idem-Sequence";
-/// Header carrying how many times the dead-lettered message was delivered.
-pub const DELIVERIES_HEADER: &str = "Idem-Deliveries";
-/// Header carrying the original `Nats-Msg-Id` of a dead-lettered message. The copy's own
-/// `Nats-Msg-Id` is `<stream>:<sequence>`, so that dead-lettering one message twice (a crash
-/// between the copy and the `+TERM`, then a redelivery) stores one copy, within the
-/// dead-letter stream's duplicate window.
-pub const MSG_ID_HEADER: &str = "Idem-Msg-Id";
-
-/// Longest `Idem-Detail` value, in bytes; longer sentences are cut at a character boundary.
-const MAX_DETAIL_LEN: usize = 1024;
-/// How long a pull request stays open at the server.
-const PULL_EXPIRES: Duration = Duration::from_secs(30);
-/// Idle heartbeat of a pull request: two missed ones end the pull and it is made again.
-const PULL_HEARTBEAT: Duration = Duration::from_secs(5);
-
-/// Where a dead-lettered message goes before it is terminated (`+TERM`).
-#[derive(Debug, Clone, PartialEq, Eq)]
-#[non_exhaustive]
-pub enum DeadLetterTarget {
-    /// Publish a copy through JetStream to this subject and wait for the stream's ack; the
-    /// message is terminated only once the copy is stored. A stream must capture the subject
-    /// (checked when the source is built). The default, on `<stream>.dead`.
-    Stream(String),
-    /// Publish a copy on core NATS to this subject (no stream needed; whoever subscribes at
-    /// that moment gets it, nobody stores it).
-    Subject(String),
-    /// Publish nothing: only `+TERM` (with the reason code on servers from 2.11), which the
-    /// server announces as a `$JS.EVENT.ADVISORY.CONSUMER.MSG_TERMINATED` advisory.
-    TermOnly,
-}
+use super::delivery::{NatsDelivery, Shared};
+use super::{DeadLetterTarget, PULL_EXPIRES, PULL_HEARTBEAT};
+use crate::{Horizon, MqError, Source};
 
 /// How a [`NatsSource`] finds or makes its durable consumer.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -136,7 +51,7 @@ impl NatsSourceBuilder {
     /// consumer's `max_attempts` (deliveries that only waited for a running attempt count here,
     /// not there), so that the consumer dead-letters a message with its reason before the
     /// server silently stops delivering it; a finite value bounds the
-    /// [redelivery horizon](self#redelivery-horizon).
+    /// [redelivery horizon](super#redelivery-horizon).
     pub fn max_deliver(mut self, max_deliver: i64) -> Self {
         self.max_deliver = max_deliver;
         self
@@ -197,7 +112,7 @@ impl NatsSourceBuilder {
     /// Whether acks, naks and terms wait for the server to confirm them (default on).
     ///
     /// A confirmed ack costs one round trip, paid concurrently with other messages. It buys
-    /// two things: [`Delivery::settle`] fails when the ack did not reach the server (so the
+    /// two things: [`Delivery::settle`](crate::Delivery::settle) fails when the ack did not reach the server (so the
     /// consumer counts it, and knows the message will come back and be replayed from its
     /// record), and a graceful shutdown that has settled everything knows every ack arrived
     /// before it closes the connection. Without it an ack is fire-and-forget: a lost ack still
@@ -209,7 +124,7 @@ impl NatsSourceBuilder {
     }
 
     /// The longest delay a requeue may ask for (default 5 minutes); longer delays are
-    /// shortened to it. It enters the [redelivery horizon](self#redelivery-horizon).
+    /// shortened to it. It enters the [redelivery horizon](super#redelivery-horizon).
     pub fn max_requeue_delay(mut self, max: Duration) -> Self {
         self.max_requeue_delay = max;
         self
@@ -365,7 +280,7 @@ impl NatsSource {
         }
     }
 
-    /// The JetStream context the source uses (to publish with [`publish_once`], or to manage
+    /// The JetStream context the source uses (to publish with [`publish_once`](super::publish_once), or to manage
     /// streams).
     pub fn jetstream(&self) -> &jetstream::Context {
         &self.js
@@ -508,269 +423,6 @@ impl Source for NatsSource {
     }
 }
 
-/// What every delivery of one source shares.
-#[derive(Debug)]
-struct Shared {
-    stream: String,
-    dead_letter: DeadLetterTarget,
-    confirm_acks: bool,
-    max_requeue_delay: Duration,
-}
-
-/// One JetStream message, held until it is settled.
-#[derive(Debug)]
-pub struct NatsDelivery {
-    message: jetstream::Message,
-    shared: Arc<Shared>,
-}
-
-impl NatsDelivery {
-    /// The JetStream message (subject, headers, payload, reply subject).
-    pub fn message(&self) -> &jetstream::Message {
-        &self.message
-    }
-
-    /// The subject the message was published to.
-    pub fn subject(&self) -> &str {
-        self.message.subject.as_str()
-    }
-
-    /// The message's sequence number in its stream, if its metadata can be read.
-    pub fn stream_sequence(&self) -> Option<u64> {
-        self.message.info().ok().map(|info| info.stream_sequence)
-    }
-
-    /// Sends one acknowledgement (`+ACK`, `-NAK`, `+TERM`, `+WPI`) for this message, waiting
-    /// for the server's confirmation if `confirm`.
-    ///
-    /// A confirmed acknowledgement is what `async-nats` calls a double ack, sent as a request
-    /// on the client's one shared reply subscription: its `double_ack` subscribes a fresh
-    /// inbox for every ack, two more protocol messages per message.
-    async fn send(&self, payload: Bytes, confirm: bool) -> Result<(), MqError> {
-        let Some(reply) = self.message.reply.clone() else {
-            return Err(MqError::Broker {
-                message: "the message has no reply subject to acknowledge on".to_owned(),
-                source: None,
-            });
-        };
-        let client = self.message.context.client();
-        if confirm {
-            client
-                .request(reply, payload)
-                .await
-                .map(|_| ())
-                .map_err(|e| MqError::broker("the server did not confirm the acknowledgement", e))
-        } else {
-            client
-                .publish(reply, payload)
-                .await
-                .map_err(|e| MqError::broker("cannot send the acknowledgement", e))
-        }
-    }
-
-    /// Publishes the dead-lettered copy, with the reason and where the message came from.
-    async fn publish_dead_letter(&self, dead: &DeadLetter) -> Result<(), MqError> {
-        let subject = match &self.shared.dead_letter {
-            DeadLetterTarget::Stream(s) | DeadLetterTarget::Subject(s) => s.clone(),
-            DeadLetterTarget::TermOnly => return Ok(()),
-        };
-        let info = self.message.info().ok();
-        let mut headers = HeaderMap::new();
-        if let Some(original) = &self.message.headers {
-            for (name, values) in original.iter() {
-                let text: &str = name.as_ref();
-                // JetStream's own headers would steer the copy's publish (dedupe, expected
-                // sequences, TTL, rollups); the original id is kept under MSG_ID_HEADER.
-                if text.starts_with("Nats-") {
-                    continue;
-                }
-                for value in values {
-                    headers.append(name.clone(), value.clone());
-                }
-            }
-        }
-        if let Some(id) = self.message_id() {
-            headers.insert(MSG_ID_HEADER, HeaderValue::from(id));
-        }
-        headers.insert(REASON_HEADER, HeaderValue::from(dead.reason.code()));
-        headers.insert(DETAIL_HEADER, HeaderValue::from(header_text(&dead.detail)));
-        headers.insert(
-            STREAM_HEADER,
-            HeaderValue::from(self.shared.stream.as_str()),
-        );
-        headers.insert(SUBJECT_HEADER, HeaderValue::from(self.subject()));
-        if let Some(info) = &info {
-            headers.insert(SEQUENCE_HEADER, HeaderValue::from(info.stream_sequence));
-            headers.insert(DELIVERIES_HEADER, HeaderValue::from(info.delivered));
-        }
-        let client = self.message.context.client();
-        match &self.shared.dead_letter {
-            DeadLetterTarget::Stream(_) => {
-                if let Some(info) = &info {
-                    let id = format!("{}:{}", info.stream, info.stream_sequence);
-                    headers.insert(NATS_MESSAGE_ID, HeaderValue::from(id));
-                }
-                let publish = PublishMessage::build()
-                    .headers(headers)
-                    .payload(self.message.payload.clone());
-                self.message
-                    .context
-                    .send_publish(subject, publish)
-                    .await
-                    .map_err(|e| MqError::broker("cannot publish to the dead letter", e))?
-                    .await
-                    .map_err(|e| MqError::broker("the dead letter did not store the copy", e))?;
-            }
-            DeadLetterTarget::Subject(_) => {
-                client
-                    .publish_with_headers(subject, headers, self.message.payload.clone())
-                    .await
-                    .map_err(|e| MqError::broker("cannot publish to the dead letter", e))?;
-            }
-            DeadLetterTarget::TermOnly => {}
-        }
-        Ok(())
-    }
-}
-
-impl Delivery for NatsDelivery {
-    fn message_id(&self) -> Option<&str> {
-        self.message
-            .headers
-            .as_ref()?
-            .get(NATS_MESSAGE_ID)
-            .map(HeaderValue::as_str)
-    }
-
-    fn header(&self, name: &str) -> Option<Cow<'_, str>> {
-        // A name the client cannot represent is in no message.
-        let name = HeaderName::from_str(name).ok()?;
-        self.message
-            .headers
-            .as_ref()?
-            .get(name)
-            .map(|v| Cow::Borrowed(v.as_str()))
-    }
-
-    fn payload(&self) -> &[u8] {
-        &self.message.payload
-    }
-
-    fn delivery_count(&self) -> Option<u32> {
-        let delivered = self.message.info().ok()?.delivered;
-        u32::try_from(delivered).ok()
-    }
-
-    async fn in_progress(&self) -> Result<(), MqError> {
-        // Fire and forget: progress is repeated at a third of ack_wait, so one lost `+WPI` is
-        // made up by the next.
-        self.send(AckKind::Progress.into(), false).await
-    }
-
-    async fn settle(self, how: Disposition) -> Result<(), MqError> {
-        let confirm = self.shared.confirm_acks;
-        match how {
-            Disposition::Ack => self.send(AckKind::Ack.into(), confirm).await,
-            Disposition::Requeue { delay } => {
-                let delay = delay.min(self.shared.max_requeue_delay);
-                let nak = if delay.is_zero() {
-                    AckKind::Nak(None)
-                } else {
-                    AckKind::Nak(Some(delay))
-                };
-                self.send(nak.into(), confirm).await
-            }
-            Disposition::DeadLetter(dead) => {
-                // The copy first: if it cannot be stored the message is not terminated, and
-                // comes back after ack_wait to be dead-lettered again.
-                self.publish_dead_letter(&dead).await?;
-                let client = self.message.context.client();
-                // Servers before 2.11 compare the whole payload with `+TERM` and ignore one
-                // with a reason, which would leave the message to be redelivered.
-                let term = if client.is_server_compatible(2, 11, 0) {
-                    Bytes::from(format!("+TERM {}", dead.reason.code()))
-                } else {
-                    AckKind::Term.into()
-                };
-                self.send(term, confirm).await
-            }
-        }
-    }
-}
-
-/// What [`publish_once`] learnt from the stream's ack.
-#[derive(Debug, Clone, PartialEq, Eq)]
-#[non_exhaustive]
-pub struct Published {
-    /// The stream that stored the message.
-    pub stream: String,
-    /// Its sequence in that stream (for a duplicate, the sequence of the first copy).
-    pub sequence: u64,
-    /// The server had already stored a message with this `Nats-Msg-Id` within the stream's
-    /// `duplicate_window`, and dropped this one.
-    pub duplicate: bool,
-}
-
-/// Publishes `payload` to `subject` with `Nats-Msg-Id` set to `key`, and waits for the
-/// stream's ack.
-///
-/// The key must be a valid idempotency key (visible ASCII, 1 to 255 bytes): it becomes the
-/// message's key on the consumer side. A re-publish within the stream's `duplicate_window` is
-/// dropped by the server ([`Published::duplicate`]); a later one is stored again and the
-/// consumer's records catch it (see [the module docs](self#two-duplicate-filters-and-what-each-one-catches)).
-///
-/// ```no_run
-/// # async fn example() -> Result<(), idem_mq::MqError> {
-/// use idem_mq::nats::publish_once;
-///
-/// let client = async_nats::connect("nats://127.0.0.1:4222")
-///     .await
-///     .map_err(|e| idem_mq::MqError::broker("connect", e))?;
-/// let js = async_nats::jetstream::new(client);
-/// // The payment's id is the key: a retry of this publish is the same message.
-/// let published = publish_once(&js, "ORDERS.paid", "payment-8812", "{}".into()).await?;
-/// if published.duplicate {
-///     // Published before within the stream's duplicate window; the server kept the first.
-/// }
-/// # Ok(())
-/// # }
-/// ```
-pub async fn publish_once(
-    js: &jetstream::Context,
-    subject: impl Into<String>,
-    key: &str,
-    payload: Bytes,
-) -> Result<Published, MqError> {
-    publish_once_with_headers(js, subject, key, HeaderMap::new(), payload).await
-}
-
-/// [`publish_once`] with more headers (`Nats-Msg-Id` among them is replaced by `key`).
-pub async fn publish_once_with_headers(
-    js: &jetstream::Context,
-    subject: impl Into<String>,
-    key: &str,
-    headers: HeaderMap,
-    payload: Bytes,
-) -> Result<Published, MqError> {
-    let key = ClientKey::new(key)
-        .map_err(|e| MqError::Config(format!("the message key is not a valid key: {e}")))?;
-    let publish = PublishMessage::build()
-        .headers(headers)
-        .message_id(key.as_str())
-        .payload(payload);
-    let ack = js
-        .send_publish(subject.into(), publish)
-        .await
-        .map_err(|e| MqError::broker("cannot publish", e))?
-        .await
-        .map_err(|e| MqError::broker("the stream did not acknowledge the publish", e))?;
-    Ok(Published {
-        stream: ack.stream,
-        sequence: ack.sequence,
-        duplicate: ack.duplicate,
-    })
-}
-
 /// Finds the durable consumer, or creates it from the builder's settings.
 async fn open_consumer(
     stream: &jetstream::stream::Stream,
@@ -836,7 +488,7 @@ async fn check_dead_letter(
     Ok(())
 }
 
-/// The redelivery horizon of a consumer (see [the module docs](self#redelivery-horizon)).
+/// The redelivery horizon of a consumer (see [the module docs](super#redelivery-horizon)).
 fn horizon(
     max_deliver: i64,
     ack_wait: Duration,
@@ -867,20 +519,6 @@ fn subject_matches(pattern: &str, subject: &str) -> bool {
     }
 }
 
-/// `text` made fit for a header value: control characters become spaces, and it is cut to
-/// [`MAX_DETAIL_LEN`] bytes at a character boundary.
-fn header_text(text: &str) -> String {
-    let mut out = String::with_capacity(text.len().min(MAX_DETAIL_LEN));
-    for c in text.chars() {
-        let c = if c.is_control() { ' ' } else { c };
-        if out.len() + c.len_utf8() > MAX_DETAIL_LEN {
-            break;
-        }
-        out.push(c);
-    }
-    out
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -908,14 +546,5 @@ mod tests {
             horizon(3, s(30), &[s(10), s(600)], s(60)),
             Horizon::Bounded(s(2 * 660))
         );
-    }
-
-    #[test]
-    fn header_text_has_no_line_breaks_and_a_bound() {
-        assert_eq!(header_text("a\r\nb"), "a  b");
-        let long = "é".repeat(MAX_DETAIL_LEN);
-        let cut = header_text(&long);
-        assert!(cut.len() <= MAX_DETAIL_LEN);
-        assert!(cut.chars().all(|c| c == 'é'));
     }
 }
