@@ -19,12 +19,8 @@ mod memory;
 mod mysql;
 #[cfg(feature = "postgres")]
 mod postgres;
-#[cfg(feature = "postgres")]
-mod postgres_locks;
 #[cfg(feature = "redis")]
-mod redis_locks;
-#[cfg(feature = "redis")]
-mod redis_store;
+mod redis;
 #[cfg(any(feature = "sqlite", feature = "postgres", feature = "mysql"))]
 mod row;
 #[cfg(any(feature = "postgres", feature = "mysql"))]
@@ -43,9 +39,9 @@ pub use mysql::{MySqlOptions, MySqlStore};
 pub use postgres::{PostgresOptions, PostgresStore};
 #[cfg(feature = "redis")]
 #[doc(hidden)]
-pub use redis_locks::lock_scripts;
+pub use redis::lock_scripts;
 #[cfg(feature = "redis")]
-pub use redis_store::{EXPIRY_MARGIN, RedisOptions, RedisStore};
+pub use redis::{EXPIRY_MARGIN, RedisOptions, RedisStore};
 #[cfg(feature = "sqlite")]
 pub use sqlite::{SqliteOptions, SqliteStore, Synchronous};
 pub use url::{OpenError, StoreUrl, StoreUrlError, open, redact};

@@ -1,11 +1,22 @@
 //! What the server-based SQL stores (PostgreSQL, MySQL/MariaDB) share: table names, versioned
-//! migrations, reading rows, and telling a repeated settle from a stale one.
+//! migrations ([`migrate`]), the [`Dialect`] each server is spoken in and the classification of
+//! its errors ([`error`]), reading rows, and telling a repeated settle from a stale one.
 
 use std::fmt;
 
 use idem_core::{Bytes, Lease, LeaseError, Record, StoreError, Timestamp};
 
 use crate::row::RawRow;
+
+mod error;
+pub(crate) mod migrate;
+
+pub(crate) use error::error;
+pub(crate) use migrate::Dialect;
+
+/// The columns [`RawRow`] is read from, in its order.
+pub(crate) const COLUMNS: &str = "fingerprint, status, fence, lease_id, lease_expires_at, response,
+    ttl_ms, created_at, updated_at, expires_at";
 
 /// A table name safe to put into SQL text: one or two (schema-qualified) identifiers of ASCII
 /// letters, digits and `_`, not starting with a digit, at most 48 characters each (room for
@@ -130,20 +141,6 @@ where
         updated_at: r.try_get(8).map_err(bad)?,
         expires_at: r.try_get(9).map_err(bad)?,
     })
-}
-
-/// Whether a sqlx error that is not a database error means the server or the network failed
-/// (worth retrying later) rather than a mistake.
-pub(crate) fn is_transient(e: &sqlx::Error) -> bool {
-    matches!(
-        e,
-        sqlx::Error::Io(_)
-            | sqlx::Error::Tls(_)
-            | sqlx::Error::Protocol(_)
-            | sqlx::Error::PoolTimedOut
-            | sqlx::Error::PoolClosed
-            | sqlx::Error::WorkerCrashed
-    )
 }
 
 #[cfg(test)]
