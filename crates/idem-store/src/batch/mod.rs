@@ -278,6 +278,9 @@ pub(crate) type Acquired = (Vec<u8>, i64);
 /// A store that begins and completes many records in one statement. The statements only
 /// report what they did; deciding everything else is left to the one-record calls.
 pub(crate) trait ManyAtOnce: Clone + Send + Sync + 'static {
+    /// The store's queues; `None` when every call goes on its own.
+    fn group_commit(&self) -> Option<&GroupCommit>;
+
     /// `begin` of one record, as the store does it unbatched.
     fn begin_alone(
         &self,
@@ -339,52 +342,60 @@ impl GroupCommit {
             completes: Batcher::new(lanes, max_jobs),
         })
     }
+}
 
-    pub(crate) async fn begin<S: ManyAtOnce>(
-        &self,
-        store: &S,
-        req: &BeginRequest,
-        now: Timestamp,
-    ) -> Result<BeginOutcome, StoreError> {
-        let job = BeginJob {
-            req: req.clone(),
-            now,
-        };
-        self.begins
-            .submit(job, || {
+/// `begin` through the store's queues, or on its own when it has none.
+pub(crate) async fn begin<S: ManyAtOnce>(
+    store: &S,
+    req: &BeginRequest,
+    now: Timestamp,
+) -> Result<BeginOutcome, StoreError> {
+    let Some(batches) = store.group_commit() else {
+        return store.begin_alone(req, now).await;
+    };
+    let job = BeginJob {
+        req: req.clone(),
+        now,
+    };
+    batches
+        .begins
+        .submit(job, || {
+            let store = store.clone();
+            move |jobs| {
                 let store = store.clone();
-                move |jobs| {
-                    let store = store.clone();
-                    async move { begin_batch(&store, jobs).await }
-                }
-            })
-            .await?
-    }
+                async move { begin_batch(&store, jobs).await }
+            }
+        })
+        .await?
+}
 
-    pub(crate) async fn complete<S: ManyAtOnce>(
-        &self,
-        store: &S,
-        key: &Key,
-        lease: &Lease,
-        response: Bytes,
-        now: Timestamp,
-    ) -> Result<(), LeaseError> {
-        let job = CompleteJob {
-            key: key.clone(),
-            lease: *lease,
-            response,
-            now,
-        };
-        self.completes
-            .submit(job, || {
+/// `complete` through the store's queues, or on its own when it has none.
+pub(crate) async fn complete<S: ManyAtOnce>(
+    store: &S,
+    key: &Key,
+    lease: &Lease,
+    response: Bytes,
+    now: Timestamp,
+) -> Result<(), LeaseError> {
+    let Some(batches) = store.group_commit() else {
+        return store.complete_alone(key, lease, response, now).await;
+    };
+    let job = CompleteJob {
+        key: key.clone(),
+        lease: *lease,
+        response,
+        now,
+    };
+    batches
+        .completes
+        .submit(job, || {
+            let store = store.clone();
+            move |jobs| {
                 let store = store.clone();
-                move |jobs| {
-                    let store = store.clone();
-                    async move { complete_batch(&store, jobs).await }
-                }
-            })
-            .await?
-    }
+                async move { complete_batch(&store, jobs).await }
+            }
+        })
+        .await?
 }
 
 /// `begin` for a batch: one statement. A job it did not acquire is decided on its own, as

@@ -221,6 +221,8 @@ struct Failing {
     barrier: Arc<tokio::sync::Barrier>,
     /// The task each one-record call ran in.
     tasks: Arc<Mutex<Vec<Option<tokio::task::Id>>>>,
+    /// The queues `begin` and `complete` go through, if any.
+    batches: Option<GroupCommit>,
 }
 
 impl Failing {
@@ -230,6 +232,7 @@ impl Failing {
             alone: Arc::default(),
             barrier: Arc::new(tokio::sync::Barrier::new(parties)),
             tasks: Arc::default(),
+            batches: None,
         }
     }
 
@@ -252,6 +255,10 @@ impl Failing {
 }
 
 impl ManyAtOnce for Failing {
+    fn group_commit(&self) -> Option<&GroupCommit> {
+        self.batches.as_ref()
+    }
+
     async fn begin_alone(
         &self,
         _: &BeginRequest,
@@ -342,22 +349,23 @@ fn a_failed_batch_tries_its_jobs_on_their_own_all_at_once() {
 #[test]
 fn a_lone_call_runs_in_the_callers_task() {
     runtime().block_on(async {
-        let store = Failing::new(false, 1);
-        let batches = GroupCommit::new(16, 64).unwrap();
+        let store = Failing {
+            batches: GroupCommit::new(16, 64),
+            ..Failing::new(false, 1)
+        };
         let (caller, job, key) = {
             let store = store.clone();
             tokio::spawn(async move {
                 let [job] = <[BeginJob; 1]>::try_from(begins(1)).ok().unwrap();
                 let [done] = <[CompleteJob; 1]>::try_from(completes(1)).ok().unwrap();
-                batches.begin(&store, &job.req, job.now).await.unwrap();
+                super::begin(&store, &job.req, job.now).await.unwrap();
                 let CompleteJob {
                     key,
                     lease,
                     response,
                     now,
                 } = done;
-                batches
-                    .complete(&store, &key, &lease, response, now)
+                super::complete(&store, &key, &lease, response, now)
                     .await
                     .unwrap();
                 (tokio::task::id(), job, key)

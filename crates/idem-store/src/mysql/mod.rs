@@ -30,7 +30,7 @@ use idem_core::{
 use sqlx::mysql::{MySqlConnectOptions, MySqlDatabaseError, MySqlPoolOptions};
 use sqlx::{AssertSqlSafe, ConnectOptions, Connection, Executor, MySqlConnection, MySqlPool};
 
-use crate::batch::{GroupCommit, ManyAtOnce};
+use crate::batch::GroupCommit;
 use crate::row::sql_int;
 use crate::sql::{self, TableName};
 
@@ -207,10 +207,7 @@ impl Store for MySqlStore {
     }
 
     async fn begin(&self, req: &BeginRequest, now: Timestamp) -> Result<BeginOutcome, StoreError> {
-        match &self.batches {
-            Some(batches) => batches.begin(self, req, now).await,
-            None => self.begin_alone(req, now).await,
-        }
+        crate::batch::begin(self, req, now).await
     }
 
     async fn complete(
@@ -220,10 +217,7 @@ impl Store for MySqlStore {
         response: Bytes,
         now: Timestamp,
     ) -> Result<(), LeaseError> {
-        match &self.batches {
-            Some(batches) => batches.complete(self, key, lease, response, now).await,
-            None => self.complete_alone(key, lease, response, now).await,
-        }
+        crate::batch::complete(self, key, lease, response, now).await
     }
 
     async fn release(&self, key: &Key, lease: &Lease, now: Timestamp) -> Result<(), LeaseError> {

@@ -2,13 +2,13 @@
 //! (group commit: one multi-row statement per batch size, a batch padded up to the next).
 
 use idem_core::{
-    BeginOutcome, BeginRequest, Bytes, Key, Lease, LeaseError, LeaseId, Record, StaleLease,
-    StoreError, Timestamp,
+    BeginOutcome, BeginRequest, Bytes, Key, Lease, LeaseError, LeaseId, Record, StoreError,
+    Timestamp,
 };
 use sqlx::{AssertSqlSafe, MySqlConnection, SqlSafeStr, SqlStr};
 
 use super::{MySqlStore, error};
-use crate::batch::{Acquired, BeginJob, CompleteJob, ManyAtOnce};
+use crate::batch::{Acquired, BeginJob, CompleteJob, GroupCommit, ManyAtOnce};
 use crate::row::sql_int;
 use crate::sql::{self, COLUMNS, TableName};
 
@@ -159,7 +159,7 @@ impl MySqlStore {
     ) -> Result<BeginOutcome, StoreError> {
         let (lease, fresh) = Record::acquired(req, now, 1, idem_core::LeaseId::generate());
         let now_ms = sql_int(now.as_millis());
-        for _ in 0..8 {
+        for _ in 0..sql::BEGIN_ROUNDS {
             let done = keyed(sqlx::query(self.sql.begin.clone()), &req.key)
                 .bind(&fresh.fingerprint.as_bytes()[..])
                 .bind(&lease.id.to_bytes()[..])
@@ -179,15 +179,11 @@ impl MySqlStore {
                 return Ok(BeginOutcome::Acquired(Lease { fence, ..lease }));
             }
             let existing = self.load(c, &req.key).await?;
-            let step = Record::begin(existing.as_ref(), req, now, idem_core::LeaseId::generate());
-            if !matches!(step.outcome, BeginOutcome::Acquired(_)) {
-                return Ok(step.outcome);
+            if let Some(outcome) = sql::refused_begin(existing.as_ref(), req, now) {
+                return Ok(outcome);
             }
         }
-        Err(StoreError::Unavailable {
-            message: "the record kept changing under contention; try again".into(),
-            source: None,
-        })
+        Err(sql::kept_changing())
     }
 
     /// Runs a lease-conditioned update; if it changed nothing, reads the row to tell a
@@ -216,10 +212,7 @@ impl MySqlStore {
         if done.rows_affected() == 1 {
             return Ok(());
         }
-        let Some(mut record) = self.load(c, key).await? else {
-            return Err(StaleLease.into());
-        };
-        sql::repeated_settle(&mut record, lease, response, now)
+        sql::repeated_settle(self.load(c, key).await?, lease, response, now)
     }
 }
 
@@ -290,6 +283,10 @@ impl MySqlStore {
 }
 
 impl ManyAtOnce for MySqlStore {
+    fn group_commit(&self) -> Option<&GroupCommit> {
+        self.batches.as_ref()
+    }
+
     async fn begin_alone(
         &self,
         req: &BeginRequest,

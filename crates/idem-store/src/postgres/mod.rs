@@ -27,7 +27,7 @@ use idem_core::{
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
 use sqlx::{ConnectOptions, Connection, PgConnection, PgPool};
 
-use crate::batch::{GroupCommit, ManyAtOnce};
+use crate::batch::GroupCommit;
 use crate::row::sql_int;
 use crate::sql::{self, TableName};
 
@@ -191,10 +191,7 @@ impl Store for PostgresStore {
     }
 
     async fn begin(&self, req: &BeginRequest, now: Timestamp) -> Result<BeginOutcome, StoreError> {
-        match &self.batches {
-            Some(batches) => batches.begin(self, req, now).await,
-            None => self.begin_alone(req, now).await,
-        }
+        crate::batch::begin(self, req, now).await
     }
 
     async fn complete(
@@ -204,10 +201,7 @@ impl Store for PostgresStore {
         response: Bytes,
         now: Timestamp,
     ) -> Result<(), LeaseError> {
-        match &self.batches {
-            Some(batches) => batches.complete(self, key, lease, response, now).await,
-            None => self.complete_alone(key, lease, response, now).await,
-        }
+        crate::batch::complete(self, key, lease, response, now).await
     }
 
     async fn release(&self, key: &Key, lease: &Lease, now: Timestamp) -> Result<(), LeaseError> {

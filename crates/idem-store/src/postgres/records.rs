@@ -2,13 +2,12 @@
 //! (group commit: many rows in one statement, through arrays bound as `unnest` columns).
 
 use idem_core::{
-    BeginOutcome, BeginRequest, Bytes, Key, Lease, LeaseError, Record, StaleLease, StoreError,
-    Timestamp,
+    BeginOutcome, BeginRequest, Bytes, Key, Lease, LeaseError, Record, StoreError, Timestamp,
 };
 use sqlx::{AssertSqlSafe, PgConnection, SqlSafeStr, SqlStr};
 
 use super::{PostgresStore, error};
-use crate::batch::{Acquired, BeginJob, CompleteJob, ManyAtOnce};
+use crate::batch::{Acquired, BeginJob, CompleteJob, GroupCommit, ManyAtOnce};
 use crate::row::sql_int;
 use crate::sql::{self, COLUMNS, TableName};
 
@@ -176,9 +175,7 @@ impl PostgresStore {
     ) -> Result<BeginOutcome, StoreError> {
         // The record a fresh acquisition writes; its fence comes from the database.
         let (lease, fresh) = Record::acquired(req, now, 1, idem_core::LeaseId::generate());
-        // A bounded number of rounds: another begin may change the row between our refused
-        // upsert and our read (released, expired); then the upsert is tried again.
-        for _ in 0..8 {
+        for _ in 0..sql::BEGIN_ROUNDS {
             let fence: Option<i64> = sqlx::query_scalar(self.sql.begin.clone())
                 .bind(req.key.scope().as_str())
                 .bind(req.key.namespace().as_str())
@@ -198,15 +195,11 @@ impl PostgresStore {
                 return Ok(BeginOutcome::Acquired(Lease { fence, ..lease }));
             }
             let existing = self.load(c, &req.key).await?;
-            let step = Record::begin(existing.as_ref(), req, now, idem_core::LeaseId::generate());
-            if !matches!(step.outcome, BeginOutcome::Acquired(_)) {
-                return Ok(step.outcome);
+            if let Some(outcome) = sql::refused_begin(existing.as_ref(), req, now) {
+                return Ok(outcome);
             }
         }
-        Err(StoreError::Unavailable {
-            message: "the record kept changing under contention; try again".into(),
-            source: None,
-        })
+        Err(sql::kept_changing())
     }
 
     /// Runs a lease-conditioned update; if it changed nothing, reads the row to tell a
@@ -237,14 +230,15 @@ impl PostgresStore {
         if done.rows_affected() == 1 {
             return Ok(());
         }
-        let Some(mut record) = self.load(c, key).await? else {
-            return Err(StaleLease.into());
-        };
-        sql::repeated_settle(&mut record, lease, response, now)
+        sql::repeated_settle(self.load(c, key).await?, lease, response, now)
     }
 }
 
 impl ManyAtOnce for PostgresStore {
+    fn group_commit(&self) -> Option<&GroupCommit> {
+        self.batches.as_ref()
+    }
+
     async fn begin_alone(
         &self,
         req: &BeginRequest,

@@ -12,7 +12,7 @@ use redis::Value;
 use super::error::{corrupt, error, may_have_run, transient};
 use super::format::{bytes, exact, int, millis, native_ttl, pack, status_byte, text, unpack};
 use super::{Conn, EXPIRY_MARGIN, RedisStore};
-use crate::batch::{Acquired, BeginJob, CompleteJob, ManyAtOnce};
+use crate::batch::{Acquired, BeginJob, CompleteJob, GroupCommit, ManyAtOnce};
 
 impl Store for RedisStore {
     fn kind(&self) -> &'static str {
@@ -23,10 +23,7 @@ impl Store for RedisStore {
     }
 
     async fn begin(&self, req: &BeginRequest, now: Timestamp) -> Result<BeginOutcome, StoreError> {
-        match &self.batches {
-            Some(batches) => batches.begin(self, req, now).await,
-            None => self.begin_alone(req, now).await,
-        }
+        crate::batch::begin(self, req, now).await
     }
 
     async fn complete(
@@ -36,10 +33,7 @@ impl Store for RedisStore {
         response: Bytes,
         now: Timestamp,
     ) -> Result<(), LeaseError> {
-        match &self.batches {
-            Some(batches) => batches.complete(self, key, lease, response, now).await,
-            None => self.complete_alone(key, lease, response, now).await,
-        }
+        crate::batch::complete(self, key, lease, response, now).await
     }
 
     async fn release(&self, key: &Key, lease: &Lease, now: Timestamp) -> Result<(), LeaseError> {
@@ -134,6 +128,10 @@ impl Store for RedisStore {
 }
 
 impl ManyAtOnce for RedisStore {
+    fn group_commit(&self) -> Option<&GroupCommit> {
+        self.batches.as_ref()
+    }
+
     async fn begin_alone(
         &self,
         req: &BeginRequest,

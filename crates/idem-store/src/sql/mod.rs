@@ -4,7 +4,10 @@
 
 use std::fmt;
 
-use idem_core::{Bytes, Lease, LeaseError, Record, StoreError, Timestamp};
+use idem_core::{
+    BeginOutcome, BeginRequest, Bytes, Lease, LeaseError, LeaseId, Record, StaleLease, StoreError,
+    Timestamp,
+};
 
 use crate::row::RawRow;
 
@@ -95,16 +98,44 @@ pub(crate) fn pending<'m>(
         .collect())
 }
 
-/// After a lease-conditioned update changed nothing, decides from the row as read: a repeat by
-/// the same lease of what it already did (for a `complete`, with the same response bytes) is
-/// `Ok`, anything else is stale. If the row as read would change after all, it moved between
-/// the update and the read: try again. `response` is `Some` for a `complete`.
+/// How many times `begin` tries its upsert: another `begin` may change the row between a
+/// refused upsert and the read that follows (released, expired), and then the upsert is tried
+/// again.
+pub(crate) const BEGIN_ROUNDS: usize = 8;
+
+/// After `begin`'s upsert acquired nothing, decides from the row as read: the answer, or `None`
+/// if the row as read may be acquired after all (it changed after the upsert: try again).
+pub(crate) fn refused_begin(
+    existing: Option<&Record>,
+    req: &BeginRequest,
+    now: Timestamp,
+) -> Option<BeginOutcome> {
+    let step = Record::begin(existing, req, now, LeaseId::generate());
+    (!matches!(step.outcome, BeginOutcome::Acquired(_))).then_some(step.outcome)
+}
+
+/// `begin`'s answer when the row changed under it in every round.
+pub(crate) fn kept_changing() -> StoreError {
+    StoreError::Unavailable {
+        message: "the record kept changing under contention; try again".into(),
+        source: None,
+    }
+}
+
+/// After a lease-conditioned update changed nothing, decides from the row as read: none is a
+/// stale lease; a repeat by the same lease of what it already did (for a `complete`, with the
+/// same response bytes) is `Ok`, anything else is stale. If the row as read would change after
+/// all, it moved between the update and the read: try again. `response` is `Some` for a
+/// `complete`.
 pub(crate) fn repeated_settle(
-    record: &mut Record,
+    record: Option<Record>,
     lease: &Lease,
     response: Option<Bytes>,
     now: Timestamp,
 ) -> Result<(), LeaseError> {
+    let Some(mut record) = record else {
+        return Err(StaleLease.into());
+    };
     let would_change = if let Some(response) = response {
         record.complete_in_place(lease, response, now)?
     } else {
