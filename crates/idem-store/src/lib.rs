@@ -9,6 +9,19 @@
 //!
 //! [`open`] picks a store from a URL (`sqlite://PATH`, `memory://`, `postgres://…`,
 //! `mysql://…`, `redis://…`, `redis+cluster://…`), as `idem serve --store` does.
+//!
+//! # Layout
+//!
+//! One module per store: `memory`, `sqlite/`, `postgres/`, `mysql/` and `redis/`. Each
+//! directory keeps the store and its options in `mod.rs`, its operations on records in
+//! `records.rs`, its locks in `locks.rs` (PostgreSQL, Redis, SQLite), its schema in
+//! `migrate.rs` (PostgreSQL, MySQL; `schema.rs` for SQLite) and the classification of its
+//! errors in `error.rs` (PostgreSQL, MySQL, Redis); SQLite's writer thread is `sqlite/writer.rs`, Redis's
+//! Lua scripts `redis/scripts.rs` and its record layout `redis/format.rs`. What PostgreSQL and
+//! MySQL share is in `sql/`: the `Dialect` each implements, the migration steps, the
+//! classification of errors and the reading of rows (`row.rs`, also SQLite's). Group commit
+//! for the server stores is `batch/`, fenced writes [`fence`], the release feed of lock waiters
+//! `lock_feed.rs`, and URL parsing `url/`.
 
 #[cfg(any(feature = "postgres", feature = "mysql", feature = "redis"))]
 mod batch;

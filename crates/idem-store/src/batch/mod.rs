@@ -291,10 +291,7 @@ pub(crate) trait ManyAtOnce: Clone + Send + Sync + 'static {
     /// `complete` of one record, as the store does it unbatched.
     fn complete_alone(
         &self,
-        key: &Key,
-        lease: &Lease,
-        response: Bytes,
-        now: Timestamp,
+        job: CompleteJob,
     ) -> impl Future<Output = Result<(), LeaseError>> + Send;
 
     /// Takes every key of `jobs` (at least two, each key once) that may be acquired, with the
@@ -377,14 +374,14 @@ pub(crate) async fn complete<S: ManyAtOnce>(
     response: Bytes,
     now: Timestamp,
 ) -> Result<(), LeaseError> {
-    let Some(batches) = store.group_commit() else {
-        return store.complete_alone(key, lease, response, now).await;
-    };
     let job = CompleteJob {
         key: key.clone(),
         lease: *lease,
         response,
         now,
+    };
+    let Some(batches) = store.group_commit() else {
+        return store.complete_alone(job).await;
     };
     batches
         .completes
@@ -462,8 +459,7 @@ async fn complete_batch<S: ManyAtOnce>(
 ) -> Vec<Result<(), LeaseError>> {
     if jobs.len() == 1 {
         let job = jobs.remove(0);
-        let done = store.complete_alone(&job.key, &job.lease, job.response, job.now);
-        return vec![done.await];
+        return vec![store.complete_alone(job).await];
     }
     // The statements tell rows apart by lease id: two jobs under one id (a caller completing
     // a key with another key's lease) go on their own instead.
@@ -488,11 +484,7 @@ async fn complete_batch<S: ManyAtOnce>(
         .map(|(i, (job, _))| (i, job));
     let alone = each_alone(left, |job| {
         let store = store.clone();
-        async move {
-            store
-                .complete_alone(&job.key, &job.lease, job.response, job.now)
-                .await
-        }
+        async move { store.complete_alone(job).await }
     })
     .await;
     let mut results: Vec<Result<(), LeaseError>> = done

@@ -268,13 +268,7 @@ impl ManyAtOnce for Failing {
         Ok(BeginOutcome::Mismatch)
     }
 
-    async fn complete_alone(
-        &self,
-        _: &Key,
-        _: &Lease,
-        _: Bytes,
-        _: Timestamp,
-    ) -> Result<(), LeaseError> {
+    async fn complete_alone(&self, _: CompleteJob) -> Result<(), LeaseError> {
         self.one().await;
         Ok(())
     }

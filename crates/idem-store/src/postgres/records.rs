@@ -248,16 +248,23 @@ impl ManyAtOnce for PostgresStore {
         self.begin_on(&mut c, req, now).await
     }
 
-    async fn complete_alone(
-        &self,
-        key: &Key,
-        lease: &Lease,
-        response: Bytes,
-        now: Timestamp,
-    ) -> Result<(), LeaseError> {
+    async fn complete_alone(&self, job: CompleteJob) -> Result<(), LeaseError> {
+        let CompleteJob {
+            key,
+            lease,
+            response,
+            now,
+        } = job;
         let mut c = self.conn().await?;
-        self.settle_on(&mut c, &self.sql.complete, key, lease, Some(response), now)
-            .await
+        self.settle_on(
+            &mut c,
+            &self.sql.complete,
+            &key,
+            &lease,
+            Some(response),
+            now,
+        )
+        .await
     }
 
     async fn begin_many(

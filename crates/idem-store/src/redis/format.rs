@@ -21,7 +21,7 @@ const MAX_EXACT: u64 = (1 << 53) - 1;
 //   151- response
 //
 // A string rather than a hash so that `begin` on a fresh key is one plain `SET … NX PX`,
-// which costs Redis a third of a script; the scripts below handle every other case.
+// which costs Redis a third of a script; the scripts (`super::scripts`) handle every other case.
 
 /// The header's length; the response follows.
 pub(super) const HEADER: usize = 150;

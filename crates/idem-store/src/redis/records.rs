@@ -141,14 +141,14 @@ impl ManyAtOnce for RedisStore {
         self.begin_as(&fresh, lease, now).await
     }
 
-    async fn complete_alone(
-        &self,
-        key: &Key,
-        lease: &Lease,
-        response: Bytes,
-        now: Timestamp,
-    ) -> Result<(), LeaseError> {
-        self.settle_as(key, lease, Status::Completed, Some(response), now)
+    async fn complete_alone(&self, job: CompleteJob) -> Result<(), LeaseError> {
+        let CompleteJob {
+            key,
+            lease,
+            response,
+            now,
+        } = job;
+        self.settle_as(&key, &lease, Status::Completed, Some(response), now)
             .await
     }
 

@@ -113,7 +113,8 @@ return got
 /// in progress under that lease id, whatever its fence (a takeover's fence is not known to
 /// the client); answers 1 if it did. Where the `begin` took nothing, no record holds that
 /// random 128-bit id, and nothing changes. Sent with `EVAL`, not `EVALSHA`: it must run on the
-/// first try even on a server that has not loaded it (see [`RedisStore::give_back`]).
+/// first try even on a server that has not loaded it (see
+/// [`RedisStore::give_back`](super::RedisStore::give_back)).
 pub(super) const GIVE_BACK: &str = r"
 local now = tonumber(ARGV[1])
 local v, st, _, _, ttl, exp = record(KEYS[1])
@@ -162,7 +163,7 @@ redis.call('SET', KEYS[1], '1r' .. string.sub(v, 3, 118) .. string.format('%016d
 return 1
 ";
 
-// The lock scripts, each run after [`CLOCK`].
+// The lock scripts, each run after `CLOCK`.
 
 /// The server's time as `now` (ms) and `nowus` (µs). Numbers written to the hash go through
 /// `%d`: Lua would print a 16-digit number in exponent form.
