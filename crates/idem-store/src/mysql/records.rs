@@ -297,14 +297,8 @@ impl ManyAtOnce for MySqlStore {
     }
 
     async fn complete_alone(&self, job: CompleteJob) -> Result<(), LeaseError> {
-        let CompleteJob {
-            key,
-            lease,
-            response,
-            now,
-        } = job;
         let mut c = self.conn().await?;
-        self.settle_on(&mut c, &key, &lease, Some(response), now)
+        self.settle_on(&mut c, &job.key, &job.lease, Some(job.response), job.now)
             .await
     }
 

@@ -249,20 +249,15 @@ impl ManyAtOnce for PostgresStore {
     }
 
     async fn complete_alone(&self, job: CompleteJob) -> Result<(), LeaseError> {
-        let CompleteJob {
-            key,
-            lease,
-            response,
-            now,
-        } = job;
         let mut c = self.conn().await?;
+        let (key, lease) = (&job.key, &job.lease);
         self.settle_on(
             &mut c,
             &self.sql.complete,
-            &key,
-            &lease,
-            Some(response),
-            now,
+            key,
+            lease,
+            Some(job.response),
+            job.now,
         )
         .await
     }

@@ -142,13 +142,8 @@ impl ManyAtOnce for RedisStore {
     }
 
     async fn complete_alone(&self, job: CompleteJob) -> Result<(), LeaseError> {
-        let CompleteJob {
-            key,
-            lease,
-            response,
-            now,
-        } = job;
-        self.settle_as(&key, &lease, Status::Completed, Some(response), now)
+        let (key, lease) = (&job.key, &job.lease);
+        self.settle_as(key, lease, Status::Completed, Some(job.response), job.now)
             .await
     }
 
