@@ -1,6 +1,7 @@
 //! What the server-based SQL stores (PostgreSQL, MySQL/MariaDB) share: table names, versioned
-//! migrations ([`migrate`]), the [`Dialect`] each server is spoken in and the classification of
-//! its errors ([`error`]), reading rows, and telling a repeated settle from a stale one.
+//! migrations (`migrate`), the [`Dialect`] each server is spoken in and the classification of
+//! its errors (`error`), the columns of a row and reading them, and the decisions `begin` and a
+//! settle make from a row as read.
 
 use std::fmt;
 
