@@ -275,6 +275,13 @@ fn key_bytes(key: &Key) -> usize {
 /// A row a batched `begin` acquired: its lease id and fence.
 pub(crate) type Acquired = (Vec<u8>, i64);
 
+/// The fresh lease of one job of a batched `begin`, and the record it would write.
+pub(crate) type Fresh = (Lease, Record);
+
+/// What a batched statement reports: one answer per job, `Ok(None)` if the statement failed,
+/// or the error if no connection was to be had.
+pub(crate) type Many<T> = Result<Option<Vec<T>>, StoreError>;
+
 /// A store that begins and completes many records in one statement. The statements only
 /// report what they did; deciding everything else is left to the one-record calls.
 pub(crate) trait ManyAtOnce: Clone + Send + Sync + 'static {
@@ -301,17 +308,14 @@ pub(crate) trait ManyAtOnce: Clone + Send + Sync + 'static {
     fn begin_many(
         &self,
         jobs: &[BeginJob],
-        fresh: &[(Lease, Record)],
-    ) -> impl Future<Output = Result<Option<Vec<Acquired>>, StoreError>> + Send;
+        fresh: &[Fresh],
+    ) -> impl Future<Output = Many<Acquired>> + Send;
 
     /// Completes every job's record that its lease still holds. The jobs (at least two) have
     /// distinct keys and distinct lease ids. Returns, per job, whether the statement surely
     /// completed it, `Ok(None)` if the statement failed, or the error if no connection was to
     /// be had.
-    fn complete_many(
-        &self,
-        jobs: &[CompleteJob],
-    ) -> impl Future<Output = Result<Option<Vec<bool>>, StoreError>> + Send;
+    fn complete_many(&self, jobs: &[CompleteJob]) -> impl Future<Output = Many<bool>> + Send;
 }
 
 /// The `begin` and `complete` queues of one store.

@@ -273,15 +273,11 @@ impl ManyAtOnce for Failing {
         Ok(())
     }
 
-    async fn begin_many(
-        &self,
-        _: &[BeginJob],
-        _: &[(Lease, Record)],
-    ) -> Result<Option<Vec<Acquired>>, StoreError> {
+    async fn begin_many(&self, _: &[BeginJob], _: &[Fresh]) -> Many<Acquired> {
         self.failed().map(|()| None)
     }
 
-    async fn complete_many(&self, _: &[CompleteJob]) -> Result<Option<Vec<bool>>, StoreError> {
+    async fn complete_many(&self, _: &[CompleteJob]) -> Many<bool> {
         self.failed().map(|()| None)
     }
 }

@@ -8,7 +8,7 @@ use idem_core::{
 use sqlx::{AssertSqlSafe, MySqlConnection, SqlSafeStr, SqlStr};
 
 use super::{MySqlStore, error};
-use crate::batch::{Acquired, BeginJob, CompleteJob, GroupCommit, ManyAtOnce};
+use crate::batch::{Acquired, BeginJob, CompleteJob, Fresh, GroupCommit, Many, ManyAtOnce};
 use crate::row::sql_int;
 use crate::sql::{self, COLUMNS, TableName};
 
@@ -304,11 +304,7 @@ impl ManyAtOnce for MySqlStore {
 
     /// One multi-row upsert, in key order (the primary key compares bytes) so that batches
     /// lock rows in one order, then one read of which rows hold our lease ids.
-    async fn begin_many(
-        &self,
-        jobs: &[BeginJob],
-        fresh: &[(Lease, Record)],
-    ) -> Result<Option<Vec<Acquired>>, StoreError> {
+    async fn begin_many(&self, jobs: &[BeginJob], fresh: &[Fresh]) -> Many<Acquired> {
         let mut order: Vec<usize> = (0..jobs.len()).collect();
         order.sort_by(|a, b| jobs[*a].req.key.cmp(&jobs[*b].req.key));
         let (Some(sized), Some(&last)) = (self.sized(jobs.len()), order.last()) else {
@@ -368,7 +364,7 @@ impl ManyAtOnce for MySqlStore {
 
     /// One statement; MySQL reports only how many rows it changed, so only when that is every
     /// job is each known to be done.
-    async fn complete_many(&self, jobs: &[CompleteJob]) -> Result<Option<Vec<bool>>, StoreError> {
+    async fn complete_many(&self, jobs: &[CompleteJob]) -> Many<bool> {
         let (Some(sized), Some(last)) = (self.sized(jobs.len()), jobs.last()) else {
             return Ok(None);
         };

@@ -7,7 +7,7 @@ use idem_core::{
 use sqlx::{AssertSqlSafe, PgConnection, SqlSafeStr, SqlStr};
 
 use super::{PostgresStore, error};
-use crate::batch::{Acquired, BeginJob, CompleteJob, GroupCommit, ManyAtOnce};
+use crate::batch::{Acquired, BeginJob, CompleteJob, Fresh, GroupCommit, Many, ManyAtOnce};
 use crate::row::sql_int;
 use crate::sql::{self, COLUMNS, TableName};
 
@@ -262,12 +262,8 @@ impl ManyAtOnce for PostgresStore {
         .await
     }
 
-    async fn begin_many(
-        &self,
-        jobs: &[BeginJob],
-        fresh: &[(Lease, Record)],
-    ) -> Result<Option<Vec<Acquired>>, StoreError> {
-        let column = |f: fn(&BeginJob, &(Lease, Record)) -> i64| -> Vec<i64> {
+    async fn begin_many(&self, jobs: &[BeginJob], fresh: &[Fresh]) -> Many<Acquired> {
+        let column = |f: fn(&BeginJob, &Fresh) -> i64| -> Vec<i64> {
             jobs.iter().zip(fresh).map(|(j, r)| f(j, r)).collect()
         };
         let mut c = self.conn().await?;
@@ -304,7 +300,7 @@ impl ManyAtOnce for PostgresStore {
 
     /// The rows go in key order, as the batched `begin` takes them, so that batches meeting
     /// on keys lock them in one order.
-    async fn complete_many(&self, jobs: &[CompleteJob]) -> Result<Option<Vec<bool>>, StoreError> {
+    async fn complete_many(&self, jobs: &[CompleteJob]) -> Many<bool> {
         let asked = jobs;
         let mut sorted: Vec<&CompleteJob> = jobs.iter().collect();
         sorted.sort_by(|a, b| a.key.cmp(&b.key));

@@ -12,7 +12,7 @@ use redis::Value;
 use super::error::{corrupt, error, may_have_run, transient};
 use super::format::{bytes, exact, int, millis, native_ttl, pack, status_byte, text, unpack};
 use super::{Conn, EXPIRY_MARGIN, RedisStore};
-use crate::batch::{Acquired, BeginJob, CompleteJob, GroupCommit, ManyAtOnce};
+use crate::batch::{Acquired, BeginJob, CompleteJob, Fresh, GroupCommit, Many, ManyAtOnce};
 
 impl Store for RedisStore {
     fn kind(&self) -> &'static str {
@@ -150,11 +150,7 @@ impl ManyAtOnce for RedisStore {
     /// Writes the fresh record of every key Redis does not have, in one script call; the
     /// others are left to `begin_alone`. A call that fails may still run (as `begin_as`
     /// says), so every lease it carried is given back, and every job fails with its error.
-    async fn begin_many(
-        &self,
-        jobs: &[BeginJob],
-        fresh: &[(Lease, Record)],
-    ) -> Result<Option<Vec<Acquired>>, StoreError> {
+    async fn begin_many(&self, jobs: &[BeginJob], fresh: &[Fresh]) -> Many<Acquired> {
         let keys: Vec<String> = fresh.iter().map(|(_, r)| self.redis_key(&r.key)).collect();
         let mut call = self.scripts.begin_new.prepare_invoke();
         for ((job, (_, record)), key) in jobs.iter().zip(fresh).zip(&keys) {
@@ -190,7 +186,7 @@ impl ManyAtOnce for RedisStore {
     /// failed part way (a key holding a value this store did not write) leaves every job to
     /// `complete_alone`, which finds those it completed done; without the server every job
     /// fails with the error.
-    async fn complete_many(&self, jobs: &[CompleteJob]) -> Result<Option<Vec<bool>>, StoreError> {
+    async fn complete_many(&self, jobs: &[CompleteJob]) -> Many<bool> {
         let mut call = self.scripts.complete_many.prepare_invoke();
         call.arg(millis(EXPIRY_MARGIN));
         for job in jobs {
