@@ -9,6 +9,19 @@
 //!
 //! [`open`] picks a store from a URL (`sqlite://PATH`, `memory://`, `postgres://…`,
 //! `mysql://…`, `redis://…`, `redis+cluster://…`), as `idem serve --store` does.
+//!
+//! # Layout
+//!
+//! One module per store: `memory`, `sqlite/`, `postgres/`, `mysql/` and `redis/`. Each
+//! directory keeps the store and its options in `mod.rs`, its operations on records in
+//! `records.rs`, its locks in `locks.rs` (PostgreSQL, Redis, SQLite), its schema in
+//! `migrate.rs` (PostgreSQL, MySQL; `schema.rs` for SQLite) and the classification of its
+//! errors in `error.rs` (PostgreSQL, MySQL, Redis); SQLite's writer thread is `sqlite/writer.rs`, Redis's
+//! Lua scripts `redis/scripts.rs` and its record layout `redis/format.rs`. What PostgreSQL and
+//! MySQL share is in `sql/`: the `Dialect` each implements, the migration steps, the
+//! classification of errors and the reading of rows (`row.rs`, also SQLite's). Group commit
+//! for the server stores is `batch/`, fenced writes [`fence`], the release feed of lock waiters
+//! `lock_feed.rs`, and URL parsing `url/`.
 
 #[cfg(any(feature = "postgres", feature = "mysql", feature = "redis"))]
 mod batch;
@@ -19,12 +32,8 @@ mod memory;
 mod mysql;
 #[cfg(feature = "postgres")]
 mod postgres;
-#[cfg(feature = "postgres")]
-mod postgres_locks;
 #[cfg(feature = "redis")]
-mod redis_locks;
-#[cfg(feature = "redis")]
-mod redis_store;
+mod redis;
 #[cfg(any(feature = "sqlite", feature = "postgres", feature = "mysql"))]
 mod row;
 #[cfg(any(feature = "postgres", feature = "mysql"))]
@@ -43,9 +52,9 @@ pub use mysql::{MySqlOptions, MySqlStore};
 pub use postgres::{PostgresOptions, PostgresStore};
 #[cfg(feature = "redis")]
 #[doc(hidden)]
-pub use redis_locks::lock_scripts;
+pub use redis::lock_scripts;
 #[cfg(feature = "redis")]
-pub use redis_store::{EXPIRY_MARGIN, RedisOptions, RedisStore};
+pub use redis::{EXPIRY_MARGIN, RedisOptions, RedisStore};
 #[cfg(feature = "sqlite")]
 pub use sqlite::{SqliteOptions, SqliteStore, Synchronous};
 pub use url::{OpenError, StoreUrl, StoreUrlError, open, redact};

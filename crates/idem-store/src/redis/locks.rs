@@ -26,62 +26,11 @@ use idem_core::{
 };
 use redis::{Script, Value};
 
+use super::RedisStore;
+use super::error::{corrupt, error};
+use super::scripts::{CLOCK, FENCED_SET, LOCK_ACQUIRE, LOCK_RELEASE, LOCK_RENEW};
 use crate::fence::Fenced;
 use crate::lock_feed::{FeedTask, ReleaseFeed};
-use crate::redis_store::{RedisStore, corrupt, error};
-
-/// The server's time as `now` (ms) and `nowus` (µs). Numbers written to the hash go through
-/// `%d`: Lua would print a 16-digit number in exponent form.
-const CLOCK: &str = r"
-local t = redis.call('TIME')
-local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-local nowus = tonumber(t[1]) * 1000000 + tonumber(t[2])
-";
-
-/// ARGV = owner, lease ms, retention ms. Answers {1, fence, expires} or {0, until}.
-const ACQUIRE: &str = r"
-local r = redis.call('HMGET', KEYS[1], 'o', 'f', 'e')
-local f, e = tonumber(r[2]), tonumber(r[3])
-if e and e > now then
-  if r[1] ~= ARGV[1] then return {0, e} end
-else
-  f = math.max((f or 0) + 1, nowus)
-end
-local exp = now + tonumber(ARGV[2])
-redis.call('HSET', KEYS[1], 'o', ARGV[1], 'f', string.format('%d', f), 'e', string.format('%d', exp))
-redis.call('PEXPIRE', KEYS[1], tonumber(ARGV[2]) + tonumber(ARGV[3]))
-return {1, f, exp}
-";
-
-/// ARGV = owner, fence, lease ms, retention ms. Answers the new lease end, or -1.
-const RENEW: &str = r"
-local r = redis.call('HMGET', KEYS[1], 'o', 'f', 'e')
-if r[1] ~= ARGV[1] or r[2] ~= ARGV[2] or not r[3] or tonumber(r[3]) <= now then return -1 end
-local exp = now + tonumber(ARGV[3])
-redis.call('HSET', KEYS[1], 'e', string.format('%d', exp))
-redis.call('PEXPIRE', KEYS[1], tonumber(ARGV[3]) + tonumber(ARGV[4]))
-return exp
-";
-
-/// ARGV = owner, fence, retention ms, channel, name. Answers 1 (released), 0 (already was),
-/// or -1 (not the owner).
-const RELEASE: &str = r"
-local r = redis.call('HMGET', KEYS[1], 'o', 'f', 'e')
-if r[1] ~= ARGV[1] or r[2] ~= ARGV[2] then return -1 end
-if tonumber(r[3]) <= now then return 0 end
-redis.call('HSET', KEYS[1], 'e', string.format('%d', now))
-redis.call('PEXPIRE', KEYS[1], tonumber(ARGV[3]))
-redis.call('PUBLISH', ARGV[4], ARGV[5])
-return 1
-";
-
-/// ARGV = fence, value. Answers {1} (stored) or {0, highest fence}.
-const FENCED_SET: &str = r"
-local f = tonumber(redis.call('HGET', KEYS[1], 'fence') or '0')
-if f > tonumber(ARGV[1]) then return {0, f} end
-redis.call('HSET', KEYS[1], 'fence', ARGV[1], 'value', ARGV[2])
-return {1}
-";
 
 /// The lock scripts and the release feed, shared by a store's clones.
 pub(crate) struct LockScripts {
@@ -96,9 +45,9 @@ impl LockScripts {
     pub(crate) fn new() -> Self {
         let script = |body: &str| Script::new(&format!("{CLOCK}{body}"));
         Self {
-            acquire: script(ACQUIRE),
-            renew: script(RENEW),
-            release: script(RELEASE),
+            acquire: script(LOCK_ACQUIRE),
+            renew: script(LOCK_RENEW),
+            release: script(LOCK_RELEASE),
             fenced_set: Script::new(FENCED_SET),
             feed: ReleaseFeed::new(),
         }
@@ -109,7 +58,10 @@ impl LockScripts {
 /// (`redis-benchmark`), beside the store.
 #[doc(hidden)]
 pub fn lock_scripts() -> (String, String) {
-    (format!("{CLOCK}{ACQUIRE}"), format!("{CLOCK}{RELEASE}"))
+    (
+        format!("{CLOCK}{LOCK_ACQUIRE}"),
+        format!("{CLOCK}{LOCK_RELEASE}"),
+    )
 }
 
 impl RedisStore {

@@ -27,8 +27,8 @@ use idem_core::{
 use sqlx::postgres::PgListener;
 use sqlx::{AssertSqlSafe, PgConnection, PgPool, SqlSafeStr, SqlStr};
 
+use super::{PostgresStore, error};
 use crate::lock_feed::{FeedTask, ReleaseFeed};
-use crate::postgres::{PostgresStore, error};
 use crate::row::sql_int;
 use crate::sql::TableName;
 

@@ -1,11 +1,26 @@
 //! What the server-based SQL stores (PostgreSQL, MySQL/MariaDB) share: table names, versioned
-//! migrations, reading rows, and telling a repeated settle from a stale one.
+//! migrations (`migrate`), the [`Dialect`] each server is spoken in and the classification of
+//! its errors (`error`), the columns of a row and reading them, and the decisions `begin` and a
+//! settle make from a row as read.
 
 use std::fmt;
 
-use idem_core::{Bytes, Lease, LeaseError, Record, StoreError, Timestamp};
+use idem_core::{
+    BeginOutcome, BeginRequest, Bytes, Lease, LeaseError, LeaseId, Record, StaleLease, StoreError,
+    Timestamp,
+};
 
 use crate::row::RawRow;
+
+mod error;
+pub(crate) mod migrate;
+
+pub(crate) use error::error;
+pub(crate) use migrate::Dialect;
+
+/// The columns [`RawRow`] is read from, in its order.
+pub(crate) const COLUMNS: &str = "fingerprint, status, fence, lease_id, lease_expires_at, response,
+    ttl_ms, created_at, updated_at, expires_at";
 
 /// A table name safe to put into SQL text: one or two (schema-qualified) identifiers of ASCII
 /// letters, digits and `_`, not starting with a digit, at most 48 characters each (room for
@@ -84,16 +99,44 @@ pub(crate) fn pending<'m>(
         .collect())
 }
 
-/// After a lease-conditioned update changed nothing, decides from the row as read: a repeat by
-/// the same lease of what it already did (for a `complete`, with the same response bytes) is
-/// `Ok`, anything else is stale. If the row as read would change after all, it moved between
-/// the update and the read: try again. `response` is `Some` for a `complete`.
+/// How many times `begin` tries its upsert: another `begin` may change the row between a
+/// refused upsert and the read that follows (released, expired), and then the upsert is tried
+/// again.
+pub(crate) const BEGIN_ROUNDS: usize = 8;
+
+/// After `begin`'s upsert acquired nothing, decides from the row as read: the answer, or `None`
+/// if the row as read may be acquired after all (it changed after the upsert: try again).
+pub(crate) fn refused_begin(
+    existing: Option<&Record>,
+    req: &BeginRequest,
+    now: Timestamp,
+) -> Option<BeginOutcome> {
+    let step = Record::begin(existing, req, now, LeaseId::generate());
+    (!matches!(step.outcome, BeginOutcome::Acquired(_))).then_some(step.outcome)
+}
+
+/// `begin`'s answer when the row changed under it in every round.
+pub(crate) fn kept_changing() -> StoreError {
+    StoreError::Unavailable {
+        message: "the record kept changing under contention; try again".into(),
+        source: None,
+    }
+}
+
+/// After a lease-conditioned update changed nothing, decides from the row as read: none is a
+/// stale lease; a repeat by the same lease of what it already did (for a `complete`, with the
+/// same response bytes) is `Ok`, anything else is stale. If the row as read would change after
+/// all, it moved between the update and the read: try again. `response` is `Some` for a
+/// `complete`.
 pub(crate) fn repeated_settle(
-    record: &mut Record,
+    record: Option<Record>,
     lease: &Lease,
     response: Option<Bytes>,
     now: Timestamp,
 ) -> Result<(), LeaseError> {
+    let Some(mut record) = record else {
+        return Err(StaleLease.into());
+    };
     let would_change = if let Some(response) = response {
         record.complete_in_place(lease, response, now)?
     } else {
@@ -130,20 +173,6 @@ where
         updated_at: r.try_get(8).map_err(bad)?,
         expires_at: r.try_get(9).map_err(bad)?,
     })
-}
-
-/// Whether a sqlx error that is not a database error means the server or the network failed
-/// (worth retrying later) rather than a mistake.
-pub(crate) fn is_transient(e: &sqlx::Error) -> bool {
-    matches!(
-        e,
-        sqlx::Error::Io(_)
-            | sqlx::Error::Tls(_)
-            | sqlx::Error::Protocol(_)
-            | sqlx::Error::PoolTimedOut
-            | sqlx::Error::PoolClosed
-            | sqlx::Error::WorkerCrashed
-    )
 }
 
 #[cfg(test)]

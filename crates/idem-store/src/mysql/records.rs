@@ -1,0 +1,410 @@
+//! The statements on the records and counters tables, one record at a time, and in batches
+//! (group commit: one multi-row statement per batch size, a batch padded up to the next).
+
+use idem_core::{
+    BeginOutcome, BeginRequest, Bytes, Key, Lease, LeaseError, LeaseId, Record, StoreError,
+    Timestamp,
+};
+use sqlx::{AssertSqlSafe, MySqlConnection, SqlSafeStr, SqlStr};
+
+use super::{MySqlStore, error};
+use crate::batch::{Acquired, BeginJob, CompleteJob, Fresh, GroupCommit, Many, ManyAtOnce};
+use crate::row::sql_int;
+use crate::sql::{self, COLUMNS, TableName};
+
+/// The statements for batches of one size.
+#[derive(Debug)]
+pub(super) struct BatchSql {
+    rows: usize,
+    pub(super) begin: SqlStr,
+    acquired: SqlStr,
+    pub(super) complete: SqlStr,
+}
+
+#[derive(Clone, Debug)]
+pub(super) struct Statements {
+    begin: SqlStr,
+    pub(super) load: SqlStr,
+    complete: SqlStr,
+    pub(super) release: SqlStr,
+    pub(super) renew: SqlStr,
+    pub(super) reopen: SqlStr,
+    pub(super) get: SqlStr,
+    pub(super) purge: SqlStr,
+    pub(super) advance: SqlStr,
+    pub(super) raise: SqlStr,
+}
+
+/// The rest of a row `begin` took over: set once `lease_id` holds the new lease's id (the
+/// assignments before decide that), each column taking the new value.
+const TAKEN_OVER: &str =
+    "fingerprint = IF(lease_id = VALUES(lease_id), VALUES(fingerprint), fingerprint),
+    status = IF(lease_id = VALUES(lease_id), 'in_progress', status),
+    lease_expires_at = IF(lease_id = VALUES(lease_id), VALUES(lease_expires_at), lease_expires_at),
+    response = IF(lease_id = VALUES(lease_id), NULL, response),
+    ttl_ms = IF(lease_id = VALUES(lease_id), VALUES(ttl_ms), ttl_ms),
+    created_at = IF(lease_id = VALUES(lease_id), VALUES(created_at), created_at),
+    updated_at = IF(lease_id = VALUES(lease_id), VALUES(updated_at), updated_at),
+    expires_at = IF(lease_id = VALUES(lease_id), VALUES(expires_at), expires_at),
+    purge_after = IF(lease_id = VALUES(lease_id), VALUES(purge_after), purge_after)";
+
+/// `expires_at` for a record settled at `?` (bound twice): `now + ttl_ms`, capped.
+const SETTLED_EXPIRY: &str = "LEAST(ttl_ms, 9223372036854775807 - ?) + ?";
+
+impl Statements {
+    pub(super) fn new(t: &TableName) -> Self {
+        let s = |sql: String| AssertSqlSafe(sql).into_sql_str();
+        let key = "scope = ? AND namespace = ? AND client_key = ?";
+        // Set first, to our new lease id only if the key may be acquired; every later
+        // assignment checks it, so they all see one decision (MySQL applies the assignments
+        // left to right, each seeing the ones before).
+        let ours = "lease_id = VALUES(lease_id)";
+        Self {
+            begin: s(format!(
+                "INSERT INTO {t} (scope, namespace, client_key, fingerprint, status, fence,
+                     lease_id, lease_expires_at, response, ttl_ms, created_at, updated_at,
+                     expires_at, purge_after)
+                 VALUES (?, ?, ?, ?, 'in_progress', LAST_INSERT_ID(1), ?, ?, NULL, ?, ?, ?, ?,
+                     ?)
+                 ON DUPLICATE KEY UPDATE
+                     lease_id = IF(expires_at <= ? OR status = 'released'
+                         OR (status = 'in_progress' AND fingerprint = VALUES(fingerprint)
+                             AND lease_expires_at <= ?),
+                         VALUES(lease_id), lease_id),
+                     fence = IF({ours}, LAST_INSERT_ID(fence + 1), fence + LAST_INSERT_ID(0)),
+                     {TAKEN_OVER}"
+            )),
+            // A locking read: inside a caller's transaction (same-transaction mode) a plain
+            // read would see the transaction's old snapshot, not the row the update just saw.
+            load: s(format!(
+                "SELECT {COLUMNS} FROM {t} WHERE {key} LOCK IN SHARE MODE"
+            )),
+            complete: s(format!(
+                "UPDATE {t} SET status = 'completed', response = ?, updated_at = ?,
+                     expires_at = {SETTLED_EXPIRY}
+                 WHERE {key} AND lease_id = ? AND fence = ? AND status = 'in_progress'
+                   AND expires_at > ?"
+            )),
+            release: s(format!(
+                "UPDATE {t} SET status = 'released', response = NULL, updated_at = ?,
+                     expires_at = {SETTLED_EXPIRY}
+                 WHERE {key} AND lease_id = ? AND fence = ? AND status = 'in_progress'
+                   AND expires_at > ?"
+            )),
+            renew: s(format!(
+                "UPDATE {t} SET updated_at = ?, lease_expires_at = ?,
+                     expires_at = LEAST(ttl_ms, 9223372036854775807 - lease_expires_at)
+                         + lease_expires_at,
+                     purge_after = GREATEST(purge_after, expires_at)
+                 WHERE {key} AND lease_id = ? AND fence = ? AND status = 'in_progress'
+                   AND expires_at > ?"
+            )),
+            reopen: s(format!(
+                "UPDATE {t} SET status = 'released', response = NULL, updated_at = ?,
+                     expires_at = {SETTLED_EXPIRY}
+                 WHERE {key} AND fence = ? AND status = 'completed' AND expires_at > ?"
+            )),
+            get: s(format!(
+                "SELECT {COLUMNS} FROM {t} WHERE {key} AND expires_at > ?"
+            )),
+            // The new value comes back through LAST_INSERT_ID(expr), as in `begin`; a sum
+            // past i64::MAX fails with an out-of-range error (1690).
+            advance: s(format!(
+                "INSERT INTO {t}_counters (scope, namespace, client_key, value)
+                 VALUES (?, ?, ?, LAST_INSERT_ID(?))
+                 ON DUPLICATE KEY UPDATE value = LAST_INSERT_ID(value + VALUES(value))"
+            )),
+            raise: s(format!(
+                "INSERT INTO {t}_counters (scope, namespace, client_key, value)
+                 VALUES (?, ?, ?, LAST_INSERT_ID(?))
+                 ON DUPLICATE KEY UPDATE
+                     value = LAST_INSERT_ID(GREATEST(value, VALUES(value)))"
+            )),
+            purge: s(format!(
+                "DELETE FROM {t} WHERE purge_after <= ? AND expires_at <= ?
+                 ORDER BY purge_after LIMIT ?"
+            )),
+        }
+    }
+}
+
+pub(super) type Query<'q> = sqlx::query::Query<'q, sqlx::MySql, sqlx::mysql::MySqlArguments>;
+
+/// Binds a record's key (the three `?` of `scope = ? AND namespace = ? AND client_key = ?`).
+pub(super) fn keyed<'q>(q: Query<'q>, key: &'q Key) -> Query<'q> {
+    q.bind(key.scope().as_str().as_bytes())
+        .bind(key.namespace().as_str().as_bytes())
+        .bind(key.client_key().as_str().as_bytes())
+}
+
+impl MySqlStore {
+    pub(super) async fn load(
+        &self,
+        c: &mut MySqlConnection,
+        key: &Key,
+    ) -> Result<Option<Record>, StoreError> {
+        let row = keyed(sqlx::query(self.sql.load.clone()), key)
+            .fetch_optional(c)
+            .await
+            .map_err(|e| error("cannot read the record", e))?;
+        row.map(|r| sql::raw(&r)?.into_record(key)).transpose()
+    }
+
+    /// `begin` on one connection (of the pool, or a caller's transaction).
+    pub(super) async fn begin_on(
+        &self,
+        c: &mut MySqlConnection,
+        req: &BeginRequest,
+        now: Timestamp,
+    ) -> Result<BeginOutcome, StoreError> {
+        let (lease, fresh) = Record::acquired(req, now, 1, idem_core::LeaseId::generate());
+        let now_ms = sql_int(now.as_millis());
+        for _ in 0..sql::BEGIN_ROUNDS {
+            let done = keyed(sqlx::query(self.sql.begin.clone()), &req.key)
+                .bind(&fresh.fingerprint.as_bytes()[..])
+                .bind(&lease.id.to_bytes()[..])
+                .bind(sql_int(lease.expires_at.as_millis()))
+                .bind(sql_int(fresh.ttl_ms))
+                .bind(now_ms)
+                .bind(now_ms)
+                .bind(sql_int(fresh.expires_at.as_millis()))
+                .bind(sql_int(fresh.expires_at.as_millis()))
+                .bind(now_ms)
+                .bind(now_ms)
+                .execute(&mut *c)
+                .await
+                .map_err(|e| error("cannot begin the record", e))?;
+            let fence = done.last_insert_id();
+            if fence > 0 {
+                return Ok(BeginOutcome::Acquired(Lease { fence, ..lease }));
+            }
+            let existing = self.load(c, &req.key).await?;
+            if let Some(outcome) = sql::refused_begin(existing.as_ref(), req, now) {
+                return Ok(outcome);
+            }
+        }
+        Err(sql::kept_changing())
+    }
+
+    /// Runs a lease-conditioned update; if it changed nothing, reads the row to tell a
+    /// repeated call by the same lease (`Ok`) from a stale lease.
+    pub(super) async fn settle_on(
+        &self,
+        c: &mut MySqlConnection,
+        key: &Key,
+        lease: &Lease,
+        response: Option<Bytes>,
+        now: Timestamp,
+    ) -> Result<(), LeaseError> {
+        let now_ms = sql_int(now.as_millis());
+        let q = match &response {
+            Some(r) => sqlx::query(self.sql.complete.clone()).bind(&r[..]),
+            None => sqlx::query(self.sql.release.clone()),
+        };
+        let q = q.bind(now_ms).bind(now_ms).bind(now_ms);
+        let done = keyed(q, key)
+            .bind(&lease.id.to_bytes()[..])
+            .bind(sql_int(lease.fence))
+            .bind(now_ms)
+            .execute(&mut *c)
+            .await
+            .map_err(|e| error("cannot settle the record", e))?;
+        if done.rows_affected() == 1 {
+            return Ok(());
+        }
+        sql::repeated_settle(self.load(c, key).await?, lease, response, now)
+    }
+}
+
+/// The batch sizes for batches of up to `max` rows: 2, 4, 8, … up to the first at least `max`.
+pub(super) fn batch_sizes(max: usize) -> impl Iterator<Item = usize> {
+    std::iter::successors(Some(2usize), move |n| {
+        (*n < max).then(|| n.saturating_mul(2))
+    })
+}
+
+impl BatchSql {
+    pub(super) fn new(t: &TableName, rows: usize) -> Self {
+        let s = |sql: String| AssertSqlSafe(sql).into_sql_str();
+        let list = |one: &str, sep: &str| vec![one; rows].join(sep);
+        let ours = "lease_id = VALUES(lease_id)";
+        Self {
+            rows,
+            // `begin` for many rows: the same decision as `begin` per row, `now` being each
+            // row's `created_at`. Rows go in key order, so two batches lock shared keys in the
+            // same order. What was acquired is read back by lease id (`acquired`): a row holds
+            // our lease id only if this statement gave it.
+            begin: s(format!(
+                "INSERT INTO {t} (scope, namespace, client_key, fingerprint, status, fence,
+                     lease_id, lease_expires_at, response, ttl_ms, created_at, updated_at,
+                     expires_at, purge_after)
+                 VALUES {}
+                 ON DUPLICATE KEY UPDATE
+                     lease_id = IF(expires_at <= VALUES(created_at) OR status = 'released'
+                         OR (status = 'in_progress' AND fingerprint = VALUES(fingerprint)
+                             AND lease_expires_at <= VALUES(created_at)),
+                         VALUES(lease_id), lease_id),
+                     fence = IF({ours}, fence + 1, fence),
+                     {TAKEN_OVER}",
+                list(
+                    "(?, ?, ?, ?, 'in_progress', 1, ?, ?, NULL, ?, ?, ?, ?, ?)",
+                    ", "
+                )
+            )),
+            acquired: s(format!(
+                "SELECT lease_id, fence FROM {t} WHERE (scope, namespace, client_key) IN ({})",
+                list("(?, ?, ?)", ", ")
+            )),
+            // `complete` for many rows: the rows are found by key, lease and fence, and each
+            // row's values picked by its lease id (unique to the batch, as its keys are).
+            complete: s(format!(
+                "UPDATE {t} SET status = 'completed',
+                     response = CASE lease_id {}
+                     END,
+                     updated_at = CASE lease_id {}
+                     END,
+                     expires_at = LEAST(ttl_ms, 9223372036854775807 - updated_at) + updated_at
+                 WHERE (scope, namespace, client_key, lease_id, fence) IN ({})
+                   AND status = 'in_progress' AND expires_at > CASE lease_id {} END",
+                list("WHEN ? THEN ?", " "),
+                list("WHEN ? THEN ?", " "),
+                list("(?, ?, ?, ?, ?)", ", "),
+                list("WHEN ? THEN ?", " "),
+            )),
+        }
+    }
+}
+
+impl MySqlStore {
+    /// The statements for a batch of `n` rows, and how many rows they take.
+    fn sized(&self, n: usize) -> Option<&BatchSql> {
+        self.batch_sql.iter().find(|s| s.rows >= n)
+    }
+}
+
+impl ManyAtOnce for MySqlStore {
+    fn group_commit(&self) -> Option<&GroupCommit> {
+        self.batches.as_ref()
+    }
+
+    async fn begin_alone(
+        &self,
+        req: &BeginRequest,
+        now: Timestamp,
+    ) -> Result<BeginOutcome, StoreError> {
+        let mut c = self.conn().await?;
+        self.begin_on(&mut c, req, now).await
+    }
+
+    async fn complete_alone(&self, job: CompleteJob) -> Result<(), LeaseError> {
+        let mut c = self.conn().await?;
+        self.settle_on(&mut c, &job.key, &job.lease, Some(job.response), job.now)
+            .await
+    }
+
+    /// One multi-row upsert, in key order (the primary key compares bytes) so that batches
+    /// lock rows in one order, then one read of which rows hold our lease ids.
+    async fn begin_many(&self, jobs: &[BeginJob], fresh: &[Fresh]) -> Many<Acquired> {
+        let mut order: Vec<usize> = (0..jobs.len()).collect();
+        order.sort_by(|a, b| jobs[*a].req.key.cmp(&jobs[*b].req.key));
+        let (Some(sized), Some(&last)) = (self.sized(jobs.len()), order.last()) else {
+            return Ok(None);
+        };
+        // Padded with the last row again, under a lease id no lease has (zero): its second
+        // upsert finds the fresh lease the first gave, which may not be taken over, and since
+        // the ids differ it changes nothing. (Under its own id it would pass for the holder
+        // and raise the fence.)
+        let padding = sized.rows - order.len();
+        let rows = || {
+            order
+                .iter()
+                .copied()
+                .chain(std::iter::repeat_n(last, padding))
+        };
+        let mut q = sqlx::query(sized.begin.clone());
+        for (n, i) in rows().enumerate() {
+            let (lease, record) = &fresh[i];
+            let id = if n < order.len() {
+                lease.id.to_bytes()
+            } else {
+                [0; 16]
+            };
+            let now = sql_int(jobs[i].now.as_millis());
+            q = keyed(q, &jobs[i].req.key)
+                .bind(&record.fingerprint.as_bytes()[..])
+                .bind(&id[..])
+                .bind(sql_int(lease.expires_at.as_millis()))
+                .bind(sql_int(record.ttl_ms))
+                .bind(now)
+                .bind(now)
+                .bind(sql_int(record.expires_at.as_millis()))
+                .bind(sql_int(record.expires_at.as_millis()));
+        }
+        let mut c = self.conn().await?;
+        if q.execute(&mut *c).await.is_err() {
+            return Ok(None);
+        }
+        let mut read = sqlx::query(sized.acquired.clone());
+        for i in rows() {
+            read = keyed(read, &jobs[i].req.key);
+        }
+        let Ok(rows) = read.fetch_all(&mut *c).await else {
+            return Ok(None);
+        };
+        Ok(rows
+            .iter()
+            .map(|r| {
+                Some((
+                    sqlx::Row::try_get(r, 0).ok()?,
+                    sqlx::Row::try_get(r, 1).ok()?,
+                ))
+            })
+            .collect())
+    }
+
+    /// One statement; MySQL reports only how many rows it changed, so only when that is every
+    /// job is each known to be done.
+    async fn complete_many(&self, jobs: &[CompleteJob]) -> Many<bool> {
+        let (Some(sized), Some(last)) = (self.sized(jobs.len()), jobs.last()) else {
+            return Ok(None);
+        };
+        // Padded with a row that matches none: the last key under lease id zero and fence 0
+        // (fences start at 1), with an empty response, so padding adds no bytes.
+        let pad = CompleteJob {
+            key: last.key.clone(),
+            lease: Lease {
+                id: LeaseId::from_bytes([0; 16]),
+                fence: 0,
+                ..last.lease
+            },
+            response: Bytes::new(),
+            now: last.now,
+        };
+        let rows = || jobs.iter().chain(std::iter::repeat(&pad)).take(sized.rows);
+        let mut q = sqlx::query(sized.complete.clone());
+        for job in rows() {
+            q = q.bind(&job.lease.id.to_bytes()[..]).bind(&job.response[..]);
+        }
+        for job in rows() {
+            q = q
+                .bind(&job.lease.id.to_bytes()[..])
+                .bind(sql_int(job.now.as_millis()));
+        }
+        for job in rows() {
+            q = keyed(q, &job.key)
+                .bind(&job.lease.id.to_bytes()[..])
+                .bind(sql_int(job.lease.fence));
+        }
+        for job in rows() {
+            q = q
+                .bind(&job.lease.id.to_bytes()[..])
+                .bind(sql_int(job.now.as_millis()));
+        }
+        let mut c = self.conn().await?;
+        let Ok(done) = q.execute(&mut *c).await else {
+            return Ok(None);
+        };
+        let all = u64::try_from(jobs.len()).is_ok_and(|n| done.rows_affected() == n);
+        Ok(Some(vec![all; jobs.len()]))
+    }
+}

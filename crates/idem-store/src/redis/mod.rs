@@ -1,0 +1,256 @@
+//! Idempotency records in Redis, single node or Cluster.
+//!
+//! A record is one string: a fixed-width header and the response. A `begin` first tries a
+//! plain `SET … NX PX` of the fresh record, which succeeds exactly when Redis has no record
+//! for the key; otherwise, and for every other operation, one Lua script decides, which Redis
+//! runs atomically: the `begin` script reads the record, applies the rules of `Record::begin`
+//! and writes the new lease in the same step, so of any number of concurrent `begin`s exactly
+//! one acquires. A value the store did not write (another layout, another type) fails every
+//! operation and is left alone.
+//!
+//! **Group commit** (one server): `begin`s and `complete`s that arrive while others are in
+//! flight go together, as one script call over many keys (`crate::batch`): the batched
+//! `begin` writes each fresh record as the plain `SET … NX PX` would, the batched `complete`
+//! runs the one-record settle logic per key; anything else is decided by the one-record call.
+//!
+//! **Keys.** A record's Redis key is `<prefix>{<digest>}`, the digest being 128 bits of SHA-256
+//! over scope, namespace and client key. Each record is a single key, and the braces make it
+//! its own hash tag, so on a Cluster every operation touches exactly one slot; client keys of
+//! any shape (braces, spaces, 255 bytes) never leak into key names.
+//!
+//! **Expiry** is decided by the caller's clock (`now`), as in every store: a record past its
+//! `expires_at` is absent to the scripts even if Redis still has it. Redis's own TTL only
+//! reclaims the memory: each write sets it (`PX`) to the time left by the caller's clock plus
+//! [`EXPIRY_MARGIN`], so servers whose clocks differ a little never see a record vanish early.
+//! `purge_expired` has nothing to do.
+//!
+//! **A `begin` that fails** (its answer not back within [`RedisOptions::response_timeout`], or
+//! its connection broken) may still run when the server gets to it; what it took then is
+//! given back by a release under its lease id, queued on the same connection right behind it
+//! (see `RedisStore::give_back`), so a failed `begin` leaves the key free.
+//!
+//! **Eviction** would forget records: a server with `maxmemory` set and a policy other than
+//! `noeviction` is refused at connect unless [`RedisOptions::allow_eviction`] says otherwise.
+//!
+//! **Durability** is Redis's: with `appendonly yes` and `appendfsync always` a completed record
+//! survives a crash of the server; with the defaults the last second may be lost, and with a
+//! replica failover the last writes may be lost too. Choose the store for what it may forget.
+//!
+//! The Lua scripts are in `scripts`, the record's layout in `format`, the record operations in
+//! `records`, the locks in `locks`.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use idem_core::{Key, StoreError};
+use redis::Script;
+use redis::aio::ConnectionManagerConfig;
+
+use crate::batch::GroupCommit;
+
+mod conn;
+mod error;
+mod format;
+mod locks;
+mod records;
+mod scripts;
+#[cfg(test)]
+mod tests;
+
+pub(crate) use conn::Conn;
+use error::error;
+pub use locks::lock_scripts;
+use scripts::{
+    BEGIN, BEGIN_NEW, COMPLETE_MANY, GIVE_BACK, RAISE, RECORD, RENEW, REOPEN, SETTLE, SETTLE_FN,
+    record_script,
+};
+
+/// Added to every native TTL, so that a record outlives its logical expiry by this much.
+pub const EXPIRY_MARGIN: Duration = Duration::from_secs(5);
+
+/// How a [`RedisStore`] connects.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RedisOptions {
+    /// Put before every record's key; default `idem:`.
+    pub prefix: String,
+    /// How long a command waits for its answer before failing with
+    /// [`StoreError::Unavailable`]. Default 5 s.
+    pub response_timeout: Duration,
+    /// Accept a server that may evict keys when full (`maxmemory` set with a policy other
+    /// than `noeviction`). An evicted record is a key forgotten: its work runs again. Default
+    /// false: such a server is refused at connect.
+    pub allow_eviction: bool,
+    /// The most records one script call begins or completes (group commit, one server only):
+    /// calls that arrive while one is in flight wait and then go together, up to this many
+    /// per call; 1 sends every call on its own; at most 1024. A Cluster sends every call on its
+    /// own (a script may only touch keys of one slot). Default 64.
+    pub max_batch: usize,
+}
+
+impl Default for RedisOptions {
+    fn default() -> Self {
+        Self {
+            prefix: "idem:".to_owned(),
+            response_timeout: Duration::from_secs(5),
+            allow_eviction: false,
+            max_batch: 64,
+        }
+    }
+}
+
+/// Idempotency records in Redis. Clones share one connection.
+#[derive(Clone)]
+pub struct RedisStore {
+    pub(crate) conn: Conn,
+    pub(crate) prefix: String,
+    /// A client of one server (of the Cluster's first node given), for the lock release
+    /// feed's own connection.
+    pub(crate) client: Option<redis::Client>,
+    /// Shared by every clone: the run-once claim clones its store for each `begin`, and a
+    /// script's text and hash would otherwise be copied each time.
+    pub(crate) locks: Arc<locks::LockScripts>,
+    pub(super) scripts: Arc<RecordScripts>,
+    /// `None` when every call goes on its own (`max_batch` 1, or a Cluster).
+    pub(super) batches: Option<GroupCommit>,
+}
+
+/// The record scripts, loaded once per store.
+pub(super) struct RecordScripts {
+    pub(super) begin: Script,
+    pub(super) settle: Script,
+    pub(super) begin_new: Script,
+    pub(super) complete_many: Script,
+    pub(super) renew: Script,
+    pub(super) reopen: Script,
+    pub(super) raise: Script,
+    /// [`GIVE_BACK`] with [`RECORD`] before it, sent whole with `EVAL`.
+    pub(super) give_back: String,
+}
+
+impl std::fmt::Debug for RedisStore {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let kind = match self.conn {
+            Conn::Single(_) => "single",
+            Conn::Cluster(_) => "cluster",
+        };
+        f.debug_struct("RedisStore")
+            .field("mode", &kind)
+            .field("prefix", &self.prefix)
+            .finish()
+    }
+}
+
+impl RedisStore {
+    /// Connects to one server (`redis://host:port/db`).
+    pub async fn connect(url: &str, options: RedisOptions) -> Result<Self, StoreError> {
+        let client = redis::Client::open(url)
+            .map_err(|e| StoreError::backend(format!("the Redis URL is not valid: {e}"), e))?;
+        let config = ConnectionManagerConfig::new()
+            .set_response_timeout(Some(options.response_timeout))
+            .set_connection_timeout(Some(options.response_timeout))
+            .set_number_of_retries(2);
+        let conn = client
+            .get_connection_manager_with_config(config)
+            .await
+            .map_err(|e| error("cannot connect to Redis", e))?;
+        let mut store = Self::with(Conn::Single(conn), options.clone());
+        store.client = Some(client);
+        store.checked(&options).await
+    }
+
+    /// Connects to a Cluster through any of its nodes (`redis://host:port` each).
+    pub async fn connect_cluster(
+        nodes: &[String],
+        options: RedisOptions,
+    ) -> Result<Self, StoreError> {
+        let client = redis::cluster::ClusterClient::builder(nodes.iter().map(String::as_str))
+            .response_timeout(options.response_timeout)
+            .connection_timeout(options.response_timeout)
+            .build()
+            .map_err(|e| {
+                StoreError::backend(format!("the Redis Cluster URL is not valid: {e}"), e)
+            })?;
+        let conn = client
+            .get_async_connection()
+            .await
+            .map_err(|e| error("cannot connect to the Redis Cluster", e))?;
+        let mut store = Self::with(Conn::Cluster(conn), options.clone());
+        // A Cluster delivers every PUBLISH to every node, so the lock release feed listens on
+        // the first node given.
+        store.client = nodes
+            .first()
+            .and_then(|n| redis::Client::open(n.as_str()).ok());
+        store.checked(&options).await
+    }
+
+    fn with(conn: Conn, options: RedisOptions) -> Self {
+        // Two lanes: one batch's script call on the wire while the next one gathers.
+        let batches = match conn {
+            Conn::Single(_) => GroupCommit::with_lanes(2, options.max_batch),
+            Conn::Cluster(_) => None,
+        };
+        Self {
+            batches,
+            conn,
+            prefix: options.prefix,
+            client: None,
+            locks: Arc::new(locks::LockScripts::new()),
+            scripts: Arc::new(RecordScripts {
+                begin: record_script(BEGIN),
+                settle: Script::new(&format!("{RECORD}{SETTLE_FN}{SETTLE}")),
+                begin_new: Script::new(BEGIN_NEW),
+                complete_many: Script::new(&format!("{RECORD}{SETTLE_FN}{COMPLETE_MANY}")),
+                renew: record_script(RENEW),
+                reopen: record_script(REOPEN),
+                raise: Script::new(RAISE),
+                give_back: format!("{RECORD}{GIVE_BACK}"),
+            }),
+        }
+    }
+
+    /// Checks the options, and that the server will not evict records.
+    async fn checked(self, options: &RedisOptions) -> Result<Self, StoreError> {
+        if self.prefix.contains(['{', '}']) {
+            return Err(StoreError::Backend {
+                message: "the Redis key prefix may not contain { or }: they would make it the \
+                          hash tag and put every record in one Cluster slot"
+                    .into(),
+                source: None,
+            });
+        }
+        if !options.allow_eviction {
+            // Servers that disable CONFIG (some managed services) cannot be asked; go on.
+            let config: Result<Vec<String>, _> = redis::cmd("CONFIG")
+                .arg("GET")
+                .arg("maxmemory*")
+                .query_async(&mut self.conn.clone())
+                .await;
+            if let Ok(pairs) = config {
+                let get = |name: &str| {
+                    pairs
+                        .chunks(2)
+                        .find(|p| p[0] == name)
+                        .and_then(|p| p.get(1).cloned())
+                };
+                let limited = get("maxmemory").is_some_and(|m| m != "0");
+                let policy = get("maxmemory-policy").unwrap_or_default();
+                if limited && policy != "noeviction" {
+                    return Err(StoreError::Backend {
+                        message: format!(
+                            "this Redis evicts keys when full (maxmemory-policy {policy}): an \
+                             evicted record would let its work run again; set \
+                             maxmemory-policy noeviction, or allow eviction explicitly"
+                        ),
+                        source: None,
+                    });
+                }
+            }
+        }
+        Ok(self)
+    }
+
+    /// The Redis key of a record: the prefix, then a 128-bit digest as its own hash tag.
+    pub fn redis_key(&self, key: &Key) -> String {
+        format!("{}{{{}}}", self.prefix, &key.sha256().to_hex()[..32])
+    }
+}

@@ -1,0 +1,364 @@
+//! The store's operations on records: the [`Store`] calls, their batched forms (group commit)
+//! and the one-record `begin` and settle they fall back to.
+
+use std::time::Duration;
+
+use idem_core::{
+    BeginOutcome, BeginRequest, Bytes, Key, Lease, LeaseError, Record, Replay, StaleLease, Status,
+    Store, StoreError, Timestamp,
+};
+use redis::Value;
+
+use super::error::{corrupt, error, may_have_run, transient};
+use super::format::{bytes, exact, int, millis, native_ttl, pack, status_byte, text, unpack};
+use super::{Conn, EXPIRY_MARGIN, RedisStore};
+use crate::batch::{Acquired, BeginJob, CompleteJob, Fresh, GroupCommit, Many, ManyAtOnce};
+
+impl Store for RedisStore {
+    fn kind(&self) -> &'static str {
+        match self.conn {
+            Conn::Single(_) => "redis",
+            Conn::Cluster(_) => "redis-cluster",
+        }
+    }
+
+    async fn begin(&self, req: &BeginRequest, now: Timestamp) -> Result<BeginOutcome, StoreError> {
+        crate::batch::begin(self, req, now).await
+    }
+
+    async fn complete(
+        &self,
+        key: &Key,
+        lease: &Lease,
+        response: Bytes,
+        now: Timestamp,
+    ) -> Result<(), LeaseError> {
+        crate::batch::complete(self, key, lease, response, now).await
+    }
+
+    async fn release(&self, key: &Key, lease: &Lease, now: Timestamp) -> Result<(), LeaseError> {
+        self.settle_as(key, lease, Status::Released, None, now)
+            .await
+    }
+
+    async fn renew(
+        &self,
+        key: &Key,
+        lease: &Lease,
+        length: Duration,
+        now: Timestamp,
+    ) -> Result<Lease, LeaseError> {
+        let renewed = lease.renewed(length, now);
+        let ends = renewed.expires_at;
+        let done: i64 = self
+            .scripts
+            .renew
+            .key(self.redis_key(key))
+            .arg(exact(now.as_millis()))
+            .arg(&lease.id.to_bytes()[..])
+            .arg(lease.fence)
+            .arg(exact(ends.as_millis()))
+            .arg(millis(EXPIRY_MARGIN))
+            .invoke_async(&mut self.conn.clone())
+            .await
+            .map_err(|e| error("cannot renew the lease", e))?;
+        (done == 1)
+            .then_some(renewed)
+            .ok_or_else(|| StaleLease.into())
+    }
+
+    async fn reopen(&self, key: &Key, fence: u64, now: Timestamp) -> Result<bool, StoreError> {
+        let done: i64 = self
+            .scripts
+            .reopen
+            .key(self.redis_key(key))
+            .arg(exact(now.as_millis()))
+            .arg(fence)
+            .arg(millis(EXPIRY_MARGIN))
+            .invoke_async(&mut self.conn.clone())
+            .await
+            .map_err(|e| error("cannot reopen the record", e))?;
+        Ok(done == 1)
+    }
+
+    async fn get(&self, key: &Key, now: Timestamp) -> Result<Option<Record>, StoreError> {
+        let value: Option<Vec<u8>> = redis::cmd("GET")
+            .arg(self.redis_key(key))
+            .query_async(&mut self.conn.clone())
+            .await
+            .map_err(|e| error("cannot read the record", e))?;
+        let Some(value) = value else {
+            return Ok(None);
+        };
+        let record = unpack(key, &value)?;
+        Ok(record.is_live(now).then_some(record))
+    }
+
+    async fn advance(&self, key: &Key, by: u64) -> Result<u64, StoreError> {
+        // A key of its own beside the record's, in the same hash slot; no TTL.
+        let value: i64 = redis::cmd("INCRBY")
+            .arg(format!("{}:n", self.redis_key(key)))
+            .arg(idem_core::counter_step(by)?)
+            .query_async(&mut self.conn.clone())
+            .await
+            // Past i64::MAX Redis refuses the increment (a backend error).
+            .map_err(|e| error("cannot advance the counter", e))?;
+        u64::try_from(value).map_err(|_| corrupt("counter"))
+    }
+
+    async fn raise(&self, key: &Key, to: u64) -> Result<u64, StoreError> {
+        // Compared as decimal text in the script: Lua's numbers are doubles, exact only to
+        // 2^53, and counters go to 2^63.
+        let to = to.min(idem_core::MAX_COUNTER).to_string();
+        let value: String = self
+            .scripts
+            .raise
+            .key(format!("{}:n", self.redis_key(key)))
+            .arg(to)
+            .invoke_async(&mut self.conn.clone())
+            .await
+            .map_err(|e| error("cannot raise the counter", e))?;
+        value.parse().map_err(|_| corrupt("counter"))
+    }
+
+    async fn purge_expired(&self, _now: Timestamp, _limit: usize) -> Result<u64, StoreError> {
+        // Redis deletes expired records by itself (see the module's notes).
+        Ok(0)
+    }
+}
+
+impl ManyAtOnce for RedisStore {
+    fn group_commit(&self) -> Option<&GroupCommit> {
+        self.batches.as_ref()
+    }
+
+    async fn begin_alone(
+        &self,
+        req: &BeginRequest,
+        now: Timestamp,
+    ) -> Result<BeginOutcome, StoreError> {
+        let (lease, fresh) = Record::acquired(req, now, 1, idem_core::LeaseId::generate());
+        self.begin_as(&fresh, lease, now).await
+    }
+
+    async fn complete_alone(&self, job: CompleteJob) -> Result<(), LeaseError> {
+        let (key, lease) = (&job.key, &job.lease);
+        self.settle_as(key, lease, Status::Completed, Some(job.response), job.now)
+            .await
+    }
+
+    /// Writes the fresh record of every key Redis does not have, in one script call; the
+    /// others are left to `begin_alone`. A call that fails may still run (as `begin_as`
+    /// says), so every lease it carried is given back, and every job fails with its error.
+    async fn begin_many(&self, jobs: &[BeginJob], fresh: &[Fresh]) -> Many<Acquired> {
+        let keys: Vec<String> = fresh.iter().map(|(_, r)| self.redis_key(&r.key)).collect();
+        let mut call = self.scripts.begin_new.prepare_invoke();
+        for ((job, (_, record)), key) in jobs.iter().zip(fresh).zip(&keys) {
+            call.key(key)
+                .arg(pack(record))
+                .arg(native_ttl(record.expires_at, job.now));
+        }
+        let got: Vec<i64> = match call.invoke_async(&mut self.conn.clone()).await {
+            Ok(got) => got,
+            Err(e) => {
+                if may_have_run(&e) {
+                    for ((job, (lease, _)), key) in jobs.iter().zip(fresh).zip(&keys) {
+                        self.give_back(key, lease, job.now);
+                    }
+                }
+                return Err(error("cannot begin the records", e));
+            }
+        };
+        if got.len() != jobs.len() {
+            return Err(corrupt("batched begin answer"));
+        }
+        Ok(Some(
+            fresh
+                .iter()
+                .zip(got)
+                .filter(|(_, got)| *got == 1)
+                .map(|((lease, _), _)| (lease.id.to_bytes().to_vec(), 1))
+                .collect(),
+        ))
+    }
+
+    /// Completes every job's record its lease still holds, in one script call. A script that
+    /// failed part way (a key holding a value this store did not write) leaves every job to
+    /// `complete_alone`, which finds those it completed done; without the server every job
+    /// fails with the error.
+    async fn complete_many(&self, jobs: &[CompleteJob]) -> Many<bool> {
+        let mut call = self.scripts.complete_many.prepare_invoke();
+        call.arg(millis(EXPIRY_MARGIN));
+        for job in jobs {
+            call.key(self.redis_key(&job.key))
+                .arg(exact(job.now.as_millis()))
+                .arg(&job.lease.id.to_bytes()[..])
+                .arg(job.lease.fence)
+                .arg(&job.response[..]);
+        }
+        match call.invoke_async::<Vec<i64>>(&mut self.conn.clone()).await {
+            Ok(done) if done.len() == jobs.len() => {
+                Ok(Some(done.iter().map(|d| *d == 1).collect()))
+            }
+            Ok(_) => Ok(None),
+            Err(e) if transient(&e) => Err(error("cannot complete the records", e)),
+            Err(_) => Ok(None),
+        }
+    }
+}
+
+impl RedisStore {
+    /// `begin` with the fresh record and lease it would write: a call sent again after its
+    /// answer was lost carries the same ones.
+    pub(super) async fn begin_as(
+        &self,
+        fresh: &Record,
+        lease: Lease,
+        now: Timestamp,
+    ) -> Result<BeginOutcome, StoreError> {
+        let key = self.redis_key(&fresh.key);
+        let packed = pack(fresh);
+        let ttl = native_ttl(fresh.expires_at, now);
+        // Either command may run on the server after its answer was given up on (a response
+        // timeout, a broken connection); then what it took is given back.
+        let failed = |e: redis::RedisError| {
+            if may_have_run(&e) {
+                self.give_back(&key, &lease, now);
+            }
+            error("cannot begin the record", e)
+        };
+        // A key Redis does not have is the common case: claim it with one plain command.
+        let set: Value = redis::cmd("SET")
+            .arg(&key)
+            .arg(&packed)
+            .arg("NX")
+            .arg("PX")
+            .arg(ttl)
+            .query_async(&mut self.conn.clone())
+            .await
+            .map_err(failed)?;
+        match set {
+            Value::Okay => return Ok(BeginOutcome::Acquired(lease)),
+            Value::Nil => {}
+            _ => return Err(corrupt("SET answer")),
+        }
+        let answer: Value = self
+            .scripts
+            .begin
+            .key(&key)
+            .arg(exact(now.as_millis()))
+            .arg(&fresh.fingerprint.as_bytes()[..])
+            .arg(&lease.id.to_bytes()[..])
+            .arg(packed)
+            .arg(ttl)
+            .invoke_async(&mut self.conn.clone())
+            .await
+            .map_err(failed)?;
+        let Value::Array(mut parts) = answer else {
+            return Err(corrupt("begin answer"));
+        };
+        let tag = parts.first().and_then(text).map(str::to_owned);
+        match tag.as_deref() {
+            Some("acquired") if parts.len() == 2 => Ok(BeginOutcome::Acquired(Lease {
+                fence: int(&parts[1], "fence")?,
+                ..lease
+            })),
+            Some("in_progress") if parts.len() == 2 => Ok(BeginOutcome::InProgress {
+                lease_expires_at: Timestamp::from_millis(int(&parts[1], "lease expiry")?),
+            }),
+            Some("mismatch") => Ok(BeginOutcome::Mismatch),
+            Some("replay") if parts.len() == 4 => {
+                let completed_at = Timestamp::from_millis(int(&parts[3], "update time")?);
+                let fence = int(&parts[2], "fence")?;
+                let response = bytes(parts.swap_remove(1), "response")?;
+                Ok(BeginOutcome::Replay(Replay {
+                    response: Bytes::from(response),
+                    fence,
+                    completed_at,
+                }))
+            }
+            _ => Err(corrupt("begin answer")),
+        }
+    }
+
+    /// Gives back what a failed `begin` under `lease` may still take: releases the record at
+    /// `key` if it is in progress under that lease id, whenever the server gets to it.
+    ///
+    /// The first attempt is queued on the connection before this returns: a single Redis
+    /// connection carries commands in order and the server runs them in that order, so on a
+    /// server that stalled, the give-back runs right after the late `begin` (and before
+    /// anything this store sends afterwards), however long the stall. If that attempt fails
+    /// too (the server is still stalled or away), a task repeats it, backing off from 100 ms
+    /// to 5 s, until it is answered or the lease has run out: if the connection broke and was
+    /// replaced meanwhile, a `begin` that ran before the break is given back once the server
+    /// is reachable again. Only a `begin` that ran on the old connection after the new one
+    /// was answered (a server that read it late from a connection the client had already
+    /// dropped) escapes; it then holds the key until its lease ends.
+    pub(super) fn give_back(&self, key: &str, lease: &Lease, now: Timestamp) {
+        let mut call = redis::cmd("EVAL");
+        call.arg(&self.scripts.give_back)
+            .arg(1)
+            .arg(key)
+            .arg(exact(now.as_millis()))
+            .arg(&lease.id.to_bytes()[..])
+            .arg(millis(EXPIRY_MARGIN));
+        let mut conn = self.conn.clone();
+        let lasts = lease.expires_at.saturating_since(now);
+        let mut attempts = Box::pin(async move {
+            let until = tokio::time::Instant::now() + lasts;
+            let mut pause = Duration::from_millis(100);
+            loop {
+                match call.query_async::<Value>(&mut conn).await {
+                    // Not answered, or the server not ready (still loading, failing over).
+                    Err(e) if transient(&e) => {}
+                    // Answered (done, or nothing to give back), or refused for good.
+                    _ => return,
+                }
+                if tokio::time::Instant::now() + pause >= until {
+                    return;
+                }
+                tokio::time::sleep(pause).await;
+                pause = (pause * 2).min(Duration::from_secs(5));
+            }
+        });
+        // Polled once here, which queues the first attempt on the connection.
+        let waker = std::task::Waker::noop();
+        let first = attempts
+            .as_mut()
+            .poll(&mut std::task::Context::from_waker(waker));
+        if first.is_pending() {
+            // Without a runtime to carry on, the queued attempt still goes out.
+            if let Ok(runtime) = tokio::runtime::Handle::try_current() {
+                runtime.spawn(attempts);
+            }
+        }
+    }
+
+    pub(super) async fn settle_as(
+        &self,
+        key: &Key,
+        lease: &Lease,
+        to: Status,
+        response: Option<Bytes>,
+        now: Timestamp,
+    ) -> Result<(), LeaseError> {
+        let mut call = self.scripts.settle.key(self.redis_key(key));
+        call.arg(exact(now.as_millis()))
+            .arg(&lease.id.to_bytes()[..])
+            .arg(lease.fence)
+            .arg(millis(EXPIRY_MARGIN))
+            .arg(&[status_byte(to)][..]);
+        if let Some(r) = &response {
+            call.arg(&r[..]);
+        }
+        let answer: String = call
+            .invoke_async(&mut self.conn.clone())
+            .await
+            .map_err(|e| error("cannot settle the record", e))?;
+        match answer.as_str() {
+            "ok" => Ok(()),
+            "stale" => Err(StaleLease.into()),
+            _ => Err(corrupt("settle answer").into()),
+        }
+    }
+}

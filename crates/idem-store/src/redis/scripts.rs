@@ -1,0 +1,224 @@
+//! The Lua scripts: Redis runs each atomically, so each decides and writes in one step. The
+//! record scripts read and write the layout of `super::format`; the lock scripts apply
+//! [`LockState`](idem_core::LockState)'s rules with the server's clock.
+
+use redis::Script;
+
+/// Put before every record script: `record(key)` reads the record at `key` and answers nil, or
+/// its value, state, fence, lease end, TTL and expiry. A value of any other shape raises
+/// [`FOREIGN`]; a key of another type, Redis's `WRONGTYPE`. Expiries the scripts compute are
+/// kept to `MAX` (as `exact` does in the client), so that they fit in their 16 digits.
+pub(super) const RECORD: &str = r"
+local MAX = 9007199254740991
+local function record(key)
+  local v = redis.call('GET', key)
+  if not v then return nil end
+  local st = string.sub(v, 2, 2)
+  local fence, lexp = tonumber(string.sub(v, 51, 70)), tonumber(string.sub(v, 71, 86))
+  local ttl, exp = tonumber(string.sub(v, 87, 102)), tonumber(string.sub(v, 135, 150))
+  if #v < 150 or string.sub(v, 1, 1) ~= '1' or not (fence and lexp and ttl and exp)
+      or not (tonumber(string.sub(v, 103, 118)) and tonumber(string.sub(v, 119, 134)))
+      or not (st == 'c' or ((st == 'p' or st == 'r') and #v == 150)) then
+    error('idem: the key holds a value this store did not write')
+  end
+  return v, st, fence, lexp, ttl, exp
+end
+";
+
+/// What a record script raises on a value it did not write.
+pub(super) const FOREIGN: &str = "idem: the key holds a value this store did not write";
+
+/// ARGV = now, fingerprint, lease id, the fresh record (fence 1), its native TTL. Run when
+/// the plain `SET … NX` found the key taken.
+pub(super) const BEGIN: &str = r"
+local now = tonumber(ARGV[1])
+local v, st, fence, lexp, _, exp = record(KEYS[1])
+local f = 1
+if v then
+  f = fence + 1
+  if exp > now then
+    local same = string.sub(v, 3, 34) == ARGV[2]
+    if st == 'c' then
+      if same then return {'replay', string.sub(v, 151), fence, tonumber(string.sub(v, 119, 134))} end
+      return {'mismatch'}
+    elseif st == 'p' then
+      if not same then return {'mismatch'} end
+      -- This very begin, sent again after its answer was lost: it holds the lease.
+      if string.sub(v, 35, 50) == ARGV[3] then return {'acquired', fence} end
+      if lexp > now then return {'in_progress', lexp} end
+    end
+  end
+end
+redis.call('SET', KEYS[1], string.sub(ARGV[4], 1, 50) .. string.format('%020d', f)
+  .. string.sub(ARGV[4], 71), 'PX', ARGV[5])
+return {'acquired', f}
+";
+
+/// Put after [`RECORD`] before the settle scripts: `settle(key, now, lease id, fence, margin,
+/// target state, response)` moves the record at `key` from in progress under that lease to
+/// the target state (`c` with the response, or `r`), answering `ok` or `stale`; a repeated
+/// settle is `ok` only with the response already stored.
+pub(super) const SETTLE_FN: &str = r"
+local function settle(key, now, id, fence, margin, to, response)
+  local v, st, f, _, ttl, exp = record(key)
+  if not v or exp <= now or string.sub(v, 35, 50) ~= id or f ~= fence then
+    return 'stale'
+  end
+  if st == to then
+    if st == 'c' and string.sub(v, 151) ~= response then return 'stale' end
+    return 'ok'
+  end
+  if st ~= 'p' then return 'stale' end
+  exp = math.min(now + ttl, MAX)
+  redis.call('SET', key, '1' .. to .. string.sub(v, 3, 118)
+    .. string.format('%016d%016d', now, exp) .. (response or ''), 'PX', exp - now + margin)
+  return 'ok'
+end
+";
+
+/// Complete or release one record: ARGV = now, lease id, fence, margin, target state (`c` or
+/// `r`), response (complete only).
+pub(super) const SETTLE: &str = r"
+return settle(KEYS[1], tonumber(ARGV[1]), ARGV[2], tonumber(ARGV[3]), tonumber(ARGV[4]),
+  ARGV[5], ARGV[6])
+";
+
+/// Complete every record of `KEYS` (group commit): ARGV = margin, then now, lease id, fence
+/// and response of each key in turn. Answers, per key, 1 if it is completed with that
+/// response, else 0 (the one-record call then decides it).
+pub(super) const COMPLETE_MANY: &str = r"
+local margin = tonumber(ARGV[1])
+local done = {}
+for i, key in ipairs(KEYS) do
+  local a = 4 * i - 2
+  done[i] = settle(key, tonumber(ARGV[a]), ARGV[a + 1], tonumber(ARGV[a + 2]), margin, 'c',
+    ARGV[a + 3]) == 'ok' and 1 or 0
+end
+return done
+";
+
+/// Begin every record of `KEYS` that Redis does not have (group commit): ARGV = the fresh
+/// record and its native TTL of each key in turn. Answers, per key, 1 if it wrote the fresh
+/// record (as the plain `SET … NX PX` would), else 0 (the one-record call then decides it).
+pub(super) const BEGIN_NEW: &str = r"
+local got = {}
+for i, key in ipairs(KEYS) do
+  got[i] = redis.call('SET', key, ARGV[2 * i - 1], 'NX', 'PX', ARGV[2 * i]) and 1 or 0
+end
+return got
+";
+
+/// Gives back what a `begin` may have taken though its caller was told it failed (it timed
+/// out, or its connection broke): ARGV = now, lease id, margin. Releases the record if it is
+/// in progress under that lease id, whatever its fence (a takeover's fence is not known to
+/// the client); answers 1 if it did. Where the `begin` took nothing, no record holds that
+/// random 128-bit id, and nothing changes. Sent with `EVAL`, not `EVALSHA`: it must run on the
+/// first try even on a server that has not loaded it (see
+/// [`RedisStore::give_back`](super::RedisStore::give_back)).
+pub(super) const GIVE_BACK: &str = r"
+local now = tonumber(ARGV[1])
+local v, st, _, _, ttl, exp = record(KEYS[1])
+if not v or st ~= 'p' or exp <= now or string.sub(v, 35, 50) ~= ARGV[2] then return 0 end
+exp = math.min(now + ttl, MAX)
+redis.call('SET', KEYS[1], '1r' .. string.sub(v, 3, 118) .. string.format('%016d%016d', now, exp),
+  'PX', exp - now + tonumber(ARGV[3]))
+return 1
+";
+
+/// ARGV = now, lease id, fence, new lease end, margin. Answers 1 if it renewed the lease.
+pub(super) const RENEW: &str = r"
+local now = tonumber(ARGV[1])
+local v, st, fence, _, ttl, exp = record(KEYS[1])
+if not v or st ~= 'p' or exp <= now or string.sub(v, 35, 50) ~= ARGV[2]
+    or fence ~= tonumber(ARGV[3]) then
+  return 0
+end
+local lexp = tonumber(ARGV[4])
+exp = math.min(lexp + ttl, MAX)
+redis.call('SET', KEYS[1], string.sub(v, 1, 70) .. string.format('%016d', lexp)
+  .. string.sub(v, 87, 118) .. string.format('%016d%016d', now, exp),
+  'PX', exp - now + tonumber(ARGV[5]))
+return 1
+";
+
+/// ARGV = the value to raise to (as text, exact). Answers the counter's value.
+pub(super) const RAISE: &str = r"
+local cur = redis.call('GET', KEYS[1])
+if not cur or string.len(cur) < string.len(ARGV[1])
+    or (string.len(cur) == string.len(ARGV[1]) and cur < ARGV[1]) then
+  redis.call('SET', KEYS[1], ARGV[1])
+  return ARGV[1]
+end
+return cur
+";
+
+/// ARGV = now, fence, margin. Answers 1 if it reopened the record.
+pub(super) const REOPEN: &str = r"
+local now = tonumber(ARGV[1])
+local v, st, fence, _, ttl, exp = record(KEYS[1])
+if not v or st ~= 'c' or exp <= now or fence ~= tonumber(ARGV[2]) then return 0 end
+exp = math.min(now + ttl, MAX)
+redis.call('SET', KEYS[1], '1r' .. string.sub(v, 3, 118) .. string.format('%016d%016d', now, exp),
+  'PX', exp - now + tonumber(ARGV[3]))
+return 1
+";
+
+// The lock scripts, each run after `CLOCK`.
+
+/// The server's time as `now` (ms) and `nowus` (µs). Numbers written to the hash go through
+/// `%d`: Lua would print a 16-digit number in exponent form.
+pub(super) const CLOCK: &str = r"
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local nowus = tonumber(t[1]) * 1000000 + tonumber(t[2])
+";
+
+/// ARGV = owner, lease ms, retention ms. Answers {1, fence, expires} or {0, until}.
+pub(super) const LOCK_ACQUIRE: &str = r"
+local r = redis.call('HMGET', KEYS[1], 'o', 'f', 'e')
+local f, e = tonumber(r[2]), tonumber(r[3])
+if e and e > now then
+  if r[1] ~= ARGV[1] then return {0, e} end
+else
+  f = math.max((f or 0) + 1, nowus)
+end
+local exp = now + tonumber(ARGV[2])
+redis.call('HSET', KEYS[1], 'o', ARGV[1], 'f', string.format('%d', f), 'e', string.format('%d', exp))
+redis.call('PEXPIRE', KEYS[1], tonumber(ARGV[2]) + tonumber(ARGV[3]))
+return {1, f, exp}
+";
+
+/// ARGV = owner, fence, lease ms, retention ms. Answers the new lease end, or -1.
+pub(super) const LOCK_RENEW: &str = r"
+local r = redis.call('HMGET', KEYS[1], 'o', 'f', 'e')
+if r[1] ~= ARGV[1] or r[2] ~= ARGV[2] or not r[3] or tonumber(r[3]) <= now then return -1 end
+local exp = now + tonumber(ARGV[3])
+redis.call('HSET', KEYS[1], 'e', string.format('%d', exp))
+redis.call('PEXPIRE', KEYS[1], tonumber(ARGV[3]) + tonumber(ARGV[4]))
+return exp
+";
+
+/// ARGV = owner, fence, retention ms, channel, name. Answers 1 (released), 0 (already was),
+/// or -1 (not the owner).
+pub(super) const LOCK_RELEASE: &str = r"
+local r = redis.call('HMGET', KEYS[1], 'o', 'f', 'e')
+if r[1] ~= ARGV[1] or r[2] ~= ARGV[2] then return -1 end
+if tonumber(r[3]) <= now then return 0 end
+redis.call('HSET', KEYS[1], 'e', string.format('%d', now))
+redis.call('PEXPIRE', KEYS[1], tonumber(ARGV[3]))
+redis.call('PUBLISH', ARGV[4], ARGV[5])
+return 1
+";
+
+/// ARGV = fence, value. Answers {1} (stored) or {0, highest fence}.
+pub(super) const FENCED_SET: &str = r"
+local f = tonumber(redis.call('HGET', KEYS[1], 'fence') or '0')
+if f > tonumber(ARGV[1]) then return {0, f} end
+redis.call('HSET', KEYS[1], 'fence', ARGV[1], 'value', ARGV[2])
+return {1}
+";
+
+/// A record script: [`RECORD`] and then `body`.
+pub(super) fn record_script(body: &str) -> Script {
+    Script::new(&format!("{RECORD}{body}"))
+}

@@ -1,0 +1,143 @@
+//! The store against the project's Redis: a resent `begin`, a give-back, a foreign value.
+
+use idem_core::{
+    BeginOutcome, BeginRequest, Bytes, Fingerprint, Key, Lease, Record, Status, Store, StoreError,
+    Timestamp,
+};
+
+use super::format::{HEADER, pack, unpack};
+use super::*;
+
+/// A store on the project's Redis, or `None` if there is none.
+async fn shared_store() -> Option<RedisStore> {
+    let url = idem_testkit::services::REDIS.url()?;
+    let options = RedisOptions {
+        prefix: "idem-test:".into(),
+        ..RedisOptions::default()
+    };
+    Some(RedisStore::connect(&url, options).await.unwrap())
+}
+
+/// A `begin` whose answer was lost and which is sent again (the client retries on a
+/// dropped connection) holds the lease it was first given, whichever way it first went.
+#[test]
+fn a_begin_sent_again_holds_its_lease() {
+    idem_testkit::block_on(async {
+        let Some(store) = shared_store().await else {
+            return;
+        };
+        let now = Timestamp::now();
+        let scope = format!("resend-{}-{}", std::process::id(), now.as_millis());
+        let req = |k: &str| {
+            BeginRequest::new(
+                Key::parse(&scope, "n", k).unwrap(),
+                Fingerprint::of_bytes(b"b"),
+            )
+        };
+        // Once by the plain SET, and once after a release, by the script.
+        let (lease, fresh) = Record::acquired(&req("a"), now, 1, idem_core::LeaseId::generate());
+        let first = store.begin_as(&fresh, lease, now).await.unwrap();
+        let again = store.begin_as(&fresh, lease, now).await.unwrap();
+        assert_eq!(first, BeginOutcome::Acquired(lease));
+        assert_eq!(again, first);
+        store.release(&fresh.key, &lease, now).await.unwrap();
+        let (lease, fresh) = Record::acquired(&req("a"), now, 1, idem_core::LeaseId::generate());
+        let first = store.begin_as(&fresh, lease, now).await.unwrap();
+        let again = store.begin_as(&fresh, lease, now).await.unwrap();
+        let taken_over = Lease { fence: 2, ..lease };
+        assert_eq!(first, BeginOutcome::Acquired(taken_over));
+        assert_eq!(again, first);
+        // Another attempt is not the same call.
+        let (other, fresh) = Record::acquired(&req("a"), now, 1, idem_core::LeaseId::generate());
+        assert!(matches!(
+            store.begin_as(&fresh, other, now).await.unwrap(),
+            BeginOutcome::InProgress { .. }
+        ));
+    });
+}
+
+/// The give-back of a failed `begin` releases what that `begin` took, by a plain `SET`
+/// or by the script's takeover, and nothing else. (The tests in `tests/late_claims.rs`
+/// stall a server to make a `begin` fail and land late; a stall cannot fall between the
+/// `SET` and the script, so the takeover's give-back is tested here directly.)
+#[test]
+fn a_give_back_releases_only_what_its_lease_took() {
+    idem_testkit::block_on(async {
+        let Some(store) = shared_store().await else {
+            return;
+        };
+        let now = Timestamp::now();
+        let scope = format!("give-back-{}-{}", std::process::id(), now.as_millis());
+        let req = BeginRequest::new(
+            Key::parse(&scope, "n", "k").unwrap(),
+            Fingerprint::of_bytes(b"b"),
+        );
+        let key = store.redis_key(&req.key);
+        let (first, fresh) = Record::acquired(&req, now, 1, idem_core::LeaseId::generate());
+        store.begin_as(&fresh, first, now).await.unwrap();
+        // Another lease's give-back leaves the holder's record alone.
+        let (stranger, _) = Record::acquired(&req, now, 1, idem_core::LeaseId::generate());
+        store.give_back(&key, &stranger, now);
+        store.give_back(
+            &key,
+            &Lease {
+                fence: 1,
+                ..stranger
+            },
+            now,
+        );
+        // The plain `SET`'s record, given back.
+        store.give_back(&key, &first, now);
+        let (second, fresh) = Record::acquired(&req, now, 1, idem_core::LeaseId::generate());
+        let taken = store.begin_as(&fresh, second, now).await.unwrap();
+        assert_eq!(taken, BeginOutcome::Acquired(Lease { fence: 2, ..second }));
+        // The script's takeover, given back; the record keeps its fence.
+        store.give_back(&key, &second, now);
+        let record = store.get(&req.key, now).await.unwrap().unwrap();
+        assert_eq!((record.status, record.fence), (Status::Released, 2));
+        let (third, fresh) = Record::acquired(&req, now, 1, idem_core::LeaseId::generate());
+        let taken = store.begin_as(&fresh, third, now).await.unwrap();
+        assert_eq!(taken, BeginOutcome::Acquired(Lease { fence: 3, ..third }));
+        // A completed record is not given back.
+        store
+            .complete(
+                &req.key,
+                &Lease { fence: 3, ..third },
+                Bytes::from_static(b"r"),
+                now,
+            )
+            .await
+            .unwrap();
+        store.give_back(&key, &third, now);
+        let record = store.get(&req.key, now).await.unwrap().unwrap();
+        assert_eq!(record.status, Status::Completed);
+    });
+}
+
+#[test]
+fn a_value_of_another_shape_is_corrupt() {
+    let key = Key::parse("s", "n", "k").unwrap();
+    let req = BeginRequest::new(key.clone(), Fingerprint::of_bytes(b"body"));
+    let (_, r) = Record::acquired(
+        &req,
+        Timestamp::from_millis(5),
+        1,
+        idem_core::LeaseId::generate(),
+    );
+    let good = pack(&r);
+    let mut other_format = good.clone();
+    other_format[0] = b'2';
+    let mut bad_number = good.clone();
+    bad_number[60] = b'x';
+    let mut tail_on_in_progress = good.clone();
+    tail_on_in_progress.push(b'r');
+    for bad in [
+        &good[..HEADER - 1],
+        &other_format,
+        &bad_number,
+        &tail_on_in_progress,
+    ] {
+        assert!(matches!(unpack(&key, bad), Err(StoreError::Corrupt(_))));
+    }
+    assert!(unpack(&key, &good).is_ok());
+}

@@ -1,0 +1,216 @@
+//! What one operation does inside the writer's transaction: read the record, apply the pure
+//! transition from `idem-core`, write the result.
+
+use idem_core::{Key, LeaseError, Record, StaleLease, StoreError};
+use rusqlite::{OptionalExtension, params};
+
+use crate::row::{RawRow, sql_int};
+
+use super::locks::apply_lock;
+use super::writer::{Answer, Request};
+
+/// Runs one operation inside the batch's transaction. `Err` is a SQL failure that aborts the
+/// whole batch; refusals and corrupt rows are part of the answer.
+pub(super) fn apply(tx: &rusqlite::Transaction<'_>, request: &Request) -> rusqlite::Result<Answer> {
+    Ok(match request {
+        Request::Begin(req, now) => Answer::Begin(match load(tx, &req.key)? {
+            Ok(existing) => {
+                let step =
+                    Record::begin(existing.as_ref(), req, *now, idem_core::LeaseId::generate());
+                if let Some(new) = &step.write {
+                    save(tx, new)?;
+                }
+                Ok(step.outcome)
+            }
+            Err(e) => Err(e),
+        }),
+        Request::Complete(key, lease, response, now) => Answer::Lease(transition(tx, key, |r| {
+            Record::complete(r, lease, response.clone(), *now)
+        })?),
+        Request::Release(key, lease, now) => {
+            Answer::Lease(transition(tx, key, |r| Record::release(r, lease, *now))?)
+        }
+        Request::Renew(key, lease, length, now) => Answer::Renew(match load(tx, key)? {
+            Ok(Some(mut r)) => match r.renew_in_place(lease, *length, *now) {
+                Ok(renewed) => {
+                    save(tx, &r)?;
+                    Ok(renewed)
+                }
+                Err(stale) => Err(stale.into()),
+            },
+            Ok(None) => Err(StaleLease.into()),
+            Err(e) => Err(e.into()),
+        }),
+        Request::Advance(key, by) => {
+            // Guarded so the sum never leaves SQLite's integers (it would turn into a float).
+            let by = sql_int(*by);
+            let value: Option<i64> = tx
+                .prepare_cached(
+                    "INSERT INTO idem_counters (scope, namespace, client_key, value)
+                     VALUES (?1, ?2, ?3, ?4)
+                     ON CONFLICT (scope, namespace, client_key) DO UPDATE
+                         SET value = value + excluded.value
+                         WHERE value <= 9223372036854775807 - excluded.value
+                     RETURNING value",
+                )?
+                .query_row(
+                    params![
+                        key.scope().as_str(),
+                        key.namespace().as_str(),
+                        key.client_key().as_str(),
+                        by
+                    ],
+                    |row| row.get(0),
+                )
+                .optional()?;
+            Answer::Advance(
+                value
+                    .and_then(|v| u64::try_from(v).ok())
+                    .ok_or(StoreError::CounterExhausted),
+            )
+        }
+        Request::Raise(key, to) => {
+            let value: i64 = tx
+                .prepare_cached(
+                    "INSERT INTO idem_counters (scope, namespace, client_key, value)
+                     VALUES (?1, ?2, ?3, ?4)
+                     ON CONFLICT (scope, namespace, client_key) DO UPDATE
+                         SET value = max(value, excluded.value)
+                     RETURNING value",
+                )?
+                .query_row(
+                    params![
+                        key.scope().as_str(),
+                        key.namespace().as_str(),
+                        key.client_key().as_str(),
+                        sql_int(*to)
+                    ],
+                    |row| row.get(0),
+                )?;
+            Answer::Advance(u64::try_from(value).map_err(|_| StoreError::CounterExhausted))
+        }
+        Request::Reopen(key, fence, now) => Answer::Reopen(match load(tx, key)? {
+            Ok(Some(mut r)) => {
+                let changed = r.reopen_in_place(*fence, *now);
+                if changed {
+                    save(tx, &r)?;
+                }
+                Ok(changed)
+            }
+            Ok(None) => Ok(false),
+            Err(e) => Err(e),
+        }),
+        Request::Get(key, now) => {
+            Answer::Get(load(tx, key)?.map(|r| r.filter(|r| r.is_live(*now))))
+        }
+        Request::Purge(now, limit) => {
+            let now = sql_int(now.as_millis());
+            let limit = i64::try_from(*limit).unwrap_or(i64::MAX);
+            let n = tx
+                .prepare_cached(
+                    "DELETE FROM idem_records WHERE rowid IN (
+                        SELECT rowid FROM idem_records
+                        WHERE expires_at <= ?1 AND (status <> 'in_progress' OR lease_expires_at <= ?1)
+                        LIMIT ?2)",
+                )?
+                .execute(params![now, limit])?;
+            // Lock rows unused for an hour go with the same budget.
+            let rest = limit.saturating_sub(i64::try_from(n).unwrap_or(i64::MAX));
+            let before = now.saturating_sub(sql_int(idem_core::lock::lease_millis(
+                idem_core::lock::LOCK_STATE_RETENTION,
+            )));
+            let locks = tx
+                .prepare_cached(
+                    "DELETE FROM idem_locks WHERE name IN (
+                        SELECT name FROM idem_locks WHERE expires_at < ?1 LIMIT ?2)",
+                )?
+                .execute(params![before, rest])?;
+            Answer::Purge(Ok((n + locks) as u64))
+        }
+        Request::Lock(name, op) => Answer::Lock(apply_lock(tx, name, op)?),
+    })
+}
+
+fn transition(
+    tx: &rusqlite::Transaction<'_>,
+    key: &Key,
+    f: impl FnOnce(Option<&Record>) -> Result<Option<Record>, StaleLease>,
+) -> rusqlite::Result<Result<(), LeaseError>> {
+    let existing = match load(tx, key)? {
+        Ok(r) => r,
+        Err(e) => return Ok(Err(e.into())),
+    };
+    match f(existing.as_ref()) {
+        Ok(Some(new)) => {
+            save(tx, &new)?;
+            Ok(Ok(()))
+        }
+        Ok(None) => Ok(Ok(())),
+        Err(stale) => Ok(Err(stale.into())),
+    }
+}
+
+fn load(
+    tx: &rusqlite::Transaction<'_>,
+    key: &Key,
+) -> rusqlite::Result<Result<Option<Record>, StoreError>> {
+    let mut stmt = tx.prepare_cached(
+        "SELECT fingerprint, status, fence, lease_id, lease_expires_at, response, ttl_ms,
+                created_at, updated_at, expires_at
+         FROM idem_records WHERE scope = ?1 AND namespace = ?2 AND client_key = ?3",
+    )?;
+    let row = stmt
+        .query_row(
+            params![
+                key.scope().as_str(),
+                key.namespace().as_str(),
+                key.client_key().as_str()
+            ],
+            |row| {
+                Ok(RawRow {
+                    fingerprint: row.get(0)?,
+                    status: row.get(1)?,
+                    fence: row.get(2)?,
+                    lease_id: row.get(3)?,
+                    lease_expires_at: row.get(4)?,
+                    response: row.get(5)?,
+                    ttl_ms: row.get(6)?,
+                    created_at: row.get(7)?,
+                    updated_at: row.get(8)?,
+                    expires_at: row.get(9)?,
+                })
+            },
+        )
+        .optional()?;
+    Ok(row.map(|raw| raw.into_record(key)).transpose())
+}
+
+fn save(tx: &rusqlite::Transaction<'_>, r: &Record) -> rusqlite::Result<()> {
+    tx.prepare_cached(
+        "INSERT INTO idem_records (scope, namespace, client_key, fingerprint, status, fence,
+             lease_id, lease_expires_at, response, ttl_ms, created_at, updated_at, expires_at)
+         VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13)
+         ON CONFLICT (scope, namespace, client_key) DO UPDATE SET
+             fingerprint = excluded.fingerprint, status = excluded.status,
+             fence = excluded.fence, lease_id = excluded.lease_id,
+             lease_expires_at = excluded.lease_expires_at, response = excluded.response,
+             ttl_ms = excluded.ttl_ms, created_at = excluded.created_at,
+             updated_at = excluded.updated_at, expires_at = excluded.expires_at",
+    )?
+    .execute(params![
+        r.key.scope().as_str(),
+        r.key.namespace().as_str(),
+        r.key.client_key().as_str(),
+        &r.fingerprint.as_bytes()[..],
+        r.status.as_str(),
+        sql_int(r.fence),
+        &r.lease_id.to_bytes()[..],
+        sql_int(r.lease_expires_at.as_millis()),
+        r.response.as_deref(),
+        sql_int(r.ttl_ms),
+        sql_int(r.created_at.as_millis()),
+        sql_int(r.updated_at.as_millis()),
+        sql_int(r.expires_at.as_millis()),
+    ])?;
+    Ok(())
+}

@@ -1,0 +1,109 @@
+//! The schema, and opening a connection with the settings every store uses.
+
+use std::path::Path;
+
+use idem_core::StoreError;
+use rusqlite::{Connection, ErrorCode, TransactionBehavior};
+
+use super::{SqliteOptions, Synchronous};
+
+/// The schema, one migration per entry; `PRAGMA user_version` is the number applied.
+pub(super) const MIGRATIONS: &[&str] = &[
+    // 1: the record table. The key is a unique index rather than a WITHOUT ROWID primary key,
+    // because stored responses can be large and WITHOUT ROWID tables suit small rows only.
+    "CREATE TABLE idem_records (
+        scope            TEXT    NOT NULL,
+        namespace        TEXT    NOT NULL,
+        client_key       TEXT    NOT NULL,
+        fingerprint      BLOB    NOT NULL,
+        status           TEXT    NOT NULL CHECK (status IN ('in_progress', 'completed', 'released')),
+        fence            INTEGER NOT NULL,
+        lease_id         BLOB    NOT NULL,
+        lease_expires_at INTEGER NOT NULL,
+        response         BLOB,
+        ttl_ms           INTEGER NOT NULL,
+        created_at       INTEGER NOT NULL,
+        updated_at       INTEGER NOT NULL,
+        expires_at       INTEGER NOT NULL
+    );
+    CREATE UNIQUE INDEX idem_records_key ON idem_records (scope, namespace, client_key);
+    CREATE INDEX idem_records_expires_at ON idem_records (expires_at);",
+    // 2: counters (segment ids), apart from records: they never expire.
+    "CREATE TABLE idem_counters (
+        scope      TEXT    NOT NULL,
+        namespace  TEXT    NOT NULL,
+        client_key TEXT    NOT NULL,
+        value      INTEGER NOT NULL,
+        PRIMARY KEY (scope, namespace, client_key)
+    ) WITHOUT ROWID;",
+    // 3: locks, one row per name, kept after release (the row carries the fence).
+    "CREATE TABLE idem_locks (
+        name       TEXT    NOT NULL PRIMARY KEY,
+        owner      BLOB    NOT NULL,
+        fence      INTEGER NOT NULL,
+        expires_at INTEGER NOT NULL
+    ) WITHOUT ROWID;",
+];
+
+pub(super) fn open_error(path: &Path, e: rusqlite::Error) -> StoreError {
+    let what = match e.sqlite_error_code() {
+        Some(ErrorCode::NotADatabase) => "the file is not a SQLite database".to_owned(),
+        Some(ErrorCode::CannotOpen) => {
+            "cannot open the file (does its directory exist, and may idem write there?)".to_owned()
+        }
+        Some(ErrorCode::ReadOnly) | Some(ErrorCode::PermissionDenied) => {
+            "the file is not writable".to_owned()
+        }
+        _ => e.to_string(),
+    };
+    StoreError::backend(
+        format!("cannot open SQLite database {}: {what}", path.display()),
+        e,
+    )
+}
+
+pub(super) fn connect(path: &Path, options: &SqliteOptions) -> Result<Connection, StoreError> {
+    let fail = |what: String| StoreError::Backend {
+        message: format!("cannot open SQLite database {}: {what}", path.display()),
+        source: None,
+    };
+    let mut conn = Connection::open(path).map_err(|e| open_error(path, e))?;
+    conn.busy_timeout(options.busy_timeout)
+        .map_err(|e| open_error(path, e))?;
+    // journal_mode answers with the mode in effect; WAL is refused only by special files.
+    let mode: String = conn
+        .pragma_update_and_check(None, "journal_mode", "WAL", |r| r.get(0))
+        .map_err(|e| open_error(path, e))?;
+    if !mode.eq_ignore_ascii_case("wal") {
+        return Err(fail(format!(
+            "journal_mode WAL is not available (got {mode})"
+        )));
+    }
+    let sync = match options.synchronous {
+        Synchronous::Full => "FULL",
+        Synchronous::Normal => "NORMAL",
+    };
+    conn.pragma_update(None, "synchronous", sync)
+        .map_err(|e| open_error(path, e))?;
+    let tx = conn
+        .transaction_with_behavior(TransactionBehavior::Immediate)
+        .map_err(|e| open_error(path, e))?;
+    let applied: i64 = tx
+        .pragma_query_value(None, "user_version", |r| r.get(0))
+        .map_err(|e| open_error(path, e))?;
+    let applied = usize::try_from(applied).unwrap_or(usize::MAX);
+    if applied > MIGRATIONS.len() {
+        return Err(fail(format!(
+            "the database has schema version {applied}, newer than this idem knows ({}); \
+             use a newer idem",
+            MIGRATIONS.len()
+        )));
+    }
+    for sql in &MIGRATIONS[applied..] {
+        tx.execute_batch(sql).map_err(|e| open_error(path, e))?;
+    }
+    tx.pragma_update(None, "user_version", MIGRATIONS.len())
+        .map_err(|e| open_error(path, e))?;
+    tx.commit().map_err(|e| open_error(path, e))?;
+    Ok(conn)
+}

@@ -1,0 +1,210 @@
+//! The writer thread: it owns the connection, takes every operation waiting (up to a batch
+//! limit), runs them in one `BEGIN IMMEDIATE` transaction, commits once and answers each caller.
+
+use std::sync::mpsc;
+use std::time::Duration;
+
+use idem_core::{
+    BeginOutcome, BeginRequest, Bytes, Key, Lease, LeaseError, LockError, LockName, Record,
+    StoreError, Timestamp,
+};
+use rusqlite::{Connection, ErrorCode, TransactionBehavior};
+use tokio::sync::oneshot;
+
+use super::locks::{LockAnswer, LockOp};
+use super::records::apply;
+
+/// One operation for the writer thread: what to do, and where to send the answer.
+pub(super) struct Op {
+    pub(super) request: Request,
+    pub(super) responder: Responder,
+}
+
+pub(super) enum Request {
+    Begin(BeginRequest, Timestamp),
+    Complete(Key, Lease, Bytes, Timestamp),
+    Release(Key, Lease, Timestamp),
+    Renew(Key, Lease, Duration, Timestamp),
+    Advance(Key, u64),
+    Raise(Key, u64),
+    Reopen(Key, u64, Timestamp),
+    Get(Key, Timestamp),
+    Purge(Timestamp, usize),
+    Lock(LockName, LockOp),
+}
+
+pub(super) enum Responder {
+    Begin(oneshot::Sender<Result<BeginOutcome, StoreError>>),
+    Lease(oneshot::Sender<Result<(), LeaseError>>),
+    Renew(oneshot::Sender<Result<Lease, LeaseError>>),
+    Advance(oneshot::Sender<Result<u64, StoreError>>),
+    Reopen(oneshot::Sender<Result<bool, StoreError>>),
+    Get(oneshot::Sender<Result<Option<Record>, StoreError>>),
+    Purge(oneshot::Sender<Result<u64, StoreError>>),
+    Lock(oneshot::Sender<Result<LockAnswer, LockError>>),
+}
+
+pub(super) enum Answer {
+    Begin(Result<BeginOutcome, StoreError>),
+    Lease(Result<(), LeaseError>),
+    Renew(Result<Lease, LeaseError>),
+    Advance(Result<u64, StoreError>),
+    Reopen(Result<bool, StoreError>),
+    Get(Result<Option<Record>, StoreError>),
+    Purge(Result<u64, StoreError>),
+    Lock(Result<LockAnswer, LockError>),
+}
+
+pub(super) fn writer_stopped() -> StoreError {
+    StoreError::Unavailable {
+        message: "the SQLite writer thread has stopped".into(),
+        source: None,
+    }
+}
+
+pub(super) struct Writer {
+    pub(super) conn: Connection,
+    pub(super) max_batch: usize,
+}
+
+pub(super) fn store_error(e: &rusqlite::Error) -> StoreError {
+    let message = format!("SQLite: {e}");
+    match e.sqlite_error_code() {
+        Some(ErrorCode::DatabaseBusy | ErrorCode::DatabaseLocked) => StoreError::Unavailable {
+            message,
+            source: None,
+        },
+        _ => StoreError::Backend {
+            message,
+            source: None,
+        },
+    }
+}
+
+impl Responder {
+    /// Whether the caller has stopped waiting.
+    fn is_closed(&self) -> bool {
+        match self {
+            Responder::Begin(tx) => tx.is_closed(),
+            Responder::Lease(tx) => tx.is_closed(),
+            Responder::Renew(tx) => tx.is_closed(),
+            Responder::Advance(tx) => tx.is_closed(),
+            Responder::Reopen(tx) => tx.is_closed(),
+            Responder::Get(tx) => tx.is_closed(),
+            Responder::Purge(tx) => tx.is_closed(),
+            Responder::Lock(tx) => tx.is_closed(),
+        }
+    }
+
+    /// Sends the answer; gives it back if the caller has gone.
+    fn send(self, answer: Answer) -> Option<Answer> {
+        match (self, answer) {
+            (Responder::Begin(tx), Answer::Begin(a)) => tx.send(a).err().map(Answer::Begin),
+            (Responder::Lease(tx), Answer::Lease(a)) => tx.send(a).err().map(Answer::Lease),
+            (Responder::Renew(tx), Answer::Renew(a)) => tx.send(a).err().map(Answer::Renew),
+            (Responder::Advance(tx), Answer::Advance(a)) => tx.send(a).err().map(Answer::Advance),
+            (Responder::Reopen(tx), Answer::Reopen(a)) => tx.send(a).err().map(Answer::Reopen),
+            (Responder::Get(tx), Answer::Get(a)) => tx.send(a).err().map(Answer::Get),
+            (Responder::Purge(tx), Answer::Purge(a)) => tx.send(a).err().map(Answer::Purge),
+            (Responder::Lock(tx), Answer::Lock(a)) => tx.send(a).err().map(Answer::Lock),
+            // `apply` answers each request with its own kind; nothing else reaches here.
+            (_, answer) => Some(answer),
+        }
+    }
+
+    /// Tells the caller that its batch failed.
+    fn fail(self, e: &rusqlite::Error) {
+        let e = store_error(e);
+        let _ = match self {
+            Responder::Begin(tx) => tx.send(Err(e)).map_err(drop),
+            Responder::Lease(tx) => tx.send(Err(e.into())).map_err(drop),
+            Responder::Renew(tx) => tx.send(Err(e.into())).map_err(drop),
+            Responder::Advance(tx) => tx.send(Err(e)).map_err(drop),
+            Responder::Reopen(tx) => tx.send(Err(e)).map_err(drop),
+            Responder::Get(tx) => tx.send(Err(e)).map_err(drop),
+            Responder::Purge(tx) => tx.send(Err(e)).map_err(drop),
+            Responder::Lock(tx) => tx.send(Err(e.into())).map_err(drop),
+        };
+    }
+}
+
+impl Writer {
+    pub(super) fn run(mut self, rx: &mpsc::Receiver<Op>) {
+        // Ends when every SqliteStore clone has been dropped.
+        while let Ok(first) = rx.recv() {
+            let mut batch = Vec::with_capacity(self.max_batch);
+            batch.push(first);
+            while batch.len() < self.max_batch {
+                match rx.try_recv() {
+                    Ok(op) => batch.push(op),
+                    Err(_) => break,
+                }
+            }
+            let orphans = self.run_batch(batch);
+            if !orphans.is_empty() {
+                // A key claimed for a caller that stopped waiting (a timeout, a dropped
+                // request) is given back at once rather than held for a whole lease.
+                let releases = orphans
+                    .into_iter()
+                    .map(|(key, lease, now)| Op {
+                        request: Request::Release(key, lease, now),
+                        responder: Responder::Lease(oneshot::channel().0),
+                    })
+                    .collect();
+                self.run_batch(releases);
+            }
+        }
+    }
+
+    /// Runs `batch` in one transaction and answers every caller. Returns the leases acquired
+    /// for callers that stopped waiting before the answer came.
+    fn run_batch(&mut self, batch: Vec<Op>) -> Vec<(Key, Lease, Timestamp)> {
+        // A caller that stopped waiting before its claim, lock or read ran needs none of them;
+        // writes of a result (complete, release) are made regardless: the work is done.
+        let batch: Vec<Op> = batch
+            .into_iter()
+            .filter(|op| {
+                !(op.responder.is_closed()
+                    && matches!(
+                        op.request,
+                        Request::Begin(..)
+                            | Request::Get(..)
+                            | Request::Purge(..)
+                            | Request::Lock(_, LockOp::Acquire(..))
+                    ))
+            })
+            .collect();
+        let mut answers = Vec::with_capacity(batch.len());
+        let result = (|| {
+            let tx = self
+                .conn
+                .transaction_with_behavior(TransactionBehavior::Immediate)?;
+            for op in &batch {
+                answers.push(apply(&tx, &op.request)?);
+            }
+            tx.commit()
+        })();
+        let mut orphans = Vec::new();
+        match result {
+            Ok(()) => {
+                for (op, answer) in batch.into_iter().zip(answers) {
+                    let returned = op.responder.send(answer);
+                    if let (
+                        Request::Begin(req, now),
+                        Some(Answer::Begin(Ok(BeginOutcome::Acquired(lease)))),
+                    ) = (op.request, returned)
+                    {
+                        orphans.push((req.key, lease, now));
+                    }
+                }
+            }
+            Err(e) => {
+                // Nothing of this batch was committed: every caller gets the error (fail closed).
+                for op in batch {
+                    op.responder.fail(&e);
+                }
+            }
+        }
+        orphans
+    }
+}

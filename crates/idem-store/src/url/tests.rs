@@ -1,0 +1,163 @@
+//! The URL forms `open` accepts, parsed.
+
+use super::*;
+
+#[test]
+fn parses_the_documented_forms() {
+    assert_eq!(
+        "memory://".parse(),
+        Ok(StoreUrl::Memory(crate::MemoryLimits::DEFAULT))
+    );
+    assert!("memory://x".parse::<StoreUrl>().is_err());
+    assert!("idem.db".parse::<StoreUrl>().is_err());
+    assert!("redis2://x".parse::<StoreUrl>().is_err());
+}
+
+#[cfg(feature = "sqlite")]
+#[test]
+fn parses_memory_bounds() {
+    assert_eq!(
+        "memory://?max_records=10&max_bytes=4096".parse(),
+        Ok(StoreUrl::Memory(crate::MemoryLimits::new(10, 4096)))
+    );
+    assert_eq!(
+        "memory://?max_bytes=1".parse(),
+        Ok(StoreUrl::Memory(crate::MemoryLimits::new(100_000, 1)))
+    );
+    for (url, says) in [
+        (
+            "memory://?max_records=0",
+            "max_records=\"0\" is not a positive",
+        ),
+        (
+            "memory://?max_records=-1",
+            "max_records=\"-1\" is not a positive",
+        ),
+        (
+            "memory://?max_bytes=1M",
+            "max_bytes=\"1M\" is not a positive",
+        ),
+        ("memory://?max_bytes", "max_bytes=\"\" is not a positive"),
+        (
+            "memory://?max_keys=1",
+            "unknown memory:// option \"max_keys\"",
+        ),
+        ("memory://x?max_bytes=1", "takes no path"),
+    ] {
+        let e = url.parse::<StoreUrl>().unwrap_err().to_string();
+        assert!(e.contains(says), "{url}: {e}");
+    }
+}
+
+#[test]
+fn parses_sqlite_paths_and_options() {
+    assert_eq!(
+        "sqlite:///var/lib/idem.db?synchronous=normal&busy_timeout_ms=10".parse(),
+        Ok(StoreUrl::Sqlite {
+            path: "/var/lib/idem.db".into(),
+            synchronous: crate::Synchronous::Normal,
+            busy_timeout_ms: 10
+        })
+    );
+    assert!(matches!(
+        "sqlite://idem.db".parse(),
+        Ok(StoreUrl::Sqlite { path, synchronous: crate::Synchronous::Full, .. }) if path == std::path::Path::new("idem.db")
+    ));
+    for bad in [
+        "sqlite://",
+        "sqlite://x.db?synchronous=off",
+        "sqlite://x.db?busy_timeout_ms=soon",
+        "sqlite://x.db?journal=delete",
+    ] {
+        let e = bad.parse::<StoreUrl>().unwrap_err();
+        assert!(!e.to_string().is_empty(), "{bad}");
+    }
+}
+
+#[cfg(feature = "postgres")]
+#[test]
+fn parses_postgres_urls_and_takes_out_idem_options() {
+    let parsed =
+        "postgres://u@db/app?sslmode=disable&idem_table=idem.records&idem_pool=4&idem_batch=1"
+            .parse::<StoreUrl>()
+            .unwrap();
+    let StoreUrl::Postgres { url, options } = parsed else {
+        panic!("not postgres: {parsed:?}");
+    };
+    assert_eq!(url, "postgres://u@db/app?sslmode=disable");
+    assert_eq!(options.table, "idem.records");
+    assert_eq!(options.max_connections, 4);
+    assert_eq!(options.max_batch, 1);
+    assert!(matches!(
+        "postgresql://db/app".parse(),
+        Ok(StoreUrl::Postgres { url, .. }) if url == "postgresql://db/app"
+    ));
+    for bad in [
+        "postgres://db/app?idem_pool=0",
+        "postgres://db/app?idem_batch=0",
+        "postgres://db/app?idem_batch=-1",
+        "postgres://db/app?idem_batch=1025",
+        "postgres://db/app?idem_color=red",
+    ] {
+        assert!(bad.parse::<StoreUrl>().is_err(), "{bad}");
+    }
+}
+
+#[cfg(feature = "redis")]
+#[test]
+fn parses_redis_and_cluster_urls() {
+    let parsed = "redis://:pw@cache:6380/2?idem_prefix=app:&idem_batch=8"
+        .parse::<StoreUrl>()
+        .unwrap();
+    let StoreUrl::Redis {
+        nodes,
+        cluster,
+        options,
+    } = parsed
+    else {
+        panic!("not redis: {parsed:?}");
+    };
+    assert_eq!(nodes, ["redis://:pw@cache:6380/2"]);
+    assert!(!cluster);
+    assert_eq!(options.prefix, "app:");
+    assert_eq!(options.max_batch, 8);
+    assert!("redis://cache?idem_batch=0".parse::<StoreUrl>().is_err());
+    assert!("redis://cache?idem_batch=1025".parse::<StoreUrl>().is_err());
+    let parsed = "redis+cluster://a:7000,b:7001".parse::<StoreUrl>().unwrap();
+    let StoreUrl::Redis { nodes, cluster, .. } = parsed else {
+        panic!("not redis: {parsed:?}");
+    };
+    assert_eq!(nodes, ["redis://a:7000", "redis://b:7001"]);
+    assert!(cluster);
+    let parsed = "redis+cluster://:pw@a:7000,b:7001"
+        .parse::<StoreUrl>()
+        .unwrap();
+    let StoreUrl::Redis { nodes, .. } = parsed else {
+        panic!("not redis: {parsed:?}");
+    };
+    assert_eq!(nodes, ["redis://:pw@a:7000", "redis://:pw@b:7001"]);
+    for bad in [
+        "redis://",
+        "redis+cluster://a:1/0",
+        "redis://a?idem_x=1",
+        "redis+cluster://a:1,",
+    ] {
+        assert!(bad.parse::<StoreUrl>().is_err(), "{bad}");
+    }
+}
+
+#[cfg(feature = "mysql")]
+#[test]
+fn parses_mysql_and_mariadb_urls() {
+    let parsed = "mariadb://root@db/app?idem_table=t&ssl-mode=disabled"
+        .parse::<StoreUrl>()
+        .unwrap();
+    let StoreUrl::MySql { url, options } = parsed else {
+        panic!("not mysql: {parsed:?}");
+    };
+    assert_eq!(url, "mysql://root@db/app?ssl-mode=disabled");
+    assert_eq!(options.table, "t");
+    assert_eq!(options.max_batch, 64);
+    assert!("mysql://db/app?idem_pool=x".parse::<StoreUrl>().is_err());
+    assert!("mysql://db/app?idem_batch=x".parse::<StoreUrl>().is_err());
+}
