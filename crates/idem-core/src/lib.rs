@@ -46,3 +46,9 @@ pub use store::{
 };
 
 pub use bytes::Bytes;
+
+/// 128 bits from a cryptographically secure generator, as 32 lowercase hex digits (URL-safe):
+/// an id no one can guess or enumerate (lock owners, one-time tokens).
+pub fn random_hex128() -> String {
+    format!("{:032x}", rand::random::<u128>())
+}

@@ -109,8 +109,7 @@ pub struct LockOwner(String);
 impl LockOwner {
     /// A fresh owner id: 128 random bits as 32 hex digits.
     pub fn random() -> Self {
-        let bits: u128 = rand::random();
-        Self(format!("{bits:032x}"))
+        Self(crate::random_hex128())
     }
 
     /// Checks and wraps an id chosen by a caller: 16 to 64 characters of `A-Z a-z 0-9 - _`

@@ -110,5 +110,5 @@ pub fn uuid7() -> Uuid {
 /// An unguessable token: 128 bits from a cryptographically secure generator, as 32 lowercase
 /// hex digits (URL-safe). For ids that must not be enumerable.
 pub fn token() -> String {
-    format!("{:032x}", rand::random::<u128>())
+    idem_core::random_hex128()
 }

@@ -136,7 +136,7 @@ impl Tokens {
     ) -> Result<IssuedToken, TokenError> {
         label("scope", scope)?;
         label("purpose", purpose)?;
-        let token = format!("{:032x}", rand::random::<u128>());
+        let token = idem_core::random_hex128();
         let now = self.clock.now();
         let expires_at = now.saturating_add(ttl);
         let key = key_of(&token);
