@@ -15,7 +15,7 @@
 //! (`idem_testkit::services`) is skipped with a note.
 //!
 //! `cargo bench -p idem-mq --bench consumer -- [--messages N] [--rounds N] [--prefetch N]
-//! [--broker rabbitmq|nats] [--only idem-memory|idem-redis|idem-postgres] [--quick]`
+//! [--broker rabbitmq|nats] [--only idem-memory|idem-redis|idem-redis-1|idem-postgres] [--quick]`
 //! (`--only` keeps `bare` and the variants whose names begin with it).
 
 #![allow(
@@ -237,8 +237,11 @@ async fn run(args: Args) {
     if only("idem-memory") {
         variants.push(Some(Records::Memory));
     }
-    if let Some(url) = REDIS.url().filter(|_| only("idem-redis")) {
-        for batched in [true, false] {
+    if let Some(url) = REDIS.url() {
+        for (batched, label) in [(true, "idem-redis"), (false, "idem-redis-1")] {
+            if !only(label) {
+                continue;
+            }
             let options = RedisOptions {
                 prefix: format!("idem-bench-{}:", hex()),
                 max_batch: if batched { 64 } else { 1 },
