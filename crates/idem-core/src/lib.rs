@@ -23,6 +23,7 @@
 //! assert!(matches!(Record::begin(Some(&done), &req, now, LeaseId::generate()).outcome, BeginOutcome::Replay(_)));
 //! ```
 
+pub mod admin;
 pub mod clock;
 pub mod fingerprint;
 pub mod key;
@@ -30,12 +31,16 @@ pub mod lock;
 pub mod record;
 pub mod store;
 
+pub use admin::{
+    Counts, Cursor, InvalidListing, Listed, Page, RecordAdmin, RecordFilter, RecordState, Repair,
+    Shown,
+};
 pub use clock::{Clock, ManualClock, SystemClock, Timestamp};
 pub use fingerprint::{Fingerprint, FingerprintBuilder};
 pub use key::{ClientKey, Key, KeyError, KeyPart, Namespace, Scope};
 pub use lock::{
-    Acquire, Held, InvalidLock, LockError, LockName, LockOwner, LockState, LockStore, OwnerDigest,
-    ReleaseListener,
+    Acquire, Held, HeldLock, InvalidLock, LockError, LockName, LockOwner, LockState, LockStore,
+    OwnerDigest, ReleaseListener,
 };
 pub use record::{
     BeginOutcome, BeginRequest, BeginStep, DEFAULT_LEASE, DEFAULT_TTL, Lease, LeaseId,

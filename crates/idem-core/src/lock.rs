@@ -177,6 +177,18 @@ pub struct Held {
     pub expires_at: Timestamp,
 }
 
+/// A lock held now, as an operator's listing shows it: never its owner, whose digest is
+/// derived from a secret.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct HeldLock {
+    /// The lock's name.
+    pub name: LockName,
+    /// The fence of the current holding.
+    pub fence: u64,
+    /// When the lease ends, by the backend's clock.
+    pub expires_at: Timestamp,
+}
+
 /// The answer of an acquire.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Acquire {
@@ -362,6 +374,18 @@ pub trait LockStore: Send + Sync + 'static {
     /// Starts listening for releases (of any name); `None` if the backend cannot tell, and
     /// waiters poll. Subscribe *before* trying to acquire, so no release is missed in between.
     fn listen(&self) -> Option<Box<dyn ReleaseListener>>;
+
+    /// The locks held now (whose lease has not run out by the backend's clock), ordered by
+    /// name, at most `limit` of them; `None` if the backend cannot list them. Which ones a
+    /// backend shows when more are held is its own choice (the first by name, or the first it
+    /// finds); the listing is a snapshot, for an operator.
+    fn held<'a>(
+        &'a self,
+        limit: usize,
+    ) -> BoxFuture<'a, Result<Option<Vec<HeldLock>>, StoreError>> {
+        let _ = limit;
+        Box::pin(std::future::ready(Ok(None)))
+    }
 }
 
 impl<T: LockStore + ?Sized> LockStore for Arc<T> {
@@ -395,6 +419,12 @@ impl<T: LockStore + ?Sized> LockStore for Arc<T> {
     }
     fn listen(&self) -> Option<Box<dyn ReleaseListener>> {
         (**self).listen()
+    }
+    fn held<'a>(
+        &'a self,
+        limit: usize,
+    ) -> BoxFuture<'a, Result<Option<Vec<HeldLock>>, StoreError>> {
+        (**self).held(limit)
     }
 }
 

@@ -8,6 +8,7 @@ use std::time::Duration;
 
 use bytes::Bytes;
 
+use crate::admin::RecordAdmin;
 use crate::record::{BeginOutcome, BeginRequest, Lease, Record, StaleLease};
 use crate::{Key, Timestamp};
 
@@ -64,6 +65,10 @@ pub enum StoreError {
     /// A stored record could not be read back.
     #[error("stored record is corrupt: {0}")]
     Corrupt(String),
+    /// The request itself is not one a store answers (a listing's page size or cursor); the
+    /// store was not asked.
+    #[error(transparent)]
+    Invalid(#[from] crate::admin::InvalidListing),
 }
 
 impl StoreError {
@@ -237,6 +242,12 @@ pub trait Store: Send + Sync + 'static {
         now: Timestamp,
         limit: usize,
     ) -> impl Future<Output = Result<u64, StoreError>> + Send;
+
+    /// The operator's view of this store (listing, counting, fenced repairs), if it offers one.
+    /// Every store in idem does; the provided `None` keeps stores written elsewhere compiling.
+    fn admin(&self) -> Option<&dyn RecordAdmin> {
+        None
+    }
 }
 
 /// A boxed, sendable future.
@@ -296,6 +307,8 @@ pub trait DynStore: Send + Sync + 'static {
     /// See [`Store::purge_expired`].
     fn purge_expired(&self, now: Timestamp, limit: usize)
     -> BoxFuture<'_, Result<u64, StoreError>>;
+    /// See [`Store::admin`].
+    fn admin(&self) -> Option<&dyn RecordAdmin>;
 }
 
 impl<S: Store> DynStore for S {
@@ -363,6 +376,9 @@ impl<S: Store> DynStore for S {
     ) -> BoxFuture<'_, Result<u64, StoreError>> {
         Box::pin(Store::purge_expired(self, now, limit))
     }
+    fn admin(&self) -> Option<&dyn RecordAdmin> {
+        Store::admin(self)
+    }
 }
 
 /// A store chosen at run time.
@@ -410,5 +426,8 @@ impl Store for SharedStore {
     }
     async fn purge_expired(&self, now: Timestamp, limit: usize) -> Result<u64, StoreError> {
         DynStore::purge_expired(&**self, now, limit).await
+    }
+    fn admin(&self) -> Option<&dyn RecordAdmin> {
+        DynStore::admin(&**self)
     }
 }

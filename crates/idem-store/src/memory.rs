@@ -6,12 +6,14 @@ use std::collections::hash_map::Entry;
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 
 use idem_core::{
-    Acquire, BeginOutcome, BeginRequest, BoxFuture, Bytes, Held, Key, Lease, LeaseError, LockError,
-    LockName, LockState, LockStore, OwnerDigest, Record, ReleaseListener, StaleLease, Status,
-    Store, StoreError, Timestamp,
+    Acquire, BeginOutcome, BeginRequest, BoxFuture, Bytes, Held, HeldLock, Key, Lease, LeaseError,
+    LockError, LockName, LockState, LockStore, OwnerDigest, Record, ReleaseListener, StaleLease,
+    Status, Store, StoreError, Timestamp,
 };
 
 use crate::lock_feed::ReleaseFeed;
+
+mod admin;
 
 const SHARDS: usize = 16;
 
@@ -427,6 +429,10 @@ impl Store for MemoryStore {
     async fn purge_expired(&self, now: Timestamp, limit: usize) -> Result<u64, StoreError> {
         Ok(self.purge(now, limit).0 as u64)
     }
+
+    fn admin(&self) -> Option<&dyn idem_core::RecordAdmin> {
+        Some(self)
+    }
 }
 
 /// Locks by the process's wall clock. Waiters in this process are woken on release.
@@ -495,5 +501,26 @@ impl LockStore for MemoryStore {
 
     fn listen(&self) -> Option<Box<dyn ReleaseListener>> {
         Some(self.inner.released.listen())
+    }
+
+    fn held<'a>(
+        &'a self,
+        limit: usize,
+    ) -> BoxFuture<'a, Result<Option<Vec<HeldLock>>, StoreError>> {
+        let now = Timestamp::now();
+        let mut held: Vec<HeldLock> = self
+            .locks()
+            .states
+            .iter()
+            .filter(|(_, s)| s.expires_at > now)
+            .map(|(name, s)| HeldLock {
+                name: name.clone(),
+                fence: s.fence,
+                expires_at: s.expires_at,
+            })
+            .collect();
+        held.sort_unstable_by(|a, b| a.name.cmp(&b.name));
+        held.truncate(limit);
+        Box::pin(std::future::ready(Ok(Some(held))))
     }
 }

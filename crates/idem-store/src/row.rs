@@ -54,3 +54,18 @@ impl RawRow {
         })
     }
 }
+
+/// A lock row's name, fence and lease end, as a listing of held locks shows them.
+#[cfg(any(feature = "sqlite", feature = "postgres"))]
+pub(crate) fn held_lock(
+    name: &str,
+    fence: i64,
+    expires_at: i64,
+) -> Result<idem_core::HeldLock, StoreError> {
+    let corrupt = || StoreError::Corrupt("a lock row is unreadable".into());
+    Ok(idem_core::HeldLock {
+        name: idem_core::LockName::new(name).map_err(|_| corrupt())?,
+        fence: u64::try_from(fence).map_err(|_| corrupt())?,
+        expires_at: Timestamp::from_millis(u64::try_from(expires_at).map_err(|_| corrupt())?),
+    })
+}

@@ -10,6 +10,9 @@ use std::collections::HashSet;
 use std::sync::Arc;
 use std::time::Duration;
 
+mod listing;
+pub use listing::*;
+
 use idem_core::{
     BeginOutcome, BeginRequest, Bytes, Fingerprint, Key, Lease, LeaseError, LeaseId, Status, Store,
     StoreError, Timestamp,

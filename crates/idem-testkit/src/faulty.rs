@@ -354,6 +354,12 @@ impl<S: Store> Store for FaultyStore<S> {
         })
         .await
     }
+
+    /// The wrapped store's operator view, without faults: operators' tools are not what a
+    /// fault test exercises.
+    fn admin(&self) -> Option<&dyn idem_core::RecordAdmin> {
+        self.inner.admin()
+    }
 }
 
 impl<S: LockStore> LockStore for FaultyStore<S> {
@@ -400,5 +406,13 @@ impl<S: LockStore> LockStore for FaultyStore<S> {
 
     fn listen(&self) -> Option<Box<dyn ReleaseListener>> {
         self.inner.listen()
+    }
+
+    /// The wrapped store's listing of held locks, without faults, as for `admin`.
+    fn held<'a>(
+        &'a self,
+        limit: usize,
+    ) -> BoxFuture<'a, Result<Option<Vec<idem_core::HeldLock>>, StoreError>> {
+        self.inner.held(limit)
     }
 }

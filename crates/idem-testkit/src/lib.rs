@@ -89,6 +89,11 @@ macro_rules! conformance_tests {
             duplicate_storm_with_completion,
             storm_over_many_keys,
             concurrent_repeated_completes,
+            listing_pages_through_every_record_once,
+            listing_filters_by_state_namespace_age_and_prefix,
+            counts_by_state,
+            repairs_are_fenced,
+            listing_refuses_bad_arguments,
         );
     };
     (@cases $fixture:expr; $($case:ident,)*) => {

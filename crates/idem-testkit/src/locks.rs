@@ -188,6 +188,42 @@ pub async fn a_release_is_heard(store: &dyn LockStore) {
     );
 }
 
+/// A backend that lists held locks shows those whose lease lasts, with the fence and lease
+/// end their acquire reported, ordered by name and at most as many as asked for; not one whose
+/// lease ran out, nor one released.
+pub async fn held_lists_live_locks(store: &dyn LockStore) {
+    let (a, b) = (fresh_name("held"), fresh_name("held"));
+    let (ran_out, released) = (fresh_name("held"), fresh_name("held"));
+    let who = owner();
+    let short = acquired(store, &ran_out, who, Duration::from_millis(150)).await;
+    let held_a = acquired(store, &a, who, LONG).await;
+    let held_b = acquired(store, &b, owner(), LONG).await;
+    let gone = acquired(store, &released, who, LONG).await;
+    store.release(&released, who, gone.fence).await.unwrap();
+    tokio::time::sleep(Duration::from_millis(400)).await;
+    assert!(
+        short.expires_at < held_a.expires_at,
+        "the short lease ends first"
+    );
+    let Some(listed) = store.held(1000).await.unwrap() else {
+        return;
+    };
+    assert!(listed.len() <= 1000);
+    assert!(
+        listed.windows(2).all(|w| w[0].name < w[1].name),
+        "ordered by name, each once"
+    );
+    let find = |name: &LockName| listed.iter().find(|l| l.name == *name);
+    for (name, held) in [(&a, held_a), (&b, held_b)] {
+        let l = find(name).unwrap_or_else(|| panic!("{name} is held but not listed"));
+        assert_eq!((l.fence, l.expires_at), (held.fence, held.expires_at));
+    }
+    assert!(find(&ran_out).is_none(), "a lease that ran out is listed");
+    assert!(find(&released).is_none(), "a released lock is listed");
+    let one = store.held(1).await.unwrap().unwrap_or_default();
+    assert!(one.len() <= 1);
+}
+
 /// Generates one `#[test]` per lock conformance case. The argument is an async expression
 /// yielding `Option<Arc<dyn LockStore>>` (`None` skips, for a backend without its server), or
 /// a tuple of that and a guard to keep alive.
@@ -201,6 +237,7 @@ macro_rules! lock_conformance_tests {
             a_lease_runs_out,
             names_are_independent,
             a_release_is_heard,
+            held_lists_live_locks,
         );
         #[test]
         fn acquire_storm() {

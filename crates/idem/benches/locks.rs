@@ -201,7 +201,7 @@ fn redis_limits(url: &str, clients: usize) -> Option<(f64, f64)> {
     let acq = redis_benchmark(
         url,
         clients,
-        &["EVAL", &acquire, "1", key, &owner, "10000", "3600000"],
+        &["EVAL", &acquire, "1", key, &owner, "10000", "3600000", "n"],
     )?;
     let rel = redis_benchmark(
         url,

@@ -17,15 +17,16 @@
 //! collations `Order-1` and `order-1` would be one key.
 //!
 //! The statements on the records table, one record at a time and in batches, are in
-//! `records`, the schema and its migrations in `migrate`, and the classification of errors
-//! by error number in `error`; what this shares with PostgreSQL is in `crate::sql`.
+//! `records`, the schema and its migrations in `migrate`, the operator's view (its dialect's
+//! part) in `admin`, and the classification of errors by error number in `error`; what this
+//! shares with PostgreSQL is in `crate::sql`.
 
 use std::sync::Arc;
 use std::time::Duration;
 
 use idem_core::{
-    BeginOutcome, BeginRequest, Bytes, Key, Lease, LeaseError, Record, StaleLease, Store,
-    StoreError, Timestamp,
+    BeginOutcome, BeginRequest, Bytes, Key, Lease, LeaseError, Record, RecordAdmin, StaleLease,
+    Store, StoreError, Timestamp,
 };
 use sqlx::mysql::{MySqlConnectOptions, MySqlDatabaseError, MySqlPoolOptions};
 use sqlx::{AssertSqlSafe, ConnectOptions, Connection, Executor, MySqlConnection, MySqlPool};
@@ -34,6 +35,7 @@ use crate::batch::GroupCommit;
 use crate::row::sql_int;
 use crate::sql::{self, TableName};
 
+mod admin;
 mod error;
 mod migrate;
 mod records;
@@ -81,6 +83,7 @@ impl Default for MySqlOptions {
 #[derive(Clone, Debug)]
 pub struct MySqlStore {
     pool: MySqlPool,
+    table: TableName,
     sql: Statements,
     /// `None` when every call goes on its own (`max_batch` 1).
     batches: Option<GroupCommit>,
@@ -136,6 +139,7 @@ impl MySqlStore {
         };
         Ok(Self {
             sql: Statements::new(&table),
+            table,
             pool,
             batches,
             batch_sql,
@@ -204,6 +208,10 @@ fn session_settings(options: &MySqlOptions) -> String {
 impl Store for MySqlStore {
     fn kind(&self) -> &'static str {
         "mysql"
+    }
+
+    fn admin(&self) -> Option<&dyn RecordAdmin> {
+        Some(self)
     }
 
     async fn begin(&self, req: &BeginRequest, now: Timestamp) -> Result<BeginOutcome, StoreError> {
@@ -322,6 +330,18 @@ impl sql::Dialect for sqlx::MySql {
     const MIGRATIONS: &'static [sql::Migration] = migrate::MIGRATIONS;
     const TABLE_OPTIONS: &'static str = "ENGINE = InnoDB";
     const THREE_VALUES: &'static str = "VALUES (?, ?, ?)";
+    const BINARY_KEYS: bool = true;
+    // MariaDB reads the whole index up to the bound for `(a, b) > (?, ?)`.
+    const ROW_COMPARISON: bool = false;
+    const BIGINT: &'static str = "SIGNED";
+
+    fn placeholder(_: usize) -> String {
+        "?".to_owned()
+    }
+
+    fn rows_affected(done: &Self::QueryResult) -> u64 {
+        done.rows_affected()
+    }
 
     fn transient(e: &dyn sqlx::error::DatabaseError) -> bool {
         error::transient(e)

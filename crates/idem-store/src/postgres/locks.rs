@@ -21,15 +21,15 @@ use std::time::Duration;
 
 use idem_core::lock::{LOCK_STATE_RETENTION, lease_millis};
 use idem_core::{
-    Acquire, BoxFuture, Held, LockError, LockName, LockStore, OwnerDigest, ReleaseListener,
-    StoreError, Timestamp,
+    Acquire, BoxFuture, Held, HeldLock, LockError, LockName, LockStore, OwnerDigest,
+    ReleaseListener, StoreError, Timestamp,
 };
 use sqlx::postgres::PgListener;
 use sqlx::{AssertSqlSafe, PgConnection, PgPool, SqlSafeStr, SqlStr};
 
 use super::{PostgresStore, error};
 use crate::lock_feed::{FeedTask, ReleaseFeed};
-use crate::row::sql_int;
+use crate::row::{held_lock, sql_int};
 use crate::sql::TableName;
 
 /// The server's clock in microseconds, and in milliseconds.
@@ -45,6 +45,7 @@ pub(crate) struct PgLocks {
     holder: SqlStr,
     renew: SqlStr,
     release: SqlStr,
+    held: SqlStr,
     purge: SqlStr,
     channel: String,
     feed: ReleaseFeed,
@@ -86,6 +87,12 @@ impl PgLocks {
                        WHERE name = $1 AND owner = $2 AND fence = $3
                        RETURNING name)
                  SELECT pg_notify($4, name) FROM u"
+            )),
+            // $1 limit. By the server's clock, as every lock decision; by byte order, as
+            // `LockName` sorts, whatever the database's collation.
+            held: s(format!(
+                "SELECT name, fence, expires_at FROM {{table}}_locks
+                 WHERE expires_at > {NOW_MS} ORDER BY name COLLATE \"C\" LIMIT $1"
             )),
             // $1 limit. By the server's clock, as every lock decision.
             purge: s(format!(
@@ -226,6 +233,23 @@ impl LockStore for PostgresStore {
                 return Err(LockError::NotOwner);
             }
             Ok(())
+        })
+    }
+
+    fn held<'a>(
+        &'a self,
+        limit: usize,
+    ) -> BoxFuture<'a, Result<Option<Vec<HeldLock>>, StoreError>> {
+        Box::pin(async move {
+            let rows: Vec<(String, i64, i64)> = sqlx::query_as(self.locks().held.clone())
+                .bind(sql_int(u64::try_from(limit).unwrap_or(u64::MAX)))
+                .fetch_all(self.pool())
+                .await
+                .map_err(|e| error("cannot list the held locks", e))?;
+            rows.iter()
+                .map(|(name, fence, expires_at)| held_lock(name, *fence, *expires_at))
+                .collect::<Result<_, _>>()
+                .map(Some)
         })
     }
 

@@ -15,14 +15,15 @@
 //! past `purge_after`, so a purge deletes a row only once both times have passed.
 //!
 //! The statements on the records table and their batched forms are in `records`, the schema
-//! and its migrations in `migrate`, the lease locks in `locks`, and the classification of
-//! errors by SQLSTATE in `error`; what this shares with MySQL is in `crate::sql`.
+//! and its migrations in `migrate`, the lease locks in `locks`, the operator's view (its
+//! dialect's part) in `admin`, and the classification of errors by SQLSTATE in `error`; what
+//! this shares with MySQL is in `crate::sql`.
 
 use std::time::Duration;
 
 use idem_core::{
-    BeginOutcome, BeginRequest, Bytes, Key, Lease, LeaseError, Record, StaleLease, Store,
-    StoreError, Timestamp,
+    BeginOutcome, BeginRequest, Bytes, Key, Lease, LeaseError, Record, RecordAdmin, StaleLease,
+    Store, StoreError, Timestamp,
 };
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
 use sqlx::{ConnectOptions, Connection, PgConnection, PgPool};
@@ -31,6 +32,7 @@ use crate::batch::GroupCommit;
 use crate::row::sql_int;
 use crate::sql::{self, TableName};
 
+mod admin;
 mod error;
 mod locks;
 mod migrate;
@@ -83,6 +85,7 @@ impl Default for PostgresOptions {
 #[derive(Clone, Debug)]
 pub struct PostgresStore {
     pool: PgPool,
+    table: TableName,
     sql: Statements,
     locks: locks::PgLocks,
     /// `None` when every call goes on its own (`max_batch` 1).
@@ -126,6 +129,7 @@ impl PostgresStore {
         Ok(Self {
             sql: Statements::new(&table),
             locks: locks::PgLocks::new(&table),
+            table,
             pool,
             batches: GroupCommit::new(options.max_connections, options.max_batch),
         })
@@ -188,6 +192,10 @@ impl PostgresStore {
 impl Store for PostgresStore {
     fn kind(&self) -> &'static str {
         "postgres"
+    }
+
+    fn admin(&self) -> Option<&dyn RecordAdmin> {
+        Some(self)
     }
 
     async fn begin(&self, req: &BeginRequest, now: Timestamp) -> Result<BeginOutcome, StoreError> {
@@ -318,6 +326,17 @@ impl sql::Dialect for sqlx::Postgres {
     const MIGRATIONS: &'static [sql::Migration] = migrate::MIGRATIONS;
     const TABLE_OPTIONS: &'static str = "";
     const THREE_VALUES: &'static str = "VALUES ($1, $2, $3)";
+    const BINARY_KEYS: bool = false;
+    const ROW_COMPARISON: bool = true;
+    const BIGINT: &'static str = "BIGINT";
+
+    fn placeholder(n: usize) -> String {
+        format!("${n}")
+    }
+
+    fn rows_affected(done: &Self::QueryResult) -> u64 {
+        done.rows_affected()
+    }
 
     fn transient(e: &dyn sqlx::error::DatabaseError) -> bool {
         e.code().is_some_and(|c| error::transient_sqlstate(&c))

@@ -1,5 +1,5 @@
-//! The record format: one string, a fixed-width header and then the response, which the
-//! scripts read and write in place.
+//! The record format: one string, a fixed-width header, the record's key and then the
+//! response, which the scripts read and write in place.
 
 use std::time::Duration;
 
@@ -12,22 +12,41 @@ use super::error::corrupt;
 /// The largest timestamp or duration the scripts handle exactly (Lua numbers are doubles).
 const MAX_EXACT: u64 = (1 << 53) - 1;
 
-// A record is one string: a fixed-width header, then the response of a completed record.
-// Numbers are zero-padded decimal, which Lua reads with `tonumber`. Positions (1-based, as
+// A record is one string: a fixed-width header, the key, then the response of a completed
+// record. Numbers are zero-padded decimal, which Lua reads with `tonumber`. Positions (1-based, as
 // Lua's `string.sub` takes them):
 //
 //   1 format ('1')   2 status (p, c, r)   3-34 fingerprint   35-50 lease id   51-70 fence
 //   71-86 lease end   87-102 ttl   103-118 created   119-134 updated   135-150 expires
-//   151- response
+//   151-154 the key's length n   155-(154+n) the key: scope, namespace and client key, each
+//   apart by one space (none of them holds one)   (155+n)- response
 //
 // A string rather than a hash so that `begin` on a fresh key is one plain `SET … NX PX`,
 // which costs Redis a third of a script; the scripts (`super::scripts`) handle every other case.
+// The Redis key name is a digest (see `RedisStore::redis_key`), so the key is kept in the value
+// for a listing to show. Format 1, written before, had no key (the response at 151); such
+// records are still read and written in their format, but a listing cannot name them.
 
-/// The header's length; the response follows.
+/// The header's length; the key follows.
 pub(super) const HEADER: usize = 150;
 
-/// The record format this store writes and reads (byte 1 of every record).
-const FORMAT: u8 = b'1';
+/// The record format this store writes (byte 1 of every record).
+const FORMAT: u8 = b'2';
+
+/// The record format before keys were kept in the value; still read.
+const FORMAT_KEYLESS: u8 = b'1';
+
+/// How many digits give the key's length.
+const KEY_LEN_DIGITS: usize = 4;
+
+/// The longest key in a record: three parts and two spaces.
+pub(super) const MAX_KEY: usize = idem_core::key::MAX_SCOPE_LEN
+    + idem_core::key::MAX_NAMESPACE_LEN
+    + idem_core::key::MAX_CLIENT_KEY_LEN
+    + 2;
+
+/// The header and the longest key with its length: what a listing reads before the response.
+pub(super) const MAX_HEAD: usize = HEADER + KEY_LEN_DIGITS + MAX_KEY;
 
 /// A timestamp or duration as the scripts take it.
 pub(super) fn exact(v: u64) -> u64 {
@@ -98,13 +117,66 @@ pub(super) fn pack(r: &Record) -> Vec<u8> {
         ms(r.expires_at)
     );
     debug_assert_eq!(v.len(), HEADER);
+    let named = format!(
+        "{} {} {}",
+        r.key.scope().as_str(),
+        r.key.namespace().as_str(),
+        r.key.client_key().as_str()
+    );
+    let _ = write!(v, "{:0width$}{named}", named.len(), width = KEY_LEN_DIGITS);
     v.extend_from_slice(response);
     v
 }
 
-/// Reads what [`pack`] and the scripts write.
+/// Reads what [`pack`] and the scripts write, the record under `key`.
 pub(super) fn unpack(key: &Key, v: &[u8]) -> Result<Record, StoreError> {
-    if v.len() < HEADER || v[0] != FORMAT {
+    let (named, at) = named(v)?;
+    if named.is_some_and(|named| &named != key) {
+        return Err(corrupt("key"));
+    }
+    unpack_at(key.clone(), v, at)
+}
+
+/// Reads a record and the key it names (format 2), for a listing: `v` may stop after the
+/// first bytes of the response (which is then cut short).
+pub(super) fn unpack_named(v: &[u8]) -> Result<(Record, usize), StoreError> {
+    let (named, at) = named(v)?;
+    let key = named.ok_or_else(|| corrupt("key (a record of format 1 names none)"))?;
+    Ok((unpack_at(key, v, at)?, at))
+}
+
+/// The key a record names (none in format 1) and where its response starts.
+fn named(v: &[u8]) -> Result<(Option<Key>, usize), StoreError> {
+    match v.first() {
+        Some(&FORMAT_KEYLESS) => return Ok((None, HEADER)),
+        Some(&FORMAT) if v.len() >= HEADER + KEY_LEN_DIGITS => {}
+        _ => return Err(corrupt("format")),
+    }
+    let bad = || corrupt("key");
+    let len: usize = std::str::from_utf8(&v[HEADER..HEADER + KEY_LEN_DIGITS])
+        .ok()
+        .filter(|s| s.bytes().all(|b| b.is_ascii_digit()))
+        .and_then(|s| s.parse().ok())
+        .filter(|len| *len <= MAX_KEY)
+        .ok_or_else(bad)?;
+    let at = HEADER + KEY_LEN_DIGITS + len;
+    let text = v
+        .get(HEADER + KEY_LEN_DIGITS..at)
+        .and_then(|b| std::str::from_utf8(b).ok())
+        .ok_or_else(bad)?;
+    let mut parts = text.splitn(3, ' ');
+    let (Some(scope), Some(namespace), Some(client_key)) =
+        (parts.next(), parts.next(), parts.next())
+    else {
+        return Err(bad());
+    };
+    let key = Key::parse(scope, namespace, client_key).map_err(|_| bad())?;
+    Ok((Some(key), at))
+}
+
+/// Reads the header of `v`, whose response starts at `at`.
+fn unpack_at(key: Key, v: &[u8], at: usize) -> Result<Record, StoreError> {
+    if v.len() < at {
         return Err(corrupt("format"));
     }
     let num = |at: usize, len: usize, what: &str| -> Result<u64, StoreError> {
@@ -124,12 +196,12 @@ pub(super) fn unpack(key: &Key, v: &[u8]) -> Result<Record, StoreError> {
     fingerprint.copy_from_slice(&v[2..34]);
     let mut lease_id = [0; 16];
     lease_id.copy_from_slice(&v[34..50]);
-    let tail = &v[HEADER..];
+    let tail = &v[at..];
     if status != Status::Completed && !tail.is_empty() {
         return Err(corrupt("response"));
     }
     Ok(Record {
-        key: key.clone(),
+        key,
         status,
         fingerprint: Fingerprint::from_bytes(fingerprint),
         fence: num(50, 20, "fence")?,

@@ -1,10 +1,11 @@
 //! Locks in Redis, single node or Cluster.
 //!
 //! A lock is one hash, `<prefix>lock:{<digest>}` (the digest being 128 bits of SHA-256 of the
-//! name, its own hash tag), holding the last owner's digest, its fence and its lease end. Each
-//! operation is one Lua script applying [`LockState`](idem_core::LockState)'s rules with the
-//! server's clock (`TIME`), so clients' clocks never decide who holds a lock, and the fence is
-//! computed in the same step as the lock is taken: `max(fence + 1, TIME in µs)`.
+//! name, its own hash tag), holding the last owner's digest, its fence, its lease end and the
+//! name (for listings of held locks). Each operation is one Lua script applying
+//! [`LockState`](idem_core::LockState)'s rules with the server's clock (`TIME`), so clients'
+//! clocks never decide who holds a lock, and the fence is computed in the same step as the lock
+//! is taken: `max(fence + 1, TIME in µs)`.
 //!
 //! The hash outlives the lease by [`LOCK_STATE_RETENTION`] (native TTL), so a late release by
 //! the last owner is recognised; after that, or when the server lost its data (a restart
@@ -21,12 +22,13 @@ use std::time::Duration;
 
 use idem_core::lock::{LOCK_STATE_RETENTION, lease_millis};
 use idem_core::{
-    Acquire, BoxFuture, Held, LockError, LockName, LockStore, OwnerDigest, ReleaseListener,
-    StoreError, Timestamp,
+    Acquire, BoxFuture, Held, HeldLock, LockError, LockName, LockStore, OwnerDigest,
+    ReleaseListener, StoreError, Timestamp,
 };
 use redis::{Script, Value};
 
 use super::RedisStore;
+use super::admin::{BATCH, Node};
 use super::error::{corrupt, error};
 use super::scripts::{CLOCK, FENCED_SET, LOCK_ACQUIRE, LOCK_RELEASE, LOCK_RENEW};
 use crate::fence::Fenced;
@@ -111,6 +113,43 @@ impl RedisStore {
             .map_err(|e| error("cannot read the fenced value", e))?;
         Ok(fence.zip(value))
     }
+
+    /// The locks at `keys` on `node` held by that node's clock, read after them. A key that
+    /// holds no lock state with a name (a value this store did not write) is skipped.
+    async fn held_of(&self, node: Node, keys: &[String]) -> Result<Vec<HeldLock>, StoreError> {
+        if keys.is_empty() {
+            return Ok(Vec::new());
+        }
+        let mut pipe = redis::pipe();
+        pipe.ignore_errors();
+        for key in keys {
+            pipe.cmd("HMGET").arg(key).arg("n").arg("f").arg("e");
+        }
+        pipe.cmd("TIME");
+        let mut values = self
+            .pipeline(node, pipe, keys.len() + 1)
+            .await
+            .map_err(|e| error("cannot read the locks", e))?;
+        let (secs, micros): (u64, u64) = values
+            .pop()
+            .and_then(|t| redis::from_redis_value(t).ok())
+            .ok_or_else(|| corrupt("answer to TIME"))?;
+        let now = secs.saturating_mul(1000).saturating_add(micros / 1000);
+        Ok(values
+            .into_iter()
+            .filter_map(|v| {
+                let (name, fence, expires): (String, u64, u64) = redis::from_redis_value(v).ok()?;
+                if expires <= now {
+                    return None;
+                }
+                Some(HeldLock {
+                    name: LockName::new(&name).ok()?,
+                    fence,
+                    expires_at: Timestamp::from_millis(expires),
+                })
+            })
+            .collect())
+    }
 }
 
 fn retention() -> u64 {
@@ -148,6 +187,7 @@ impl LockStore for RedisStore {
                 .arg(owner.to_hex())
                 .arg(lease_millis(lease))
                 .arg(retention())
+                .arg(name.as_str())
                 .invoke_async(&mut self.conn.clone())
                 .await
                 .map_err(|e| error("cannot acquire the lock", e))?;
@@ -215,6 +255,37 @@ impl LockStore for RedisStore {
                 return Err(LockError::NotOwner);
             }
             Ok(())
+        })
+    }
+
+    /// By `SCAN` over the lock keys (on a Cluster, each primary in turn), each batch read with
+    /// the server's clock of the node it lives on, until `limit` held locks are found: when
+    /// more are held, the ones shown are those found first. A lock acquired before names were
+    /// kept beside the state is not shown until it is acquired again.
+    fn held<'a>(
+        &'a self,
+        limit: usize,
+    ) -> BoxFuture<'a, Result<Option<Vec<HeldLock>>, StoreError>> {
+        Box::pin(async move {
+            let pattern = self.key_pattern("lock:");
+            let mut held = Vec::new();
+            'nodes: for node in self.nodes().await? {
+                let mut at = 0;
+                while held.len() < limit {
+                    let (next, keys) = self.scan(node, &pattern, at, BATCH).await?;
+                    held.extend(self.held_of(node, &keys).await?);
+                    at = next;
+                    if at == 0 {
+                        continue 'nodes;
+                    }
+                }
+                break;
+            }
+            // `SCAN` may return a key twice.
+            held.sort_unstable_by(|a, b| a.name.cmp(&b.name));
+            held.dedup_by(|a, b| a.name == b.name);
+            held.truncate(limit);
+            Ok(Some(held))
         })
     }
 

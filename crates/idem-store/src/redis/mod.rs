@@ -1,11 +1,11 @@
 //! Idempotency records in Redis, single node or Cluster.
 //!
-//! A record is one string: a fixed-width header and the response. A `begin` first tries a
-//! plain `SET … NX PX` of the fresh record, which succeeds exactly when Redis has no record
-//! for the key; otherwise, and for every other operation, one Lua script decides, which Redis
-//! runs atomically: the `begin` script reads the record, applies the rules of `Record::begin`
-//! and writes the new lease in the same step, so of any number of concurrent `begin`s exactly
-//! one acquires. A value the store did not write (another layout, another type) fails every
+//! A record is one string: a fixed-width header, its key and the response. A `begin` first
+//! tries a plain `SET … NX PX` of the fresh record, which succeeds exactly when Redis has no
+//! record for the key; otherwise, and for every other operation, one Lua script decides, which
+//! Redis runs atomically: the `begin` script reads the record, applies the rules of
+//! `Record::begin` and writes the new lease in the same step, so of any number of concurrent
+//! `begin`s exactly one acquires. A value the store did not write (another layout, another type) fails every
 //! operation and is left alone.
 //!
 //! **Group commit** (one server): `begin`s and `complete`s that arrive while others are in
@@ -36,8 +36,13 @@
 //! survives a crash of the server; with the defaults the last second may be lost, and with a
 //! replica failover the last writes may be lost too. Choose the store for what it may forget.
 //!
+//! **Listing** (`admin`): `SCAN` over the record keys' pattern (on each primary of a Cluster),
+//! reading each found record's header, key and the head of its response, pipelined. A
+//! record's key name is a digest, so the record keeps its key in its value for the listing to
+//! show; scope and namespace filters are applied to what is read, not to key names.
+//!
 //! The Lua scripts are in `scripts`, the record's layout in `format`, the record operations in
-//! `records`, the locks in `locks`.
+//! `records`, the operator's view in `admin`, the locks in `locks`.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -48,6 +53,7 @@ use redis::aio::ConnectionManagerConfig;
 
 use crate::batch::GroupCommit;
 
+mod admin;
 mod conn;
 mod error;
 mod format;
@@ -61,8 +67,8 @@ pub(crate) use conn::Conn;
 use error::error;
 pub use locks::lock_scripts;
 use scripts::{
-    BEGIN, BEGIN_NEW, COMPLETE_MANY, GIVE_BACK, RAISE, RECORD, RENEW, REOPEN, SETTLE, SETTLE_FN,
-    record_script,
+    BEGIN, BEGIN_NEW, COMPLETE_MANY, GIVE_BACK, RAISE, RECORD, RENEW, REOPEN, REPAIR, SETTLE,
+    SETTLE_FN, record_script,
 };
 
 /// Added to every native TTL, so that a record outlives its logical expiry by this much.
@@ -123,6 +129,7 @@ pub(super) struct RecordScripts {
     pub(super) renew: Script,
     pub(super) reopen: Script,
     pub(super) raise: Script,
+    pub(super) repair: Script,
     /// [`GIVE_BACK`] with [`RECORD`] before it, sent whole with `EVAL`.
     pub(super) give_back: String,
 }
@@ -203,6 +210,7 @@ impl RedisStore {
                 renew: record_script(RENEW),
                 reopen: record_script(REOPEN),
                 raise: Script::new(RAISE),
+                repair: record_script(REPAIR),
                 give_back: format!("{RECORD}{GIVE_BACK}"),
             }),
         }

@@ -4,8 +4,8 @@
 use std::time::Duration;
 
 use idem_core::{
-    BeginOutcome, BeginRequest, Bytes, Key, Lease, LeaseError, Record, Replay, StaleLease, Status,
-    Store, StoreError, Timestamp,
+    BeginOutcome, BeginRequest, Bytes, Key, Lease, LeaseError, Record, RecordAdmin, Replay,
+    StaleLease, Status, Store, StoreError, Timestamp,
 };
 use redis::Value;
 
@@ -124,6 +124,10 @@ impl Store for RedisStore {
     async fn purge_expired(&self, _now: Timestamp, _limit: usize) -> Result<u64, StoreError> {
         // Redis deletes expired records by itself (see the module's notes).
         Ok(0)
+    }
+
+    fn admin(&self) -> Option<&dyn RecordAdmin> {
+        Some(self)
     }
 }
 

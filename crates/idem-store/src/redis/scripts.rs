@@ -5,23 +5,41 @@
 use redis::Script;
 
 /// Put before every record script: `record(key)` reads the record at `key` and answers nil, or
-/// its value, state, fence, lease end, TTL and expiry. A value of any other shape raises
+/// its value, state, fence, lease end, TTL, expiry and key (with its length; empty in format
+/// 1), the response starting right after the key. A value of any other shape raises
 /// [`FOREIGN`]; a key of another type, Redis's `WRONGTYPE`. Expiries the scripts compute are
 /// kept to `MAX` (as `exact` does in the client), so that they fit in their 16 digits.
+/// `rewrite(key, v, to, ttl, kb, now, margin, response)` writes a read record back in another
+/// state, keeping its format byte and its key.
 pub(super) const RECORD: &str = r"
 local MAX = 9007199254740991
 local function record(key)
   local v = redis.call('GET', key)
   if not v then return nil end
-  local st = string.sub(v, 2, 2)
+  local st, format, kb = string.sub(v, 2, 2), string.sub(v, 1, 1), ''
+  if format == '2' then
+    local n = tonumber(string.sub(v, 151, 154)) or 0
+    kb = string.sub(v, 151, 154 + n)
+    if #kb ~= 4 + n or not string.match(kb, '^%d%d%d%d[!-~]+ [!-~]+ [!-~]+$') then
+      format = ''
+    end
+  end
   local fence, lexp = tonumber(string.sub(v, 51, 70)), tonumber(string.sub(v, 71, 86))
   local ttl, exp = tonumber(string.sub(v, 87, 102)), tonumber(string.sub(v, 135, 150))
-  if #v < 150 or string.sub(v, 1, 1) ~= '1' or not (fence and lexp and ttl and exp)
+  if #v < 150 + #kb or not (format == '1' or format == '2')
+      or not (fence and lexp and ttl and exp)
       or not (tonumber(string.sub(v, 103, 118)) and tonumber(string.sub(v, 119, 134)))
-      or not (st == 'c' or ((st == 'p' or st == 'r') and #v == 150)) then
+      or not (st == 'c' or ((st == 'p' or st == 'r') and #v == 150 + #kb)) then
     error('idem: the key holds a value this store did not write')
   end
-  return v, st, fence, lexp, ttl, exp
+  return v, st, fence, lexp, ttl, exp, kb
+end
+-- Rewrites the record `v` at `key` (its TTL `ttl` and key `kb` as `record` read them) in state
+-- `to` at `now`, with `response` if any: updated now, retention from now.
+local function rewrite(key, v, to, ttl, kb, now, margin, response)
+  local exp = math.min(now + ttl, MAX)
+  redis.call('SET', key, string.sub(v, 1, 1) .. to .. string.sub(v, 3, 118)
+    .. string.format('%016d%016d', now, exp) .. kb .. (response or ''), 'PX', exp - now + margin)
 end
 ";
 
@@ -32,14 +50,16 @@ pub(super) const FOREIGN: &str = "idem: the key holds a value this store did not
 /// the plain `SET … NX` found the key taken.
 pub(super) const BEGIN: &str = r"
 local now = tonumber(ARGV[1])
-local v, st, fence, lexp, _, exp = record(KEYS[1])
+local v, st, fence, lexp, _, exp, kb = record(KEYS[1])
 local f = 1
 if v then
   f = fence + 1
   if exp > now then
     local same = string.sub(v, 3, 34) == ARGV[2]
     if st == 'c' then
-      if same then return {'replay', string.sub(v, 151), fence, tonumber(string.sub(v, 119, 134))} end
+      if same then
+        return {'replay', string.sub(v, 151 + #kb), fence, tonumber(string.sub(v, 119, 134))}
+      end
       return {'mismatch'}
     elseif st == 'p' then
       if not same then return {'mismatch'} end
@@ -60,18 +80,16 @@ return {'acquired', f}
 /// settle is `ok` only with the response already stored.
 pub(super) const SETTLE_FN: &str = r"
 local function settle(key, now, id, fence, margin, to, response)
-  local v, st, f, _, ttl, exp = record(key)
+  local v, st, f, _, ttl, exp, kb = record(key)
   if not v or exp <= now or string.sub(v, 35, 50) ~= id or f ~= fence then
     return 'stale'
   end
   if st == to then
-    if st == 'c' and string.sub(v, 151) ~= response then return 'stale' end
+    if st == 'c' and string.sub(v, 151 + #kb) ~= response then return 'stale' end
     return 'ok'
   end
   if st ~= 'p' then return 'stale' end
-  exp = math.min(now + ttl, MAX)
-  redis.call('SET', key, '1' .. to .. string.sub(v, 3, 118)
-    .. string.format('%016d%016d', now, exp) .. (response or ''), 'PX', exp - now + margin)
+  rewrite(key, v, to, ttl, kb, now, margin, response)
   return 'ok'
 end
 ";
@@ -117,18 +135,16 @@ return got
 /// [`RedisStore::give_back`](super::RedisStore::give_back)).
 pub(super) const GIVE_BACK: &str = r"
 local now = tonumber(ARGV[1])
-local v, st, _, _, ttl, exp = record(KEYS[1])
+local v, st, _, _, ttl, exp, kb = record(KEYS[1])
 if not v or st ~= 'p' or exp <= now or string.sub(v, 35, 50) ~= ARGV[2] then return 0 end
-exp = math.min(now + ttl, MAX)
-redis.call('SET', KEYS[1], '1r' .. string.sub(v, 3, 118) .. string.format('%016d%016d', now, exp),
-  'PX', exp - now + tonumber(ARGV[3]))
+rewrite(KEYS[1], v, 'r', ttl, kb, now, tonumber(ARGV[3]))
 return 1
 ";
 
 /// ARGV = now, lease id, fence, new lease end, margin. Answers 1 if it renewed the lease.
 pub(super) const RENEW: &str = r"
 local now = tonumber(ARGV[1])
-local v, st, fence, _, ttl, exp = record(KEYS[1])
+local v, st, fence, _, ttl, exp, kb = record(KEYS[1])
 if not v or st ~= 'p' or exp <= now or string.sub(v, 35, 50) ~= ARGV[2]
     or fence ~= tonumber(ARGV[3]) then
   return 0
@@ -136,7 +152,7 @@ end
 local lexp = tonumber(ARGV[4])
 exp = math.min(lexp + ttl, MAX)
 redis.call('SET', KEYS[1], string.sub(v, 1, 70) .. string.format('%016d', lexp)
-  .. string.sub(v, 87, 118) .. string.format('%016d%016d', now, exp),
+  .. string.sub(v, 87, 118) .. string.format('%016d%016d', now, exp) .. kb,
   'PX', exp - now + tonumber(ARGV[5]))
 return 1
 ";
@@ -155,11 +171,31 @@ return cur
 /// ARGV = now, fence, margin. Answers 1 if it reopened the record.
 pub(super) const REOPEN: &str = r"
 local now = tonumber(ARGV[1])
-local v, st, fence, _, ttl, exp = record(KEYS[1])
+local v, st, fence, _, ttl, exp, kb = record(KEYS[1])
 if not v or st ~= 'c' or exp <= now or fence ~= tonumber(ARGV[2]) then return 0 end
-exp = math.min(now + ttl, MAX)
-redis.call('SET', KEYS[1], '1r' .. string.sub(v, 3, 118) .. string.format('%016d%016d', now, exp),
-  'PX', exp - now + tonumber(ARGV[3]))
+rewrite(KEYS[1], v, 'r', ttl, kb, now, tonumber(ARGV[3]))
+return 1
+";
+
+/// An operator's repair, fenced: ARGV = now, the state shown (as `RecordState` names it), the
+/// fence shown, the repair (`release` or `delete`), margin. Answers 1 if the record was still in
+/// that state with that fence, and was released (as a settle to `r` does, response dropped) or
+/// deleted; else 0. The state is `RecordState::of`'s, read at `now`.
+pub(super) const REPAIR: &str = r"
+local now = tonumber(ARGV[1])
+local v, st, fence, lexp, ttl, exp, kb = record(KEYS[1])
+if not v or fence ~= tonumber(ARGV[3]) then return 0 end
+local state = 'expired'
+if st == 'p' and lexp > now then state = 'in_progress'
+elseif exp > now then
+  state = (st == 'p' and 'stuck') or (st == 'c' and 'completed') or 'released'
+end
+if state ~= ARGV[2] then return 0 end
+if ARGV[4] == 'delete' then
+  redis.call('DEL', KEYS[1])
+  return 1
+end
+rewrite(KEYS[1], v, 'r', ttl, kb, now, tonumber(ARGV[5]))
 return 1
 ";
 
@@ -173,7 +209,8 @@ local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 local nowus = tonumber(t[1]) * 1000000 + tonumber(t[2])
 ";
 
-/// ARGV = owner, lease ms, retention ms. Answers {1, fence, expires} or {0, until}.
+/// ARGV = owner, lease ms, retention ms, name. Answers {1, fence, expires} or {0, until}. The
+/// name is kept beside the state (`n`) for listings of held locks.
 pub(super) const LOCK_ACQUIRE: &str = r"
 local r = redis.call('HMGET', KEYS[1], 'o', 'f', 'e')
 local f, e = tonumber(r[2]), tonumber(r[3])
@@ -183,7 +220,7 @@ else
   f = math.max((f or 0) + 1, nowus)
 end
 local exp = now + tonumber(ARGV[2])
-redis.call('HSET', KEYS[1], 'o', ARGV[1], 'f', string.format('%d', f), 'e', string.format('%d', exp))
+redis.call('HSET', KEYS[1], 'o', ARGV[1], 'f', string.format('%d', f), 'e', string.format('%d', exp), 'n', ARGV[4])
 redis.call('PEXPIRE', KEYS[1], tonumber(ARGV[2]) + tonumber(ARGV[3]))
 return {1, f, exp}
 ";

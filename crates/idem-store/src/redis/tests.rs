@@ -5,7 +5,7 @@ use idem_core::{
     Timestamp,
 };
 
-use super::format::{HEADER, pack, unpack};
+use super::format::{HEADER, pack, unpack, unpack_named};
 use super::*;
 
 /// A store on the project's Redis, or `None` if there is none.
@@ -126,18 +126,119 @@ fn a_value_of_another_shape_is_corrupt() {
     );
     let good = pack(&r);
     let mut other_format = good.clone();
-    other_format[0] = b'2';
+    other_format[0] = b'3';
     let mut bad_number = good.clone();
     bad_number[60] = b'x';
     let mut tail_on_in_progress = good.clone();
     tail_on_in_progress.push(b'r');
+    // The key: its length past the value, not a number, or naming another key.
+    let mut long_key = good.clone();
+    long_key[HEADER..HEADER + 4].copy_from_slice(b"0099");
+    let mut bad_length = good.clone();
+    bad_length[HEADER + 1] = b'x';
+    let other_key = pack(&Record {
+        key: Key::parse("s", "n", "j").unwrap(),
+        ..r.clone()
+    });
     for bad in [
         &good[..HEADER - 1],
+        &good[..HEADER + 3],
         &other_format,
         &bad_number,
         &tail_on_in_progress,
+        &long_key,
+        &bad_length,
+        &other_key,
     ] {
         assert!(matches!(unpack(&key, bad), Err(StoreError::Corrupt(_))));
     }
-    assert!(unpack(&key, &good).is_ok());
+    assert_eq!(unpack(&key, &good).unwrap(), r);
+    let (named, at) = unpack_named(&good).unwrap();
+    assert_eq!((named, at), (r.clone(), good.len()));
+    // Format 1, without the key, is still read, but names no key.
+    let mut keyless = good[..HEADER].to_vec();
+    keyless[0] = b'1';
+    assert_eq!(unpack(&key, &keyless).unwrap(), r);
+    assert!(unpack_named(&keyless).is_err());
+}
+
+/// A record of format 1, written before records kept their key, is still served in its own
+/// format: completed, replayed, repaired; a listing, which cannot name it, skips it.
+#[test]
+fn a_record_of_format_1_is_still_served() {
+    use idem_core::{RecordFilter, RecordState, Repair, Scope, Shown};
+
+    idem_testkit::block_on(async {
+        let Some(store) = shared_store().await else {
+            return;
+        };
+        let now = Timestamp::now();
+        let scope = format!("format-1-{}-{}", std::process::id(), now.as_millis());
+        let req = BeginRequest::new(
+            Key::parse(&scope, "n", "k").unwrap(),
+            Fingerprint::of_bytes(b"b"),
+        );
+        let (lease, fresh) = Record::acquired(&req, now, 1, idem_core::LeaseId::generate());
+        let mut old = pack(&fresh)[..HEADER].to_vec();
+        old[0] = b'1';
+        let at = store.redis_key(&req.key);
+        let mut conn = store.conn.clone();
+        let raw = |conn: &mut Conn| {
+            let mut conn = conn.clone();
+            let at = at.clone();
+            async move {
+                let v: Vec<u8> = redis::cmd("GET")
+                    .arg(at)
+                    .query_async(&mut conn)
+                    .await
+                    .unwrap();
+                v
+            }
+        };
+        let _: () = redis::cmd("SET")
+            .arg(&at)
+            .arg(old)
+            .arg("PX")
+            .arg(60_000)
+            .query_async(&mut conn)
+            .await
+            .unwrap();
+        store
+            .complete(&req.key, &lease, Bytes::from_static(b"done"), now)
+            .await
+            .unwrap();
+        let v = raw(&mut conn).await;
+        assert_eq!((v[0], &v[HEADER..]), (b'1', &b"done"[..]));
+        let replay = store.begin(&req, now).await.unwrap();
+        assert!(matches!(replay, BeginOutcome::Replay(r) if r.response.as_ref() == b"done"));
+
+        let admin = store.admin().unwrap();
+        let filter = RecordFilter {
+            scope: Some(Scope::new(scope.clone()).unwrap()),
+            ..RecordFilter::default()
+        };
+        let mut after = None;
+        loop {
+            let page = admin.list(&filter, after.as_ref(), 100, now).await.unwrap();
+            assert!(page.records.is_empty());
+            match page.next {
+                Some(next) => after = Some(next),
+                None => break,
+            }
+        }
+        let shown = Shown {
+            state: RecordState::Completed,
+            fence: 1,
+        };
+        assert!(
+            admin
+                .repair(&req.key, shown, Repair::Release, now)
+                .await
+                .unwrap()
+        );
+        let v = raw(&mut conn).await;
+        assert_eq!((v[0], v[1], v.len()), (b'1', b'r', HEADER));
+        let record = store.get(&req.key, now).await.unwrap().unwrap();
+        assert_eq!(record.status, Status::Released);
+    });
 }

@@ -22,6 +22,20 @@ pub(crate) trait Dialect: Database {
     const TABLE_OPTIONS: &'static str;
     /// The `VALUES` of an insert of three bound values, in the dialect's placeholders.
     const THREE_VALUES: &'static str;
+    /// Whether the key columns are bytes (`VARBINARY`, bound and read as bytes) rather than
+    /// text.
+    const BINARY_KEYS: bool;
+    /// Whether the server seeks an index by a row comparison (`(a, b) > (?, ?)`); one that
+    /// does not gets the same bound spelled out as `a > ? OR (a = ? AND b > ?)`.
+    const ROW_COMPARISON: bool;
+    /// The type a `CAST` to a 64-bit integer names.
+    const BIGINT: &'static str;
+
+    /// The placeholder of the `n`th value bound to a statement (from 1).
+    fn placeholder(n: usize) -> String;
+
+    /// How many rows a statement changed.
+    fn rows_affected(done: &Self::QueryResult) -> u64;
 
     /// Whether a database error means the server is busy, going away or failing over rather
     /// than that the statement is wrong.

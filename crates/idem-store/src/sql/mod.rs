@@ -1,7 +1,7 @@
 //! What the server-based SQL stores (PostgreSQL, MySQL/MariaDB) share: table names, versioned
 //! migrations (`migrate`), the [`Dialect`] each server is spoken in and the classification of
-//! its errors (`error`), the columns of a row and reading them, and the decisions `begin` and a
-//! settle make from a row as read.
+//! its errors (`error`), the columns of a row and reading them, the decisions `begin` and a
+//! settle make from a row as read, and the operator's view of the records (`admin`).
 
 use std::fmt;
 
@@ -12,6 +12,7 @@ use idem_core::{
 
 use crate::row::RawRow;
 
+pub(crate) mod admin;
 mod error;
 pub(crate) mod migrate;
 

@@ -3,12 +3,12 @@
 use std::time::Duration;
 
 use idem_core::{
-    Acquire, BoxFuture, Held, LockError, LockName, LockState, LockStore, OwnerDigest,
+    Acquire, BoxFuture, Held, HeldLock, LockError, LockName, LockState, LockStore, OwnerDigest,
     ReleaseListener, StoreError, Timestamp,
 };
 use rusqlite::{OptionalExtension, params};
 
-use crate::row::sql_int;
+use crate::row::{held_lock, sql_int};
 
 use super::SqliteStore;
 use super::writer::{Request, Responder};
@@ -191,5 +191,39 @@ impl LockStore for SqliteStore {
 
     fn listen(&self) -> Option<Box<dyn ReleaseListener>> {
         Some(self.released.listen())
+    }
+
+    /// On the read connection, by this machine's clock, as the writer decides.
+    fn held<'a>(
+        &'a self,
+        limit: usize,
+    ) -> BoxFuture<'a, Result<Option<Vec<HeldLock>>, StoreError>> {
+        Box::pin(async move {
+            let limit = sql_int(u64::try_from(limit).unwrap_or(u64::MAX));
+            let held = self
+                .reader
+                .run(move |conn| {
+                    let now = sql_int(Timestamp::now().as_millis());
+                    let mut stmt = conn.prepare_cached(
+                        "SELECT name, fence, expires_at FROM idem_locks
+                         WHERE expires_at > ?1 ORDER BY name LIMIT ?2",
+                    )?;
+                    let rows = stmt
+                        .query_map(params![now, limit], |row| {
+                            Ok((
+                                row.get::<_, String>(0)?,
+                                row.get::<_, i64>(1)?,
+                                row.get::<_, i64>(2)?,
+                            ))
+                        })?
+                        .collect::<rusqlite::Result<Vec<_>>>()?;
+                    Ok(rows
+                        .iter()
+                        .map(|(name, fence, expires_at)| held_lock(name, *fence, *expires_at))
+                        .collect())
+                })
+                .await?;
+            Ok(Some(held))
+        })
     }
 }

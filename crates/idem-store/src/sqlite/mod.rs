@@ -17,21 +17,23 @@
 //! survives a power loss, not only a crash of the process.
 //!
 //! The writer thread and its batches are in `writer`, what one operation does inside the
-//! transaction in `records`, the locks in `locks`, and the schema and connection settings in
-//! `schema`.
+//! transaction in `records`, the locks in `locks`, the operator's view (listing, counting,
+//! repairs) in `admin`, and the schema and connection settings in `schema`.
 
 use std::path::{Path, PathBuf};
-use std::sync::mpsc;
+use std::sync::{Arc, mpsc};
 use std::thread;
 use std::time::Duration;
 
 use idem_core::{
-    BeginOutcome, BeginRequest, Bytes, Key, Lease, LeaseError, Record, Store, StoreError, Timestamp,
+    BeginOutcome, BeginRequest, Bytes, Key, Lease, LeaseError, Record, RecordAdmin, Store,
+    StoreError, Timestamp,
 };
 use tokio::sync::oneshot;
 
 use crate::lock_feed::ReleaseFeed;
 
+mod admin;
 mod locks;
 mod records;
 mod schema;
@@ -85,6 +87,7 @@ pub struct SqliteStore {
     max_queue: usize,
     path: PathBuf,
     released: ReleaseFeed,
+    reader: Arc<admin::Reader>,
 }
 
 impl SqliteStore {
@@ -108,6 +111,7 @@ impl SqliteStore {
         Ok(Self {
             tx,
             max_queue,
+            reader: Arc::new(admin::Reader::new(path.clone(), options.busy_timeout)),
             path,
             released: ReleaseFeed::new(),
         })
@@ -207,5 +211,9 @@ impl Store for SqliteStore {
     async fn purge_expired(&self, now: Timestamp, limit: usize) -> Result<u64, StoreError> {
         self.call(Request::Purge(now, limit), Responder::Purge, Err)
             .await
+    }
+
+    fn admin(&self) -> Option<&dyn RecordAdmin> {
+        Some(self)
     }
 }

@@ -6,6 +6,7 @@ use rusqlite::{OptionalExtension, params};
 
 use crate::row::{RawRow, sql_int};
 
+use super::admin::apply_repair;
 use super::locks::apply_lock;
 use super::writer::{Answer, Request};
 
@@ -128,6 +129,9 @@ pub(super) fn apply(tx: &rusqlite::Transaction<'_>, request: &Request) -> rusqli
             Answer::Purge(Ok((n + locks) as u64))
         }
         Request::Lock(name, op) => Answer::Lock(apply_lock(tx, name, op)?),
+        Request::Repair(key, shown, repair, now) => {
+            Answer::Reopen(apply_repair(tx, key, *shown, *repair, *now)?)
+        }
     })
 }
 
@@ -150,7 +154,7 @@ fn transition(
     }
 }
 
-fn load(
+pub(super) fn load(
     tx: &rusqlite::Transaction<'_>,
     key: &Key,
 ) -> rusqlite::Result<Result<Option<Record>, StoreError>> {
@@ -185,7 +189,7 @@ fn load(
     Ok(row.map(|raw| raw.into_record(key)).transpose())
 }
 
-fn save(tx: &rusqlite::Transaction<'_>, r: &Record) -> rusqlite::Result<()> {
+pub(super) fn save(tx: &rusqlite::Transaction<'_>, r: &Record) -> rusqlite::Result<()> {
     tx.prepare_cached(
         "INSERT INTO idem_records (scope, namespace, client_key, fingerprint, status, fence,
              lease_id, lease_expires_at, response, ttl_ms, created_at, updated_at, expires_at)

@@ -5,8 +5,8 @@ use std::sync::mpsc;
 use std::time::Duration;
 
 use idem_core::{
-    BeginOutcome, BeginRequest, Bytes, Key, Lease, LeaseError, LockError, LockName, Record,
-    StoreError, Timestamp,
+    BeginOutcome, BeginRequest, Bytes, Key, Lease, LeaseError, LockError, LockName, Record, Repair,
+    Shown, StoreError, Timestamp,
 };
 use rusqlite::{Connection, ErrorCode, TransactionBehavior};
 use tokio::sync::oneshot;
@@ -31,6 +31,9 @@ pub(super) enum Request {
     Get(Key, Timestamp),
     Purge(Timestamp, usize),
     Lock(LockName, LockOp),
+    /// An operator's repair, fenced by what was shown; answered as `Reopen` is (whether it
+    /// changed the record).
+    Repair(Key, Shown, Repair, Timestamp),
 }
 
 pub(super) enum Responder {
