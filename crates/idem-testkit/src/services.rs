@@ -521,10 +521,17 @@ impl SqlServer {
                 for program in ["mariadb-install-db", "mariadbd", "mariadb-admin"] {
                     which(program)?;
                 }
+                // A temporary directory of its own: a MariaDB server starting elsewhere on the
+                // machine removes every `#sql*` file in its tmpdir (by default /tmp), which
+                // would pull the bootstrap's temporary tables from under it.
+                let tmp = server.dir.path().join("tmp");
+                std::fs::create_dir(&tmp)?;
+                let tmpdir = format!("--tmpdir={}", path(&tmp));
                 let datadir = format!("--datadir={data}");
                 let mut args = vec![
                     "--no-defaults",
                     &datadir,
+                    &tmpdir,
                     "--skip-test-db",
                     "--auth-root-authentication-method=normal",
                 ];
@@ -586,6 +593,7 @@ impl SqlServer {
                 "mariadbd".into(),
                 "--no-defaults".into(),
                 format!("--datadir={data}"),
+                format!("--tmpdir={dir}/tmp"),
                 format!("--port={port}"),
                 "--bind-address=127.0.0.1".into(),
                 format!("--socket={dir}/mariadb.sock"),
