@@ -9,9 +9,15 @@
 //! alone and expires with its TTL.
 
 use http::StatusCode;
-use idem_core::{DynStore, Key, Status, StoreError, Timestamp};
+use idem_core::{
+    Bytes, Counts, DynStore, Key, Listed, RecordAdmin, RecordFilter, Status, StoreError, Timestamp,
+};
 
-use crate::stored::Stored;
+use crate::stored::{self, Stored};
+
+/// The first bytes of every stored unknown outcome: the
+/// [`RecordFilter::response_prefix`] that lists them.
+pub const UNKNOWN_PREFIX: &[u8] = &stored::UNKNOWN_PREFIX;
 
 /// What a live HTTP record holds.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -20,6 +26,12 @@ pub enum RecordState {
     /// An attempt holds the key.
     InProgress {
         /// When its lease runs out.
+        lease_expires_at: Timestamp,
+    },
+    /// An attempt held the key, but its lease ran out: it is gone or stalled, and a retry of
+    /// the same request takes over.
+    Stuck {
+        /// When its lease ran out.
         lease_expires_at: Timestamp,
     },
     /// An answer is stored and replayed to every retry.
@@ -41,14 +53,18 @@ pub enum RecordState {
     Released,
     /// The stored value is not an HTTP answer (another program wrote the record).
     Foreign,
+    /// No longer live, not yet purged (listings only).
+    Expired,
 }
 
 impl RecordState {
-    /// A stable lower-case name: `in_progress`, `stored`, `too_large`, `unknown`, `released`,
-    /// `foreign`.
+    /// A stable lower-case name: `in_progress`, `stuck`, `stored`, `too_large`, `unknown`,
+    /// `released`, `foreign`, `expired`.
     pub const fn name(&self) -> &'static str {
         match self {
             Self::InProgress { .. } => "in_progress",
+            Self::Stuck { .. } => "stuck",
+            Self::Expired => "expired",
             Self::Stored { .. } => "stored",
             Self::TooLarge { .. } => "too_large",
             Self::Unknown { .. } => "unknown",
@@ -81,6 +97,9 @@ pub async fn inspect(
         return Ok(None);
     };
     let state = match (record.status, record.response) {
+        (Status::InProgress, _) if record.lease_expires_at <= now => RecordState::Stuck {
+            lease_expires_at: record.lease_expires_at,
+        },
         (Status::InProgress, _) => RecordState::InProgress {
             lease_expires_at: record.lease_expires_at,
         },
@@ -140,4 +159,74 @@ pub async fn reopen_unknown(
         Some(view) => Reopened::NotUnknown(view),
         None => Reopened::NotFound,
     })
+}
+
+/// An HTTP answer as a record stores it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct StoredAnswer {
+    /// Its status.
+    pub status: StatusCode,
+    /// Its headers, as replayed.
+    pub headers: http::HeaderMap,
+    /// Its body.
+    pub body: Bytes,
+}
+
+/// The answer a completed record replays, if it holds an HTTP answer (not an unknown outcome,
+/// an answer too large to keep, or another program's value).
+pub fn stored_answer(record: &idem_core::Record) -> Option<StoredAnswer> {
+    match Stored::decode(record.response.clone()?) {
+        Ok(Stored::Response {
+            status,
+            headers,
+            body,
+        }) => Some(StoredAnswer {
+            status,
+            headers,
+            body,
+        }),
+        _ => None,
+    }
+}
+
+/// What a listed record holds, in HTTP terms (told from the head of its stored answer).
+pub fn listed_state(listed: &Listed) -> RecordState {
+    use idem_core::RecordState as S;
+    let lease_expires_at = listed.lease_expires_at;
+    match listed.state {
+        S::InProgress => RecordState::InProgress { lease_expires_at },
+        S::Stuck => RecordState::Stuck { lease_expires_at },
+        S::Released => RecordState::Released,
+        S::Expired => RecordState::Expired,
+        S::Completed => match stored::kind_of_head(&listed.response_head) {
+            Some(Stored::Response { status, .. }) => RecordState::Stored { status },
+            Some(Stored::TooLarge { status }) => RecordState::TooLarge { status },
+            Some(Stored::Unknown { until }) => RecordState::Unknown { until },
+            None => RecordState::Foreign,
+        },
+    }
+}
+
+/// Records by state, with the unknown outcomes among the completed ones counted apart.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct HttpCounts {
+    /// Every record passing the filter, by store state.
+    pub records: Counts,
+    /// The completed records that hold an unknown outcome.
+    pub unknown: u64,
+}
+
+/// Counts the records passing `filter` by state, and the unknown outcomes among them.
+pub async fn counts(
+    admin: &dyn RecordAdmin,
+    filter: &RecordFilter,
+    now: Timestamp,
+) -> Result<HttpCounts, StoreError> {
+    let records = admin.count(filter, now).await?;
+    let unknown = RecordFilter {
+        response_prefix: Some(Bytes::from_static(UNKNOWN_PREFIX)),
+        ..filter.clone()
+    };
+    let unknown = admin.count(&unknown, now).await?.completed;
+    Ok(HttpCounts { records, unknown })
 }

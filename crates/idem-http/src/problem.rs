@@ -94,6 +94,9 @@ impl Problem {
     /// 503 for a store failure: the work must not run. The store's own message (which may
     /// name a database user or host) is logged, not sent to the client.
     pub fn store(e: &idem_core::StoreError) -> Self {
+        if let idem_core::StoreError::Invalid(e) = e {
+            return Self::invalid_request(format!("{e}."));
+        }
         if let idem_core::StoreError::Full { .. } = e {
             tracing::warn!(error = %e, "the record store is full; answered store_full");
             return ProblemCode::StoreFull

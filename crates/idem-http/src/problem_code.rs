@@ -133,9 +133,11 @@ catalogue! {
     UpstreamTimeout = (GATEWAY_TIMEOUT, "upstream_timeout", "Upstream timed out",
         "The upstream did not answer in time; the outcome is recorded as unknown.");
     AdminDisabled = (FORBIDDEN, "admin_disabled", "Admin endpoints disabled",
-        "The gateway's record tools were asked for, but it has no admin token.");
+        "The record tools were asked for, but the server has no admin token.");
     RecordNotFound = (NOT_FOUND, "record_not_found", "No such record",
-        "The gateway has no live record for the path, key and scope.");
+        "There is no live record under the key asked about (for the gateway: the path, key and scope).");
+    RecordToolsUnsupported = (NOT_IMPLEMENTED, "record_tools_unsupported", "Record tools unsupported",
+        "The server's store does not list, count or repair records.");
     NotUnknown = (CONFLICT, "not_unknown", "Outcome not unknown",
         "Only a record with an unknown outcome is reopened; this one holds something else.");
     // One-time tokens.

@@ -104,6 +104,34 @@ impl Stored {
     }
 }
 
+/// What a stored value is, told from its first bytes alone (a listing's response head): the
+/// kind of answer and its status, without the headers and body.
+pub(crate) fn kind_of_head(head: &[u8]) -> Option<Stored> {
+    let rest = head.strip_prefix(TAG.as_slice())?;
+    let (&tag, rest) = rest.split_first()?;
+    let u16_at = |b: &[u8]| Some(u16::from_be_bytes([*b.first()?, *b.get(1)?]));
+    match tag {
+        RESPONSE => Some(Stored::Response {
+            status: status(u16_at(rest)?).ok()?,
+            headers: HeaderMap::new(),
+            body: Bytes::new(),
+        }),
+        UNKNOWN => {
+            let until = u64::from_be_bytes(rest.get(..8)?.try_into().ok()?);
+            Some(Stored::Unknown {
+                until: (until != 0).then(|| Timestamp::from_millis(until)),
+            })
+        }
+        TOO_LARGE => Some(Stored::TooLarge {
+            status: status(u16_at(rest)?).ok()?,
+        }),
+        _ => None,
+    }
+}
+
+/// The first bytes of every stored unknown outcome.
+pub(crate) const UNKNOWN_PREFIX: [u8; 5] = [TAG[0], TAG[1], TAG[2], TAG[3], UNKNOWN];
+
 fn put_field(out: &mut BytesMut, v: &[u8]) {
     // Header names and values are far below 4 GiB: hyper limits a whole head to far less.
     out.put_u32(u32::try_from(v.len()).unwrap_or(u32::MAX));
@@ -162,6 +190,48 @@ mod tests {
             },
         ] {
             assert_eq!(Stored::decode(s.encode()).unwrap(), s);
+        }
+    }
+
+    #[test]
+    fn a_head_tells_the_kind_of_answer() {
+        let until = Some(Timestamp::from_millis(1_234));
+        for stored in [
+            Stored::Response {
+                status: StatusCode::CREATED,
+                headers: HeaderMap::new(),
+                body: Bytes::from(vec![7; 100]),
+            },
+            Stored::Unknown { until },
+            Stored::Unknown { until: None },
+            Stored::TooLarge {
+                status: StatusCode::OK,
+            },
+        ] {
+            let bytes = stored.encode();
+            let head = &bytes[..bytes.len().min(32)];
+            let kind = kind_of_head(head).unwrap();
+            match (&stored, kind) {
+                (Stored::Response { status, .. }, Stored::Response { status: s, .. }) => {
+                    assert_eq!(*status, s);
+                }
+                (a, b) if matches!(a, Stored::Response { .. }) => panic!("{a:?} read as {b:?}"),
+                (a, b) => assert_eq!(*a, b),
+            }
+        }
+        assert!(
+            Stored::Unknown { until }
+                .encode()
+                .starts_with(&UNKNOWN_PREFIX)
+        );
+        for bad in [
+            &b""[..],
+            b"IDH1",
+            b"IDH1\x00\x00",
+            b"XXXX\x00\x00\xc8",
+            b"IDH1\x09",
+        ] {
+            assert_eq!(kind_of_head(bad), None);
         }
     }
 

@@ -715,6 +715,43 @@ async fn an_operator_reopens_a_held_unknown_outcome_and_nothing_else() {
 }
 
 #[tokio::test]
+async fn a_listing_tells_unknown_outcomes_from_stored_answers() {
+    use idem_core::{Clock, RecordFilter};
+    use idem_http::operator::{RecordState, counts, listed_state};
+    let store: SharedStore = Arc::new(MemoryStore::new());
+    let app = app_on(store.clone(), Policy::default());
+    app.send(post_with("/unknown", "u1", "")).await;
+    app.send(post_with("/unknown", "u2", "")).await;
+    app.send(post_with("/orders", "o", "{}")).await;
+    let admin = store.admin().unwrap();
+    let now = app.clock.now();
+    let page = admin
+        .list(&RecordFilter::default(), None, 10, now)
+        .await
+        .unwrap();
+    let states: Vec<(String, RecordState)> = page
+        .records
+        .iter()
+        .map(|l| (l.key.client_key().as_str().to_owned(), listed_state(l)))
+        .collect();
+    assert_eq!(
+        states,
+        [
+            (
+                "o".to_owned(),
+                RecordState::Stored {
+                    status: StatusCode::CREATED
+                }
+            ),
+            ("u1".to_owned(), RecordState::Unknown { until: None }),
+            ("u2".to_owned(), RecordState::Unknown { until: None }),
+        ]
+    );
+    let counted = counts(admin, &RecordFilter::default(), now).await.unwrap();
+    assert_eq!((counted.records.completed, counted.unknown), (3, 2));
+}
+
+#[tokio::test]
 async fn a_full_store_refuses_new_keys_and_still_replays() {
     let store = MemoryStore::with_limits(idem_store::MemoryLimits::new(1, usize::MAX));
     let app = app_on(Arc::new(store), Policy::default());

@@ -13,6 +13,7 @@ use idem_core::{
 use serde::Deserialize;
 use serde_json::{Value, json};
 use tracing::{debug, warn};
+use utoipa::ToSchema;
 
 use idem::InFlight;
 
@@ -87,16 +88,29 @@ fn parse_lease(token: &str) -> Result<Lease, Problem> {
     })
 }
 
-#[derive(Deserialize)]
+/// `POST /v1/records/begin`: exactly one of `fingerprint` and `request`.
+#[derive(Deserialize, ToSchema)]
 #[serde(deny_unknown_fields)]
 pub(crate) struct BeginBody {
+    /// The namespace of the key: 1 to 128 ASCII letters, digits, `.`, `_`, `:` or `-`.
+    #[schema(pattern = "^[A-Za-z0-9._:-]{1,128}$")]
     namespace: String,
+    /// The idempotency key: 1 to 255 visible ASCII characters.
+    #[schema(pattern = "^[!-~]{1,255}$")]
     key: String,
+    /// A string that identifies the request (1 to 1024 bytes).
     fingerprint: Option<String>,
-    /// `Some` whenever the member is present, even as `null` (a valid request to fingerprint).
+    /// The request as JSON, fingerprinted in canonical form (`null` is a request too).
+    // `Some` whenever the member is present, even as `null` (a valid request to fingerprint).
     #[serde(default, deserialize_with = "present")]
+    #[schema(value_type = Value)]
     request: Option<Value>,
+    /// The lease, in milliseconds (1 to 86400000); the server's default without it.
+    #[schema(minimum = 1, maximum = 86_400_000)]
     lease_ms: Option<u64>,
+    /// How long the record is kept, in milliseconds (1 to 31536000000); the server's default
+    /// without it.
+    #[schema(minimum = 1, maximum = 31_536_000_000_u64)]
     ttl_ms: Option<u64>,
 }
 
@@ -148,6 +162,7 @@ pub(crate) async fn begin(
         .await
         .map_err(|e| Problem::store(&e))?;
     debug!(key = %req.key.log_tag(), outcome = outcome_name(&outcome), "begin");
+    metrics::counter!("idem_api_begins_total", "outcome" => outcome_name(&outcome)).increment(1);
     match outcome {
         BeginOutcome::Acquired(lease) => Ok(Json(json!({
             "outcome": "acquired",
@@ -176,6 +191,14 @@ pub(crate) async fn begin(
     }
 }
 
+/// Describes the record API's metrics.
+pub fn describe_metrics() {
+    metrics::describe_counter!(
+        "idem_api_begins_total",
+        "Claims over the JSON API by outcome (acquired, replay, in_progress, mismatch)."
+    );
+}
+
 fn outcome_name(o: &BeginOutcome) -> &'static str {
     match o {
         BeginOutcome::Acquired(_) => "acquired",
@@ -200,20 +223,34 @@ fn insert_response(body: &mut Value, stored: &Bytes) {
     };
 }
 
-#[derive(Deserialize)]
+/// `POST /v1/records/complete`.
+#[derive(Deserialize, ToSchema)]
 #[serde(deny_unknown_fields)]
 pub(crate) struct CompleteBody {
+    /// The namespace of the key.
+    #[schema(pattern = "^[A-Za-z0-9._:-]{1,128}$")]
     namespace: String,
+    /// The idempotency key.
+    #[schema(pattern = "^[!-~]{1,255}$")]
     key: String,
+    /// The lease token `begin` returned (`lease.id`).
     lease: String,
+    /// The response to store: every retry gets it back.
     response: Value,
 }
 
-#[derive(Deserialize)]
+/// `POST /v1/records/release`.
+#[derive(Deserialize, ToSchema)]
 #[serde(deny_unknown_fields)]
+#[schema(as = RecordReleaseBody)]
 pub(crate) struct ReleaseBody {
+    /// The namespace of the key.
+    #[schema(pattern = "^[A-Za-z0-9._:-]{1,128}$")]
     namespace: String,
+    /// The idempotency key.
+    #[schema(pattern = "^[!-~]{1,255}$")]
     key: String,
+    /// The lease token `begin` returned (`lease.id`).
     lease: String,
 }
 

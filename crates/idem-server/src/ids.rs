@@ -152,7 +152,49 @@ impl Table {
 #[derive(Clone, Default)]
 pub struct SegmentTable(Arc<Mutex<Table>>);
 
+/// One caller's segment tag as operators see it: how many ids it holds in memory and how long
+/// they would last without the store.
+#[derive(Debug, Clone, PartialEq)]
+pub struct SegmentView {
+    /// The caller's scope.
+    pub scope: String,
+    /// The tag.
+    pub tag: String,
+    /// Ids in memory (current and spare ranges).
+    pub remaining: u64,
+    /// The size of the next range fetched.
+    pub step: u64,
+    /// How long the ids in memory last at the rate served so far.
+    pub runway: Option<Duration>,
+    /// Why the last fetch failed, while fetches fail.
+    pub failing: Option<String>,
+}
+
 impl SegmentTable {
+    /// Every tag the table holds, by scope and tag. The allocators are read after the table's
+    /// lock is let go.
+    pub fn views(&self) -> Vec<SegmentView> {
+        let held: Vec<(ScopedTag, Arc<idem_id::Segments>)> = self
+            .lock()
+            .slots
+            .iter()
+            .map(|(k, slot)| (k.clone(), slot.segments.clone()))
+            .collect();
+        let mut views: Vec<SegmentView> = held
+            .into_iter()
+            .map(|((scope, tag), s)| SegmentView {
+                scope,
+                tag,
+                remaining: s.remaining(),
+                step: s.step(),
+                runway: s.runway(),
+                failing: s.last_error(),
+            })
+            .collect();
+        views.sort_by(|a, b| (&a.scope, &a.tag).cmp(&(&b.scope, &b.tag)));
+        views
+    }
+
     /// An empty table within `limits`.
     pub fn new(limits: SegmentLimits) -> Self {
         Self(Arc::new(Mutex::new(Table {
@@ -301,6 +343,7 @@ fn count(query: Option<&str>) -> Result<u32, Problem> {
 pub async fn uuid7(_: Caller, RawQuery(q): RawQuery) -> Result<Json<Value>, Problem> {
     let n = count(q.as_deref())?;
     let ids: Vec<String> = (0..n).map(|_| idem_id::uuid7().to_string()).collect();
+    issued("uuid7", ids.len());
     Ok(Json(json!({ "ids": ids })))
 }
 
@@ -320,6 +363,7 @@ pub async fn snowflake(
     let batch = take(generator, n).await?;
     let worker = batch.worker();
     let ids: Vec<u64> = batch.collect();
+    issued("snowflake", ids.len());
     let strings: Vec<String> = ids.iter().map(u64::to_string).collect();
     Ok(Json(json!({
         "ids": ids,
@@ -355,8 +399,21 @@ pub async fn segment(
         };
         ids.push(id);
     }
+    issued("segment", ids.len());
     let strings: Vec<String> = ids.iter().map(u64::to_string).collect();
     Ok(Json(json!({ "ids": ids, "id_strings": strings })))
+}
+
+/// Describes the id endpoints' metrics.
+pub fn describe_metrics() {
+    metrics::describe_counter!(
+        "idem_ids_issued_total",
+        "Ids handed out over HTTP, by kind (uuid7, snowflake, segment)."
+    );
+}
+
+fn issued(kind: &'static str, n: usize) {
+    metrics::counter!("idem_ids_issued_total", "kind" => kind).increment(n as u64);
 }
 
 /// `n` ids, waiting (briefly, without blocking a thread) while the layout's rate is exceeded.

@@ -13,7 +13,9 @@
 //! | `POST /v1/tokens`, `POST /v1/tokens/consume` | one-time tokens (see [`tokens`]) |
 //! | `POST /v1/locks/{name}/acquire`, `/renew`, `/release` | locks with fencing (see [`locks`]) |
 //! | `GET /v1/ids/uuid7`, `/v1/ids/snowflake`, `/v1/ids/segment/{tag}` (`?count=N`) | ids (see [`ids`]) |
+//! | `GET /openapi.json` | this API as an OpenAPI 3.1 document (see [`openapi`]) |
 
+pub mod admin;
 pub mod api;
 pub mod auth;
 pub mod gateway;
@@ -22,9 +24,12 @@ pub mod ids;
 pub mod json;
 pub mod listener;
 pub mod locks;
+pub mod metered;
 pub mod metrics;
+pub mod openapi;
 pub mod relay;
 pub mod tokens;
+pub mod trace;
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -63,6 +68,12 @@ pub struct AppState {
     pub segments: ids::SegmentTable,
     /// Locks, if the store keeps them.
     pub locks: Option<idem::Locks>,
+    /// The token of the record tools under `/_idem/records`; `None` turns them off.
+    pub admin_token: Option<admin::AdminToken>,
+    /// Records counted in the background ([`admin::sampler::run`]), for the admin page.
+    pub records_history: Arc<admin::History>,
+    /// Whether `/_idem/metrics` needs the admin token too.
+    pub metrics_require_token: bool,
 }
 
 impl AppState {
@@ -79,6 +90,9 @@ impl AppState {
             health: health::Monitor::default(),
             segments: ids::SegmentTable::default(),
             locks: None,
+            admin_token: None,
+            records_history: Arc::default(),
+            metrics_require_token: false,
         }
     }
 
@@ -91,8 +105,37 @@ impl AppState {
     }
 }
 
-/// The API's routes.
+/// The reserved prefix of the server's own endpoints (health, metrics, record tools).
+pub const ADMIN_PREFIX: &str = "/_idem";
+
+/// The API's routes, and under [`ADMIN_PREFIX`] the operator's: `/health`, `/metrics` and the
+/// record tools (see [`admin::http`]).
 pub fn router(state: AppState) -> Router {
+    api::describe_metrics();
+    ids::describe_metrics();
+    locks::describe_metrics();
+    metered::describe_metrics();
+    let tools = admin::RecordTools {
+        store: state.store.clone(),
+        clock: state.clock.clone(),
+        token: state.admin_token.clone(),
+        history: state.records_history.clone(),
+    };
+    let operator = Router::new()
+        .route("/health", get(api::health))
+        .route("/segments", get(admin_segments))
+        .route("/locks", get(admin_locks))
+        .route(
+            "/metrics",
+            get(
+                |axum::extract::State(s): axum::extract::State<AppState>,
+                 req: axum::extract::Request| async move {
+                    admin::metrics_response(&s, s.metrics_require_token, &req.into_parts().0)
+                },
+            ),
+        )
+        .with_state(state.clone())
+        .merge(admin::router(tools));
     Router::new()
         .route("/healthz", get(api::health))
         .route("/v1/records/begin", post(api::begin))
@@ -107,11 +150,82 @@ pub fn router(state: AppState) -> Router {
         .route("/v1/ids/uuid7", get(ids::uuid7))
         .route("/v1/ids/snowflake", get(ids::snowflake))
         .route("/v1/ids/segment/{tag}", get(ids::segment))
+        .route("/openapi.json", get(openapi::serve))
+        .with_state(state)
+        .nest(ADMIN_PREFIX, operator)
+        // The page is the prefix itself; with a final slash too.
+        .route(
+            "/_idem/",
+            get(|| async { axum::response::Redirect::permanent(ADMIN_PREFIX) }),
+        )
         .fallback(|| async { Problem::not_found("There is no such endpoint.") })
         .method_not_allowed_fallback(|| async {
             ProblemCode::MethodNotAllowed.problem("This endpoint does not take that method.")
         })
-        .with_state(state)
+        .layer(axum::middleware::from_fn(trace::request_span))
+}
+
+impl admin::AdminAccess for AppState {
+    fn admin_token(&self) -> Option<&admin::AdminToken> {
+        self.admin_token.as_ref()
+    }
+}
+
+/// `GET /_idem/segments`: the segment tags this server holds for its callers, with their
+/// runway (admin token).
+async fn admin_segments(
+    axum::extract::State(state): axum::extract::State<AppState>,
+    _: admin::Operator,
+) -> axum::Json<serde_json::Value> {
+    let tags: Vec<serde_json::Value> = state
+        .segments
+        .views()
+        .into_iter()
+        .map(|v| {
+            serde_json::json!({
+                "scope": v.scope,
+                "tag": v.tag,
+                "remaining": v.remaining,
+                "step": v.step,
+                "runway_seconds": v.runway.map(|d| d.as_secs_f64()),
+                "failing": v.failing,
+            })
+        })
+        .collect();
+    axum::Json(serde_json::json!({ "segments": tags }))
+}
+
+/// The most locks `GET /_idem/locks` lists.
+const MAX_LOCKS_LISTED: usize = 1000;
+
+/// `GET /_idem/locks`: the locks held now, by name, with their fences and lease ends (admin
+/// token); never their owners.
+async fn admin_locks(
+    axum::extract::State(state): axum::extract::State<AppState>,
+    _: admin::Operator,
+) -> Result<axum::Json<serde_json::Value>, Problem> {
+    let unsupported = || {
+        ProblemCode::LocksUnsupported
+            .problem("This server's store keeps no locks, or cannot list them.")
+    };
+    let locks = state.locks.as_ref().ok_or_else(unsupported)?;
+    let held = locks
+        .store()
+        .held(MAX_LOCKS_LISTED)
+        .await
+        .map_err(|e| Problem::store(&e))?
+        .ok_or_else(unsupported)?;
+    let held: Vec<serde_json::Value> = held
+        .iter()
+        .map(|l| {
+            serde_json::json!({
+                "name": l.name.as_str(),
+                "fence": l.fence,
+                "expires_at": api::rfc3339(l.expires_at),
+            })
+        })
+        .collect();
+    Ok(axum::Json(serde_json::json!({ "locks": held })))
 }
 
 pub use idem::purge::purge_loop;

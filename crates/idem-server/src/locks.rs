@@ -26,6 +26,7 @@ use idem_http::{Problem, ProblemCode};
 use serde::Deserialize;
 use serde_json::{Value, json};
 use sha2::{Digest, Sha256};
+use utoipa::ToSchema;
 
 use crate::AppState;
 use crate::api::{MAX_LEASE, rfc3339};
@@ -38,26 +39,38 @@ pub const MAX_WAIT: Duration = Duration::from_secs(60);
 pub const MAX_NAME: usize = 128;
 
 /// `POST /v1/locks/{name}/acquire`.
-#[derive(Deserialize)]
+#[derive(Deserialize, ToSchema)]
 #[serde(deny_unknown_fields)]
 pub struct AcquireBody {
+    /// The lease, in milliseconds (1 to 86400000).
+    #[schema(minimum = 1, maximum = 86_400_000)]
     lease_ms: u64,
+    /// How long to wait for the lock, in milliseconds (0 to 60000; default 0).
+    #[schema(maximum = 60_000)]
     wait_ms: Option<u64>,
+    /// The caller's own owner id (16 to 64 characters of `A-Z a-z 0-9 - _`): repeating the
+    /// acquire with it returns the same holding.
+    #[schema(pattern = "^[A-Za-z0-9_-]{16,64}$")]
     owner: Option<String>,
 }
 
 /// `POST /v1/locks/{name}/renew`.
-#[derive(Deserialize)]
+#[derive(Deserialize, ToSchema)]
 #[serde(deny_unknown_fields)]
 pub struct RenewBody {
+    /// The handle an acquire returned.
     lock: String,
+    /// The new lease, in milliseconds (1 to 86400000).
+    #[schema(minimum = 1, maximum = 86_400_000)]
     lease_ms: u64,
 }
 
 /// `POST /v1/locks/{name}/release`.
-#[derive(Deserialize)]
+#[derive(Deserialize, ToSchema)]
 #[serde(deny_unknown_fields)]
+#[schema(as = LockReleaseBody)]
 pub struct ReleaseBody {
+    /// The handle an acquire returned.
     lock: String,
 }
 
@@ -130,6 +143,15 @@ fn problem(e: &LockError) -> Problem {
     }
 }
 
+/// Describes the lock endpoints' metrics.
+pub fn describe_metrics() {
+    metrics::describe_histogram!(
+        "idem_lock_acquire_seconds",
+        metrics::Unit::Seconds,
+        "How long lock acquisitions over HTTP took, waiting for the holder included, by result (acquired, refused)."
+    );
+}
+
 /// Acquires a lock, waiting up to `wait_ms`.
 pub async fn acquire(
     State(state): State<AppState>,
@@ -146,6 +168,7 @@ pub async fn acquire(
             ProblemCode::InvalidWait.problem("`wait_ms` must be at most 60000 (one minute).")
         );
     }
+    let started = std::time::Instant::now();
     let acquired = match &body.owner {
         Some(id) => {
             let owner = LockOwner::parse(id)
@@ -158,6 +181,13 @@ pub async fn acquire(
         // released for it, rather than held for its whole lease.
         None => locks.acquire(&name, lease, wait).await,
     };
+    let result = if acquired.is_ok() {
+        "acquired"
+    } else {
+        "refused"
+    };
+    metrics::histogram!("idem_lock_acquire_seconds", "result" => result)
+        .record(started.elapsed().as_secs_f64());
     let guard = acquired.map_err(|e| problem(&e))?;
     // The caller holds the lock through its handle, not through this guard.
     let (owner, holding) = guard.detach();

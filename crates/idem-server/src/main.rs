@@ -7,11 +7,15 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use clap::{Parser, Subcommand};
+
+#[path = "cli/records.rs"]
+mod records_cli;
 use idem::purge::purge_loop_reporting;
 use idem_core::{Clock, SharedStore, SystemClock};
 use idem_server::auth::Auth;
 use idem_server::gateway::{FileConfig, Gateway, Upstream};
 use idem_server::listener::{self, Limits};
+use idem_server::metered::Metered;
 use idem_server::{AppState, DEFAULT_MAX_BODY, router};
 use idem_store::StoreUrl;
 use tracing::{info, warn};
@@ -23,6 +27,10 @@ use tracing::{info, warn};
 #[derive(Parser)]
 #[command(name = "idem", version, propagate_version = true)]
 struct Cli {
+    /// How log lines are written to standard error: text, or json (one object a line).
+    #[arg(long, global = true, env = "IDEM_LOG_FORMAT", default_value = "text", value_parser = ["text", "json"])]
+    log_format: String,
+
     #[command(subcommand)]
     command: Command,
 }
@@ -68,6 +76,25 @@ enum Command {
     /// for as long as it runs, so it never repeats an id another process issues in the same
     /// id space; segment takes a range of the sequence --tag from --store.
     Id(IdArgs),
+
+    /// See and repair the records a store holds, with no server running.
+    ///
+    /// `list` and `counts` show records by scope, namespace, state (in_progress, stuck,
+    /// completed, released, expired, unknown) and age; `show` one record with its answer;
+    /// `reopen` lets an unknown outcome run again, `release` gives back the keys of attempts
+    /// that are gone, `delete` forgets records. A repair shows what it will touch, asks, and
+    /// changes only records still as they were shown.
+    Records(RecordsArgs),
+}
+
+#[derive(clap::Args)]
+struct RecordsArgs {
+    /// The store: sqlite://PATH, memory://, postgres://…, mysql://…, redis://…
+    #[arg(long, env = "IDEM_STORE", default_value = "sqlite://idem.db")]
+    store: String,
+
+    #[command(subcommand)]
+    command: records_cli::RecordsCommand,
 }
 
 #[derive(clap::Args)]
@@ -298,6 +325,20 @@ struct ServeArgs {
     #[arg(long, env = "IDEM_ID_SPACE", default_value = "default")]
     id_space: String,
 
+    /// A file holding the admin token (one word, at least 16 characters) that turns on the
+    /// record tools under /_idem/records (list, counts, show, repair); without it they
+    /// answer 403.
+    #[arg(long, env = "IDEM_ADMIN_TOKEN_FILE", value_name = "FILE")]
+    admin_token_file: Option<PathBuf>,
+
+    /// Make /_idem/metrics need the admin token too.
+    #[arg(
+        long,
+        env = "IDEM_METRICS_REQUIRE_TOKEN",
+        requires = "admin_token_file"
+    )]
+    metrics_require_token: bool,
+
     #[command(flatten)]
     limits: LimitArgs,
 }
@@ -417,14 +458,21 @@ fn limits(
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
-    tracing_subscriber::fmt()
+    let logs = tracing_subscriber::fmt()
         .with_env_filter(
             tracing_subscriber::EnvFilter::try_from_env("IDEM_LOG")
                 .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
         )
-        .with_writer(std::io::stderr)
-        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
-        .init();
+        .with_writer(std::io::stderr);
+    if cli.log_format == "json" {
+        logs.json()
+            .with_current_span(true)
+            .with_span_list(false)
+            .init();
+    } else {
+        logs.with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
+            .init();
+    }
     let result = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()
@@ -437,6 +485,10 @@ fn main() -> ExitCode {
                     Command::Migrate(args) => migrate(&args).await,
                     Command::Relay(args) => relay(args).await,
                     Command::Id(args) => print_ids(&args).await,
+                    Command::Records(args) => {
+                        let store = open_store(&args.store).await?;
+                        records_cli::run(store, args.command).await
+                    }
                 }
             })
         });
@@ -457,15 +509,19 @@ async fn open_with_locks(
     let parsed: StoreUrl = url
         .parse()
         .map_err(|e| format!("invalid store URL {:?}: {e}", idem_store::redact(url)))?;
+    // Installed before the store is wrapped: metric handles taken earlier record nothing.
+    idem_server::metrics::Registry::global();
+    let metered = |store: SharedStore| -> SharedStore { Arc::new(Metered::new(store)) };
     if let StoreUrl::Memory(limits) = &parsed {
         let store = idem_store::MemoryStore::with_limits(*limits);
         tokio::spawn(idem_server::metrics::watch_memory_store(store.clone()));
-        return Ok((Arc::new(store.clone()), Some(Arc::new(store))));
+        return Ok((metered(Arc::new(store.clone())), Some(Arc::new(store))));
     }
-    parsed
+    let (store, locks) = parsed
         .open_with_locks()
         .await
-        .map_err(|e| format!("store {:?}: {e}", idem_store::redact(url)))
+        .map_err(|e| format!("store {:?}: {e}", idem_store::redact(url)))?;
+    Ok((metered(store), locks))
 }
 
 /// Opens the store at `url`; the error names it with any password hidden.
@@ -639,6 +695,11 @@ async fn serve(args: &ServeArgs) -> Result<(), String> {
         Some(path) => Auth::from_file(path).map_err(|e| e.to_string())?,
         None => Auth::anonymous(),
     };
+    let admin_token = args
+        .admin_token_file
+        .as_deref()
+        .map(idem_server::admin::AdminToken::from_file)
+        .transpose()?;
     if auth.is_anonymous() && !args.listen.ip().is_loopback() && !args.allow_anonymous {
         return Err(format!(
             "refusing to serve {} without API keys: give --api-keys FILE, or \
@@ -684,12 +745,21 @@ async fn serve(args: &ServeArgs) -> Result<(), String> {
         health: health.clone(),
         segments: idem_server::ids::SegmentTable::default(),
         locks: locks.map(idem::Locks::shared),
+        admin_token,
+        records_history: Arc::default(),
+        metrics_require_token: args.metrics_require_token,
     };
     let watch = tokio::spawn(
         health
             .clone()
             .watch(idem_server::health::Components::of(&state)),
     );
+    let sampler = tokio::spawn(idem_server::admin::sampler::run(
+        store.clone(),
+        clock.clone(),
+        state.records_history.clone(),
+        idem_server::admin::sampler::SAMPLE_EVERY,
+    ));
     let served = run(
         args.listen,
         router(state),
@@ -702,6 +772,7 @@ async fn serve(args: &ServeArgs) -> Result<(), String> {
     .await;
     health.shutting_down();
     watch.abort();
+    sampler.abort();
     // Into quarantine, so no other process reuses it at once.
     if let Err(e) = snowflake.release().await {
         warn!(error = %e, "could not give the Snowflake worker id back; it expires with its lease");
@@ -769,6 +840,12 @@ async fn gateway(args: GatewayArgs) -> Result<(), String> {
     let health = gateway.health.clone();
     let components = idem_server::health::Components::store_only(store.clone(), clock.clone());
     let watch = tokio::spawn(health.clone().watch(components));
+    let sampler = tokio::spawn(idem_server::admin::sampler::run(
+        store.clone(),
+        clock.clone(),
+        gateway.records_history.clone(),
+        idem_server::admin::sampler::SAMPLE_EVERY,
+    ));
     let served = run(
         listen,
         gateway.router(),
@@ -780,6 +857,7 @@ async fn gateway(args: GatewayArgs) -> Result<(), String> {
     )
     .await;
     watch.abort();
+    sampler.abort();
     served
 }
 

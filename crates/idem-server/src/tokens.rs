@@ -17,6 +17,7 @@ use idem::Tokens;
 use idem_http::{Problem, token_problem};
 use serde::Deserialize;
 use serde_json::json;
+use utoipa::ToSchema;
 
 use crate::AppState;
 use crate::api::{MAX_TTL, rfc3339};
@@ -24,18 +25,25 @@ use crate::auth::Caller;
 use crate::json::JsonBody;
 
 /// `POST /v1/tokens`.
-#[derive(Deserialize)]
+#[derive(Deserialize, ToSchema)]
 #[serde(deny_unknown_fields)]
 pub struct IssueBody {
+    /// What the token is for (1 to 128 visible ASCII characters); consuming it needs the
+    /// same purpose.
+    #[schema(pattern = "^[!-~]{1,128}$")]
     purpose: String,
+    /// How long the token lives, in milliseconds (1 to 31536000000; default 3600000).
+    #[schema(minimum = 1, maximum = 31_536_000_000_u64)]
     ttl_ms: Option<u64>,
 }
 
 /// `POST /v1/tokens/consume`.
-#[derive(Deserialize)]
+#[derive(Deserialize, ToSchema)]
 #[serde(deny_unknown_fields)]
 pub struct ConsumeBody {
+    /// The token `POST /v1/tokens` returned.
     token: String,
+    /// The purpose it was issued for.
     purpose: String,
 }
 

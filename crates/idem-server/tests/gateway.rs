@@ -528,6 +528,116 @@ async fn an_operator_reopens_an_unknown_outcome_for_the_next_retry() {
 }
 
 #[tokio::test]
+async fn an_operator_lists_unknown_outcomes_and_reopens_what_was_shown() {
+    const TOKEN: &str = "operator-token-0123456789";
+    let dir = tempfile::tempdir().unwrap();
+    let token_file = dir.path().join("admin-token");
+    std::fs::write(&token_file, TOKEN).unwrap();
+    let (seen, up) = start_upstream().await;
+    let config = format!(
+        "upstream_timeout = \"200ms\"\nadmin_token_file = {:?}\n\
+         [[route]]\npath = \"/v1/payments\"\nnamespace = \"payments\"",
+        token_file.display()
+    );
+    let gw = start_gateway(up, memory(), &config).await;
+    for key in ["t1", "t2"] {
+        let slow = [("idempotency-key", key), ("x-delay-ms", "1000")];
+        let r = send(gw, Method::POST, "/v1/payments", &slow, "pay").await;
+        assert_eq!(r.code(), "upstream_timeout");
+    }
+    let fine = [("idempotency-key", "ok")];
+    send(gw, Method::POST, "/v1/payments", &fine, "pay").await;
+    let bearer = [("authorization", "Bearer operator-token-0123456789")];
+
+    let r = send(gw, Method::GET, "/_idem/records/counts", &bearer, "").await;
+    assert_eq!(r.json()["unknown"], 2, "{}", r.body);
+    assert_eq!(r.json()["completed"], 3);
+    let r = send(gw, Method::GET, "/_idem/records?state=unknown", &bearer, "").await;
+    assert_eq!(r.status, StatusCode::OK, "{}", r.body);
+    let shown: Vec<Value> = r.json()["records"].as_array().unwrap().clone();
+    assert_eq!(shown.len(), 2);
+    assert!(
+        shown
+            .iter()
+            .all(|r| r["kind"] == "unknown" && r["namespace"] == "payments")
+    );
+
+    // One of them is retried by its client and reopened meanwhile by hand: the bulk reopen of
+    // what was shown leaves it alone.
+    let scope = shown[0]["scope"].as_str().unwrap();
+    let inspect = serde_json::json!({"path": "/v1/payments", "key": "t1", "scope": scope});
+    let headers = [
+        ("authorization", "Bearer operator-token-0123456789"),
+        ("content-type", "application/json"),
+    ];
+    let r = send(
+        gw,
+        Method::POST,
+        "/_idem/records/reopen",
+        &headers,
+        &inspect.to_string(),
+    )
+    .await;
+    assert_eq!(r.status, StatusCode::OK, "{}", r.body);
+    send(
+        gw,
+        Method::POST,
+        "/v1/payments",
+        &[("idempotency-key", "t1")],
+        "pay",
+    )
+    .await;
+    let records: Vec<Value> = shown
+        .iter()
+        .map(|r| {
+            serde_json::json!({
+                "scope": r["scope"], "namespace": r["namespace"], "key": r["key"],
+                "state": r["state"], "fence": r["fence"],
+            })
+        })
+        .collect();
+    let body = serde_json::json!({"action": "reopen", "records": records}).to_string();
+    let r = send(gw, Method::POST, "/_idem/records/repair", &headers, &body).await;
+    assert_eq!(r.status, StatusCode::OK, "{}", r.body);
+    assert_eq!(r.json(), serde_json::json!({"applied": 1, "skipped": 1}));
+    let r = send(gw, Method::GET, "/_idem/records/counts", &bearer, "").await;
+    assert_eq!(r.json()["unknown"], 0);
+    // t1 ran again once (by its retry), t2 is free to; nothing else was forwarded.
+    assert_eq!(seen.runs(), 4);
+    let r = send(gw, Method::GET, "/_idem", &bearer, "").await;
+    assert_eq!(r.status, StatusCode::OK);
+}
+
+#[tokio::test]
+async fn a_request_id_is_passed_to_the_upstream_and_returned() {
+    let (seen, up) = start_upstream().await;
+    let last_headers = || seen.headers.lock().unwrap().last().cloned().unwrap();
+    let gw = start_gateway(up, memory(), "").await;
+    let r = send(
+        gw,
+        Method::POST,
+        "/orders",
+        &[("idempotency-key", "k"), ("x-request-id", "req-7")],
+        "",
+    )
+    .await;
+    assert_eq!(r.headers["x-request-id"], "req-7");
+    assert_eq!(last_headers()["x-request-id"], "req-7");
+    // Made up when absent or unfit, and still returned.
+    let r = send(
+        gw,
+        Method::POST,
+        "/orders",
+        &[("x-request-id", "two words")],
+        "",
+    )
+    .await;
+    let made = r.headers["x-request-id"].to_str().unwrap().to_owned();
+    assert_eq!(made.len(), 32);
+    assert_eq!(last_headers()["x-request-id"], made.as_str());
+}
+
+#[tokio::test]
 async fn the_record_tools_are_disabled_without_an_admin_token() {
     let (_, up) = start_upstream().await;
     let gw = start_gateway(up, memory(), "").await;
@@ -848,6 +958,21 @@ impl Log {
     fn text(&self) -> String {
         String::from_utf8_lossy(&self.0.lock().unwrap()).into_owned()
     }
+
+    /// The log once it holds the `n`th line with `needle`: a line may be written by a task
+    /// that runs after the answer went out.
+    async fn text_with(&self, needle: &str, n: usize) -> String {
+        idem_testkit::within(&format!("a log line with {needle:?}"), async {
+            loop {
+                let text = self.text();
+                if text.matches(needle).count() >= n {
+                    return text;
+                }
+                tokio::time::sleep(Duration::from_millis(5)).await;
+            }
+        })
+        .await
+    }
 }
 
 impl std::io::Write for Log {
@@ -939,7 +1064,7 @@ async fn scopes_are_logged_only_when_keyed_and_the_record_tools_take_both_forms(
     let gw = start_gateway(up, memory(), &config).await;
     let r = send(gw, Method::POST, "/orders", &slow, "pay").await;
     assert_eq!(r.code(), "upstream_timeout");
-    let text = log.text();
+    let text = log.text_with("outcome unknown", 1).await;
     assert_eq!(logged_scope(&text), "withheld");
     assert!(!text.contains(plain.as_str()), "{text}");
     // What the gateway warns at start, asked of it directly: a test that captures the log
@@ -974,7 +1099,7 @@ async fn scopes_are_logged_only_when_keyed_and_the_record_tools_take_both_forms(
     let gw = start_gateway(up, memory(), &config).await;
     let r = send(gw, Method::POST, "/orders", &slow, "pay").await;
     assert_eq!(r.code(), "upstream_timeout");
-    let text = log.text();
+    let text = log.text_with("outcome unknown", 1).await;
     let keyed = logged_scope(&text);
     assert!(
         keyed.starts_with("cred-") && keyed != plain.as_str(),
@@ -1072,13 +1197,21 @@ async fn nothing_under_the_reserved_prefix_is_ever_forwarded() {
     let (seen, up) = start_upstream().await;
     let gw = start_gateway(up, memory(), "").await;
     for method in [Method::GET, Method::POST, Method::DELETE] {
+        // The prefix itself is the admin page: off without an admin token, and GET only.
+        for path in ["/_idem", "/_idem/", "/%5fidem/"] {
+            let r = send(gw, method.clone(), path, &[("idempotency-key", "k")], "").await;
+            let code = if method == Method::GET {
+                "admin_disabled"
+            } else {
+                "method_not_allowed"
+            };
+            assert_eq!(r.code(), code, "{method} {path}: {}", r.body);
+            assert!(is_problem(&r), "{method} {path}");
+        }
         for path in [
-            "/_idem",
-            "/_idem/",
             "/_idem/nothing-here",
             "//_idem/health/x",
             "/%5Fidem/x",
-            "/%5fidem/",
             "/x/../_idem/x",
             "/./_idem/x",
             "/_IDEM/health",

@@ -9,12 +9,11 @@
 
 use std::sync::Arc;
 
-use axum::extract::{FromRequestParts, State};
-use axum::http::request::Parts;
+use axum::extract::State;
 use axum::http::{HeaderValue, Request};
 use axum::response::{IntoResponse, Response};
 use axum::{Json, Router};
-use idem_core::{ClientKey, Clock, Fingerprint, Key, Namespace, Scope, SharedStore};
+use idem_core::{ClientKey, Clock, Key, Namespace, Scope, SharedStore};
 use idem_http::operator::{self, RecordState, RecordView, Reopened};
 use idem_http::{Problem, ProblemCode, ScopeSource};
 use serde::Deserialize;
@@ -22,63 +21,10 @@ use serde_json::{Value, json};
 use tracing::info;
 
 use super::PathPattern;
+use crate::admin::{AdminAccess, AdminToken, Operator};
 use crate::api::rfc3339;
 use crate::json::{BodyLimit, JsonBody};
 use crate::metrics::Registry;
-
-/// The shortest admin token accepted.
-pub const MIN_ADMIN_TOKEN_LEN: usize = 16;
-
-/// The operator's credential, kept only as a hash.
-#[derive(Clone)]
-pub struct AdminToken([u8; 32]);
-
-impl AdminToken {
-    /// A token from its text (surrounding whitespace, such as a file's final newline, is
-    /// ignored); at least [`MIN_ADMIN_TOKEN_LEN`] characters.
-    pub fn new(text: &str) -> Result<Self, String> {
-        let text = text.trim();
-        if text.len() < MIN_ADMIN_TOKEN_LEN || text.contains(char::is_whitespace) {
-            return Err(format!(
-                "the admin token must be one word of at least {MIN_ADMIN_TOKEN_LEN} characters; \
-                 use a long random string"
-            ));
-        }
-        Ok(Self(hash(text)))
-    }
-
-    /// Reads the token from a file.
-    pub fn from_file(path: &std::path::Path) -> Result<Self, String> {
-        let text = std::fs::read_to_string(path)
-            .map_err(|e| format!("cannot read admin token file {}: {e}", path.display()))?;
-        Self::new(&text).map_err(|e| format!("{}: {e}", path.display()))
-    }
-
-    /// Whether `presented` is this token. Compares hashes, in time independent of where
-    /// they differ.
-    fn matches(&self, presented: &str) -> bool {
-        let other = hash(presented);
-        self.0
-            .iter()
-            .zip(other.iter())
-            .fold(0u8, |acc, (a, b)| acc | (a ^ b))
-            == 0
-    }
-}
-
-impl std::fmt::Debug for AdminToken {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str("AdminToken(..)")
-    }
-}
-
-fn hash(text: &str) -> [u8; 32] {
-    *Fingerprint::builder()
-        .part(b"idem admin token")
-        .part(text.as_bytes())
-        .finish()
-        .as_bytes()
-}
 
 /// The largest body the record tools accept.
 const MAX_ADMIN_BODY: usize = 16 * 1024;
@@ -90,10 +36,18 @@ pub(super) struct AdminState {
     pub(super) clock: Arc<dyn Clock>,
     pub(super) registry: Registry,
     pub(super) token: Option<AdminToken>,
+    pub(super) metrics_require_token: bool,
+    pub(super) history: Arc<crate::admin::History>,
     pub(super) health: crate::health::Monitor,
     pub(super) scope: ScopeSource,
     /// Each route's pattern and key namespace, then the namespace of requests no route matches.
     pub(super) namespaces: Arc<(Vec<(PathPattern, Namespace)>, Namespace)>,
+}
+
+impl AdminAccess for AdminState {
+    fn admin_token(&self) -> Option<&AdminToken> {
+        self.token.as_ref()
+    }
 }
 
 impl BodyLimit for AdminState {
@@ -104,11 +58,19 @@ impl BodyLimit for AdminState {
 
 pub(super) fn router(state: AdminState) -> Router {
     use axum::routing::{get, post};
+    let tools = crate::admin::RecordTools {
+        store: state.store.clone(),
+        clock: state.clock.clone(),
+        token: state.token.clone(),
+        history: state.history.clone(),
+    };
     Router::new()
         .route("/health", get(health))
         .route("/metrics", get(metrics))
         .route("/records/inspect", post(inspect))
         .route("/records/reopen", post(reopen))
+        .with_state(state)
+        .merge(crate::admin::router(tools))
         .fallback(|| async { Problem::not_found("There is no such gateway endpoint.") })
         // The `Allow` header is still added by the router.
         .method_not_allowed_fallback(|| async {
@@ -117,7 +79,6 @@ pub(super) fn router(state: AdminState) -> Router {
                  it takes.",
             )
         })
-        .with_state(state)
 }
 
 async fn health(State(s): State<AdminState>) -> Response {
@@ -125,29 +86,11 @@ async fn health(State(s): State<AdminState>) -> Response {
     s.health.check(&components).await.into_response()
 }
 
-async fn metrics(State(s): State<AdminState>) -> Response {
-    s.registry.response()
-}
-
-/// A request that presented the admin token.
-struct Operator;
-
-impl FromRequestParts<AdminState> for Operator {
-    type Rejection = Problem;
-
-    async fn from_request_parts(parts: &mut Parts, s: &AdminState) -> Result<Self, Problem> {
-        let Some(token) = &s.token else {
-            return Err(ProblemCode::AdminDisabled.problem(
-                "The record tools need an admin token: set admin_token_file (or \
-                 --admin-token-file) and send it as `Authorization: Bearer <token>`.",
-            ));
-        };
-        match crate::auth::bearer(parts) {
-            Some(p) if token.matches(p) => Ok(Operator),
-            _ => Err(ProblemCode::Unauthorized
-                .problem("Send the admin token as `Authorization: Bearer <token>`.")),
-        }
+async fn metrics(State(s): State<AdminState>, req: axum::extract::Request) -> Response {
+    if s.metrics_require_token {
+        return crate::admin::metrics_response(&s, true, &req.into_parts().0);
     }
+    s.registry.response()
 }
 
 /// Names a record the way its client made it.
@@ -222,7 +165,7 @@ fn view_json(view: &RecordView) -> Value {
         "expires_at": rfc3339(view.expires_at),
     });
     match &view.state {
-        RecordState::InProgress { lease_expires_at } => {
+        RecordState::InProgress { lease_expires_at } | RecordState::Stuck { lease_expires_at } => {
             v["lease_expires_at"] = rfc3339(*lease_expires_at).into();
         }
         RecordState::Stored { status } | RecordState::TooLarge { status } => {

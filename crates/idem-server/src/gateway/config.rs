@@ -7,7 +7,8 @@
 //! scope_secret_file = "/etc/idem/scope-secret" # keyed scope hashes, logged with outcomes
 //! trusted_proxies = ["10.0.0.0/8"]             # whose X-Forwarded-* / Forwarded are kept
 //! admin_prefix = "/_idem"
-//! admin_token_file = "/etc/idem/admin-token"   # enables the record tools
+//! admin_token_file = "/etc/idem/admin-token"   # enables the record tools and the admin page
+//! metrics_require_token = false                # true: /_idem/metrics needs the admin token
 //!
 //! [defaults]              # every route, and requests no route matches
 //! methods = ["POST", "PATCH"]
@@ -45,6 +46,8 @@ pub struct FileConfig {
     pub admin_prefix: Option<String>,
     /// A file holding the operator's token for the record tools.
     pub admin_token_file: Option<std::path::PathBuf>,
+    /// Whether `{admin_prefix}/metrics` needs the admin token too.
+    pub metrics_require_token: Option<bool>,
     /// How long to wait for the upstream's answer.
     pub upstream_timeout: Option<String>,
     /// The header whose (hashed) value scopes keys.

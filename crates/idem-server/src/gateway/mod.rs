@@ -43,9 +43,9 @@ use tower_layer::Layer;
 use tower_service::Service;
 use tracing::warn;
 
+pub use crate::admin::AdminToken;
 use crate::metrics::Registry;
 use admin::AdminState;
-pub use admin::AdminToken;
 pub use config::{Anonymous, FileConfig, PathPattern, Route, RouteSettings};
 pub use path::AmbiguousPath;
 pub use proxy::{Proxy, TrustedProxies, Upstream};
@@ -78,6 +78,10 @@ pub struct Gateway {
     pub admin_token: Option<AdminToken>,
     /// Health (`{prefix}/health`), and the purge loop's status it reports.
     pub health: crate::health::Monitor,
+    /// Records counted in the background, for the admin page.
+    pub records_history: Arc<crate::admin::History>,
+    /// Whether `{prefix}/metrics` needs the admin token too.
+    pub metrics_require_token: bool,
 }
 
 impl Gateway {
@@ -95,6 +99,8 @@ impl Gateway {
             default_route: Route::default(),
             admin_token: None,
             health: crate::health::Monitor::default(),
+            records_history: Arc::default(),
+            metrics_require_token: false,
         }
     }
 
@@ -111,6 +117,12 @@ impl Gateway {
         }
         if let Some(path) = &file.admin_token_file {
             self.admin_token = Some(AdminToken::from_file(path)?);
+        }
+        if let Some(require) = file.metrics_require_token {
+            if require && self.admin_token.is_none() {
+                return Err("metrics_require_token needs admin_token_file".to_owned());
+            }
+            self.metrics_require_token = require;
         }
         let header = match &file.scope_header {
             Some(name) => HeaderName::from_bytes(name.as_bytes())
@@ -230,15 +242,19 @@ impl Gateway {
             clock: self.clock.clone(),
             registry,
             token: self.admin_token.clone(),
+            metrics_require_token: self.metrics_require_token,
+            history: self.records_history.clone(),
             health: self.health.clone(),
             scope: self.scope.clone(),
             namespaces: Arc::new((namespaces, self.default_route.policy.namespace.clone())),
         });
-        Router::new().fallback_service(Front {
-            prefix: self.admin_prefix.as_str().into(),
-            admin,
-            dispatch,
-        })
+        Router::new()
+            .fallback_service(Front {
+                prefix: self.admin_prefix.as_str().into(),
+                admin,
+                dispatch,
+            })
+            .layer(axum::middleware::from_fn(crate::trace::request_span))
     }
 }
 

@@ -1,0 +1,469 @@
+//! The record tools over HTTP, the same on `idem serve` and `idem gateway` (under `/_idem`),
+//! each behind the admin token:
+//!
+//! | method and path | what it does |
+//! | --- | --- |
+//! | `GET /records?scope=&namespace=&state=&older_than=&after=&limit=` | one page of records (`state`: `in_progress`, `stuck`, `completed`, `released`, `expired` or `unknown`; `older_than`: `10m`), with `next`, the cursor of the page after it |
+//! | `GET /records/counts?scope=&namespace=` | records by state, unknown outcomes, the oldest attempt's age |
+//! | `GET /records/show?scope=&namespace=&key=` | one live record, with the answer it replays |
+//! | `GET /records/history` | the counts taken in the background, oldest first |
+//! | `POST /records/repair` | `{"action": "release"\|"reopen"\|"delete", "records": [{"scope", "namespace", "key", "state", "fence"}, …]}`: each record is repaired only if it is still in the state and fence given (as it was shown); answers `{"applied": N, "skipped": M}` |
+//!
+//! `reopen` is `release` for unknown outcomes only; `release` gives back the key of an attempt
+//! that is gone (or of a completed record whose answer must not stand); `delete` forgets a
+//! record. Every repair is logged (action, key tag, fence, the operator's address) and counted
+//! in `idem_record_repairs_total{action, result}`.
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+
+use axum::Router;
+use axum::extract::{ConnectInfo, FromRequestParts, Query, State};
+use axum::http::request::Parts;
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use idem_core::{
+    Clock, Cursor, Key, RecordAdmin, RecordState, Repair, SharedStore, Shown, Store, Timestamp,
+};
+use idem_http::operator::{self, RecordState as HttpState};
+use idem_http::{Problem, ProblemCode};
+use serde::Deserialize;
+use serde_json::{Value, json};
+use tracing::info;
+use utoipa::{IntoParams, ToSchema};
+
+use super::records::{self, MAX_BULK, Selector, Target};
+use super::{AdminAccess, AdminToken, Operator};
+use crate::json::{BodyLimit, JsonBody};
+
+/// The records shown on a page when the request does not say.
+pub const DEFAULT_PAGE: usize = 50;
+
+/// The most body bytes `show` returns of a stored answer.
+const SHOWN_BODY: usize = 64 * 1024;
+
+/// What the record tools need: the store, the clock its records are judged by, and the token.
+#[derive(Clone)]
+pub struct RecordTools {
+    /// The store.
+    pub store: SharedStore,
+    /// The clock.
+    pub clock: Arc<dyn Clock>,
+    /// The admin token; `None` turns the tools off (403 `admin_disabled`).
+    pub token: Option<AdminToken>,
+    /// The counts taken in the background ([`super::sampler`]).
+    pub history: Arc<super::History>,
+}
+
+impl AdminAccess for RecordTools {
+    fn admin_token(&self) -> Option<&AdminToken> {
+        self.token.as_ref()
+    }
+}
+
+impl BodyLimit for RecordTools {
+    fn max_body(&self) -> usize {
+        // A full bulk repair: MAX_BULK records of a few hundred bytes each.
+        MAX_BULK * 1024
+    }
+}
+
+impl RecordTools {
+    fn admin(&self) -> Result<&dyn RecordAdmin, Problem> {
+        Store::admin(&self.store).ok_or_else(|| {
+            ProblemCode::RecordToolsUnsupported.problem(format!(
+                "The {} store does not list, count or repair records.",
+                Store::kind(&self.store)
+            ))
+        })
+    }
+}
+
+/// The record tools' routes, relative to the prefix they are nested under, with the admin
+/// page at `/` and its assets.
+pub fn router(tools: RecordTools) -> Router {
+    Router::new()
+        .route("/", get(super::page::index))
+        .route("/assets/app.js", get(super::page::script))
+        .route("/assets/app.css", get(super::page::style))
+        .route("/records", get(list))
+        .route("/records/counts", get(counts))
+        .route("/records/show", get(show))
+        .route("/records/repair", post(repair))
+        .route("/records/history", get(history))
+        .with_state(tools)
+}
+
+/// A listing's query.
+#[derive(Deserialize, IntoParams)]
+#[serde(deny_unknown_fields)]
+#[into_params(parameter_in = Query)]
+pub(crate) struct ListQuery {
+    /// Only records of this scope.
+    #[param(pattern = "^[!-~]{1,255}$")]
+    scope: Option<String>,
+    /// Only records of this namespace.
+    #[param(pattern = "^[A-Za-z0-9._:-]{1,128}$")]
+    namespace: Option<String>,
+    /// Only records in this state: `in_progress`, `stuck`, `completed`, `released`, `expired`
+    /// or `unknown`.
+    #[param(pattern = "^(in_progress|stuck|completed|released|expired|unknown)$")]
+    state: Option<String>,
+    /// Only records whose latest attempt started at least this long ago (as in `10m`).
+    older_than: Option<String>,
+    /// The cursor a previous page gave as `next`.
+    after: Option<String>,
+    /// The most records on the page (1 to 1000; default 50).
+    #[param(minimum = 1, maximum = 1000)]
+    limit: Option<usize>,
+}
+
+fn invalid(detail: impl std::fmt::Display) -> Problem {
+    Problem::invalid_request(format!("{detail}."))
+}
+
+/// A query string read into `T`, or a 400 that says what is wrong with it.
+fn query<T: serde::de::DeserializeOwned>(
+    q: Result<Query<T>, impl std::fmt::Display>,
+) -> Result<T, Problem> {
+    q.map(|Query(q)| q).map_err(invalid)
+}
+
+async fn list(
+    State(t): State<RecordTools>,
+    _: Operator,
+    q: Result<Query<ListQuery>, axum::extract::rejection::QueryRejection>,
+) -> Result<Response, Problem> {
+    let q = query(q)?;
+    let now = t.clock.now();
+    let state = q
+        .state
+        .as_deref()
+        .map(Selector::parse)
+        .transpose()
+        .map_err(invalid)?;
+    let older_than = q
+        .older_than
+        .as_deref()
+        .map(|s| humantime::parse_duration(s).map_err(|e| invalid(format!("older_than: {e}"))))
+        .transpose()?;
+    let filter = records::filter(
+        q.scope.as_deref(),
+        q.namespace.as_deref(),
+        state,
+        older_than,
+        now,
+    )
+    .map_err(invalid)?;
+    let after = q
+        .after
+        .as_deref()
+        .map(str::parse::<Cursor>)
+        .transpose()
+        .map_err(invalid)?;
+    let limit = q.limit.unwrap_or(DEFAULT_PAGE);
+    let page = t
+        .admin()?
+        .list(&filter, after.as_ref(), limit, now)
+        .await
+        .map_err(|e| Problem::store(&e))?;
+    let records: Vec<Value> = page.records.iter().map(records::listed_json).collect();
+    Ok(axum::Json(json!({
+        "records": records,
+        "next": page.next.map(|c| c.to_string()),
+    }))
+    .into_response())
+}
+
+/// A count's query.
+#[derive(Deserialize, IntoParams)]
+#[serde(deny_unknown_fields)]
+#[into_params(parameter_in = Query)]
+pub(crate) struct CountQuery {
+    /// Only records of this scope.
+    #[param(pattern = "^[!-~]{1,255}$")]
+    scope: Option<String>,
+    /// Only records of this namespace.
+    #[param(pattern = "^[A-Za-z0-9._:-]{1,128}$")]
+    namespace: Option<String>,
+}
+
+async fn counts(
+    State(t): State<RecordTools>,
+    _: Operator,
+    q: Result<Query<CountQuery>, axum::extract::rejection::QueryRejection>,
+) -> Result<Response, Problem> {
+    let q = query(q)?;
+    let now = t.clock.now();
+    let filter = records::filter(q.scope.as_deref(), q.namespace.as_deref(), None, None, now)
+        .map_err(invalid)?;
+    let c = operator::counts(t.admin()?, &filter, now)
+        .await
+        .map_err(|e| Problem::store(&e))?;
+    Ok(axum::Json(counts_json(&c, now)).into_response())
+}
+
+/// Counts as JSON: each state, the unknown outcomes, and the oldest attempt's age in seconds.
+pub fn counts_json(c: &operator::HttpCounts, now: Timestamp) -> Value {
+    let r = &c.records;
+    json!({
+        "in_progress": r.in_progress,
+        "stuck": r.stuck,
+        "completed": r.completed,
+        "unknown": c.unknown,
+        "released": r.released,
+        "expired": r.expired,
+        "total": r.total(),
+        "oldest_in_progress_seconds": r
+            .oldest_in_progress
+            .map(|t| now.saturating_since(t).as_secs_f64()),
+    })
+}
+
+async fn history(State(t): State<RecordTools>, _: Operator) -> Response {
+    axum::Json(json!({"every_seconds": super::sampler::SAMPLE_EVERY.as_secs(), "samples": t.history.to_json()}))
+        .into_response()
+}
+
+/// The key of the record to show.
+#[derive(Deserialize, IntoParams)]
+#[serde(deny_unknown_fields)]
+#[into_params(parameter_in = Query)]
+pub(crate) struct ShowQuery {
+    /// The record's scope.
+    #[param(pattern = "^[!-~]{1,255}$")]
+    scope: String,
+    /// The record's namespace.
+    #[param(pattern = "^[A-Za-z0-9._:-]{1,128}$")]
+    namespace: String,
+    /// The record's key.
+    #[param(pattern = "^[!-~]{1,255}$")]
+    key: String,
+}
+
+async fn show(
+    State(t): State<RecordTools>,
+    _: Operator,
+    q: Result<Query<ShowQuery>, axum::extract::rejection::QueryRejection>,
+) -> Result<Response, Problem> {
+    let q = query(q)?;
+    let key = Key::parse(&q.scope, &q.namespace, &q.key).map_err(invalid)?;
+    let now = t.clock.now();
+    let record = t
+        .store
+        .get(&key, now)
+        .await
+        .map_err(|e| Problem::store(&e))?
+        .ok_or_else(|| {
+            ProblemCode::RecordNotFound.problem("There is no live record under this key.")
+        })?;
+    let listed = idem_core::Listed::of(&record, now);
+    let mut v = records::listed_json(&listed);
+    if let Some(answer) = operator::stored_answer(&record) {
+        let headers: Vec<Value> = answer
+            .headers
+            .iter()
+            .map(|(name, value)| json!([name.as_str(), String::from_utf8_lossy(value.as_bytes())]))
+            .collect();
+        let mut shown = &answer.body[..answer.body.len().min(SHOWN_BODY)];
+        // Cut at a character's end: a text body longer than the limit is still text.
+        if let Err(e) = std::str::from_utf8(shown)
+            && e.error_len().is_none()
+        {
+            shown = &shown[..e.valid_up_to()];
+        }
+        v["answer"] = json!({
+            "status": answer.status.as_u16(),
+            "headers": headers,
+            "body_bytes": answer.body.len(),
+            // Text is shown as it is; other bodies by their size only.
+            "body": std::str::from_utf8(shown).ok(),
+            "body_truncated": answer.body.len() > SHOWN_BODY,
+        });
+    }
+    Ok(axum::Json(v).into_response())
+}
+
+/// One record a repair names, as it was shown.
+#[derive(Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub(crate) struct ShownRecord {
+    /// The record's scope.
+    #[schema(pattern = "^[!-~]{1,255}$")]
+    scope: String,
+    /// The record's namespace.
+    #[schema(pattern = "^[A-Za-z0-9._:-]{1,128}$")]
+    namespace: String,
+    /// The record's key.
+    #[schema(pattern = "^[!-~]{1,255}$")]
+    key: String,
+    /// Its state when shown (`in_progress`, `stuck`, `completed`, `released` or `expired`).
+    #[schema(pattern = "^(in_progress|stuck|completed|released|expired)$")]
+    state: String,
+    /// Its fence when shown.
+    fence: u64,
+}
+
+/// `POST /records/repair`.
+#[derive(Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub(crate) struct RepairBody {
+    /// `release`, `reopen` or `delete`.
+    #[schema(pattern = "^(release|reopen|delete)$")]
+    action: String,
+    /// 1 to 1000 records, each as it was shown.
+    #[schema(min_items = 1, max_items = 1000)]
+    records: Vec<ShownRecord>,
+}
+
+/// A repair an operator asks for by name.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Action {
+    /// Give the key back (an attempt that is gone, an answer that must not stand).
+    Release,
+    /// Give back the key of an unknown outcome, and of nothing else.
+    Reopen,
+    /// Forget the record.
+    Delete,
+}
+
+impl Action {
+    /// Reads `release`, `reopen` or `delete`.
+    pub fn parse(s: &str) -> Result<Self, String> {
+        match s {
+            "release" => Ok(Self::Release),
+            "reopen" => Ok(Self::Reopen),
+            "delete" => Ok(Self::Delete),
+            _ => Err("the action must be release, reopen or delete".to_owned()),
+        }
+    }
+
+    /// The action's name.
+    pub const fn as_str(self) -> &'static str {
+        match self {
+            Self::Release => "release",
+            Self::Reopen => "reopen",
+            Self::Delete => "delete",
+        }
+    }
+
+    /// The store's repair.
+    pub const fn repair(self) -> Repair {
+        match self {
+            Self::Release | Self::Reopen => Repair::Release,
+            Self::Delete => Repair::Delete,
+        }
+    }
+}
+
+/// Applies `action` to each target that is still as shown; `reopen` first checks that the
+/// record holds an unknown outcome (its fence and state then pin that very completion, so the
+/// check and the fenced repair cannot be split by a change). Logs and counts each repair.
+pub async fn apply(
+    store: &SharedStore,
+    admin: &dyn RecordAdmin,
+    targets: &[Target],
+    action: Action,
+    now: Timestamp,
+    who: &str,
+) -> Result<records::Repaired, (records::Repaired, idem_core::StoreError)> {
+    let mut done = records::Repaired::default();
+    for target in targets {
+        let eligible = match action {
+            Action::Reopen => match operator::inspect(&**store, &target.key, now).await {
+                Ok(Some(view)) => {
+                    target.shown.state == RecordState::Completed
+                        && view.fence == target.shown.fence
+                        && matches!(view.state, HttpState::Unknown { .. })
+                }
+                Ok(None) => false,
+                Err(e) => return Err((done, e)),
+            },
+            Action::Release | Action::Delete => true,
+        };
+        let applied = if eligible {
+            match admin
+                .repair(&target.key, target.shown, action.repair(), now)
+                .await
+            {
+                Ok(applied) => applied,
+                Err(e) => return Err((done, e)),
+            }
+        } else {
+            false
+        };
+        let result = if applied { "applied" } else { "skipped" };
+        metrics::counter!("idem_record_repairs_total", "action" => action.as_str(), "result" => result)
+            .increment(1);
+        if applied {
+            done.applied += 1;
+            info!(
+                action = action.as_str(),
+                key = %target.key.log_tag(),
+                namespace = %target.key.namespace(),
+                fence = target.shown.fence,
+                shown = %target.shown.state,
+                operator = who,
+                "an operator repaired a record"
+            );
+        } else {
+            done.skipped += 1;
+        }
+    }
+    Ok(done)
+}
+
+async fn repair(
+    State(t): State<RecordTools>,
+    _: Operator,
+    Peer(peer): Peer,
+    JsonBody(body): JsonBody<RepairBody>,
+) -> Result<Response, Problem> {
+    let action = Action::parse(&body.action).map_err(invalid)?;
+    if body.records.is_empty() || body.records.len() > MAX_BULK {
+        return Err(invalid(format!(
+            "`records` names 1 to {MAX_BULK} records, each as it was shown"
+        )));
+    }
+    let targets = body
+        .records
+        .iter()
+        .map(|r| {
+            let key = Key::parse(&r.scope, &r.namespace, &r.key).map_err(invalid)?;
+            let state = r.state.parse::<RecordState>().map_err(invalid)?;
+            Ok(Target {
+                key,
+                shown: Shown {
+                    state,
+                    fence: r.fence,
+                },
+            })
+        })
+        .collect::<Result<Vec<_>, Problem>>()?;
+    let admin = t.admin()?;
+    let who = peer.map_or_else(|| "http".to_owned(), |a| format!("http {}", a.ip()));
+    match apply(&t.store, admin, &targets, action, t.clock.now(), &who).await {
+        Ok(done) => Ok(
+            axum::Json(json!({"applied": done.applied, "skipped": done.skipped})).into_response(),
+        ),
+        Err((done, e)) => Err(Problem::store(&e)
+            .with("applied", done.applied)
+            .with("skipped", done.skipped)),
+    }
+}
+
+/// The address a request came from, when the listener recorded it.
+struct Peer(Option<SocketAddr>);
+
+impl<S: Send + Sync> FromRequestParts<S> for Peer {
+    type Rejection = std::convert::Infallible;
+
+    async fn from_request_parts(parts: &mut Parts, _: &S) -> Result<Self, Self::Rejection> {
+        Ok(Self(
+            parts
+                .extensions
+                .get::<ConnectInfo<SocketAddr>>()
+                .map(|ConnectInfo(a)| *a),
+        ))
+    }
+}

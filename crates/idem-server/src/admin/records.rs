@@ -1,0 +1,195 @@
+//! Records as operators see them, in the shapes the command line and the admin endpoints
+//! share: a filter read from text, a listed record as JSON, and bulk repairs that touch only
+//! what was shown.
+
+use std::time::Duration;
+
+use idem_core::{
+    Bytes, Key, Listed, Namespace, RecordAdmin, RecordFilter, RecordState, Scope, Shown,
+    StoreError, Timestamp,
+};
+use idem_http::operator::{self, RecordState as HttpState, UNKNOWN_PREFIX};
+use serde_json::{Value, json};
+
+use crate::api::rfc3339;
+
+/// The most records one bulk repair may name.
+pub const MAX_BULK: usize = 1000;
+
+/// What a listing selects by, besides scope and namespace: one of the store's states, or the
+/// completed records that hold an unknown outcome.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Selector {
+    /// Records in this state.
+    State(RecordState),
+    /// Completed records holding an unknown outcome.
+    Unknown,
+}
+
+impl Selector {
+    /// Reads `in_progress`, `stuck`, `completed`, `released`, `expired` or `unknown`.
+    pub fn parse(s: &str) -> Result<Self, String> {
+        if s == "unknown" {
+            return Ok(Self::Unknown);
+        }
+        s.parse::<RecordState>().map(Self::State).map_err(|_| {
+            "the state must be one of in_progress, stuck, completed, released, expired, \
+                 unknown"
+                .to_owned()
+        })
+    }
+}
+
+/// A filter from its parts as text; the error says which part is wrong.
+pub fn filter(
+    scope: Option<&str>,
+    namespace: Option<&str>,
+    state: Option<Selector>,
+    older_than: Option<Duration>,
+    now: Timestamp,
+) -> Result<RecordFilter, String> {
+    let scope = scope
+        .map(|s| Scope::new(s).map_err(|e| format!("invalid scope: {e}")))
+        .transpose()?;
+    let namespace = namespace
+        .map(|n| Namespace::new(n).map_err(|e| format!("invalid namespace: {e}")))
+        .transpose()?;
+    let (state, response_prefix) = match state {
+        None => (None, None),
+        Some(Selector::State(s)) => (Some(s), None),
+        Some(Selector::Unknown) => (
+            Some(RecordState::Completed),
+            Some(Bytes::from_static(UNKNOWN_PREFIX)),
+        ),
+    };
+    Ok(RecordFilter {
+        scope,
+        namespace,
+        state,
+        created_before: older_than.map(|d| now.saturating_sub(d)),
+        response_prefix,
+    })
+}
+
+/// A listed record as JSON: its key, its state in the store and in HTTP terms, its fence, its
+/// times, and its stored answer's size.
+pub fn listed_json(l: &Listed) -> Value {
+    let http = operator::listed_state(l);
+    let mut v = json!({
+        "scope": l.key.scope().as_str(),
+        "namespace": l.key.namespace().as_str(),
+        "key": l.key.client_key().as_str(),
+        "state": l.state.as_str(),
+        "kind": http.name(),
+        "fence": l.fence,
+        "created_at": rfc3339(l.created_at),
+        "updated_at": rfc3339(l.updated_at),
+        "lease_expires_at": rfc3339(l.lease_expires_at),
+        "expires_at": rfc3339(l.expires_at),
+        "response_bytes": l.response_len,
+    });
+    match http {
+        HttpState::Stored { status } | HttpState::TooLarge { status } => {
+            v["status"] = status.as_u16().into();
+        }
+        HttpState::Unknown { until } => v["until"] = until.map(rfc3339).into(),
+        _ => {}
+    }
+    v
+}
+
+/// One record named for a repair, with what was shown of it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Target {
+    /// The record's key.
+    pub key: Key,
+    /// Its state and fence when shown.
+    pub shown: Shown,
+}
+
+impl Target {
+    /// The target a listed record makes.
+    pub fn of(l: &Listed) -> Self {
+        Self {
+            key: l.key.clone(),
+            shown: Shown {
+                state: l.state,
+                fence: l.fence,
+            },
+        }
+    }
+}
+
+/// What a bulk repair did.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct Repaired {
+    /// Records repaired.
+    pub applied: u64,
+    /// Records left alone: they had moved on since they were shown (another state, another
+    /// fence, gone) or the repair does not apply to them.
+    pub skipped: u64,
+}
+
+/// Every record matching `filter`, page by page, up to `max` of them; `Err` with the count
+/// seen so far once more than `max` match.
+pub async fn collect(
+    admin: &dyn RecordAdmin,
+    filter: &RecordFilter,
+    max: usize,
+    now: Timestamp,
+) -> Result<Result<Vec<Listed>, usize>, StoreError> {
+    let mut out = Vec::new();
+    let mut after = None;
+    loop {
+        let page = admin
+            .list(filter, after.as_ref(), idem_core::admin::MAX_PAGE, now)
+            .await?;
+        out.extend(page.records);
+        if out.len() > max {
+            return Ok(Err(out.len()));
+        }
+        match page.next {
+            Some(next) => after = Some(next),
+            None => return Ok(Ok(out)),
+        }
+    }
+}
+
+/// How long ago `t` was at `now`, for people (`42s`, `3m`, `2h`, `5d`).
+pub fn age(now: Timestamp, t: Timestamp) -> String {
+    let secs = now.saturating_since(t).as_secs();
+    match secs {
+        0..120 => format!("{secs}s"),
+        120..7200 => format!("{}m", secs / 60),
+        7200..172_800 => format!("{}h", secs / 3600),
+        _ => format!("{}d", secs / 86_400),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn filters_read_from_text() {
+        let now = Timestamp::from_millis(100_000);
+        let f = filter(
+            Some("tenant-1"),
+            Some("pay"),
+            Some(Selector::parse("unknown").unwrap()),
+            Some(Duration::from_secs(60)),
+            now,
+        )
+        .unwrap();
+        assert_eq!(f.state, Some(RecordState::Completed));
+        assert_eq!(f.response_prefix.as_deref(), Some(UNKNOWN_PREFIX));
+        assert_eq!(f.created_before, Some(Timestamp::from_millis(40_000)));
+        assert_eq!(
+            Selector::parse("stuck").unwrap(),
+            Selector::State(RecordState::Stuck)
+        );
+        assert!(Selector::parse("done").is_err());
+        assert!(filter(Some("bad scope"), None, None, None, now).is_err());
+        assert!(filter(None, Some("bad/ns"), None, None, now).is_err());
+    }
+}

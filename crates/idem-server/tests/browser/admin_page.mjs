@@ -1,0 +1,87 @@
+// Signs in to the admin page, filters, opens a record, reopens an unknown outcome and sees the
+// counts change; saves a screenshot. Usage: node admin_page.mjs BASE_URL TOKEN SCREENSHOT
+import { chromium } from "playwright-core";
+
+const [base, token, screenshot] = process.argv.slice(2);
+const executablePath = process.env.IDEM_CHROMIUM || "/usr/bin/chromium";
+const fail = (message) => { console.error(`admin page: ${message}`); process.exit(1); };
+setTimeout(() => fail("still running after 120 s"), 120_000).unref();
+
+const browser = await chromium.launch({
+  executablePath,
+  args: ["--headless", "--no-sandbox", "--disable-background-networking"],
+});
+try {
+  const page = await browser.newPage({ viewport: { width: 1280, height: 900 } });
+  page.setDefaultTimeout(20_000);
+  const errors = [];
+  page.on("pageerror", (e) => errors.push(`page error: ${e.message}`));
+  // The wrong token's refusals are expected; nothing else may fail.
+  page.on("console", (m) => {
+    if (m.type() === "error" && !m.text().includes("status of 401")) errors.push(`console: ${m.text()}`);
+  });
+  page.on("dialog", (d) => d.accept());
+
+  // The prefix with a final slash leads to the page too.
+  await page.goto(`${base}/_idem/`);
+  if (!page.url().endsWith("/_idem")) fail(`expected a redirect to /_idem, at ${page.url()}`);
+
+  // A wrong token is refused and the sign-in form comes back.
+  try {
+    await page.getByLabel("Admin token").waitFor();
+  } catch (e) {
+    fail(`no sign-in form: ${errors.join("; ") || e.message}`);
+  }
+  await page.getByLabel("Admin token").fill("not-the-token-at-all");
+  await page.getByRole("button", { name: "Sign in" }).click();
+  await page.getByText("That token was refused.").waitFor();
+
+  await page.getByLabel("Admin token").fill(token);
+  await page.getByRole("button", { name: "Sign in" }).click();
+  const count = (state) => page.locator(`[data-state=${state}] dd`);
+  await count("unknown").filter({ hasText: /^1$/ }).waitFor();
+  await page.locator("#stuck").getByText("stuck-1").waitFor();
+  await page.locator("#unknown").getByText("u-1").waitFor();
+  await page.locator("#segments").getByText("orders").waitFor();
+  await page.locator("#locks").getByText("nightly-report").waitFor();
+  const lines = await page.locator("#chart polyline").count();
+  if (lines !== 6) fail(`expected a chart line for each of 6 states, got ${lines}`);
+  const swatch = await page.locator("#legend li").first().evaluate((e) => e.style.getPropertyValue("--c"));
+  if (!swatch) fail("the chart's legend has no colours");
+
+  // Filter to the unknown outcomes: one row.
+  await page.getByLabel("State", { exact: true }).selectOption("unknown");
+  await page.getByRole("button", { name: "Filter" }).click();
+  const rows = page.locator("#records tbody tr");
+  await rows.filter({ hasText: "u-1" }).waitFor();
+  if ((await rows.count()) !== 1) fail(`expected 1 unknown outcome, got ${await rows.count()} rows`);
+
+  // Open it, then reopen it: the counts move from unknown to released.
+  await page.locator("#records").getByRole("link", { name: "u-1" }).click();
+  await page.locator("#detail-fields").getByText("unknown", { exact: true }).waitFor();
+  const releasedBefore = Number(await count("released").textContent());
+  await page.locator("#detail-actions").getByRole("button", { name: "Reopen u-1" }).click();
+  await page.getByText("reopen: 1 applied, 0 skipped").waitFor();
+  await count("unknown").filter({ hasText: /^0$/ }).waitFor();
+  await count("released").filter({ hasText: new RegExp(`^${releasedBefore + 1}$`) }).waitFor();
+
+  // A stored answer is shown as it is replayed.
+  await page.getByLabel("State", { exact: true }).selectOption("completed");
+  await page.getByRole("button", { name: "Filter" }).click();
+  await page.locator("#records").getByRole("link", { name: "order-1" }).click();
+  await page.locator("#detail-answer").getByText('{"id":"order-1"}').waitFor();
+
+  // Every form control has a label.
+  const unlabelled = await page.evaluate(() =>
+    [...document.querySelectorAll("input, select")].filter((e) => !e.labels || e.labels.length === 0).length);
+  if (unlabelled) fail(`${unlabelled} form controls have no label`);
+
+  await page.getByLabel("State", { exact: true }).selectOption("");
+  await page.getByRole("button", { name: "Filter" }).click();
+  await rows.filter({ hasText: "order-2" }).waitFor();
+  await page.screenshot({ path: screenshot, fullPage: true });
+  if (errors.length) fail(errors.join("\n"));
+  console.log("admin page: signed in, filtered, opened a record, reopened an unknown outcome");
+} finally {
+  await browser.close();
+}

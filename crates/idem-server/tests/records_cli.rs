@@ -1,0 +1,187 @@
+//! `idem records` as a user runs it: against a SQLite file with no server, listing, counting,
+//! and repairs that ask first and refuse to guess.
+
+#![allow(clippy::unwrap_used)]
+
+use std::path::Path;
+use std::process::{Command, Output, Stdio};
+use std::time::Duration;
+
+use idem_core::{BeginOutcome, BeginRequest, Bytes, Fingerprint, Key, Store, Timestamp};
+use idem_store::SqliteStore;
+use serde_json::Value;
+
+fn idem(db: &Path, args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_idem"))
+        .arg("records")
+        .arg("--store")
+        .arg(format!("sqlite://{}", db.display()))
+        .args(args)
+        .stdin(Stdio::null())
+        .output()
+        .unwrap()
+}
+
+fn stdout(o: &Output) -> String {
+    String::from_utf8_lossy(&o.stdout).into_owned()
+}
+
+fn stderr(o: &Output) -> String {
+    String::from_utf8_lossy(&o.stderr).into_owned()
+}
+
+/// `done` completed, `stuck-1` and `stuck-2` with leases that ran out, `running` in progress.
+async fn populate(db: &Path) {
+    let store = SqliteStore::open(db).unwrap();
+    let now = Timestamp::now();
+    let req = |k: &str, lease: Duration| {
+        BeginRequest::new(
+            Key::parse("tenant-a", "pay", k).unwrap(),
+            Fingerprint::of_bytes(b"x"),
+        )
+        .with_lease(lease)
+    };
+    let BeginOutcome::Acquired(lease) = store
+        .begin(&req("done", Duration::from_secs(60)), now)
+        .await
+        .unwrap()
+    else {
+        panic!("acquired")
+    };
+    store
+        .complete(
+            &req("done", Duration::ZERO).key,
+            &lease,
+            Bytes::from_static(b"ok"),
+            now,
+        )
+        .await
+        .unwrap();
+    for k in ["stuck-1", "stuck-2"] {
+        store
+            .begin(&req(k, Duration::from_millis(1)), now)
+            .await
+            .unwrap();
+    }
+    store
+        .begin(&req("running", Duration::from_secs(600)), now)
+        .await
+        .unwrap();
+    tokio::time::sleep(Duration::from_millis(20)).await;
+}
+
+#[tokio::test]
+async fn an_operator_lists_counts_and_releases_stuck_attempts() {
+    let dir = tempfile::tempdir().unwrap();
+    let db = dir.path().join("idem.db");
+    populate(&db).await;
+
+    let out = idem(&db, &["counts", "--json"]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    let counts: Value = serde_json::from_str(&stdout(&out)).unwrap();
+    assert_eq!(
+        (counts["stuck"].clone(), counts["in_progress"].clone()),
+        (2.into(), 1.into())
+    );
+
+    let out = idem(&db, &["list", "--state", "stuck"]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    let table = stdout(&out);
+    assert!(
+        table.contains("stuck-1") && table.contains("stuck-2") && !table.contains("running"),
+        "{table}"
+    );
+
+    // Pages by cursor as JSON: one record a page, each once.
+    let mut seen = Vec::new();
+    let mut after: Option<String> = None;
+    loop {
+        let mut args = vec!["list", "--namespace", "pay", "--limit", "1", "--json"];
+        if let Some(a) = &after {
+            args.extend(["--after", a.as_str()]);
+        }
+        let out = idem(&db, &args);
+        assert!(out.status.success(), "{}", stderr(&out));
+        let page: Value = serde_json::from_str(&stdout(&out)).unwrap();
+        for r in page["records"].as_array().unwrap() {
+            seen.push(r["key"].as_str().unwrap().to_owned());
+        }
+        match page["next"].as_str() {
+            Some(next) => after = Some(next.to_owned()),
+            None => break,
+        }
+    }
+    assert_eq!(seen, ["done", "running", "stuck-1", "stuck-2"]);
+
+    // No terminal to ask and no --yes: nothing changes.
+    let out = idem(&db, &["release"]);
+    assert!(!out.status.success());
+    assert!(stderr(&out).contains("add --yes"), "{}", stderr(&out));
+    // A running attempt is not released without --force.
+    let out = idem(&db, &["release", "--state", "in_progress", "--yes"]);
+    assert!(!out.status.success());
+    assert!(stderr(&out).contains("--force"), "{}", stderr(&out));
+    // Delete needs a filter or a key.
+    let out = idem(&db, &["delete", "--yes"]);
+    assert!(!out.status.success());
+
+    let out = idem(&db, &["release", "--yes"]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    assert!(
+        stdout(&out).contains("release: 2 applied, 0 skipped"),
+        "{}",
+        stdout(&out)
+    );
+    let out = idem(&db, &["counts", "--json"]);
+    let counts: Value = serde_json::from_str(&stdout(&out)).unwrap();
+    assert_eq!(
+        (counts["stuck"].clone(), counts["released"].clone()),
+        (0.into(), 2.into())
+    );
+
+    // One record by its key, shown and deleted.
+    let out = idem(
+        &db,
+        &["show", "--scope", "tenant-a", "--namespace", "pay", "done"],
+    );
+    assert!(out.status.success(), "{}", stderr(&out));
+    assert!(stdout(&out).contains("completed"), "{}", stdout(&out));
+    let out = idem(
+        &db,
+        &[
+            "delete",
+            "--scope",
+            "tenant-a",
+            "--namespace",
+            "pay",
+            "--key",
+            "done",
+            "--yes",
+        ],
+    );
+    assert!(
+        stdout(&out).contains("delete: 1 applied"),
+        "{}{}",
+        stdout(&out),
+        stderr(&out)
+    );
+    let out = idem(
+        &db,
+        &["show", "--scope", "tenant-a", "--namespace", "pay", "done"],
+    );
+    assert!(!out.status.success());
+
+    // Bad input: a clear message, not a panic.
+    for args in [
+        &["list", "--state", "done"][..],
+        &["list", "--after", "nonsense"],
+        &["list", "--scope", "has space"],
+        &["list", "--older-than", "soon"],
+    ] {
+        let out = idem(&db, args);
+        assert!(!out.status.success(), "{args:?}");
+        let err = stderr(&out);
+        assert!(!err.contains("panicked"), "{args:?}: {err}");
+        assert!(!err.is_empty(), "{args:?}");
+    }
+}
