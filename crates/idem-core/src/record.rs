@@ -184,6 +184,9 @@ pub struct Replay {
     pub fence: u64,
     /// When it was completed.
     pub completed_at: Timestamp,
+    /// When the record expires: until then its answer does not change (short of an operator's
+    /// repair), which is what lets a cache keep it ([`Record::expires_at`]).
+    pub expires_at: Timestamp,
 }
 
 /// The answer of `begin`.
@@ -282,6 +285,7 @@ impl Record {
                     response: r.response.clone().unwrap_or_default(),
                     fence: r.fence,
                     completed_at: r.updated_at,
+                    expires_at: r.expires_at,
                 })),
                 (Status::Completed | Status::InProgress, false) => Some(BeginOutcome::Mismatch),
                 (Status::InProgress, true) if r.lease_expires_at > now => {

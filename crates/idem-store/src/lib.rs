@@ -7,6 +7,8 @@
 //!   and `RedisStore` (feature `redis`, single node or Cluster): for many processes sharing
 //!   records on the servers they already run.
 //!
+//! [`ReplayCache`] wraps any of them and answers replays of completed records from memory.
+//!
 //! [`open`] picks a store from a URL (`sqlite://PATH`, `memory://`, `postgres://…`,
 //! `mysql://…`, `redis://…`, `redis+cluster://…`), as `idem serve --store` does.
 //!
@@ -25,6 +27,7 @@
 
 #[cfg(any(feature = "postgres", feature = "mysql", feature = "redis"))]
 mod batch;
+mod cache;
 pub mod fence;
 mod lock_feed;
 mod memory;
@@ -42,6 +45,7 @@ mod sql;
 mod sqlite;
 mod url;
 
+pub use cache::{ReplayCache, ReplayCacheLimits};
 pub use fence::Fenced;
 #[cfg(any(feature = "postgres", feature = "sqlite"))]
 pub use fence::SqlFences;

@@ -54,3 +54,16 @@ mod shared {
         Fixture::new(idem_store::open("memory://").await.expect("open memory://"))
     });
 }
+
+/// A store behind a replay cache answers as the store does.
+mod cached {
+    use idem_store::{MemoryStore, ReplayCache, ReplayCacheLimits};
+    use idem_testkit::conformance::Fixture;
+
+    idem_testkit::conformance_tests!(async {
+        Fixture::new(ReplayCache::new(
+            MemoryStore::new(),
+            ReplayCacheLimits::default(),
+        ))
+    });
+}

@@ -39,6 +39,23 @@ mod single {
     }
 }
 
+/// Behind a replay cache, the Redis store still answers as it does alone.
+mod cached {
+    use super::*;
+    use idem_store::{ReplayCache, ReplayCacheLimits};
+
+    async fn fixture() -> Option<Fixture<ReplayCache<RedisStore>>> {
+        let url = REDIS.url()?;
+        let store = RedisStore::connect(&url, options()).await.unwrap();
+        Some(Fixture::new(ReplayCache::new(
+            store,
+            ReplayCacheLimits::default(),
+        )))
+    }
+
+    idem_testkit::conformance_tests!(fixture());
+}
+
 mod cluster {
     use super::*;
     use idem_testkit::services::RedisCluster;

@@ -1,11 +1,13 @@
 //! Idempotency records in Redis, single node or Cluster.
 //!
 //! A record is one string: a fixed-width header, its key and the response. A `begin` first
-//! tries a plain `SET … NX PX` of the fresh record, which succeeds exactly when Redis has no
-//! record for the key; otherwise, and for every other operation, one Lua script decides, which
-//! Redis runs atomically: the `begin` script reads the record, applies the rules of
-//! `Record::begin` and writes the new lease in the same step, so of any number of concurrent
-//! `begin`s exactly one acquires. A value the store did not write (another layout, another type) fails every
+//! sends a plain `SET … NX GET PX` of the fresh record, which writes it exactly when Redis has
+//! no record for the key and otherwise hands back the record it holds: a replay, a mismatch or
+//! an attempt in flight is then decided from that value by `Record::begin`, in the same round
+//! trip. What needs a write (a takeover), and every other operation, is decided by one Lua
+//! script, which Redis runs atomically: the `begin` script reads the record, applies the rules
+//! of `Record::begin` and writes the new lease in the same step, so of any number of
+//! concurrent `begin`s exactly one acquires. A value the store did not write (another layout, another type) fails every
 //! operation and is left alone.
 //!
 //! **Group commit** (one server): `begin`s and `complete`s that arrive while others are in
@@ -226,6 +228,23 @@ impl RedisStore {
                 source: None,
             });
         }
+        // `begin` sends `SET … NX GET`, which Redis accepts from 7.0 on. Servers that hide
+        // INFO cannot be asked; go on.
+        let info: Result<String, _> = redis::cmd("INFO")
+            .arg("server")
+            .query_async(&mut self.conn.clone())
+            .await;
+        if let Some(version) = info.ok().as_deref().and_then(server_version)
+            && version < (7, 0)
+        {
+            return Err(StoreError::Backend {
+                message: format!(
+                    "this Redis is version {}.{}: idem needs Redis 7.0 or later (or Valkey)",
+                    version.0, version.1
+                ),
+                source: None,
+            });
+        }
         if !options.allow_eviction {
             // Servers that disable CONFIG (some managed services) cannot be asked; go on.
             let config: Result<Vec<String>, _> = redis::cmd("CONFIG")
@@ -261,4 +280,13 @@ impl RedisStore {
     pub fn redis_key(&self, key: &Key) -> String {
         format!("{}{{{}}}", self.prefix, &key.sha256().to_hex()[..32])
     }
+}
+
+/// The major and minor version in the answer of `INFO server`.
+fn server_version(info: &str) -> Option<(u32, u32)> {
+    let version = info
+        .lines()
+        .find_map(|line| line.strip_prefix("redis_version:"))?;
+    let mut parts = version.trim().split('.').map(|p| p.parse::<u32>().ok());
+    Some((parts.next()??, parts.next()??))
 }

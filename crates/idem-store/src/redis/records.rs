@@ -231,21 +231,32 @@ impl RedisStore {
             }
             error("cannot begin the record", e)
         };
-        // A key Redis does not have is the common case: claim it with one plain command.
+        // One plain command claims a key Redis does not have (the common case) and, on a taken
+        // key, brings back what it holds: a replay, a mismatch or an attempt in flight is then
+        // decided here by the core's rules, in this one round trip. The value was read
+        // atomically with the refused write, and deciding on it changes nothing, so the answer
+        // is the one the script would have given at that moment.
         let set: Value = redis::cmd("SET")
             .arg(&key)
             .arg(&packed)
             .arg("NX")
+            .arg("GET")
             .arg("PX")
             .arg(ttl)
             .query_async(&mut self.conn.clone())
             .await
             .map_err(failed)?;
         match set {
-            Value::Okay => return Ok(BeginOutcome::Acquired(lease)),
-            Value::Nil => {}
+            Value::Nil => return Ok(BeginOutcome::Acquired(lease)),
+            Value::BulkString(held) => {
+                if let Some(outcome) = decided_without_writing(fresh, &lease, &held, now) {
+                    return Ok(outcome);
+                }
+            }
             _ => return Err(corrupt("SET answer")),
         }
+        // What is left writes (a released key, a lease that ran out), or is this very `begin`
+        // sent again, or a value the core cannot read: the script decides it atomically.
         let answer: Value = self
             .scripts
             .begin
@@ -271,14 +282,16 @@ impl RedisStore {
                 lease_expires_at: Timestamp::from_millis(int(&parts[1], "lease expiry")?),
             }),
             Some("mismatch") => Ok(BeginOutcome::Mismatch),
-            Some("replay") if parts.len() == 4 => {
+            Some("replay") if parts.len() == 5 => {
                 let completed_at = Timestamp::from_millis(int(&parts[3], "update time")?);
+                let expires_at = Timestamp::from_millis(int(&parts[4], "expiry")?);
                 let fence = int(&parts[2], "fence")?;
                 let response = bytes(parts.swap_remove(1), "response")?;
                 Ok(BeginOutcome::Replay(Replay {
                     response: Bytes::from(response),
                     fence,
                     completed_at,
+                    expires_at,
                 }))
             }
             _ => Err(corrupt("begin answer")),
@@ -365,4 +378,23 @@ impl RedisStore {
             _ => Err(corrupt("settle answer").into()),
         }
     }
+}
+
+/// The answer to a `begin` of `fresh` under `lease` on a key found holding `held`, when it
+/// needs no write: a replay, a mismatch, or another attempt in flight. `None` for everything
+/// else: a takeover, this very `begin` resent (its own lease id is in the record), or a value
+/// this store cannot read, all left to the `begin` script.
+fn decided_without_writing(
+    fresh: &Record,
+    lease: &Lease,
+    held: &[u8],
+    now: Timestamp,
+) -> Option<BeginOutcome> {
+    let record = unpack(&fresh.key, held).ok()?;
+    if record.lease_id == lease.id {
+        return None;
+    }
+    let req = BeginRequest::new(fresh.key.clone(), fresh.fingerprint);
+    let step = Record::begin(Some(&record), &req, now, lease.id);
+    step.write.is_none().then_some(step.outcome)
 }

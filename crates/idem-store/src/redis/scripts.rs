@@ -47,7 +47,8 @@ end
 pub(super) const FOREIGN: &str = "idem: the key holds a value this store did not write";
 
 /// ARGV = now, fingerprint, lease id, the fresh record (fence 1), its native TTL. Run when
-/// the plain `SET … NX` found the key taken.
+/// the plain `SET … NX GET` found the key taken by a record that needs a write (or that the
+/// client could not read).
 pub(super) const BEGIN: &str = r"
 local now = tonumber(ARGV[1])
 local v, st, fence, lexp, _, exp, kb = record(KEYS[1])
@@ -58,7 +59,8 @@ if v then
     local same = string.sub(v, 3, 34) == ARGV[2]
     if st == 'c' then
       if same then
-        return {'replay', string.sub(v, 151 + #kb), fence, tonumber(string.sub(v, 119, 134))}
+        return {'replay', string.sub(v, 151 + #kb), fence, tonumber(string.sub(v, 119, 134)),
+          exp}
       end
       return {'mismatch'}
     elseif st == 'p' then

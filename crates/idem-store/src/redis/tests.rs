@@ -242,3 +242,13 @@ fn a_record_of_format_1_is_still_served() {
         assert_eq!(record.status, Status::Released);
     });
 }
+
+/// The server's version is read from `INFO server`, whatever else the answer holds.
+#[test]
+fn the_server_version_is_read_from_info() {
+    let info = "# Server\r\nredis_version:7.0.15\r\nredis_git_sha1:00000000\r\n";
+    assert_eq!(server_version(info), Some((7, 0)));
+    assert_eq!(server_version("redis_version:6.2.14\r\n"), Some((6, 2)));
+    assert_eq!(server_version("redis_version:8\r\n"), None);
+    assert_eq!(server_version("valkey_version:8.0.1\r\n"), None);
+}
