@@ -19,6 +19,12 @@ use crate::stored::{self, Stored};
 /// [`RecordFilter::response_prefix`] that lists them.
 pub const UNKNOWN_PREFIX: &[u8] = &stored::UNKNOWN_PREFIX;
 
+/// Whether a stored answer is an unknown outcome (the upstream timed out after the request
+/// was sent): what an operator looks into and reopens.
+pub fn is_unknown_outcome(stored: &[u8]) -> bool {
+    stored.starts_with(UNKNOWN_PREFIX)
+}
+
 /// What a live HTTP record holds.
 #[derive(Debug, Clone, PartialEq, Eq)]
 #[non_exhaustive]

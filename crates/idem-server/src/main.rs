@@ -257,6 +257,51 @@ struct GatewayArgs {
 
     #[command(flatten)]
     limits: LimitArgs,
+
+    #[command(flatten)]
+    replay_cache: ReplayCacheArgs,
+}
+
+/// The replay cache, shared by serve and gateway: completed records answered from memory.
+#[derive(clap::Args)]
+struct ReplayCacheArgs {
+    /// How many completed answers to keep in memory, so that their replays skip the store; 0
+    /// turns the cache off.
+    #[arg(long, env = "IDEM_REPLAY_CACHE_ENTRIES", default_value_t = 10_000)]
+    replay_cache_entries: usize,
+
+    /// How many bytes of answers (and keys) the replay cache keeps at most.
+    #[arg(long, env = "IDEM_REPLAY_CACHE_BYTES", default_value_t = 32 << 20)]
+    replay_cache_bytes: usize,
+
+    /// How long an answer stays in the replay cache at most (even if its record lives
+    /// longer): the longest another instance, or `idem records`, may take to see its repair
+    /// of a completed record here (at most 1h).
+    #[arg(long, env = "IDEM_REPLAY_CACHE_MAX_AGE", default_value = "60s", value_parser = parse_cache_age)]
+    replay_cache_max_age: Duration,
+}
+
+impl ReplayCacheArgs {
+    /// `store` behind the replay cache, unless it is off; `skip` keeps answers out of it.
+    fn wrap(&self, store: SharedStore, skip: Option<fn(&[u8]) -> bool>) -> SharedStore {
+        if self.replay_cache_entries == 0 {
+            return store;
+        }
+        let limits = idem_store::ReplayCacheLimits {
+            entries: self.replay_cache_entries,
+            bytes: self.replay_cache_bytes,
+            max_age: self.replay_cache_max_age,
+        };
+        let cache = idem_store::ReplayCache::new(store, limits);
+        match skip {
+            Some(skip) => Arc::new(cache.skip(skip)),
+            None => Arc::new(cache),
+        }
+    }
+}
+
+fn parse_cache_age(s: &str) -> Result<Duration, String> {
+    parse_bounded(s, Duration::from_secs(60 * 60))
 }
 
 /// Connection limits, shared by serve and gateway (which also reads them from its file).
@@ -341,6 +386,9 @@ struct ServeArgs {
 
     #[command(flatten)]
     limits: LimitArgs,
+
+    #[command(flatten)]
+    replay_cache: ReplayCacheArgs,
 }
 
 fn parse_duration(s: &str) -> Result<Duration, String> {
@@ -708,6 +756,7 @@ async fn serve(args: &ServeArgs) -> Result<(), String> {
         ));
     }
     let (store, locks) = open_with_locks(&args.store).await?;
+    let store = args.replay_cache.wrap(store, None);
     if locks.is_none() {
         warn!("this store keeps no locks: /v1/locks answers 501");
     }
@@ -806,6 +855,11 @@ async fn gateway(args: GatewayArgs) -> Result<(), String> {
         .or(file.store.clone())
         .unwrap_or_else(|| "sqlite://idem.db".to_owned());
     let (store, _) = open_with_locks(&store_url).await?;
+    // Unknown outcomes stay out of the cache: an operator reopens them, and every instance
+    // must then let the retry through at once.
+    let store = args
+        .replay_cache
+        .wrap(store, Some(idem_http::operator::is_unknown_outcome));
     // The command line wins over the file.
     let mut gateway = Gateway::new(upstream, store.clone());
     if let Some(t) = args.upstream_timeout {

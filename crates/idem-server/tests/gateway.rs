@@ -527,6 +527,66 @@ async fn an_operator_reopens_an_unknown_outcome_for_the_next_retry() {
     }
 }
 
+/// Two gateways on one store, each with its own replay cache: a stored answer is replayed
+/// from memory, but an unknown outcome never is, so that once an operator reopens it on one
+/// gateway, a retry through the other runs at once.
+#[tokio::test]
+async fn replays_come_from_memory_but_unknown_outcomes_never_do() {
+    use idem_store::{ReplayCache, ReplayCacheLimits};
+    const TOKEN: &str = "operator-token-0123456789";
+    let dir = tempfile::tempdir().unwrap();
+    let token_file = dir.path().join("admin-token");
+    std::fs::write(&token_file, format!("{TOKEN}\n")).unwrap();
+    let (seen, up) = start_upstream().await;
+    let config = format!(
+        "upstream_timeout = \"200ms\"\nadmin_token_file = {:?}",
+        token_file.display()
+    );
+    let shared = memory();
+    let cached = || {
+        ReplayCache::new(shared.clone(), ReplayCacheLimits::default())
+            .skip(idem_http::operator::is_unknown_outcome)
+    };
+    let (cache_a, cache_b) = (cached(), cached());
+    let a = start_gateway(up, Arc::new(cache_a.clone()), &config).await;
+    let b = start_gateway(up, Arc::new(cache_b.clone()), &config).await;
+
+    // A stored answer: run through A, replayed by B, the second time from B's memory.
+    assert_eq!(
+        post(a, "/v1/orders", "k1", "x").await.status,
+        StatusCode::CREATED
+    );
+    for _ in 0..2 {
+        assert!(post(b, "/v1/orders", "k1", "x").await.replayed());
+    }
+    assert_eq!((seen.runs(), cache_b.hits()), (1, 1));
+
+    // An unknown outcome: held on B, from the store every time.
+    let slow = [("idempotency-key", "k2"), ("x-delay-ms", "1000")];
+    let r = send(a, Method::POST, "/v1/orders", &slow, "y").await;
+    assert_eq!(r.code(), "upstream_timeout");
+    for _ in 0..2 {
+        assert_eq!(
+            post(b, "/v1/orders", "k2", "y").await.code(),
+            "outcome_unknown"
+        );
+    }
+    assert_eq!(cache_b.hits(), 1);
+    // The operator reopens it on A; B lets the next retry run.
+    let record = serde_json::json!({"path": "/v1/orders", "key": "k2", "credential": CALLER});
+    let headers = [
+        ("authorization", "Bearer operator-token-0123456789"),
+        ("content-type", "application/json"),
+    ];
+    let body = record.to_string();
+    let r = send(a, Method::POST, "/_idem/records/reopen", &headers, &body).await;
+    assert_eq!(r.status, StatusCode::OK, "{}", r.body);
+    let r = post(b, "/v1/orders", "k2", "y").await;
+    assert_eq!(r.status, StatusCode::CREATED, "{}", r.body);
+    assert!(!r.replayed());
+    assert_eq!(seen.runs(), 3);
+}
+
 #[tokio::test]
 async fn an_operator_lists_unknown_outcomes_and_reopens_what_was_shown() {
     const TOKEN: &str = "operator-token-0123456789";

@@ -9,12 +9,15 @@
 //!   leaves nothing behind.
 //! - [`mq`] (feature `mq`): what the message benches share: a timed source, the bare consume
 //!   loop, and filling a RabbitMQ queue.
+//! - [`load`] (feature `load`): keep-alive HTTP clients under load, for the HTTP benches.
 
 // Test support: a failed expectation is meant to panic.
 #![allow(clippy::unwrap_used)]
 
 pub mod conformance;
 mod faulty;
+#[cfg(feature = "load")]
+pub mod load;
 pub mod locks;
 #[cfg(feature = "mq")]
 pub mod mq;

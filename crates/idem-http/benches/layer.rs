@@ -1,0 +1,203 @@
+//! Load bench of the `Idempotency-Key` layer beside the same axum route without it, in one run.
+//!
+//! One axum route (`POST /v1/charges`, a small JSON answer, no work) is served four ways on
+//! one one-thread runtime: bare, and behind the layer on Redis, with and without a
+//! [`ReplayCache`]. Keep-alive clients on another one-thread runtime send, in each round:
+//!
+//! - `plain`: the bare route (with an `Idempotency-Key` header it ignores);
+//! - `layer, new keys`: a fresh key per request (claim, run, store the answer);
+//! - `layer, replays`: keys answered before (the store replays them);
+//! - `layer + cache, replays`: the same through the replay cache (answered from memory).
+//!
+//! Rounds are interleaved (every way once per round), and each row reports its rate against
+//! `plain` in the same round.
+//!
+//! `cargo bench -p idem-http --bench layer -- [--seconds N] [--concurrency N] [--rounds N]`
+//! (`REDIS_URL`, default `redis://127.0.0.1:6379`; `--store memory` for no Redis).
+
+#![allow(clippy::unwrap_used, clippy::print_stdout, clippy::expect_used)]
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use axum::Router;
+use axum::body::Bytes;
+use axum::http::StatusCode;
+use axum::routing::post;
+use http_body_util::Full;
+use idem_core::SharedStore;
+use idem_http::{IdempotencyLayer, Policy};
+use idem_store::{ReplayCache, ReplayCacheLimits};
+use idem_testkit::load;
+
+struct Args {
+    seconds: u64,
+    concurrency: usize,
+    rounds: usize,
+    store: String,
+}
+
+fn args() -> Args {
+    let mut a = Args {
+        seconds: 5,
+        concurrency: 16,
+        rounds: 3,
+        store: "redis".into(),
+    };
+    let mut it = std::env::args().skip(1);
+    while let Some(flag) = it.next() {
+        let mut value = || it.next().expect("a value");
+        match flag.as_str() {
+            "--seconds" => a.seconds = value().parse().unwrap(),
+            "--concurrency" => a.concurrency = value().parse().unwrap(),
+            "--rounds" => a.rounds = value().parse().unwrap(),
+            "--store" => a.store = value(),
+            "--quick" => (a.seconds, a.rounds) = (1, 1),
+            _ => {} // cargo bench passes --bench
+        }
+    }
+    a
+}
+
+async fn charge(body: Bytes) -> (StatusCode, [(&'static str, &'static str); 1], String) {
+    (
+        StatusCode::CREATED,
+        [("content-type", "application/json")],
+        format!(
+            "{{\"id\":\"ch_1\",\"object\":\"charge\",\"status\":\"succeeded\",\"request_bytes\":{}}}",
+            body.len()
+        ),
+    )
+}
+
+async fn serve(layer: Option<IdempotencyLayer>) -> SocketAddr {
+    let route = match layer {
+        Some(layer) => post(charge).layer(layer),
+        None => post(charge),
+    };
+    let app = Router::new().route("/v1/charges", route);
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(async move { axum::serve(listener, app).await.unwrap() });
+    addr
+}
+
+async fn store(kind: &str, run: &str) -> SharedStore {
+    match kind {
+        "memory" => Arc::new(idem_store::MemoryStore::with_limits(
+            idem_store::MemoryLimits::new(usize::MAX, usize::MAX),
+        )),
+        _ => {
+            let url =
+                std::env::var("REDIS_URL").unwrap_or_else(|_| "redis://127.0.0.1:6379".into());
+            let options = idem_store::RedisOptions {
+                prefix: format!("idem-bench-layer:{run}:"),
+                ..Default::default()
+            };
+            Arc::new(
+                idem_store::RedisStore::connect(&url, options)
+                    .await
+                    .unwrap(),
+            )
+        }
+    }
+}
+
+#[derive(Clone, Copy, PartialEq)]
+enum Keys {
+    Fresh,
+    Replayed,
+}
+
+const REPLAY_KEYS: usize = 1000;
+const BODY: &str = r#"{"amount":1000,"currency":"eur","source":"tok_visa"}"#;
+
+fn request(target: SocketAddr, key: String) -> http::Request<Full<Bytes>> {
+    http::Request::post(format!("http://{target}/v1/charges"))
+        .header("content-type", "application/json")
+        .header("authorization", "Bearer sk_test_bench")
+        .header("idempotency-key", key)
+        .body(Full::new(Bytes::from_static(BODY.as_bytes())))
+        .unwrap()
+}
+
+async fn run(target: SocketAddr, keys: Keys, replayed: bool, args: &Args, tag: String) -> f64 {
+    let out = load::run(
+        args.concurrency,
+        Duration::from_secs(args.seconds),
+        move |task, i| {
+            let key = match keys {
+                Keys::Fresh => format!("{tag}-{task}-{i}"),
+                Keys::Replayed => format!("warm-{}", (task * 7919 + i) % REPLAY_KEYS),
+            };
+            request(target, key)
+        },
+        move |res, _| {
+            assert_eq!(res.status(), StatusCode::CREATED);
+            assert_eq!(res.headers().contains_key("idempotent-replayed"), replayed);
+        },
+    )
+    .await;
+    out.rps
+}
+
+async fn warm(target: SocketAddr) {
+    let client = load::client();
+    for k in 0..REPLAY_KEYS {
+        client
+            .request(request(target, format!("warm-{k}")))
+            .await
+            .unwrap();
+    }
+}
+
+fn main() {
+    let args = args();
+    let (server_rt, load_rt) = (load::runtime(), load::runtime());
+    let run_id = format!(
+        "{}-{}",
+        std::process::id(),
+        idem_core::Timestamp::now().as_millis()
+    );
+    let (plain, layered, cached) = server_rt.block_on(async {
+        let shared = store(&args.store, &run_id).await;
+        // Short-lived records: the bench writes many keys to a shared server.
+        let policy = Policy::default().ttl(Duration::from_secs(120));
+        let cache: SharedStore = Arc::new(ReplayCache::new(
+            shared.clone(),
+            ReplayCacheLimits::default(),
+        ));
+        (
+            serve(None).await,
+            serve(Some(IdempotencyLayer::new(shared, policy.clone()))).await,
+            serve(Some(IdempotencyLayer::new(cache, policy))).await,
+        )
+    });
+    load_rt.block_on(async {
+        warm(layered).await;
+    });
+    println!(
+        "layer bench: store {}, {} keep-alive clients, {} s per row, {} rounds\n",
+        args.store, args.concurrency, args.seconds, args.rounds
+    );
+    println!("| round | way | req/s | × plain |");
+    println!("|---|---|---:|---:|");
+    for round in 1..=args.rounds {
+        load_rt.block_on(async {
+            let base = run(plain, Keys::Fresh, false, &args, format!("p{round}")).await;
+            let ways = [
+                ("layer, new keys", layered, Keys::Fresh, false),
+                ("layer, replays", layered, Keys::Replayed, true),
+                ("layer + cache, new keys", cached, Keys::Fresh, false),
+                ("layer + cache, replays", cached, Keys::Replayed, true),
+            ];
+            println!("| {round} | plain | {base:.0} | 1.00 |");
+            for (i, (way, target, keys, replayed)) in ways.into_iter().enumerate() {
+                let tag = format!("r{round}w{i}");
+                let rps = run(target, keys, replayed, &args, tag).await;
+                println!("| {round} | {way} | {rps:.0} | {:.2} |", rps / base);
+            }
+        });
+    }
+}
