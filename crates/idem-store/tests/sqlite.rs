@@ -243,3 +243,43 @@ async fn a_lock_held_past_busy_timeout_fails_closed() {
         BeginOutcome::Acquired(_)
     ));
 }
+
+/// Replays, mismatches and `get` are read on read connections: another connection holding the
+/// write lock delays only what writes. Without read connections they wait for the writer too.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_replay_does_not_wait_for_the_write_lock() {
+    for read_connections in [2, 0] {
+        let dir = tempfile::tempdir().unwrap();
+        let mut options = SqliteOptions::default();
+        options.busy_timeout = Duration::from_millis(300);
+        options.read_connections = read_connections;
+        let store = open_with(&dir, options);
+        let now = Timestamp::now();
+        let done = req("done");
+        let BeginOutcome::Acquired(lease) = store.begin(&done, now).await.unwrap() else {
+            panic!("not acquired")
+        };
+        let answer = idem_core::Bytes::from_static(b"answer");
+        store
+            .complete(&done.key, &lease, answer, now)
+            .await
+            .unwrap();
+
+        let blocker = Blocker::new(&dir);
+        let replay = store.begin(&done, now).await;
+        let other = BeginRequest::new(done.key.clone(), Fingerprint::of_bytes(b"other"));
+        let mismatch = store.begin(&other, now).await;
+        let got = store.get(&done.key, now).await;
+        let fresh = store.begin(&req("fresh"), now).await;
+        drop(blocker);
+        assert!(matches!(&fresh, Err(e) if e.is_transient()), "{fresh:?}");
+        if read_connections > 0 {
+            assert!(matches!(replay, Ok(BeginOutcome::Replay(r)) if &r.response[..] == b"answer"));
+            assert_eq!(mismatch.unwrap(), BeginOutcome::Mismatch);
+            assert!(got.unwrap().is_some());
+        } else {
+            assert!(matches!(&replay, Err(e) if e.is_transient()), "{replay:?}");
+            assert!(matches!(&got, Err(e) if e.is_transient()), "{got:?}");
+        }
+    }
+}

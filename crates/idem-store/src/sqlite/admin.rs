@@ -8,10 +8,6 @@
 //! `complete`, and check the record's state and fence in the same transaction.
 
 use std::cmp::Ordering;
-use std::path::PathBuf;
-use std::sync::{Mutex, PoisonError, mpsc};
-use std::thread;
-use std::time::Duration;
 
 use idem_core::admin::{RESPONSE_HEAD, key_listing};
 use idem_core::{
@@ -19,15 +15,13 @@ use idem_core::{
     Repair, Shown, StoreError, Timestamp,
 };
 use rusqlite::types::Value;
-use rusqlite::{Connection, OpenFlags, ToSql, named_params};
-use tokio::sync::oneshot;
+use rusqlite::{Connection, ToSql, named_params};
 
 use crate::row::sql_int;
 
 use super::SqliteStore;
 use super::records::{load, save};
-use super::schema::open_error;
-use super::writer::{Request, Responder, store_error};
+use super::writer::{Request, Responder};
 
 /// A record's state at `:now` in SQL, as its place in `RecordState::ALL` (0 in progress,
 /// 1 stuck, 2 completed, 3 released, 4 expired; a number, which a count compares faster than a
@@ -52,98 +46,6 @@ fn state_code(state: RecordState) -> i64 {
         .position(|s| *s == state)
         .and_then(|i| i64::try_from(i).ok())
         .unwrap_or(-1)
-}
-
-/// How many listings and counts may wait for the read connection.
-const READ_QUEUE: usize = 64;
-
-type ReadJob = Box<dyn FnOnce(&Connection) + Send>;
-
-/// The read connection and its thread, started by the first listing or count.
-#[derive(Debug)]
-pub(super) struct Reader {
-    path: PathBuf,
-    busy_timeout: Duration,
-    jobs: Mutex<Option<mpsc::SyncSender<ReadJob>>>,
-}
-
-impl Reader {
-    pub(super) fn new(path: PathBuf, busy_timeout: Duration) -> Self {
-        Self {
-            path,
-            busy_timeout,
-            jobs: Mutex::new(None),
-        }
-    }
-
-    /// Runs `read` on the read connection.
-    pub(super) async fn run<T: Send + 'static>(
-        &self,
-        read: impl FnOnce(&Connection) -> rusqlite::Result<Result<T, StoreError>> + Send + 'static,
-    ) -> Result<T, StoreError> {
-        let (reply, answer) = oneshot::channel();
-        self.send(Box::new(move |conn| {
-            // A caller that stopped waiting needs no answer.
-            if !reply.is_closed() {
-                let _ = reply.send(read(conn).unwrap_or_else(|e| Err(store_error(&e))));
-            }
-        }))?;
-        answer.await.unwrap_or_else(|_| Err(reader_stopped()))
-    }
-
-    fn send(&self, job: ReadJob) -> Result<(), StoreError> {
-        let mut jobs = self.jobs.lock().unwrap_or_else(PoisonError::into_inner);
-        let sender = match jobs.as_ref() {
-            Some(sender) => sender,
-            None => jobs.insert(self.start()?),
-        };
-        match sender.try_send(job) {
-            Ok(()) => Ok(()),
-            Err(mpsc::TrySendError::Full(_)) => Err(StoreError::Unavailable {
-                message: format!(
-                    "the SQLite store has {READ_QUEUE} listings or counts waiting; \
-                     try again shortly"
-                ),
-                source: None,
-            }),
-            Err(mpsc::TrySendError::Disconnected(_)) => {
-                // The thread is gone; the next read starts another.
-                *jobs = None;
-                Err(reader_stopped())
-            }
-        }
-    }
-
-    /// Opens the read connection and starts its thread, which ends when every clone of the
-    /// store has been dropped.
-    fn start(&self) -> Result<mpsc::SyncSender<ReadJob>, StoreError> {
-        // The writer has created the file and applied the migrations.
-        let flags = OpenFlags::default().difference(OpenFlags::SQLITE_OPEN_CREATE);
-        let conn = Connection::open_with_flags(&self.path, flags)
-            .and_then(|conn| {
-                conn.busy_timeout(self.busy_timeout)?;
-                conn.pragma_update(None, "query_only", true)?;
-                Ok(conn)
-            })
-            .map_err(|e| open_error(&self.path, e))?;
-        let (sender, jobs) = mpsc::sync_channel::<ReadJob>(READ_QUEUE);
-        thread::Builder::new()
-            .name("idem-sqlite-admin".into())
-            .spawn(move || {
-                while let Ok(job) = jobs.recv() {
-                    job(&conn);
-                }
-            })
-            .map_err(|e| StoreError::backend("cannot start the SQLite reader thread", e))?;
-        Ok(sender)
-    }
-}
-
-fn reader_stopped() -> StoreError {
-    StoreError::Unavailable {
-        message: "the SQLite reader thread has stopped".into(),
-        source: None,
-    }
 }
 
 /// A `WHERE` clause built from the parts of a filter that are set, with its named parameters.
@@ -445,7 +347,7 @@ impl RecordAdmin for SqliteStore {
                 return Ok(Page::default());
             }
             query.rest(filter, true);
-            self.reader
+            self.listings
                 .run(move |conn| list_page(conn, &query, limit))
                 .await
         })
@@ -460,7 +362,7 @@ impl RecordAdmin for SqliteStore {
             let mut query = Query::new(now);
             query.keys(filter, None);
             query.rest(filter, false);
-            self.reader
+            self.listings
                 .run(move |conn| count_states(conn, &query))
                 .await
         })

@@ -201,7 +201,7 @@ impl LockStore for SqliteStore {
         Box::pin(async move {
             let limit = sql_int(u64::try_from(limit).unwrap_or(u64::MAX));
             let held = self
-                .reader
+                .listings
                 .run(move |conn| {
                     let now = sql_int(Timestamp::now().as_millis());
                     let mut stmt = conn.prepare_cached(

@@ -16,9 +16,18 @@
 //! The database runs in WAL mode; `synchronous = FULL` by default, so a completed record
 //! survives a power loss, not only a crash of the process.
 //!
+//! Reads that need no write lock do not queue behind the writer: `get`, and the first step of
+//! every `begin`, run on read connections of their own (`reader`), which in WAL mode see the
+//! last commit without waiting for the writer. A `begin` whose record is completed (a replay
+//! or a mismatch) or held by a live attempt is answered from that read: the answer needs no
+//! write and was true at the moment of the read, so it is the one the writer would have given
+//! then. Only a `begin` that writes (a fresh key, a takeover) goes on to the writer, which
+//! reads the record again inside its transaction and decides.
+//!
 //! The writer thread and its batches are in `writer`, what one operation does inside the
-//! transaction in `records`, the locks in `locks`, the operator's view (listing, counting,
-//! repairs) in `admin`, and the schema and connection settings in `schema`.
+//! transaction in `records`, the read connections in `reader`, the locks in `locks`, the
+//! operator's view (listing, counting, repairs) in `admin`, and the schema and connection
+//! settings in `schema`.
 
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, mpsc};
@@ -35,9 +44,12 @@ use crate::lock_feed::ReleaseFeed;
 
 mod admin;
 mod locks;
+mod reader;
 mod records;
 mod schema;
 mod writer;
+
+use reader::Readers;
 
 use schema::connect;
 use writer::{Op, Request, Responder, Writer, writer_stopped};
@@ -67,6 +79,9 @@ pub struct SqliteOptions {
     /// The most operations that may wait for the writer; beyond that, callers get
     /// `StoreError::Unavailable` at once rather than queueing without bound.
     pub max_queue: usize,
+    /// Read connections for replays and `get`, each on a thread of its own; 0 sends them
+    /// through the writer.
+    pub read_connections: usize,
 }
 
 impl Default for SqliteOptions {
@@ -76,9 +91,13 @@ impl Default for SqliteOptions {
             busy_timeout: Duration::from_secs(5),
             max_batch: 512,
             max_queue: 16 * 1024,
+            read_connections: 2,
         }
     }
 }
+
+/// How many listings and counts may wait for their read connection.
+const LISTINGS_QUEUE: usize = 64;
 
 /// Idempotency records in a SQLite database file. Clones share one writer thread.
 #[derive(Clone, Debug)]
@@ -87,7 +106,10 @@ pub struct SqliteStore {
     max_queue: usize,
     path: PathBuf,
     released: ReleaseFeed,
-    reader: Arc<admin::Reader>,
+    /// Replays and `get` (none: through the writer).
+    reads: Option<Arc<Readers>>,
+    /// Listings and counts, apart, so that a long count never delays a replay.
+    listings: Arc<Readers>,
 }
 
 impl SqliteStore {
@@ -111,7 +133,22 @@ impl SqliteStore {
         Ok(Self {
             tx,
             max_queue,
-            reader: Arc::new(admin::Reader::new(path.clone(), options.busy_timeout)),
+            reads: (options.read_connections > 0).then(|| {
+                Arc::new(Readers::new(
+                    "reads",
+                    path.clone(),
+                    options.busy_timeout,
+                    options.read_connections,
+                    options.max_queue,
+                ))
+            }),
+            listings: Arc::new(Readers::new(
+                "listings",
+                path.clone(),
+                options.busy_timeout,
+                1,
+                LISTINGS_QUEUE,
+            )),
             path,
             released: ReleaseFeed::new(),
         })
@@ -120,6 +157,22 @@ impl SqliteStore {
     /// The database file.
     pub fn path(&self) -> &Path {
         &self.path
+    }
+
+    /// The record for `key`, live or not, read on a read connection; `None` without them.
+    async fn read(&self, key: &Key) -> Option<Result<Option<Record>, StoreError>> {
+        let key = key.clone();
+        let reads = self.reads.as_ref()?;
+        Some(reads.run(move |conn| records::load(conn, &key)).await)
+    }
+
+    /// The answer to a `begin` that writes nothing (a replay, a mismatch, an attempt in
+    /// flight), from a read connection; `None` when the writer must decide: the `begin`
+    /// writes (a fresh key, a takeover), or the read could not be made.
+    async fn decided_by_reading(&self, req: &BeginRequest, now: Timestamp) -> Option<BeginOutcome> {
+        let existing = self.read(&req.key).await?.ok()??;
+        let step = Record::begin(Some(&existing), req, now, idem_core::LeaseId::generate());
+        step.write.is_none().then_some(step.outcome)
     }
 
     async fn call<T>(
@@ -153,6 +206,9 @@ impl Store for SqliteStore {
     }
 
     async fn begin(&self, req: &BeginRequest, now: Timestamp) -> Result<BeginOutcome, StoreError> {
+        if let Some(outcome) = self.decided_by_reading(req, now).await {
+            return Ok(outcome);
+        }
         self.call(Request::Begin(req.clone(), now), Responder::Begin, Err)
             .await
     }
@@ -204,8 +260,14 @@ impl Store for SqliteStore {
     }
 
     async fn get(&self, key: &Key, now: Timestamp) -> Result<Option<Record>, StoreError> {
-        self.call(Request::Get(key.clone(), now), Responder::Get, Err)
-            .await
+        match self.read(key).await {
+            // No read connections, or all busy or gone: the writer reads too.
+            None | Some(Err(StoreError::Unavailable { .. })) => {
+                self.call(Request::Get(key.clone(), now), Responder::Get, Err)
+                    .await
+            }
+            Some(read) => Ok(read?.filter(|r| r.is_live(now))),
+        }
     }
 
     async fn purge_expired(&self, now: Timestamp, limit: usize) -> Result<u64, StoreError> {

@@ -155,7 +155,7 @@ fn transition(
 }
 
 pub(super) fn load(
-    tx: &rusqlite::Transaction<'_>,
+    tx: &rusqlite::Connection,
     key: &Key,
 ) -> rusqlite::Result<Result<Option<Record>, StoreError>> {
     let mut stmt = tx.prepare_cached(
