@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
-# Installs the peer lock libraries outside the repo and runs their benchmarks.
+# Installs the peer libraries outside the repo and runs their benchmarks.
 #   IDEM_PEERS_DIR  install dir (default $HOME/.cache/idem/peers): node_modules + venv
 #   REDIS_URL       Redis to bench against (default redis://127.0.0.1:6379)
 #   DURATION        seconds per scenario (default 5)
+#   PEERS           space-separated subset of: redlock python-redis-lock powertools
+#                   (default: all, in that order)
 # Installs are skipped when the pinned manifests there already match these.
 # stdout: one JSON line per scenario; install logs and notes go to stderr.
 set -euo pipefail
@@ -11,6 +13,14 @@ here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 export IDEM_PEERS_DIR="${IDEM_PEERS_DIR:-$HOME/.cache/idem/peers}"
 export REDIS_URL="${REDIS_URL:-redis://127.0.0.1:6379}"
 export DURATION="${DURATION:-5}"
+all_peers="redlock python-redis-lock powertools"
+PEERS="${PEERS:-$all_peers}"
+for p in $PEERS; do
+  case " $all_peers " in
+    *" $p "*) ;;
+    *) echo "run.sh: unknown peer '$p' in PEERS (known: $all_peers)" >&2; exit 2 ;;
+  esac
+done
 mkdir -p "$IDEM_PEERS_DIR"
 
 # Node peer: redlock + ioredis, exactly as locked in package-lock.json.
@@ -21,7 +31,7 @@ if ! cmp -s "$here/package.json" "$IDEM_PEERS_DIR/package.json" \
   npm ci --prefix "$IDEM_PEERS_DIR" --no-audit --no-fund >&2
 fi
 
-# Python peer: python-redis-lock + redis in a venv.
+# Python peers: python-redis-lock, aws-lambda-powertools + redis in one venv.
 venv="$IDEM_PEERS_DIR/venv"
 if ! cmp -s "$here/requirements.txt" "$venv/requirements.txt"; then
   [ -x "$venv/bin/python" ] || python3 -m venv "$venv"
@@ -29,5 +39,10 @@ if ! cmp -s "$here/requirements.txt" "$venv/requirements.txt"; then
   cp "$here/requirements.txt" "$venv/requirements.txt"
 fi
 
-node "$here/redlock_bench.mjs"
-"$venv/bin/python" "$here/python_redis_lock_bench.py"
+for p in $PEERS; do
+  case "$p" in
+    redlock) node "$here/redlock_bench.mjs" ;;
+    python-redis-lock) "$venv/bin/python" "$here/python_redis_lock_bench.py" ;;
+    powertools) "$venv/bin/python" "$here/powertools_bench.py" ;;
+  esac
+done
