@@ -9,8 +9,8 @@
 //! - `layer, replays`: keys answered before (the store replays them);
 //! - `layer + cache, replays`: the same through the replay cache (answered from memory).
 //!
-//! Rounds are interleaved (every way once per round), and each row reports its rate against
-//! `plain` in the same round.
+//! Rounds are interleaved (every way once per round), and each way runs right after a run of
+//! `plain`, its row giving the ratio to that run.
 //!
 //! `cargo bench -p idem-http --bench layer -- [--seconds N] [--concurrency N] [--rounds N]`
 //! (`REDIS_URL`, default `redis://127.0.0.1:6379`; `--store memory` for no Redis).
@@ -181,22 +181,25 @@ fn main() {
         "layer bench: store {}, {} keep-alive clients, {} s per row, {} rounds\n",
         args.store, args.concurrency, args.seconds, args.rounds
     );
-    println!("| round | way | req/s | × plain |");
-    println!("|---|---|---:|---:|");
+    println!("| round | way | req/s | plain req/s | × plain |");
+    println!("|---|---|---:|---:|---:|");
     for round in 1..=args.rounds {
         load_rt.block_on(async {
-            let base = run(plain, Keys::Fresh, false, &args, format!("p{round}")).await;
             let ways = [
                 ("layer, new keys", layered, Keys::Fresh, false),
                 ("layer, replays", layered, Keys::Replayed, true),
                 ("layer + cache, new keys", cached, Keys::Fresh, false),
                 ("layer + cache, replays", cached, Keys::Replayed, true),
             ];
-            println!("| {round} | plain | {base:.0} | 1.00 |");
             for (i, (way, target, keys, replayed)) in ways.into_iter().enumerate() {
-                let tag = format!("r{round}w{i}");
-                let rps = run(target, keys, replayed, &args, tag).await;
-                println!("| {round} | {way} | {rps:.0} | {:.2} |", rps / base);
+                // The bare route right before each way: the machine's load drifts, and a
+                // ratio to a run minutes away would measure the drift.
+                let base = run(plain, Keys::Fresh, false, &args, format!("p{round}w{i}")).await;
+                let rps = run(target, keys, replayed, &args, format!("r{round}w{i}")).await;
+                println!(
+                    "| {round} | {way} | {rps:.0} | {base:.0} | {:.2} |",
+                    rps / base
+                );
             }
         });
     }

@@ -68,7 +68,7 @@ pub use idem_core::{
 };
 #[cfg(feature = "sqlite")]
 pub use idem_store::SqliteStore;
-pub use idem_store::{self, MemoryStore, StoreUrl, open};
+pub use idem_store::{self, MemoryStore, ReplayCache, ReplayCacheLimits, StoreUrl, open};
 #[cfg(feature = "mysql")]
 pub use idem_store::{MySqlOptions, MySqlStore};
 #[cfg(feature = "postgres")]

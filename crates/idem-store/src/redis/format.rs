@@ -21,8 +21,9 @@ const MAX_EXACT: u64 = (1 << 53) - 1;
 //   151-154 the key's length n   155-(154+n) the key: scope, namespace and client key, each
 //   apart by one space (none of them holds one)   (155+n)- response
 //
-// A string rather than a hash so that `begin` on a fresh key is one plain `SET … NX PX`,
-// which costs Redis a third of a script; the scripts (`super::scripts`) handle every other case.
+// A string rather than a hash so that `begin` is one plain `SET … NX GET PX`, which costs
+// Redis a third of a script: it writes a fresh key, or brings back a taken key's record for a
+// replay to be decided from; the scripts (`super::scripts`) handle every write past that.
 // The Redis key name is a digest (see `RedisStore::redis_key`), so the key is kept in the value
 // for a listing to show. Format 1, written before, had no key (the response at 151); such
 // records are still read and written in their format, but a listing cannot name them.
