@@ -292,11 +292,12 @@ impl ReplayCacheArgs {
             bytes: self.replay_cache_bytes,
             max_age: self.replay_cache_max_age,
         };
-        let cache = idem_store::ReplayCache::new(store, limits);
-        match skip {
-            Some(skip) => Arc::new(cache.skip(skip)),
-            None => Arc::new(cache),
+        let mut cache = idem_store::ReplayCache::new(store, limits);
+        if let Some(skip) = skip {
+            cache = cache.skip(skip);
         }
+        tokio::spawn(idem_server::metrics::watch_replay_cache(cache.clone()));
+        Arc::new(cache)
     }
 }
 

@@ -245,6 +245,32 @@ pub async fn watch_memory_store(store: idem_store::MemoryStore) {
     }
 }
 
+/// Publishes a replay cache's work every 5 s: `idem_replay_cache_hits_total` (replays answered
+/// from memory), `idem_replay_cache_entries` and `idem_replay_cache_bytes`. Runs until its
+/// task is aborted or the runtime stops.
+pub async fn watch_replay_cache(cache: idem_store::ReplayCache<idem_core::SharedStore>) {
+    metrics::describe_counter!(
+        "idem_replay_cache_hits_total",
+        "Replays answered from the in-process replay cache, without a store call."
+    );
+    metrics::describe_gauge!(
+        "idem_replay_cache_entries",
+        "Answers held by the replay cache."
+    );
+    metrics::describe_gauge!(
+        "idem_replay_cache_bytes",
+        metrics::Unit::Bytes,
+        "Bytes the replay cache holds, as it weighs its entries."
+    );
+    loop {
+        metrics::counter!("idem_replay_cache_hits_total").absolute(cache.hits());
+        let (entries, bytes) = cache.size();
+        metrics::gauge!("idem_replay_cache_entries").set(entries as f64);
+        metrics::gauge!("idem_replay_cache_bytes").set(bytes as f64);
+        tokio::time::sleep(std::time::Duration::from_secs(5)).await;
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -81,7 +81,6 @@ type Skip = Arc<dyn Fn(&[u8]) -> bool + Send + Sync>;
 struct Shared {
     entries: quick_cache::sync::Cache<Key, Entry, Weigher>,
     max_age: Duration,
-    skip: Option<Skip>,
     hits: AtomicU64,
 }
 
@@ -108,6 +107,7 @@ struct Shared {
 pub struct ReplayCache<S> {
     store: S,
     shared: Arc<Shared>,
+    skip: Option<Skip>,
 }
 
 impl<S: Clone> Clone for ReplayCache<S> {
@@ -115,6 +115,7 @@ impl<S: Clone> Clone for ReplayCache<S> {
         Self {
             store: self.store.clone(),
             shared: self.shared.clone(),
+            skip: self.skip.clone(),
         }
     }
 }
@@ -144,9 +145,9 @@ impl<S: Store> ReplayCache<S> {
                     Weigher { floor },
                 ),
                 max_age: limits.max_age,
-                skip: None,
                 hits: AtomicU64::new(0),
             }),
+            skip: None,
         }
     }
 
@@ -155,9 +156,7 @@ impl<S: Store> ReplayCache<S> {
     /// should then not replay from memory.
     #[must_use]
     pub fn skip(mut self, skip: impl Fn(&[u8]) -> bool + Send + Sync + 'static) -> Self {
-        if let Some(shared) = Arc::get_mut(&mut self.shared) {
-            shared.skip = Some(Arc::new(skip));
-        }
+        self.skip = Some(Arc::new(skip));
         self
     }
 
@@ -193,7 +192,6 @@ impl<S: Store> ReplayCache<S> {
 
     fn keep(&self, req: &BeginRequest, replay: &Replay, now: Timestamp) {
         if self
-            .shared
             .skip
             .as_ref()
             .is_some_and(|skip| skip(&replay.response))
