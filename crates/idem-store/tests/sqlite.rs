@@ -157,9 +157,10 @@ async fn a_claim_made_for_a_caller_that_stopped_waiting_is_given_back() {
     let blocker = Blocker::new(&dir);
     let (k, now) = (req("k"), Timestamp::now());
     let caller = sent(store.begin(&k, now)).await;
-    // A probe gets into the queue: the writer has taken the claim.
+    // A probe gets into the queue: the writer has taken the claim. (A counter's step, which
+    // only the writer takes; reads go to the read connections.)
     let probe = req("probe").key;
-    until_one_gets_in(|| store.get(&probe, now)).await;
+    until_one_gets_in(|| store.advance(&probe, 1)).await;
     // Its caller stops waiting.
     drop(caller);
     drop(blocker);
