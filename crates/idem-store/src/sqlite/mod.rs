@@ -171,7 +171,10 @@ impl SqliteStore {
     /// writes (a fresh key, a takeover), or the read could not be made.
     async fn decided_by_reading(&self, req: &BeginRequest, now: Timestamp) -> Option<BeginOutcome> {
         let existing = self.read(&req.key).await?.ok()??;
-        let step = Record::begin(Some(&existing), req, now, idem_core::LeaseId::generate());
+        // The lease id is only written by a `begin` that acquires, which this one never
+        // answers: no random id need be drawn.
+        let unused = idem_core::LeaseId::from_bytes([0; 16]);
+        let step = Record::begin(Some(&existing), req, now, unused);
         step.write.is_none().then_some(step.outcome)
     }
 
