@@ -87,10 +87,13 @@ async fn a_failing_batch_gives_every_caller_the_real_error() {
 
 /// A store whose writer queue holds one operation: a call that finds it taken is refused at
 /// once, so a call that gets in shows that the writer has taken what was waiting there.
+/// Without read connections, so that a `begin` polled once is in the writer's queue (with
+/// them, its first step is a read, and it reaches the writer only later).
 fn open_with_a_queue_of_one(dir: &tempfile::TempDir) -> SqliteStore {
     let mut options = SqliteOptions::default();
     options.busy_timeout = PATIENCE;
     options.max_queue = 1;
+    options.read_connections = 0;
     open_with(dir, options)
 }
 
