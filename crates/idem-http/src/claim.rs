@@ -18,6 +18,13 @@ use crate::problem_code::ProblemCode;
 use crate::service::reject;
 use crate::stored::Stored;
 
+/// The `Retry-After` of a request refused because another with its key is in progress: the
+/// first attempt may answer any moment, so a retry is worth making after a second rather than
+/// at the end of its lease (the latest the key can be held), which would keep a client
+/// waiting for as long as the lease runs (or make it give up) for an answer that was ready
+/// long before.
+const IN_PROGRESS_POLL: Duration = Duration::from_secs(1);
+
 /// Begins the record: `Ok(lease)` to run the handler, `Err(answer)` for anything else.
 pub(crate) async fn claim(
     cfg: &Config,
@@ -52,7 +59,7 @@ pub(crate) async fn claim(
                             "A request with this Idempotency-Key is still being processed; \
                              retry later.",
                         )
-                        .retry_after(lease_expires_at.saturating_since(now)),
+                        .retry_after(lease_expires_at.saturating_since(now).min(IN_PROGRESS_POLL)),
                 ));
             }
             BeginOutcome::Replay(r) => r,

@@ -10,10 +10,14 @@
 //! - [`mq`] (feature `mq`): what the message benches share: a timed source, the bare consume
 //!   loop, and filling a RabbitMQ queue.
 //! - [`load`] (feature `load`): keep-alive HTTP clients under load, for the HTTP benches.
+//! - [`chaos`] (feature `chaos`): a proxy that loses requests and answers, a ledger of what
+//!   ran, and storms of `idem-client` calls through both.
 
 // Test support: a failed expectation is meant to panic.
 #![allow(clippy::unwrap_used)]
 
+#[cfg(feature = "chaos")]
+pub mod chaos;
 pub mod conformance;
 mod faulty;
 #[cfg(feature = "load")]
