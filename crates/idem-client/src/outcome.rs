@@ -8,8 +8,9 @@ use reqwest::{Response, StatusCode};
 /// How a call went: its key, how many attempts it took, and whether the server said the
 /// answer is a replay of an earlier execution (`Idempotent-Replayed: true`).
 ///
-/// Through the middleware it rides in the answer's extensions ([`report`]).
-#[derive(Clone, Debug, PartialEq, Eq)]
+/// Through the middleware it rides in the answer's extensions ([`report`]). Its `Debug` (and
+/// so that of every [`Error`]) leaves the key out, so that logging an error logs no key.
+#[derive(Clone, PartialEq, Eq)]
 pub struct Report {
     /// The key the call carried (attached or the caller's), without the quotes of its
     /// structured-field form; `None` for a call without one. A secret of sorts: whoever has it
@@ -22,6 +23,17 @@ pub struct Report {
     /// The server answered from its store: the operation ran on an earlier attempt (or an
     /// earlier call with the same key), not on this one.
     pub replayed: bool,
+}
+
+impl fmt::Debug for Report {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Report")
+            .field("key", &self.key.as_ref().map(|_| "<withheld>"))
+            .field("attempts", &self.attempts)
+            .field("elapsed", &self.elapsed)
+            .field("replayed", &self.replayed)
+            .finish()
+    }
 }
 
 /// The call's [`Report`], on an answer the middleware returned.

@@ -234,9 +234,10 @@ async fn a_mismatch_or_an_unknown_outcome_ends_the_call_at_once() {
         "{e:?}"
     );
     assert_eq!(server.seen("/s/503,unknown,201").len(), 2);
-    // The message names no key.
+    // Neither the message nor the debug form names the key.
     let key = e.report().unwrap().key.clone().unwrap();
     assert!(!e.to_string().contains(&key));
+    assert!(!format!("{e:?}").contains(&key));
 }
 
 #[tokio::test]
