@@ -52,8 +52,39 @@ pub use store::{
 
 pub use bytes::Bytes;
 
+
+/// `bytes` as lowercase hex digits, appended to `out`. By table rather than by `format!`, which
+/// costs a formatter call per byte on paths that run per request (lock keys and owners).
+pub fn push_hex(out: &mut String, bytes: &[u8]) {
+    const DIGITS: &[u8; 16] = b"0123456789abcdef";
+    out.reserve(bytes.len() * 2);
+    for b in bytes {
+        out.push(char::from(DIGITS[usize::from(b >> 4)]));
+        out.push(char::from(DIGITS[usize::from(b & 0xf)]));
+    }
+}
+
+/// `bytes` as lowercase hex digits.
+pub fn hex(bytes: &[u8]) -> String {
+    let mut out = String::new();
+    push_hex(&mut out, bytes);
+    out
+}
+
 /// 128 bits from a cryptographically secure generator, as 32 lowercase hex digits (URL-safe):
 /// an id no one can guess or enumerate (lock owners, one-time tokens).
 pub fn random_hex128() -> String {
     format!("{:032x}", rand::random::<u128>())
+}
+
+#[cfg(test)]
+mod hex_tests {
+    #[test]
+    fn hex_is_lowercase_two_digits_a_byte() {
+        assert_eq!(super::hex(&[0x00, 0x0f, 0xa0, 0xff, 0x5c]), "000fa0ff5c");
+        assert_eq!(super::hex(&[]), "");
+        let all: Vec<u8> = (0..=255).collect();
+        let expected: String = all.iter().map(|b| format!("{b:02x}")).collect();
+        assert_eq!(super::hex(&all), expected);
+    }
 }

@@ -72,14 +72,7 @@ impl LockName {
 
     /// The first 128 bits of the name's SHA-256 in hex: a fixed-size key for backends.
     pub fn digest_hex(&self) -> String {
-        Sha256::digest(self.0.as_bytes())[..16].iter().fold(
-            String::with_capacity(32),
-            |mut s, b| {
-                use fmt::Write;
-                let _ = write!(s, "{b:02x}");
-                s
-            },
-        )
+        crate::hex(&Sha256::digest(self.0.as_bytes())[..16])
     }
 
     /// The name shared, as release feeds carry it.
@@ -153,12 +146,7 @@ pub struct OwnerDigest(pub [u8; 32]);
 impl OwnerDigest {
     /// Lower-case hex, as text backends store it.
     pub fn to_hex(&self) -> String {
-        use fmt::Write;
-        let mut s = String::with_capacity(64);
-        for b in self.0 {
-            let _ = write!(s, "{b:02x}");
-        }
-        s
+        crate::hex(&self.0)
     }
 }
 

@@ -230,7 +230,7 @@ fn keyed<'v>(secret: &ScopeSecret, credential: impl Iterator<Item = Cow<'v, [u8]
         mac.update(&value);
     }
     let tag = mac.finalize().into_bytes();
-    let hex: String = tag[..16].iter().map(|b| format!("{b:02x}")).collect();
+    let hex = idem_core::hex(&tag[..16]);
     Scope::new(format!("cred-{hex}")).expect("a valid scope")
 }
 

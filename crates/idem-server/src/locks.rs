@@ -15,7 +15,6 @@
 //! `lease_ms` is 1 to 86400000 (24 h); `wait_ms` (default 0) at most 60000. A name is 1 to 128
 //! visible ASCII characters.
 
-use std::fmt::Write;
 use std::time::Duration;
 
 use axum::Json;
@@ -90,9 +89,7 @@ fn scoped(caller: &Caller, name: &str) -> Result<String, Problem> {
     }
     let scope = Sha256::digest(caller.scope.as_str().as_bytes());
     let mut out = String::with_capacity(17 + name.len());
-    for b in &scope[..8] {
-        let _ = write!(out, "{b:02x}");
-    }
+    idem_core::push_hex(&mut out, &scope[..8]);
     out.push('/');
     out.push_str(name);
     Ok(out)

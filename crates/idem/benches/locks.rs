@@ -10,10 +10,16 @@
 //! - `contended` (8 clients): all acquire (waiting) and release one lock; the hand-off latency
 //!   is the time from one client starting its release to another client's acquire returning.
 //!
-//! The Redis limit: `redis-benchmark` running the very scripts an acquire and a release run
-//! (`EVAL`, fresh key each time), with as many connections as there are clients, combined
-//! into pairs per second (`1 / (1/acquire + 1/release)`), and the same for the bare commands
-//! of the classic lock (`SET NX PX`, `DEL`).
+//! The Redis limits, each measured beside idem in every round (`IDEM_BENCH_ROUNDS`, default 1):
+//! - the *floor*: the very scripts an acquire and a release run, sent by the leanest client
+//!   there is (redis-rs's blocking connection, one OS thread per client, `EVALSHA`), in the
+//!   same sequence on the same lock state as `uncontended` (acquire, then release of what was
+//!   acquired, on the client's own lock): what any client of these scripts can reach;
+//! - `redis-benchmark` running the same scripts (`EVAL`, a random key each time), with as
+//!   many connections as clients, combined into pairs per second (`1 / (1/acquire +
+//!   1/release)`), and the same for the bare commands of the classic lock (`SET NX PX`,
+//!   `DEL`). Its release finds no lock at its random key and stops after reading it, so this
+//!   limit is of a cheaper release than the one a lock pays.
 
 #![allow(
     clippy::unwrap_used,
@@ -248,22 +254,108 @@ fn redis_flush_bench_keys(url: &str) {
         });
 }
 
-async fn lock_rows(name: &str, locks: &Locks, run: Duration, limits: Option<(f64, f64, f64, f64)>) {
+/// Acquire+release pairs per second of the lock scripts sent by a minimal blocking client:
+/// `clients` OS threads, each with its own connection and lock, acquiring and releasing it
+/// in a loop as [`uncontended`] does through the store.
+fn script_floor(url: &str, clients: usize, run: Duration) -> f64 {
+    let (acquire, release) = idem_store::lock_scripts();
+    let (acquire, release) = (redis::Script::new(&acquire), redis::Script::new(&release));
+    let client = redis::Client::open(url).unwrap();
+    {
+        let mut con = client.get_connection().unwrap();
+        acquire.prepare_invoke().load(&mut con).unwrap();
+        release.prepare_invoke().load(&mut con).unwrap();
+    }
+    let (lease, retention) = (LEASE.as_millis().to_string(), "3600000");
+    let id = run_id();
+    let start = Instant::now();
+    let threads: Vec<_> = (0..clients)
+        .map(|c| {
+            let (client, lease) = (client.clone(), lease.clone());
+            let (acquire, release) = (acquire.get_hash().to_owned(), release.get_hash().to_owned());
+            std::thread::spawn(move || {
+                let mut con = client.get_connection().unwrap();
+                let name = format!("floor:{id}:{c}");
+                let key = format!("idem-bench:lock:{{{name}}}");
+                let owner = "ab".repeat(32);
+                let mut take = redis::cmd("EVALSHA");
+                take.arg(&acquire)
+                    .arg(1)
+                    .arg(&key)
+                    .arg(&owner)
+                    .arg(&lease)
+                    .arg(retention)
+                    .arg(&name);
+                let mut pairs = 0u64;
+                while start.elapsed() < run {
+                    let got: Vec<redis::Value> = take.query(&mut con).unwrap();
+                    let Some(redis::Value::Int(fence)) = got.get(1) else {
+                        panic!("lock not acquired: {got:?}")
+                    };
+                    let released: i64 = redis::cmd("EVALSHA")
+                        .arg(&release)
+                        .arg(1)
+                        .arg(&key)
+                        .arg(&owner)
+                        .arg(*fence)
+                        .arg(retention)
+                        .arg("idem-bench:lock-released")
+                        .arg(&name)
+                        .query(&mut con)
+                        .unwrap();
+                    assert_eq!(released, 1);
+                    pairs += 1;
+                }
+                pairs
+            })
+        })
+        .collect();
+    let pairs: u64 = threads.into_iter().map(|t| t.join().unwrap()).sum();
+    pairs as f64 / start.elapsed().as_secs_f64()
+}
+
+/// Uncontended Redis rows, `rounds` times: in each round, per client count, the floor and
+/// redis-benchmark's limits measured right before idem, and idem's ratio to each.
+async fn redis_rounds(url: &str, locks: &Locks, run: Duration, rounds: usize) {
+    println!(
+        "| round | clients | idem pairs/s | floor pairs/s | × floor | redis-benchmark scripts | × | SET NX PX + DEL | × |"
+    );
+    println!("| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |");
+    for round in 1..=rounds {
+        for clients in [1, 8] {
+            let bench = redis_limits(url, clients);
+            redis_flush_bench_keys(url);
+            let floor = {
+                let url = url.to_owned();
+                tokio::task::spawn_blocking(move || script_floor(&url, clients, run))
+                    .await
+                    .unwrap()
+            };
+            let ours = uncontended(locks, clients, run).await;
+            let (script, naive) = bench.unwrap_or((f64::NAN, f64::NAN));
+            println!(
+                "| {round} | {clients} | {ours:.0} | {floor:.0} | {:.2} | {script:.0} | {:.2} | {naive:.0} | {:.2} |",
+                ours / floor,
+                ours / script,
+                ours / naive
+            );
+        }
+    }
+    redis_flush_bench_keys(url);
+}
+
+async fn lock_rows(name: &str, locks: &Locks, run: Duration) {
     for clients in [1, 8] {
         let per_sec = uncontended(locks, clients, run).await;
-        let versus = limits.map_or(String::new(), |(s1, n1, s8, n8)| {
-            let (script, naive) = if clients == 1 { (s1, n1) } else { (s8, n8) };
-            format!(
-                "{:.2}× the scripts' limit ({script:.0}/s), {:.2}× SET NX PX + DEL ({naive:.0}/s)",
-                per_sec / script,
-                per_sec / naive
-            )
-        });
-        println!("| {name} | uncontended | {clients} | {per_sec:>9.0} | – | {versus} |");
+        println!("| {name} | uncontended | {clients} | {per_sec:>9.0} | – |");
     }
+    contended_row(name, locks, run).await;
+}
+
+async fn contended_row(name: &str, locks: &Locks, run: Duration) {
     let c = contended(locks, 8, run).await;
     println!(
-        "| {name} | contended | 8 | {:>9.0} | {:.0?} / {:.0?} ({} hand-offs) | |",
+        "| {name} | contended | 8 | {:>9.0} | {:.0?} / {:.0?} ({} hand-offs) |",
         c.per_sec, c.p50, c.p99, c.handoffs
     );
 }
@@ -329,36 +421,36 @@ fn main() {
             .unwrap()
     };
     let run = seconds();
+    let rounds: usize = std::env::var("IDEM_BENCH_ROUNDS")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(1);
     rt.block_on(async {
-        println!("| backend | scenario | clients | pairs/s | hand-off p50 / p99 | vs the engine |");
-        println!("| --- | --- | ---: | ---: | --- | --- |");
         if let Some(url) = REDIS.url() {
-            let limits = {
-                let url = url.clone();
-                let one = redis_limits(&url, 1);
-                let eight = redis_limits(&url, 8);
-                redis_flush_bench_keys(&url);
-                one.zip(eight).map(|(one, eight)| (one.0, one.1, eight.0, eight.1))
-            };
-            if limits.is_none() {
-                println!("(redis-benchmark did not run: is it installed?)");
-            }
             let options = RedisOptions {
                 prefix: "idem-bench:".into(),
                 ..RedisOptions::default()
             };
+            let store = RedisStore::connect(&url, options).await.unwrap();
+            let locks = Locks::new(store.clone());
+            redis_rounds(&url, &locks, run, rounds).await;
+            println!();
+            println!("| backend | scenario | clients | pairs/s | hand-off p50 / p99 |");
+            println!("| --- | --- | ---: | ---: | --- |");
             for clients in [1, 8] {
                 let per_sec = redis_rs_pairs(&url, clients, run).await;
-                println!("| redis-rs SET NX PX + DEL (baseline) | uncontended | {clients} | {per_sec:>9.0} | – | |");
+                println!("| redis-rs SET NX PX + DEL (baseline) | uncontended | {clients} | {per_sec:>9.0} | – |");
             }
-            let store = RedisStore::connect(&url, options).await.unwrap();
-            lock_rows("redis", &Locks::new(store.clone()), run, limits).await;
+            contended_row("redis", &locks, run).await;
             let t = Tokens::new(Arc::new(store) as SharedStore, Arc::new(SystemClock));
             for clients in [1, 8] {
                 let per_sec = tokens(&t, clients, run).await;
-                println!("| redis | tokens issue+consume | {clients} | {per_sec:>9.0} | – | |");
+                println!("| redis | tokens issue+consume | {clients} | {per_sec:>9.0} | – |");
             }
             redis_flush_bench_keys(&url);
+        } else {
+            println!("| backend | scenario | clients | pairs/s | hand-off p50 / p99 |");
+            println!("| --- | --- | ---: | ---: | --- |");
         }
         if let Some(url) = POSTGRES.url() {
             let options = PostgresOptions {
@@ -366,17 +458,17 @@ fn main() {
                 ..PostgresOptions::default()
             };
             let store = PostgresStore::connect_with(&url, options).await.unwrap();
-            lock_rows("postgres", &Locks::new(store), run, None).await;
+            lock_rows("postgres", &Locks::new(store), run).await;
         }
         let dir = tempfile::tempdir().unwrap();
         let sqlite = SqliteStore::open(dir.path().join("bench.db")).unwrap();
-        lock_rows("sqlite", &Locks::new(sqlite.clone()), run, None).await;
+        lock_rows("sqlite", &Locks::new(sqlite.clone()), run).await;
         let t = Tokens::new(Arc::new(sqlite) as SharedStore, Arc::new(SystemClock));
         for clients in [1, 8] {
             let per_sec = tokens(&t, clients, run).await;
-            println!("| sqlite | tokens issue+consume | {clients} | {per_sec:>9.0} | – | |");
+            println!("| sqlite | tokens issue+consume | {clients} | {per_sec:>9.0} | – |");
         }
         let memory: Arc<dyn LockStore> = Arc::new(idem::MemoryStore::new());
-        lock_rows("memory", &Locks::shared(memory), run, None).await;
+        lock_rows("memory", &Locks::shared(memory), run).await;
     });
 }
