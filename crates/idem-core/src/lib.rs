@@ -52,7 +52,6 @@ pub use store::{
 
 pub use bytes::Bytes;
 
-
 /// `bytes` as lowercase hex digits, appended to `out`. By table rather than by `format!`, which
 /// costs a formatter call per byte on paths that run per request (lock keys and owners).
 pub fn push_hex(out: &mut String, bytes: &[u8]) {

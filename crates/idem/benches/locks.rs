@@ -1,7 +1,8 @@
 //! Locks and one-time tokens: throughput and hand-off latency, next to the engine's own limit
 //! in the same run.
 //!
-//! `cargo bench -p idem --bench locks` (`IDEM_BENCH_SECONDS`, default 5 per scenario). Redis
+//! `cargo bench -p idem --bench locks` (`IDEM_BENCH_SECONDS`, default 5 per scenario;
+//! `IDEM_BENCH_BACKENDS=redis,postgres,sqlite,memory` or a part of it). Redis
 //! is the one at `IDEM_TEST_REDIS_URL` (default `redis://127.0.0.1:6379`); PostgreSQL and
 //! SQLite are measured too, when PostgreSQL answers.
 //!
@@ -425,8 +426,11 @@ fn main() {
         .ok()
         .and_then(|s| s.parse().ok())
         .unwrap_or(1);
+    // IDEM_BENCH_BACKENDS=redis,sqlite (say) measures only those.
+    let backends = std::env::var("IDEM_BENCH_BACKENDS").unwrap_or_default();
+    let wanted = |b: &str| backends.is_empty() || backends.split(',').any(|w| w.trim() == b);
     rt.block_on(async {
-        if let Some(url) = REDIS.url() {
+        if let Some(url) = REDIS.url().filter(|_| wanted("redis")) {
             let options = RedisOptions {
                 prefix: "idem-bench:".into(),
                 ..RedisOptions::default()
@@ -452,7 +456,7 @@ fn main() {
             println!("| backend | scenario | clients | pairs/s | hand-off p50 / p99 |");
             println!("| --- | --- | ---: | ---: | --- |");
         }
-        if let Some(url) = POSTGRES.url() {
+        if let Some(url) = POSTGRES.url().filter(|_| wanted("postgres")) {
             let options = PostgresOptions {
                 table: "idem_bench_locks".into(),
                 ..PostgresOptions::default()
@@ -460,15 +464,19 @@ fn main() {
             let store = PostgresStore::connect_with(&url, options).await.unwrap();
             lock_rows("postgres", &Locks::new(store), run).await;
         }
-        let dir = tempfile::tempdir().unwrap();
-        let sqlite = SqliteStore::open(dir.path().join("bench.db")).unwrap();
-        lock_rows("sqlite", &Locks::new(sqlite.clone()), run).await;
-        let t = Tokens::new(Arc::new(sqlite) as SharedStore, Arc::new(SystemClock));
-        for clients in [1, 8] {
-            let per_sec = tokens(&t, clients, run).await;
-            println!("| sqlite | tokens issue+consume | {clients} | {per_sec:>9.0} | – |");
+        if wanted("sqlite") {
+            let dir = tempfile::tempdir().unwrap();
+            let sqlite = SqliteStore::open(dir.path().join("bench.db")).unwrap();
+            lock_rows("sqlite", &Locks::new(sqlite.clone()), run).await;
+            let t = Tokens::new(Arc::new(sqlite) as SharedStore, Arc::new(SystemClock));
+            for clients in [1, 8] {
+                let per_sec = tokens(&t, clients, run).await;
+                println!("| sqlite | tokens issue+consume | {clients} | {per_sec:>9.0} | – |");
+            }
         }
-        let memory: Arc<dyn LockStore> = Arc::new(idem::MemoryStore::new());
-        lock_rows("memory", &Locks::shared(memory), run).await;
+        if wanted("memory") {
+            let memory: Arc<dyn LockStore> = Arc::new(idem::MemoryStore::new());
+            lock_rows("memory", &Locks::shared(memory), run).await;
+        }
     });
 }
