@@ -31,6 +31,10 @@ use idem_server::gateway::{FileConfig, Gateway, Upstream};
 use idem_store::{ReplayCache, ReplayCacheLimits};
 use idem_testkit::load;
 
+// As the `idem` binary runs.
+#[global_allocator]
+static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 struct Args {
     seconds: u64,
     concurrency: usize,
