@@ -407,8 +407,13 @@ impl Repair {
         }
     }
 
-    /// The record after releasing it at `now`.
+    /// The record after releasing it at `now`. A completed record's steps are dropped, as a
+    /// reopen drops them (its answer must not stand: the work runs again from its start); an
+    /// in-progress one keeps them, so the next attempt resumes.
     pub fn released(mut record: Record, now: Timestamp) -> Record {
+        if record.status == Status::Completed {
+            record.steps.clear();
+        }
         record.status = Status::Released;
         record.response = None;
         record.updated_at = now;

@@ -29,6 +29,7 @@ pub mod fingerprint;
 pub mod key;
 pub mod lock;
 pub mod record;
+pub mod step;
 pub mod store;
 
 pub use admin::{
@@ -46,6 +47,7 @@ pub use record::{
     BeginOutcome, BeginRequest, BeginStep, DEFAULT_LEASE, DEFAULT_TTL, Lease, LeaseId,
     MIN_DURATION, Record, Replay, StaleLease, Status,
 };
+pub use step::{InvalidStep, Step, StepError, StepName, StepOutcome, StepRefused, step_key};
 pub use store::{
     BoxFuture, DynStore, LeaseError, MAX_COUNTER, SharedStore, Store, StoreError, counter_step,
 };

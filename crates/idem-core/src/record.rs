@@ -18,6 +18,7 @@ use std::time::Duration;
 
 use bytes::Bytes;
 
+use crate::step::{self, Step, StepRefused};
 use crate::{Fingerprint, Key, Timestamp, clock::duration_millis};
 
 /// How long a completed record is kept, unless the caller says otherwise: 24 hours.
@@ -231,6 +232,9 @@ pub struct Record {
     pub updated_at: Timestamp,
     /// When the record may be forgotten (see [`Record::is_live`]).
     pub expires_at: Timestamp,
+    /// The steps of multi-step work recorded so far, in order ([`crate::step`]): kept through
+    /// takeovers and releases so that a later attempt resumes, dropped by a reopen.
+    pub steps: Vec<Step>,
 }
 
 /// What a store must do after a `begin`: answer `outcome`, and write `write` if it is `Some`.
@@ -288,6 +292,8 @@ impl Record {
                     expires_at: r.expires_at,
                 })),
                 (Status::Completed | Status::InProgress, false) => Some(BeginOutcome::Mismatch),
+                // Steps of the first request took effect: another request may not resume them.
+                (Status::Released, false) if !r.steps.is_empty() => Some(BeginOutcome::Mismatch),
                 (Status::InProgress, true) if r.lease_expires_at > now => {
                     Some(BeginOutcome::InProgress {
                         lease_expires_at: r.lease_expires_at,
@@ -304,7 +310,11 @@ impl Record {
             }
         }
         let fence = existing.map_or(0, |r| r.fence).saturating_add(1);
-        let (lease, record) = Self::acquired(req, now, fence, id);
+        let (lease, mut record) = Self::acquired(req, now, fence, id);
+        // A takeover or a begin after a release resumes the steps already recorded.
+        if let Some(live) = existing.filter(|r| r.is_live(now)) {
+            record.steps.clone_from(&live.steps);
+        }
         BeginStep {
             outcome: BeginOutcome::Acquired(lease),
             write: Some(record),
@@ -341,6 +351,7 @@ impl Record {
             // Kept for a whole TTL after the lease runs out: a holder that stalls past its
             // lease finds the record (and its fence) still there for that long.
             expires_at: lease.expires_at.saturating_add(ttl),
+            steps: Vec::new(),
         };
         (lease, record)
     }
@@ -437,6 +448,27 @@ impl Record {
         Ok(renewed)
     }
 
+    /// The `record_step` transition: the holder of an in-progress record's lease records a
+    /// step ([`crate::step`]). `Ok(true)` if the record changed; `Ok(false)` for a repeat of a
+    /// step recorded with the same outcome. Refused as stale unless the live record is in
+    /// progress under exactly this lease (a lease that ran out but was not taken over may still
+    /// record, as it may still complete).
+    pub fn record_step_in_place(
+        &mut self,
+        lease: &Lease,
+        step: &Step,
+        now: Timestamp,
+    ) -> Result<bool, StepRefused> {
+        if !(self.is_live(now) && self.holds(lease) && self.status == Status::InProgress) {
+            return Err(StaleLease.into());
+        }
+        let changed = step::record(&mut self.steps, step)?;
+        if changed {
+            self.updated_at = now;
+        }
+        Ok(changed)
+    }
+
     /// The `reopen` transition: a completed record whose stored result must not be replayed
     /// any more (an outcome recorded as unknown, repaired by an operator or a policy) is turned
     /// into a released one, so that the next `begin` runs the work again with a higher fence.
@@ -445,7 +477,8 @@ impl Record {
     /// is released.
     ///
     /// Applies only while the record is live, completed, and completed by the lease with
-    /// `fence`; answers whether it changed. Naming the fence makes concurrent reopens safe: once
+    /// `fence`; answers whether it changed. The record's steps are dropped: the work runs again
+    /// from its start. Naming the fence makes concurrent reopens safe: once
     /// one of them has reopened the record (and perhaps a new attempt has acquired it), the
     /// others change nothing.
     pub fn reopen_in_place(&mut self, fence: u64, now: Timestamp) -> bool {
@@ -454,6 +487,7 @@ impl Record {
         }
         self.status = Status::Released;
         self.response = None;
+        self.steps.clear();
         self.settle(now);
         true
     }
@@ -617,6 +651,58 @@ mod tests {
         assert_eq!(LeaseId::parse(&id.to_string()), Some(id));
         assert_eq!(LeaseId::parse("xyz"), None);
         assert_eq!(LeaseId::parse(&"+".repeat(32)), None);
+    }
+
+    fn step(name: &str, out: &str) -> Step {
+        Step::done(crate::StepName::new(name).unwrap(), out.as_bytes().to_vec()).unwrap()
+    }
+
+    #[test]
+    fn steps_survive_takeover_and_release_and_go_with_reopen_and_expiry() {
+        let r = req(b"a");
+        let (first, rec) = acquire(None, &r, t(0));
+        let mut rec = rec;
+        assert_eq!(
+            rec.record_step_in_place(&first, &step("debit", "1"), t(1)),
+            Ok(true)
+        );
+        assert_eq!(rec.updated_at, t(1));
+        // the first attempt dies; a takeover finds the step
+        let (second, mut rec) = acquire(Some(&rec), &r, t(10));
+        assert_eq!(rec.steps, vec![step("debit", "1")]);
+        // the overtaken attempt cannot record
+        assert_eq!(
+            rec.record_step_in_place(&first, &step("bank", "2"), t(11)),
+            Err(StepRefused::Stale(StaleLease))
+        );
+        assert_eq!(
+            rec.record_step_in_place(&second, &step("bank", "2"), t(11)),
+            Ok(true)
+        );
+        // a release keeps them for the same request, and refuses another
+        let released = Record::release(Some(&rec), &second, t(12))
+            .unwrap()
+            .unwrap();
+        assert_eq!(
+            Record::begin(Some(&released), &req(b"b"), t(13), LeaseId::generate()).outcome,
+            BeginOutcome::Mismatch
+        );
+        let (third, rec) = acquire(Some(&released), &r, t(13));
+        assert_eq!(rec.steps.len(), 2);
+        let mut done = Record::complete(Some(&rec), &third, Bytes::from_static(b"ok"), t(14))
+            .unwrap()
+            .unwrap();
+        assert_eq!(done.steps.len(), 2, "completion keeps them for inspection");
+        assert_eq!(
+            done.record_step_in_place(&third, &step("late", "x"), t(15)),
+            Err(StepRefused::Stale(StaleLease))
+        );
+        // after its retention the key starts afresh
+        let (_, fresh) = acquire(Some(&done), &req(b"b"), t(200));
+        assert!(fresh.steps.is_empty());
+        // a reopen drops them
+        assert!(done.reopen_in_place(third.fence, t(15)));
+        assert!(done.steps.is_empty());
     }
 
     #[test]

@@ -10,6 +10,7 @@ use bytes::Bytes;
 
 use crate::admin::RecordAdmin;
 use crate::record::{BeginOutcome, BeginRequest, Lease, Record, StaleLease};
+use crate::step::{Step, StepError};
 use crate::{Key, Timestamp};
 
 /// The largest value a counter reaches (`i64::MAX`, what every backend can hold).
@@ -144,6 +145,11 @@ pub enum LeaseError {
 ///   reclaim space, never to decide an outcome before `now` says so.
 /// - **`renew`** extends the lease of a live in-progress record held by exactly that lease,
 ///   atomically, keeping its id and fence.
+/// - **`record_step`** records a step on a live in-progress record held by exactly that lease,
+///   as [`Record::record_step_in_place`] decides, atomically; a repeat of a recorded step is a
+///   no-op success. Steps survive takeovers and releases and are handed back by `get`; a
+///   reopen or the record's expiry drops them. When it returns `Ok`, the step is as durable as
+///   a `complete`.
 /// - **`reopen`** turns a live record completed by the lease with that fence into a released
 ///   one, atomically, and does nothing to any other record. (`release_completed` is the same
 ///   step under the name one-time tokens use; it is provided, and not to be overridden.)
@@ -193,6 +199,15 @@ pub trait Store: Send + Sync + 'static {
         length: Duration,
         now: Timestamp,
     ) -> impl Future<Output = Result<Lease, LeaseError>> + Send;
+
+    /// Records `step` on the record `lease` holds (see [`Record::record_step_in_place`]).
+    fn record_step(
+        &self,
+        key: &Key,
+        lease: &Lease,
+        step: &Step,
+        now: Timestamp,
+    ) -> impl Future<Output = Result<(), StepError>> + Send;
 
     /// Turns the live record for `key`, if it is completed with `fence`, into a released one
     /// (see [`Record::reopen_in_place`]); answers whether it changed.
@@ -287,6 +302,14 @@ pub trait DynStore: Send + Sync + 'static {
         length: Duration,
         now: Timestamp,
     ) -> BoxFuture<'a, Result<Lease, LeaseError>>;
+    /// See [`Store::record_step`].
+    fn record_step<'a>(
+        &'a self,
+        key: &'a Key,
+        lease: &'a Lease,
+        step: &'a Step,
+        now: Timestamp,
+    ) -> BoxFuture<'a, Result<(), StepError>>;
     /// See [`Store::reopen`].
     fn reopen<'a>(
         &'a self,
@@ -347,6 +370,15 @@ impl<S: Store> DynStore for S {
         now: Timestamp,
     ) -> BoxFuture<'a, Result<Lease, LeaseError>> {
         Box::pin(Store::renew(self, key, lease, length, now))
+    }
+    fn record_step<'a>(
+        &'a self,
+        key: &'a Key,
+        lease: &'a Lease,
+        step: &'a Step,
+        now: Timestamp,
+    ) -> BoxFuture<'a, Result<(), StepError>> {
+        Box::pin(Store::record_step(self, key, lease, step, now))
     }
     fn reopen<'a>(
         &'a self,
@@ -411,6 +443,15 @@ impl Store for SharedStore {
         now: Timestamp,
     ) -> Result<Lease, LeaseError> {
         DynStore::renew(&**self, key, lease, length, now).await
+    }
+    async fn record_step(
+        &self,
+        key: &Key,
+        lease: &Lease,
+        step: &Step,
+        now: Timestamp,
+    ) -> Result<(), StepError> {
+        DynStore::record_step(&**self, key, lease, step, now).await
     }
     async fn reopen(&self, key: &Key, fence: u64, now: Timestamp) -> Result<bool, StoreError> {
         DynStore::reopen(&**self, key, fence, now).await

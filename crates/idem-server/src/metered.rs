@@ -10,14 +10,23 @@ use std::time::{Duration, Instant};
 
 use idem_core::{
     BeginOutcome, BeginRequest, Bytes, Key, Lease, LeaseError, Record, RecordAdmin, SharedStore,
-    Store, StoreError, Timestamp,
+    Step, StepError, Store, StoreError, Timestamp,
 };
 use metrics::Histogram;
 use tracing::Instrument;
 
 /// The operations measured, in the order of [`Metered`]'s handles.
-const OPERATIONS: [&str; 9] = [
-    "begin", "complete", "release", "renew", "reopen", "get", "raise", "advance", "purge",
+const OPERATIONS: [&str; 10] = [
+    "begin",
+    "complete",
+    "release",
+    "renew",
+    "reopen",
+    "get",
+    "raise",
+    "advance",
+    "purge",
+    "record_step",
 ];
 
 /// Describes the histogram [`Metered`] records into.
@@ -101,6 +110,17 @@ impl Store for Metered {
         now: Timestamp,
     ) -> Result<Lease, LeaseError> {
         self.timed(3, Store::renew(&self.inner, key, lease, length, now))
+            .await
+    }
+
+    async fn record_step(
+        &self,
+        key: &Key,
+        lease: &Lease,
+        step: &Step,
+        now: Timestamp,
+    ) -> Result<(), StepError> {
+        self.timed(9, Store::record_step(&self.inner, key, lease, step, now))
             .await
     }
 

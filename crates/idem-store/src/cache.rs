@@ -19,8 +19,8 @@ use std::time::Duration;
 
 use idem_core::{
     BeginOutcome, BeginRequest, BoxFuture, Bytes, Counts, Cursor, Fingerprint, Key, Lease,
-    LeaseError, Page, Record, RecordAdmin, RecordFilter, Repair, Replay, Shown, Store, StoreError,
-    Timestamp,
+    LeaseError, Page, Record, RecordAdmin, RecordFilter, Repair, Replay, Shown, Step, StepError,
+    Store, StoreError, Timestamp,
 };
 
 /// How much a [`ReplayCache`] keeps, and for how long.
@@ -255,6 +255,16 @@ impl<S: Store> Store for ReplayCache<S> {
         now: Timestamp,
     ) -> Result<Lease, LeaseError> {
         self.store.renew(key, lease, length, now).await
+    }
+
+    async fn record_step(
+        &self,
+        key: &Key,
+        lease: &Lease,
+        step: &Step,
+        now: Timestamp,
+    ) -> Result<(), StepError> {
+        self.store.record_step(key, lease, step, now).await
     }
 
     async fn reopen(&self, key: &Key, fence: u64, now: Timestamp) -> Result<bool, StoreError> {

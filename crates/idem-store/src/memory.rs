@@ -8,7 +8,7 @@ use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use idem_core::{
     Acquire, BeginOutcome, BeginRequest, BoxFuture, Bytes, Held, HeldLock, Key, Lease, LeaseError,
     LockError, LockName, LockState, LockStore, OwnerDigest, Record, ReleaseListener, StaleLease,
-    Status, Store, StoreError, Timestamp,
+    Status, Step, StepError, Store, StoreError, Timestamp,
 };
 
 use crate::lock_feed::ReleaseFeed;
@@ -289,7 +289,8 @@ fn size(r: &Record) -> usize {
     let key = r.key.scope().as_str().len()
         + r.key.namespace().as_str().len()
         + r.key.client_key().as_str().len();
-    RECORD_OVERHEAD + key + r.response.as_ref().map_or(0, Bytes::len)
+    let steps: usize = r.steps.iter().map(Step::encoded_len).sum();
+    RECORD_OVERHEAD + key + r.response.as_ref().map_or(0, Bytes::len) + steps
 }
 
 /// The first instant (milliseconds) at which the record is not live (see [`Record::is_live`]).
@@ -376,6 +377,22 @@ impl Store for MemoryStore {
         let renewed = record.renew_in_place(lease, length, now)?;
         self.changed(before, record);
         Ok(renewed)
+    }
+
+    async fn record_step(
+        &self,
+        key: &Key,
+        lease: &Lease,
+        step: &Step,
+        now: Timestamp,
+    ) -> Result<(), StepError> {
+        let mut shard = self.shard(key);
+        let record = shard.get_mut(key).ok_or(StaleLease)?;
+        let before = size(record);
+        if record.record_step_in_place(lease, step, now)? {
+            self.changed(before, record);
+        }
+        Ok(())
     }
 
     async fn reopen(&self, key: &Key, fence: u64, now: Timestamp) -> Result<bool, StoreError> {

@@ -3,6 +3,11 @@
 
 use idem_core::{Bytes, Fingerprint, Key, LeaseId, Record, Status, StoreError, Timestamp};
 
+/// The steps as a column holds them: `NULL` for none.
+pub(crate) fn steps_column(steps: &[idem_core::Step]) -> Option<Vec<u8>> {
+    (!steps.is_empty()).then(|| idem_core::step::encode(steps))
+}
+
 /// SQL integers are signed 64-bit; timestamps beyond `i64::MAX` ms (292 million years)
 /// are stored as `i64::MAX`.
 pub(crate) fn sql_int(v: u64) -> i64 {
@@ -20,6 +25,8 @@ pub(crate) struct RawRow {
     pub(crate) created_at: i64,
     pub(crate) updated_at: i64,
     pub(crate) expires_at: i64,
+    /// The steps in `idem_core::step::encode`'s form; `NULL` or empty for none.
+    pub(crate) steps: Option<Vec<u8>>,
 }
 
 impl RawRow {
@@ -51,6 +58,7 @@ impl RawRow {
             created_at: ts(self.created_at, "creation time")?,
             updated_at: ts(self.updated_at, "update time")?,
             expires_at: ts(self.expires_at, "expiry")?,
+            steps: idem_core::step::decode(self.steps.as_deref().unwrap_or_default())?,
         })
     }
 }

@@ -637,7 +637,7 @@ mod postgres {
         ledger: "CREATE TABLE {} (transfer TEXT NOT NULL)",
         insert: "INSERT INTO {} (transfer) VALUES ($1)",
         count: "SELECT COUNT(*) FROM {} WHERE transfer = $1",
-        versions: [1, 2, 3],
+        versions: [1, 2, 3, 4],
     }
 }
 
@@ -691,6 +691,6 @@ mod mysql {
         ledger: "CREATE TABLE {} (transfer VARCHAR(64) NOT NULL) ENGINE = InnoDB",
         insert: "INSERT INTO {} (transfer) VALUES (?)",
         count: "SELECT COUNT(*) FROM {} WHERE transfer = ?",
-        versions: [1, 2],
+        versions: [1, 2, 3],
     }
 }

@@ -11,7 +11,9 @@ use std::sync::Arc;
 use std::time::Duration;
 
 mod listing;
+mod steps;
 pub use listing::*;
+pub use steps::*;
 
 use idem_core::{
     BeginOutcome, BeginRequest, Bytes, Fingerprint, Key, Lease, LeaseError, LeaseId, Status, Store,

@@ -5,7 +5,8 @@ use std::time::Duration;
 
 use idem_core::{
     Acquire, BeginOutcome, BeginRequest, BoxFuture, Bytes, Held, Key, Lease, LeaseError, LockError,
-    LockName, LockStore, OwnerDigest, Record, ReleaseListener, Store, StoreError, Timestamp,
+    LockName, LockStore, OwnerDigest, Record, ReleaseListener, Step, StepError, Store, StoreError,
+    Timestamp,
 };
 use tokio::sync::watch;
 
@@ -22,6 +23,8 @@ pub enum Op {
     Renew,
     /// `reopen`
     Reopen,
+    /// `record_step`
+    RecordStep,
     /// `get`
     Get,
     /// `purge_expired`
@@ -315,6 +318,20 @@ impl<S: Store> Store for FaultyStore<S> {
         let (key, lease) = (key.clone(), *lease);
         self.with_fault(Op::Renew, move |s| async move {
             s.renew(&key, &lease, length, now).await
+        })
+        .await
+    }
+
+    async fn record_step(
+        &self,
+        key: &Key,
+        lease: &Lease,
+        step: &Step,
+        now: Timestamp,
+    ) -> Result<(), StepError> {
+        let (key, lease, step) = (key.clone(), *lease, step.clone());
+        self.with_fault(Op::RecordStep, move |s| async move {
+            s.record_step(&key, &lease, &step, now).await
         })
         .await
     }

@@ -49,6 +49,7 @@ pub mod claim;
 pub mod locks;
 pub mod purge;
 mod run;
+pub mod steps;
 pub mod tokens;
 
 pub use claim::InFlight;
@@ -60,11 +61,12 @@ pub use tokens::{IssuedToken, TokenError, Tokens};
 pub use run::{
     AllRetryable, Done, ErrorPolicy, Idempotency, Once, PermanentIf, RunError, stored_value,
 };
+pub use steps::{StepContext, StepFailure, StepProblem, Steps};
 
 pub use idem_core::{
     self, BeginOutcome, BeginRequest, Bytes, Clock, DynStore, Fingerprint, Key, KeyError, Lease,
     LeaseError, LockError, LockName, LockOwner, LockStore, ManualClock, Record, SharedStore,
-    Status, Store, StoreError, SystemClock, Timestamp,
+    Status, Step, StepName, StepOutcome, Store, StoreError, SystemClock, Timestamp,
 };
 #[cfg(feature = "sqlite")]
 pub use idem_store::SqliteStore;

@@ -5,6 +5,7 @@ use std::time::Duration;
 
 use crate::cancel::finishing;
 use crate::claim::{InFlight, begin_waiting, settle_retrying};
+use crate::steps::{StepFailure, StepProblem, Steps};
 use idem_core::{
     BeginOutcome, BeginRequest, Bytes, Clock, DEFAULT_LEASE, DEFAULT_TTL, DynStore, Fingerprint,
     Key, Lease, LeaseError, Store, StoreError, SystemClock,
@@ -165,12 +166,18 @@ pub enum RunError<E> {
     #[error("the lease was lost while the work ran; its result was not stored")]
     LeaseLost,
     /// The work ran, but storing its result failed; the record stays in progress until its
-    /// lease runs out, and then a retry runs the work again.
+    /// lease runs out, and then a retry runs the work again. (A step that could not be
+    /// recorded releases the key at once: the retry resumes at that step.)
     #[error("the work ran but its result could not be stored: {0}")]
     NotRecorded(#[source] StoreError),
     /// The store failed before the work could be claimed: the work did not run.
     #[error("the work did not run: {0}")]
     Store(#[source] StoreError),
+    /// A step could not be recorded: its name is not a valid step name, or the record refused
+    /// it (a step of that name recorded with another outcome, a step after one whose outcome
+    /// is unknown, or more steps than a record keeps). The key was released.
+    #[error("the step could not be recorded: {0}")]
+    Step(#[source] StepProblem),
     /// The value or the error could not be serialised (the work ran; a marker is stored so
     /// that retries get this error instead of running the work again), or a stored one could
     /// not be read back.
@@ -257,6 +264,75 @@ impl<'a, S: Store + Clone, C: Clock + Clone, P> Once<'a, S, C, P> {
         F: FnOnce(Lease) -> Fut,
         Fut: Future<Output = Result<T, E>>,
     {
+        self.execute(|lease| async move { work(lease).await.map_err(Halt::Work) })
+            .await
+    }
+
+    /// Runs multi-step `work` unless a result is stored, resuming after the steps an earlier
+    /// attempt recorded (see [`crate::steps`]). `work` gets the attempt's [`Steps`]; each
+    /// [`Steps::step`] runs once per request, and its output is recorded before the next step
+    /// starts. The value `work` returns is stored and replayed, as by [`Once::run`]; its
+    /// errors are classified as there (a retryable one releases the key, and the recorded
+    /// steps stay for the retry to resume).
+    ///
+    /// A retry whose input differs from the first attempt's is [`RunError::Mismatch`], never
+    /// resumed. Dropped part way, the attempt behaves as [`Once::run`] does, and a step whose
+    /// recording had started is recorded in the background.
+    ///
+    /// ```
+    /// # async fn demo() -> Result<(), Box<dyn std::error::Error>> {
+    /// use idem::{Idempotency, Key, MemoryStore, StepFailure};
+    ///
+    /// let idem = Idempotency::new(MemoryStore::new());
+    /// let key = Key::parse("bank", "transfer", "t-1")?;
+    /// let done = idem
+    ///     .once(&key)
+    ///     .input(&("alice", "bob", 100))?
+    ///     .steps(|s| async move {
+    ///         let hold: u64 = s.step("debit", |_| async { Ok::<_, String>(41) }).await?;
+    ///         // The bank gets a key of this step's own, the same on every attempt.
+    ///         let receipt: String = s
+    ///             .step("bank", |cx| async move { Ok(format!("tx-{hold}-{}", &cx.key()[..4])) })
+    ///             .await?;
+    ///         s.step("credit", |_| async move { Ok::<_, String>(receipt) }).await
+    ///     })
+    ///     .await?;
+    /// assert!(done.value.starts_with("tx-41-"));
+    /// # let _: Option<StepFailure<String>> = None;
+    /// # Ok(()) }
+    /// # tokio::runtime::Runtime::new().unwrap().block_on(demo()).unwrap();
+    /// ```
+    pub async fn steps<T, E, F, Fut>(self, work: F) -> Result<Done<T>, RunError<E>>
+    where
+        T: Serialize + DeserializeOwned,
+        E: Serialize + DeserializeOwned,
+        P: ErrorPolicy<E>,
+        F: FnOnce(Steps<S, C>) -> Fut,
+        Fut: Future<Output = Result<T, StepFailure<E>>>,
+    {
+        let (store, clock) = (self.engine.store.clone(), self.engine.clock.clone());
+        let (key, fingerprint) = (self.key.clone(), self.fingerprint);
+        self.execute(|lease| async move {
+            let recorded = match Steps::recorded(&store, &clock, &key, &lease).await {
+                Ok(Some(recorded)) => recorded,
+                Ok(None) => return Err(Halt::Engine(RunError::LeaseLost)),
+                Err(e) => return Err(Halt::Engine(RunError::Store(e))),
+            };
+            let steps = Steps::new(store, clock, key, fingerprint, lease, recorded);
+            work(steps).await.map_err(halt)
+        })
+        .await
+    }
+
+    /// [`Once::run`] for work that can also stop for a reason of the engine's ([`Halt`]).
+    pub(crate) async fn execute<T, E, F, Fut>(self, work: F) -> Result<Done<T>, RunError<E>>
+    where
+        T: Serialize + DeserializeOwned,
+        E: Serialize + DeserializeOwned,
+        P: ErrorPolicy<E>,
+        F: FnOnce(Lease) -> Fut,
+        Fut: Future<Output = Result<T, Halt<E>>>,
+    {
         let engine = self.engine;
         let req = BeginRequest::new(self.key.clone(), self.fingerprint)
             .with_lease(self.lease)
@@ -293,8 +369,13 @@ impl<'a, S: Store + Clone, C: Clock + Clone, P> Once<'a, S, C, P> {
         // in a `Serialize` impl gives the key back like a panic in the work.
         let stored = match &result {
             Ok(value) => Some(encode(&Stored::<&T, &E>::Ok(value))),
-            Err(error) if self.classify.is_permanent(error) => {
+            Err(Halt::Work(error)) if self.classify.is_permanent(error) => {
                 Some(encode(&Stored::<&T, &E>::Err(error)))
+            }
+            // Another attempt holds the key now: nothing of it is this one's to settle.
+            Err(Halt::Engine(RunError::LeaseLost)) => {
+                guard.store = None;
+                return Err(RunError::LeaseLost);
             }
             Err(_) => None,
         };
@@ -330,10 +411,11 @@ impl<'a, S: Store + Clone, C: Clock + Clone, P> Once<'a, S, C, P> {
                 replayed: false,
                 fence: lease.fence,
             }),
-            Err(error) => Err(RunError::Failed {
+            Err(Halt::Work(error)) => Err(RunError::Failed {
                 error,
                 replayed: false,
             }),
+            Err(Halt::Engine(e)) => Err(e),
         }
     }
 
@@ -379,6 +461,26 @@ fn settle<S: Store + Clone, C: Clock + Clone>(
         }
     };
     finishing(call, |_| async {})
+}
+
+/// A step's failure as the run sees it.
+fn halt<E>(failure: StepFailure<E>) -> Halt<E> {
+    match failure {
+        StepFailure::Failed(e) => Halt::Work(e),
+        StepFailure::LeaseLost => Halt::Engine(RunError::LeaseLost),
+        StepFailure::NotRecorded(e) => Halt::Engine(RunError::NotRecorded(e)),
+        StepFailure::Problem(p) => Halt::Engine(RunError::Step(p)),
+        StepFailure::Codec(e) => Halt::Engine(RunError::Codec(e)),
+    }
+}
+
+/// Why work run by [`Once::execute`] stopped without a value.
+pub(crate) enum Halt<E> {
+    /// The work's own error, classified by the policy.
+    Work(E),
+    /// The engine's: the key is released (a step that could not be recorded) unless the lease
+    /// was lost.
+    Engine(RunError<E>),
 }
 
 enum Claim {

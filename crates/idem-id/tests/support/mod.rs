@@ -266,6 +266,16 @@ impl Store for TestStore {
             .await
     }
 
+    async fn record_step(
+        &self,
+        key: &Key,
+        lease: &Lease,
+        step: &idem_core::Step,
+        now: Timestamp,
+    ) -> Result<(), idem_core::StepError> {
+        self.store().record_step(key, lease, step, now).await
+    }
+
     async fn reopen(&self, key: &Key, fence: u64, now: Timestamp) -> Result<bool, StoreError> {
         self.call(Op::Reopen, self.store().reopen(key, fence, now))
             .await

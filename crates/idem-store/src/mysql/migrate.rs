@@ -43,6 +43,13 @@ pub(super) const MIGRATIONS: &[Migration] = &[
         PRIMARY KEY (scope, namespace, client_key)
     ) ENGINE = InnoDB"],
     },
+    Migration {
+        version: 3,
+        description: "steps",
+        // Plain `ADD COLUMN` (MySQL has no `IF NOT EXISTS` for columns): under the named lock
+        // it runs once, unless a crash falls between it and recording its version.
+        statements: &["ALTER TABLE {table} ADD COLUMN steps LONGBLOB NULL"],
+    },
 ];
 
 /// Applies pending migrations while holding a named lock, so that processes starting together

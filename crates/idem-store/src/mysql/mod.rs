@@ -26,7 +26,7 @@ use std::time::Duration;
 
 use idem_core::{
     BeginOutcome, BeginRequest, Bytes, Key, Lease, LeaseError, Record, RecordAdmin, StaleLease,
-    Store, StoreError, Timestamp,
+    Step, StepError, Store, StoreError, Timestamp,
 };
 use sqlx::mysql::{MySqlConnectOptions, MySqlDatabaseError, MySqlPoolOptions};
 use sqlx::{AssertSqlSafe, ConnectOptions, Connection, Executor, MySqlConnection, MySqlPool};
@@ -185,6 +185,21 @@ impl MySqlStore {
         self.settle_on(tx, key, lease, Some(response), now).await
     }
 
+    /// Records a step inside the caller's transaction, as [`Self::complete_in`] completes: the
+    /// step's own writes and its recovery point commit together, or neither does. If this
+    /// returns an error, roll back ([`StepError::Refused`] with a stale lease means another
+    /// attempt took the key over).
+    pub async fn record_step_in(
+        &self,
+        tx: &mut MySqlConnection,
+        key: &Key,
+        lease: &Lease,
+        step: &Step,
+        now: Timestamp,
+    ) -> Result<(), StepError> {
+        self.record_step_on(tx, key, lease, step, now).await
+    }
+
     async fn conn(&self) -> Result<sqlx::pool::PoolConnection<sqlx::MySql>, StoreError> {
         self.pool
             .acquire()
@@ -258,6 +273,17 @@ impl Store for MySqlStore {
         (done.rows_affected() == 1)
             .then_some(renewed)
             .ok_or_else(|| StaleLease.into())
+    }
+
+    async fn record_step(
+        &self,
+        key: &Key,
+        lease: &Lease,
+        step: &Step,
+        now: Timestamp,
+    ) -> Result<(), StepError> {
+        let mut c = self.conn().await?;
+        self.record_step_on(&mut c, key, lease, step, now).await
     }
 
     async fn reopen(&self, key: &Key, fence: u64, now: Timestamp) -> Result<bool, StoreError> {

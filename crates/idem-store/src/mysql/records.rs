@@ -2,8 +2,8 @@
 //! (group commit: one multi-row statement per batch size, a batch padded up to the next).
 
 use idem_core::{
-    BeginOutcome, BeginRequest, Bytes, Key, Lease, LeaseError, LeaseId, Record, StoreError,
-    Timestamp,
+    BeginOutcome, BeginRequest, Bytes, Key, Lease, LeaseError, LeaseId, Record, Step, StepError,
+    StoreError, Timestamp,
 };
 use sqlx::{AssertSqlSafe, MySqlConnection, SqlSafeStr, SqlStr};
 
@@ -28,6 +28,7 @@ pub(super) struct Statements {
     complete: SqlStr,
     pub(super) release: SqlStr,
     pub(super) renew: SqlStr,
+    step: SqlStr,
     pub(super) reopen: SqlStr,
     pub(super) get: SqlStr,
     pub(super) purge: SqlStr,
@@ -36,9 +37,12 @@ pub(super) struct Statements {
 }
 
 /// The rest of a row `begin` took over: set once `lease_id` holds the new lease's id (the
-/// assignments before decide that), each column taking the new value.
+/// assignments before decide that), each column taking the new value. The steps go first,
+/// while `expires_at` is still the old row's: an expired row's are dropped, a live one's stay
+/// for the new attempt to resume.
 const TAKEN_OVER: &str =
-    "fingerprint = IF(lease_id = VALUES(lease_id), VALUES(fingerprint), fingerprint),
+    "steps = IF(lease_id = VALUES(lease_id) AND expires_at <= VALUES(created_at), NULL, steps),
+    fingerprint = IF(lease_id = VALUES(lease_id), VALUES(fingerprint), fingerprint),
     status = IF(lease_id = VALUES(lease_id), 'in_progress', status),
     lease_expires_at = IF(lease_id = VALUES(lease_id), VALUES(lease_expires_at), lease_expires_at),
     response = IF(lease_id = VALUES(lease_id), NULL, response),
@@ -67,7 +71,8 @@ impl Statements {
                  VALUES (?, ?, ?, ?, 'in_progress', LAST_INSERT_ID(1), ?, ?, NULL, ?, ?, ?, ?,
                      ?)
                  ON DUPLICATE KEY UPDATE
-                     lease_id = IF(expires_at <= ? OR status = 'released'
+                     lease_id = IF(expires_at <= ? OR (status = 'released'
+                             AND (steps IS NULL OR fingerprint = VALUES(fingerprint)))
                          OR (status = 'in_progress' AND fingerprint = VALUES(fingerprint)
                              AND lease_expires_at <= ?),
                          VALUES(lease_id), lease_id),
@@ -99,8 +104,13 @@ impl Statements {
                  WHERE {key} AND lease_id = ? AND fence = ? AND status = 'in_progress'
                    AND expires_at > ?"
             )),
+            step: s(format!(
+                "UPDATE {t} SET steps = ?, updated_at = ?
+                 WHERE {key} AND lease_id = ? AND fence = ? AND status = 'in_progress'
+                   AND expires_at > ? AND COALESCE(LENGTH(steps), 0) = ?"
+            )),
             reopen: s(format!(
-                "UPDATE {t} SET status = 'released', response = NULL, updated_at = ?,
+                "UPDATE {t} SET status = 'released', response = NULL, steps = NULL, updated_at = ?,
                      expires_at = {SETTLED_EXPIRY}
                  WHERE {key} AND fence = ? AND status = 'completed' AND expires_at > ?"
             )),
@@ -214,6 +224,39 @@ impl MySqlStore {
         }
         sql::repeated_settle(self.load(c, key).await?, lease, response, now)
     }
+
+    /// `record_step` on one connection (of the pool, or a caller's transaction): read the
+    /// row, decide, write if the steps are still as read.
+    pub(super) async fn record_step_on(
+        &self,
+        c: &mut MySqlConnection,
+        key: &Key,
+        lease: &Lease,
+        step: &Step,
+        now: Timestamp,
+    ) -> Result<(), StepError> {
+        let now_ms = sql_int(now.as_millis());
+        for _ in 0..sql::BEGIN_ROUNDS {
+            let Some(write) = sql::step_write(self.load(c, key).await?, lease, step, now)? else {
+                return Ok(());
+            };
+            let q = sqlx::query(self.sql.step.clone())
+                .bind(write.steps)
+                .bind(now_ms);
+            let done = keyed(q, key)
+                .bind(&lease.id.to_bytes()[..])
+                .bind(sql_int(lease.fence))
+                .bind(now_ms)
+                .bind(write.read_len)
+                .execute(&mut *c)
+                .await
+                .map_err(|e| error("cannot record the step", e))?;
+            if done.rows_affected() == 1 {
+                return Ok(());
+            }
+        }
+        Err(sql::kept_changing().into())
+    }
 }
 
 /// The batch sizes for batches of up to `max` rows: 2, 4, 8, … up to the first at least `max`.
@@ -240,7 +283,8 @@ impl BatchSql {
                      expires_at, purge_after)
                  VALUES {}
                  ON DUPLICATE KEY UPDATE
-                     lease_id = IF(expires_at <= VALUES(created_at) OR status = 'released'
+                     lease_id = IF(expires_at <= VALUES(created_at) OR (status = 'released'
+                             AND (steps IS NULL OR fingerprint = VALUES(fingerprint)))
                          OR (status = 'in_progress' AND fingerprint = VALUES(fingerprint)
                              AND lease_expires_at <= VALUES(created_at)),
                          VALUES(lease_id), lease_id),

@@ -56,6 +56,11 @@ pub(super) const MIGRATIONS: &[Migration] = &[
             expires_at BIGINT NOT NULL
         ) WITH (fillfactor = 80)"],
     },
+    Migration {
+        version: 4,
+        description: "steps",
+        statements: &["ALTER TABLE {table} ADD COLUMN IF NOT EXISTS steps BYTEA"],
+    },
 ];
 
 /// Applies pending migrations in one transaction, under an advisory lock so that

@@ -23,7 +23,7 @@ use std::time::Duration;
 
 use idem_core::{
     BeginOutcome, BeginRequest, Bytes, Key, Lease, LeaseError, Record, RecordAdmin, StaleLease,
-    Store, StoreError, Timestamp,
+    Step, StepError, Store, StoreError, Timestamp,
 };
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
 use sqlx::{ConnectOptions, Connection, PgConnection, PgPool};
@@ -175,6 +175,21 @@ impl PostgresStore {
             .await
     }
 
+    /// Records a step inside the caller's transaction, as [`Self::complete_in`] completes: the
+    /// step's own writes and its recovery point commit together, or neither does. If this
+    /// returns an error, roll back ([`StepError::Refused`] with a stale lease means another
+    /// attempt took the key over).
+    pub async fn record_step_in(
+        &self,
+        tx: &mut PgConnection,
+        key: &Key,
+        lease: &Lease,
+        step: &Step,
+        now: Timestamp,
+    ) -> Result<(), StepError> {
+        self.record_step_on(tx, key, lease, step, now).await
+    }
+
     pub(crate) fn locks(&self) -> &locks::PgLocks {
         &self.locks
     }
@@ -241,6 +256,17 @@ impl Store for PostgresStore {
         (done.rows_affected() == 1)
             .then_some(renewed)
             .ok_or_else(|| StaleLease.into())
+    }
+
+    async fn record_step(
+        &self,
+        key: &Key,
+        lease: &Lease,
+        step: &Step,
+        now: Timestamp,
+    ) -> Result<(), StepError> {
+        let mut c = self.conn().await?;
+        self.record_step_on(&mut c, key, lease, step, now).await
     }
 
     async fn reopen(&self, key: &Key, fence: u64, now: Timestamp) -> Result<bool, StoreError> {

@@ -2,7 +2,8 @@
 //! (group commit: many rows in one statement, through arrays bound as `unnest` columns).
 
 use idem_core::{
-    BeginOutcome, BeginRequest, Bytes, Key, Lease, LeaseError, Record, StoreError, Timestamp,
+    BeginOutcome, BeginRequest, Bytes, Key, Lease, LeaseError, Record, Step, StepError, StoreError,
+    Timestamp,
 };
 use sqlx::{AssertSqlSafe, PgConnection, SqlSafeStr, SqlStr};
 
@@ -20,6 +21,7 @@ pub(super) struct Statements {
     pub(super) complete: SqlStr,
     pub(super) release: SqlStr,
     pub(super) renew: SqlStr,
+    pub(super) step: SqlStr,
     pub(super) reopen: SqlStr,
     pub(super) get: SqlStr,
     pub(super) purge: SqlStr,
@@ -27,18 +29,20 @@ pub(super) struct Statements {
     pub(super) raise: SqlStr,
 }
 
-/// How `begin` takes an existing row over: only when it may be acquired (expired, released,
-/// or in progress for the same request with its lease run out, as `Record::begin` decides),
-/// `now` being the new row's `created_at`.
+/// How `begin` takes an existing row over: only when it may be acquired (expired, released
+/// without steps or for the same request, or in progress for the same request with its lease
+/// run out, as `Record::begin` decides), `now` being the new row's `created_at`. The steps of
+/// a live row stay, for the new attempt to resume.
 const TAKE_OVER: &str = "ON CONFLICT (scope, namespace, client_key) DO UPDATE SET
         fingerprint = EXCLUDED.fingerprint, status = 'in_progress',
         fence = r.fence + 1, lease_id = EXCLUDED.lease_id,
         lease_expires_at = EXCLUDED.lease_expires_at, response = NULL,
         ttl_ms = EXCLUDED.ttl_ms, created_at = EXCLUDED.created_at,
         updated_at = EXCLUDED.updated_at, expires_at = EXCLUDED.expires_at,
-        purge_after = EXCLUDED.purge_after
+        purge_after = EXCLUDED.purge_after,
+        steps = CASE WHEN r.expires_at <= EXCLUDED.created_at THEN NULL ELSE r.steps END
     WHERE r.expires_at <= EXCLUDED.created_at
-       OR r.status = 'released'
+       OR (r.status = 'released' AND (r.steps IS NULL OR r.fingerprint = EXCLUDED.fingerprint))
        OR (r.status = 'in_progress' AND r.fingerprint = EXCLUDED.fingerprint
            AND r.lease_expires_at <= EXCLUDED.created_at)";
 
@@ -114,8 +118,14 @@ impl Statements {
                  WHERE {key} AND lease_id = $5 AND fence = $7 AND status = 'in_progress'
                    AND expires_at > $4"
             )),
+            // $7 the steps after it, $8 how long they were as read (`sql::StepWrite`).
+            step: s(format!(
+                "UPDATE {t} SET steps = $7, updated_at = $4
+                 WHERE {key} AND lease_id = $5 AND fence = $6 AND status = 'in_progress'
+                   AND expires_at > $4 AND COALESCE(octet_length(steps), 0) = $8"
+            )),
             reopen: s(format!(
-                "UPDATE {t} SET status = 'released', response = NULL, updated_at = $4,
+                "UPDATE {t} SET status = 'released', response = NULL, steps = NULL, updated_at = $4,
                      expires_at = {SETTLED_EXPIRY}
                  WHERE {key} AND fence = $5 AND status = 'completed' AND expires_at > $4"
             )),
@@ -231,6 +241,39 @@ impl PostgresStore {
             return Ok(());
         }
         sql::repeated_settle(self.load(c, key).await?, lease, response, now)
+    }
+
+    /// `record_step` on one connection (of the pool, or a caller's transaction): read the
+    /// row, decide, write if the steps are still as read.
+    pub(super) async fn record_step_on(
+        &self,
+        c: &mut PgConnection,
+        key: &Key,
+        lease: &Lease,
+        step: &Step,
+        now: Timestamp,
+    ) -> Result<(), StepError> {
+        for _ in 0..sql::BEGIN_ROUNDS {
+            let Some(write) = sql::step_write(self.load(c, key).await?, lease, step, now)? else {
+                return Ok(());
+            };
+            let done = sqlx::query(self.sql.step.clone())
+                .bind(key.scope().as_str())
+                .bind(key.namespace().as_str())
+                .bind(key.client_key().as_str())
+                .bind(sql_int(now.as_millis()))
+                .bind(&lease.id.to_bytes()[..])
+                .bind(sql_int(lease.fence))
+                .bind(write.steps)
+                .bind(write.read_len)
+                .execute(&mut *c)
+                .await
+                .map_err(|e| error("cannot record the step", e))?;
+            if done.rows_affected() == 1 {
+                return Ok(());
+            }
+        }
+        Err(sql::kept_changing().into())
     }
 }
 

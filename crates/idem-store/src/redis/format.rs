@@ -213,6 +213,8 @@ fn unpack_at(key: Key, v: &[u8], at: usize) -> Result<Record, StoreError> {
         created_at: ts(102, "creation time")?,
         updated_at: ts(118, "update time")?,
         expires_at: ts(134, "expiry")?,
+        // Kept beside the record (see `super::scripts::RECORD`); read by `get`.
+        steps: Vec::new(),
     })
 }
 

@@ -70,7 +70,7 @@ use error::error;
 pub use locks::lock_scripts;
 use scripts::{
     BEGIN, BEGIN_NEW, COMPLETE_MANY, GIVE_BACK, RAISE, RECORD, RENEW, REOPEN, REPAIR, SETTLE,
-    SETTLE_FN, record_script,
+    SETTLE_FN, STEP, record_script,
 };
 
 /// Added to every native TTL, so that a record outlives its logical expiry by this much.
@@ -132,6 +132,7 @@ pub(super) struct RecordScripts {
     pub(super) reopen: Script,
     pub(super) raise: Script,
     pub(super) repair: Script,
+    pub(super) step: Script,
     /// [`GIVE_BACK`] with [`RECORD`] before it, sent whole with `EVAL`.
     pub(super) give_back: String,
 }
@@ -213,6 +214,7 @@ impl RedisStore {
                 reopen: record_script(REOPEN),
                 raise: Script::new(RAISE),
                 repair: record_script(REPAIR),
+                step: record_script(STEP),
                 give_back: format!("{RECORD}{GIVE_BACK}"),
             }),
         }

@@ -5,7 +5,7 @@ use std::time::Duration;
 
 use idem_core::{
     BeginOutcome, BeginRequest, Bytes, Key, Lease, LeaseError, Record, RecordAdmin, Replay,
-    StaleLease, Status, Store, StoreError, Timestamp,
+    StaleLease, Status, Step, StepError, Store, StoreError, Timestamp,
 };
 use redis::Value;
 
@@ -81,17 +81,47 @@ impl Store for RedisStore {
         Ok(done == 1)
     }
 
+    async fn record_step(
+        &self,
+        key: &Key,
+        lease: &Lease,
+        step: &Step,
+        now: Timestamp,
+    ) -> Result<(), StepError> {
+        // Read, decide by the pure rules, then write only if the record and its steps are
+        // still as read (the script checks): the rules stay in one place, not in Lua.
+        // Only the lease's holder changes the steps, so a second round is rare.
+        for _ in 0..8 {
+            let mut record = self.load(key).await?.ok_or(StaleLease)?;
+            let read_len = idem_core::step::encode(&record.steps).len();
+            if !record.record_step_in_place(lease, step, now)? {
+                return Ok(());
+            }
+            let done: i64 = self
+                .scripts
+                .step
+                .key(self.redis_key(key))
+                .arg(exact(now.as_millis()))
+                .arg(&lease.id.to_bytes()[..])
+                .arg(lease.fence)
+                .arg(read_len)
+                .arg(idem_core::step::encode(&record.steps))
+                .invoke_async(&mut self.conn.clone())
+                .await
+                .map_err(|e| error("cannot record the step", e))?;
+            if done == 1 {
+                return Ok(());
+            }
+        }
+        Err(StoreError::Unavailable {
+            message: "the record kept changing under contention; try again".into(),
+            source: None,
+        }
+        .into())
+    }
+
     async fn get(&self, key: &Key, now: Timestamp) -> Result<Option<Record>, StoreError> {
-        let value: Option<Vec<u8>> = redis::cmd("GET")
-            .arg(self.redis_key(key))
-            .query_async(&mut self.conn.clone())
-            .await
-            .map_err(|e| error("cannot read the record", e))?;
-        let Some(value) = value else {
-            return Ok(None);
-        };
-        let record = unpack(key, &value)?;
-        Ok(record.is_live(now).then_some(record))
+        Ok(self.load(key).await?.filter(|r| r.is_live(now)))
     }
 
     async fn advance(&self, key: &Key, by: u64) -> Result<u64, StoreError> {
@@ -128,6 +158,37 @@ impl Store for RedisStore {
 
     fn admin(&self) -> Option<&dyn RecordAdmin> {
         Some(self)
+    }
+}
+
+impl RedisStore {
+    /// The record at `key` with its steps, live or not.
+    async fn load(&self, key: &Key) -> Result<Option<Record>, StoreError> {
+        let record_key = self.redis_key(key);
+        let steps_key = format!("{record_key}:s");
+        // Two GETs rather than one MGET: GET refuses a key of another type (WRONGTYPE), which
+        // MGET would answer as absent.
+        let (value, steps): (Value, Value) = redis::pipe()
+            .cmd("GET")
+            .arg(record_key)
+            .cmd("GET")
+            .arg(steps_key)
+            .query_async(&mut self.conn.clone())
+            .await
+            .map_err(|e| error("cannot read the record", e))?;
+        let read = |v: Value| -> Result<Option<Vec<u8>>, StoreError> {
+            match v {
+                Value::Nil => Ok(None),
+                Value::BulkString(b) => Ok(Some(b)),
+                _ => Err(corrupt("GET answer")),
+            }
+        };
+        let (Some(value), steps) = (read(value)?, read(steps)?) else {
+            return Ok(None);
+        };
+        let mut record = unpack(key, &value)?;
+        record.steps = idem_core::step::decode(steps.as_deref().unwrap_or_default())?;
+        Ok(Some(record))
     }
 }
 

@@ -11,6 +11,11 @@ use redis::Script;
 /// kept to `MAX` (as `exact` does in the client), so that they fit in their 16 digits.
 /// `rewrite(key, v, to, ttl, kb, now, margin, response)` writes a read record back in another
 /// state, keeping its format byte and its key.
+///
+/// A record's steps (`idem_core::step::encode`'s form) are a string of their own beside it,
+/// at the record's key and `:s`: in the same hash slot, named here rather than passed, and
+/// always given the record's own deadline when either is written, so they never outlive it
+/// (a fresh record finds none).
 pub(super) const RECORD: &str = r"
 local MAX = 9007199254740991
 local function record(key)
@@ -40,6 +45,7 @@ local function rewrite(key, v, to, ttl, kb, now, margin, response)
   local exp = math.min(now + ttl, MAX)
   redis.call('SET', key, string.sub(v, 1, 1) .. to .. string.sub(v, 3, 118)
     .. string.format('%016d%016d', now, exp) .. kb .. (response or ''), 'PX', exp - now + margin)
+  redis.call('PEXPIRE', key .. ':s', exp - now + margin)
 end
 ";
 
@@ -52,10 +58,14 @@ pub(super) const FOREIGN: &str = "idem: the key holds a value this store did not
 pub(super) const BEGIN: &str = r"
 local now = tonumber(ARGV[1])
 local v, st, fence, lexp, _, exp, kb = record(KEYS[1])
+local steps = KEYS[1] .. ':s'
 local f = 1
 if v then
   f = fence + 1
-  if exp > now then
+  if exp <= now then
+    -- Expired: the key starts afresh, without the steps of the last request.
+    redis.call('DEL', steps)
+  else
     local same = string.sub(v, 3, 34) == ARGV[2]
     if st == 'c' then
       if same then
@@ -68,11 +78,15 @@ if v then
       -- This very begin, sent again after its answer was lost: it holds the lease.
       if string.sub(v, 35, 50) == ARGV[3] then return {'acquired', fence} end
       if lexp > now then return {'in_progress', lexp} end
+    elseif not same and redis.call('EXISTS', steps) == 1 then
+      -- Released with steps taken: only the same request may resume them.
+      return {'mismatch'}
     end
   end
 end
 redis.call('SET', KEYS[1], string.sub(ARGV[4], 1, 50) .. string.format('%020d', f)
   .. string.sub(ARGV[4], 71), 'PX', ARGV[5])
+redis.call('PEXPIRE', steps, ARGV[5])
 return {'acquired', f}
 ";
 
@@ -156,6 +170,31 @@ exp = math.min(lexp + ttl, MAX)
 redis.call('SET', KEYS[1], string.sub(v, 1, 70) .. string.format('%016d', lexp)
   .. string.sub(v, 87, 118) .. string.format('%016d%016d', now, exp) .. kb,
   'PX', exp - now + tonumber(ARGV[5]))
+redis.call('PEXPIRE', KEYS[1] .. ':s', exp - now + tonumber(ARGV[5]))
+return 1
+";
+
+/// Records steps: ARGV = now, lease id, fence, how long the steps were as the client read
+/// them, the steps after it. Answers 1 if the record is in progress under that lease and its
+/// steps are still as read (then they are written, with the record's deadline), else 0 (the
+/// client reads again and decides).
+pub(super) const STEP: &str = r"
+local now = tonumber(ARGV[1])
+local v, st, fence, _, _, exp = record(KEYS[1])
+if not v or st ~= 'p' or exp <= now or string.sub(v, 35, 50) ~= ARGV[2]
+    or fence ~= tonumber(ARGV[3]) then
+  return 0
+end
+local steps = KEYS[1] .. ':s'
+if redis.call('STRLEN', steps) ~= tonumber(ARGV[4]) then return 0 end
+redis.call('SET', KEYS[1], string.sub(v, 1, 118) .. string.format('%016d', now)
+  .. string.sub(v, 135), 'KEEPTTL')
+local left = redis.call('PTTL', KEYS[1])
+if left > 0 then
+  redis.call('SET', steps, ARGV[5], 'PX', left)
+else
+  redis.call('SET', steps, ARGV[5])
+end
 return 1
 ";
 
@@ -175,6 +214,7 @@ pub(super) const REOPEN: &str = r"
 local now = tonumber(ARGV[1])
 local v, st, fence, _, ttl, exp, kb = record(KEYS[1])
 if not v or st ~= 'c' or exp <= now or fence ~= tonumber(ARGV[2]) then return 0 end
+redis.call('DEL', KEYS[1] .. ':s')
 rewrite(KEYS[1], v, 'r', ttl, kb, now, tonumber(ARGV[3]))
 return 1
 ";
@@ -193,6 +233,10 @@ elseif exp > now then
   state = (st == 'p' and 'stuck') or (st == 'c' and 'completed') or 'released'
 end
 if state ~= ARGV[2] then return 0 end
+if ARGV[4] == 'delete' or st == 'c' then
+  -- A completed record released by an operator runs again from its start, as a reopen does.
+  redis.call('DEL', KEYS[1] .. ':s')
+end
 if ARGV[4] == 'delete' then
   redis.call('DEL', KEYS[1])
   return 1

@@ -439,7 +439,9 @@ pub(crate) async fn repair<D: Driver>(
         Repair::Release => {
             let (at, from, plus) = (s.now(now), s.now(now), s.now(now));
             format!(
-                "UPDATE {table} SET status = 'released', response = NULL, updated_at = {at},
+                "UPDATE {table} SET
+                     steps = CASE WHEN status = 'completed' THEN NULL ELSE steps END,
+                     status = 'released', response = NULL, updated_at = {at},
                      expires_at = LEAST(ttl_ms, 9223372036854775807 - {from}) + {plus}"
             )
         }

@@ -6,8 +6,8 @@
 use std::fmt;
 
 use idem_core::{
-    BeginOutcome, BeginRequest, Bytes, Lease, LeaseError, LeaseId, Record, StaleLease, StoreError,
-    Timestamp,
+    BeginOutcome, BeginRequest, Bytes, Lease, LeaseError, LeaseId, Record, StaleLease, Step,
+    StepError, StoreError, Timestamp,
 };
 
 use crate::row::RawRow;
@@ -21,7 +21,7 @@ pub(crate) use migrate::Dialect;
 
 /// The columns [`RawRow`] is read from, in its order.
 pub(crate) const COLUMNS: &str = "fingerprint, status, fence, lease_id, lease_expires_at, response,
-    ttl_ms, created_at, updated_at, expires_at";
+    ttl_ms, created_at, updated_at, expires_at, steps";
 
 /// A table name safe to put into SQL text: one or two (schema-qualified) identifiers of ASCII
 /// letters, digits and `_`, not starting with a digit, at most 48 characters each (room for
@@ -153,6 +153,35 @@ pub(crate) fn repeated_settle(
     Ok(())
 }
 
+/// What `record_step` writes over the steps of a row as read.
+pub(crate) struct StepWrite {
+    /// The steps after it, encoded.
+    pub(crate) steps: Vec<u8>,
+    /// How many bytes the steps took as read: the update applies only while they still do.
+    /// Steps change only under their lease and only grow, so under the same lease an equal
+    /// length means an unchanged list.
+    pub(crate) read_len: i64,
+}
+
+/// Decides `record_step` from the row as read: `None` if the step is recorded already (a
+/// repeat), the write to make otherwise.
+pub(crate) fn step_write(
+    record: Option<Record>,
+    lease: &Lease,
+    step: &Step,
+    now: Timestamp,
+) -> Result<Option<StepWrite>, StepError> {
+    let mut record = record.ok_or(StaleLease)?;
+    let read_len = idem_core::step::encode(&record.steps).len();
+    if !record.record_step_in_place(lease, step, now)? {
+        return Ok(None);
+    }
+    Ok(Some(StepWrite {
+        steps: idem_core::step::encode(&record.steps),
+        read_len: i64::try_from(read_len).unwrap_or(i64::MAX),
+    }))
+}
+
 /// Reads a row of the records table's columns in [`RawRow`]'s order.
 pub(crate) fn raw<R: sqlx::Row>(r: &R) -> Result<RawRow, StoreError>
 where
@@ -173,6 +202,7 @@ where
         created_at: r.try_get(7).map_err(bad)?,
         updated_at: r.try_get(8).map_err(bad)?,
         expires_at: r.try_get(9).map_err(bad)?,
+        steps: r.try_get(10).map_err(bad)?,
     })
 }
 

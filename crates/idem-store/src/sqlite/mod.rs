@@ -35,8 +35,8 @@ use std::thread;
 use std::time::Duration;
 
 use idem_core::{
-    BeginOutcome, BeginRequest, Bytes, Key, Lease, LeaseError, Record, RecordAdmin, Store,
-    StoreError, Timestamp,
+    BeginOutcome, BeginRequest, Bytes, Key, Lease, LeaseError, Record, RecordAdmin, Step,
+    StepError, Store, StoreError, Timestamp,
 };
 use tokio::sync::oneshot;
 
@@ -244,6 +244,17 @@ impl Store for SqliteStore {
         let request = Request::Renew(key.clone(), *lease, length, now);
         self.call(request, Responder::Renew, |e| Err(e.into()))
             .await
+    }
+
+    async fn record_step(
+        &self,
+        key: &Key,
+        lease: &Lease,
+        step: &Step,
+        now: Timestamp,
+    ) -> Result<(), StepError> {
+        let request = Request::Step(key.clone(), *lease, step.clone(), now);
+        self.call(request, Responder::Step, |e| Err(e.into())).await
     }
 
     async fn advance(&self, key: &Key, by: u64) -> Result<u64, StoreError> {

@@ -4,7 +4,7 @@
 use idem_core::{Key, LeaseError, Record, StaleLease, StoreError};
 use rusqlite::{OptionalExtension, params};
 
-use crate::row::{RawRow, sql_int};
+use crate::row::{RawRow, sql_int, steps_column};
 
 use super::admin::apply_repair;
 use super::locks::apply_lock;
@@ -31,6 +31,19 @@ pub(super) fn apply(tx: &rusqlite::Transaction<'_>, request: &Request) -> rusqli
         Request::Release(key, lease, now) => {
             Answer::Lease(transition(tx, key, |r| Record::release(r, lease, *now))?)
         }
+        Request::Step(key, lease, step, now) => Answer::Step(match load(tx, key)? {
+            Ok(Some(mut r)) => match r.record_step_in_place(lease, step, *now) {
+                Ok(changed) => {
+                    if changed {
+                        save(tx, &r)?;
+                    }
+                    Ok(())
+                }
+                Err(refused) => Err(refused.into()),
+            },
+            Ok(None) => Err(StaleLease.into()),
+            Err(e) => Err(e.into()),
+        }),
         Request::Renew(key, lease, length, now) => Answer::Renew(match load(tx, key)? {
             Ok(Some(mut r)) => match r.renew_in_place(lease, *length, *now) {
                 Ok(renewed) => {
@@ -160,7 +173,7 @@ pub(super) fn load(
 ) -> rusqlite::Result<Result<Option<Record>, StoreError>> {
     let mut stmt = tx.prepare_cached(
         "SELECT fingerprint, status, fence, lease_id, lease_expires_at, response, ttl_ms,
-                created_at, updated_at, expires_at
+                created_at, updated_at, expires_at, steps
          FROM idem_records WHERE scope = ?1 AND namespace = ?2 AND client_key = ?3",
     )?;
     let row = stmt
@@ -182,6 +195,7 @@ pub(super) fn load(
                     created_at: row.get(7)?,
                     updated_at: row.get(8)?,
                     expires_at: row.get(9)?,
+                    steps: row.get(10)?,
                 })
             },
         )
@@ -192,14 +206,16 @@ pub(super) fn load(
 pub(super) fn save(tx: &rusqlite::Transaction<'_>, r: &Record) -> rusqlite::Result<()> {
     tx.prepare_cached(
         "INSERT INTO idem_records (scope, namespace, client_key, fingerprint, status, fence,
-             lease_id, lease_expires_at, response, ttl_ms, created_at, updated_at, expires_at)
-         VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13)
+             lease_id, lease_expires_at, response, ttl_ms, created_at, updated_at, expires_at,
+             steps)
+         VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13, ?14)
          ON CONFLICT (scope, namespace, client_key) DO UPDATE SET
              fingerprint = excluded.fingerprint, status = excluded.status,
              fence = excluded.fence, lease_id = excluded.lease_id,
              lease_expires_at = excluded.lease_expires_at, response = excluded.response,
              ttl_ms = excluded.ttl_ms, created_at = excluded.created_at,
-             updated_at = excluded.updated_at, expires_at = excluded.expires_at",
+             updated_at = excluded.updated_at, expires_at = excluded.expires_at,
+             steps = excluded.steps",
     )?
     .execute(params![
         r.key.scope().as_str(),
@@ -215,6 +231,7 @@ pub(super) fn save(tx: &rusqlite::Transaction<'_>, r: &Record) -> rusqlite::Resu
         sql_int(r.created_at.as_millis()),
         sql_int(r.updated_at.as_millis()),
         sql_int(r.expires_at.as_millis()),
+        steps_column(&r.steps),
     ])?;
     Ok(())
 }

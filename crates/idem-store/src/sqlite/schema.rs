@@ -43,6 +43,8 @@ pub(super) const MIGRATIONS: &[&str] = &[
         fence      INTEGER NOT NULL,
         expires_at INTEGER NOT NULL
     ) WITHOUT ROWID;",
+    // 4: the steps of multi-step work (`idem_core::step::encode`), NULL for none.
+    "ALTER TABLE idem_records ADD COLUMN steps BLOB;",
 ];
 
 pub(super) fn open_error(path: &Path, e: rusqlite::Error) -> StoreError {

@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use idem_core::{
     BeginOutcome, BeginRequest, Bytes, Key, Lease, LeaseError, LockError, LockName, Record, Repair,
-    Shown, StoreError, Timestamp,
+    Shown, Step, StepError, StoreError, Timestamp,
 };
 use rusqlite::{Connection, ErrorCode, TransactionBehavior};
 use tokio::sync::oneshot;
@@ -25,6 +25,7 @@ pub(super) enum Request {
     Complete(Key, Lease, Bytes, Timestamp),
     Release(Key, Lease, Timestamp),
     Renew(Key, Lease, Duration, Timestamp),
+    Step(Key, Lease, Step, Timestamp),
     Advance(Key, u64),
     Raise(Key, u64),
     Reopen(Key, u64, Timestamp),
@@ -40,6 +41,7 @@ pub(super) enum Responder {
     Begin(oneshot::Sender<Result<BeginOutcome, StoreError>>),
     Lease(oneshot::Sender<Result<(), LeaseError>>),
     Renew(oneshot::Sender<Result<Lease, LeaseError>>),
+    Step(oneshot::Sender<Result<(), StepError>>),
     Advance(oneshot::Sender<Result<u64, StoreError>>),
     Reopen(oneshot::Sender<Result<bool, StoreError>>),
     Get(oneshot::Sender<Result<Option<Record>, StoreError>>),
@@ -51,6 +53,7 @@ pub(super) enum Answer {
     Begin(Result<BeginOutcome, StoreError>),
     Lease(Result<(), LeaseError>),
     Renew(Result<Lease, LeaseError>),
+    Step(Result<(), StepError>),
     Advance(Result<u64, StoreError>),
     Reopen(Result<bool, StoreError>),
     Get(Result<Option<Record>, StoreError>),
@@ -91,6 +94,7 @@ impl Responder {
             Responder::Begin(tx) => tx.is_closed(),
             Responder::Lease(tx) => tx.is_closed(),
             Responder::Renew(tx) => tx.is_closed(),
+            Responder::Step(tx) => tx.is_closed(),
             Responder::Advance(tx) => tx.is_closed(),
             Responder::Reopen(tx) => tx.is_closed(),
             Responder::Get(tx) => tx.is_closed(),
@@ -105,6 +109,7 @@ impl Responder {
             (Responder::Begin(tx), Answer::Begin(a)) => tx.send(a).err().map(Answer::Begin),
             (Responder::Lease(tx), Answer::Lease(a)) => tx.send(a).err().map(Answer::Lease),
             (Responder::Renew(tx), Answer::Renew(a)) => tx.send(a).err().map(Answer::Renew),
+            (Responder::Step(tx), Answer::Step(a)) => tx.send(a).err().map(Answer::Step),
             (Responder::Advance(tx), Answer::Advance(a)) => tx.send(a).err().map(Answer::Advance),
             (Responder::Reopen(tx), Answer::Reopen(a)) => tx.send(a).err().map(Answer::Reopen),
             (Responder::Get(tx), Answer::Get(a)) => tx.send(a).err().map(Answer::Get),
@@ -122,6 +127,7 @@ impl Responder {
             Responder::Begin(tx) => tx.send(Err(e)).map_err(drop),
             Responder::Lease(tx) => tx.send(Err(e.into())).map_err(drop),
             Responder::Renew(tx) => tx.send(Err(e.into())).map_err(drop),
+            Responder::Step(tx) => tx.send(Err(e.into())).map_err(drop),
             Responder::Advance(tx) => tx.send(Err(e)).map_err(drop),
             Responder::Reopen(tx) => tx.send(Err(e)).map_err(drop),
             Responder::Get(tx) => tx.send(Err(e)).map_err(drop),

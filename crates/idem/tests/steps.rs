@@ -1,0 +1,300 @@
+//! Recovery points through the run-once API: a crash between any two steps resumes at the first
+//! unfinished one, on every store; unknown outcomes, other inputs and overtaken attempts.
+
+#![allow(clippy::unwrap_used)]
+
+use std::future::Future;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::Duration;
+
+use idem::{
+    Clock, Idempotency, Key, ManualClock, MemoryStore, RunError, SharedStore, StepFailure,
+    StepOutcome, Steps, Store,
+};
+use idem_testkit::services::{MYSQL, POSTGRES, REDIS};
+use serde::{Deserialize, Serialize};
+use tokio::sync::mpsc;
+
+const LEASE: Duration = Duration::from_secs(10);
+const STEPS: [&str; 3] = ["debit", "bank", "credit"];
+
+#[derive(Debug, Serialize, Deserialize, PartialEq)]
+enum BankError {
+    Timeout,
+}
+
+/// Every store this machine has: memory and SQLite always, the servers when they answer.
+async fn stores() -> Vec<(&'static str, SharedStore, Option<tempfile::TempDir>)> {
+    let dir = tempfile::tempdir().unwrap();
+    let sqlite = idem::open(&format!(
+        "sqlite://{}",
+        dir.path().join("steps.db").display()
+    ))
+    .await
+    .unwrap();
+    let mut all: Vec<(&'static str, SharedStore, Option<tempfile::TempDir>)> = vec![
+        ("memory", Arc::new(MemoryStore::new()), None),
+        ("sqlite", sqlite, Some(dir)),
+    ];
+    for (name, service) in [("postgres", POSTGRES), ("mysql", MYSQL), ("redis", REDIS)] {
+        if let Some(url) = service.url() {
+            all.push((name, idem::open(&url).await.unwrap(), None));
+        }
+    }
+    all
+}
+
+fn key(store: &str, case: &str) -> Key {
+    let run = format!("{:08x}", rand::random::<u32>());
+    Key::parse("tests", "steps", &format!("{store}-{case}-{run}")).unwrap()
+}
+
+/// How many times each step's work ran, over all attempts.
+#[derive(Default)]
+struct Runs([AtomicUsize; 3]);
+
+impl Runs {
+    fn counts(&self) -> [usize; 3] {
+        [0, 1, 2].map(|i| self.0[i].load(Ordering::SeqCst))
+    }
+}
+
+/// The transfer: three steps, each counted; after `stop_after` of them, it signals `stopped`
+/// and waits forever (the process "dies" there: the test forgets the future).
+async fn transfer<S: Store + Clone>(
+    s: Steps<S, ManualClock>,
+    runs: &Runs,
+    stop_after: Option<usize>,
+    stopped: mpsc::UnboundedSender<()>,
+) -> Result<String, StepFailure<BankError>> {
+    let mut outputs = Vec::new();
+    for (i, name) in STEPS.into_iter().enumerate() {
+        if stop_after == Some(i) {
+            let _ = stopped.send(());
+            std::future::pending::<()>().await;
+        }
+        let before = outputs.join("+");
+        let out: String = s
+            .step(name, |cx| async move {
+                runs.0[i].fetch_add(1, Ordering::SeqCst);
+                Ok::<_, BankError>(format!("{name}({before})[{}]", &cx.key()[..8]))
+            })
+            .await?;
+        outputs.push(out);
+    }
+    Ok(outputs.join("+"))
+}
+
+/// Polls `attempt` until it signals that it stopped, then forgets it: no drop guard runs, as
+/// when a process dies.
+async fn crash<F: Future>(attempt: F, mut stopped: mpsc::UnboundedReceiver<()>) {
+    let mut attempt = Box::pin(attempt);
+    tokio::select! {
+        _ = &mut attempt => panic!("the attempt finished instead of stopping"),
+        _ = stopped.recv() => {}
+    }
+    std::mem::forget(attempt);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_crash_between_any_two_steps_resumes_at_the_first_unfinished_one() {
+    for (store_name, store, _dir) in stores().await {
+        let mut answers = Vec::new();
+        for stop_after in 0..=STEPS.len() {
+            let clock = ManualClock::starting_now();
+            let idem = Idempotency::new(store.clone()).with_clock(clock.clone());
+            let key = key(store_name, &format!("crash-{stop_after}"));
+            let runs = Runs::default();
+            let (tx, rx) = mpsc::unbounded_channel();
+            if stop_after < STEPS.len() {
+                let first = idem
+                    .once(&key)
+                    .input(&("alice", "bob", 100))
+                    .unwrap()
+                    .lease(LEASE)
+                    .steps(|s| transfer(s, &runs, Some(stop_after), tx.clone()));
+                crash(first, rx).await;
+                clock.advance(LEASE);
+            }
+            let resumed = AtomicUsize::new(usize::MAX);
+            let done = idem
+                .once(&key)
+                .input(&("alice", "bob", 100))
+                .unwrap()
+                .lease(LEASE)
+                .steps(|s| {
+                    resumed.store(s.resumed(), Ordering::SeqCst);
+                    transfer(s, &runs, None, tx.clone())
+                })
+                .await
+                .unwrap();
+            let case = format!("{store_name}, stopped after {stop_after} steps");
+            assert_eq!(runs.counts(), [1, 1, 1], "{case}: each step ran once");
+            let expect_resumed = if stop_after == STEPS.len() {
+                0
+            } else {
+                stop_after
+            };
+            assert_eq!(resumed.load(Ordering::SeqCst), expect_resumed, "{case}");
+            assert!(!done.replayed);
+            // The answer is the one the steps built, the same whatever the crash.
+            let answer = done.value.replace(|c: char| c.is_ascii_hexdigit(), "");
+            answers.push(answer);
+            // A retry replays it and runs nothing.
+            let again = idem
+                .once(&key)
+                .input(&("alice", "bob", 100))
+                .unwrap()
+                .steps(|s| transfer(s, &runs, None, tx.clone()))
+                .await
+                .unwrap();
+            assert!(again.replayed, "{case}");
+            assert_eq!(again.value, done.value, "{case}");
+            assert_eq!(runs.counts(), [1, 1, 1], "{case}");
+            let record = store.get(&key, clock.now()).await.unwrap().unwrap();
+            let names: Vec<&str> = record.steps.iter().map(|s| s.name.as_str()).collect();
+            assert_eq!(names, STEPS, "{case}");
+        }
+        assert!(
+            answers.windows(2).all(|w| w[0] == w[1]),
+            "{store_name}: {answers:?}"
+        );
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_unknown_outcome_is_recorded_and_the_step_runs_again_with_its_key() {
+    for (store_name, store, _dir) in stores().await {
+        let idem = Idempotency::new(store.clone());
+        let key = key(store_name, "unknown");
+        let seen = &std::sync::Mutex::new(Vec::new());
+        let attempt = || {
+            idem.once(&key)
+                .input(&"t-9")
+                .unwrap()
+                .steps(|s| async move {
+                    let debit: u32 = s.step("debit", |_| async { Ok::<_, BankError>(7) }).await?;
+                    s.call(
+                        "bank",
+                        |e| *e == BankError::Timeout,
+                        |cx| async move {
+                            let mut seen = seen.lock().unwrap();
+                            seen.push((cx.key().to_owned(), cx.after_unknown()));
+                            if seen.len() == 1 {
+                                Err(BankError::Timeout)
+                            } else {
+                                Ok(debit * 2)
+                            }
+                        },
+                    )
+                    .await
+                })
+        };
+        match attempt().await {
+            Err(RunError::Failed {
+                error: BankError::Timeout,
+                replayed: false,
+            }) => {}
+            other => panic!("{store_name}: {other:?}"),
+        }
+        let record = store.get(&key, idem.clock().now()).await.unwrap().unwrap();
+        assert_eq!(
+            record.steps[1].outcome,
+            StepOutcome::Unknown,
+            "{store_name}"
+        );
+        assert_eq!(attempt().await.unwrap().value, 14, "{store_name}");
+        let seen = seen.lock().unwrap();
+        assert_eq!(seen.len(), 2, "{store_name}");
+        assert_eq!(
+            seen[0].0, seen[1].0,
+            "{store_name}: one step key on every attempt"
+        );
+        assert_eq!(
+            (seen[0].1, seen[1].1),
+            (false, true),
+            "{store_name}: the second try knows"
+        );
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn another_input_is_refused_not_resumed() {
+    for (store_name, store, _dir) in stores().await {
+        let clock = ManualClock::starting_now();
+        let idem = Idempotency::new(store.clone()).with_clock(clock.clone());
+        let key = key(store_name, "input");
+        let runs = Runs::default();
+        let (tx, rx) = mpsc::unbounded_channel();
+        let first = idem
+            .once(&key)
+            .input(&("alice", "bob", 100))
+            .unwrap()
+            .lease(LEASE)
+            .steps(|s| transfer(s, &runs, Some(1), tx.clone()));
+        crash(first, rx).await;
+        clock.advance(LEASE);
+        let other = idem
+            .once(&key)
+            .input(&("alice", "bob", 999))
+            .unwrap()
+            .steps(|s| transfer(s, &runs, None, tx.clone()))
+            .await;
+        assert!(
+            matches!(other, Err(RunError::Mismatch)),
+            "{store_name}: {other:?}"
+        );
+        assert_eq!(runs.counts(), [1, 0, 0], "{store_name}");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_overtaken_attempt_cannot_record_its_step() {
+    let clock = ManualClock::starting_now();
+    let idem = Idempotency::new(MemoryStore::new()).with_clock(clock.clone());
+    let key = key("memory", "overtaken");
+    let (entered, mut in_step) = mpsc::unbounded_channel::<()>();
+    let (go_on, wait) = tokio::sync::oneshot::channel::<()>();
+    let slow = {
+        let (idem, key) = (idem.clone(), key.clone());
+        tokio::spawn(async move {
+            idem.once(&key)
+                .lease(LEASE)
+                .steps(|s| async move {
+                    s.step("slow", |_| async move {
+                        entered.send(()).unwrap();
+                        wait.await.unwrap();
+                        Ok::<_, BankError>("first".to_owned())
+                    })
+                    .await
+                })
+                .await
+        })
+    };
+    in_step.recv().await.unwrap();
+    clock.advance(LEASE);
+    let second = idem
+        .once(&key)
+        .steps(|s| async move {
+            s.step("slow", |_| async {
+                Ok::<_, BankError>("second".to_owned())
+            })
+            .await
+        })
+        .await
+        .unwrap();
+    assert_eq!(second.value, "second");
+    go_on.send(()).unwrap();
+    let first = slow.await.unwrap();
+    assert!(matches!(first, Err(RunError::LeaseLost)), "{first:?}");
+    let replay = idem
+        .once(&key)
+        .steps(|s| async move {
+            s.step("slow", |_| async { Ok::<_, BankError>("third".to_owned()) })
+                .await
+        })
+        .await
+        .unwrap();
+    assert_eq!((replay.value.as_str(), replay.replayed), ("second", true));
+}
