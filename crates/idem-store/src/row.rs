@@ -3,11 +3,6 @@
 
 use idem_core::{Bytes, Fingerprint, Key, LeaseId, Record, Status, StoreError, Timestamp};
 
-/// The steps as a column holds them: `NULL` for none.
-pub(crate) fn steps_column(steps: &[idem_core::Step]) -> Option<Vec<u8>> {
-    (!steps.is_empty()).then(|| idem_core::step::encode(steps))
-}
-
 /// SQL integers are signed 64-bit; timestamps beyond `i64::MAX` ms (292 million years)
 /// are stored as `i64::MAX`.
 pub(crate) fn sql_int(v: u64) -> i64 {

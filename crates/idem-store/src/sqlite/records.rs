@@ -4,7 +4,7 @@
 use idem_core::{Key, LeaseError, Record, StaleLease, StoreError};
 use rusqlite::{OptionalExtension, params};
 
-use crate::row::{RawRow, sql_int, steps_column};
+use crate::row::{RawRow, sql_int};
 
 use super::admin::apply_repair;
 use super::locks::apply_lock;
@@ -201,6 +201,11 @@ pub(super) fn load(
         )
         .optional()?;
     Ok(row.map(|raw| raw.into_record(key)).transpose())
+}
+
+/// The steps as the column holds them: `NULL` for none.
+fn steps_column(steps: &[idem_core::Step]) -> Option<Vec<u8>> {
+    (!steps.is_empty()).then(|| idem_core::step::encode(steps))
 }
 
 pub(super) fn save(tx: &rusqlite::Transaction<'_>, r: &Record) -> rusqlite::Result<()> {
