@@ -13,7 +13,8 @@ use std::time::Duration;
 
 use crate::cancel::finishing;
 use idem_core::{
-    BeginOutcome, BeginRequest, Clock, DynStore, LeaseError, Store, StoreError, Timestamp,
+    BeginOutcome, BeginRequest, Clock, DynStore, LeaseError, StepError, Store, StoreError,
+    Timestamp,
 };
 
 /// What to do when another attempt holds the key.
@@ -99,18 +100,46 @@ fn far_future() -> tokio::time::Instant {
 /// How many times a settling operation is tried while the store is unavailable.
 const SETTLE_ATTEMPTS: u32 = 3;
 
-/// Runs `op` (a `complete` or `release`, both idempotent for one lease, so repeating them is
-/// safe) up to three times while it fails with a transient store error, backing off 40 then
-/// 80 ms. Any other answer is returned at once.
-pub async fn settle_retrying<F, Fut>(mut op: F) -> Result<(), LeaseError>
+/// The error of an operation under a lease, which may be the store's own failure.
+pub trait UnderLease {
+    /// The store's failure, if that is what this is.
+    fn store_error(&self) -> Option<&StoreError>;
+}
+
+impl UnderLease for LeaseError {
+    fn store_error(&self) -> Option<&StoreError> {
+        match self {
+            LeaseError::Store(e) => Some(e),
+            _ => None,
+        }
+    }
+}
+
+impl UnderLease for StepError {
+    fn store_error(&self) -> Option<&StoreError> {
+        match self {
+            StepError::Store(e) => Some(e),
+            _ => None,
+        }
+    }
+}
+
+/// Runs `op` (a `complete`, `release` or `record_step`, each idempotent for one lease, so
+/// repeating them is safe) up to three times while it fails with a transient store error,
+/// backing off 40 then 80 ms. Any other answer is returned at once.
+pub async fn settle_retrying<T, E, F, Fut>(mut op: F) -> Result<T, E>
 where
+    E: UnderLease,
     F: FnMut() -> Fut,
-    Fut: Future<Output = Result<(), LeaseError>>,
+    Fut: Future<Output = Result<T, E>>,
 {
     let mut attempt = 1;
     loop {
         match op().await {
-            Err(LeaseError::Store(e)) if e.is_transient() && attempt < SETTLE_ATTEMPTS => {
+            Err(e)
+                if e.store_error().is_some_and(StoreError::is_transient)
+                    && attempt < SETTLE_ATTEMPTS =>
+            {
                 tokio::time::sleep(Duration::from_millis(20 << attempt)).await;
                 attempt += 1;
             }

@@ -37,6 +37,8 @@ mod mysql;
 mod postgres;
 #[cfg(feature = "redis")]
 mod redis;
+#[cfg(any(feature = "postgres", feature = "mysql", feature = "redis"))]
+mod reread;
 #[cfg(any(feature = "sqlite", feature = "postgres", feature = "mysql"))]
 mod row;
 #[cfg(any(feature = "postgres", feature = "mysql"))]

@@ -310,11 +310,11 @@ impl MemoryStore {
             .unwrap_or_else(PoisonError::into_inner)
     }
 
-    fn update(
+    fn update<E: From<StaleLease>>(
         &self,
         key: &Key,
-        transition: impl FnOnce(&mut Record) -> Result<bool, StaleLease>,
-    ) -> Result<(), LeaseError> {
+        transition: impl FnOnce(&mut Record) -> Result<bool, E>,
+    ) -> Result<(), E> {
         let mut shard = self.shard(key);
         let record = shard.get_mut(key).ok_or(StaleLease)?;
         let before = size(record);
@@ -357,11 +357,16 @@ impl Store for MemoryStore {
         response: Bytes,
         now: Timestamp,
     ) -> Result<(), LeaseError> {
-        self.update(key, |r| r.complete_in_place(lease, response, now))
+        self.update(key, |r| {
+            r.complete_in_place(lease, response, now)
+                .map_err(LeaseError::from)
+        })
     }
 
     async fn release(&self, key: &Key, lease: &Lease, now: Timestamp) -> Result<(), LeaseError> {
-        self.update(key, |r| r.release_in_place(lease, now))
+        self.update(key, |r| {
+            r.release_in_place(lease, now).map_err(LeaseError::from)
+        })
     }
 
     async fn renew(
@@ -386,13 +391,10 @@ impl Store for MemoryStore {
         step: &Step,
         now: Timestamp,
     ) -> Result<(), StepError> {
-        let mut shard = self.shard(key);
-        let record = shard.get_mut(key).ok_or(StaleLease)?;
-        let before = size(record);
-        if record.record_step_in_place(lease, step, now)? {
-            self.changed(before, record);
-        }
-        Ok(())
+        self.update(key, |r| {
+            r.record_step_in_place(lease, step, now)
+                .map_err(StepError::from)
+        })
     }
 
     async fn reopen(&self, key: &Key, fence: u64, now: Timestamp) -> Result<bool, StoreError> {

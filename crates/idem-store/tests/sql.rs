@@ -370,6 +370,57 @@ macro_rules! sql_store_tests {
             });
         }
 
+        /// A step recorded in the caller's transaction is recorded only if it commits: rolled
+        /// back, the record has no such step and the same lease records it again; committed,
+        /// a takeover finds it.
+        #[test]
+        fn a_step_in_the_callers_transaction_commits_or_rolls_back_with_it() {
+            idem_testkit::block_on(async {
+                let table = fresh_name("idem_test_step_tx");
+                let Some(store) = store(&table).await else {
+                    return;
+                };
+                let req = BeginRequest::new(
+                    Key::parse("tx", "steps", "k").unwrap(),
+                    Fingerprint::of_bytes(b"k"),
+                )
+                .with_lease(Duration::from_secs(10));
+                let now = Timestamp::now();
+                let BeginOutcome::Acquired(lease) = store.begin(&req, now).await.unwrap() else {
+                    panic!("not acquired");
+                };
+                let step = idem_core::Step::done(
+                    idem_core::StepName::new("debit").unwrap(),
+                    b"7".to_vec(),
+                )
+                .unwrap();
+                let steps = |at| {
+                    let (store, key) = (&store, &req.key);
+                    async move { store.get(key, at).await.unwrap().unwrap().steps }
+                };
+                let mut tx = store.pool().begin().await.unwrap();
+                store
+                    .record_step_in(&mut tx, &req.key, &lease, &step, now)
+                    .await
+                    .unwrap();
+                tx.rollback().await.unwrap();
+                assert!(steps(now).await.is_empty());
+                let mut tx = store.pool().begin().await.unwrap();
+                store
+                    .record_step_in(&mut tx, &req.key, &lease, &step, now)
+                    .await
+                    .unwrap();
+                tx.commit().await.unwrap();
+                let later = now.saturating_add(Duration::from_secs(11));
+                let BeginOutcome::Acquired(taken) = store.begin(&req, later).await.unwrap() else {
+                    panic!("not taken over");
+                };
+                assert!(taken.fence > lease.fence);
+                assert_eq!(steps(later).await, [step]);
+                drop_tables(&store, &[table.clone(), format!("{table}_migrations")]).await;
+            });
+        }
+
         /// The work's write and the record's completion commit together: an attempt killed
         /// after both ran but before its commit leaves neither, and the retry (after the
         /// lease) runs the work exactly once more. Had the completion been committed on its

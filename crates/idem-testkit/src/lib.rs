@@ -103,6 +103,7 @@ macro_rules! conformance_tests {
             steps_need_the_holding_lease,
             step_outputs_are_kept_exactly,
             concurrent_steps_are_all_kept,
+            repairs_keep_or_drop_steps,
             listing_pages_through_every_record_once,
             listing_filters_by_state_namespace_age_and_prefix,
             counts_by_state,

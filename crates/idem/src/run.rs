@@ -276,8 +276,8 @@ impl<'a, S: Store + Clone, C: Clock + Clone, P> Once<'a, S, C, P> {
     /// steps stay for the retry to resume).
     ///
     /// A retry whose input differs from the first attempt's is [`RunError::Mismatch`], never
-    /// resumed. Dropped part way, the attempt behaves as [`Once::run`] does, and a step whose
-    /// recording had started is recorded in the background.
+    /// resumed. Dropped part way, the attempt behaves as [`Once::run`] does (the key is
+    /// released); a step whose recording had not finished is run again by the next attempt.
     ///
     /// ```
     /// # async fn demo() -> Result<(), Box<dyn std::error::Error>> {

@@ -18,7 +18,6 @@
 
 use std::future::Future;
 use std::sync::{Arc, Mutex, PoisonError};
-use std::time::Duration;
 
 use idem_core::{
     Clock, DynStore, Fingerprint, InvalidStep, Key, Lease, Step, StepError, StepName, StepOutcome,
@@ -27,10 +26,7 @@ use idem_core::{
 use serde::Serialize;
 use serde::de::DeserializeOwned;
 
-use crate::cancel::finishing;
-
-/// How many times a step's recording is tried while the store is briefly unavailable.
-const RECORD_ATTEMPTS: u32 = 4;
+use crate::claim::settle_retrying;
 
 /// Why a step did not give a value.
 #[derive(Debug, thiserror::Error)]
@@ -212,11 +208,11 @@ impl<S: Store + Clone, C: Clock + Clone> Steps<S, C> {
             Ok(value) => {
                 let output = serde_json::to_vec(&value).map_err(StepFailure::Codec)?;
                 let step = Step::done(name, output).map_err(|e| StepFailure::Problem(e.into()))?;
-                self.record(step).await.map_err(widen)?;
+                self.record(step).await?;
                 Ok(value)
             }
             Err(error) if unknown(&error) => {
-                self.record(Step::unknown(name)).await.map_err(widen)?;
+                self.record(Step::unknown(name)).await?;
                 Err(StepFailure::Failed(error))
             }
             Err(error) => Err(StepFailure::Failed(error)),
@@ -230,31 +226,28 @@ impl<S: Store + Clone, C: Clock + Clone> Steps<S, C> {
             .unwrap_or_else(PoisonError::into_inner)
     }
 
-    /// Records `step`, retrying while the store is briefly unavailable. Carried on to its end
-    /// if the caller stops waiting: the step has taken effect, and a recorded step is one the
-    /// next attempt does not run again.
-    async fn record(&self, step: Step) -> Result<(), StepFailure<std::convert::Infallible>> {
-        let (store, clock) = (self.inner.store.clone(), self.inner.clock.clone());
-        let (key, lease, kept) = (self.inner.key.clone(), self.inner.lease, step.clone());
-        let call = async move {
-            let store: &dyn DynStore = &store;
-            let mut attempt = 1;
-            loop {
-                match store.record_step(&key, &lease, &step, clock.now()).await {
-                    Err(StepError::Store(e)) if e.is_transient() && attempt < RECORD_ATTEMPTS => {
-                        tokio::time::sleep(Duration::from_millis(20 << attempt)).await;
-                        attempt += 1;
-                    }
-                    other => return other,
-                }
-            }
-        };
-        match finishing(call, |_| async {}).await {
+    /// Records `step`, retrying while the store is briefly unavailable.
+    ///
+    /// Not finished in the background if the attempt is dropped meanwhile: the run's guard
+    /// releases the key then, and a recording that landed after the release would be refused
+    /// anyway. The step is then not recorded, and the next attempt runs it again under the same
+    /// step key (calls to other services run at least once).
+    async fn record<E>(&self, step: Step) -> Result<(), StepFailure<E>> {
+        let Inner {
+            store,
+            clock,
+            key,
+            lease,
+            ..
+        } = &*self.inner;
+        let store: &dyn DynStore = store;
+        let recorded = settle_retrying(|| store.record_step(key, lease, &step, clock.now())).await;
+        match recorded {
             Ok(()) => {
                 let mut recorded = self.lock();
-                match recorded.iter_mut().find(|s| s.name == kept.name) {
-                    Some(s) => *s = kept,
-                    None => recorded.push(kept),
+                match recorded.iter_mut().find(|s| s.name == step.name) {
+                    Some(s) => *s = step,
+                    None => recorded.push(step),
                 }
                 Ok(())
             }
@@ -267,16 +260,5 @@ impl<S: Store + Clone, C: Clock + Clone> Steps<S, C> {
                 e,
             ))),
         }
-    }
-}
-
-/// A failure of the engine's, as one of any step's.
-pub(crate) fn widen<E>(failure: StepFailure<std::convert::Infallible>) -> StepFailure<E> {
-    match failure {
-        StepFailure::Failed(never) => match never {},
-        StepFailure::LeaseLost => StepFailure::LeaseLost,
-        StepFailure::NotRecorded(e) => StepFailure::NotRecorded(e),
-        StepFailure::Problem(p) => StepFailure::Problem(p),
-        StepFailure::Codec(e) => StepFailure::Codec(e),
     }
 }

@@ -62,8 +62,8 @@ impl Runs {
 
 /// The transfer: three steps, each counted; after `stop_after` of them, it signals `stopped`
 /// and waits forever (the process "dies" there: the test forgets the future).
-async fn transfer<S: Store + Clone>(
-    s: Steps<S, ManualClock>,
+async fn transfer<S: Store + Clone, C: Clock + Clone>(
+    s: Steps<S, C>,
     runs: &Runs,
     stop_after: Option<usize>,
     stopped: mpsc::UnboundedSender<()>,
@@ -297,4 +297,103 @@ async fn an_overtaken_attempt_cannot_record_its_step() {
         .await
         .unwrap();
     assert_eq!((replay.value.as_str(), replay.replayed), ("second", true));
+}
+
+#[tokio::test]
+async fn a_step_the_store_cannot_record_releases_the_key_and_runs_again() {
+    use idem_testkit::{Fault, FaultyStore, Op};
+    let store = FaultyStore::new(MemoryStore::new());
+    let idem = Idempotency::new(store.clone());
+    let first_key = key("faulty", "unrecorded");
+    let runs = Runs::default();
+    let (tx, _rx) = mpsc::unbounded_channel();
+    // One failure is retried; three in a row are not.
+    store.fail_next(Op::RecordStep, Fault::Unavailable);
+    let done = idem
+        .once(&first_key)
+        .steps(|s| transfer(s, &runs, None, tx.clone()))
+        .await
+        .unwrap();
+    assert_eq!(runs.counts(), [1, 1, 1]);
+    assert!(!done.replayed);
+
+    let key = key("faulty", "unrecorded-thrice");
+    let runs = Runs::default();
+    for _ in 0..3 {
+        store.fail_next(Op::RecordStep, Fault::Unavailable);
+    }
+    let first = idem
+        .once(&key)
+        .steps(|s| transfer(s, &runs, None, tx.clone()))
+        .await;
+    assert!(matches!(first, Err(RunError::NotRecorded(_))), "{first:?}");
+    assert_eq!(
+        runs.counts(),
+        [1, 0, 0],
+        "the attempt stopped at the unrecorded step"
+    );
+    // The key was released at once: the retry needs no wait, and runs that step again.
+    let done = idem
+        .once(&key)
+        .steps(|s| transfer(s, &runs, None, tx.clone()))
+        .await
+        .unwrap();
+    assert_eq!(runs.counts(), [2, 1, 1]);
+    assert!(!done.replayed);
+}
+
+#[tokio::test]
+async fn a_resumption_whose_steps_cannot_be_read_runs_nothing() {
+    use idem_testkit::{Fault, FaultyStore, Op};
+    let store = FaultyStore::new(MemoryStore::new());
+    let clock = ManualClock::starting_now();
+    let idem = Idempotency::new(store.clone()).with_clock(clock.clone());
+    let key = key("faulty", "unread");
+    let runs = Runs::default();
+    let (tx, rx) = mpsc::unbounded_channel();
+    let first = idem
+        .once(&key)
+        .lease(LEASE)
+        .steps(|s| transfer(s, &runs, Some(1), tx.clone()));
+    crash(first, rx).await;
+    clock.advance(LEASE);
+    store.fail_next(Op::Get, Fault::Unavailable);
+    let second = idem
+        .once(&key)
+        .steps(|s| transfer(s, &runs, None, tx.clone()))
+        .await;
+    assert!(matches!(second, Err(RunError::Store(_))), "{second:?}");
+    assert_eq!(runs.counts(), [1, 0, 0]);
+    // Released: the next attempt resumes at once.
+    let done = idem
+        .once(&key)
+        .steps(|s| transfer(s, &runs, None, tx.clone()))
+        .await
+        .unwrap();
+    assert_eq!(runs.counts(), [1, 1, 1]);
+    assert!(done.value.starts_with("debit"));
+}
+
+#[tokio::test]
+async fn a_bad_step_name_stops_the_run_and_a_name_used_again_hands_back_its_output() {
+    let idem = Idempotency::new(MemoryStore::new());
+    let bad = idem
+        .once(&key("memory", "bad-name"))
+        .steps(|s| async move {
+            s.step("no spaces", |_| async { Ok::<_, BankError>(1) })
+                .await
+        })
+        .await;
+    assert!(matches!(bad, Err(RunError::Step(_))), "{bad:?}");
+    let twice = idem
+        .once(&key("memory", "twice"))
+        .steps(|s| async move {
+            let one = s.step("same", |_| async { Ok::<_, BankError>(1) }).await?;
+            // The same name again hands back the first output without running.
+            let again = s.step("same", |_| async { Ok::<_, BankError>(2) }).await?;
+            Ok((one, again))
+        })
+        .await
+        .unwrap();
+    assert_eq!(twice.value, (1, 1));
 }

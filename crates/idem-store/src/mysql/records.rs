@@ -9,6 +9,7 @@ use sqlx::{AssertSqlSafe, MySqlConnection, SqlSafeStr, SqlStr};
 
 use super::{MySqlStore, error};
 use crate::batch::{Acquired, BeginJob, CompleteJob, Fresh, GroupCommit, Many, ManyAtOnce};
+use crate::reread;
 use crate::row::sql_int;
 use crate::sql::{self, COLUMNS, TableName};
 
@@ -169,7 +170,7 @@ impl MySqlStore {
     ) -> Result<BeginOutcome, StoreError> {
         let (lease, fresh) = Record::acquired(req, now, 1, idem_core::LeaseId::generate());
         let now_ms = sql_int(now.as_millis());
-        for _ in 0..sql::BEGIN_ROUNDS {
+        for _ in 0..reread::ROUNDS {
             let done = keyed(sqlx::query(self.sql.begin.clone()), &req.key)
                 .bind(&fresh.fingerprint.as_bytes()[..])
                 .bind(&lease.id.to_bytes()[..])
@@ -193,7 +194,7 @@ impl MySqlStore {
                 return Ok(outcome);
             }
         }
-        Err(sql::kept_changing())
+        Err(reread::kept_changing())
     }
 
     /// Runs a lease-conditioned update; if it changed nothing, reads the row to tell a
@@ -236,8 +237,9 @@ impl MySqlStore {
         now: Timestamp,
     ) -> Result<(), StepError> {
         let now_ms = sql_int(now.as_millis());
-        for _ in 0..sql::BEGIN_ROUNDS {
-            let Some(write) = sql::step_write(self.load(c, key).await?, lease, step, now)? else {
+        for _ in 0..reread::ROUNDS {
+            let Some(write) = reread::step_write(self.load(c, key).await?, lease, step, now)?
+            else {
                 return Ok(());
             };
             let q = sqlx::query(self.sql.step.clone())
@@ -247,7 +249,7 @@ impl MySqlStore {
                 .bind(&lease.id.to_bytes()[..])
                 .bind(sql_int(lease.fence))
                 .bind(now_ms)
-                .bind(write.read_len)
+                .bind(i64::try_from(write.read_len).unwrap_or(i64::MAX))
                 .execute(&mut *c)
                 .await
                 .map_err(|e| error("cannot record the step", e))?;
@@ -255,7 +257,7 @@ impl MySqlStore {
                 return Ok(());
             }
         }
-        Err(sql::kept_changing().into())
+        Err(reread::kept_changing().into())
     }
 }
 

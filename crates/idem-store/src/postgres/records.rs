@@ -9,6 +9,7 @@ use sqlx::{AssertSqlSafe, PgConnection, SqlSafeStr, SqlStr};
 
 use super::{PostgresStore, error};
 use crate::batch::{Acquired, BeginJob, CompleteJob, Fresh, GroupCommit, Many, ManyAtOnce};
+use crate::reread;
 use crate::row::sql_int;
 use crate::sql::{self, COLUMNS, TableName};
 
@@ -118,7 +119,7 @@ impl Statements {
                  WHERE {key} AND lease_id = $5 AND fence = $7 AND status = 'in_progress'
                    AND expires_at > $4"
             )),
-            // $7 the steps after it, $8 how long they were as read (`sql::StepWrite`).
+            // $7 the steps after it, $8 how long they were as read (`reread::StepWrite`).
             step: s(format!(
                 "UPDATE {t} SET steps = $7, updated_at = $4
                  WHERE {key} AND lease_id = $5 AND fence = $6 AND status = 'in_progress'
@@ -185,7 +186,7 @@ impl PostgresStore {
     ) -> Result<BeginOutcome, StoreError> {
         // The record a fresh acquisition writes; its fence comes from the database.
         let (lease, fresh) = Record::acquired(req, now, 1, idem_core::LeaseId::generate());
-        for _ in 0..sql::BEGIN_ROUNDS {
+        for _ in 0..reread::ROUNDS {
             let fence: Option<i64> = sqlx::query_scalar(self.sql.begin.clone())
                 .bind(req.key.scope().as_str())
                 .bind(req.key.namespace().as_str())
@@ -209,7 +210,7 @@ impl PostgresStore {
                 return Ok(outcome);
             }
         }
-        Err(sql::kept_changing())
+        Err(reread::kept_changing())
     }
 
     /// Runs a lease-conditioned update; if it changed nothing, reads the row to tell a
@@ -253,8 +254,9 @@ impl PostgresStore {
         step: &Step,
         now: Timestamp,
     ) -> Result<(), StepError> {
-        for _ in 0..sql::BEGIN_ROUNDS {
-            let Some(write) = sql::step_write(self.load(c, key).await?, lease, step, now)? else {
+        for _ in 0..reread::ROUNDS {
+            let Some(write) = reread::step_write(self.load(c, key).await?, lease, step, now)?
+            else {
                 return Ok(());
             };
             let done = sqlx::query(self.sql.step.clone())
@@ -265,7 +267,7 @@ impl PostgresStore {
                 .bind(&lease.id.to_bytes()[..])
                 .bind(sql_int(lease.fence))
                 .bind(write.steps)
-                .bind(write.read_len)
+                .bind(i64::try_from(write.read_len).unwrap_or(i64::MAX))
                 .execute(&mut *c)
                 .await
                 .map_err(|e| error("cannot record the step", e))?;
@@ -273,7 +275,7 @@ impl PostgresStore {
                 return Ok(());
             }
         }
-        Err(sql::kept_changing().into())
+        Err(reread::kept_changing().into())
     }
 }
 

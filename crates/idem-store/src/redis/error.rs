@@ -15,9 +15,7 @@ pub(super) fn may_have_run(e: &redis::RedisError) -> bool {
 /// Redis errors: the connection or the server being unreachable, busy or failing over may
 /// pass; anything else (a script error, a wrong type at the key) is a backend error.
 pub(crate) fn error(what: &str, e: redis::RedisError) -> StoreError {
-    // A pipeline reports its commands' errors inside one of its own, code and all in the text.
-    let text = e.to_string();
-    if e.code() == Some("WRONGTYPE") || text.contains("\"WRONGTYPE\"") || text.contains(FOREIGN) {
+    if e.code() == Some("WRONGTYPE") || e.to_string().contains(FOREIGN) {
         return StoreError::Corrupt(format!(
             "{what}: the Redis key holds a value this store did not write"
         ));

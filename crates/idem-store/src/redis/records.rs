@@ -13,6 +13,7 @@ use super::error::{corrupt, error, may_have_run, transient};
 use super::format::{bytes, exact, int, millis, native_ttl, pack, status_byte, text, unpack};
 use super::{Conn, EXPIRY_MARGIN, RedisStore};
 use crate::batch::{Acquired, BeginJob, CompleteJob, Fresh, GroupCommit, Many, ManyAtOnce};
+use crate::reread;
 
 impl Store for RedisStore {
     fn kind(&self) -> &'static str {
@@ -90,13 +91,10 @@ impl Store for RedisStore {
     ) -> Result<(), StepError> {
         // Read, decide by the pure rules, then write only if the record and its steps are
         // still as read (the script checks): the rules stay in one place, not in Lua.
-        // Only the lease's holder changes the steps, so a second round is rare.
-        for _ in 0..8 {
-            let mut record = self.load(key).await?.ok_or(StaleLease)?;
-            let read_len = idem_core::step::encode(&record.steps).len();
-            if !record.record_step_in_place(lease, step, now)? {
+        for _ in 0..reread::ROUNDS {
+            let Some(write) = reread::step_write(self.load(key).await?, lease, step, now)? else {
                 return Ok(());
-            }
+            };
             let done: i64 = self
                 .scripts
                 .step
@@ -104,8 +102,8 @@ impl Store for RedisStore {
                 .arg(exact(now.as_millis()))
                 .arg(&lease.id.to_bytes()[..])
                 .arg(lease.fence)
-                .arg(read_len)
-                .arg(idem_core::step::encode(&record.steps))
+                .arg(write.read_len)
+                .arg(write.steps)
                 .invoke_async(&mut self.conn.clone())
                 .await
                 .map_err(|e| error("cannot record the step", e))?;
@@ -113,11 +111,7 @@ impl Store for RedisStore {
                 return Ok(());
             }
         }
-        Err(StoreError::Unavailable {
-            message: "the record kept changing under contention; try again".into(),
-            source: None,
-        }
-        .into())
+        Err(reread::kept_changing().into())
     }
 
     async fn get(&self, key: &Key, now: Timestamp) -> Result<Option<Record>, StoreError> {
@@ -167,8 +161,9 @@ impl RedisStore {
         let record_key = self.redis_key(key);
         let steps_key = format!("{record_key}:s");
         // Two GETs rather than one MGET: GET refuses a key of another type (WRONGTYPE), which
-        // MGET would answer as absent.
-        let (value, steps): (Value, Value) = redis::pipe()
+        // MGET would answer as absent. Each answer is taken apart, so that refusal keeps its code.
+        let answers: Vec<redis::RedisResult<Option<Vec<u8>>>> = redis::pipe()
+            .ignore_errors()
             .cmd("GET")
             .arg(record_key)
             .cmd("GET")
@@ -176,13 +171,10 @@ impl RedisStore {
             .query_async(&mut self.conn.clone())
             .await
             .map_err(|e| error("cannot read the record", e))?;
-        let read = |v: Value| -> Result<Option<Vec<u8>>, StoreError> {
-            match v {
-                Value::Nil => Ok(None),
-                Value::BulkString(b) => Ok(Some(b)),
-                _ => Err(corrupt("GET answer")),
-            }
-        };
+        let [value, steps]: [_; 2] = answers
+            .try_into()
+            .map_err(|_| corrupt("answer to the record's reads"))?;
+        let read = |r: redis::RedisResult<_>| r.map_err(|e| error("cannot read the record", e));
         let (Some(value), steps) = (read(value)?, read(steps)?) else {
             return Ok(None);
         };

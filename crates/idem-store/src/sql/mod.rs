@@ -6,8 +6,8 @@
 use std::fmt;
 
 use idem_core::{
-    BeginOutcome, BeginRequest, Bytes, Lease, LeaseError, LeaseId, Record, StaleLease, Step,
-    StepError, StoreError, Timestamp,
+    BeginOutcome, BeginRequest, Bytes, Lease, LeaseError, LeaseId, Record, StaleLease, StoreError,
+    Timestamp,
 };
 
 use crate::row::RawRow;
@@ -100,11 +100,6 @@ pub(crate) fn pending<'m>(
         .collect())
 }
 
-/// How many times `begin` tries its upsert: another `begin` may change the row between a
-/// refused upsert and the read that follows (released, expired), and then the upsert is tried
-/// again.
-pub(crate) const BEGIN_ROUNDS: usize = 8;
-
 /// After `begin`'s upsert acquired nothing, decides from the row as read: the answer, or `None`
 /// if the row as read may be acquired after all (it changed after the upsert: try again).
 pub(crate) fn refused_begin(
@@ -114,14 +109,6 @@ pub(crate) fn refused_begin(
 ) -> Option<BeginOutcome> {
     let step = Record::begin(existing, req, now, LeaseId::generate());
     (!matches!(step.outcome, BeginOutcome::Acquired(_))).then_some(step.outcome)
-}
-
-/// `begin`'s answer when the row changed under it in every round.
-pub(crate) fn kept_changing() -> StoreError {
-    StoreError::Unavailable {
-        message: "the record kept changing under contention; try again".into(),
-        source: None,
-    }
 }
 
 /// After a lease-conditioned update changed nothing, decides from the row as read: none is a
@@ -151,35 +138,6 @@ pub(crate) fn repeated_settle(
         .into());
     }
     Ok(())
-}
-
-/// What `record_step` writes over the steps of a row as read.
-pub(crate) struct StepWrite {
-    /// The steps after it, encoded.
-    pub(crate) steps: Vec<u8>,
-    /// How many bytes the steps took as read: the update applies only while they still do.
-    /// Steps change only under their lease and only grow, so under the same lease an equal
-    /// length means an unchanged list.
-    pub(crate) read_len: i64,
-}
-
-/// Decides `record_step` from the row as read: `None` if the step is recorded already (a
-/// repeat), the write to make otherwise.
-pub(crate) fn step_write(
-    record: Option<Record>,
-    lease: &Lease,
-    step: &Step,
-    now: Timestamp,
-) -> Result<Option<StepWrite>, StepError> {
-    let mut record = record.ok_or(StaleLease)?;
-    let read_len = idem_core::step::encode(&record.steps).len();
-    if !record.record_step_in_place(lease, step, now)? {
-        return Ok(None);
-    }
-    Ok(Some(StepWrite {
-        steps: idem_core::step::encode(&record.steps),
-        read_len: i64::try_from(read_len).unwrap_or(i64::MAX),
-    }))
 }
 
 /// Reads a row of the records table's columns in [`RawRow`]'s order.

@@ -1,7 +1,7 @@
 //! What one operation does inside the writer's transaction: read the record, apply the pure
 //! transition from `idem-core`, write the result.
 
-use idem_core::{Key, LeaseError, Record, StaleLease, StoreError};
+use idem_core::{Key, Record, StaleLease, StoreError};
 use rusqlite::{OptionalExtension, params};
 
 use crate::row::{RawRow, sql_int};
@@ -26,24 +26,15 @@ pub(super) fn apply(tx: &rusqlite::Transaction<'_>, request: &Request) -> rusqli
             Err(e) => Err(e),
         }),
         Request::Complete(key, lease, response, now) => Answer::Lease(transition(tx, key, |r| {
-            Record::complete(r, lease, response.clone(), *now)
+            Ok(Record::complete(r, lease, response.clone(), *now)?)
         })?),
-        Request::Release(key, lease, now) => {
-            Answer::Lease(transition(tx, key, |r| Record::release(r, lease, *now))?)
-        }
-        Request::Step(key, lease, step, now) => Answer::Step(match load(tx, key)? {
-            Ok(Some(mut r)) => match r.record_step_in_place(lease, step, *now) {
-                Ok(changed) => {
-                    if changed {
-                        save(tx, &r)?;
-                    }
-                    Ok(())
-                }
-                Err(refused) => Err(refused.into()),
-            },
-            Ok(None) => Err(StaleLease.into()),
-            Err(e) => Err(e.into()),
-        }),
+        Request::Release(key, lease, now) => Answer::Lease(transition(tx, key, |r| {
+            Ok(Record::release(r, lease, *now)?)
+        })?),
+        Request::Step(key, lease, step, now) => Answer::Step(transition(tx, key, |r| {
+            let mut r = r.ok_or(StaleLease)?.clone();
+            Ok(r.record_step_in_place(lease, step, *now)?.then_some(r))
+        })?),
         Request::Renew(key, lease, length, now) => Answer::Renew(match load(tx, key)? {
             Ok(Some(mut r)) => match r.renew_in_place(lease, *length, *now) {
                 Ok(renewed) => {
@@ -148,11 +139,13 @@ pub(super) fn apply(tx: &rusqlite::Transaction<'_>, request: &Request) -> rusqli
     })
 }
 
-fn transition(
+/// Reads the record, applies `f`, writes what it returns: `Ok(None)` is a repeat that changes
+/// nothing.
+fn transition<E: From<StoreError>>(
     tx: &rusqlite::Transaction<'_>,
     key: &Key,
-    f: impl FnOnce(Option<&Record>) -> Result<Option<Record>, StaleLease>,
-) -> rusqlite::Result<Result<(), LeaseError>> {
+    f: impl FnOnce(Option<&Record>) -> Result<Option<Record>, E>,
+) -> rusqlite::Result<Result<(), E>> {
     let existing = match load(tx, key)? {
         Ok(r) => r,
         Err(e) => return Ok(Err(e.into())),
@@ -163,7 +156,7 @@ fn transition(
             Ok(Ok(()))
         }
         Ok(None) => Ok(Ok(())),
-        Err(stale) => Ok(Err(stale.into())),
+        Err(refused) => Ok(Err(refused)),
     }
 }
 

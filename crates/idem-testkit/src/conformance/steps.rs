@@ -2,8 +2,8 @@
 //! `reopen` and expiry do to a record's steps.
 
 use idem_core::{
-    BeginOutcome, Bytes, Lease, LeaseId, Status, Step, StepError, StepName, StepOutcome,
-    StepRefused, Store,
+    BeginOutcome, Bytes, Lease, LeaseId, RecordState, Repair, Shown, Status, Step, StepError,
+    StepName, StepOutcome, StepRefused, Store,
 };
 
 use super::{Case, LEASE, TTL, acquire};
@@ -279,4 +279,50 @@ pub async fn concurrent_steps_are_all_kept<S: Store + Clone>(store: &S) {
     got.sort();
     let want: Vec<String> = (0..8).map(|i| format!("branch-{i}=out-{i}")).collect();
     assert_eq!(got, want);
+}
+
+/// An operator's repairs: releasing a stuck record keeps its steps (the next attempt resumes);
+/// releasing a completed one drops them, as a reopen does; deleting drops them with the record.
+pub async fn repairs_keep_or_drop_steps<S: Store>(store: &S) {
+    let Some(admin) = store.admin() else {
+        return;
+    };
+    let c = Case::new();
+    let shown = |record: &idem_core::Record, at| Shown {
+        state: RecordState::of(record, at),
+        fence: record.fence,
+    };
+    let mut leases = Vec::new();
+    for k in ["stuck", "completed", "deleted"] {
+        let req = c.req(k, "a");
+        let lease = acquire(store, &req, c.at(0)).await;
+        store
+            .record_step(&req.key, &lease, &done("s", b"1"), c.at(1))
+            .await
+            .unwrap();
+        leases.push((req, lease));
+    }
+    let (completed, lease) = &leases[1];
+    store
+        .complete(&completed.key, lease, Bytes::from_static(b"ok"), c.at(2))
+        .await
+        .unwrap();
+    // The first attempt is gone: past its lease the record is stuck.
+    let now = c.at(11);
+    for (req, repair) in [
+        (&leases[0].0, Repair::Release),
+        (completed, Repair::Release),
+        (&leases[2].0, Repair::Delete),
+    ] {
+        let record = store.get(&req.key, now).await.unwrap().unwrap();
+        let applied = admin
+            .repair(&req.key, shown(&record, now), repair, now)
+            .await
+            .unwrap();
+        assert!(applied, "{}", req.key.client_key().as_str());
+    }
+    assert_eq!(names(&steps_of(store, &c, "stuck", 11).await), ["s"]);
+    assert!(steps_of(store, &c, "completed", 11).await.is_empty());
+    acquire(store, &c.req("deleted", "other"), now).await;
+    assert!(steps_of(store, &c, "deleted", 11).await.is_empty());
 }
