@@ -100,6 +100,14 @@ catalogue! {
         "The key was used before with a different request or fingerprint.");
     StaleLease = (CONFLICT, "stale_lease", "Stale lease",
         "The lease no longer holds the record (taken over, released, forgotten, or completed with another response); nothing was changed.");
+    InvalidStep = (BAD_REQUEST, "invalid_step", "Invalid step",
+        "A step name is empty, longer than 64 bytes, or has a character outside `A-Z a-z 0-9 . _ - :`.");
+    StepConflict = (CONFLICT, "step_conflict", "Step recorded otherwise",
+        "A step of that name is recorded with another output or outcome; the first stays and nothing was changed.");
+    StepAfterUnknown = (CONFLICT, "step_after_unknown", "Step outcome unknown",
+        "The last recorded step's outcome is unknown: it must be run again and recorded as done before another step.");
+    StepsFull = (CONFLICT, "steps_full", "Steps full",
+        "The record holds as many steps as it may (64, or 1 MiB of names and outputs), or the output alone is larger.");
     // Guarded routes: the `idem-http` layer and `idem gateway`.
     IdempotencyKeyMissing = (BAD_REQUEST, "idempotency_key_missing", "Idempotency-Key required",
         "The route requires an Idempotency-Key header and the request has none.");

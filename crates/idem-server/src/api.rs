@@ -1,14 +1,16 @@
-//! The record API: begin, complete, release and get of idempotency records, for services in
-//! any language.
+//! The record API: begin, step, complete, release and get of idempotency records, for services
+//! in any language.
 
 use std::time::Duration;
 
 use axum::Json;
 use axum::extract::State;
 use axum::response::{IntoResponse, Response};
+use idem_core::step::{MAX_STEPS, step_key};
 use idem_core::{
-    BeginOutcome, BeginRequest, Bytes, ClientKey, Clock, Fingerprint, Key, KeyError, Lease,
-    LeaseError, LeaseId, Namespace, Record, Status, Store, Timestamp,
+    BeginOutcome, BeginRequest, Bytes, ClientKey, Clock, Fingerprint, InvalidStep, Key, KeyError,
+    Lease, LeaseError, LeaseId, Namespace, Record, Status, Step, StepError, StepName, StepRefused,
+    Store, Timestamp,
 };
 use serde::Deserialize;
 use serde_json::{Value, json};
@@ -16,6 +18,8 @@ use tracing::{debug, warn};
 use utoipa::ToSchema;
 
 use idem::InFlight;
+use idem::claim::cancel::finishing;
+use idem::claim::settle_retrying;
 
 use crate::AppState;
 use crate::auth::Caller;
@@ -112,6 +116,11 @@ pub(crate) struct BeginBody {
     /// without it.
     #[schema(minimum = 1, maximum = 31_536_000_000_u64)]
     ttl_ms: Option<u64>,
+    /// Names of steps whose step keys to return with a lease (at most 64): the idempotency
+    /// keys to send to the services those steps call, the same on every attempt.
+    #[serde(default)]
+    #[schema(max_items = 64, required = false)]
+    step_keys: Vec<String>,
 }
 
 fn present<'de, D: serde::Deserializer<'de>>(d: D) -> Result<Option<Value>, D::Error> {
@@ -141,6 +150,7 @@ pub(crate) async fn begin(
             ));
         }
     };
+    let step_names = step_names(body.step_keys)?;
     let req = BeginRequest::new(key, fingerprint)
         .with_lease(duration_ms(
             "lease_ms",
@@ -164,22 +174,41 @@ pub(crate) async fn begin(
     debug!(key = %req.key.log_tag(), outcome = outcome_name(&outcome), "begin");
     metrics::counter!("idem_api_begins_total", "outcome" => outcome_name(&outcome)).increment(1);
     match outcome {
-        BeginOutcome::Acquired(lease) => Ok(Json(json!({
-            "outcome": "acquired",
-            "lease": {
-                "id": lease_token(&lease),
-                "fence": lease.fence,
-                "expires_at": rfc3339(lease.expires_at),
-            },
-        }))
-        .into_response()),
+        BeginOutcome::Acquired(lease) => {
+            let steps = resumed(&state, &req, lease).await?;
+            let mut body = json!({
+                "outcome": "acquired",
+                "lease": {
+                    "id": lease_token(&lease),
+                    "fence": lease.fence,
+                    "expires_at": rfc3339(lease.expires_at),
+                },
+                "steps": steps
+                    .iter()
+                    .map(|s| step_json(s, &req.key, &req.fingerprint))
+                    .collect::<Vec<_>>(),
+            });
+            if !step_names.is_empty() {
+                let keys: serde_json::Map<String, Value> = step_names
+                    .iter()
+                    .map(|n| {
+                        (
+                            n.to_string(),
+                            step_key(&req.key, &req.fingerprint, n).into(),
+                        )
+                    })
+                    .collect();
+                body["step_keys"] = keys.into();
+            }
+            Ok(Json(body).into_response())
+        }
         BeginOutcome::Replay(replay) => {
             let mut body = json!({
                 "outcome": "replay",
                 "fence": replay.fence,
                 "completed_at": rfc3339(replay.completed_at),
             });
-            insert_response(&mut body, &replay.response);
+            insert_json(&mut body, "response", &replay.response);
             Ok(Json(body).into_response())
         }
         BeginOutcome::InProgress { lease_expires_at } => Err(ProblemCode::InProgress
@@ -189,6 +218,75 @@ pub(crate) async fn begin(
             "This key was used with a different request; use a new key for a new request.",
         )),
     }
+}
+
+fn step_names(names: Vec<String>) -> Result<Vec<StepName>, Problem> {
+    if names.len() > MAX_STEPS {
+        return Err(
+            ProblemCode::InvalidStep.problem(format!("step_keys names at most {MAX_STEPS} steps."))
+        );
+    }
+    names
+        .into_iter()
+        .map(|n| StepName::new(n).map_err(|e| invalid_step(&e)))
+        .collect()
+}
+
+fn invalid_step(e: &InvalidStep) -> Problem {
+    match e {
+        InvalidStep::Name => ProblemCode::InvalidStep.problem(format!("{e}.")),
+        InvalidStep::TooLarge => ProblemCode::StepsFull.problem(format!("{e}.")),
+    }
+}
+
+/// The steps recorded by earlier attempts of a key this attempt has just taken: none on a
+/// record's first lease (fence 1), else read from the store.
+///
+/// A lease is granted before its steps are read: if the read fails, or the caller leaves
+/// while it runs, the key is given back (as a claim whose caller left is), so that nobody
+/// waits out a lease held for a caller who never learnt of it.
+async fn resumed(state: &AppState, req: &BeginRequest, lease: Lease) -> Result<Vec<Step>, Problem> {
+    if lease.fence <= 1 {
+        return Ok(Vec::new());
+    }
+    let (store, key, now) = (&state.store, &req.key, state.clock.now());
+    let give_back = {
+        let (store, key) = (store.clone(), key.clone());
+        // If this fails too, the key frees itself when the lease runs out.
+        move || async move {
+            let _ = settle_retrying(|| store.release(&key, &lease, now)).await;
+        }
+    };
+    let read = {
+        let (store, key) = (store.clone(), key.clone());
+        async move { store.get(&key, now).await }
+    };
+    let orphan = give_back.clone();
+    let read = finishing(read, move |_| orphan()).await;
+    match read {
+        Ok(Some(record)) if record.holds(&lease) => Ok(record.steps),
+        // Taken over already (the lease was shorter than the way back from the store).
+        Ok(_) => Err(ProblemCode::InProgress
+            .problem("Another attempt with this key is running; retry after it finishes.")),
+        Err(e) => {
+            give_back().await;
+            Err(Problem::store(&e))
+        }
+    }
+}
+
+/// A recorded step as the API shows it: its name, outcome, output (for a finished step) and
+/// step key.
+fn step_json(step: &Step, key: &Key, fingerprint: &Fingerprint) -> Value {
+    let mut body = json!({
+        "step": step.name.as_str(),
+        "outcome": if step.output().is_some() { "done" } else { "unknown" },
+        "step_key": step_key(key, fingerprint, &step.name),
+    });
+    if let Some(output) = step.output() {
+        insert_json(&mut body, "output", output);
+    }
+    body
 }
 
 /// Describes the record API's metrics.
@@ -208,16 +306,17 @@ fn outcome_name(o: &BeginOutcome) -> &'static str {
     }
 }
 
-/// Stored responses are JSON written by `complete`; a record written by another client of the
-/// same store may hold other bytes, which are shown as text rather than refused.
-fn insert_response(body: &mut Value, stored: &Bytes) {
+/// Stored responses and step outputs are JSON written by this API; a record written by
+/// another client of the same store (the Rust API, the gateway) may hold other bytes, which are
+/// shown as text under `<field>_text` rather than refused.
+fn insert_json(body: &mut Value, field: &str, stored: &Bytes) {
     let Some(obj) = body.as_object_mut() else {
         return;
     };
     match serde_json::from_slice::<Value>(stored) {
-        Ok(v) => obj.insert("response".into(), v),
+        Ok(v) => obj.insert(field.into(), v),
         Err(_) => obj.insert(
-            "response_text".into(),
+            format!("{field}_text"),
             String::from_utf8_lossy(stored).into_owned().into(),
         ),
     };
@@ -254,13 +353,104 @@ pub(crate) struct ReleaseBody {
     lease: String,
 }
 
+/// `POST /v1/records/step`: exactly one of `output` and `"unknown": true`.
+#[derive(Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub(crate) struct StepBody {
+    /// The namespace of the key.
+    #[schema(pattern = "^[A-Za-z0-9._:-]{1,128}$")]
+    namespace: String,
+    /// The idempotency key.
+    #[schema(pattern = "^[!-~]{1,255}$")]
+    key: String,
+    /// The lease token `begin` returned (`lease.id`).
+    lease: String,
+    /// The step's name: 1 to 64 ASCII letters, digits, `.`, `_`, `-` or `:`, unique within
+    /// the record.
+    #[schema(pattern = "^[A-Za-z0-9._:-]{1,64}$")]
+    step: String,
+    /// The finished step's output (any JSON, `null` too), handed back to an attempt that
+    /// resumes after this one.
+    #[serde(default, deserialize_with = "present")]
+    #[schema(value_type = Value)]
+    output: Option<Value>,
+    /// `true` instead of `output`: the step sent a request and got no answer, so its effect
+    /// may or may not have happened. The next attempt runs it again under its step key.
+    #[serde(default)]
+    unknown: bool,
+}
+
+/// Records a finished step (or one whose outcome is unknown) under the lease.
+pub(crate) async fn step(
+    State(state): State<AppState>,
+    caller: Caller,
+    JsonBody(body): JsonBody<StepBody>,
+) -> Result<Response, Problem> {
+    let key = record_key(&caller, &body.namespace, &body.key)?;
+    let lease = parse_lease(&body.lease)?;
+    let name = StepName::new(body.step).map_err(|e| invalid_step(&e))?;
+    let step = match (body.output, body.unknown) {
+        (Some(output), false) => {
+            let output = serde_json::to_vec(&output).unwrap_or_default();
+            Step::done(name, output).map_err(|e| invalid_step(&e))?
+        }
+        (None, true) => Step::unknown(name),
+        _ => {
+            return Err(Problem::invalid_request(
+                "Give exactly one of `output` (the finished step's output, as JSON) or \
+                 `\"unknown\": true` (the step sent a request and got no answer).",
+            ));
+        }
+    };
+    state
+        .store
+        .record_step(&key, &lease, &step, state.clock.now())
+        .await
+        .map_err(|e| step_problem(&e, &key))?;
+    debug!(key = %key.log_tag(), step = %step.name, "step recorded");
+    let outcome = if step.output().is_some() {
+        "done"
+    } else {
+        "unknown"
+    };
+    Ok(
+        Json(json!({"step": step.name.as_str(), "outcome": outcome, "fence": lease.fence}))
+            .into_response(),
+    )
+}
+
+fn step_problem(e: &StepError, key: &Key) -> Problem {
+    let refused = match e {
+        StepError::Refused(refused) => refused,
+        StepError::Store(e) => return Problem::store(e),
+        other => {
+            warn!(key = %key.log_tag(), error = %other, "step not recorded");
+            return ProblemCode::StoreError.problem(other.to_string());
+        }
+    };
+    match refused {
+        StepRefused::Stale(_) => stale_lease(),
+        StepRefused::Conflict(_) => ProblemCode::StepConflict
+            .problem(format!("{refused}; the first stays. Nothing was changed.")),
+        StepRefused::AfterUnknown(_) => ProblemCode::StepAfterUnknown.problem(format!(
+            "{refused}: run it again under its step key and record its output. Nothing was \
+             changed."
+        )),
+        StepRefused::Full => ProblemCode::StepsFull.problem(format!("{refused}.")),
+        other => ProblemCode::StoreError.problem(other.to_string()),
+    }
+}
+
+fn stale_lease() -> Problem {
+    ProblemCode::StaleLease.problem(
+        "This lease no longer holds the record: another attempt took it over, or the record \
+         was released, forgotten, or completed with another response. Nothing was changed.",
+    )
+}
+
 fn lease_problem(e: &LeaseError, key: &Key, op: &str) -> Problem {
     match e {
-        LeaseError::Stale(_) => ProblemCode::StaleLease.problem(
-            "This lease no longer holds the record: another attempt took it over, or the \
-             record was released, forgotten, or completed with another response. Nothing \
-             was changed.",
-        ),
+        LeaseError::Stale(_) => stale_lease(),
         LeaseError::Store(e) => Problem::store(e),
         other => {
             warn!(key = %key.log_tag(), error = %other, "record not {op}");
@@ -359,8 +549,14 @@ fn record_json(r: &Record) -> Value {
         );
     }
     if let Some(response) = &r.response {
-        insert_response(&mut body, response);
+        insert_json(&mut body, "response", response);
     }
+    body["steps"] = r
+        .steps
+        .iter()
+        .map(|s| step_json(s, &r.key, &r.fingerprint))
+        .collect::<Vec<_>>()
+        .into();
     body
 }
 

@@ -7,6 +7,7 @@
 //! | --- | --- |
 //! | `GET /healthz` | 200 `{"status":"ok"\|"degraded","store":KIND,"components":{…}}`; 503 if the store fails (see [`health`]) |
 //! | `POST /v1/records/begin` | claim a key: `acquired` with a lease, `replay` with the stored response, 409 `in_progress`, 422 `fingerprint_mismatch` |
+//! | `POST /v1/records/step` | record a finished step (or one whose outcome is unknown) under the lease; 409 `stale_lease`, `step_conflict`, `step_after_unknown`, `steps_full` |
 //! | `POST /v1/records/complete` | store the response under the lease; 409 `stale_lease` |
 //! | `POST /v1/records/release` | give the key back after a retryable failure; 409 `stale_lease` |
 //! | `GET /v1/records/{namespace}/{key}` | the caller's record, or 404 |
@@ -139,6 +140,7 @@ pub fn router(state: AppState) -> Router {
     Router::new()
         .route("/healthz", get(api::health))
         .route("/v1/records/begin", post(api::begin))
+        .route("/v1/records/step", post(api::step))
         .route("/v1/records/complete", post(api::complete))
         .route("/v1/records/release", post(api::release))
         .route("/v1/records/{namespace}/{key}", get(api::get))

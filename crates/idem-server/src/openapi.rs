@@ -19,7 +19,7 @@ use utoipa::openapi::{ContentBuilder, Ref, ResponseBuilder};
 use utoipa::{Modify, OpenApi, ToSchema};
 
 use crate::admin::http::{CountQuery, ListQuery, RepairBody, ShowQuery};
-use crate::api::{BeginBody, CompleteBody, ReleaseBody as RecordReleaseBody};
+use crate::api::{BeginBody, CompleteBody, ReleaseBody as RecordReleaseBody, StepBody};
 use crate::locks::{AcquireBody, ReleaseBody as LockReleaseBody, RenewBody};
 use crate::tokens::{ConsumeBody, IssueBody};
 
@@ -73,6 +73,7 @@ fn spell_unsigned_formats(v: &mut Value) {
     paths(
         ops::healthz,
         ops::begin,
+        ops::step,
         ops::complete,
         ops::release,
         ops::get_record,
@@ -224,6 +225,47 @@ enum ReplayOutcome {
 struct Acquired {
     outcome: AcquiredOutcome,
     lease: LeaseView,
+    /// The steps earlier attempts recorded, in order (empty on a record's first attempt):
+    /// resume after the last one that is `done`.
+    steps: Vec<StepView>,
+    /// The step key of each step named in the request's `step_keys`.
+    #[schema(nullable = false)]
+    step_keys: Option<BTreeMap<String, String>>,
+}
+
+#[derive(Serialize, ToSchema)]
+#[serde(rename_all = "snake_case")]
+// Described here, never built: the handlers write these answers with `json!`.
+#[allow(dead_code)]
+enum StepOutcomeView {
+    Done,
+    Unknown,
+}
+
+/// A recorded step.
+#[derive(Serialize, ToSchema)]
+struct StepView {
+    /// Its name.
+    step: String,
+    /// `done`, with its output, or `unknown`: it sent a request and got no answer.
+    outcome: StepOutcomeView,
+    /// The idempotency key to send to the service the step calls, the same on every attempt.
+    step_key: String,
+    /// The output of a `done` step, as it was recorded.
+    #[schema(value_type = Value, required = false)]
+    output: Option<Value>,
+    /// An output that is not JSON (recorded by another client of the store), as text.
+    #[schema(nullable = false)]
+    output_text: Option<String>,
+}
+
+/// A step recorded (or a repeat of one already recorded).
+#[derive(Serialize, ToSchema)]
+struct StepRecorded {
+    step: String,
+    outcome: StepOutcomeView,
+    /// The fence of the lease.
+    fence: u64,
 }
 
 /// The key was completed before: here is the stored response.
@@ -305,6 +347,8 @@ struct RecordView {
     /// A stored response that is not JSON, as text.
     #[schema(nullable = false)]
     response_text: Option<String>,
+    /// The steps recorded on the record, in order.
+    steps: Vec<StepView>,
 }
 
 /// A new one-time token.
@@ -563,6 +607,15 @@ mod ops {
         responses((status = 200, description = "Acquired, or a replay.", body = BeginAnswer)))]
     fn begin() {}
 
+    /// Records a step of multi-step work under the lease.
+    ///
+    /// A finished step with its `output`, or `"unknown": true` for one that sent a request and
+    /// got no answer. An attempt that takes the key over later gets the recorded steps in
+    /// `begin`'s answer and resumes after them.
+    #[utoipa::path(post, path = "/v1/records/step", tag = "records", request_body = StepBody,
+        responses((status = 200, description = "Recorded.", body = StepRecorded)))]
+    fn step() {}
+
     /// Stores the response under the lease.
     #[utoipa::path(post, path = "/v1/records/complete", tag = "records", request_body = CompleteBody,
         responses((status = 200, description = "Completed.", body = Settled)))]
@@ -752,8 +805,27 @@ const ERRORS: &[(&str, &str, &[&[P]])] = &[
                 P::InvalidKey,
                 P::InvalidFingerprint,
                 P::InvalidDuration,
+                P::InvalidStep,
                 P::InProgress,
                 P::FingerprintMismatch,
+            ],
+        ],
+    ),
+    (
+        "post",
+        "/v1/records/step",
+        &[
+            AUTH,
+            BODY,
+            STORE,
+            &[
+                P::InvalidKey,
+                P::InvalidLease,
+                P::InvalidStep,
+                P::StaleLease,
+                P::StepConflict,
+                P::StepAfterUnknown,
+                P::StepsFull,
             ],
         ],
     ),

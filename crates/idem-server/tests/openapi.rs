@@ -35,6 +35,7 @@ async fn send(method: &str, path: &str) -> (StatusCode, Vec<u8>) {
 const ROUTES: &[&str] = &[
     "GET /healthz",
     "POST /v1/records/begin",
+    "POST /v1/records/step",
     "POST /v1/records/complete",
     "POST /v1/records/release",
     "GET /v1/records/{namespace}/{key}",

@@ -3,4 +3,4 @@
 //! unavailable. They live in the `idem-claim` crate, below this one and the HTTP layer
 //! (`idem-http`), which both use them.
 
-pub use idem_claim::{InFlight, UnderLease, begin_waiting, settle_retrying};
+pub use idem_claim::{InFlight, UnderLease, begin_waiting, cancel, settle_retrying};
