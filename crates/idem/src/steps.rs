@@ -146,6 +146,9 @@ impl<S: Store + Clone, C: Clock + Clone> Steps<S, C> {
         if lease.fence <= 1 {
             return Ok(Some(Vec::new()));
         }
+        // Through `DynStore`, as the run's own store calls are: this future is then `Send`
+        // for a store chosen at run time (`Arc<dyn DynStore>`) too.
+        let store: &dyn DynStore = store;
         let record = store.get(key, clock.now()).await?;
         Ok(record.filter(|r| r.holds(lease)).map(|r| r.steps))
     }

@@ -397,3 +397,21 @@ async fn a_bad_step_name_stops_the_run_and_a_name_used_again_hands_back_its_outp
         .unwrap();
     assert_eq!(twice.value, (1, 1));
 }
+
+/// A run with steps on a store chosen at run time (`SharedStore`) is `Send`: it can be spawned,
+/// as an HTTP handler's work is.
+#[tokio::test]
+async fn a_run_with_steps_on_a_shared_store_can_be_spawned() {
+    let store: SharedStore = Arc::new(MemoryStore::new());
+    let idem = Idempotency::new(store);
+    let spawned = tokio::spawn(async move {
+        let key = Key::parse("t", "spawned", "k").unwrap();
+        let once = idem.once(&key).input(&1).unwrap();
+        once.steps(|s| async move {
+            let a: u32 = s.step("a", |_| async { Ok::<_, String>(1) }).await?;
+            s.step("b", |_| async move { Ok::<_, String>(a + 1) }).await
+        })
+        .await
+    });
+    assert_eq!(spawned.await.unwrap().unwrap().value, 2);
+}
