@@ -4,8 +4,9 @@
 //! server-issued ticket, an inventory deduction keyed by order number with a conditional
 //! decrement, a coupon hold through a state machine, an order form with a one-time token, one
 //! fund account per user through a unique index, payment callbacks deduplicated by payment id,
-//! and order status changes under an optimistic lock. Every write from the shop's clients is
-//! also behind the `Idempotency-Key` layer.
+//! order status changes under an optimistic lock, and wires to another bank ([`bank`]) in
+//! steps with recovery points. Every write from the shop's clients is also behind the
+//! `Idempotency-Key` layer.
 //!
 //! [`run`] opens the books, serves the shop on a loopback port, lets the [`chaos`] clients
 //! loose on it (timeouts, lost answers, duplicates, double clicks, a service that stops after
@@ -17,6 +18,7 @@
 //! killed and restarted during the run, and audited to have taken stock once per event.
 
 pub mod audit;
+pub mod bank;
 pub mod chaos;
 pub mod db;
 pub mod events;

@@ -41,7 +41,7 @@ struct Cli {
     #[arg(long)]
     no_events: bool,
     /// Switch a guard off to watch the audit catch it: ticket, stock, coupon, token, account,
-    /// payment, version or events. Repeatable.
+    /// payment, version, events or wire. Repeatable.
     #[arg(long = "unguard", value_name = "GUARD")]
     unguard: Vec<Guard>,
     /// No timeouts, lost answers, duplicates, double clicks or crashes.

@@ -29,11 +29,15 @@ pub enum Guard {
     /// The inventory consumer of "order paid" events runs each event once through
     /// `idem-mq`'s inbox mode (seed 004's MQ redelivery); off, it deducts and acks by hand.
     Events,
+    /// Wires to another bank run in steps with recovery points, the bank called with the
+    /// step's own key (seed 001's transfer through a bank); off, each attempt runs the whole
+    /// wire again and calls the bank with a key of its own.
+    Wire,
 }
 
 impl Guard {
     /// Every guard.
-    pub const ALL: [Guard; 8] = [
+    pub const ALL: [Guard; 9] = [
         Guard::Ticket,
         Guard::Stock,
         Guard::Coupon,
@@ -42,6 +46,7 @@ impl Guard {
         Guard::Payment,
         Guard::Version,
         Guard::Events,
+        Guard::Wire,
     ];
 
     /// Its name on the command line.
@@ -55,6 +60,7 @@ impl Guard {
             Guard::Payment => "payment",
             Guard::Version => "version",
             Guard::Events => "events",
+            Guard::Wire => "wire",
         }
     }
 }
@@ -214,6 +220,14 @@ pub struct Tables {
     /// (deliberately not unique, so that the audit counts duplicates), `sku`, `qty`,
     /// `outcome`.
     pub stock_events: String,
+    /// Wires to another bank: `wire` (the request's key, unique), `from_account`,
+    /// `to_account` (at the other bank), `amount`, `status` (`debited`, `sent`,
+    /// `insufficient_funds`), `receipt` (the bank's, once sent; `''` before).
+    pub wires: String,
+    /// The other bank's books ([`crate::bank`]): `bank_key` (the key of the call, unique),
+    /// `reference` (the shop's wire; deliberately not unique, so that the audit counts
+    /// duplicates), `to_account`, `amount`, `receipt`.
+    pub bank_wires: String,
     /// idem's records (PostgreSQL and MySQL only; SQLite keeps them in a file of their own).
     pub records: String,
 }
@@ -244,6 +258,8 @@ impl Tables {
             order_events: t("order_events"),
             payments: t("payments"),
             stock_events: t("stock_events"),
+            wires: t("wires"),
+            bank_wires: t("bank_wires"),
             records: t("idem_records"),
         })
     }
@@ -253,7 +269,7 @@ impl Tables {
         self.accounts.strip_suffix("accounts").unwrap_or_default()
     }
 
-    fn all(&self) -> [&str; 10] {
+    fn all(&self) -> [&str; 12] {
         [
             &self.accounts,
             &self.tickets,
@@ -265,6 +281,8 @@ impl Tables {
             &self.order_events,
             &self.payments,
             &self.stock_events,
+            &self.wires,
+            &self.bank_wires,
         ]
     }
 
@@ -342,6 +360,17 @@ impl Tables {
                  qty BIGINT NOT NULL, outcome VARCHAR(32) NOT NULL)",
                 self.stock_events
             ),
+            format!(
+                "CREATE TABLE {} (wire VARCHAR(64) PRIMARY KEY, from_account BIGINT NOT NULL, \
+                 to_account VARCHAR(64) NOT NULL, amount BIGINT NOT NULL, \
+                 status VARCHAR(32) NOT NULL, receipt VARCHAR(64) NOT NULL)",
+                self.wires
+            ),
+            format!(
+                "CREATE TABLE {} (bank_key VARCHAR(64) PRIMARY KEY, reference VARCHAR(64) NOT NULL, \
+                 to_account VARCHAR(64) NOT NULL, amount BIGINT NOT NULL, receipt VARCHAR(64) NOT NULL)",
+                self.bank_wires
+            ),
         ];
         for stmt in &ddl {
             db.exec(stmt, &[]).await?;
@@ -368,6 +397,7 @@ impl Tables {
         indexes.push(index(false, "order", &self.order_events, "order_id"));
         indexes.push(index(false, "order", &self.payments, "order_id"));
         indexes.push(index(false, "order", &self.stock_events, "order_id"));
+        indexes.push(index(false, "reference", &self.bank_wires, "reference"));
         for stmt in &indexes {
             db.exec(stmt, &[]).await?;
         }

@@ -28,13 +28,25 @@ impl Shopfront {
 
     async fn open_with(chaos: ServerChaos) -> Self {
         let dir = tempfile::tempdir().unwrap();
+        Self::open_in(dir, chaos, true).await
+    }
+
+    /// Another instance of the service over this one's books and records, as a second process
+    /// started after the first stopped would be.
+    async fn restarted(self, chaos: ServerChaos) -> Self {
+        Self::open_in(self._dir, chaos, false).await
+    }
+
+    async fn open_in(dir: tempfile::TempDir, chaos: ServerChaos, create: bool) -> Self {
         let url = format!("sqlite://{}", dir.path().join("shop.db").display());
         let db = Db::connect(&url, 4).await.unwrap();
         let tables = Tables::new("shop_").unwrap();
-        tables
-            .create(&db, &Guards::all(), &Opening::default())
-            .await
-            .unwrap();
+        if create {
+            tables
+                .create(&db, &Guards::all(), &Opening::default())
+                .await
+                .unwrap();
+        }
         let store: idem_core::SharedStore =
             Arc::new(idem::SqliteStore::open(dir.path().join("idem.db")).unwrap());
         let shop = Arc::new(Shop::new(db, tables, store.clone(), Guards::all(), chaos).unwrap());
@@ -197,6 +209,38 @@ async fn bad_input_gets_a_problem_with_a_stable_code() {
             r#"{"account":999}"#,
             404,
             "unknown_account",
+        ),
+        (
+            Method::POST,
+            "/wires",
+            Some("w1"),
+            r#"{"from":999,"to":"ext-1","amount":5}"#,
+            404,
+            "unknown_account",
+        ),
+        (
+            Method::POST,
+            "/wires",
+            Some("w2"),
+            r#"{"from":1,"to":"ext 1","amount":5}"#,
+            400,
+            "invalid_name",
+        ),
+        (
+            Method::POST,
+            "/wires",
+            Some("w3"),
+            r#"{"from":1,"to":"ext-1","amount":-5}"#,
+            400,
+            "invalid_amount",
+        ),
+        (
+            Method::POST,
+            "/wires",
+            None,
+            r#"{"from":1,"to":"ext-1","amount":5}"#,
+            400,
+            "idempotency_key_missing",
         ),
         (
             Method::PUT,
@@ -394,4 +438,55 @@ async fn retries_after_the_service_stopped_are_answered_from_the_books() {
         (status, body["code"].as_str()),
         (409, Some("version_conflict"))
     );
+}
+
+/// A wire whose service stops after the debit (before the bank call) is resumed by the next
+/// process: the debit is not made again, the bank is called once, and a retry after that gets
+/// the same answer.
+#[tokio::test]
+async fn a_wire_stopped_between_steps_resumes_in_the_next_process() {
+    // Stops at every chance: after the debit, the attempt stops and its lease runs out.
+    let first = Shopfront::open_with(ServerChaos::new(1.0, 0, 1)).await;
+    let wire = json!({ "from": 1, "to": "ext-7", "amount": 250 });
+    let (status, body) = first.post("/wires", "w-1", wire.clone()).await;
+    assert_eq!(
+        (status, body["code"].as_str()),
+        (503, Some("simulated_crash"))
+    );
+    let count = |s: &Shopfront, sql: &'static str| {
+        let db = s.shop.db().clone();
+        async move { db.rows(sql, &[]).await.unwrap()[0][0].clone() }
+    };
+    let balance = "SELECT balance FROM shop_accounts WHERE id = 1";
+    let at_bank = "SELECT COUNT(*) FROM shop_bank_wires";
+    assert_eq!(count(&first, balance).await, 750.into());
+    assert_eq!(count(&first, at_bank).await, 0.into());
+
+    let next = first.restarted(ServerChaos::off()).await;
+    let (status, body) = next.post("/wires", "w-1", wire.clone()).await;
+    assert_eq!(
+        (status, body["outcome"].as_str()),
+        (200, Some("sent")),
+        "{body}"
+    );
+    assert_eq!(body["wire"], "w-1");
+    let receipt = body["receipt"].as_str().unwrap().to_owned();
+    assert_eq!(count(&next, balance).await, 750.into(), "debited once");
+    assert_eq!(count(&next, at_bank).await, 1.into());
+    let (status, again) = next.post("/wires", "w-1", wire).await;
+    assert_eq!(
+        (status, again["receipt"].as_str()),
+        (200, Some(receipt.as_str()))
+    );
+    assert_eq!(count(&next, at_bank).await, 1.into());
+
+    // More than the account holds: refused, and the refusal is the key's answer.
+    let big = json!({ "from": 2, "to": "ext-7", "amount": 5000 });
+    for _ in 0..2 {
+        let (status, body) = next.post("/wires", "w-2", big.clone()).await;
+        assert_eq!(
+            (status, body["code"].as_str()),
+            (409, Some("insufficient_funds"))
+        );
+    }
 }

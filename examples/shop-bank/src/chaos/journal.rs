@@ -68,6 +68,16 @@ pub enum Ack {
         /// Its status's name.
         status: String,
     },
+    /// Wire `wire` to the other bank was answered `outcome` (`sent` or
+    /// `insufficient_funds`).
+    Wire {
+        /// The wire (its request's key).
+        wire: String,
+        /// What the answer said.
+        outcome: String,
+        /// The amount it said.
+        amount: i64,
+    },
 }
 
 /// What happened on the wire.

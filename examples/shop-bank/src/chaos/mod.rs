@@ -25,7 +25,7 @@ use rand::SeedableRng;
 use rand::rngs::StdRng;
 
 pub use journal::{Ack, Counters, Journal};
-pub use server::ServerChaos;
+pub use server::{BankTimeout, ServerChaos};
 pub use wire::Answer;
 
 use crate::schema::Opening;

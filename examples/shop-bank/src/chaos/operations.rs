@@ -52,7 +52,8 @@ impl Op<'_> {
             50..65 => self.order(rng).await,
             65..75 => self.open_account(rng).await,
             75..90 => self.pay(rng).await,
-            _ => self.change_status(rng).await,
+            90..95 => self.change_status(rng).await,
+            _ => self.wire(rng).await,
         }
     }
 
@@ -216,6 +217,34 @@ impl Op<'_> {
                 self.ack(Ack::Paid {
                     order,
                     payment: payment.clone(),
+                });
+            }
+        }
+    }
+
+    /// Wires money to an account at the other bank, under one key; a double click is a second
+    /// wire.
+    async fn wire(&self, rng: &mut StdRng) {
+        let from = rng.random_range(1..=self.opening.customers);
+        let amount = rng.random_range(1..=300);
+        let to = format!("ext-{}", rng.random_range(1..=40));
+        let call = Call::new(
+            Method::POST,
+            "/wires".into(),
+            json!({ "from": from, "to": to, "amount": amount }),
+        );
+        for answer in self.wire.click(rng, &call).await {
+            let body = answer.json();
+            let outcome = match (answer.status, answer.code().as_str()) {
+                (200, _) => body["outcome"].as_str().unwrap_or_default().to_owned(),
+                (409, "insufficient_funds") => "insufficient_funds".to_owned(),
+                _ => continue,
+            };
+            if let Some(wire) = body["wire"].as_str() {
+                self.ack(Ack::Wire {
+                    wire: wire.to_owned(),
+                    outcome,
+                    amount,
                 });
             }
         }

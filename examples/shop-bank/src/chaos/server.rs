@@ -55,4 +55,27 @@ impl ServerChaos {
     pub(crate) fn crashes(&self) -> bool {
         self.roll().0
     }
+
+    /// Whether the other bank's answer to a call is lost, and when: three times as often as
+    /// the service stops, half of them before the bank took the wire, half after.
+    pub(crate) fn bank_timeout(&self) -> Option<BankTimeout> {
+        let mut rng = self.rng.lock().unwrap_or_else(PoisonError::into_inner);
+        if !rng.random_bool((self.crash * 3.0).min(1.0)) {
+            return None;
+        }
+        Some(if rng.random_bool(0.5) {
+            BankTimeout::Before
+        } else {
+            BankTimeout::After
+        })
+    }
+}
+
+/// When a call to the other bank times out.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum BankTimeout {
+    /// Before the bank took the wire: nothing happened there.
+    Before,
+    /// After the bank took the wire: it happened, and the caller does not know.
+    After,
 }

@@ -2,7 +2,7 @@
 //! the `Idempotency-Key` layer, each written so that a switched-off guard falls back to the
 //! hand-written code the seeds warn about.
 //!
-//! One file for each of the seven scenarios, in `scenarios/`, numbered as the README's table
+//! One file for each of the eight scenarios, in `scenarios/`, numbered as the README's table
 //! lists them (and as the clients pick them); what their handlers share is in `support.rs`.
 
 // A refusal is an HTTP answer built once per request; boxing it would only add an allocation.
@@ -29,7 +29,7 @@ use crate::chaos::ServerChaos;
 use crate::db::Db;
 use crate::schema::{Guards, Tables, coupon, order};
 use scenarios::{
-    account, coupon as coupons, inventory, order_form, order_status, payment, transfer,
+    account, coupon as coupons, inventory, order_form, order_status, payment, transfer, wire,
 };
 use support::{internal, problem};
 
@@ -54,6 +54,8 @@ pub struct Shop {
     order_state: StateMachine,
     order_version: Versioned,
     events: Option<Arc<crate::events::Publisher>>,
+    wire_row: UniqueInsert,
+    bank: crate::bank::Bank,
 }
 
 impl Shop {
@@ -117,6 +119,20 @@ impl Shop {
                 .map_err(g)?,
             order_version: Versioned::new(&t.orders, "id", "version").map_err(g)?,
             events: None,
+            wire_row: UniqueInsert::new(
+                &t.wires,
+                &["wire"],
+                &[
+                    "wire",
+                    "from_account",
+                    "to_account",
+                    "amount",
+                    "status",
+                    "receipt",
+                ],
+            )
+            .map_err(g)?,
+            bank: crate::bank::Bank::new(&t.bank_wires)?,
             once: Idempotency::new(store.clone()),
             tokens: Tokens::new(store, Arc::new(idem::SystemClock)),
             db,
@@ -184,6 +200,7 @@ pub fn app(shop: Arc<Shop>, store: SharedStore) -> Router {
             "/orders/{order}",
             get(order_status::read_order).patch(order_status::update_order),
         ),
+        ("/wires", post(wire::wire)),
     ];
     let mut router = Router::new();
     for (path, route) in keyed_routes {

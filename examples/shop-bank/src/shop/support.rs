@@ -43,7 +43,7 @@ pub(super) fn internal(detail: &str) -> Response {
 }
 
 /// What a service that stopped after committing would have answered, had it answered.
-fn crashed() -> Response {
+pub(super) fn crashed() -> Response {
     problem(
         StatusCode::SERVICE_UNAVAILABLE,
         "simulated_crash",

@@ -1,4 +1,4 @@
-//! The seven scenarios, one file each, numbered as the README's table lists them (and as the
+//! The eight scenarios, one file each, numbered as the README's table lists them (and as the
 //! clients pick them): each file holds its routes' handlers, its scheme, and the hand-written
 //! code its guard falls back to when switched off.
 //!
@@ -11,6 +11,7 @@
 //! | 5 | `account.rs` | unique index on the user | `POST /users/{user}/account` |
 //! | 6 | `payment.rs` | callbacks deduplicated by payment id, the order's state machine | `POST /payments/callback` |
 //! | 7 | `order_status.rs` | optimistic lock on `version` | `GET`/`PATCH /orders/{id}` |
+//! | 8 | `wire.rs` | steps with recovery points; the bank called with each step's own key | `POST /wires` |
 
 // In the README's order, not the alphabet's.
 
@@ -27,3 +28,5 @@ pub(super) mod account;
 pub(super) mod payment;
 
 pub(super) mod order_status;
+
+pub(super) mod wire;

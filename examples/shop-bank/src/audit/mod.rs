@@ -1,5 +1,8 @@
 //! The audit: the books read back from the database and held against the opening books and
-//! against every answer the clients accepted.
+//! against every answer the clients accepted. The wires to the other bank have their checks
+//! in `wires.rs`.
+
+mod wires;
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::fmt::{Display, Write as _};
@@ -192,16 +195,20 @@ pub async fn audit(
     let events = all(tx, "order_id, version, status", &t.order_events).await?;
     let payments = all(tx, "payment, order_id, amount", &t.payments).await?;
     let stock_events = all(tx, "order_id, sku, qty, outcome", &t.stock_events).await?;
+    let wire_rows = all(tx, wires::WIRE_COLUMNS, &t.wires).await?;
+    let bank_rows = all(tx, wires::BANK_COLUMNS, &t.bank_wires).await?;
     let acks = journal.acks();
     let mut f = Findings::default();
 
     // Money.
     let customers: Vec<&Vec<Scalar>> = accounts.iter().filter(|r| int(r, 0) != MERCHANT).collect();
     let total: i128 = customers.iter().map(|r| i128::from(int(r, 2))).sum();
+    let wired = wires::debited(&wire_rows);
+    let wired_out: i128 = wired.iter().map(|(_, amount)| i128::from(*amount)).sum();
     let mut found = Vec::new();
-    if total != i128::from(opening.customer_money()) {
+    if total + wired_out != i128::from(opening.customer_money()) {
         found.push(format!(
-            "customers hold {total} between them; they opened with {}",
+            "customers hold {total} between them and wired {wired_out} away; they opened with {}",
             opening.customer_money()
         ));
     }
@@ -225,6 +232,9 @@ pub async fn audit(
     for r in transfers.iter().filter(|r| text(r, 4) == "done") {
         *expected.entry(int(r, 1)).or_default() -= int(r, 3);
         *expected.entry(int(r, 2)).or_default() += int(r, 3);
+    }
+    for (from, amount) in &wired {
+        *expected.entry(*from).or_default() -= amount;
     }
     f.each_row("balances match the transfers", &customers, |r| {
         let said = expected.get(&int(r, 0)).copied().unwrap_or(0);
@@ -502,6 +512,8 @@ pub async fn audit(
         }
     }
     f.check("no lost order updates", checked, found);
+
+    wires::check(&mut f, &wire_rows, &bank_rows, &acks);
 
     let differing = journal.differing();
     let replays = journal
