@@ -569,13 +569,25 @@ struct StoredAnswer {
     body_truncated: bool,
 }
 
-/// One live record, with the answer it replays.
+/// One recorded step of multi-step work, as an operator sees it: its output by size only.
+#[derive(Serialize, ToSchema)]
+struct ShownStep {
+    step: String,
+    outcome: StepOutcomeView,
+    /// The size of a `done` step's output.
+    #[schema(nullable = false)]
+    output_bytes: Option<u64>,
+}
+
+/// One live record, with the answer it replays and the steps it recorded.
 #[derive(Serialize, ToSchema)]
 struct ShownRecordView {
     #[serde(flatten)]
     record: ListedRecord,
     #[schema(nullable = false)]
     answer: Option<StoredAnswer>,
+    /// The steps recorded on it, in order.
+    steps: Vec<ShownStep>,
 }
 
 /// What a repair did.

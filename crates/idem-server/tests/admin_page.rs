@@ -19,7 +19,8 @@ use axum::http::{Request, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::routing::post;
 use idem_core::{
-    BeginOutcome, BeginRequest, Fingerprint, Key, RecordFilter, SharedStore, Store, Timestamp,
+    BeginOutcome, BeginRequest, Fingerprint, Key, RecordFilter, SharedStore, Step, StepName, Store,
+    Timestamp,
 };
 use idem_http::{IdempotencyLayer, Policy, Settle};
 use idem_server::AppState;
@@ -105,8 +106,16 @@ async fn an_operator_signs_in_filters_and_reopens_an_unknown_outcome() {
         Fingerprint::of_bytes(b"job"),
     )
     .with_lease(Duration::from_millis(1));
-    let outcome = store.begin(&stuck, Timestamp::now()).await.unwrap();
-    assert!(matches!(outcome, BeginOutcome::Acquired(_)));
+    let then = Timestamp::now();
+    let BeginOutcome::Acquired(lease) = store.begin(&stuck, then).await.unwrap() else {
+        panic!("acquired");
+    };
+    // It got as far as one step of several.
+    let debit = Step::done(StepName::new("debit").unwrap(), &b"abc"[..]).unwrap();
+    store
+        .record_step(&stuck.key, &lease, &debit, then)
+        .await
+        .unwrap();
 
     let mut state =
         AppState::new(store.clone()).with_locks(Arc::new(idem_store::MemoryStore::new()));

@@ -136,6 +136,7 @@ async fn records_are_listed_by_page_and_filter_and_counted() {
     .await;
     assert_eq!(status, StatusCode::OK, "{shown}");
     assert_eq!(shown["state"], "completed");
+    assert_eq!(shown["steps"], json!([]));
     let (status, _, missing) = get(
         &state,
         TOKEN,

@@ -7,7 +7,9 @@ use std::path::Path;
 use std::process::{Command, Output, Stdio};
 use std::time::Duration;
 
-use idem_core::{BeginOutcome, BeginRequest, Bytes, Fingerprint, Key, Store, Timestamp};
+use idem_core::{
+    BeginOutcome, BeginRequest, Bytes, Fingerprint, Key, Step, StepName, Store, Timestamp,
+};
 use idem_store::SqliteStore;
 use serde_json::Value;
 
@@ -48,6 +50,9 @@ async fn populate(db: &Path) {
     else {
         panic!("acquired")
     };
+    let debit = Step::done(StepName::new("debit").unwrap(), &b"abc"[..]).unwrap();
+    let done = req("done", Duration::ZERO).key;
+    store.record_step(&done, &lease, &debit, now).await.unwrap();
     store
         .complete(
             &req("done", Duration::ZERO).key,
@@ -146,6 +151,26 @@ async fn an_operator_lists_counts_and_releases_stuck_attempts() {
     );
     assert!(out.status.success(), "{}", stderr(&out));
     assert!(stdout(&out).contains("completed"), "{}", stdout(&out));
+    assert!(
+        stdout(&out).contains("debit done (3 bytes)"),
+        "{}",
+        stdout(&out)
+    );
+    let out = idem(
+        &db,
+        &[
+            "show",
+            "--scope",
+            "tenant-a",
+            "--namespace",
+            "pay",
+            "done",
+            "--json",
+        ],
+    );
+    let shown: Value = serde_json::from_str(&stdout(&out)).unwrap();
+    let steps = serde_json::json!([{"step": "debit", "outcome": "done", "output_bytes": 3}]);
+    assert_eq!(shown["steps"], steps);
     let out = idem(
         &db,
         &[

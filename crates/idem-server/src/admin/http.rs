@@ -259,6 +259,7 @@ async fn show(
         })?;
     let listed = idem_core::Listed::of(&record, now);
     let mut v = records::listed_json(&listed);
+    v["steps"] = records::steps_json(&record);
     if let Some(answer) = operator::stored_answer(&record) {
         let headers: Vec<Value> = answer
             .headers

@@ -5,7 +5,7 @@
 use std::time::Duration;
 
 use idem_core::{
-    Bytes, Key, Listed, Namespace, RecordAdmin, RecordFilter, RecordState, Scope, Shown,
+    Bytes, Key, Listed, Namespace, Record, RecordAdmin, RecordFilter, RecordState, Scope, Shown,
     StoreError, Timestamp,
 };
 use idem_http::operator::{self, RecordState as HttpState, UNKNOWN_PREFIX};
@@ -96,6 +96,22 @@ pub fn listed_json(l: &Listed) -> Value {
         _ => {}
     }
     v
+}
+
+/// A record's steps as an operator sees them: name, outcome, and a finished step's output by
+/// its size only (outputs are the work's data).
+pub fn steps_json(record: &Record) -> Value {
+    record
+        .steps
+        .iter()
+        .map(|s| match s.output() {
+            Some(output) => {
+                json!({"step": s.name.as_str(), "outcome": "done", "output_bytes": output.len()})
+            }
+            None => json!({"step": s.name.as_str(), "outcome": "unknown"}),
+        })
+        .collect::<Vec<_>>()
+        .into()
 }
 
 /// One record named for a repair, with what was shown of it.

@@ -9,7 +9,7 @@ use idem_core::{
 };
 use idem_http::operator;
 use idem_server::admin::http::{Action, apply, counts_json};
-use idem_server::admin::records::{self, Selector, Target, age, listed_json};
+use idem_server::admin::records::{self, Selector, Target, age, listed_json, steps_json};
 
 /// Writes a line to standard output, or returns the error (a closed pipe ends the command
 /// instead of panicking).
@@ -199,6 +199,7 @@ pub(crate) async fn run(store: SharedStore, command: RecordsCommand) -> Result<(
                 .map_err(fail)?
                 .ok_or("there is no live record under this key")?;
             let mut v = listed_json(&Listed::of(&record, now));
+            v["steps"] = steps_json(&record);
             let answer = operator::stored_answer(&record);
             if let Some(a) = &answer {
                 v["answer"] = serde_json::json!({
@@ -211,6 +212,15 @@ pub(crate) async fn run(store: SharedStore, command: RecordsCommand) -> Result<(
                 return Ok(());
             }
             print_table(&[Listed::of(&record, now)], now)?;
+            if let Some(steps) = v["steps"].as_array().filter(|s| !s.is_empty()) {
+                say!("\nsteps:");
+                for s in steps {
+                    match s["output_bytes"].as_u64() {
+                        Some(n) => say!("  {} done ({n} bytes)", s["step"].as_str().unwrap_or("")),
+                        None => say!("  {} unknown", s["step"].as_str().unwrap_or("")),
+                    }
+                }
+            }
             if let Some(a) = answer {
                 say!("\nanswer: {}", a.status);
                 for (name, value) in &a.headers {

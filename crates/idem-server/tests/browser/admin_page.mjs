@@ -71,6 +71,12 @@ try {
   await page.locator("#records").getByRole("link", { name: "order-1" }).click();
   await page.locator("#detail-answer").getByText('{"id":"order-1"}').waitFor();
 
+  // A stuck attempt of multi-step work shows how far it got.
+  await page.getByLabel("State", { exact: true }).selectOption("stuck");
+  await page.getByRole("button", { name: "Filter" }).click();
+  await page.locator("#records").getByRole("link", { name: "stuck-1" }).click();
+  await page.locator("#detail-fields").getByText("debit (done, 3 bytes)", { exact: true }).waitFor();
+
   // Every form control has a label.
   const unlabelled = await page.evaluate(() =>
     [...document.querySelectorAll("input, select")].filter((e) => !e.labels || e.labels.length === 0).length);

@@ -291,6 +291,11 @@ async function show(r, quiet) {
     "lease_expires_at", "expires_at", "response_bytes"]) {
     dl.append(el("dt", {}, k), el("dd", {}, rec[k] === null ? "—" : String(rec[k])));
   }
+  // Multi-step work: how far it got (outputs by size only).
+  const steps = (rec.steps || [])
+    .map((s) => (s.outcome === "done" ? `${s.step} (done, ${s.output_bytes} bytes)` : `${s.step} (unknown)`))
+    .join(", ");
+  dl.append(el("dt", {}, "steps"), el("dd", {}, steps || "—"));
   $("detail-actions").replaceChildren(...actionButtons(rec));
   const a = rec.answer;
   $("detail-answer").textContent = a
