@@ -171,11 +171,17 @@ pub(crate) async fn begin(
     let outcome = idem::claim::begin_waiting(&state.store, &*state.clock, &req, InFlight::Reject)
         .await
         .map_err(|e| Problem::store(&e))?;
-    debug!(key = %req.key.log_tag(), outcome = outcome_name(&outcome), "begin");
-    metrics::counter!("idem_api_begins_total", "outcome" => outcome_name(&outcome)).increment(1);
+    let name = outcome_name(&outcome);
+    debug!(key = %req.key.log_tag(), outcome = name, "begin");
+    let count = || metrics::counter!("idem_api_begins_total", "outcome" => name).increment(1);
+    if !matches!(outcome, BeginOutcome::Acquired(_)) {
+        count();
+    }
     match outcome {
         BeginOutcome::Acquired(lease) => {
+            // Counted once the caller is told: a lease given back is not an acquisition.
             let steps = resumed(&state, &req, lease).await?;
+            count();
             let mut body = json!({
                 "outcome": "acquired",
                 "lease": {
@@ -222,9 +228,9 @@ pub(crate) async fn begin(
 
 fn step_names(names: Vec<String>) -> Result<Vec<StepName>, Problem> {
     if names.len() > MAX_STEPS {
-        return Err(
-            ProblemCode::InvalidStep.problem(format!("step_keys names at most {MAX_STEPS} steps."))
-        );
+        return Err(Problem::invalid_request(format!(
+            "step_keys names at most {MAX_STEPS} steps."
+        )));
     }
     names
         .into_iter()
@@ -265,11 +271,17 @@ async fn resumed(state: &AppState, req: &BeginRequest, lease: Lease) -> Result<V
     let read = finishing(read, move |_| orphan()).await;
     match read {
         Ok(Some(record)) if record.holds(&lease) => Ok(record.steps),
-        // Taken over already (the lease was shorter than the way back from the store).
-        Ok(_) => Err(ProblemCode::InProgress
-            .problem("Another attempt with this key is running; retry after it finishes.")),
+        // Taken over already (the lease was shorter than the way back from the store), or
+        // deleted by an operator meanwhile.
+        Ok(record) => {
+            let until = record.map_or(now, |r| r.lease_expires_at);
+            Err(ProblemCode::InProgress
+                .problem("Another attempt with this key is running; retry after it finishes.")
+                .retry_after(until.saturating_since(now)))
+        }
         Err(e) => {
-            give_back().await;
+            // In a task of its own: a client that hangs up now must not stop the release.
+            let _ = tokio::spawn(give_back()).await;
             Err(Problem::store(&e))
         }
     }

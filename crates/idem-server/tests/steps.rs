@@ -258,7 +258,7 @@ async fn refused_steps_have_stable_codes_and_change_nothing() {
         json!({"namespace": "transfer", "key": "t-4", "request": 1, "step_keys": many}),
     )
     .await;
-    assert_eq!(code(r), bad("invalid_step"));
+    assert_eq!(code(r), bad("invalid_request"));
 
     let (_, _, record) = get(&state, SHOP, "/v1/records/transfer/t-3").await;
     assert_eq!(
@@ -342,4 +342,37 @@ async fn a_client_that_hangs_up_while_the_steps_are_read_leaves_the_key_free() {
     let retry = begin(&state, SHOP, "t-8", json!(1)).await;
     lease(&retry);
     assert_eq!(names(&retry.1), pairs(&[("debit", "done")]));
+}
+
+/// A lease overtaken while its steps were being read is not handed out: the caller is told
+/// the key is in progress, and when to come back.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lease_overtaken_while_its_steps_are_read_is_not_handed_out() {
+    let faulty = FaultyStore::new(MemoryStore::new());
+    let (state, clock) = server(Arc::new(faulty.clone()));
+    let l1 = lease(&begin(&state, SHOP, "t-9", json!(1)).await);
+    step(&state, "t-9", &l1, "debit", done(json!(1))).await;
+    clock.advance(Duration::from_millis(LEASE_MS + 1));
+
+    // The second attempt takes the key; its read of the steps waits on the way to the store.
+    let read = faulty.stall_next(Op::Get);
+    let slow = tokio::spawn({
+        let state = state.clone();
+        async move { begin(&state, SHOP, "t-9", json!(1)).await }
+    });
+    within("the read to reach the store", read.reached()).await;
+    // Meanwhile its lease runs out and a third attempt takes the key over.
+    clock.advance(Duration::from_millis(LEASE_MS + 1));
+    let third = begin(&state, SHOP, "t-9", json!(1)).await;
+    assert_eq!(lease(&third).split('.').next(), Some("3"));
+    read.release();
+    let (status, body) = slow.await.unwrap();
+    assert_eq!(
+        (status, body["code"].as_str()),
+        (StatusCode::CONFLICT, Some("in_progress"))
+    );
+    assert!(
+        body["retry_after_ms"].as_u64().is_some_and(|ms| ms > 0),
+        "{body}"
+    );
 }

@@ -58,7 +58,7 @@ impl Bank {
             tokio::time::sleep(Duration::from_millis(2)).await;
             return Err(BankError::Timeout);
         }
-        let receipt = format!("rcpt-{}", &key[..key.len().min(20)]);
+        let receipt = format!("rcpt-{}", key.get(..20).unwrap_or(key));
         let row = [
             key.into(),
             reference.into(),

@@ -440,12 +440,12 @@ async fn retries_after_the_service_stopped_are_answered_from_the_books() {
     );
 }
 
-/// A wire whose service stops after the debit (before the bank call) is resumed by the next
-/// process: the debit is not made again, the bank is called once, and a retry after that gets
-/// the same answer.
+/// A wire whose service dies after the debit (before the bank call) is taken over by the next
+/// process once its lease has run out: the debit is not made again, the bank is called once,
+/// and a retry after that gets the same answer.
 #[tokio::test]
 async fn a_wire_stopped_between_steps_resumes_in_the_next_process() {
-    // Stops at every chance: after the debit, the attempt stops and its lease runs out.
+    // Dies at every chance: after the debit, the attempt dies holding the wire's key.
     let first = Shopfront::open_with(ServerChaos::new(1.0, 0, 1)).await;
     let wire = json!({ "from": 1, "to": "ext-7", "amount": 250 });
     let (status, body) = first.post("/wires", "w-1", wire.clone()).await;
@@ -463,6 +463,19 @@ async fn a_wire_stopped_between_steps_resumes_in_the_next_process() {
     assert_eq!(count(&first, at_bank).await, 0.into());
 
     let next = first.restarted(ServerChaos::off()).await;
+    // Until the dead attempt's lease runs out, the wire is in progress.
+    let (status, mut body) = next.post("/wires", "w-1", wire.clone()).await;
+    assert_eq!(
+        (status, body["code"].as_str()),
+        (503, Some("wire_in_progress"))
+    );
+    for _ in 0..50 {
+        if body["code"] != "wire_in_progress" {
+            break;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+        body = next.post("/wires", "w-1", wire.clone()).await.1;
+    }
     let (status, body) = next.post("/wires", "w-1", wire.clone()).await;
     assert_eq!(
         (status, body["outcome"].as_str()),

@@ -46,14 +46,14 @@ impl Op<'_> {
     /// Picks a scenario (as often as the README's traffic has it) and runs it.
     pub(super) async fn run(&self, rng: &mut StdRng) {
         match rng.random_range(0..100) {
-            0..20 => self.transfer(rng).await,
+            0..15 => self.transfer(rng).await,
+            15..20 => self.wire(rng).await,
             20..35 => self.deduct(rng).await,
             35..50 => self.hold_coupon(rng).await,
             50..65 => self.order(rng).await,
             65..75 => self.open_account(rng).await,
             75..90 => self.pay(rng).await,
-            90..95 => self.change_status(rng).await,
-            _ => self.wire(rng).await,
+            _ => self.change_status(rng).await,
         }
     }
 

@@ -2,8 +2,8 @@
 //! debit here, call the bank, record its answer), with recovery points.
 //!
 //! Each step's output is recorded on the wire's idem record before the next starts
-//! (`Once::steps`). An attempt that stops half way (the service dies between steps, the bank's
-//! answer times out, the client hangs up) leaves its finished steps behind; the retry resumes
+//! (`Once::steps`). An attempt that stops half way (it dies between steps and its lease runs
+//! out, or the bank's answer times out) leaves its finished steps behind; the retry resumes
 //! after them instead of debiting or calling the bank again. The bank is called with the
 //! step's own key, the same on every attempt, so a call repeated after a crash or a timeout
 //! (a step's work runs at least once) is one wire at the bank.
@@ -26,6 +26,7 @@ use idem_guard::{Bounded, Inserted};
 use idem_http::Problem;
 use rand::RngExt;
 use serde::{Deserialize, Serialize};
+use tokio::sync::Notify;
 
 use crate::bank::BankError;
 use crate::db::{DbError, text};
@@ -35,8 +36,8 @@ use crate::shop::support::{
     Reply, amount, crashed, internal, name_like, parse, problem, retry_transient,
 };
 
-/// How long one attempt holds a wire's key: a service that stops holding it is resumed by the
-/// next attempt this long after.
+/// How long one attempt holds a wire's key: an attempt that dies holding it is taken over by
+/// the next this long after.
 const WIRE_LEASE: Duration = Duration::from_millis(300);
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -64,8 +65,6 @@ enum WireError {
     Bank(BankError),
     /// The shop's database failed.
     Db(String),
-    /// The service stopped between two steps (chaos).
-    Stopped,
 }
 
 /// `POST /wires`: wires `amount` from account `from` to account `to` at the other bank, once
@@ -94,10 +93,12 @@ pub(crate) async fn wire(State(shop): State<Arc<Shop>>, headers: HeaderMap, body
         let shop = shop.clone();
         async move { wire_once(&shop, &key, &req).await }
     };
-    let Ok(run) = tokio::spawn(work).await else {
-        return Err(internal("the wire's work failed"));
-    };
-    Ok(answer(&shop, run))
+    match tokio::spawn(work).await {
+        Ok(Some(run)) => Ok(answer(&shop, run)),
+        // The attempt died between two steps: what a dead service would have answered.
+        Ok(None) => Ok(crashed()),
+        Err(_) => Err(internal("the wire's work failed")),
+    }
 }
 
 /// The wire's record: the request's `Idempotency-Key` (which the layer in front has checked)
@@ -123,18 +124,35 @@ fn wire_key(headers: &HeaderMap) -> Result<Key, Response> {
 }
 
 /// The wire under its record: in steps, or, with the guard off, all again on every attempt.
+/// `None` if the attempt died between two steps (chaos).
 async fn wire_once(
     shop: &Shop,
     key: &Key,
     req: &WireRequest,
-) -> Result<Done<Wired>, RunError<WireError>> {
+) -> Option<Result<Done<Wired>, RunError<WireError>>> {
     let wire = key.client_key().as_str();
-    let once = shop.once.once(key).lease(WIRE_LEASE).input(req);
-    let once = once.map_err(RunError::Codec)?;
-    if shop.guards.on(Guard::Wire) {
-        once.steps(|s| in_steps(s, shop, wire, req)).await
-    } else {
-        once.run(|_| all_again(shop, wire, req)).await
+    let once = match shop.once.once(key).lease(WIRE_LEASE).input(req) {
+        Ok(once) => once,
+        Err(e) => return Some(Err(RunError::Codec(e))),
+    };
+    let died = Notify::new();
+    let mut run = Box::pin(async {
+        if shop.guards.on(Guard::Wire) {
+            once.steps(|s| in_steps(s, shop, wire, req, &died)).await
+        } else {
+            once.run(|_| all_again(shop, wire, req, &died)).await
+        }
+    });
+    tokio::select! {
+        done = &mut run => Some(done),
+        () = died.notified() => {
+            // A process that dies runs no destructors: the attempt is never dropped, so
+            // nothing gives its key back. The key stays held until its lease runs out and the
+            // next attempt takes it over. (The demo leaks the attempt's memory; a dead process
+            // would lose all of it.)
+            std::mem::forget(run);
+            None
+        }
     }
 }
 
@@ -144,19 +162,20 @@ async fn in_steps(
     shop: &Shop,
     wire: &str,
     req: &WireRequest,
+    died: &Notify,
 ) -> Result<Wired, StepFailure<WireError>> {
     let status: String = s.step("debit", |_| debit(shop, wire, req)).await?;
     if status == "insufficient_funds" {
         return Ok(refused(wire, req));
     }
-    stop_here(shop).await.map_err(StepFailure::Failed)?;
+    die_here_now_and_then(shop, died).await;
     let is_timeout = |e: &WireError| *e == WireError::Bank(BankError::Timeout);
     let receipt: String = s
         .call("bank", is_timeout, |cx| async move {
             at_bank(shop, cx.key(), wire, req).await
         })
         .await?;
-    stop_here(shop).await.map_err(StepFailure::Failed)?;
+    die_here_now_and_then(shop, died).await;
     s.step("settle", |_| settle(shop, wire, req, receipt)).await
 }
 
@@ -164,14 +183,19 @@ async fn in_steps(
 /// start, calling the bank with a key of its own. The debit is found again (its row is
 /// unique), but a bank call whose answer was lost is made again, and the bank takes the wire
 /// twice.
-async fn all_again(shop: &Shop, wire: &str, req: &WireRequest) -> Result<Wired, WireError> {
+async fn all_again(
+    shop: &Shop,
+    wire: &str,
+    req: &WireRequest,
+    died: &Notify,
+) -> Result<Wired, WireError> {
     if debit(shop, wire, req).await? == "insufficient_funds" {
         return Ok(refused(wire, req));
     }
-    stop_here(shop).await?;
+    die_here_now_and_then(shop, died).await;
     let call_key = format!("{:032x}", rand::rng().random::<u128>());
     let receipt = at_bank(shop, &call_key, wire, req).await?;
-    stop_here(shop).await?;
+    die_here_now_and_then(shop, died).await;
     settle(shop, wire, req, receipt).await
 }
 
@@ -188,14 +212,12 @@ async fn at_bank(
     taken.await.map_err(WireError::Bank)
 }
 
-/// The service stops here now and then (chaos): it does nothing more, and its lease runs out
-/// before its answer would have gone.
-async fn stop_here(shop: &Shop) -> Result<(), WireError> {
+/// The attempt dies here now and then (chaos): it tells `died` and goes no further.
+async fn die_here_now_and_then(shop: &Shop, died: &Notify) {
     if shop.chaos.crashes() {
-        tokio::time::sleep(WIRE_LEASE * 2).await;
-        return Err(WireError::Stopped);
+        died.notify_one();
+        std::future::pending::<()>().await;
     }
-    Ok(())
 }
 
 fn refused(wire: &str, req: &WireRequest) -> Wired {
@@ -286,10 +308,6 @@ fn answer(shop: &Shop, run: Result<Done<Wired>, RunError<WireError>>) -> Respons
         .with("wire", done.value.wire)
         .into_response(),
         Ok(done) => crate::shop::support::committed(shop, Json(done.value).into_response()),
-        Err(RunError::Failed {
-            error: WireError::Stopped,
-            ..
-        }) => crashed(),
         Err(RunError::Failed {
             error: WireError::Bank(BankError::Timeout),
             ..
