@@ -33,9 +33,12 @@ pub const RECORD_OVERHEAD: usize = std::mem::size_of::<Record>() + 128;
 /// already has a record (a replay, an in-progress answer, a takeover) and every `complete`
 /// need no room: refusing a completion would lose the result of work that already ran. So
 /// usage can pass `max_bytes` by the responses of the records in progress when it was
-/// reached; bound those with the HTTP layer's response limit.
+/// reached; bound those with the HTTP layer's response limit. A recovery point
+/// ([`Store::record_step`]) does need room: one that would pass `max_bytes` (after purging) is
+/// refused with [`StoreError::Full`], which loses nothing (the next attempt runs the step
+/// again).
 ///
-/// A record counts as its key, its response and [`RECORD_OVERHEAD`].
+/// A record counts as its key, its response, its steps and [`RECORD_OVERHEAD`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 #[non_exhaustive]
 pub struct MemoryLimits {
@@ -166,6 +169,25 @@ impl MemoryStore {
         let mut u = self.usage_lock();
         u.bytes = u.bytes.saturating_sub(before).saturating_add(size(after));
         u.next_death = u.next_death.min(death(after));
+    }
+
+    /// Whether `bytes` more fit under the byte bound.
+    fn has_room_for(&self, bytes: usize) -> bool {
+        self.usage_lock().bytes.saturating_add(bytes) <= self.inner.limits.max_bytes
+    }
+
+    /// The error of a store at its bounds.
+    fn full(&self) -> StoreError {
+        let MemoryLimits {
+            max_records,
+            max_bytes,
+        } = self.inner.limits;
+        StoreError::Full {
+            message: format!(
+                "the memory store holds its most records ({max_records}) or bytes \
+                 ({max_bytes}) in live records"
+            ),
+        }
     }
 
     /// Reserves room for a new record of `bytes`, if the limits allow it.
@@ -336,18 +358,7 @@ impl Store for MemoryStore {
         }
         // Full: make room without holding the key's shard, then decide afresh.
         self.make_room(now);
-        self.try_begin(req, now).ok_or_else(|| {
-            let MemoryLimits {
-                max_records,
-                max_bytes,
-            } = self.inner.limits;
-            StoreError::Full {
-                message: format!(
-                    "the memory store holds its most records ({max_records}) or bytes \
-                     ({max_bytes}) in live records"
-                ),
-            }
-        })
+        self.try_begin(req, now).ok_or_else(|| self.full())
     }
 
     async fn complete(
@@ -391,6 +402,15 @@ impl Store for MemoryStore {
         step: &Step,
         now: Timestamp,
     ) -> Result<(), StepError> {
+        // Checked before the shard is taken (`make_room` takes every shard); concurrent steps
+        // may pass the bound by what they add between the check and the write.
+        let growth = step.encoded_len();
+        if !self.has_room_for(growth) {
+            self.make_room(now);
+            if !self.has_room_for(growth) {
+                return Err(StepError::Store(self.full()));
+            }
+        }
         self.update(key, |r| {
             r.record_step_in_place(lease, step, now)
                 .map_err(StepError::from)

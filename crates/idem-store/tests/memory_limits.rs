@@ -6,7 +6,8 @@
 use std::time::Duration;
 
 use idem_core::{
-    BeginOutcome, BeginRequest, Bytes, Fingerprint, Key, Lease, Store, StoreError, Timestamp,
+    BeginOutcome, BeginRequest, Bytes, Fingerprint, Key, Lease, Step, StepError, StepName, Store,
+    StoreError, Timestamp,
 };
 use idem_store::{MemoryLimits, MemoryStore, RECORD_OVERHEAD};
 
@@ -175,4 +176,44 @@ async fn concurrent_begins_never_pass_the_bound() {
     }
     assert_eq!((acquired, full), (50, 350));
     assert_eq!(store.usage().0, 50);
+}
+
+/// Recovery points count toward the byte bound, and one that would pass it is refused (after
+/// dead records are purged): unlike a completion, a refused step loses nothing, since the next
+/// attempt runs it again.
+#[tokio::test]
+async fn steps_count_and_need_room() {
+    let step = |name: &str, n: usize| Step::done(StepName::new(name).unwrap(), vec![1; n]).unwrap();
+    let first = step("first", 100);
+    let max = size("a", 0) + first.encoded_len() + size("old", 0);
+    let store = MemoryStore::with_limits(MemoryLimits::new(usize::MAX, max));
+    let old = req("old")
+        .with_ttl(Duration::from_secs(5))
+        .with_lease(Duration::from_secs(1));
+    store.begin(&old, at(0)).await.unwrap();
+    let a = acquire(&store, "a", at(0)).await;
+    store
+        .record_step(&req("a").key, &a, &first, at(0))
+        .await
+        .unwrap();
+    assert_eq!(store.usage(), (2, max));
+    match store
+        .record_step(&req("a").key, &a, &step("second", 1), at(1))
+        .await
+    {
+        Err(StepError::Store(e @ StoreError::Full { .. })) => assert!(e.is_transient()),
+        other => panic!("expected a full store, got {other:?}"),
+    }
+    // Once the dead record is gone there is room again.
+    store
+        .record_step(&req("a").key, &a, &step("second", 1), at(6))
+        .await
+        .unwrap();
+    let steps = store
+        .get(&req("a").key, at(6))
+        .await
+        .unwrap()
+        .unwrap()
+        .steps;
+    assert_eq!(steps.len(), 2);
 }
