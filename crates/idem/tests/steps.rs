@@ -415,3 +415,105 @@ async fn a_run_with_steps_on_a_shared_store_can_be_spawned() {
     });
     assert_eq!(spawned.await.unwrap().unwrap().value, 2);
 }
+
+/// The debit of `steps_in_the_callers_transaction`: a row in `ledger`, and, when `in_tx`, the
+/// step's recovery point in the same transaction. With `die`, the attempt dies right after the
+/// commit, before the step returns.
+async fn debit_in_tx(
+    store: &idem::PostgresStore,
+    ledger: &str,
+    (key, lease): (&Key, idem::Lease),
+    in_tx: bool,
+    die: Option<mpsc::UnboundedSender<()>>,
+) -> Result<u64, String> {
+    let fail = |e: &dyn std::fmt::Display| e.to_string();
+    let mut tx = store.pool().begin().await.map_err(|e| fail(&e))?;
+    let insert = format!("INSERT INTO {ledger} (amount) VALUES (100)");
+    sqlx::query(sqlx::AssertSqlSafe(insert))
+        .execute(&mut *tx)
+        .await
+        .map_err(|e| fail(&e))?;
+    if in_tx {
+        let output = serde_json::to_vec(&100u64).map_err(|e| fail(&e))?;
+        let step = idem::Step::done(idem::StepName::new("debit").unwrap(), output).unwrap();
+        let now = idem::Timestamp::now();
+        store
+            .record_step_in(&mut tx, key, &lease, &step, now)
+            .await
+            .map_err(|e| fail(&e))?;
+    }
+    tx.commit().await.map_err(|e| fail(&e))?;
+    if let Some(die) = die {
+        let _ = die.send(());
+        std::future::pending::<()>().await;
+    }
+    Ok(100)
+}
+
+/// A step whose work writes to the business database records its recovery point in the same
+/// transaction (`PostgresStore::record_step_in`): an attempt that dies after the commit, before
+/// the step returned, leaves the write and its recovery point together, and the next attempt
+/// does not write again. Recorded after the commit instead (as `Steps::step` does on its own),
+/// the same death makes the next attempt write twice.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_step_recorded_in_the_callers_transaction_is_not_run_again_after_a_crash() {
+    let Some(url) = POSTGRES.url() else { return };
+    let table = format!("idem_steps_tx_{:08x}", rand::random::<u32>());
+    let options = idem::PostgresOptions {
+        table: table.clone(),
+        ..Default::default()
+    };
+    let store = idem::PostgresStore::connect_with(&url, options)
+        .await
+        .unwrap();
+    let ledger = format!("{table}_ledger");
+    let create = format!("CREATE TABLE {ledger} (amount BIGINT NOT NULL)");
+    sqlx::query(sqlx::AssertSqlSafe(create))
+        .execute(store.pool())
+        .await
+        .unwrap();
+    let idem = Idempotency::new(store.clone());
+    let lease = Duration::from_millis(300);
+    for in_tx in [true, false] {
+        let key = key("postgres", if in_tx { "in-tx" } else { "after-tx" });
+        let attempt = |die: Option<mpsc::UnboundedSender<()>>| {
+            let (store, ledger, key) = (&store, ledger.as_str(), &key);
+            idem.once(key)
+                .lease(lease)
+                .input(&100)
+                .unwrap()
+                .steps(move |s| async move {
+                    let held = s.lease();
+                    let debited: u64 = s
+                        .step("debit", |_| {
+                            debit_in_tx(store, ledger, (key, held), in_tx, die)
+                        })
+                        .await?;
+                    s.step("credit", |_| async move { Ok::<_, String>(debited) })
+                        .await
+                })
+        };
+        let (died, stopped) = mpsc::unbounded_channel();
+        crash(attempt(Some(died)), stopped).await;
+        tokio::time::sleep(lease + Duration::from_millis(100)).await;
+        let done = attempt(None).await.unwrap();
+        assert_eq!(done.value, 100);
+        let sum = format!("SELECT COUNT(*) FROM {ledger}");
+        let rows: i64 = sqlx::query_scalar(sqlx::AssertSqlSafe(sum))
+            .fetch_one(store.pool())
+            .await
+            .unwrap();
+        // The ledger is shared: one row from the first case; two more from the second.
+        let want = if in_tx { 1 } else { 3 };
+        assert_eq!(rows, want, "in the caller's transaction: {in_tx}");
+    }
+    let tables =
+        ["_ledger", "_migrations", "_counters", "_locks", ""].map(|t| format!("{table}{t}"));
+    for t in tables {
+        let drop = format!("DROP TABLE IF EXISTS {t}");
+        sqlx::query(sqlx::AssertSqlSafe(drop))
+            .execute(store.pool())
+            .await
+            .unwrap();
+    }
+}
