@@ -134,6 +134,13 @@ impl Lease {
             ..*self
         }
     }
+
+    /// Whether an attempt held the key before this lease, and so may have recorded steps
+    /// (see [`crate::step`]) that this one resumes after. Not on fence 1, the first lease of
+    /// the key: a caller can skip reading the record for steps then.
+    pub const fn may_resume(&self) -> bool {
+        self.fence > 1
+    }
 }
 
 /// What `begin` is asked to do.

@@ -84,6 +84,16 @@ pub enum StepOutcome {
     Unknown,
 }
 
+impl StepOutcome {
+    /// Its name as the JSON API and the operator's tools show it: `done` or `unknown`.
+    pub const fn as_str(&self) -> &'static str {
+        match self {
+            StepOutcome::Done(_) => "done",
+            StepOutcome::Unknown => "unknown",
+        }
+    }
+}
+
 /// One recorded step.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Step {

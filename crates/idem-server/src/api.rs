@@ -217,13 +217,18 @@ pub(crate) async fn begin(
             insert_json(&mut body, "response", &replay.response);
             Ok(Json(body).into_response())
         }
-        BeginOutcome::InProgress { lease_expires_at } => Err(ProblemCode::InProgress
-            .problem("Another attempt with this key is running; retry after it finishes.")
-            .retry_after(lease_expires_at.saturating_since(now))),
+        BeginOutcome::InProgress { lease_expires_at } => Err(in_progress(lease_expires_at, now)),
         BeginOutcome::Mismatch => Err(ProblemCode::FingerprintMismatch.problem(
             "This key was used with a different request; use a new key for a new request.",
         )),
     }
+}
+
+/// 409 `in_progress`: another attempt holds the key until `until`.
+fn in_progress(until: Timestamp, now: Timestamp) -> Problem {
+    ProblemCode::InProgress
+        .problem("Another attempt with this key is running; retry after it finishes.")
+        .retry_after(until.saturating_since(now))
 }
 
 fn step_names(names: Vec<String>) -> Result<Vec<StepName>, Problem> {
@@ -252,7 +257,7 @@ fn invalid_step(e: &InvalidStep) -> Problem {
 /// while it runs, the key is given back (as a claim whose caller left is), so that nobody
 /// waits out a lease held for a caller who never learnt of it.
 async fn resumed(state: &AppState, req: &BeginRequest, lease: Lease) -> Result<Vec<Step>, Problem> {
-    if lease.fence <= 1 {
+    if !lease.may_resume() {
         return Ok(Vec::new());
     }
     let (store, key, now) = (&state.store, &req.key, state.clock.now());
@@ -273,12 +278,7 @@ async fn resumed(state: &AppState, req: &BeginRequest, lease: Lease) -> Result<V
         Ok(Some(record)) if record.holds(&lease) => Ok(record.steps),
         // Taken over already (the lease was shorter than the way back from the store), or
         // deleted by an operator meanwhile.
-        Ok(record) => {
-            let until = record.map_or(now, |r| r.lease_expires_at);
-            Err(ProblemCode::InProgress
-                .problem("Another attempt with this key is running; retry after it finishes.")
-                .retry_after(until.saturating_since(now)))
-        }
+        Ok(record) => Err(in_progress(record.map_or(now, |r| r.lease_expires_at), now)),
         Err(e) => {
             // In a task of its own: a client that hangs up now must not stop the release.
             let _ = tokio::spawn(give_back()).await;
@@ -292,7 +292,7 @@ async fn resumed(state: &AppState, req: &BeginRequest, lease: Lease) -> Result<V
 fn step_json(step: &Step, key: &Key, fingerprint: &Fingerprint) -> Value {
     let mut body = json!({
         "step": step.name.as_str(),
-        "outcome": if step.output().is_some() { "done" } else { "unknown" },
+        "outcome": step.outcome.as_str(),
         "step_key": step_key(key, fingerprint, &step.name),
     });
     if let Some(output) = step.output() {
@@ -420,11 +420,7 @@ pub(crate) async fn step(
         .await
         .map_err(|e| step_problem(&e, &key))?;
     debug!(key = %key.log_tag(), step = %step.name, "step recorded");
-    let outcome = if step.output().is_some() {
-        "done"
-    } else {
-        "unknown"
-    };
+    let outcome = step.outcome.as_str();
     Ok(
         Json(json!({"step": step.name.as_str(), "outcome": outcome, "fence": lease.fence}))
             .into_response(),

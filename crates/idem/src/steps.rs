@@ -143,7 +143,7 @@ impl<S: Store + Clone, C: Clock + Clone> Steps<S, C> {
         lease: &Lease,
     ) -> Result<Option<Vec<Step>>, StoreError> {
         // Fence 1 is the record's first lease: no attempt before it recorded anything.
-        if lease.fence <= 1 {
+        if !lease.may_resume() {
             return Ok(Some(Vec::new()));
         }
         // Through `DynStore`, as the run's own store calls are: this future is then `Send`

@@ -104,11 +104,12 @@ pub fn steps_json(record: &Record) -> Value {
     record
         .steps
         .iter()
-        .map(|s| match s.output() {
-            Some(output) => {
-                json!({"step": s.name.as_str(), "outcome": "done", "output_bytes": output.len()})
+        .map(|s| {
+            let mut v = json!({"step": s.name.as_str(), "outcome": s.outcome.as_str()});
+            if let Some(output) = s.output() {
+                v["output_bytes"] = output.len().into();
             }
-            None => json!({"step": s.name.as_str(), "outcome": "unknown"}),
+            v
         })
         .collect::<Vec<_>>()
         .into()

@@ -33,7 +33,8 @@ use crate::db::{DbError, text};
 use crate::schema::{Guard, MERCHANT};
 use crate::shop::Shop;
 use crate::shop::support::{
-    Reply, amount, crashed, internal, name_like, parse, problem, retry_transient,
+    Reply, amount, committed, crashed, db_problem, internal, name_like, parse, problem,
+    retry_transient,
 };
 
 /// How long one attempt holds a wire's key: an attempt that dies holding it is taken over by
@@ -77,7 +78,7 @@ pub(crate) async fn wire(State(shop): State<Arc<Shop>>, headers: HeaderMap, body
     let sql = format!("SELECT id FROM {} WHERE id = ?", shop.t.accounts);
     let known = match shop.db.rows(&sql, &[req.from.into()]).await {
         Ok(rows) => !rows.is_empty(),
-        Err(e) => return Err(crate::shop::support::db_problem(&e)),
+        Err(e) => return Err(db_problem(&e)),
     };
     if req.from == MERCHANT || !known {
         return Err(problem(
@@ -307,7 +308,7 @@ fn answer(shop: &Shop, run: Result<Done<Wired>, RunError<WireError>>) -> Respons
         )
         .with("wire", done.value.wire)
         .into_response(),
-        Ok(done) => crate::shop::support::committed(shop, Json(done.value).into_response()),
+        Ok(done) => committed(shop, Json(done.value).into_response()),
         Err(RunError::Failed {
             error: WireError::Bank(BankError::Timeout),
             ..
