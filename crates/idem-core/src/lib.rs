@@ -40,8 +40,8 @@ pub use clock::{Clock, ManualClock, SystemClock, Timestamp};
 pub use fingerprint::{Fingerprint, FingerprintBuilder};
 pub use key::{ClientKey, Key, KeyError, KeyPart, Namespace, Scope};
 pub use lock::{
-    Acquire, Held, HeldLock, InvalidLock, LockError, LockName, LockOwner, LockState, LockStore,
-    OwnerDigest, ReleaseListener,
+    Acquire, DynLockStore, Held, HeldLock, InvalidLock, LockError, LockName, LockOwner, LockState,
+    LockStore, OwnerDigest, ReleaseListener, SharedLockStore,
 };
 pub use record::{
     BeginOutcome, BeginRequest, BeginStep, DEFAULT_LEASE, DEFAULT_TTL, Lease, LeaseId,

@@ -21,6 +21,7 @@
 //! while they hand out more than 1000 fences a millisecond (see docs/design.md).
 
 use std::fmt;
+use std::future::Future;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -335,29 +336,29 @@ pub trait LockStore: Send + Sync + 'static {
     fn kind(&self) -> &'static str;
 
     /// Acquires `name` for `owner` for `lease`, or says who holds it until when.
-    fn acquire<'a>(
-        &'a self,
-        name: &'a LockName,
+    fn acquire(
+        &self,
+        name: &LockName,
         owner: OwnerDigest,
         lease: Duration,
-    ) -> BoxFuture<'a, Result<Acquire, StoreError>>;
+    ) -> impl Future<Output = Result<Acquire, StoreError>> + Send;
 
     /// Extends the holder's lease to `lease` from now.
-    fn renew<'a>(
-        &'a self,
-        name: &'a LockName,
+    fn renew(
+        &self,
+        name: &LockName,
         owner: OwnerDigest,
         fence: u64,
         lease: Duration,
-    ) -> BoxFuture<'a, Result<Held, LockError>>;
+    ) -> impl Future<Output = Result<Held, LockError>> + Send;
 
     /// Releases the holding and wakes waiters.
-    fn release<'a>(
-        &'a self,
-        name: &'a LockName,
+    fn release(
+        &self,
+        name: &LockName,
         owner: OwnerDigest,
         fence: u64,
-    ) -> BoxFuture<'a, Result<(), LockError>>;
+    ) -> impl Future<Output = Result<(), LockError>> + Send;
 
     /// Starts listening for releases (of any name); `None` if the backend cannot tell, and
     /// waiters poll. Subscribe *before* trying to acquire, so no release is missed in between.
@@ -367,18 +368,54 @@ pub trait LockStore: Send + Sync + 'static {
     /// name, at most `limit` of them; `None` if the backend cannot list them. Which ones a
     /// backend shows when more are held is its own choice (the first by name, or the first it
     /// finds); the listing is a snapshot, for an operator.
-    fn held<'a>(
-        &'a self,
+    fn held(
+        &self,
         limit: usize,
-    ) -> BoxFuture<'a, Result<Option<Vec<HeldLock>>, StoreError>> {
+    ) -> impl Future<Output = Result<Option<Vec<HeldLock>>, StoreError>> + Send {
         let _ = limit;
-        Box::pin(std::future::ready(Ok(None)))
+        std::future::ready(Ok(None))
     }
 }
 
-impl<T: LockStore + ?Sized> LockStore for Arc<T> {
+/// An object-safe [`LockStore`], for choosing the backend at run time, as [`DynStore`] is
+/// for records. Every `LockStore` is a `DynLockStore`; [`SharedLockStore`] is a `LockStore`
+/// again.
+///
+/// [`DynStore`]: crate::DynStore
+pub trait DynLockStore: Send + Sync + 'static {
+    /// See [`LockStore::kind`].
+    fn kind(&self) -> &'static str;
+    /// See [`LockStore::acquire`].
+    fn acquire<'a>(
+        &'a self,
+        name: &'a LockName,
+        owner: OwnerDigest,
+        lease: Duration,
+    ) -> BoxFuture<'a, Result<Acquire, StoreError>>;
+    /// See [`LockStore::renew`].
+    fn renew<'a>(
+        &'a self,
+        name: &'a LockName,
+        owner: OwnerDigest,
+        fence: u64,
+        lease: Duration,
+    ) -> BoxFuture<'a, Result<Held, LockError>>;
+    /// See [`LockStore::release`].
+    fn release<'a>(
+        &'a self,
+        name: &'a LockName,
+        owner: OwnerDigest,
+        fence: u64,
+    ) -> BoxFuture<'a, Result<(), LockError>>;
+    /// See [`LockStore::listen`].
+    fn listen(&self) -> Option<Box<dyn ReleaseListener>>;
+    /// See [`LockStore::held`].
+    fn held(&self, limit: usize) -> BoxFuture<'_, Result<Option<Vec<HeldLock>>, StoreError>>;
+}
+
+impl<L: LockStore> DynLockStore for L {
     fn kind(&self) -> &'static str {
-        (**self).kind()
+        LockStore::kind(self)
     }
     fn acquire<'a>(
         &'a self,
@@ -386,7 +423,7 @@ impl<T: LockStore + ?Sized> LockStore for Arc<T> {
         owner: OwnerDigest,
         lease: Duration,
     ) -> BoxFuture<'a, Result<Acquire, StoreError>> {
-        (**self).acquire(name, owner, lease)
+        Box::pin(LockStore::acquire(self, name, owner, lease))
     }
     fn renew<'a>(
         &'a self,
@@ -395,7 +432,7 @@ impl<T: LockStore + ?Sized> LockStore for Arc<T> {
         fence: u64,
         lease: Duration,
     ) -> BoxFuture<'a, Result<Held, LockError>> {
-        (**self).renew(name, owner, fence, lease)
+        Box::pin(LockStore::renew(self, name, owner, fence, lease))
     }
     fn release<'a>(
         &'a self,
@@ -403,16 +440,53 @@ impl<T: LockStore + ?Sized> LockStore for Arc<T> {
         owner: OwnerDigest,
         fence: u64,
     ) -> BoxFuture<'a, Result<(), LockError>> {
-        (**self).release(name, owner, fence)
+        Box::pin(LockStore::release(self, name, owner, fence))
     }
     fn listen(&self) -> Option<Box<dyn ReleaseListener>> {
-        (**self).listen()
+        LockStore::listen(self)
     }
-    fn held<'a>(
-        &'a self,
-        limit: usize,
-    ) -> BoxFuture<'a, Result<Option<Vec<HeldLock>>, StoreError>> {
-        (**self).held(limit)
+    fn held(&self, limit: usize) -> BoxFuture<'_, Result<Option<Vec<HeldLock>>, StoreError>> {
+        Box::pin(LockStore::held(self, limit))
+    }
+}
+
+/// A lock backend chosen at run time.
+pub type SharedLockStore = Arc<dyn DynLockStore>;
+
+impl LockStore for SharedLockStore {
+    fn kind(&self) -> &'static str {
+        DynLockStore::kind(&**self)
+    }
+    async fn acquire(
+        &self,
+        name: &LockName,
+        owner: OwnerDigest,
+        lease: Duration,
+    ) -> Result<Acquire, StoreError> {
+        DynLockStore::acquire(&**self, name, owner, lease).await
+    }
+    async fn renew(
+        &self,
+        name: &LockName,
+        owner: OwnerDigest,
+        fence: u64,
+        lease: Duration,
+    ) -> Result<Held, LockError> {
+        DynLockStore::renew(&**self, name, owner, fence, lease).await
+    }
+    async fn release(
+        &self,
+        name: &LockName,
+        owner: OwnerDigest,
+        fence: u64,
+    ) -> Result<(), LockError> {
+        DynLockStore::release(&**self, name, owner, fence).await
+    }
+    fn listen(&self) -> Option<Box<dyn ReleaseListener>> {
+        DynLockStore::listen(&**self)
+    }
+    async fn held(&self, limit: usize) -> Result<Option<Vec<HeldLock>>, StoreError> {
+        DynLockStore::held(&**self, limit).await
     }
 }
 

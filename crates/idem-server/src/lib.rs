@@ -100,7 +100,7 @@ impl AppState {
     /// Serves locks from `locks` (usually the same store, opened with
     /// `StoreUrl::open_with_locks`).
     #[must_use]
-    pub fn with_locks(mut self, locks: Arc<dyn idem_core::LockStore>) -> Self {
+    pub fn with_locks(mut self, locks: idem_core::SharedLockStore) -> Self {
         self.locks = Some(idem::Locks::shared(locks));
         self
     }

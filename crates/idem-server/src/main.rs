@@ -562,7 +562,7 @@ fn main() -> ExitCode {
 /// publishes its size as gauges. The error names the store with any password hidden.
 async fn open_with_locks(
     url: &str,
-) -> Result<(SharedStore, Option<Arc<dyn idem_core::LockStore>>), String> {
+) -> Result<(SharedStore, Option<idem_core::SharedLockStore>), String> {
     let parsed: StoreUrl = url
         .parse()
         .map_err(|e| format!("invalid store URL {:?}: {e}", idem_store::redact(url)))?;

@@ -6,9 +6,9 @@ use std::collections::hash_map::Entry;
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 
 use idem_core::{
-    Acquire, BeginOutcome, BeginRequest, BoxFuture, Bytes, Held, HeldLock, Key, Lease, LeaseError,
-    LockError, LockName, LockState, LockStore, OwnerDigest, Record, ReleaseListener, StaleLease,
-    Status, Step, StepError, Store, StoreError, Timestamp,
+    Acquire, BeginOutcome, BeginRequest, Bytes, Held, HeldLock, Key, Lease, LeaseError, LockError,
+    LockName, LockState, LockStore, OwnerDigest, Record, ReleaseListener, StaleLease, Status, Step,
+    StepError, Store, StoreError, Timestamp,
 };
 
 use crate::lock_feed::ReleaseFeed;
@@ -480,12 +480,12 @@ impl LockStore for MemoryStore {
         "memory"
     }
 
-    fn acquire<'a>(
-        &'a self,
-        name: &'a LockName,
+    async fn acquire(
+        &self,
+        name: &LockName,
         owner: OwnerDigest,
         lease: std::time::Duration,
-    ) -> BoxFuture<'a, Result<Acquire, StoreError>> {
+    ) -> Result<Acquire, StoreError> {
         let now = Timestamp::now();
         let mut locks = self.locks();
         // Forget states unused for an hour, now and then, so the map stays bounded by the
@@ -505,29 +505,28 @@ impl LockStore for MemoryStore {
             }
             Err(until) => Acquire::Busy { until },
         };
-        Box::pin(std::future::ready(Ok(answer)))
+        Ok(answer)
     }
 
-    fn renew<'a>(
-        &'a self,
-        name: &'a LockName,
+    async fn renew(
+        &self,
+        name: &LockName,
         owner: OwnerDigest,
         fence: u64,
         lease: std::time::Duration,
-    ) -> BoxFuture<'a, Result<Held, LockError>> {
-        let answer = match self.locks().states.get_mut(name) {
+    ) -> Result<Held, LockError> {
+        match self.locks().states.get_mut(name) {
             Some(state) => state.renew(owner, fence, lease, Timestamp::now()),
             None => Err(LockError::NotOwner),
-        };
-        Box::pin(std::future::ready(answer))
+        }
     }
 
-    fn release<'a>(
-        &'a self,
-        name: &'a LockName,
+    async fn release(
+        &self,
+        name: &LockName,
         owner: OwnerDigest,
         fence: u64,
-    ) -> BoxFuture<'a, Result<(), LockError>> {
+    ) -> Result<(), LockError> {
         let answer = match self.locks().states.get_mut(name) {
             Some(state) => state.release(owner, fence, Timestamp::now()),
             None => Err(LockError::NotOwner),
@@ -535,17 +534,14 @@ impl LockStore for MemoryStore {
         if let Ok(true) = answer {
             self.inner.released.send(name.shared());
         }
-        Box::pin(std::future::ready(answer.map(drop)))
+        answer.map(drop)
     }
 
     fn listen(&self) -> Option<Box<dyn ReleaseListener>> {
         Some(self.inner.released.listen())
     }
 
-    fn held<'a>(
-        &'a self,
-        limit: usize,
-    ) -> BoxFuture<'a, Result<Option<Vec<HeldLock>>, StoreError>> {
+    async fn held(&self, limit: usize) -> Result<Option<Vec<HeldLock>>, StoreError> {
         let now = Timestamp::now();
         let mut held: Vec<HeldLock> = self
             .locks()
@@ -560,6 +556,6 @@ impl LockStore for MemoryStore {
             .collect();
         held.sort_unstable_by(|a, b| a.name.cmp(&b.name));
         held.truncate(limit);
-        Box::pin(std::future::ready(Ok(Some(held))))
+        Ok(Some(held))
     }
 }

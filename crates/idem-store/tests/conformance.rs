@@ -11,11 +11,11 @@ mod memory {
     mod locks {
         use std::sync::Arc;
 
-        use idem_core::LockStore;
+        use idem_core::SharedLockStore;
         use idem_store::MemoryStore;
 
         idem_testkit::lock_conformance_tests!(async {
-            Arc::new(MemoryStore::new()) as Arc<dyn LockStore>
+            Arc::new(MemoryStore::new()) as SharedLockStore
         });
     }
 }
@@ -36,11 +36,11 @@ mod sqlite {
     mod locks {
         use std::sync::Arc;
 
-        use idem_core::LockStore;
+        use idem_core::SharedLockStore;
 
         idem_testkit::lock_conformance_tests!(async {
             let fixture = super::fixture().await;
-            let store = Arc::new(fixture.store.clone()) as Arc<dyn LockStore>;
+            let store = Arc::new(fixture.store.clone()) as SharedLockStore;
             Some((store, fixture))
         });
     }

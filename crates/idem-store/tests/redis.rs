@@ -31,10 +31,10 @@ mod single {
     mod locks {
         use std::sync::Arc;
 
-        use idem_core::LockStore;
+        use idem_core::SharedLockStore;
 
         idem_testkit::lock_conformance_tests!(async {
-            Some(Arc::new(super::fixture().await?.store) as Arc<dyn LockStore>)
+            Some(Arc::new(super::fixture().await?.store) as SharedLockStore)
         });
     }
 }
@@ -74,10 +74,10 @@ mod cluster {
     mod locks {
         use std::sync::Arc;
 
-        use idem_core::LockStore;
+        use idem_core::SharedLockStore;
 
         idem_testkit::lock_conformance_tests!(async {
-            Some(Arc::new(super::fixture().await?.store) as Arc<dyn LockStore>)
+            Some(Arc::new(super::fixture().await?.store) as SharedLockStore)
         });
     }
 }

@@ -526,11 +526,11 @@ mod postgres {
     mod locks {
         use std::sync::Arc;
 
-        use idem_core::LockStore;
+        use idem_core::SharedLockStore;
 
         idem_testkit::lock_conformance_tests!(async {
             // One table for every case: each case's lock names are its own.
-            Some(Arc::new(super::store("idem_test_locks").await?) as Arc<dyn LockStore>)
+            Some(Arc::new(super::store("idem_test_locks").await?) as SharedLockStore)
         });
     }
 

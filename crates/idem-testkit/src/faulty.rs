@@ -4,9 +4,8 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use idem_core::{
-    Acquire, BeginOutcome, BeginRequest, BoxFuture, Bytes, Held, Key, Lease, LeaseError, LockError,
-    LockName, LockStore, OwnerDigest, Record, ReleaseListener, Step, StepError, Store, StoreError,
-    Timestamp,
+    Acquire, BeginOutcome, BeginRequest, Bytes, Held, Key, Lease, LeaseError, LockError, LockName,
+    LockStore, OwnerDigest, Record, ReleaseListener, Step, StepError, Store, StoreError, Timestamp,
 };
 use tokio::sync::watch;
 
@@ -384,41 +383,44 @@ impl<S: LockStore> LockStore for FaultyStore<S> {
         self.inner.kind()
     }
 
-    fn acquire<'a>(
-        &'a self,
-        name: &'a LockName,
+    async fn acquire(
+        &self,
+        name: &LockName,
         owner: OwnerDigest,
         lease: Duration,
-    ) -> BoxFuture<'a, Result<Acquire, StoreError>> {
+    ) -> Result<Acquire, StoreError> {
         let name = name.clone();
-        Box::pin(self.with_fault(Op::LockAcquire, move |s| async move {
+        self.with_fault(Op::LockAcquire, move |s| async move {
             s.acquire(&name, owner, lease).await
-        }))
+        })
+        .await
     }
 
-    fn renew<'a>(
-        &'a self,
-        name: &'a LockName,
+    async fn renew(
+        &self,
+        name: &LockName,
         owner: OwnerDigest,
         fence: u64,
         lease: Duration,
-    ) -> BoxFuture<'a, Result<Held, LockError>> {
+    ) -> Result<Held, LockError> {
         let name = name.clone();
-        Box::pin(self.with_fault(Op::LockRenew, move |s| async move {
+        self.with_fault(Op::LockRenew, move |s| async move {
             s.renew(&name, owner, fence, lease).await
-        }))
+        })
+        .await
     }
 
-    fn release<'a>(
-        &'a self,
-        name: &'a LockName,
+    async fn release(
+        &self,
+        name: &LockName,
         owner: OwnerDigest,
         fence: u64,
-    ) -> BoxFuture<'a, Result<(), LockError>> {
+    ) -> Result<(), LockError> {
         let name = name.clone();
-        Box::pin(self.with_fault(Op::LockRelease, move |s| async move {
+        self.with_fault(Op::LockRelease, move |s| async move {
             s.release(&name, owner, fence).await
-        }))
+        })
+        .await
     }
 
     fn listen(&self) -> Option<Box<dyn ReleaseListener>> {
@@ -426,10 +428,7 @@ impl<S: LockStore> LockStore for FaultyStore<S> {
     }
 
     /// The wrapped store's listing of held locks, without faults, as for `admin`.
-    fn held<'a>(
-        &'a self,
-        limit: usize,
-    ) -> BoxFuture<'a, Result<Option<Vec<idem_core::HeldLock>>, StoreError>> {
-        self.inner.held(limit)
+    async fn held(&self, limit: usize) -> Result<Option<Vec<idem_core::HeldLock>>, StoreError> {
+        self.inner.held(limit).await
     }
 }

@@ -1,5 +1,5 @@
-//! The conformance suite for lock backends ([`LockStore`]): every backend passes these cases
-//! unchanged. Run them with [`lock_conformance_tests!`](crate::lock_conformance_tests).
+//! The conformance suite for lock backends ([`LockStore`](idem_core::LockStore)): every
+//! backend passes these cases unchanged. Run them with [`lock_conformance_tests!`](crate::lock_conformance_tests).
 //!
 //! Leases run by the backend's own clock, so the cases that need a lease to run out wait for it
 //! (a few hundred milliseconds); each case uses lock names of its own, so cases may share a
@@ -8,7 +8,9 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use idem_core::{Acquire, Held, LockError, LockName, LockOwner, LockStore, OwnerDigest};
+use idem_core::{
+    Acquire, DynLockStore, Held, LockError, LockName, LockOwner, OwnerDigest, SharedLockStore,
+};
 
 /// A long lease: never runs out during a case.
 const LONG: Duration = Duration::from_secs(60);
@@ -24,7 +26,7 @@ fn owner() -> OwnerDigest {
 }
 
 async fn acquired(
-    store: &dyn LockStore,
+    store: &dyn DynLockStore,
     name: &LockName,
     who: OwnerDigest,
     lease: Duration,
@@ -35,7 +37,7 @@ async fn acquired(
     }
 }
 
-async fn busy(store: &dyn LockStore, name: &LockName, who: OwnerDigest) {
+async fn busy(store: &dyn DynLockStore, name: &LockName, who: OwnerDigest) {
     match store.acquire(name, who, LONG).await.unwrap() {
         Acquire::Busy { .. } => {}
         Acquire::Acquired(held) => panic!("acquired {name} while it is held: {held:?}"),
@@ -44,7 +46,7 @@ async fn busy(store: &dyn LockStore, name: &LockName, who: OwnerDigest) {
 
 /// One holder at a time; the holder acquiring again keeps its fence; others are told until
 /// when it is held.
-pub async fn one_holder_at_a_time(store: &dyn LockStore) {
+pub async fn one_holder_at_a_time(store: &dyn DynLockStore) {
     let name = fresh_name("one_holder");
     let (a, b) = (owner(), owner());
     let held = acquired(store, &name, a, LONG).await;
@@ -63,7 +65,7 @@ pub async fn one_holder_at_a_time(store: &dyn LockStore) {
 
 /// Renew and release by anyone but the holder, or with another fence, are refused and change
 /// nothing.
-pub async fn only_the_owner_renews_and_releases(store: &dyn LockStore) {
+pub async fn only_the_owner_renews_and_releases(store: &dyn DynLockStore) {
     let name = fresh_name("owner_checks");
     let (a, b) = (owner(), owner());
     let held = acquired(store, &name, a, LONG).await;
@@ -89,7 +91,7 @@ pub async fn only_the_owner_renews_and_releases(store: &dyn LockStore) {
 
 /// A release frees the lock at once for others, with a higher fence; the released holding can
 /// no longer be renewed or released... except that repeating the release succeeds.
-pub async fn release_frees_and_fences_increase(store: &dyn LockStore) {
+pub async fn release_frees_and_fences_increase(store: &dyn DynLockStore) {
     let name = fresh_name("release");
     let (a, b) = (owner(), owner());
     let first = acquired(store, &name, a, LONG).await;
@@ -113,7 +115,7 @@ pub async fn release_frees_and_fences_increase(store: &dyn LockStore) {
 
 /// A lease that runs out frees the lock for another owner, with a higher fence; the old holder
 /// can then neither renew nor release.
-pub async fn a_lease_runs_out(store: &dyn LockStore) {
+pub async fn a_lease_runs_out(store: &dyn DynLockStore) {
     let name = fresh_name("lease");
     let (a, b) = (owner(), owner());
     let short = Duration::from_millis(150);
@@ -135,7 +137,7 @@ pub async fn a_lease_runs_out(store: &dyn LockStore) {
 }
 
 /// Of many concurrent acquires of a free lock exactly one wins.
-pub async fn acquire_storm(store: Arc<dyn LockStore>) {
+pub async fn acquire_storm(store: SharedLockStore) {
     let name = fresh_name("storm");
     let tasks: Vec<_> = (0..32)
         .map(|_| {
@@ -153,7 +155,7 @@ pub async fn acquire_storm(store: Arc<dyn LockStore>) {
 }
 
 /// Names are independent.
-pub async fn names_are_independent(store: &dyn LockStore) {
+pub async fn names_are_independent(store: &dyn DynLockStore) {
     let (x, y) = (fresh_name("x"), fresh_name("y"));
     let (a, b) = (owner(), owner());
     acquired(store, &x, a, LONG).await;
@@ -162,7 +164,7 @@ pub async fn names_are_independent(store: &dyn LockStore) {
 
 /// A backend that offers a release feed reports a release of a held lock to a listener that
 /// subscribed before it.
-pub async fn a_release_is_heard(store: &dyn LockStore) {
+pub async fn a_release_is_heard(store: &dyn DynLockStore) {
     let Some(mut listener) = store.listen() else {
         return;
     };
@@ -191,7 +193,7 @@ pub async fn a_release_is_heard(store: &dyn LockStore) {
 /// A backend that lists held locks shows those whose lease lasts, with the fence and lease
 /// end their acquire reported, ordered by name and at most as many as asked for; not one whose
 /// lease ran out, nor one released.
-pub async fn held_lists_live_locks(store: &dyn LockStore) {
+pub async fn held_lists_live_locks(store: &dyn DynLockStore) {
     let (a, b) = (fresh_name("held"), fresh_name("held"));
     let (ran_out, released) = (fresh_name("held"), fresh_name("held"));
     let who = owner();
@@ -225,7 +227,7 @@ pub async fn held_lists_live_locks(store: &dyn LockStore) {
 }
 
 /// Generates one `#[test]` per lock conformance case. The argument is an async expression
-/// yielding `Option<Arc<dyn LockStore>>` (`None` skips, for a backend without its server), or
+/// yielding `Option<SharedLockStore>` (`None` skips, for a backend without its server), or
 /// a tuple of that and a guard to keep alive.
 #[macro_export]
 macro_rules! lock_conformance_tests {
@@ -268,23 +270,23 @@ macro_rules! lock_conformance_tests {
 /// guard that must live as long as it.
 pub trait IntoLockFixture {
     /// The backend and its guard, or `None` to skip.
-    fn into_lock_fixture(self) -> Option<(Arc<dyn LockStore>, Box<dyn std::any::Any>)>;
+    fn into_lock_fixture(self) -> Option<(SharedLockStore, Box<dyn std::any::Any>)>;
 }
 
-impl IntoLockFixture for Option<Arc<dyn LockStore>> {
-    fn into_lock_fixture(self) -> Option<(Arc<dyn LockStore>, Box<dyn std::any::Any>)> {
+impl IntoLockFixture for Option<SharedLockStore> {
+    fn into_lock_fixture(self) -> Option<(SharedLockStore, Box<dyn std::any::Any>)> {
         self.map(|s| (s, Box::new(()) as Box<dyn std::any::Any>))
     }
 }
 
-impl IntoLockFixture for Arc<dyn LockStore> {
-    fn into_lock_fixture(self) -> Option<(Arc<dyn LockStore>, Box<dyn std::any::Any>)> {
+impl IntoLockFixture for SharedLockStore {
+    fn into_lock_fixture(self) -> Option<(SharedLockStore, Box<dyn std::any::Any>)> {
         Some((self, Box::new(())))
     }
 }
 
-impl<G: std::any::Any> IntoLockFixture for Option<(Arc<dyn LockStore>, G)> {
-    fn into_lock_fixture(self) -> Option<(Arc<dyn LockStore>, Box<dyn std::any::Any>)> {
+impl<G: std::any::Any> IntoLockFixture for Option<(SharedLockStore, G)> {
+    fn into_lock_fixture(self) -> Option<(SharedLockStore, Box<dyn std::any::Any>)> {
         self.map(|(s, g)| (s, Box::new(g) as Box<dyn std::any::Any>))
     }
 }

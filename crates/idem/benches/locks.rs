@@ -33,7 +33,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use idem::{Locks, SqliteStore, SystemClock, Tokens};
-use idem_core::{LockStore, SharedStore};
+use idem_core::{SharedLockStore, SharedStore};
 use idem_store::{PostgresOptions, PostgresStore, RedisOptions, RedisStore};
 use idem_testkit::services::{POSTGRES, REDIS};
 
@@ -475,7 +475,7 @@ fn main() {
             }
         }
         if wanted("memory") {
-            let memory: Arc<dyn LockStore> = Arc::new(idem::MemoryStore::new());
+            let memory: SharedLockStore = Arc::new(idem::MemoryStore::new());
             lock_rows("memory", &Locks::shared(memory), run).await;
         }
     });

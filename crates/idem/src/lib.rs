@@ -64,9 +64,10 @@ pub use run::{
 pub use steps::{StepContext, StepFailure, StepProblem, Steps};
 
 pub use idem_core::{
-    self, BeginOutcome, BeginRequest, Bytes, Clock, DynStore, Fingerprint, Key, KeyError, Lease,
-    LeaseError, LockError, LockName, LockOwner, LockStore, ManualClock, Record, SharedStore,
-    Status, Step, StepName, StepOutcome, Store, StoreError, SystemClock, Timestamp,
+    self, BeginOutcome, BeginRequest, Bytes, Clock, DynLockStore, DynStore, Fingerprint, Key,
+    KeyError, Lease, LeaseError, LockError, LockName, LockOwner, LockStore, ManualClock, Record,
+    SharedLockStore, SharedStore, Status, Step, StepName, StepOutcome, Store, StoreError,
+    SystemClock, Timestamp,
 };
 #[cfg(feature = "sqlite")]
 pub use idem_store::SqliteStore;

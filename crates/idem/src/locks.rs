@@ -60,8 +60,8 @@ use std::time::Duration;
 
 use crate::cancel::finishing;
 use idem_core::{
-    Acquire, Held, LockError, LockName, LockOwner, LockStore, OwnerDigest, ReleaseListener,
-    StoreError, Timestamp,
+    Acquire, DynLockStore, Held, LockError, LockName, LockOwner, OwnerDigest, ReleaseListener,
+    SharedLockStore, StoreError, Timestamp,
 };
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
@@ -70,14 +70,14 @@ use tokio::time::Instant;
 /// Acquires locks from one backend.
 #[derive(Clone)]
 pub struct Locks {
-    store: Arc<dyn LockStore>,
+    store: SharedLockStore,
     poll: Duration,
 }
 
 impl std::fmt::Debug for Locks {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Locks")
-            .field("store", &self.store.kind())
+            .field("store", &(*self.store).kind())
             .field("poll", &self.poll)
             .finish()
     }
@@ -104,12 +104,12 @@ enum GiveBack {
 
 impl Locks {
     /// Locks in `store`.
-    pub fn new(store: impl LockStore) -> Self {
+    pub fn new(store: impl idem_core::LockStore) -> Self {
         Self::shared(Arc::new(store))
     }
 
     /// Locks in a shared backend.
-    pub fn shared(store: Arc<dyn LockStore>) -> Self {
+    pub fn shared(store: SharedLockStore) -> Self {
         Self {
             store,
             poll: DEFAULT_POLL,
@@ -125,7 +125,7 @@ impl Locks {
     }
 
     /// The backend.
-    pub fn store(&self) -> &Arc<dyn LockStore> {
+    pub fn store(&self) -> &SharedLockStore {
         &self.store
     }
 
@@ -193,7 +193,7 @@ impl Locks {
         let mut listener = if wait.is_zero() {
             None
         } else {
-            self.store.listen()
+            (*self.store).listen()
         };
         loop {
             let asked = Instant::now();
@@ -251,7 +251,9 @@ impl Locks {
         lease: Duration,
     ) -> Result<Held, LockError> {
         let name = LockName::new(name)?;
-        self.store.renew(&name, owner.digest(), fence, lease).await
+        (*self.store)
+            .renew(&name, owner.digest(), fence, lease)
+            .await
     }
 
     /// Releases the holding `owner` has on `name` with `fence`, for callers that keep no
@@ -263,7 +265,7 @@ impl Locks {
         fence: u64,
     ) -> Result<(), LockError> {
         let name = LockName::new(name)?;
-        self.store.release(&name, owner.digest(), fence).await
+        (*self.store).release(&name, owner.digest(), fence).await
     }
 
     /// One acquire. With [`GiveBack::Yes`] it is finished in the background if the caller
@@ -276,16 +278,16 @@ impl Locks {
         give_back: GiveBack,
     ) -> Result<Acquire, StoreError> {
         if give_back == GiveBack::No {
-            return self.store.acquire(name, digest, lease).await;
+            return (*self.store).acquire(name, digest, lease).await;
         }
         let call = {
             let (store, name) = (Arc::clone(&self.store), name.clone());
-            async move { store.acquire(&name, digest, lease).await }
+            async move { (*store).acquire(&name, digest, lease).await }
         };
         let (store, name) = (Arc::clone(&self.store), name.clone());
         finishing(call, move |answer| async move {
             if let Ok(Acquire::Acquired(held)) = answer
-                && let Err(e) = store.release(&name, digest, held.fence).await
+                && let Err(e) = (*store).release(&name, digest, held.fence).await
             {
                 // The lock frees itself when the lease runs out.
                 tracing::debug!(lock = %name, error = %e, "releasing a lock acquired for a caller that left failed");
@@ -328,7 +330,7 @@ struct LeaseView {
 }
 
 struct Shared {
-    store: Arc<dyn LockStore>,
+    store: SharedLockStore,
     name: LockName,
     owner: LockOwner,
     digest: OwnerDigest,
@@ -429,7 +431,7 @@ impl std::fmt::Debug for LockGuard {
 
 impl LockGuard {
     fn new(
-        store: Arc<dyn LockStore>,
+        store: SharedLockStore,
         name: LockName,
         owner: LockOwner,
         digest: OwnerDigest,
@@ -529,7 +531,7 @@ impl LockGuard {
         self.stop_renewing().await;
         self.shared.mark_lost();
         let s = &self.shared;
-        let answer = s.store.release(&s.name, s.digest, s.fence).await;
+        let answer = (*s.store).release(&s.name, s.digest, s.fence).await;
         // Only now: until the backend has answered, dropping the guard releases it again.
         self.released = true;
         answer
@@ -591,7 +593,7 @@ impl Drop for LockGuard {
             let shared = Arc::clone(&self.shared);
             runtime.spawn(async move {
                 let s = &shared;
-                if let Err(e) = s.store.release(&s.name, s.digest, s.fence).await {
+                if let Err(e) = (*s.store).release(&s.name, s.digest, s.fence).await {
                     tracing::debug!(lock = %s.name, error = %e, "releasing a dropped lock guard failed");
                 }
             });

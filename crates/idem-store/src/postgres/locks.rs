@@ -21,8 +21,8 @@ use std::time::Duration;
 
 use idem_core::lock::{LOCK_STATE_RETENTION, lease_millis};
 use idem_core::{
-    Acquire, BoxFuture, Held, HeldLock, LockError, LockName, LockStore, OwnerDigest,
-    ReleaseListener, StoreError, Timestamp,
+    Acquire, Held, HeldLock, LockError, LockName, LockStore, OwnerDigest, ReleaseListener,
+    StoreError, Timestamp,
 };
 use sqlx::postgres::PgListener;
 use sqlx::{AssertSqlSafe, PgConnection, PgPool, SqlSafeStr, SqlStr};
@@ -154,103 +154,92 @@ impl LockStore for PostgresStore {
         "postgres"
     }
 
-    fn acquire<'a>(
-        &'a self,
-        name: &'a LockName,
+    async fn acquire(
+        &self,
+        name: &LockName,
         owner: OwnerDigest,
         lease: Duration,
-    ) -> BoxFuture<'a, Result<Acquire, StoreError>> {
-        Box::pin(async move {
-            let locks = self.locks();
-            let mut c = self.conn().await?;
-            let won: Option<(i64, i64)> = sqlx::query_as(locks.acquire.clone())
-                .bind(name.as_str())
-                .bind(&owner.0[..])
-                .bind(sql_int(lease_millis(lease)))
-                .fetch_optional(&mut *c)
-                .await
-                .map_err(|e| error("cannot acquire the lock", e))?;
-            if let Some((fence, expires)) = won {
-                return Ok(Acquire::Acquired(Held {
-                    fence: u64::try_from(fence).unwrap_or(0),
-                    expires_at: timestamp(expires),
-                }));
-            }
-            // Held by another owner. Its lease end is read separately; if it was released in
-            // between, the caller simply tries again at once.
-            let until: Option<i64> = sqlx::query_scalar(locks.holder.clone())
-                .bind(name.as_str())
-                .fetch_optional(&mut *c)
-                .await
-                .map_err(|e| error("cannot read the lock", e))?;
-            Ok(Acquire::Busy {
-                until: timestamp(until.unwrap_or(0)),
-            })
-        })
-    }
-
-    fn renew<'a>(
-        &'a self,
-        name: &'a LockName,
-        owner: OwnerDigest,
-        fence: u64,
-        lease: Duration,
-    ) -> BoxFuture<'a, Result<Held, LockError>> {
-        Box::pin(async move {
-            let expires: Option<i64> = sqlx::query_scalar(self.locks().renew.clone())
-                .bind(name.as_str())
-                .bind(&owner.0[..])
-                .bind(sql_int(fence))
-                .bind(sql_int(lease_millis(lease)))
-                .fetch_optional(self.pool())
-                .await
-                .map_err(|e| error("cannot renew the lock", e))?;
-            let expires = expires.ok_or(LockError::NotOwner)?;
-            Ok(Held {
-                fence,
+    ) -> Result<Acquire, StoreError> {
+        let locks = self.locks();
+        let mut c = self.conn().await?;
+        let won: Option<(i64, i64)> = sqlx::query_as(locks.acquire.clone())
+            .bind(name.as_str())
+            .bind(&owner.0[..])
+            .bind(sql_int(lease_millis(lease)))
+            .fetch_optional(&mut *c)
+            .await
+            .map_err(|e| error("cannot acquire the lock", e))?;
+        if let Some((fence, expires)) = won {
+            return Ok(Acquire::Acquired(Held {
+                fence: u64::try_from(fence).unwrap_or(0),
                 expires_at: timestamp(expires),
-            })
+            }));
+        }
+        // Held by another owner. Its lease end is read separately; if it was released in
+        // between, the caller simply tries again at once.
+        let until: Option<i64> = sqlx::query_scalar(locks.holder.clone())
+            .bind(name.as_str())
+            .fetch_optional(&mut *c)
+            .await
+            .map_err(|e| error("cannot read the lock", e))?;
+        Ok(Acquire::Busy {
+            until: timestamp(until.unwrap_or(0)),
         })
     }
 
-    fn release<'a>(
-        &'a self,
-        name: &'a LockName,
+    async fn renew(
+        &self,
+        name: &LockName,
         owner: OwnerDigest,
         fence: u64,
-    ) -> BoxFuture<'a, Result<(), LockError>> {
-        Box::pin(async move {
-            let locks = self.locks();
-            let rows = sqlx::query(locks.release.clone())
-                .bind(name.as_str())
-                .bind(&owner.0[..])
-                .bind(sql_int(fence))
-                .bind(&locks.channel)
-                .fetch_all(self.pool())
-                .await
-                .map_err(|e| error("cannot release the lock", e))?;
-            if rows.is_empty() {
-                return Err(LockError::NotOwner);
-            }
-            Ok(())
+        lease: Duration,
+    ) -> Result<Held, LockError> {
+        let expires: Option<i64> = sqlx::query_scalar(self.locks().renew.clone())
+            .bind(name.as_str())
+            .bind(&owner.0[..])
+            .bind(sql_int(fence))
+            .bind(sql_int(lease_millis(lease)))
+            .fetch_optional(self.pool())
+            .await
+            .map_err(|e| error("cannot renew the lock", e))?;
+        let expires = expires.ok_or(LockError::NotOwner)?;
+        Ok(Held {
+            fence,
+            expires_at: timestamp(expires),
         })
     }
 
-    fn held<'a>(
-        &'a self,
-        limit: usize,
-    ) -> BoxFuture<'a, Result<Option<Vec<HeldLock>>, StoreError>> {
-        Box::pin(async move {
-            let rows: Vec<(String, i64, i64)> = sqlx::query_as(self.locks().held.clone())
-                .bind(sql_int(u64::try_from(limit).unwrap_or(u64::MAX)))
-                .fetch_all(self.pool())
-                .await
-                .map_err(|e| error("cannot list the held locks", e))?;
-            rows.iter()
-                .map(|(name, fence, expires_at)| held_lock(name, *fence, *expires_at))
-                .collect::<Result<_, _>>()
-                .map(Some)
-        })
+    async fn release(
+        &self,
+        name: &LockName,
+        owner: OwnerDigest,
+        fence: u64,
+    ) -> Result<(), LockError> {
+        let locks = self.locks();
+        let rows = sqlx::query(locks.release.clone())
+            .bind(name.as_str())
+            .bind(&owner.0[..])
+            .bind(sql_int(fence))
+            .bind(&locks.channel)
+            .fetch_all(self.pool())
+            .await
+            .map_err(|e| error("cannot release the lock", e))?;
+        if rows.is_empty() {
+            return Err(LockError::NotOwner);
+        }
+        Ok(())
+    }
+
+    async fn held(&self, limit: usize) -> Result<Option<Vec<HeldLock>>, StoreError> {
+        let rows: Vec<(String, i64, i64)> = sqlx::query_as(self.locks().held.clone())
+            .bind(sql_int(u64::try_from(limit).unwrap_or(u64::MAX)))
+            .fetch_all(self.pool())
+            .await
+            .map_err(|e| error("cannot list the held locks", e))?;
+        rows.iter()
+            .map(|(name, fence, expires_at)| held_lock(name, *fence, *expires_at))
+            .collect::<Result<_, _>>()
+            .map(Some)
     }
 
     fn listen(&self) -> Option<Box<dyn ReleaseListener>> {

@@ -22,8 +22,8 @@ use std::time::Duration;
 
 use idem_core::lock::{LOCK_STATE_RETENTION, lease_millis};
 use idem_core::{
-    Acquire, BoxFuture, Held, HeldLock, LockError, LockName, LockStore, OwnerDigest,
-    ReleaseListener, StoreError, Timestamp,
+    Acquire, Held, HeldLock, LockError, LockName, LockStore, OwnerDigest, ReleaseListener,
+    StoreError, Timestamp,
 };
 use redis::{Script, Value};
 
@@ -173,120 +173,109 @@ impl LockStore for RedisStore {
         idem_core::Store::kind(self)
     }
 
-    fn acquire<'a>(
-        &'a self,
-        name: &'a LockName,
+    async fn acquire(
+        &self,
+        name: &LockName,
         owner: OwnerDigest,
         lease: Duration,
-    ) -> BoxFuture<'a, Result<Acquire, StoreError>> {
-        Box::pin(async move {
-            let answer: Vec<Value> = self
-                .locks
-                .acquire
-                .key(self.lock_key(name))
-                .arg(owner.to_hex())
-                .arg(lease_millis(lease))
-                .arg(retention())
-                .arg(name.as_str())
-                .invoke_async(&mut self.conn.clone())
-                .await
-                .map_err(|e| error("cannot acquire the lock", e))?;
-            match answer.as_slice() {
-                [Value::Int(1), fence, expires] => Ok(Acquire::Acquired(Held {
-                    fence: u64::try_from(number(fence, "lock fence")?)
-                        .map_err(|_| corrupt("lock fence"))?,
-                    expires_at: timestamp(expires, "lock expiry")?,
-                })),
-                [Value::Int(0), until] => Ok(Acquire::Busy {
-                    until: timestamp(until, "lock expiry")?,
-                }),
-                _ => Err(corrupt("lock answer")),
-            }
-        })
+    ) -> Result<Acquire, StoreError> {
+        let answer: Vec<Value> = self
+            .locks
+            .acquire
+            .key(self.lock_key(name))
+            .arg(owner.to_hex())
+            .arg(lease_millis(lease))
+            .arg(retention())
+            .arg(name.as_str())
+            .invoke_async(&mut self.conn.clone())
+            .await
+            .map_err(|e| error("cannot acquire the lock", e))?;
+        match answer.as_slice() {
+            [Value::Int(1), fence, expires] => Ok(Acquire::Acquired(Held {
+                fence: u64::try_from(number(fence, "lock fence")?)
+                    .map_err(|_| corrupt("lock fence"))?,
+                expires_at: timestamp(expires, "lock expiry")?,
+            })),
+            [Value::Int(0), until] => Ok(Acquire::Busy {
+                until: timestamp(until, "lock expiry")?,
+            }),
+            _ => Err(corrupt("lock answer")),
+        }
     }
 
-    fn renew<'a>(
-        &'a self,
-        name: &'a LockName,
+    async fn renew(
+        &self,
+        name: &LockName,
         owner: OwnerDigest,
         fence: u64,
         lease: Duration,
-    ) -> BoxFuture<'a, Result<Held, LockError>> {
-        Box::pin(async move {
-            let answer: i64 = self
-                .locks
-                .renew
-                .key(self.lock_key(name))
-                .arg(owner.to_hex())
-                .arg(fence)
-                .arg(lease_millis(lease))
-                .arg(retention())
-                .invoke_async(&mut self.conn.clone())
-                .await
-                .map_err(|e| error("cannot renew the lock", e))?;
-            let expires = u64::try_from(answer).map_err(|_| LockError::NotOwner)?;
-            Ok(Held {
-                fence,
-                expires_at: Timestamp::from_millis(expires),
-            })
+    ) -> Result<Held, LockError> {
+        let answer: i64 = self
+            .locks
+            .renew
+            .key(self.lock_key(name))
+            .arg(owner.to_hex())
+            .arg(fence)
+            .arg(lease_millis(lease))
+            .arg(retention())
+            .invoke_async(&mut self.conn.clone())
+            .await
+            .map_err(|e| error("cannot renew the lock", e))?;
+        let expires = u64::try_from(answer).map_err(|_| LockError::NotOwner)?;
+        Ok(Held {
+            fence,
+            expires_at: Timestamp::from_millis(expires),
         })
     }
 
-    fn release<'a>(
-        &'a self,
-        name: &'a LockName,
+    async fn release(
+        &self,
+        name: &LockName,
         owner: OwnerDigest,
         fence: u64,
-    ) -> BoxFuture<'a, Result<(), LockError>> {
-        Box::pin(async move {
-            let answer: i64 = self
-                .locks
-                .release
-                .key(self.lock_key(name))
-                .arg(owner.to_hex())
-                .arg(fence)
-                .arg(retention())
-                .arg(self.release_channel())
-                .arg(name.as_str())
-                .invoke_async(&mut self.conn.clone())
-                .await
-                .map_err(|e| error("cannot release the lock", e))?;
-            if answer < 0 {
-                return Err(LockError::NotOwner);
-            }
-            Ok(())
-        })
+    ) -> Result<(), LockError> {
+        let answer: i64 = self
+            .locks
+            .release
+            .key(self.lock_key(name))
+            .arg(owner.to_hex())
+            .arg(fence)
+            .arg(retention())
+            .arg(self.release_channel())
+            .arg(name.as_str())
+            .invoke_async(&mut self.conn.clone())
+            .await
+            .map_err(|e| error("cannot release the lock", e))?;
+        if answer < 0 {
+            return Err(LockError::NotOwner);
+        }
+        Ok(())
     }
 
     /// By `SCAN` over the lock keys (on a Cluster, each primary in turn), each batch read with
     /// the server's clock of the node it lives on, until `limit` held locks are found: when
     /// more are held, the ones shown are those found first. A lock acquired before names were
     /// kept beside the state is not shown until it is acquired again.
-    fn held<'a>(
-        &'a self,
-        limit: usize,
-    ) -> BoxFuture<'a, Result<Option<Vec<HeldLock>>, StoreError>> {
-        Box::pin(async move {
-            let pattern = self.key_pattern("lock:");
-            let mut held = Vec::new();
-            'nodes: for node in self.nodes().await? {
-                let mut at = 0;
-                while held.len() < limit {
-                    let (next, keys) = self.scan(node, &pattern, at, BATCH).await?;
-                    held.extend(self.held_of(node, &keys).await?);
-                    at = next;
-                    if at == 0 {
-                        continue 'nodes;
-                    }
+    async fn held(&self, limit: usize) -> Result<Option<Vec<HeldLock>>, StoreError> {
+        let pattern = self.key_pattern("lock:");
+        let mut held = Vec::new();
+        'nodes: for node in self.nodes().await? {
+            let mut at = 0;
+            while held.len() < limit {
+                let (next, keys) = self.scan(node, &pattern, at, BATCH).await?;
+                held.extend(self.held_of(node, &keys).await?);
+                at = next;
+                if at == 0 {
+                    continue 'nodes;
                 }
-                break;
             }
-            // `SCAN` may return a key twice.
-            held.sort_unstable_by(|a, b| a.name.cmp(&b.name));
-            held.dedup_by(|a, b| a.name == b.name);
-            held.truncate(limit);
-            Ok(Some(held))
-        })
+            break;
+        }
+        // `SCAN` may return a key twice.
+        held.sort_unstable_by(|a, b| a.name.cmp(&b.name));
+        held.dedup_by(|a, b| a.name == b.name);
+        held.truncate(limit);
+        Ok(Some(held))
     }
 
     fn listen(&self) -> Option<Box<dyn ReleaseListener>> {

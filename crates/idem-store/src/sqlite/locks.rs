@@ -3,7 +3,7 @@
 use std::time::Duration;
 
 use idem_core::{
-    Acquire, BoxFuture, Held, HeldLock, LockError, LockName, LockState, LockStore, OwnerDigest,
+    Acquire, Held, HeldLock, LockError, LockName, LockState, LockStore, OwnerDigest,
     ReleaseListener, StoreError, Timestamp,
 };
 use rusqlite::{OptionalExtension, params};
@@ -137,56 +137,50 @@ impl LockStore for SqliteStore {
         "sqlite"
     }
 
-    fn acquire<'a>(
-        &'a self,
-        name: &'a LockName,
+    async fn acquire(
+        &self,
+        name: &LockName,
         owner: OwnerDigest,
         lease: Duration,
-    ) -> BoxFuture<'a, Result<Acquire, StoreError>> {
-        Box::pin(async move {
-            match self.lock_op(name, LockOp::Acquire(owner, lease)).await {
-                Ok(LockAnswer::Acquire(a)) => Ok(a),
-                Err(LockError::Store(e)) => Err(e),
-                _ => Err(StoreError::Corrupt("unexpected lock answer".into())),
-            }
-        })
+    ) -> Result<Acquire, StoreError> {
+        match self.lock_op(name, LockOp::Acquire(owner, lease)).await {
+            Ok(LockAnswer::Acquire(a)) => Ok(a),
+            Err(LockError::Store(e)) => Err(e),
+            _ => Err(StoreError::Corrupt("unexpected lock answer".into())),
+        }
     }
 
-    fn renew<'a>(
-        &'a self,
-        name: &'a LockName,
+    async fn renew(
+        &self,
+        name: &LockName,
         owner: OwnerDigest,
         fence: u64,
         lease: Duration,
-    ) -> BoxFuture<'a, Result<Held, LockError>> {
-        Box::pin(async move {
-            match self
-                .lock_op(name, LockOp::Renew(owner, fence, lease))
-                .await?
-            {
-                LockAnswer::Renew(held) => Ok(held),
-                _ => Err(StoreError::Corrupt("unexpected lock answer".into()).into()),
-            }
-        })
+    ) -> Result<Held, LockError> {
+        match self
+            .lock_op(name, LockOp::Renew(owner, fence, lease))
+            .await?
+        {
+            LockAnswer::Renew(held) => Ok(held),
+            _ => Err(StoreError::Corrupt("unexpected lock answer".into()).into()),
+        }
     }
 
-    fn release<'a>(
-        &'a self,
-        name: &'a LockName,
+    async fn release(
+        &self,
+        name: &LockName,
         owner: OwnerDigest,
         fence: u64,
-    ) -> BoxFuture<'a, Result<(), LockError>> {
-        Box::pin(async move {
-            match self.lock_op(name, LockOp::Release(owner, fence)).await? {
-                LockAnswer::Release(was_held) => {
-                    if was_held {
-                        self.released.send(name.shared());
-                    }
-                    Ok(())
+    ) -> Result<(), LockError> {
+        match self.lock_op(name, LockOp::Release(owner, fence)).await? {
+            LockAnswer::Release(was_held) => {
+                if was_held {
+                    self.released.send(name.shared());
                 }
-                _ => Err(StoreError::Corrupt("unexpected lock answer".into()).into()),
+                Ok(())
             }
-        })
+            _ => Err(StoreError::Corrupt("unexpected lock answer".into()).into()),
+        }
     }
 
     fn listen(&self) -> Option<Box<dyn ReleaseListener>> {
@@ -194,36 +188,31 @@ impl LockStore for SqliteStore {
     }
 
     /// On the read connection, by this machine's clock, as the writer decides.
-    fn held<'a>(
-        &'a self,
-        limit: usize,
-    ) -> BoxFuture<'a, Result<Option<Vec<HeldLock>>, StoreError>> {
-        Box::pin(async move {
-            let limit = sql_int(u64::try_from(limit).unwrap_or(u64::MAX));
-            let held = self
-                .listings
-                .run(move |conn| {
-                    let now = sql_int(Timestamp::now().as_millis());
-                    let mut stmt = conn.prepare_cached(
-                        "SELECT name, fence, expires_at FROM idem_locks
-                         WHERE expires_at > ?1 ORDER BY name LIMIT ?2",
-                    )?;
-                    let rows = stmt
-                        .query_map(params![now, limit], |row| {
-                            Ok((
-                                row.get::<_, String>(0)?,
-                                row.get::<_, i64>(1)?,
-                                row.get::<_, i64>(2)?,
-                            ))
-                        })?
-                        .collect::<rusqlite::Result<Vec<_>>>()?;
-                    Ok(rows
-                        .iter()
-                        .map(|(name, fence, expires_at)| held_lock(name, *fence, *expires_at))
-                        .collect())
-                })
-                .await?;
-            Ok(Some(held))
-        })
+    async fn held(&self, limit: usize) -> Result<Option<Vec<HeldLock>>, StoreError> {
+        let limit = sql_int(u64::try_from(limit).unwrap_or(u64::MAX));
+        let held = self
+            .listings
+            .run(move |conn| {
+                let now = sql_int(Timestamp::now().as_millis());
+                let mut stmt = conn.prepare_cached(
+                    "SELECT name, fence, expires_at FROM idem_locks
+                     WHERE expires_at > ?1 ORDER BY name LIMIT ?2",
+                )?;
+                let rows = stmt
+                    .query_map(params![now, limit], |row| {
+                        Ok((
+                            row.get::<_, String>(0)?,
+                            row.get::<_, i64>(1)?,
+                            row.get::<_, i64>(2)?,
+                        ))
+                    })?
+                    .collect::<rusqlite::Result<Vec<_>>>()?;
+                Ok(rows
+                    .iter()
+                    .map(|(name, fence, expires_at)| held_lock(name, *fence, *expires_at))
+                    .collect())
+            })
+            .await?;
+        Ok(Some(held))
     }
 }

@@ -22,7 +22,7 @@
 use std::str::FromStr;
 use std::sync::Arc;
 
-use idem_core::{LockStore, SharedStore, StoreError};
+use idem_core::{LockStore, SharedLockStore, SharedStore, StoreError};
 
 use crate::MemoryStore;
 
@@ -359,10 +359,10 @@ impl StoreUrl {
     /// store but MySQL/MariaDB), sharing its connections.
     pub async fn open_with_locks(
         &self,
-    ) -> Result<(SharedStore, Option<Arc<dyn LockStore>>), StoreError> {
+    ) -> Result<(SharedStore, Option<SharedLockStore>), StoreError> {
         fn both<S: idem_core::Store + LockStore + Clone>(
             store: S,
-        ) -> (SharedStore, Option<Arc<dyn LockStore>>) {
+        ) -> (SharedStore, Option<SharedLockStore>) {
             (Arc::new(store.clone()), Some(Arc::new(store)))
         }
         match self {
