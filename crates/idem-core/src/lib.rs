@@ -25,6 +25,7 @@
 
 pub mod admin;
 pub mod clock;
+pub mod counter;
 pub mod fingerprint;
 pub mod key;
 pub mod lock;
@@ -37,6 +38,7 @@ pub use admin::{
     Shown,
 };
 pub use clock::{Clock, ManualClock, SystemClock, Timestamp};
+pub use counter::{Counters, DynCounters, MAX_COUNTER, SharedCounters, counter_step};
 pub use fingerprint::{Fingerprint, FingerprintBuilder};
 pub use key::{ClientKey, Key, KeyError, KeyPart, Namespace, Scope};
 pub use lock::{
@@ -48,9 +50,7 @@ pub use record::{
     MIN_DURATION, Record, Replay, StaleLease, Status,
 };
 pub use step::{InvalidStep, Step, StepError, StepName, StepOutcome, StepRefused, step_key};
-pub use store::{
-    BoxFuture, DynStore, LeaseError, MAX_COUNTER, SharedStore, Store, StoreError, counter_step,
-};
+pub use store::{BoxFuture, DynStore, LeaseError, SharedStore, Store, StoreError};
 
 pub use bytes::Bytes;
 

@@ -9,21 +9,10 @@ use std::time::Duration;
 use bytes::Bytes;
 
 use crate::admin::RecordAdmin;
+use crate::counter::{Counters, DynCounters};
 use crate::record::{BeginOutcome, BeginRequest, Lease, Record, StaleLease};
 use crate::step::{Step, StepError};
 use crate::{Key, Timestamp};
-
-/// The largest value a counter reaches (`i64::MAX`, what every backend can hold).
-pub const MAX_COUNTER: u64 = i64::MAX.unsigned_abs();
-
-/// The amount one `advance` adds: `by`, at least 1; a step past [`MAX_COUNTER`] is refused
-/// rather than cut down, which would hand back a wrong range.
-pub fn counter_step(by: u64) -> Result<u64, StoreError> {
-    if by > MAX_COUNTER {
-        return Err(StoreError::CounterExhausted);
-    }
-    Ok(by.max(1))
-}
 
 /// A failure of the store itself (not a refusal by the state machine).
 ///
@@ -153,8 +142,7 @@ pub enum LeaseError {
 /// - **`reopen`** turns a live record completed by the lease with that fence into a released
 ///   one, atomically, and does nothing to any other record. (`release_completed` is the same
 ///   step under the name one-time tokens use; it is provided, and not to be overridden.)
-/// - **`advance`** adds to a named counter and returns the new value in one atomic step, so
-///   concurrent callers get disjoint ranges; counters never expire.
+/// - **Counters** ([`Counters`], a supertrait) follow their own contract.
 /// - **`purge_expired`** deletes at most `limit` records that are not live at `now` and
 ///   returns how many it deleted; it never deletes a live record.
 /// - **Durability.** When `complete` returns `Ok`, the response survives a crash of the calling
@@ -162,7 +150,7 @@ pub enum LeaseError {
 /// - **Failures fail closed.** Any error is reported as `Err`; a store never answers `Acquired`
 ///   without having stored the in-progress record.
 /// - **Responses are opaque bytes**, returned by `Replay` exactly as stored.
-pub trait Store: Send + Sync + 'static {
+pub trait Store: Counters + Send + Sync + 'static {
     /// A short name of the backend (`"memory"`, `"sqlite"`).
     fn kind(&self) -> &'static str;
 
@@ -241,16 +229,6 @@ pub trait Store: Send + Sync + 'static {
         now: Timestamp,
     ) -> impl Future<Output = Result<Option<Record>, StoreError>> + Send;
 
-    /// Raises the counter named `key` to at least `to` in one atomic step and returns its
-    /// value (the larger of `to` and what it was). A durable high-water mark, such as an id
-    /// space's time floor.
-    fn raise(&self, key: &Key, to: u64) -> impl Future<Output = Result<u64, StoreError>> + Send;
-
-    /// Adds `by` (at least 1) to the counter named `key` (0 if it never moved) in one atomic
-    /// step and returns its new value, so the caller owns the range `new - by + 1 ..= new`.
-    /// Counters live apart from records: they never expire and purges never touch them.
-    fn advance(&self, key: &Key, by: u64) -> impl Future<Output = Result<u64, StoreError>> + Send;
-
     /// Deletes up to `limit` records that are no longer live; returns how many.
     fn purge_expired(
         &self,
@@ -269,8 +247,9 @@ pub trait Store: Send + Sync + 'static {
 pub type BoxFuture<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
 
 /// An object-safe [`Store`], for choosing the backend at run time (from a URL in a config).
-/// Every `Store` is a `DynStore`; `Arc<dyn DynStore>` is a `Store` again.
-pub trait DynStore: Send + Sync + 'static {
+/// Every `Store` is a `DynStore`; `Arc<dyn DynStore>` is a `Store` again, and its counters
+/// ([`DynCounters`], a supertrait) are reached through it or by coercion to `SharedCounters`.
+pub trait DynStore: DynCounters + Send + Sync + 'static {
     /// See [`Store::kind`].
     fn kind(&self) -> &'static str;
     /// See [`Store::begin`].
@@ -323,10 +302,6 @@ pub trait DynStore: Send + Sync + 'static {
         key: &'a Key,
         now: Timestamp,
     ) -> BoxFuture<'a, Result<Option<Record>, StoreError>>;
-    /// See [`Store::advance`].
-    fn advance<'a>(&'a self, key: &'a Key, by: u64) -> BoxFuture<'a, Result<u64, StoreError>>;
-    /// See [`Store::raise`].
-    fn raise<'a>(&'a self, key: &'a Key, to: u64) -> BoxFuture<'a, Result<u64, StoreError>>;
     /// See [`Store::purge_expired`].
     fn purge_expired(&self, now: Timestamp, limit: usize)
     -> BoxFuture<'_, Result<u64, StoreError>>;
@@ -395,12 +370,6 @@ impl<S: Store> DynStore for S {
     ) -> BoxFuture<'a, Result<Option<Record>, StoreError>> {
         Box::pin(Store::get(self, key, now))
     }
-    fn advance<'a>(&'a self, key: &'a Key, by: u64) -> BoxFuture<'a, Result<u64, StoreError>> {
-        Box::pin(Store::advance(self, key, by))
-    }
-    fn raise<'a>(&'a self, key: &'a Key, to: u64) -> BoxFuture<'a, Result<u64, StoreError>> {
-        Box::pin(Store::raise(self, key, to))
-    }
     fn purge_expired(
         &self,
         now: Timestamp,
@@ -415,6 +384,15 @@ impl<S: Store> DynStore for S {
 
 /// A store chosen at run time.
 pub type SharedStore = Arc<dyn DynStore>;
+
+impl Counters for SharedStore {
+    async fn raise(&self, key: &Key, to: u64) -> Result<u64, StoreError> {
+        DynCounters::raise(&**self, key, to).await
+    }
+    async fn advance(&self, key: &Key, by: u64) -> Result<u64, StoreError> {
+        DynCounters::advance(&**self, key, by).await
+    }
+}
 
 impl Store for SharedStore {
     fn kind(&self) -> &'static str {
@@ -458,12 +436,6 @@ impl Store for SharedStore {
     }
     async fn get(&self, key: &Key, now: Timestamp) -> Result<Option<Record>, StoreError> {
         DynStore::get(&**self, key, now).await
-    }
-    async fn advance(&self, key: &Key, by: u64) -> Result<u64, StoreError> {
-        DynStore::advance(&**self, key, by).await
-    }
-    async fn raise(&self, key: &Key, to: u64) -> Result<u64, StoreError> {
-        DynStore::raise(&**self, key, to).await
     }
     async fn purge_expired(&self, now: Timestamp, limit: usize) -> Result<u64, StoreError> {
         DynStore::purge_expired(&**self, now, limit).await

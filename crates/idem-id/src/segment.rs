@@ -5,7 +5,7 @@
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant, SystemTime};
 
-use idem_core::{Key, SharedStore, Store};
+use idem_core::{DynCounters, Key, SharedCounters};
 
 use crate::IdError;
 
@@ -74,7 +74,7 @@ struct State {
 /// a process (not across processes). A process that stops loses the rest of its ranges, so ids
 /// have gaps, never repeats.
 pub struct Segments {
-    store: SharedStore,
+    store: SharedCounters,
     key: Key,
     options: SegmentOptions,
     state: Mutex<State>,
@@ -92,9 +92,12 @@ impl std::fmt::Debug for Segments {
 
 impl Segments {
     /// An allocator for `tag` (the counter `idem.ids` / `idem.segment` / `tag` in the store).
-    /// The first range is fetched on first use.
+    /// The first range is fetched on first use. Only the store's [`Counters`] are used; a
+    /// `SharedStore` passes as it is.
+    ///
+    /// [`Counters`]: idem_core::Counters
     pub fn new(
-        store: SharedStore,
+        store: SharedCounters,
         tag: &str,
         options: SegmentOptions,
     ) -> Result<Arc<Self>, IdError> {
@@ -103,7 +106,7 @@ impl Segments {
 
     /// An allocator for `tag` within `scope` (a caller's own sequences, as in `idem serve`).
     pub fn scoped(
-        store: SharedStore,
+        store: SharedCounters,
         scope: &str,
         tag: &str,
         options: SegmentOptions,
@@ -369,10 +372,7 @@ struct FetchSlot {
 impl FetchSlot {
     /// Takes a range of `step` from the store (one atomic `advance`) and records it.
     async fn run(mut self) {
-        let result = self
-            .segments
-            .store
-            .advance(&self.segments.key, self.step)
+        let result = DynCounters::advance(&*self.segments.store, &self.segments.key, self.step)
             .await
             .map_err(|e| e.to_string());
         self.segments.end_fetch(self.step, result);

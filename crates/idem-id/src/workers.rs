@@ -10,7 +10,7 @@
 //! completes its record instead of deleting it: the record lives on for the quarantine, during
 //! which nobody can claim the id.
 //!
-//! A time floor per id space (a counter raised with `Store::raise`) records the time of the
+//! A time floor per id space (a counter raised with `Counters::raise`) records the time of the
 //! last id each generator issued, every second and when it stops; a new generator starts above
 //! it, so a process restarted after the wall clock was set back still issues ids above the ids
 //! issued before. The one exception is a process that crashed: the ids of its last second may

@@ -13,7 +13,7 @@ use std::collections::HashSet;
 use std::sync::Arc;
 use std::time::Duration;
 
-use idem_core::{Clock, Key, ManualClock, SharedStore, Store};
+use idem_core::{Clock, Counters, Key, ManualClock, SharedStore};
 use idem_id::{
     DEFAULT_EPOCH_MS, IdError, Layout, ManagedSnowflake, SnowflakeOptions, WorkerPool, WorkerStatus,
 };

@@ -10,7 +10,7 @@ use std::collections::HashSet;
 use std::sync::Arc;
 use std::time::Duration;
 
-use idem_core::{Key, SharedStore, Store};
+use idem_core::{Counters, Key, SharedStore};
 use idem_id::{IdError, SegmentOptions, SegmentStatus, Segments};
 use idem_store::MemoryStore;
 use idem_testkit::{FaultyStore, Op};

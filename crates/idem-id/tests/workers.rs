@@ -9,7 +9,7 @@ use std::collections::HashSet;
 use std::sync::Arc;
 use std::time::Duration;
 
-use idem_core::{Clock, Key, ManualClock, SharedStore, Store, SystemClock};
+use idem_core::{Clock, Counters, Key, ManualClock, SharedStore, SystemClock};
 use idem_id::{IdError, SnowflakeOptions, WorkerPool};
 use idem_store::MemoryStore;
 use idem_testkit::Op;

@@ -9,8 +9,8 @@ use std::future::Future;
 use std::time::{Duration, Instant};
 
 use idem_core::{
-    BeginOutcome, BeginRequest, Bytes, Key, Lease, LeaseError, Record, RecordAdmin, SharedStore,
-    Step, StepError, Store, StoreError, Timestamp,
+    BeginOutcome, BeginRequest, Bytes, Counters, Key, Lease, LeaseError, Record, RecordAdmin,
+    SharedStore, Step, StepError, Store, StoreError, Timestamp,
 };
 use metrics::Histogram;
 use tracing::Instrument;
@@ -133,14 +133,6 @@ impl Store for Metered {
         self.timed(5, Store::get(&self.inner, key, now)).await
     }
 
-    async fn raise(&self, key: &Key, to: u64) -> Result<u64, StoreError> {
-        self.timed(6, Store::raise(&self.inner, key, to)).await
-    }
-
-    async fn advance(&self, key: &Key, by: u64) -> Result<u64, StoreError> {
-        self.timed(7, Store::advance(&self.inner, key, by)).await
-    }
-
     async fn purge_expired(&self, now: Timestamp, limit: usize) -> Result<u64, StoreError> {
         self.timed(8, Store::purge_expired(&self.inner, now, limit))
             .await
@@ -149,6 +141,16 @@ impl Store for Metered {
     /// Operators' calls are rare and not on a request's path: not measured.
     fn admin(&self) -> Option<&dyn RecordAdmin> {
         Store::admin(&self.inner)
+    }
+}
+
+impl Counters for Metered {
+    async fn raise(&self, key: &Key, to: u64) -> Result<u64, StoreError> {
+        self.timed(6, Counters::raise(&self.inner, key, to)).await
+    }
+
+    async fn advance(&self, key: &Key, by: u64) -> Result<u64, StoreError> {
+        self.timed(7, Counters::advance(&self.inner, key, by)).await
     }
 }
 

@@ -18,9 +18,9 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use idem_core::{
-    BeginOutcome, BeginRequest, BoxFuture, Bytes, Counts, Cursor, Fingerprint, Key, Lease,
-    LeaseError, Page, Record, RecordAdmin, RecordFilter, Repair, Replay, Shown, Step, StepError,
-    Store, StoreError, Timestamp,
+    BeginOutcome, BeginRequest, BoxFuture, Bytes, Counters, Counts, Cursor, Fingerprint, Key,
+    Lease, LeaseError, Page, Record, RecordAdmin, RecordFilter, Repair, Replay, Shown, Step,
+    StepError, Store, StoreError, Timestamp,
 };
 
 /// How much a [`ReplayCache`] keeps, and for how long.
@@ -279,20 +279,22 @@ impl<S: Store> Store for ReplayCache<S> {
         self.store.get(key, now).await
     }
 
-    async fn raise(&self, key: &Key, to: u64) -> Result<u64, StoreError> {
-        self.store.raise(key, to).await
-    }
-
-    async fn advance(&self, key: &Key, by: u64) -> Result<u64, StoreError> {
-        self.store.advance(key, by).await
-    }
-
     async fn purge_expired(&self, now: Timestamp, limit: usize) -> Result<u64, StoreError> {
         self.store.purge_expired(now, limit).await
     }
 
     fn admin(&self) -> Option<&dyn RecordAdmin> {
         self.store.admin().map(|_| self as &dyn RecordAdmin)
+    }
+}
+
+impl<S: Store> Counters for ReplayCache<S> {
+    async fn raise(&self, key: &Key, to: u64) -> Result<u64, StoreError> {
+        self.store.raise(key, to).await
+    }
+
+    async fn advance(&self, key: &Key, by: u64) -> Result<u64, StoreError> {
+        self.store.advance(key, by).await
     }
 }
 

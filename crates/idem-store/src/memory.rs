@@ -6,9 +6,9 @@ use std::collections::hash_map::Entry;
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 
 use idem_core::{
-    Acquire, BeginOutcome, BeginRequest, Bytes, Held, HeldLock, Key, Lease, LeaseError, LockError,
-    LockName, LockState, LockStore, OwnerDigest, Record, ReleaseListener, StaleLease, Status, Step,
-    StepError, Store, StoreError, Timestamp,
+    Acquire, BeginOutcome, BeginRequest, Bytes, Counters, Held, HeldLock, Key, Lease, LeaseError,
+    LockError, LockName, LockState, LockStore, OwnerDigest, Record, ReleaseListener, StaleLease,
+    Status, Step, StepError, Store, StoreError, Timestamp,
 };
 
 use crate::lock_feed::ReleaseFeed;
@@ -430,6 +430,24 @@ impl Store for MemoryStore {
         Ok(reopened)
     }
 
+    async fn get(&self, key: &Key, now: Timestamp) -> Result<Option<Record>, StoreError> {
+        Ok(self
+            .shard(key)
+            .get(key)
+            .filter(|r| r.is_live(now))
+            .map(|r| Record::clone(r)))
+    }
+
+    async fn purge_expired(&self, now: Timestamp, limit: usize) -> Result<u64, StoreError> {
+        Ok(self.purge(now, limit).0 as u64)
+    }
+
+    fn admin(&self) -> Option<&dyn idem_core::RecordAdmin> {
+        Some(self)
+    }
+}
+
+impl Counters for MemoryStore {
     async fn advance(&self, key: &Key, by: u64) -> Result<u64, StoreError> {
         let mut counters = self
             .inner
@@ -455,22 +473,6 @@ impl Store for MemoryStore {
         let value = counters.entry(key.clone()).or_insert(0);
         *value = (*value).max(to.min(idem_core::MAX_COUNTER));
         Ok(*value)
-    }
-
-    async fn get(&self, key: &Key, now: Timestamp) -> Result<Option<Record>, StoreError> {
-        Ok(self
-            .shard(key)
-            .get(key)
-            .filter(|r| r.is_live(now))
-            .map(|r| Record::clone(r)))
-    }
-
-    async fn purge_expired(&self, now: Timestamp, limit: usize) -> Result<u64, StoreError> {
-        Ok(self.purge(now, limit).0 as u64)
-    }
-
-    fn admin(&self) -> Option<&dyn idem_core::RecordAdmin> {
-        Some(self)
     }
 }
 

@@ -577,8 +577,8 @@ async fn every_record_once(store: RedisStore, raw: &mut impl redis::aio::Connect
     use std::time::Duration;
 
     use idem_core::{
-        BeginOutcome, BeginRequest, Cursor, Fingerprint, Key, LockName, LockStore, OwnerDigest,
-        RecordFilter, RecordState, Repair, Scope, Shown, Store, Timestamp,
+        BeginOutcome, BeginRequest, Counters, Cursor, Fingerprint, Key, LockName, LockStore,
+        OwnerDigest, RecordFilter, RecordState, Repair, Scope, Shown, Store, Timestamp,
     };
 
     const RECORDS: usize = 3000;

@@ -7,7 +7,9 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use idem_core::{BeginOutcome, BeginRequest, Fingerprint, Key, Store, StoreError, Timestamp};
+use idem_core::{
+    BeginOutcome, BeginRequest, Counters, Fingerprint, Key, Store, StoreError, Timestamp,
+};
 use idem_store::{SqliteOptions, SqliteStore};
 use idem_testkit::{PATIENCE, within};
 

@@ -4,8 +4,9 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use idem_core::{
-    Acquire, BeginOutcome, BeginRequest, Bytes, Held, Key, Lease, LeaseError, LockError, LockName,
-    LockStore, OwnerDigest, Record, ReleaseListener, Step, StepError, Store, StoreError, Timestamp,
+    Acquire, BeginOutcome, BeginRequest, Bytes, Counters, Held, Key, Lease, LeaseError, LockError,
+    LockName, LockStore, OwnerDigest, Record, ReleaseListener, Step, StepError, Store, StoreError,
+    Timestamp,
 };
 use tokio::sync::watch;
 
@@ -349,6 +350,21 @@ impl<S: Store> Store for FaultyStore<S> {
             .await
     }
 
+    async fn purge_expired(&self, now: Timestamp, limit: usize) -> Result<u64, StoreError> {
+        self.with_fault(Op::Purge, move |s| async move {
+            s.purge_expired(now, limit).await
+        })
+        .await
+    }
+
+    /// The wrapped store's operator view, without faults: operators' tools are not what a
+    /// fault test exercises.
+    fn admin(&self) -> Option<&dyn idem_core::RecordAdmin> {
+        self.inner.admin()
+    }
+}
+
+impl<S: Store> Counters for FaultyStore<S> {
     async fn advance(&self, key: &Key, by: u64) -> Result<u64, StoreError> {
         let key = key.clone();
         self.with_fault(
@@ -362,19 +378,6 @@ impl<S: Store> Store for FaultyStore<S> {
         let key = key.clone();
         self.with_fault(Op::Raise, move |s| async move { s.raise(&key, to).await })
             .await
-    }
-
-    async fn purge_expired(&self, now: Timestamp, limit: usize) -> Result<u64, StoreError> {
-        self.with_fault(Op::Purge, move |s| async move {
-            s.purge_expired(now, limit).await
-        })
-        .await
-    }
-
-    /// The wrapped store's operator view, without faults: operators' tools are not what a
-    /// fault test exercises.
-    fn admin(&self) -> Option<&dyn idem_core::RecordAdmin> {
-        self.inner.admin()
     }
 }
 

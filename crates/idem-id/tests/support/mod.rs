@@ -8,8 +8,8 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use idem_core::{
-    BeginOutcome, BeginRequest, Bytes, Clock, Key, Lease, LeaseError, ManualClock, Record,
-    SharedStore, Store, StoreError, Timestamp,
+    BeginOutcome, BeginRequest, Bytes, Clock, Counters, Key, Lease, LeaseError, ManualClock,
+    Record, SharedStore, Store, StoreError, Timestamp,
 };
 use idem_testkit::Op;
 use tokio::sync::watch;
@@ -285,16 +285,18 @@ impl Store for TestStore {
         self.call(Op::Get, self.store().get(key, now)).await
     }
 
+    async fn purge_expired(&self, now: Timestamp, limit: usize) -> Result<u64, StoreError> {
+        self.call(Op::Purge, self.store().purge_expired(now, limit))
+            .await
+    }
+}
+
+impl Counters for TestStore {
     async fn raise(&self, key: &Key, to: u64) -> Result<u64, StoreError> {
         self.call(Op::Raise, self.store().raise(key, to)).await
     }
 
     async fn advance(&self, key: &Key, by: u64) -> Result<u64, StoreError> {
         self.call(Op::Advance, self.store().advance(key, by)).await
-    }
-
-    async fn purge_expired(&self, now: Timestamp, limit: usize) -> Result<u64, StoreError> {
-        self.call(Op::Purge, self.store().purge_expired(now, limit))
-            .await
     }
 }

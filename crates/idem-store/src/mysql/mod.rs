@@ -25,8 +25,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use idem_core::{
-    BeginOutcome, BeginRequest, Bytes, Key, Lease, LeaseError, Record, RecordAdmin, StaleLease,
-    Step, StepError, Store, StoreError, Timestamp,
+    BeginOutcome, BeginRequest, Bytes, Counters, Key, Lease, LeaseError, Record, RecordAdmin,
+    StaleLease, Step, StepError, Store, StoreError, Timestamp,
 };
 use sqlx::mysql::{MySqlConnectOptions, MySqlDatabaseError, MySqlPoolOptions};
 use sqlx::{AssertSqlSafe, ConnectOptions, Connection, Executor, MySqlConnection, MySqlPool};
@@ -310,6 +310,22 @@ impl Store for MySqlStore {
         row.map(|r| sql::raw(&r)?.into_record(key)).transpose()
     }
 
+    async fn purge_expired(&self, now: Timestamp, limit: usize) -> Result<u64, StoreError> {
+        if limit == 0 {
+            return Ok(0);
+        }
+        let done = sqlx::query(self.sql.purge.clone())
+            .bind(sql_int(now.as_millis()))
+            .bind(sql_int(now.as_millis()))
+            .bind(u64::try_from(limit).unwrap_or(u64::MAX))
+            .execute(&self.pool)
+            .await
+            .map_err(|e| error("cannot purge expired records", e))?;
+        Ok(done.rows_affected())
+    }
+}
+
+impl Counters for MySqlStore {
     async fn advance(&self, key: &Key, by: u64) -> Result<u64, StoreError> {
         let done = keyed(sqlx::query(self.sql.advance.clone()), key)
             .bind(sql_int(idem_core::counter_step(by)?))
@@ -334,20 +350,6 @@ impl Store for MySqlStore {
             .await
             .map_err(|e| error("cannot raise the counter", e))?;
         Ok(done.last_insert_id())
-    }
-
-    async fn purge_expired(&self, now: Timestamp, limit: usize) -> Result<u64, StoreError> {
-        if limit == 0 {
-            return Ok(0);
-        }
-        let done = sqlx::query(self.sql.purge.clone())
-            .bind(sql_int(now.as_millis()))
-            .bind(sql_int(now.as_millis()))
-            .bind(u64::try_from(limit).unwrap_or(u64::MAX))
-            .execute(&self.pool)
-            .await
-            .map_err(|e| error("cannot purge expired records", e))?;
-        Ok(done.rows_affected())
     }
 }
 

@@ -22,8 +22,8 @@
 use std::time::Duration;
 
 use idem_core::{
-    BeginOutcome, BeginRequest, Bytes, Key, Lease, LeaseError, Record, RecordAdmin, StaleLease,
-    Step, StepError, Store, StoreError, Timestamp,
+    BeginOutcome, BeginRequest, Bytes, Counters, Key, Lease, LeaseError, Record, RecordAdmin,
+    StaleLease, Step, StepError, Store, StoreError, Timestamp,
 };
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
 use sqlx::{ConnectOptions, Connection, PgConnection, PgPool};
@@ -294,32 +294,6 @@ impl Store for PostgresStore {
         row.map(|r| sql::raw(&r)?.into_record(key)).transpose()
     }
 
-    async fn advance(&self, key: &Key, by: u64) -> Result<u64, StoreError> {
-        let value: Option<i64> = sqlx::query_scalar(self.sql.advance.clone())
-            .bind(key.scope().as_str())
-            .bind(key.namespace().as_str())
-            .bind(key.client_key().as_str())
-            .bind(sql_int(idem_core::counter_step(by)?))
-            .fetch_optional(&self.pool)
-            .await
-            .map_err(|e| error("cannot advance the counter", e))?;
-        value
-            .and_then(|v| u64::try_from(v).ok())
-            .ok_or(StoreError::CounterExhausted)
-    }
-
-    async fn raise(&self, key: &Key, to: u64) -> Result<u64, StoreError> {
-        let value: i64 = sqlx::query_scalar(self.sql.raise.clone())
-            .bind(key.scope().as_str())
-            .bind(key.namespace().as_str())
-            .bind(key.client_key().as_str())
-            .bind(sql_int(to))
-            .fetch_one(&self.pool)
-            .await
-            .map_err(|e| error("cannot raise the counter", e))?;
-        u64::try_from(value).map_err(|_| StoreError::Corrupt("a negative counter".into()))
-    }
-
     async fn purge_expired(&self, now: Timestamp, limit: usize) -> Result<u64, StoreError> {
         if limit == 0 {
             return Ok(0);
@@ -344,6 +318,34 @@ impl Store for PostgresStore {
             .purge(&mut c, i64::try_from(rest).unwrap_or(i64::MAX))
             .await?;
         Ok(records + locks)
+    }
+}
+
+impl Counters for PostgresStore {
+    async fn advance(&self, key: &Key, by: u64) -> Result<u64, StoreError> {
+        let value: Option<i64> = sqlx::query_scalar(self.sql.advance.clone())
+            .bind(key.scope().as_str())
+            .bind(key.namespace().as_str())
+            .bind(key.client_key().as_str())
+            .bind(sql_int(idem_core::counter_step(by)?))
+            .fetch_optional(&self.pool)
+            .await
+            .map_err(|e| error("cannot advance the counter", e))?;
+        value
+            .and_then(|v| u64::try_from(v).ok())
+            .ok_or(StoreError::CounterExhausted)
+    }
+
+    async fn raise(&self, key: &Key, to: u64) -> Result<u64, StoreError> {
+        let value: i64 = sqlx::query_scalar(self.sql.raise.clone())
+            .bind(key.scope().as_str())
+            .bind(key.namespace().as_str())
+            .bind(key.client_key().as_str())
+            .bind(sql_int(to))
+            .fetch_one(&self.pool)
+            .await
+            .map_err(|e| error("cannot raise the counter", e))?;
+        u64::try_from(value).map_err(|_| StoreError::Corrupt("a negative counter".into()))
     }
 }
 

@@ -4,8 +4,8 @@
 use std::time::Duration;
 
 use idem_core::{
-    BeginOutcome, BeginRequest, Bytes, Key, Lease, LeaseError, Record, RecordAdmin, Replay,
-    StaleLease, Status, Step, StepError, Store, StoreError, Timestamp,
+    BeginOutcome, BeginRequest, Bytes, Counters, Key, Lease, LeaseError, Record, RecordAdmin,
+    Replay, StaleLease, Status, Step, StepError, Store, StoreError, Timestamp,
 };
 use redis::Value;
 
@@ -118,6 +118,17 @@ impl Store for RedisStore {
         Ok(self.load(key).await?.filter(|r| r.is_live(now)))
     }
 
+    async fn purge_expired(&self, _now: Timestamp, _limit: usize) -> Result<u64, StoreError> {
+        // Redis deletes expired records by itself (see the module's notes).
+        Ok(0)
+    }
+
+    fn admin(&self) -> Option<&dyn RecordAdmin> {
+        Some(self)
+    }
+}
+
+impl Counters for RedisStore {
     async fn advance(&self, key: &Key, by: u64) -> Result<u64, StoreError> {
         // A key of its own beside the record's, in the same hash slot; no TTL.
         let value: i64 = redis::cmd("INCRBY")
@@ -143,15 +154,6 @@ impl Store for RedisStore {
             .await
             .map_err(|e| error("cannot raise the counter", e))?;
         value.parse().map_err(|_| corrupt("counter"))
-    }
-
-    async fn purge_expired(&self, _now: Timestamp, _limit: usize) -> Result<u64, StoreError> {
-        // Redis deletes expired records by itself (see the module's notes).
-        Ok(0)
-    }
-
-    fn admin(&self) -> Option<&dyn RecordAdmin> {
-        Some(self)
     }
 }
 

@@ -35,7 +35,7 @@ use std::thread;
 use std::time::Duration;
 
 use idem_core::{
-    BeginOutcome, BeginRequest, Bytes, Key, Lease, LeaseError, Record, RecordAdmin, Step,
+    BeginOutcome, BeginRequest, Bytes, Counters, Key, Lease, LeaseError, Record, RecordAdmin, Step,
     StepError, Store, StoreError, Timestamp,
 };
 use tokio::sync::oneshot;
@@ -257,17 +257,6 @@ impl Store for SqliteStore {
         self.call(request, Responder::Step, |e| Err(e.into())).await
     }
 
-    async fn advance(&self, key: &Key, by: u64) -> Result<u64, StoreError> {
-        let by = idem_core::counter_step(by)?;
-        self.call(Request::Advance(key.clone(), by), Responder::Advance, Err)
-            .await
-    }
-
-    async fn raise(&self, key: &Key, to: u64) -> Result<u64, StoreError> {
-        self.call(Request::Raise(key.clone(), to), Responder::Advance, Err)
-            .await
-    }
-
     async fn reopen(&self, key: &Key, fence: u64, now: Timestamp) -> Result<bool, StoreError> {
         let request = Request::Reopen(key.clone(), fence, now);
         self.call(request, Responder::Reopen, Err).await
@@ -291,5 +280,18 @@ impl Store for SqliteStore {
 
     fn admin(&self) -> Option<&dyn RecordAdmin> {
         Some(self)
+    }
+}
+
+impl Counters for SqliteStore {
+    async fn advance(&self, key: &Key, by: u64) -> Result<u64, StoreError> {
+        let by = idem_core::counter_step(by)?;
+        self.call(Request::Advance(key.clone(), by), Responder::Advance, Err)
+            .await
+    }
+
+    async fn raise(&self, key: &Key, to: u64) -> Result<u64, StoreError> {
+        self.call(Request::Raise(key.clone(), to), Responder::Advance, Err)
+            .await
     }
 }
