@@ -19,6 +19,16 @@ macro_rules! say {
     };
 }
 
+#[derive(clap::Args)]
+pub(crate) struct RecordsArgs {
+    /// The store: sqlite://PATH, memory://, postgres://…, mysql://…, redis://…
+    #[arg(long, env = "IDEM_STORE", default_value = "sqlite://idem.db")]
+    store: String,
+
+    #[command(subcommand)]
+    command: RecordsCommand,
+}
+
 /// The records' scope, namespace, state and age, as the command line gives them.
 #[derive(clap::Args, Clone)]
 pub(crate) struct FilterArgs {
@@ -143,7 +153,13 @@ pub(crate) struct RepairArgs {
 }
 
 /// Runs one `idem records` command against `store`.
-pub(crate) async fn run(store: SharedStore, command: RecordsCommand) -> Result<(), String> {
+/// Runs `idem records` against the store its flags name.
+pub(crate) async fn records(args: RecordsArgs) -> Result<(), String> {
+    let store = super::open_store(&args.store).await?;
+    run(store, args.command).await
+}
+
+async fn run(store: SharedStore, command: RecordsCommand) -> Result<(), String> {
     let admin = Store::admin(&store)
         .ok_or_else(|| format!("the {} store does not list records", Store::kind(&store)))?;
     let now = Timestamp::now();

@@ -1,0 +1,117 @@
+//! The `idem` command's subcommands, one module each, and what they share: opening a store,
+//! the replay cache's flags, and `migrate`, which is only that.
+
+pub(crate) mod gateway;
+pub(crate) mod id;
+mod listen;
+mod parse;
+pub(crate) mod records;
+pub(crate) mod relay;
+pub(crate) mod serve;
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use idem_core::SharedStore;
+use idem_server::metered::Metered;
+use idem_store::StoreUrl;
+use tracing::info;
+
+use parse::parse_cache_age;
+
+#[derive(clap::Args)]
+pub(crate) struct MigrateArgs {
+    /// The store, as for serve: sqlite://PATH, postgres://…, mysql://…, redis://…
+    #[arg(long, env = "IDEM_STORE")]
+    store: String,
+}
+
+/// The replay cache, shared by serve and gateway: completed records answered from memory.
+#[derive(clap::Args)]
+pub(crate) struct ReplayCacheArgs {
+    /// How many completed answers to keep in memory, so that their replays skip the store; 0
+    /// turns the cache off.
+    #[arg(long, env = "IDEM_REPLAY_CACHE_ENTRIES", default_value_t = 10_000)]
+    replay_cache_entries: usize,
+
+    /// How many bytes of answers (and keys) the replay cache keeps at most.
+    #[arg(long, env = "IDEM_REPLAY_CACHE_BYTES", default_value_t = 32 << 20)]
+    replay_cache_bytes: usize,
+
+    /// How long an answer stays in the replay cache at most (even if its record lives
+    /// longer): the longest another instance, or `idem records`, may take to see its repair
+    /// of a completed record here (at most 1h).
+    #[arg(long, env = "IDEM_REPLAY_CACHE_MAX_AGE", default_value = "60s", value_parser = parse_cache_age)]
+    replay_cache_max_age: Duration,
+}
+
+impl ReplayCacheArgs {
+    /// `store` behind the replay cache, unless it is off; `skip` keeps answers out of it.
+    pub(crate) fn wrap(&self, store: SharedStore, skip: Option<fn(&[u8]) -> bool>) -> SharedStore {
+        if self.replay_cache_entries == 0 {
+            return store;
+        }
+        let limits = idem_store::ReplayCacheLimits {
+            entries: self.replay_cache_entries,
+            bytes: self.replay_cache_bytes,
+            max_age: self.replay_cache_max_age,
+        };
+        let mut cache = idem_store::ReplayCache::new(store, limits);
+        if let Some(skip) = skip {
+            cache = cache.skip(skip);
+        }
+        tokio::spawn(idem_server::metrics::watch_replay_cache(cache.clone()));
+        Arc::new(cache)
+    }
+}
+
+/// Opens the store at `url` and, where it keeps them, its locks; an in-memory store also
+/// publishes its size as gauges. The error names the store with any password hidden.
+pub(crate) async fn open_with_locks(
+    url: &str,
+) -> Result<(SharedStore, Option<idem_core::SharedLockStore>), String> {
+    let parsed: StoreUrl = url
+        .parse()
+        .map_err(|e| format!("invalid store URL {:?}: {e}", idem_store::redact(url)))?;
+    // Installed before the store is wrapped: metric handles taken earlier record nothing.
+    idem_server::metrics::Registry::global();
+    let metered = |store: SharedStore| -> SharedStore { Arc::new(Metered::new(store)) };
+    if let StoreUrl::Memory(limits) = &parsed {
+        let store = idem_store::MemoryStore::with_limits(*limits);
+        tokio::spawn(idem_server::metrics::watch_memory_store(store.clone()));
+        return Ok((metered(Arc::new(store.clone())), Some(Arc::new(store))));
+    }
+    let (store, locks) = parsed
+        .open_with_locks()
+        .await
+        .map_err(|e| format!("store {:?}: {e}", idem_store::redact(url)))?;
+    Ok((metered(store), locks))
+}
+
+/// Opens the store at `url`; the error names it with any password hidden.
+pub(crate) async fn open_store(url: &str) -> Result<SharedStore, String> {
+    idem_store::open(url)
+        .await
+        .map_err(|e| format!("store {:?}: {e}", idem_store::redact(url)))
+}
+
+/// `e` and the errors beneath it, as one line: "connecting to the broker: Connection refused".
+pub(crate) fn with_causes(e: &dyn std::error::Error) -> String {
+    let mut text = e.to_string();
+    let mut cause = e.source();
+    while let Some(c) = cause {
+        let c_text = c.to_string();
+        if !text.contains(&c_text) {
+            text = format!("{text}: {c_text}");
+        }
+        cause = c.source();
+    }
+    text
+}
+
+pub(crate) async fn migrate(args: &MigrateArgs) -> Result<(), String> {
+    // Opening a store applies whatever migrations it lacks, under the store's own lock.
+    let store = open_store(&args.store).await?;
+    info!(store = store.kind(), "the store's schema is up to date");
+    Ok(())
+}
