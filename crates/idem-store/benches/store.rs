@@ -298,23 +298,22 @@ fn main() {
             &mut base,
             None,
         );
-        let mut options = SqliteOptions::default();
-        options.synchronous = sync;
-        let store = SqliteStore::open_with(dir.path().join("idem.db"), options).unwrap();
-        let mut f = multi.block_on(run_store(&store, 1, single_n));
-        row(
-            &format!("sqlite synchronous={label}"),
-            1,
-            &mut f,
-            Some(("dedupe table", base.per_sec())),
-        );
-        let mut f = multi.block_on(run_store(&store, 64, 200_000 / scale / 64));
-        row(
-            &format!("sqlite synchronous={label}"),
-            64,
-            &mut f,
-            Some(("dedupe table", base.per_sec())),
-        );
+        // As shipped, then with no read connections: every `begin` straight to the writer,
+        // without the read that answers replays off it (a fresh key pays for that read).
+        for (reads, suffix) in [(None, ""), (Some(0), ", read_connections=0")] {
+            let mut options = SqliteOptions::default();
+            options.synchronous = sync;
+            if let Some(n) = reads {
+                options.read_connections = n;
+            }
+            let file = format!("idem{}.db", reads.map_or(String::new(), |n| n.to_string()));
+            let store = SqliteStore::open_with(dir.path().join(file), options).unwrap();
+            let name = format!("sqlite synchronous={label}{suffix}");
+            let mut f = multi.block_on(run_store(&store, 1, single_n));
+            row(&name, 1, &mut f, Some(("dedupe table", base.per_sec())));
+            let mut f = multi.block_on(run_store(&store, 64, 200_000 / scale / 64));
+            row(&name, 64, &mut f, Some(("dedupe table", base.per_sec())));
+        }
     }
 
     // One task runs on a current-thread runtime, as a job loop would; 64 on all cores.
