@@ -223,8 +223,8 @@ impl Log {
 /// Serves `app` on `listener` with `limits` until `shutdown` completes; then stops accepting
 /// and gives in-flight requests [`SHUTDOWN_GRACE`] to finish.
 ///
-/// Each request carries [`ConnectInfo<SocketAddr>`] of its peer, as with
-/// `into_make_service_with_connect_info`.
+/// Each request carries [`ConnectInfo<SocketAddr>`](axum::extract::ConnectInfo) of its peer,
+/// as with `into_make_service_with_connect_info`.
 pub async fn serve(
     listener: TcpListener,
     app: Router,
