@@ -66,7 +66,9 @@ impl<C: Counters> DynCounters for C {
 /// Counters chosen at run time.
 pub type SharedCounters = Arc<dyn DynCounters>;
 
-impl Counters for SharedCounters {
+/// Counters behind an `Arc`: [`SharedCounters`], a [`SharedStore`](crate::SharedStore) (whose
+/// `DynStore` has `DynCounters` as a supertrait), or a store shared by hand.
+impl<T: DynCounters + ?Sized> Counters for Arc<T> {
     async fn raise(&self, key: &Key, to: u64) -> Result<u64, StoreError> {
         DynCounters::raise(&**self, key, to).await
     }

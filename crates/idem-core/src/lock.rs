@@ -453,7 +453,9 @@ impl<L: LockStore> DynLockStore for L {
 /// A lock backend chosen at run time.
 pub type SharedLockStore = Arc<dyn DynLockStore>;
 
-impl LockStore for SharedLockStore {
+/// A lock backend behind an `Arc`: a [`SharedLockStore`] chosen at run time, or an
+/// `Arc<MemoryStore>` shared by hand. Calls go through [`DynLockStore`].
+impl<T: DynLockStore + ?Sized> LockStore for Arc<T> {
     fn kind(&self) -> &'static str {
         DynLockStore::kind(&**self)
     }

@@ -385,15 +385,6 @@ impl<S: Store> DynStore for S {
 /// A store chosen at run time.
 pub type SharedStore = Arc<dyn DynStore>;
 
-impl Counters for SharedStore {
-    async fn raise(&self, key: &Key, to: u64) -> Result<u64, StoreError> {
-        DynCounters::raise(&**self, key, to).await
-    }
-    async fn advance(&self, key: &Key, by: u64) -> Result<u64, StoreError> {
-        DynCounters::advance(&**self, key, by).await
-    }
-}
-
 impl Store for SharedStore {
     fn kind(&self) -> &'static str {
         DynStore::kind(&**self)

@@ -70,6 +70,28 @@ async fn mutual_exclusion(store: impl LockStore) {
     assert_eq!(counter.load(Ordering::SeqCst), 16 * 200);
 }
 
+/// A backend shared by hand (`Arc<MemoryStore>`) and one chosen at run time
+/// (`SharedLockStore`) are lock backends themselves, and hand out one lock between them.
+#[tokio::test]
+async fn a_backend_behind_an_arc_is_a_lock_backend() {
+    let store = Arc::new(MemoryStore::new());
+    let shared: idem::SharedLockStore = store.clone();
+    let by_hand = Locks::new(Arc::clone(&store));
+    let guard = by_hand
+        .try_acquire("arc", Duration::from_secs(10))
+        .await
+        .unwrap();
+    let refused = Locks::new(shared)
+        .try_acquire("arc", Duration::from_secs(10))
+        .await;
+    assert!(
+        matches!(refused, Err(LockError::Held { .. })),
+        "{refused:?}"
+    );
+    assert_eq!(LockStore::kind(&store), "memory");
+    drop(guard);
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn mutual_exclusion_in_memory() {
     mutual_exclusion(MemoryStore::new()).await;
