@@ -75,7 +75,7 @@ pub fn hex(bytes: &[u8]) -> String {
 /// 128 bits from a cryptographically secure generator, as 32 lowercase hex digits (URL-safe):
 /// an id no one can guess or enumerate (lock owners, one-time tokens).
 pub fn random_hex128() -> String {
-    format!("{:032x}", rand::random::<u128>())
+    hex(&rand::random::<[u8; 16]>())
 }
 
 #[cfg(test)]
@@ -87,5 +87,18 @@ mod hex_tests {
         let all: Vec<u8> = (0..=255).collect();
         let expected: String = all.iter().map(|b| format!("{b:02x}")).collect();
         assert_eq!(super::hex(&all), expected);
+    }
+
+    #[test]
+    fn random_ids_are_32_lowercase_hex_digits_and_differ() {
+        let (a, b) = (super::random_hex128(), super::random_hex128());
+        for id in [&a, &b] {
+            assert_eq!(id.len(), 32);
+            assert!(
+                id.bytes()
+                    .all(|c| c.is_ascii_digit() || (b'a'..=b'f').contains(&c))
+            );
+        }
+        assert_ne!(a, b);
     }
 }

@@ -150,6 +150,9 @@ pub enum LeaseError {
 /// - **Failures fail closed.** Any error is reported as `Err`; a store never answers `Acquired`
 ///   without having stored the in-progress record.
 /// - **Responses are opaque bytes**, returned by `Replay` exactly as stored.
+/// - **`begin_from_memory`**, where a store overrides it, answers only what `begin` would
+///   answer at `now` without writing anything (`Replay` or `Mismatch`), from memory, changing
+///   nothing; `None` when it does not know.
 pub trait Store: Counters + Send + Sync + 'static {
     /// A short name of the backend (`"memory"`, `"sqlite"`).
     fn kind(&self) -> &'static str;
@@ -160,6 +163,19 @@ pub trait Store: Counters + Send + Sync + 'static {
         req: &BeginRequest,
         now: Timestamp,
     ) -> impl Future<Output = Result<BeginOutcome, StoreError>> + Send;
+
+    /// The answer `begin` would give `req` at `now`, if it is known without I/O and takes no
+    /// write: a `Replay` or a `Mismatch` from the completed records a store keeps in memory
+    /// (idem-store's `ReplayCache` does). `None` when it is not known; never
+    /// `Acquired` or `InProgress`. It claims nothing and changes nothing, so a caller may ask
+    /// it where an abandoned `begin` would be unsafe (before handing the claim to a task of
+    /// its own) and go on to `begin` when it answers `None`.
+    ///
+    /// Provided: `None`, for stores that keep nothing in memory.
+    fn begin_from_memory(&self, req: &BeginRequest, now: Timestamp) -> Option<BeginOutcome> {
+        let _ = (req, now);
+        None
+    }
 
     /// Stores `response` as the record's result and marks it completed.
     fn complete(
@@ -258,6 +274,8 @@ pub trait DynStore: DynCounters + Send + Sync + 'static {
         req: &'a BeginRequest,
         now: Timestamp,
     ) -> BoxFuture<'a, Result<BeginOutcome, StoreError>>;
+    /// See [`Store::begin_from_memory`].
+    fn begin_from_memory(&self, req: &BeginRequest, now: Timestamp) -> Option<BeginOutcome>;
     /// See [`Store::complete`].
     fn complete<'a>(
         &'a self,
@@ -319,6 +337,9 @@ impl<S: Store> DynStore for S {
         now: Timestamp,
     ) -> BoxFuture<'a, Result<BeginOutcome, StoreError>> {
         Box::pin(Store::begin(self, req, now))
+    }
+    fn begin_from_memory(&self, req: &BeginRequest, now: Timestamp) -> Option<BeginOutcome> {
+        Store::begin_from_memory(self, req, now)
     }
     fn complete<'a>(
         &'a self,
@@ -391,6 +412,9 @@ impl Store for SharedStore {
     }
     async fn begin(&self, req: &BeginRequest, now: Timestamp) -> Result<BeginOutcome, StoreError> {
         DynStore::begin(&**self, req, now).await
+    }
+    fn begin_from_memory(&self, req: &BeginRequest, now: Timestamp) -> Option<BeginOutcome> {
+        DynStore::begin_from_memory(&**self, req, now)
     }
     async fn complete(
         &self,

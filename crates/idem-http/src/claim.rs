@@ -7,7 +7,7 @@ use bytes::Bytes;
 use http::{HeaderMap, HeaderValue, Response, StatusCode};
 use http_body_util::Full;
 use idem_claim::begin_waiting;
-use idem_core::{BeginOutcome, BeginRequest, Lease, Store};
+use idem_core::{BeginOutcome, BeginRequest, Lease, Store, Timestamp};
 
 use crate::body::{ResponseBody, boxed};
 use crate::header::IDEMPOTENT_REPLAYED;
@@ -30,74 +30,112 @@ pub(crate) async fn claim(
     cfg: &Config,
     begin: &BeginRequest,
 ) -> Result<Lease, Response<ResponseBody>> {
-    let policy = &cfg.policy;
     let mut reopened = false;
     loop {
-        let outcome = begin_waiting(&cfg.store, &*cfg.clock, begin, policy.in_flight)
+        let outcome = begin_waiting(&cfg.store, &*cfg.clock, begin, cfg.policy.in_flight)
             .await
             .map_err(|e| reject(Problem::store(&e)))?;
         let now = cfg.clock.now();
-        let r = match outcome {
-            BeginOutcome::Acquired(lease) => {
-                count("executed");
-                return Ok(lease);
-            }
-            BeginOutcome::Mismatch => {
-                return Err(reject(
-                    ProblemCode::IdempotencyKeyMismatch
-                        .problem(
-                            "This Idempotency-Key was used with a different request (method, \
-                             path, query or body); use a new key for a new request.",
-                        )
-                        .with_status(policy.preset.mismatch_status()),
-                ));
-            }
-            BeginOutcome::InProgress { lease_expires_at } => {
-                return Err(reject(
-                    ProblemCode::RequestInProgress
-                        .problem(
-                            "A request with this Idempotency-Key is still being processed; \
-                             retry later.",
-                        )
-                        .retry_after(lease_expires_at.saturating_since(now).min(IN_PROGRESS_POLL)),
-                ));
-            }
-            BeginOutcome::Replay(r) => r,
-        };
-        let stored = Stored::decode(r.response).map_err(|_| {
-            reject(
-                ProblemCode::RecordCorrupt
-                    .problem("The stored answer for this Idempotency-Key could not be read."),
-            )
-        })?;
-        match stored {
-            Stored::Response {
-                status,
-                headers,
-                body,
-            } => return Err(replay(status, headers, body)),
-            Stored::TooLarge { status } => {
-                return Err(reject(
-                    ProblemCode::ResponseNotReplayable
-                        .problem(
-                            "The request with this Idempotency-Key was processed, but its \
-                             response was too large to store; it is not run again.",
-                        )
-                        .with("original_status", status.as_u16()),
-                ));
-            }
-            Stored::Unknown { until: Some(until) } if until <= now && !reopened => {
+        match decide(cfg, outcome, now, reopened) {
+            Next::Run(lease) => return Ok(lease),
+            Next::Answer(answer) => return Err(answer),
+            Next::Reopen { fence } => {
                 // The attempt's lease is over: run again (at-least-once). Once only: if
                 // another retry reopened and completed it meanwhile, its answer stands.
                 reopened = true;
                 cfg.store
-                    .reopen(&begin.key, r.fence, now)
+                    .reopen(&begin.key, fence, now)
                     .await
                     .map_err(|e| reject(Problem::store(&e)))?;
             }
-            Stored::Unknown { until } => {
-                return Err(reject(unknown(until.map(|u| u.saturating_since(now)))));
-            }
+        }
+    }
+}
+
+/// The answer to `begin` from what the store keeps in memory (a replay, a mismatch), if it
+/// has one: no claim is made, so the caller's own task may ask, and a caller that leaves
+/// abandons nothing. `None` sends the request on to [`claim`].
+pub(crate) fn answer_from_memory(
+    cfg: &Config,
+    begin: &BeginRequest,
+) -> Option<Response<ResponseBody>> {
+    let now = cfg.clock.now();
+    let outcome = cfg.store.begin_from_memory(begin, now)?;
+    if !matches!(outcome, BeginOutcome::Replay(_) | BeginOutcome::Mismatch) {
+        return None; // not a memory answer: the store decides
+    }
+    match decide(cfg, outcome, now, false) {
+        Next::Answer(answer) => Some(answer),
+        // An outcome left unknown whose lease is over is reopened by `claim`.
+        Next::Run(_) | Next::Reopen { .. } => None,
+    }
+}
+
+/// What a `begin`'s outcome means for the request.
+enum Next {
+    /// The key is claimed: run the handler.
+    Run(Lease),
+    /// Answer without running it.
+    Answer(Response<ResponseBody>),
+    /// The outcome was left unknown and its attempt's lease is over: reopen the record with
+    /// this fence and begin again.
+    Reopen { fence: u64 },
+}
+
+fn decide(cfg: &Config, outcome: BeginOutcome, now: Timestamp, reopened: bool) -> Next {
+    let policy = &cfg.policy;
+    let r = match outcome {
+        BeginOutcome::Acquired(lease) => {
+            count("executed");
+            return Next::Run(lease);
+        }
+        BeginOutcome::Mismatch => {
+            return Next::Answer(reject(
+                ProblemCode::IdempotencyKeyMismatch
+                    .problem(
+                        "This Idempotency-Key was used with a different request (method, \
+                         path, query or body); use a new key for a new request.",
+                    )
+                    .with_status(policy.preset.mismatch_status()),
+            ));
+        }
+        BeginOutcome::InProgress { lease_expires_at } => {
+            return Next::Answer(reject(
+                ProblemCode::RequestInProgress
+                    .problem(
+                        "A request with this Idempotency-Key is still being processed; \
+                         retry later.",
+                    )
+                    .retry_after(lease_expires_at.saturating_since(now).min(IN_PROGRESS_POLL)),
+            ));
+        }
+        BeginOutcome::Replay(r) => r,
+    };
+    let Ok(stored) = Stored::decode(r.response) else {
+        return Next::Answer(reject(
+            ProblemCode::RecordCorrupt
+                .problem("The stored answer for this Idempotency-Key could not be read."),
+        ));
+    };
+    match stored {
+        Stored::Response {
+            status,
+            headers,
+            body,
+        } => Next::Answer(replay(status, headers, body)),
+        Stored::TooLarge { status } => Next::Answer(reject(
+            ProblemCode::ResponseNotReplayable
+                .problem(
+                    "The request with this Idempotency-Key was processed, but its response \
+                     was too large to store; it is not run again.",
+                )
+                .with("original_status", status.as_u16()),
+        )),
+        Stored::Unknown { until: Some(until) } if until <= now && !reopened => {
+            Next::Reopen { fence: r.fence }
+        }
+        Stored::Unknown { until } => {
+            Next::Answer(reject(unknown(until.map(|u| u.saturating_since(now)))))
         }
     }
 }

@@ -12,7 +12,7 @@ use idem_core::{BeginRequest, BoxFuture, ClientKey, Key};
 use tower_service::Service;
 
 use crate::body::{BoxError, ResponseBody, boxed, read_body};
-use crate::claim::claim;
+use crate::claim::{answer_from_memory, claim};
 use crate::fingerprint::fingerprint;
 use crate::header::{KeyHeaderError, key_from_headers};
 use crate::layer::Config;
@@ -137,6 +137,10 @@ where
     let begin = BeginRequest::new(key, fingerprint(policy, &parts, &body))
         .with_lease(policy.lease)
         .with_ttl(policy.ttl);
+    // A replay the store answers from memory claims nothing: answered here, with no task.
+    if let Some(answer) = answer_from_memory(&cfg, &begin) {
+        return Ok(answer);
+    }
     // Claiming the key and running the handler happen in a task of its own: a client that
     // hangs up cancels neither half way. The work does not stop half done, and its answer is
     // stored for the client's retry. (A claim dropped on its own would leave nothing held:

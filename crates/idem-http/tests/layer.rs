@@ -673,6 +673,51 @@ async fn an_unknown_outcome_runs_again_after_the_lease_when_so_configured() {
     assert_eq!(app.runs(), 2);
 }
 
+/// Behind a replay cache, answers come from memory as the store would give them: the same
+/// replay, the same mismatch; and an unknown outcome kept there (no `skip`) still runs again
+/// once its lease is over.
+#[tokio::test]
+async fn answers_from_memory_are_the_stores_answers() {
+    use idem_store::{ReplayCache, ReplayCacheLimits};
+    let cache = ReplayCache::new(MemoryStore::new(), ReplayCacheLimits::default());
+    let app = app_on(
+        Arc::new(cache.clone()),
+        Policy::default()
+            .lease(Duration::from_secs(60))
+            .on_unknown(OnUnknown::ReleaseAfterLease),
+    );
+    let first = app.send(post_with("/orders", "k", "pay 10")).await;
+    let from_store = app.send(post_with("/orders", "k", "pay 10")).await;
+    assert_eq!(cache.hits(), 0, "the first replay is the store's");
+    for _ in 0..2 {
+        let again = app.send(post_with("/orders", "k", "pay 10")).await;
+        assert_eq!(
+            (again.status, &again.body, again.replayed()),
+            (from_store.status, &from_store.body, true)
+        );
+        assert_eq!(again.headers, from_store.headers);
+        assert_eq!(again.body, first.body);
+    }
+    let other = app.send(post_with("/orders", "k", "pay 99")).await;
+    assert_eq!(other.code(), "idempotency_key_mismatch");
+    assert_eq!((cache.hits(), app.runs()), (3, 1));
+
+    app.send(post_with("/unknown", "u", "")).await;
+    let r = app.send(post_with("/unknown", "u", "")).await;
+    assert_eq!(
+        r.code(),
+        "outcome_unknown",
+        "from the store, and now kept in memory"
+    );
+    let r = app.send(post_with("/unknown", "u", "")).await;
+    assert_eq!(r.code(), "outcome_unknown", "from memory");
+    assert_eq!(app.runs(), 2);
+    app.clock.advance(Duration::from_secs(60));
+    let r = app.send(post_with("/unknown", "u", "")).await;
+    assert_eq!(r.status, StatusCode::GATEWAY_TIMEOUT, "the retry ran again");
+    assert_eq!(app.runs(), 3);
+}
+
 #[tokio::test]
 async fn an_operator_reopens_a_held_unknown_outcome_and_nothing_else() {
     use idem_core::{Clock, Key};

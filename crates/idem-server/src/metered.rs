@@ -86,6 +86,11 @@ impl Store for Metered {
         self.timed(0, Store::begin(&self.inner, req, now)).await
     }
 
+    /// Not timed: no store operation runs (the replay cache counts its own hits).
+    fn begin_from_memory(&self, req: &BeginRequest, now: Timestamp) -> Option<BeginOutcome> {
+        Store::begin_from_memory(&self.inner, req, now)
+    }
+
     async fn complete(
         &self,
         key: &Key,

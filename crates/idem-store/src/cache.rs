@@ -175,21 +175,6 @@ impl<S: Store> ReplayCache<S> {
         (self.shared.entries.len(), self.shared.entries.weight())
     }
 
-    /// The answer to `req` from memory, if the cache holds its record unexpired at `now`.
-    fn cached(&self, req: &BeginRequest, now: Timestamp) -> Option<BeginOutcome> {
-        let entry = self.shared.entries.get(&req.key)?;
-        if entry.until <= now {
-            self.shared.entries.remove(&req.key);
-            return None;
-        }
-        self.shared.hits.fetch_add(1, Ordering::Relaxed);
-        Some(if entry.fingerprint == req.fingerprint {
-            BeginOutcome::Replay(entry.replay)
-        } else {
-            BeginOutcome::Mismatch
-        })
-    }
-
     fn keep(&self, req: &BeginRequest, replay: &Replay, now: Timestamp) {
         if self
             .skip
@@ -223,7 +208,7 @@ impl<S: Store> Store for ReplayCache<S> {
     }
 
     async fn begin(&self, req: &BeginRequest, now: Timestamp) -> Result<BeginOutcome, StoreError> {
-        if let Some(outcome) = self.cached(req, now) {
+        if let Some(outcome) = self.begin_from_memory(req, now) {
             return Ok(outcome);
         }
         let outcome = self.store.begin(req, now).await?;
@@ -231,6 +216,24 @@ impl<S: Store> Store for ReplayCache<S> {
             self.keep(req, replay, now);
         }
         Ok(outcome)
+    }
+
+    /// The answer to `req` from memory, if the cache holds its record unexpired at `now`
+    /// (else the wrapped store's own, if it has one).
+    fn begin_from_memory(&self, req: &BeginRequest, now: Timestamp) -> Option<BeginOutcome> {
+        let Some(entry) = self.shared.entries.get(&req.key) else {
+            return self.store.begin_from_memory(req, now);
+        };
+        if entry.until <= now {
+            self.shared.entries.remove(&req.key);
+            return None;
+        }
+        self.shared.hits.fetch_add(1, Ordering::Relaxed);
+        Some(if entry.fingerprint == req.fingerprint {
+            BeginOutcome::Replay(entry.replay)
+        } else {
+            BeginOutcome::Mismatch
+        })
     }
 
     async fn complete(

@@ -188,6 +188,51 @@ pub async fn complete_then_every_retry_replays<S: Store>(store: &S) {
     }
 }
 
+/// `begin_from_memory` never claims: `None` for an absent or held key, and for a completed
+/// one either `None` or exactly what `begin` answers (the replay, or a mismatch for another
+/// fingerprint); asking it changes nothing.
+pub async fn memory_answers_are_begin_s_answers<S: Store>(store: &S) {
+    let c = Case::new();
+    let req = c.req("k", "a");
+    assert_eq!(
+        store.begin_from_memory(&req, c.at(0)),
+        None,
+        "an absent key"
+    );
+    let lease = acquire(store, &req, c.at(0)).await;
+    assert_eq!(store.begin_from_memory(&req, c.at(1)), None, "a held key");
+    store
+        .complete(&req.key, &lease, Bytes::from_static(b"done"), c.at(1))
+        .await
+        .unwrap();
+    let other = c.req("k", "b");
+    for t in [2, 3] {
+        // The first `begin` may be what puts the answer in memory.
+        let from_store = store.begin(&req, c.at(t)).await.unwrap();
+        assert!(matches!(from_store, BeginOutcome::Replay(_)));
+        if let Some(answer) = store.begin_from_memory(&req, c.at(t)) {
+            assert_eq!(answer, from_store, "the replay at t={t}");
+        }
+        if let Some(answer) = store.begin_from_memory(&other, c.at(t)) {
+            assert_eq!(
+                answer,
+                BeginOutcome::Mismatch,
+                "another fingerprint at t={t}"
+            );
+        }
+    }
+    // Past the record's expiry, nothing is answered from memory.
+    assert_eq!(
+        store.begin_from_memory(&req, c.at(200)),
+        None,
+        "an expired record"
+    );
+    assert!(matches!(
+        store.begin(&req, c.at(200)).await.unwrap(),
+        BeginOutcome::Acquired(_)
+    ));
+}
+
 /// Responses are opaque bytes: empty, binary, and large ones come back exactly.
 pub async fn replay_returns_bytes_exactly<S: Store>(store: &S) {
     let c = Case::new();

@@ -67,6 +67,7 @@ macro_rules! conformance_tests {
             begin_on_absent_key_acquires,
             second_begin_is_in_progress,
             complete_then_every_retry_replays,
+            memory_answers_are_begin_s_answers,
             replay_returns_bytes_exactly,
             other_fingerprint_is_a_mismatch,
             release_gives_the_key_back,
