@@ -164,7 +164,7 @@ pub fn router(state: AppState) -> Router {
         .method_not_allowed_fallback(|| async {
             ProblemCode::MethodNotAllowed.problem("This endpoint does not take that method.")
         })
-        .layer(axum::middleware::from_fn(trace::request_span))
+        .layer(trace::RequestSpanLayer)
 }
 
 impl admin::AdminAccess for AppState {

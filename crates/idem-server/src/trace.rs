@@ -4,10 +4,15 @@
 //! report can be matched. The span holds the method and the id, never the path (it may hold a
 //! client's key) or a body.
 
+use std::convert::Infallible;
+use std::task::{Context, Poll};
+
 use axum::extract::Request;
 use axum::http::{HeaderName, HeaderValue};
-use axum::middleware::Next;
 use axum::response::Response;
+use idem_core::BoxFuture;
+use tower_layer::Layer;
+use tower_service::Service;
 use tracing::Instrument;
 
 /// The request id header.
@@ -32,20 +37,56 @@ fn request_id(given: Option<&HeaderValue>) -> HeaderValue {
         })
 }
 
-/// The middleware: runs the rest of the request in its span and returns the id.
-pub async fn request_span(mut req: Request, next: Next) -> Response {
-    let id = request_id(req.headers().get(&REQUEST_ID));
-    req.headers_mut().insert(REQUEST_ID.clone(), id.clone());
-    let span = tracing::info_span!(
-        "request",
-        id = %String::from_utf8_lossy(id.as_bytes()),
-        method = %req.method(),
-        status = tracing::field::Empty,
-    );
-    let mut res = next.run(req).instrument(span.clone()).await;
-    span.record("status", res.status().as_u16());
-    res.headers_mut().insert(REQUEST_ID.clone(), id);
-    res
+/// The layer that runs each request in its span and returns the id (see the module's
+/// notes). Written as a tower layer rather than `axum::middleware::from_fn`, which clones the
+/// whole service below it for every request.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct RequestSpanLayer;
+
+impl<S> Layer<S> for RequestSpanLayer {
+    type Service = RequestSpan<S>;
+
+    fn layer(&self, inner: S) -> RequestSpan<S> {
+        RequestSpan { inner }
+    }
+}
+
+/// The service of [`RequestSpanLayer`].
+#[derive(Debug, Clone)]
+pub struct RequestSpan<S> {
+    inner: S,
+}
+
+impl<S> Service<Request> for RequestSpan<S>
+where
+    S: Service<Request, Response = Response, Error = Infallible>,
+    S::Future: Send + 'static,
+{
+    type Response = Response;
+    type Error = Infallible;
+    type Future = BoxFuture<'static, Result<Response, Infallible>>;
+
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Infallible>> {
+        self.inner.poll_ready(cx)
+    }
+
+    fn call(&mut self, mut req: Request) -> Self::Future {
+        let id = request_id(req.headers().get(&REQUEST_ID));
+        req.headers_mut().insert(REQUEST_ID.clone(), id.clone());
+        let span = tracing::info_span!(
+            "request",
+            id = %String::from_utf8_lossy(id.as_bytes()),
+            method = %req.method(),
+            status = tracing::field::Empty,
+        );
+        let answer = span.in_scope(|| self.inner.call(req));
+        Box::pin(async move {
+            let mut res = answer.instrument(span.clone()).await?;
+            span.record("status", res.status().as_u16());
+            res.headers_mut().insert(REQUEST_ID.clone(), id);
+            Ok(res)
+        })
+    }
 }
 
 #[cfg(test)]

@@ -254,7 +254,7 @@ impl Gateway {
                 admin,
                 dispatch,
             })
-            .layer(axum::middleware::from_fn(crate::trace::request_span))
+            .layer(crate::trace::RequestSpanLayer)
     }
 }
 
@@ -310,8 +310,8 @@ impl Service<Request<Body>> for Front {
             *req.uri_mut() = uri;
         }
         if !path::under_prefix(&normal, &self.prefix) {
-            let mut dispatch = self.dispatch.clone();
-            return Box::pin(async move { Ok(dispatch.call(req).await?.into_response()) });
+            // Always ready, and its future owns what it needs: called here, not cloned.
+            return self.dispatch.call(req);
         }
         // Every spelling of the prefix is reserved; only the exact one is served.
         let Some(rest) = normal.strip_prefix(&*self.prefix) else {
@@ -410,8 +410,8 @@ impl Service<Request<Body>> for Dispatch {
                  send it with an Idempotency-Key."
             ))));
         }
-        let mut svc = guard.svc.clone();
-        Box::pin(async move { Ok(svc.call(req).await?.into_response()) })
+        let answer = guard.svc.clone().call(req);
+        Box::pin(async move { Ok(answer.await?.into_response()) })
     }
 }
 

@@ -77,10 +77,17 @@ impl Upstream {
 /// buffered here: the layer reads a guarded answer up to its `max_response`.
 #[derive(Clone)]
 pub struct Proxy {
+    /// Behind one `Arc`: the gateway's services are cloned for every request (a tower
+    /// service is called by value), and the HTTP client alone holds several counted parts.
+    inner: Arc<ProxyInner>,
+}
+
+#[derive(Clone)]
+struct ProxyInner {
     client: Client<HttpConnector, Body>,
     upstream: Upstream,
     timeout: Duration,
-    trusted: Arc<TrustedProxies>,
+    trusted: TrustedProxies,
 }
 
 /// The HTTP client the gateway and the relay send with, for requests that may take `timeout`:
@@ -97,17 +104,19 @@ impl Proxy {
     /// A proxy to `upstream` that waits at most `timeout` for an answer.
     pub fn new(upstream: Upstream, timeout: Duration) -> Self {
         Self {
-            client: client(timeout),
-            upstream,
-            timeout,
-            trusted: Arc::default(),
+            inner: Arc::new(ProxyInner {
+                client: client(timeout),
+                upstream,
+                timeout,
+                trusted: TrustedProxies::default(),
+            }),
         }
     }
 
     /// The same proxy, passing on the forwarding headers of requests from `trusted` peers.
     #[must_use]
     pub fn trusting(mut self, trusted: TrustedProxies) -> Self {
-        self.trusted = Arc::new(trusted);
+        Arc::make_mut(&mut self.inner).trusted = trusted;
         self
     }
 }
@@ -193,13 +202,13 @@ impl Service<Request<Body>> for Proxy {
     }
 
     fn call(&mut self, req: Request<Body>) -> Self::Future {
-        let proxy = self.clone();
+        let proxy = self.inner.clone();
         Box::pin(async move { Ok(proxy.forward(req).await) })
     }
 }
 
-impl Proxy {
-    async fn forward(self, req: Request<Body>) -> Response<Body> {
+impl ProxyInner {
+    async fn forward(&self, req: Request<Body>) -> Response<Body> {
         let guarded = req.extensions().get::<LeaseFence>().is_some();
         let (mut parts, body) = req.into_parts();
         let Ok(uri) = self.upstream.uri_for(parts.uri.path_and_query()) else {
