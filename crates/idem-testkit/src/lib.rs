@@ -52,6 +52,25 @@ pub fn block_on<F: std::future::Future>(fut: F) -> F::Output {
         .block_on(fut)
 }
 
+/// Runs `fut` on a thread of its own, on a runtime of its own, and waits for its output
+/// (`None` if it panicked). For a test's cleanup in `Drop`, which cannot await, runs after a
+/// failed assertion too, and must not depend on the test's runtime (it may be gone or busy).
+pub fn on_a_thread_of_its_own<F>(fut: F) -> Option<F::Output>
+where
+    F: std::future::Future + Send + 'static,
+    F::Output: Send + 'static,
+{
+    std::thread::spawn(move || {
+        tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .expect("build a tokio runtime")
+            .block_on(fut)
+    })
+    .join()
+    .ok()
+}
+
 /// Generates one `#[test]` per conformance case for a store.
 ///
 /// The argument is an async expression (evaluated afresh for each case) that yields a

@@ -1,0 +1,334 @@
+//! The NATS JetStream adapter against a real server: each test on its own streams, deleted at
+//! the end. Skipped (with a note) when no NATS answers; a failure under `CI=true`.
+
+#![cfg(feature = "nats")]
+
+use std::collections::HashMap;
+use std::future::Future;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use async_nats::jetstream::{self, stream};
+use bytes::Bytes;
+use idem_mq::nats::{
+    DELIVERIES_HEADER, DETAIL_HEADER, DeadLetterTarget, MSG_ID_HEADER, NatsDelivery, NatsSource,
+    REASON_HEADER, SEQUENCE_HEADER, STREAM_HEADER, SUBJECT_HEADER, publish_once,
+};
+use idem_mq::{
+    Consumer, DeadLetter, Delivery, Disposition, Failure, Horizon, Message, MqError, Reason, Source,
+};
+use idem_testkit::{PATIENCE, within};
+
+fn nats_url() -> Option<String> {
+    idem_testkit::services::NATS.url()
+}
+
+/// What a test handler's run returns.
+type Run = std::pin::Pin<Box<dyn Future<Output = Result<(), Failure<String>>> + Send>>;
+
+/// A handler that records each run in `runs` and takes `takes` to finish.
+fn timed_handler(runs: &Arc<Runs>, takes: Duration) -> impl Fn(Message) -> Run + use<> {
+    let runs = Arc::clone(runs);
+    move |msg: Message| {
+        let runs = Arc::clone(&runs);
+        Box::pin(async move {
+            let _run = runs.start(msg.message_id.as_deref().unwrap_or(""));
+            tokio::time::sleep(takes).await;
+            Ok::<_, Failure<String>>(())
+        })
+    }
+}
+
+/// A stream `name` on `<name>.in`, and its dead-letter stream `<name>_DL` on `<name>.dead`;
+/// both deleted when dropped.
+struct Streams {
+    url: String,
+    name: String,
+    js: jetstream::Context,
+}
+
+/// Creates a stream, trying again a few times: a 2.9 server that deletes an account's last
+/// stream while another is created can fail the creation (its storage directory is removed
+/// under it), and the tests create and delete streams in parallel.
+async fn create_stream(js: &jetstream::Context, config: stream::Config) {
+    let mut tries = 0;
+    loop {
+        match js.create_stream(config.clone()).await {
+            Ok(_) => return,
+            Err(e) if tries < 5 => {
+                tries += 1;
+                eprintln!("creating stream {} failed, trying again: {e}", config.name);
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+            Err(e) => panic!("create stream {}: {e}", config.name),
+        }
+    }
+}
+
+impl Streams {
+    /// Waits (a minute at most) until the durable consumer `durable` has nothing pending
+    /// and nothing unacknowledged.
+    async fn wait_settled(&self, durable: &str) {
+        tokio::time::timeout(Duration::from_secs(60), async {
+            loop {
+                let info = self
+                    .js
+                    .get_stream(&self.name)
+                    .await
+                    .expect("stream")
+                    .consumer_info(durable)
+                    .await
+                    .expect("info");
+                if info.num_pending == 0 && info.num_ack_pending == 0 {
+                    break;
+                }
+                tokio::time::sleep(Duration::from_millis(200)).await;
+            }
+        })
+        .await
+        .expect("every message settled");
+    }
+
+    async fn new(url: &str, configure: impl FnOnce(&mut stream::Config)) -> Self {
+        let name = format!("IDEMT_{:016x}", rand::random::<u64>());
+        let client = async_nats::connect(url).await.expect("connect to NATS");
+        let js = jetstream::new(client);
+        let mut config = stream::Config {
+            name: name.clone(),
+            subjects: vec![format!("{name}.in")],
+            max_age: Duration::from_secs(3600),
+            ..Default::default()
+        };
+        configure(&mut config);
+        create_stream(&js, config).await;
+        create_stream(
+            &js,
+            stream::Config {
+                name: format!("{name}_DL"),
+                subjects: vec![format!("{name}.dead")],
+                max_age: Duration::from_secs(3600),
+                ..Default::default()
+            },
+        )
+        .await;
+        Self {
+            url: url.to_owned(),
+            name,
+            js,
+        }
+    }
+
+    fn subject(&self) -> String {
+        format!("{}.in", self.name)
+    }
+
+    /// The dead-lettered copies stored so far, in order.
+    async fn dead_letters(&self) -> Vec<jetstream::message::StreamMessage> {
+        let dl = self
+            .js
+            .get_stream(format!("{}_DL", self.name))
+            .await
+            .expect("the dead-letter stream");
+        let last = dl.get_info().await.expect("info").state.last_sequence;
+        let mut out = Vec::new();
+        for seq in 1..=last {
+            if let Ok(m) = dl.get_raw_message(seq).await {
+                out.push(m);
+            }
+        }
+        out
+    }
+}
+
+impl Drop for Streams {
+    fn drop(&mut self) {
+        let url = self.url.clone();
+        let names = [self.name.clone(), format!("{}_DL", self.name)];
+        // Drop cannot await; a thread with its own runtime deletes the streams, even after a
+        // failed assertion.
+        idem_testkit::on_a_thread_of_its_own(async move {
+            if let Ok(client) = async_nats::connect(url).await {
+                let js = jetstream::new(client);
+                for name in names {
+                    let _ = js.delete_stream(name).await;
+                }
+            }
+        });
+    }
+}
+
+async fn next(source: &mut NatsSource) -> NatsDelivery {
+    within("a delivery", async {
+        loop {
+            match source.next().await {
+                Some(Ok(d)) => return d,
+                Some(Err(e)) => eprintln!("next: {e}"),
+                None => panic!("the source closed"),
+            }
+        }
+    })
+    .await
+}
+
+fn header<'a>(m: &'a jetstream::message::StreamMessage, name: &str) -> Option<&'a str> {
+    m.headers.get(name).map(|v| v.as_str())
+}
+
+/// A `nats-server` of the test's own, on a free port, killed when dropped.
+struct OwnServer {
+    child: std::process::Child,
+    port: u16,
+    dir: tempfile::TempDir,
+}
+
+impl OwnServer {
+    const BINARY: &'static str = "/usr/sbin/nats-server";
+
+    fn start() -> Option<Self> {
+        if !std::path::Path::new(Self::BINARY).exists() {
+            eprintln!("server restart test skipped: no {}", Self::BINARY);
+            return None;
+        }
+        let port = std::net::TcpListener::bind("127.0.0.1:0")
+            .expect("a free port")
+            .local_addr()
+            .expect("addr")
+            .port();
+        let dir = tempfile::tempdir().expect("tempdir");
+        let mut server = Self {
+            child: Self::spawn(port, dir.path()),
+            port,
+            dir,
+        };
+        server.wait_up();
+        Some(server)
+    }
+
+    fn spawn(port: u16, dir: &std::path::Path) -> std::process::Child {
+        std::process::Command::new(Self::BINARY)
+            .args(["-js", "-a", "127.0.0.1", "-p", &port.to_string(), "-sd"])
+            .arg(dir)
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::null())
+            .spawn()
+            .expect("start nats-server")
+    }
+
+    fn wait_up(&mut self) {
+        let deadline = std::time::Instant::now() + PATIENCE;
+        while std::net::TcpStream::connect(("127.0.0.1", self.port)).is_err() {
+            assert!(
+                std::time::Instant::now() < deadline,
+                "nats-server did not start"
+            );
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+
+    fn url(&self) -> String {
+        format!("nats://127.0.0.1:{}", self.port)
+    }
+
+    fn restart(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+        self.child = Self::spawn(self.port, self.dir.path());
+        self.wait_up();
+    }
+}
+
+impl Drop for OwnServer {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// What the handlers did: runs per id, and how many ran one id at once at most.
+#[derive(Default)]
+struct Runs {
+    runs: Mutex<HashMap<String, u32>>,
+    running: Mutex<HashMap<String, u32>>,
+    most_at_once: Mutex<u32>,
+}
+
+impl Runs {
+    /// Marks a run of `id` as started; the guard marks it ended, also when the run is dropped.
+    fn start(self: &Arc<Self>, id: &str) -> RunGuard {
+        *lock(&self.runs).entry(id.to_owned()).or_default() += 1;
+        let now = {
+            let mut running = lock(&self.running);
+            let n = running.entry(id.to_owned()).or_default();
+            *n += 1;
+            *n
+        };
+        let mut most = lock(&self.most_at_once);
+        *most = (*most).max(now);
+        RunGuard {
+            runs: Arc::clone(self),
+            id: id.to_owned(),
+        }
+    }
+
+    fn of(&self, id: &str) -> u32 {
+        lock(&self.runs).get(id).copied().unwrap_or(0)
+    }
+
+    fn ids(&self) -> usize {
+        lock(&self.runs).len()
+    }
+}
+
+struct RunGuard {
+    runs: Arc<Runs>,
+    id: String,
+}
+
+impl Drop for RunGuard {
+    fn drop(&mut self) {
+        if let Some(n) = lock(&self.runs.running).get_mut(&self.id) {
+            *n -= 1;
+        }
+    }
+}
+
+/// Waits (bounded by `bound`) until `done` holds, checking every 50 ms.
+async fn until(bound: Duration, what: &str, mut done: impl FnMut() -> bool) {
+    tokio::time::timeout(bound, async {
+        while !done() {
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    })
+    .await
+    .unwrap_or_else(|_| panic!("not within {bound:?}: {what}"));
+}
+
+/// Everything settled: nothing left for the consumer `name`, nothing waiting for an ack.
+async fn assert_all_settled(streams: &Streams, name: &str) {
+    let info = streams
+        .js
+        .get_stream(&streams.name)
+        .await
+        .expect("stream")
+        .consumer_info(name)
+        .await
+        .expect("consumer info");
+    assert_eq!(info.num_pending, 0, "messages left unread");
+    assert_eq!(info.num_ack_pending, 0, "messages left unsettled");
+}
+
+/// A shutdown switch for [`Consumer::run`].
+fn shutdown_switch() -> (Arc<tokio::sync::Notify>, impl Future<Output = ()> + Send) {
+    let notify = Arc::new(tokio::sync::Notify::new());
+    let waiter = Arc::clone(&notify);
+    (notify, async move { waiter.notified().await })
+}
+
+mod adapter;
+mod consumer;
+#[cfg(feature = "postgres")]
+mod killed;
