@@ -152,7 +152,7 @@ pub enum LeaseError {
 /// - **Responses are opaque bytes**, returned by `Replay` exactly as stored.
 /// - **`begin_from_memory`**, where a store overrides it, answers only what `begin` would
 ///   answer at `now` without writing anything (`Replay` or `Mismatch`), from memory, changing
-///   nothing; `None` when it does not know.
+///   no record; `None` when it does not know.
 pub trait Store: Counters + Send + Sync + 'static {
     /// A short name of the backend (`"memory"`, `"sqlite"`).
     fn kind(&self) -> &'static str;
@@ -167,7 +167,7 @@ pub trait Store: Counters + Send + Sync + 'static {
     /// The answer `begin` would give `req` at `now`, if it is known without I/O and takes no
     /// write: a `Replay` or a `Mismatch` from the completed records a store keeps in memory
     /// (idem-store's `ReplayCache` does). `None` when it is not known; never
-    /// `Acquired` or `InProgress`. It claims nothing and changes nothing, so a caller may ask
+    /// `Acquired` or `InProgress`. It claims nothing and changes no record, so a caller may ask
     /// it where an abandoned `begin` would be unsafe (before handing the claim to a task of
     /// its own) and go on to `begin` when it answers `None`.
     ///

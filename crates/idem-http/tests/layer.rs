@@ -675,15 +675,19 @@ async fn an_unknown_outcome_runs_again_after_the_lease_when_so_configured() {
 
 /// Behind a replay cache, answers come from memory as the store would give them: the same
 /// replay, the same mismatch; and an unknown outcome kept there (no `skip`) still runs again
-/// once its lease is over.
+/// once its lease is over, while memory still holds it (the lease ends before the entry's
+/// `max_age` does).
 #[tokio::test]
 async fn answers_from_memory_are_the_stores_answers() {
     use idem_store::{ReplayCache, ReplayCacheLimits};
-    let cache = ReplayCache::new(MemoryStore::new(), ReplayCacheLimits::default());
+    let limits = ReplayCacheLimits::default();
+    let cache = ReplayCache::new(MemoryStore::new(), limits);
+    let lease = Duration::from_secs(30);
+    assert!(lease < limits.max_age);
     let app = app_on(
         Arc::new(cache.clone()),
         Policy::default()
-            .lease(Duration::from_secs(60))
+            .lease(lease)
             .on_unknown(OnUnknown::ReleaseAfterLease),
     );
     let first = app.send(post_with("/orders", "k", "pay 10")).await;
@@ -712,10 +716,12 @@ async fn answers_from_memory_are_the_stores_answers() {
     let r = app.send(post_with("/unknown", "u", "")).await;
     assert_eq!(r.code(), "outcome_unknown", "from memory");
     assert_eq!(app.runs(), 2);
-    app.clock.advance(Duration::from_secs(60));
+    let hits = cache.hits();
+    app.clock.advance(lease);
     let r = app.send(post_with("/unknown", "u", "")).await;
     assert_eq!(r.status, StatusCode::GATEWAY_TIMEOUT, "the retry ran again");
     assert_eq!(app.runs(), 3);
+    assert!(cache.hits() > hits, "memory still held the unknown outcome");
 }
 
 #[tokio::test]
