@@ -1,0 +1,199 @@
+//! Requests in flight, clients that hang up, bounded bodies, full and failing stores.
+
+use super::*;
+
+#[tokio::test]
+async fn a_request_in_flight_is_refused_with_retry_after() {
+    let app = app(Policy::default().lease(Duration::from_secs(30)));
+    let first = app.spawn("/slow", "k");
+    app.counters.entered.notified().await;
+    let r = app.send(post_with("/slow", "k", "")).await;
+    assert_eq!(r.status, StatusCode::CONFLICT);
+    assert_eq!(r.code(), "request_in_progress");
+    // Look again in a second, not at the end of the 30 s lease.
+    assert_eq!(r.headers["retry-after"], "1");
+    app.counters.gate.notify_one();
+    assert_eq!(first.await.unwrap().status(), StatusCode::OK);
+    let r = app.send(post_with("/slow", "k", "")).await;
+    assert!(r.replayed());
+    assert_eq!(r.body, "slow run 1");
+    assert_eq!(app.runs(), 1);
+}
+
+#[tokio::test]
+async fn a_request_in_flight_can_wait_for_the_first_answer() {
+    let app = app(Policy::default().in_flight(InFlight::Wait(Duration::from_secs(30))));
+    let first = app.spawn("/slow", "k");
+    app.counters.entered.notified().await;
+    let second = app.spawn("/slow", "k");
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    app.counters.gate.notify_one();
+    first.await.unwrap();
+    let second = second.await.unwrap();
+    assert_eq!(second.status(), StatusCode::OK);
+    assert_eq!(second.headers()["idempotent-replayed"], "true");
+    assert_eq!(app.runs(), 1);
+}
+
+#[tokio::test]
+async fn a_client_that_hangs_up_does_not_cancel_the_work() {
+    let app = app(Policy::default().in_flight(InFlight::Wait(Duration::from_secs(30))));
+    let first = app.spawn("/slow", "k");
+    app.counters.entered.notified().await;
+    first.abort(); // the connection is gone
+    app.counters.gate.notify_one();
+    let r = app.send(post_with("/slow", "k", "")).await;
+    assert!(r.replayed());
+    assert_eq!(r.body, "slow run 1");
+    assert_eq!(app.runs(), 1);
+}
+
+#[tokio::test]
+async fn a_client_that_hangs_up_while_the_key_is_taken_leaves_no_stranded_record() {
+    let store = FaultyStore::new(MemoryStore::new());
+    // The begin is sent and waits at the store until released, whatever the client does.
+    let taken = Stall::new();
+    store.fail_next(Op::Begin, Fault::StallThenLand(taken.clone()));
+    let app = app_on(
+        Arc::new(store),
+        Policy::default().in_flight(InFlight::Wait(PATIENCE)),
+    );
+    let router = app.router.clone();
+    // The connection is gone while the key is being taken.
+    taken
+        .abandon(async move { router.oneshot(post_with("/orders", "k", "")).await })
+        .await;
+    taken.release();
+    // The retry gets the first attempt's answer; a stranded record would answer "in
+    // progress" until its 60 s lease ran out (and the test clock never moves).
+    let r = within("the retry", app.send(post_with("/orders", "k", ""))).await;
+    assert_eq!(r.status, StatusCode::CREATED, "{}", r.body);
+    assert!(r.replayed());
+    assert_eq!(app.runs(), 1);
+}
+
+#[tokio::test]
+async fn a_client_that_hangs_up_while_waiting_for_another_attempt_leaves_nothing_behind() {
+    let store = Arc::new(FaultyStore::new(MemoryStore::new()));
+    let app = app_on(
+        store.clone(),
+        Policy::default().in_flight(InFlight::Wait(PATIENCE)),
+    );
+    let first = app.spawn("/slow", "k");
+    within("the first attempt", app.counters.entered.notified()).await;
+    // The second is told "in progress" once, then hangs up while it waits to ask again.
+    let asked = Stall::new();
+    store.fail_next(Op::Begin, Fault::StallThenLand(asked.clone()));
+    asked.release();
+    let second = app.spawn("/slow", "k");
+    within("the second attempt", asked.landed()).await;
+    second.abort();
+    assert!(second.await.unwrap_err().is_cancelled());
+    app.counters.gate.notify_one();
+    assert_eq!(first.await.unwrap().status(), StatusCode::OK);
+    let r = within("a retry", app.send(post_with("/slow", "k", ""))).await;
+    assert!(r.replayed());
+    assert_eq!(r.body, "slow run 1");
+    assert_eq!(app.runs(), 1);
+}
+
+#[tokio::test]
+async fn an_oversized_request_is_refused_and_stores_nothing() {
+    let app = app(Policy::default().max_body(16));
+    let r = app.send(post_with("/orders", "k", &"x".repeat(17))).await;
+    assert_eq!(r.status, StatusCode::PAYLOAD_TOO_LARGE);
+    assert_eq!(r.code(), "body_too_large");
+    // without a declared length (a streamed body), the limit holds too
+    let stream = frames(vec![data("x".repeat(10)), data("x".repeat(10))]);
+    let mut streamed = req(Method::POST, "/orders", &[("idempotency-key", "k")], "");
+    *streamed.body_mut() = stream;
+    assert_eq!(
+        app.send(streamed).await.status,
+        StatusCode::PAYLOAD_TOO_LARGE
+    );
+    assert_eq!(app.runs(), 0);
+    // the key was not used up
+    let r = app.send(post_with("/orders", "k", "small")).await;
+    assert_eq!(r.status, StatusCode::CREATED);
+    assert!(!r.replayed());
+}
+
+#[tokio::test]
+async fn a_full_store_refuses_new_keys_and_still_replays() {
+    let store = MemoryStore::with_limits(idem_store::MemoryLimits::new(1, usize::MAX));
+    let app = app_on(Arc::new(store), Policy::default());
+    assert_eq!(
+        app.send(post_with("/orders", "k", "x")).await.status,
+        StatusCode::CREATED
+    );
+    let r = app.send(post_with("/orders", "other", "x")).await;
+    assert_eq!(r.status, StatusCode::SERVICE_UNAVAILABLE);
+    assert_eq!(r.code(), "store_full");
+    assert!(r.headers.contains_key("retry-after"));
+    assert_eq!(app.runs(), 1);
+    assert!(app.send(post_with("/orders", "k", "x")).await.replayed());
+}
+
+#[tokio::test]
+async fn a_failing_store_fails_closed() {
+    let store = Arc::new(FaultyStore::new(MemoryStore::new()));
+    let app = app_on(store.clone(), Policy::default());
+    store.set_down(true);
+    let r = app.send(post_with("/orders", "k", "x")).await;
+    assert_eq!(r.status, StatusCode::SERVICE_UNAVAILABLE);
+    assert_eq!(r.code(), "store_unavailable");
+    assert_eq!(app.runs(), 0);
+    store.set_down(false);
+    assert_eq!(
+        app.send(post_with("/orders", "k", "x")).await.status,
+        StatusCode::CREATED
+    );
+}
+
+#[tokio::test]
+async fn the_handler_sees_a_rising_fence() {
+    let app = app(Policy::default());
+    let r = app.send(post_with("/fence", "k", "")).await;
+    assert_eq!(
+        (r.status, r.body.as_str()),
+        (StatusCode::INTERNAL_SERVER_ERROR, "1")
+    );
+    // the released key is taken again with a higher fence
+    let r = app.send(post_with("/fence", "k", "")).await;
+    assert_eq!((r.status, r.body.as_str()), (StatusCode::OK, "2"));
+    assert_eq!(app.send(post_with("/fence", "other", "")).await.body, "1");
+}
+
+#[tokio::test]
+async fn a_declared_length_over_the_limit_is_refused_without_reading_the_body() {
+    let app = app(Policy::default().max_body(16));
+    // A body that fails if read: only the declared length can decide.
+    let mut r = req(
+        Method::POST,
+        "/orders",
+        &[("idempotency-key", "k"), ("content-length", "1000")],
+        "",
+    );
+    *r.body_mut() = frames(vec![Err(std::io::Error::other("unread"))]);
+    let r = app.send(r).await;
+    assert_eq!(r.status, StatusCode::PAYLOAD_TOO_LARGE);
+    assert_eq!(app.runs(), 0);
+}
+
+#[tokio::test]
+async fn a_waiter_runs_the_request_itself_when_the_first_attempt_gives_the_key_back() {
+    let app = app(Policy::default().in_flight(InFlight::Wait(Duration::from_secs(30))));
+    let first = app.spawn("/slow-then-fail", "k");
+    app.counters.entered.notified().await;
+    let second = app.spawn("/slow-then-fail", "k");
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    app.counters.gate.notify_one();
+    assert_eq!(
+        first.await.unwrap().status(),
+        StatusCode::SERVICE_UNAVAILABLE
+    );
+    let second = second.await.unwrap();
+    assert_eq!(second.status(), StatusCode::OK);
+    assert!(second.headers().get("idempotent-replayed").is_none());
+    assert_eq!(app.runs(), 2);
+}
