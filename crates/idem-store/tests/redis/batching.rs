@@ -1,0 +1,212 @@
+//! Group commit: calls sent together, each with its own answer.
+
+use super::*;
+
+/// Calls that arrive while others are in flight go to the server together (group commit: one
+/// script call begins, or completes, many records), and each still gets its own answer: fresh
+/// keys are acquired, a completed key replays, a held key is in progress, a key holding a value
+/// the store did not write fails alone; each completion stores its own response, a repeated one
+/// is accepted, a stale one refused, and one whose record turned foreign fails alone without
+/// keeping the others from completing.
+#[test]
+fn calls_sent_together_each_get_their_own_answer() {
+    use std::sync::Arc;
+
+    use idem_core::{
+        BeginOutcome, BeginRequest, Bytes, Fingerprint, Key, LeaseError, Status, Store, StoreError,
+        Timestamp,
+    };
+
+    /// The record commands clients sent since the last call (the server's slow log, set to
+    /// log every command, cleared): how many, and the most keys one script call named.
+    /// Commands a script runs are logged too, from no client address, and not counted.
+    async fn sent(c: &mut redis::aio::MultiplexedConnection) -> (usize, usize) {
+        let log: Vec<redis::Value> = redis::cmd("SLOWLOG")
+            .arg("GET")
+            .arg(-1)
+            .query_async(c)
+            .await
+            .unwrap();
+        let _: () = redis::cmd("SLOWLOG")
+            .arg("RESET")
+            .query_async(c)
+            .await
+            .unwrap();
+        let text = |v: &redis::Value| match v {
+            redis::Value::BulkString(b) => String::from_utf8_lossy(b).into_owned(),
+            redis::Value::SimpleString(s) => s.clone(),
+            _ => String::new(),
+        };
+        let (mut commands, mut widest) = (0, 0);
+        for entry in log {
+            let redis::Value::Array(fields) = entry else {
+                continue;
+            };
+            let (Some(redis::Value::Array(args)), Some(client)) = (fields.get(3), fields.get(4))
+            else {
+                continue;
+            };
+            let name = args.first().map(text).unwrap_or_default().to_uppercase();
+            if text(client).starts_with("?:") || !["SET", "EVALSHA", "EVAL"].contains(&&*name) {
+                continue;
+            }
+            commands += 1;
+            if name != "SET" {
+                let keys = args
+                    .get(2)
+                    .map(text)
+                    .and_then(|n| n.parse().ok())
+                    .unwrap_or(0);
+                widest = widest.max(keys);
+            }
+        }
+        (commands, widest)
+    }
+
+    idem_testkit::block_on(async {
+        // A server of its own, so that its command counts are this test's.
+        let Some(server) = idem_testkit::services::RedisServer::start() else {
+            return;
+        };
+        let url = server.url();
+        let store = Arc::new(RedisStore::connect(&url, options()).await.unwrap());
+        let mut c = redis::Client::open(url)
+            .unwrap()
+            .get_multiplexed_async_connection()
+            .await
+            .unwrap();
+        for (name, value) in [
+            ("slowlog-log-slower-than", "0"),
+            ("slowlog-max-len", "10000"),
+        ] {
+            let _: () = redis::cmd("CONFIG")
+                .arg("SET")
+                .arg(name)
+                .arg(value)
+                .query_async(&mut c)
+                .await
+                .unwrap();
+        }
+        let now = Timestamp::now();
+        // 'static, so that the closures below are `Copy` and go into every task.
+        let scope: &'static str =
+            format!("batch-{}-{}", std::process::id(), now.as_millis()).leak();
+        let key = move |i: usize| Key::parse(scope, "pay", &format!("k{i}")).unwrap();
+        let req = move |i| BeginRequest::new(key(i), Fingerprint::of_bytes(b"same"));
+        let body = |i: usize| Bytes::from(format!("body {i}").into_bytes());
+        // Holds every write command for a moment: the calls sent meanwhile queue, and go
+        // together once it ends.
+        let pause = {
+            let c = c.clone();
+            move || {
+                let mut c = c.clone();
+                async move {
+                    let _: () = redis::cmd("CLIENT")
+                        .arg("PAUSE")
+                        .arg(300)
+                        .arg("WRITE")
+                        .query_async(&mut c)
+                        .await
+                        .unwrap();
+                }
+            }
+        };
+        let l0 = match store.begin(&req(0), now).await.unwrap() {
+            BeginOutcome::Acquired(lease) => lease,
+            other => panic!("{other:?}"),
+        };
+        store.complete(&key(0), &l0, body(0), now).await.unwrap();
+        let BeginOutcome::Acquired(l1) = store.begin(&req(1), now).await.unwrap() else {
+            panic!("k1 not acquired");
+        };
+        let _: () = redis::cmd("SET")
+            .arg(store.redis_key(&key(2)))
+            .arg("not a record")
+            .query_async(&mut c)
+            .await
+            .unwrap();
+
+        pause().await;
+        sent(&mut c).await;
+        let begins: Vec<_> = (0..40)
+            .map(|i| {
+                let store = store.clone();
+                tokio::spawn(async move { store.begin(&req(i), now).await })
+            })
+            .collect();
+        let mut leases = Vec::new();
+        for (i, begin) in begins.into_iter().enumerate() {
+            match (i, begin.await.unwrap()) {
+                (0, Ok(BeginOutcome::Replay(r))) => assert_eq!(r.response, body(0)),
+                (1, Ok(BeginOutcome::InProgress { .. })) | (2, Err(StoreError::Corrupt(_))) => {}
+                (i, Ok(BeginOutcome::Acquired(lease))) if i >= 3 => {
+                    assert_eq!(lease.fence, 1);
+                    leases.push((i, lease));
+                }
+                (i, other) => panic!("k{i}: {other:?}"),
+            }
+        }
+        // One by one, forty begins are at least forty commands; together, a few script calls
+        // and the three keys decided on their own (two commands each).
+        let (begun, widest) = sent(&mut c).await;
+        assert!(
+            begun < 20 && widest > 1,
+            "{begun} commands for 40 begins, {widest} keys at most"
+        );
+
+        // k0 completed again by its own lease (accepted), k1 by the lease of k39, which stays
+        // in progress (refused), k3's record replaced by a foreign value (refused, and the
+        // script that meets it stops part way), and every other fresh key with its own body.
+        // (A batch tells its records apart by key, but the batcher also keeps two calls under
+        // one lease id apart, so k39 itself is not completed here.)
+        let (_, stale) = leases.pop().unwrap();
+        let _: () = redis::cmd("SET")
+            .arg(store.redis_key(&key(3)))
+            .arg("not a record either")
+            .query_async(&mut c)
+            .await
+            .unwrap();
+        pause().await;
+        sent(&mut c).await;
+        let completes: Vec<_> = leases
+            .iter()
+            .copied()
+            .chain([(0, l0), (1, stale)])
+            .map(|(i, lease)| {
+                let store = store.clone();
+                let response = body(i);
+                tokio::spawn(
+                    async move { (i, store.complete(&key(i), &lease, response, now).await) },
+                )
+            })
+            .collect();
+        for complete in completes {
+            match complete.await.unwrap() {
+                (1, done) => assert!(matches!(done, Err(LeaseError::Stale(_))), "{done:?}"),
+                (3, done) => assert!(
+                    matches!(done, Err(LeaseError::Store(StoreError::Corrupt(_)))),
+                    "{done:?}"
+                ),
+                (i, done) => assert!(done.is_ok(), "k{i}: {done:?}"),
+            }
+        }
+        // The script meeting k3 stops part way, and the rest of its batch settles one by one.
+        let (completed, widest) = sent(&mut c).await;
+        assert!(
+            widest > 1,
+            "{completed} commands for 38 completes, {widest} keys at most"
+        );
+        for i in (0..39).filter(|i| ![1, 2, 3].contains(i)) {
+            let r = store.get(&key(i), now).await.unwrap().unwrap();
+            assert_eq!(
+                (r.status, r.response),
+                (Status::Completed, Some(body(i))),
+                "k{i}"
+            );
+        }
+        let r = store.get(&key(1), now).await.unwrap().unwrap();
+        assert_eq!((r.status, r.fence), (Status::InProgress, l1.fence));
+        let r = store.get(&key(39), now).await.unwrap().unwrap();
+        assert_eq!(r.status, Status::InProgress);
+    });
+}
