@@ -1,0 +1,298 @@
+//! Records through the API: their lifecycle, leases, fingerprints, callers, the purge.
+
+use super::*;
+
+#[tokio::test]
+async fn health_reports_the_store() {
+    let api = Api::new();
+    let r = api.get("/healthz", None).await;
+    assert_eq!(r.status, StatusCode::OK);
+    assert_eq!(r.body["status"], "ok", "{}", r.body);
+    assert_eq!(r.body["store"], "memory");
+    assert_eq!(r.body["components"]["store"], json!({"status": "ok"}));
+}
+
+#[tokio::test]
+async fn full_record_lifecycle() {
+    let api = Api::new();
+    let b = api
+        .begin(None, "k1", json!({"amount": 1, "to": "bob"}))
+        .await;
+    let lease = lease_of(&b);
+    assert_eq!(b.body["lease"]["fence"], 1);
+
+    let again = api
+        .begin(None, "k1", json!({"to": "bob", "amount": 1}))
+        .await;
+    assert_eq!(again.status, StatusCode::CONFLICT);
+    assert_eq!(again.code(), "in_progress");
+    assert_eq!(again.headers[header::RETRY_AFTER], "10");
+
+    let other = api
+        .begin(None, "k1", json!({"amount": 2, "to": "bob"}))
+        .await;
+    assert_eq!(other.status, StatusCode::UNPROCESSABLE_ENTITY);
+    assert_eq!(other.code(), "fingerprint_mismatch");
+
+    let c = api.complete(None, "k1", &lease, json!({"tx": "t-1"})).await;
+    assert_eq!(c.status, StatusCode::OK, "{}", c.body);
+
+    let replay = api
+        .begin(None, "k1", json!({"amount": 1, "to": "bob"}))
+        .await;
+    assert_eq!(replay.status, StatusCode::OK);
+    assert_eq!(replay.body["outcome"], "replay");
+    assert_eq!(replay.body["response"], json!({"tx": "t-1"}));
+    assert_eq!(replay.body["fence"], 1);
+
+    let rec = api.get("/v1/records/pay/k1", None).await;
+    assert_eq!(rec.status, StatusCode::OK);
+    assert_eq!(rec.body["status"], "completed");
+    assert_eq!(rec.body["fence"], 1);
+    assert_eq!(rec.body["response"], json!({"tx": "t-1"}));
+    assert!(rec.body["expires_at"].as_str().unwrap().ends_with('Z'));
+}
+
+#[tokio::test]
+async fn release_then_retry_runs_again_with_a_higher_fence() {
+    let api = Api::new();
+    let lease = lease_of(&api.begin(None, "k", json!(1)).await);
+    let r = api
+        .post(
+            "/v1/records/release",
+            None,
+            &json!({"namespace": "pay", "key": "k", "lease": lease}),
+        )
+        .await;
+    assert_eq!(r.status, StatusCode::OK, "{}", r.body);
+    let again = api.begin(None, "k", json!(1)).await;
+    assert_eq!(again.body["lease"]["fence"], 2);
+}
+
+#[tokio::test]
+async fn stale_lease_is_refused_after_takeover() {
+    let api = Api::new();
+    let old = lease_of(&api.begin(None, "k", json!(1)).await);
+    api.clock.advance(Duration::from_secs(11));
+    let new = lease_of(&api.begin(None, "k", json!(1)).await);
+    assert_ne!(old, new);
+    let r = api.complete(None, "k", &old, json!("old")).await;
+    assert_eq!(r.status, StatusCode::CONFLICT);
+    assert_eq!(r.code(), "stale_lease");
+    let r = api
+        .post(
+            "/v1/records/release",
+            None,
+            &json!({"namespace": "pay", "key": "k", "lease": old}),
+        )
+        .await;
+    assert_eq!(r.code(), "stale_lease");
+    let r = api.complete(None, "k", &new, json!("new")).await;
+    assert_eq!(r.status, StatusCode::OK);
+}
+
+#[tokio::test]
+async fn a_late_complete_is_accepted_and_a_different_repeat_is_stale() {
+    let api = Api::new();
+    let lease = lease_of(&api.begin(None, "k", json!(1)).await);
+    // The lease ran out but nobody took the key over: the result is kept.
+    api.clock.advance(Duration::from_secs(11));
+    let r = api.complete(None, "k", &lease, json!("first")).await;
+    assert_eq!(r.status, StatusCode::OK, "{}", r.body);
+    let r = api.complete(None, "k", &lease, json!("first")).await;
+    assert_eq!(r.status, StatusCode::OK, "{}", r.body);
+    let r = api.complete(None, "k", &lease, json!("second")).await;
+    assert_eq!(r.status, StatusCode::CONFLICT);
+    assert_eq!(r.code(), "stale_lease");
+    let replay = api.begin(None, "k", json!(1)).await;
+    assert_eq!(replay.body["response"], json!("first"));
+}
+
+#[tokio::test]
+async fn a_null_request_is_a_request() {
+    let api = Api::new();
+    let lease = lease_of(&api.begin(None, "null", Value::Null).await);
+    api.complete(None, "null", &lease, json!("done")).await;
+    assert_eq!(
+        api.begin(None, "null", Value::Null).await.body["outcome"],
+        "replay"
+    );
+    assert_eq!(
+        api.begin(None, "null", json!(0)).await.code(),
+        "fingerprint_mismatch"
+    );
+}
+
+#[tokio::test]
+async fn fingerprint_string_mode() {
+    let api = Api::new();
+    let begin = |fp: &'static str| {
+        let api = &api;
+        async move {
+            api.post(
+                "/v1/records/begin",
+                None,
+                &json!({"namespace": "pay", "key": "s", "fingerprint": fp}),
+            )
+            .await
+        }
+    };
+    let lease = lease_of(&begin("sha256:abc").await);
+    api.complete(None, "s", &lease, json!(null)).await;
+    assert_eq!(begin("sha256:abc").await.body["outcome"], "replay");
+    assert_eq!(begin("sha256:abd").await.code(), "fingerprint_mismatch");
+}
+
+fn keys() -> Auth {
+    Auth::parse_keys(&format!("shop {KEY_A}\nbank {KEY_B}\n"), "test").unwrap()
+}
+
+#[tokio::test]
+async fn callers_never_see_each_others_records() {
+    let api = Api::with(Arc::new(MemoryStore::new()), keys());
+    let a = lease_of(&api.begin(Some(KEY_A), "shared", json!({"a": 1})).await);
+    api.complete(Some(KEY_A), "shared", &a, json!("A's answer"))
+        .await;
+
+    // B with A's key and A's request: not a replay of A's answer, a fresh record.
+    let b = api.begin(Some(KEY_B), "shared", json!({"a": 1})).await;
+    assert_eq!(b.body["outcome"], "acquired");
+    let rec = api.get("/v1/records/pay/shared", Some(KEY_B)).await;
+    assert_eq!(rec.body["status"], "in_progress");
+    assert!(rec.body.get("response").is_none());
+    // B cannot use A's lease on B's record either.
+    let r = api
+        .complete(Some(KEY_B), "shared", &a, json!("forged"))
+        .await;
+    assert_eq!(r.code(), "stale_lease");
+    // and A still gets its own answer
+    let replay = api.begin(Some(KEY_A), "shared", json!({"a": 1})).await;
+    assert_eq!(replay.body["response"], "A's answer");
+}
+
+#[tokio::test]
+async fn unknown_or_missing_api_keys_are_unauthorized() {
+    let api = Api::with(Arc::new(MemoryStore::new()), keys());
+    for auth in [None, Some("not-a-known-key-000000")] {
+        let r = api.begin(auth, "k", json!(1)).await;
+        assert_eq!(r.status, StatusCode::UNAUTHORIZED);
+        assert_eq!(r.code(), "unauthorized");
+        let r = api.get("/v1/records/pay/k", auth).await;
+        assert_eq!(r.status, StatusCode::UNAUTHORIZED);
+    }
+    let raw = Request::post("/v1/records/begin")
+        .header(header::AUTHORIZATION, "Basic Zm9vOmJhcg==")
+        .header(header::CONTENT_TYPE, "application/json")
+        .body(Body::from("{}"))
+        .unwrap();
+    assert_eq!(api.send(raw).await.code(), "unauthorized");
+    // the scheme name is case-insensitive (RFC 9110 §11.1)
+    let shouting = Request::post("/v1/records/begin")
+        .header(header::AUTHORIZATION, format!("BEARER {KEY_A}"))
+        .header(header::CONTENT_TYPE, "application/json")
+        .body(Body::from(r#"{"namespace":"pay","key":"k","request":1}"#))
+        .unwrap();
+    assert_eq!(api.send(shouting).await.status, StatusCode::OK);
+}
+
+#[tokio::test]
+async fn a_failing_store_fails_closed_with_503() {
+    let faulty = FaultyStore::new(MemoryStore::new());
+    let api = Api::with(Arc::new(faulty.clone()), Auth::anonymous());
+    let lease = lease_of(&api.begin(None, "k", json!(1)).await);
+    faulty.set_down(true);
+    let r = api.begin(None, "k2", json!(1)).await;
+    assert_eq!(
+        (r.status, r.code()),
+        (StatusCode::SERVICE_UNAVAILABLE, "store_unavailable")
+    );
+    let r = api.complete(None, "k", &lease, json!(1)).await;
+    assert_eq!(r.code(), "store_unavailable");
+    let r = api.get("/healthz", None).await;
+    assert_eq!(r.status, StatusCode::SERVICE_UNAVAILABLE);
+    faulty.set_down(false);
+    assert_eq!(api.get("/healthz", None).await.status, StatusCode::OK);
+    // the work never ran for k2: it is still absent
+    assert_eq!(
+        api.get("/v1/records/pay/k2", None).await.status,
+        StatusCode::NOT_FOUND
+    );
+}
+
+#[tokio::test]
+async fn the_purge_loop_deletes_expired_records() {
+    let store = MemoryStore::new();
+    let api = Api::with(Arc::new(store.clone()), Auth::anonymous());
+    for key in ["p1", "p2"] {
+        let lease = lease_of(
+            &api.post(
+                "/v1/records/begin",
+                None,
+                &json!({"namespace": "pay", "key": key, "fingerprint": "f", "ttl_ms": 1000}),
+            )
+            .await,
+        );
+        api.complete(None, key, &lease, json!(1)).await;
+    }
+    assert_eq!(store.len(), 2);
+    api.clock.advance(Duration::from_secs(2));
+    let purger = tokio::spawn(idem_server::purge_loop(
+        Arc::new(store.clone()),
+        Arc::new(api.clock.clone()),
+        Duration::from_millis(10),
+    ));
+    for _ in 0..200 {
+        if store.is_empty() {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    purger.abort();
+    assert!(store.is_empty(), "expired records were not purged");
+}
+
+#[tokio::test]
+async fn records_kept_beyond_year_9999_are_still_shown() {
+    use idem_core::{BeginRequest, Fingerprint, Key, Store, Timestamp};
+    let store = MemoryStore::new();
+    let api = Api::with(Arc::new(store.clone()), Auth::anonymous());
+    let req = BeginRequest::new(
+        Key::parse("default", "pay", "forever").unwrap(),
+        Fingerprint::of_bytes(b"f"),
+    )
+    .with_lease(Duration::MAX)
+    .with_ttl(Duration::MAX);
+    store.begin(&req, Timestamp::now()).await.unwrap();
+    let r = api.get("/v1/records/pay/forever", None).await;
+    assert_eq!(r.status, StatusCode::OK, "{}", r.body);
+    assert_eq!(r.body["expires_at"], "9999-12-31T23:59:59.999Z");
+}
+
+/// A client that hangs up after the store took its key does not leave the key held for the
+/// whole lease: the key is given back, and the next begin takes it at once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_that_hangs_up_while_its_key_is_taken_leaves_the_key_free() {
+    let store = FaultyStore::new(MemoryStore::new());
+    let api = Api::with(Arc::new(store.clone()), Auth::anonymous());
+    // The begin is sent and waits at the store, then takes effect whatever the client does.
+    let taken = Stall::new();
+    store.fail_next(Op::Begin, Fault::StallThenLand(taken.clone()));
+    // Tells when the key is given back.
+    let given_back = Stall::new();
+    given_back.release();
+    store.fail_next(Op::Release, Fault::Stall(given_back.clone()));
+    let begin = json!({"namespace": "pay", "key": "k", "request": 1, "lease_ms": 600_000});
+    let req = Request::post("/v1/records/begin")
+        .header(header::CONTENT_TYPE, "application/json")
+        .body(Body::from(begin.to_string()))
+        .unwrap();
+    let app = api.app.clone();
+    taken.abandon(async move { app.oneshot(req).await }).await;
+    taken.release();
+    within("the key to be taken", taken.landed()).await;
+    within("the key to be given back", given_back.landed()).await;
+    // The test clock never moves: a key still held would answer `in_progress`.
+    let r = api.post("/v1/records/begin", None, &begin).await;
+    assert_eq!(r.status, StatusCode::OK, "{}", r.body);
+    assert_eq!(r.body["outcome"], "acquired");
+}
