@@ -54,7 +54,13 @@ try {
   await page.getByRole("button", { name: "Filter" }).click();
   const rows = page.locator("#records tbody tr");
   await rows.filter({ hasText: "u-1" }).waitFor();
-  if ((await rows.count()) !== 1) fail(`expected 1 unknown outcome, got ${await rows.count()} rows`);
+  // The unfiltered table holds u-1 too: wait for the filtered one to replace it.
+  const one = await page
+    .waitForFunction(() => document.querySelectorAll("#records tbody tr").length === 1, null, {
+      timeout: 10000,
+    })
+    .then(() => true, () => false);
+  if (!one) fail(`expected 1 unknown outcome, got ${await rows.count()} rows`);
 
   // Open it, then reopen it: the counts move from unknown to released.
   await page.locator("#records").getByRole("link", { name: "u-1" }).click();
