@@ -296,3 +296,24 @@ async fn a_client_that_hangs_up_while_its_key_is_taken_leaves_the_key_free() {
     assert_eq!(r.status, StatusCode::OK, "{}", r.body);
     assert_eq!(r.body["outcome"], "acquired");
 }
+
+/// Every answer carries a request id: the caller's when it is sound, a new one otherwise,
+/// problems included.
+#[tokio::test]
+async fn every_answer_carries_a_request_id() {
+    let api = Api::new();
+    let given = Request::get("/healthz")
+        .header("x-request-id", "req-9")
+        .body(Body::empty())
+        .unwrap();
+    assert_eq!(api.send(given).await.headers["x-request-id"], "req-9");
+    let unfit = Request::get("/healthz")
+        .header("x-request-id", "two words")
+        .body(Body::empty())
+        .unwrap();
+    let made = api.send(unfit).await.headers["x-request-id"].clone();
+    assert_eq!(made.len(), 32);
+    let problem = api.get("/v1/no-such-endpoint", None).await;
+    assert_eq!(problem.status, StatusCode::NOT_FOUND);
+    assert_eq!(problem.headers["x-request-id"].len(), 32);
+}
