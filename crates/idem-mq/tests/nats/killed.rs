@@ -247,6 +247,28 @@ struct Tables {
     prefix: String,
 }
 
+impl Tables {
+    /// Tables under a fresh prefix, dropped with the value: the runs table, and the records
+    /// table (made once here rather than by racing children).
+    async fn create(pg: &str) -> (Self, PgPool) {
+        let prefix = format!("idemt_nats_{:08x}", rand::random::<u32>());
+        let tables = Tables {
+            pg: pg.to_owned(),
+            prefix: prefix.clone(),
+        };
+        let pool = PgPool::connect(pg).await.expect("PostgreSQL");
+        sqlx::query(sqlx::AssertSqlSafe(format!(
+            "CREATE TABLE {prefix}_runs (run BIGSERIAL PRIMARY KEY, id TEXT NOT NULL, \
+             fence BIGINT NOT NULL, pid INT NOT NULL, started BIGINT NOT NULL, finished BIGINT)"
+        )))
+        .execute(&pool)
+        .await
+        .expect("runs table");
+        drop(store(pg, &prefix).await);
+        (tables, pool)
+    }
+}
+
 impl Drop for Tables {
     fn drop(&mut self) {
         let (pg, prefix) = (self.pg.clone(), self.prefix.clone());
@@ -287,19 +309,8 @@ async fn chaos(mode: &str) -> Option<Chaos> {
     let url = nats_url()?;
     let pg = idem_testkit::services::POSTGRES.url()?;
     let streams = Streams::new(&url, |_| {}).await;
-    let prefix = format!("idemt_nats_{:08x}", rand::random::<u32>());
-    let _tables = Tables {
-        pg: pg.clone(),
-        prefix: prefix.clone(),
-    };
-    let pool = PgPool::connect(&pg).await.expect("PostgreSQL");
-    sqlx::query(sqlx::AssertSqlSafe(format!(
-        "CREATE TABLE {prefix}_runs (run BIGSERIAL PRIMARY KEY, id TEXT NOT NULL, \
-         fence BIGINT NOT NULL, pid INT NOT NULL, started BIGINT NOT NULL, finished BIGINT)"
-    )))
-    .execute(&pool)
-    .await
-    .expect("runs table");
+    let (tables, pool) = Tables::create(&pg).await;
+    let prefix = tables.prefix.clone();
     sqlx::query(sqlx::AssertSqlSafe(format!(
         "CREATE TABLE {prefix}_effects (id TEXT NOT NULL, fence BIGINT NOT NULL, \
          pid INT NOT NULL)"
@@ -307,8 +318,6 @@ async fn chaos(mode: &str) -> Option<Chaos> {
     .execute(&pool)
     .await
     .expect("effects table");
-    // The records table, made once here rather than by racing children.
-    drop(store(&pg, &prefix).await);
 
     for i in 0..N {
         publish_once(
@@ -477,20 +486,8 @@ async fn a_message_that_crashes_its_consumer_ends_in_the_dead_letter() {
         return;
     };
     let streams = Streams::new(&url, |_| {}).await;
-    let prefix = format!("idemt_nats_{:08x}", rand::random::<u32>());
-    let _tables = Tables {
-        pg: pg.clone(),
-        prefix: prefix.clone(),
-    };
-    let pool = PgPool::connect(&pg).await.expect("PostgreSQL");
-    sqlx::query(sqlx::AssertSqlSafe(format!(
-        "CREATE TABLE {prefix}_runs (run BIGSERIAL PRIMARY KEY, id TEXT NOT NULL, \
-         fence BIGINT NOT NULL, pid INT NOT NULL, started BIGINT NOT NULL, finished BIGINT)"
-    )))
-    .execute(&pool)
-    .await
-    .expect("runs table");
-    drop(store(&pg, &prefix).await);
+    let (tables, pool) = Tables::create(&pg).await;
+    let prefix = tables.prefix.clone();
     publish_once(
         &streams.js,
         streams.subject(),
