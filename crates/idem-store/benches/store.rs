@@ -298,15 +298,20 @@ fn main() {
             &mut base,
             None,
         );
-        // As shipped, then with no read connections: every `begin` straight to the writer,
-        // without the read that answers replays off it (a fresh key pays for that read).
-        for (reads, suffix) in [(None, ""), (Some(0), ", read_connections=0")] {
+        // As shipped; without the key filter (every `begin` reads first, a fresh key too);
+        // with no read connections (every `begin` straight to the writer, without the read
+        // that answers replays off it).
+        type Variant = (&'static str, fn(&mut SqliteOptions));
+        let variants: [Variant; 3] = [
+            ("", |_| {}),
+            (", key_filter=false", |o| o.key_filter = false),
+            (", read_connections=0", |o| o.read_connections = 0),
+        ];
+        for (i, (suffix, set)) in variants.into_iter().enumerate() {
             let mut options = SqliteOptions::default();
             options.synchronous = sync;
-            if let Some(n) = reads {
-                options.read_connections = n;
-            }
-            let file = format!("idem{}.db", reads.map_or(String::new(), |n| n.to_string()));
+            set(&mut options);
+            let file = format!("idem{i}.db");
             let store = SqliteStore::open_with(dir.path().join(file), options).unwrap();
             let name = format!("sqlite synchronous={label}{suffix}");
             let mut f = multi.block_on(run_store(&store, 1, single_n));

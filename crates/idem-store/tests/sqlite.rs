@@ -289,3 +289,41 @@ async fn a_replay_does_not_wait_for_the_write_lock() {
         }
     }
 }
+
+/// Completes `key` through `store`.
+async fn completed(store: &SqliteStore, key: &str) {
+    let now = Timestamp::now();
+    let BeginOutcome::Acquired(lease) = store.begin(&req(key), now).await.unwrap() else {
+        panic!("{key} not acquired")
+    };
+    let answer = idem_core::Bytes::from_static(b"answer");
+    store
+        .complete(&req(key).key, &lease, answer, now)
+        .await
+        .unwrap();
+}
+
+/// The key filter only routes a `begin`: a key in the file before the store opened, or written
+/// since by another store on the same file, is replayed, and never waits for the write lock
+/// once this store has seen it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn keys_written_elsewhere_are_replayed_and_read_without_the_writer() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut options = SqliteOptions::default();
+    options.busy_timeout = Duration::from_millis(300);
+    completed(&open_with(&dir, options), "before").await;
+    let store = open_with(&dir, options);
+    let other = open_with(&dir, options);
+    completed(&other, "elsewhere").await;
+    let replayed = |got: Result<BeginOutcome, StoreError>| matches!(got, Ok(BeginOutcome::Replay(r)) if &r.response[..] == b"answer");
+    assert!(replayed(
+        store.begin(&req("elsewhere"), Timestamp::now()).await
+    ));
+
+    let blocker = Blocker::new(&dir);
+    for key in ["before", "elsewhere"] {
+        let got = store.begin(&req(key), Timestamp::now()).await;
+        assert!(replayed(got), "{key}");
+    }
+    drop(blocker);
+}

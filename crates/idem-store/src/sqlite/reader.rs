@@ -83,6 +83,15 @@ impl Readers {
         answer.await.unwrap_or_else(|_| Err(self.stopped()))
     }
 
+    /// Queues `job` on one of the read connections and does not wait for it. A job refused
+    /// (the queue is full, the threads are gone) is dropped unrun.
+    pub(super) fn detach(
+        &self,
+        job: impl FnOnce(&Connection) + Send + 'static,
+    ) -> Result<(), StoreError> {
+        self.send(Box::new(job))
+    }
+
     fn send(&self, job: ReadJob) -> Result<(), StoreError> {
         let mut jobs = self.jobs.lock().unwrap_or_else(PoisonError::into_inner);
         let sender = match jobs.as_ref() {

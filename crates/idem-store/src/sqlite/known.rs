@@ -1,0 +1,352 @@
+//! The keys the store may hold, so that a `begin` of a key it certainly does not hold goes
+//! straight to the writer instead of reading first: that read would find nothing, and the
+//! writer reads the record again inside its transaction anyway.
+//!
+//! A Bloom filter (`fastbloom`'s, whose bits are atomics: every `begin` reads and sets them
+//! without a lock) of every key in the table, loaded on the listings connection when the store
+//! opens, and of every key whose `begin` the writer has answered. It is only a way to route a `begin`,
+//! never an answer: "maybe held" reads first, as a store without the filter does; "not held"
+//! goes to the writer, which decides by the record it reads. A wrong "not held" therefore costs
+//! time, not correctness: a key that another process (or another store on the same file) wrote
+//! after the load is not in the filter, and its first `begin` here waits for the writer like a
+//! fresh key's; that `begin` teaches the filter the key, so the next one reads first. So does
+//! a `begin` whose caller stopped waiting before the writer answered, when the writer wrote
+//! its record anyway.
+//!
+//! Keys are never taken out (a Bloom filter cannot forget one): a record purged after its expiry
+//! stays "maybe held" and costs a read, as before. When more keys were learnt than the filter
+//! was sized for, a new one, sized for twice the table, is loaded the same way and replaces it;
+//! until then the old one answers and both learn.
+
+use std::collections::hash_map::RandomState;
+use std::hash::BuildHasher;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, PoisonError, RwLock, RwLockReadGuard, RwLockWriteGuard};
+use std::time::{Duration, Instant};
+
+use fastbloom::AtomicBloomFilter;
+use idem_core::Key;
+use rusqlite::Connection;
+
+use super::reader::Readers;
+
+/// The fewest keys a filter is sized for (about 77 KiB of bits); the tests grow filters past it.
+const MIN_CAPACITY: usize = if cfg!(test) { 64 } else { 1 << 16 };
+/// The most keys a filter is sized for (about 40 MiB of bits). Past it the filter fills up and
+/// answers "maybe held" more and more often: a `begin` then reads first, as without a filter.
+const MAX_CAPACITY: usize = 1 << 25;
+/// The rate of keys wrongly said "maybe held" (each costs one read) at capacity.
+const FALSE_POSITIVES: f64 = 0.01;
+/// The longest wait before loading again after a load failed.
+const MAX_BACKOFF: Duration = Duration::from_secs(60);
+
+/// The keys a [`super::SqliteStore`] may hold; shared by its clones.
+pub(super) struct KnownKeys {
+    filters: RwLock<Filters>,
+    /// Loads run here, beside operators' listings, never in the way of a replay's read.
+    listings: Arc<Readers>,
+    /// The key's hash, computed once for every filter: random keys of this process's own.
+    hasher: RandomState,
+}
+
+#[derive(Default)]
+struct Filters {
+    /// Answers [`KnownKeys::may_hold`]; `None` until the first load is done (every key is
+    /// then "maybe held").
+    current: Option<Arc<Filter>>,
+    /// Being loaded from the table: learns beside `current`, replaces it when loaded.
+    loading: Option<Arc<Filter>>,
+    /// A load is queued or running.
+    rebuilding: bool,
+    /// Loads that failed in a row, and when the next may start.
+    failures: u32,
+    retry_at: Option<Instant>,
+}
+
+struct Filter {
+    bits: AtomicBloomFilter,
+    capacity: usize,
+    /// Keys that set a bit no key before them had set: distinct keys, less the false
+    /// positives among them.
+    keys: AtomicUsize,
+}
+
+impl Filter {
+    fn new(capacity: usize) -> Self {
+        Self {
+            bits: AtomicBloomFilter::with_false_pos(FALSE_POSITIVES).expected_items(capacity),
+            capacity,
+            keys: AtomicUsize::new(0),
+        }
+    }
+
+    fn insert(&self, hash: u64) {
+        if !self.bits.insert_hash(hash) {
+            self.keys.fetch_add(1, Ordering::Relaxed);
+        }
+    }
+
+    /// More keys than it was sized for, and a larger filter may be made.
+    fn outgrown(&self) -> bool {
+        self.keys.load(Ordering::Relaxed) > self.capacity && self.capacity < MAX_CAPACITY
+    }
+}
+
+/// A load, from job to job. However it ends (filled, failed, or dropped unrun), dropping it
+/// ends the rebuild, so that a later one may start.
+struct Load {
+    known: Arc<KnownKeys>,
+    filled: Option<Arc<Filter>>,
+}
+
+impl Load {
+    /// The first job: sizes the filter for twice the table and lets it learn.
+    fn size(self, conn: &Connection) {
+        let Ok(rows) = conn.query_row("SELECT count(*) FROM idem_records", [], |r| {
+            r.get::<_, usize>(0)
+        }) else {
+            return;
+        };
+        let filter = Arc::new(Filter::new(
+            rows.saturating_mul(2).clamp(MIN_CAPACITY, MAX_CAPACITY),
+        ));
+        self.known.write().loading = Some(Arc::clone(&filter));
+        let listings = Arc::clone(&self.known.listings);
+        let _ = listings.detach(move |conn| self.fill(conn, filter));
+    }
+
+    /// The second job: puts every key of the table in the filter.
+    fn fill(mut self, conn: &Connection, filter: Arc<Filter>) {
+        let filled = || {
+            let mut keys = conn.prepare("SELECT scope, namespace, client_key FROM idem_records")?;
+            let mut rows = keys.query([])?;
+            while let Some(row) = rows.next()? {
+                let part = |i: usize| -> rusqlite::Result<&[u8]> {
+                    let value = row.get_ref(i)?;
+                    value.as_bytes().map_err(|e| {
+                        rusqlite::Error::FromSqlConversionFailure(i, value.data_type(), e.into())
+                    })
+                };
+                filter.insert(self.known.hash(part(0)?, part(1)?, part(2)?));
+            }
+            Ok::<_, rusqlite::Error>(())
+        };
+        if filled().is_ok() {
+            self.filled = Some(filter);
+        }
+    }
+}
+
+impl Drop for Load {
+    fn drop(&mut self) {
+        self.known.loaded(self.filled.take());
+    }
+}
+
+impl std::fmt::Debug for KnownKeys {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let filters = self.read();
+        f.debug_struct("KnownKeys")
+            .field("loaded", &filters.current.is_some())
+            .field("rebuilding", &filters.rebuilding)
+            .finish_non_exhaustive()
+    }
+}
+
+impl KnownKeys {
+    /// An empty set of known keys, with the first load from the table queued on `listings`.
+    pub(super) fn load(listings: Arc<Readers>) -> Arc<Self> {
+        let known = Arc::new(Self {
+            filters: RwLock::new(Filters::default()),
+            listings,
+            hasher: RandomState::new(),
+        });
+        known.rebuild();
+        known
+    }
+
+    /// False only when no record of `key` was in the table at the last load and no `begin`
+    /// of it has gone to this store's writer since.
+    pub(super) fn may_hold(&self, key: &Key) -> bool {
+        let hash = self.hash_key(key);
+        self.read()
+            .current
+            .as_ref()
+            .is_none_or(|filter| filter.bits.contains_hash(hash))
+    }
+
+    /// Notes that the writer has answered a `begin` of `key`, and may have written its record.
+    pub(super) fn learn(self: &Arc<Self>, key: &Key) {
+        let hash = self.hash_key(key);
+        let rebuild = {
+            let filters = self.read();
+            for filter in filters.current.iter().chain(&filters.loading) {
+                filter.insert(hash);
+            }
+            !filters.rebuilding
+                && filters.current.as_ref().is_none_or(|f| f.outgrown())
+                && filters.retry_at.is_none_or(|at| Instant::now() >= at)
+        };
+        if rebuild {
+            self.rebuild();
+        }
+    }
+
+    /// Queues a load of a new filter from the table, unless one is queued or running.
+    ///
+    /// It takes two jobs on the listings connection. The first counts the table, sizes the
+    /// filter for twice that and lets it learn from then on; the second, queued after that,
+    /// puts every key of the table in it. The second's read starts after the filter learns,
+    /// and a key is learnt once the writer has answered its `begin`: a record this store
+    /// writes is either in what the second job reads or learnt, never missed between them.
+    fn rebuild(self: &Arc<Self>) {
+        {
+            let mut filters = self.write();
+            if filters.rebuilding {
+                return;
+            }
+            filters.rebuilding = true;
+        }
+        let load = Load {
+            known: Arc::clone(self),
+            filled: None,
+        };
+        // A job refused (the queue is full, the threads are gone) is dropped unrun, and
+        // `Load` ends the rebuild as failed.
+        let _ = self.listings.detach(move |conn| load.size(conn));
+    }
+
+    /// Ends a load: its filter answers from now on, or, when it failed, the next load waits
+    /// a while (doubling, up to a minute) and the filter in place answers meanwhile.
+    fn loaded(&self, filter: Option<Arc<Filter>>) {
+        let mut filters = self.write();
+        filters.rebuilding = false;
+        filters.loading = None;
+        match filter {
+            Some(filter) => {
+                filters.current = Some(filter);
+                filters.failures = 0;
+                filters.retry_at = None;
+            }
+            None => {
+                filters.failures = filters.failures.saturating_add(1);
+                let backoff = Duration::from_secs(1)
+                    .saturating_mul(1 << filters.failures.min(6))
+                    .min(MAX_BACKOFF);
+                filters.retry_at = Some(Instant::now() + backoff);
+            }
+        }
+    }
+
+    fn hash_key(&self, key: &Key) -> u64 {
+        self.hash(
+            key.scope().as_str().as_bytes(),
+            key.namespace().as_str().as_bytes(),
+            key.client_key().as_str().as_bytes(),
+        )
+    }
+
+    /// One hash of a key's three parts, the same from a [`Key`] and from a row.
+    fn hash(&self, scope: &[u8], namespace: &[u8], client_key: &[u8]) -> u64 {
+        self.hasher.hash_one((scope, namespace, client_key))
+    }
+
+    fn read(&self) -> RwLockReadGuard<'_, Filters> {
+        // Every change under the lock is a few plain assignments: a panic elsewhere while it
+        // was held leaves the state whole.
+        self.filters.read().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    fn write(&self) -> RwLockWriteGuard<'_, Filters> {
+        self.filters.write().unwrap_or_else(PoisonError::into_inner)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use idem_core::{BeginOutcome, BeginRequest, Fingerprint, Store, Timestamp};
+
+    use super::*;
+    use crate::SqliteStore;
+
+    fn key(i: usize) -> Key {
+        Key::parse("s", "n", &format!("k{i}")).unwrap()
+    }
+
+    /// Waits until no load is queued or running, and one has been made.
+    async fn settled(known: &KnownKeys) -> usize {
+        for _ in 0..500 {
+            {
+                let filters = known.read();
+                if let (false, Some(current)) = (filters.rebuilding, &filters.current) {
+                    return current.capacity;
+                }
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        panic!("the key filter never finished loading");
+    }
+
+    /// Keys written before the store opened are loaded, keys begun since are learnt, a filter
+    /// outgrown is replaced by a larger one that still holds every key, and a key never
+    /// written is mostly said to be absent.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn every_key_written_is_known_and_most_others_are_not() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("idem.db");
+        let now = Timestamp::now();
+        let begin = |store: SqliteStore, i: usize| async move {
+            let req = BeginRequest::new(key(i), Fingerprint::of_bytes(b"f"));
+            let got = store.begin(&req, now).await.unwrap();
+            assert!(matches!(got, BeginOutcome::Acquired(_)), "{i}: {got:?}");
+        };
+        let before = SqliteStore::open(&path).unwrap();
+        for i in 0..100 {
+            begin(before.clone(), i).await;
+        }
+        drop(before);
+
+        let store = SqliteStore::open(&path).unwrap();
+        let known = Arc::clone(store.known.as_ref().unwrap());
+        assert_eq!(settled(&known).await, 200, "sized for twice the table");
+        for i in 100..400 {
+            begin(store.clone(), i).await;
+        }
+        assert!(settled(&known).await > 200, "grown once outgrown");
+        for i in 0..400 {
+            assert!(known.may_hold(&key(i)), "key {i} was written");
+        }
+        let others = (1000..11_000).filter(|i| known.may_hold(&key(*i))).count();
+        assert!(
+            others < 500,
+            "{others} of 10,000 unwritten keys said to be held"
+        );
+    }
+
+    /// A load that cannot run leaves every key "maybe held", and is tried again only after
+    /// a pause.
+    #[test]
+    fn a_failed_load_answers_maybe_and_waits_to_try_again() {
+        let dir = tempfile::tempdir().unwrap();
+        // No database there: the listings connection cannot open.
+        let listings = Arc::new(Readers::new(
+            "listings",
+            dir.path().join("missing.db"),
+            Duration::from_millis(100),
+            1,
+            4,
+        ));
+        let known = KnownKeys::load(listings);
+        {
+            let filters = known.read();
+            assert!(!filters.rebuilding && filters.current.is_none());
+            assert_eq!(filters.failures, 1);
+            assert!(filters.retry_at.is_some());
+        }
+        assert!(known.may_hold(&key(1)));
+        known.learn(&key(1));
+        assert_eq!(known.read().failures, 1, "no second load before the pause");
+    }
+}
