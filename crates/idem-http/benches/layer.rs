@@ -13,7 +13,8 @@
 //! `plain`, its row giving the ratio to that run.
 //!
 //! `cargo bench -p idem-http --bench layer -- [--seconds N] [--concurrency N] [--rounds N]`
-//! (`REDIS_URL`, default `redis://127.0.0.1:6379`; `--store memory` for no Redis).
+//! (`REDIS_URL`, default `redis://127.0.0.1:6379`; `--store memory` for no Redis; `--only TEXT`
+//! for only the ways whose name holds TEXT, as when profiling one).
 
 #![allow(clippy::unwrap_used, clippy::print_stdout, clippy::expect_used)]
 
@@ -36,6 +37,8 @@ struct Args {
     concurrency: usize,
     rounds: usize,
     store: String,
+    /// Only the ways whose name holds this text (for profiling one of them).
+    only: Option<String>,
 }
 
 fn args() -> Args {
@@ -44,6 +47,7 @@ fn args() -> Args {
         concurrency: 16,
         rounds: 3,
         store: "redis".into(),
+        only: None,
     };
     let mut it = std::env::args().skip(1);
     while let Some(flag) = it.next() {
@@ -53,6 +57,7 @@ fn args() -> Args {
             "--concurrency" => a.concurrency = value().parse().unwrap(),
             "--rounds" => a.rounds = value().parse().unwrap(),
             "--store" => a.store = value(),
+            "--only" => a.only = Some(value()),
             "--quick" => (a.seconds, a.rounds) = (1, 1),
             _ => {} // cargo bench passes --bench
         }
@@ -191,7 +196,15 @@ fn main() {
                 ("layer + cache, new keys", cached, Keys::Fresh, false),
                 ("layer + cache, replays", cached, Keys::Replayed, true),
             ];
+            let wanted = |way: &str| {
+                args.only
+                    .as_ref()
+                    .is_none_or(|only| way.contains(only.as_str()))
+            };
             for (i, (way, target, keys, replayed)) in ways.into_iter().enumerate() {
+                if !wanted(way) {
+                    continue;
+                }
                 // The bare route right before each way: the machine's load drifts, and a
                 // ratio to a run minutes away would measure the drift.
                 let base = run(plain, Keys::Fresh, false, &args, format!("p{round}w{i}")).await;
