@@ -167,8 +167,11 @@ fn main() {
     );
     let (plain, layered, cached) = server_rt.block_on(async {
         let shared = store(&args.store, &run_id).await;
-        // Short-lived records: the bench writes many keys to a shared server.
-        let policy = Policy::default().ttl(Duration::from_secs(120));
+        // Short-lived records (the bench writes many keys to a shared server), but the keys
+        // warmed once must still be there for the last round's replays: every way and its
+        // plain run, every round, and a minute to spare.
+        let run_secs = args.seconds * 8 * args.rounds as u64;
+        let policy = Policy::default().ttl(Duration::from_secs(60 + run_secs));
         let cache: SharedStore = Arc::new(ReplayCache::new(
             shared.clone(),
             ReplayCacheLimits::default(),
