@@ -13,7 +13,8 @@
 //! generator each run on a one-thread runtime of their own in this process.
 //!
 //! `cargo bench -p idem-server --bench gateway -- [--seconds N] [--concurrency N] [--work-ms N]
-//! [--rounds N]`
+//! [--rounds N] [--only TEXT]` (`--only`: just the rows whose "store way" holds TEXT, beside
+//! `direct`, as when profiling one).
 
 #![allow(clippy::unwrap_used, clippy::print_stdout)]
 
@@ -40,6 +41,8 @@ struct Args {
     concurrency: usize,
     work_ms: u64,
     rounds: usize,
+    /// Only the rows whose "store way" holds this text, beside `direct` (for profiling one).
+    only: Option<String>,
 }
 
 fn args() -> Args {
@@ -48,9 +51,14 @@ fn args() -> Args {
         concurrency: 64,
         work_ms: 0,
         rounds: 1,
+        only: None,
     };
     let mut it = std::env::args().skip(1);
     while let Some(flag) = it.next() {
+        if flag == "--only" {
+            a.only = it.next();
+            continue;
+        }
         let mut value = || it.next().and_then(|v| v.parse().ok()).expect("a number");
         match flag.as_str() {
             "--seconds" => a.seconds = value(),
@@ -203,8 +211,15 @@ fn main() {
                 ("gateway, replays", *bare, Keys::Replayed),
                 ("gateway + cache, replays", *cached, Keys::Replayed),
             ];
+            let wanted = |way: &str| {
+                let row = format!("{name} {way}");
+                args.only
+                    .as_ref()
+                    .is_none_or(|only| row.contains(only.as_str()))
+            };
             let rows: Vec<_> = ways
                 .into_iter()
+                .filter(|(way, ..)| wanted(way))
                 .map(|(way, gw, keys)| (way, load_rt.block_on(load(gw, keys, &args, &tag))))
                 .collect();
             for (way, o) in std::iter::once(("direct", direct)).chain(rows) {
