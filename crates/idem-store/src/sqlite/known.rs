@@ -2,21 +2,22 @@
 //! straight to the writer instead of reading first: that read would find nothing, and the
 //! writer reads the record again inside its transaction anyway.
 //!
-//! A Bloom filter (`fastbloom`'s, whose bits are atomics: every `begin` reads and sets them
-//! without a lock) of every key in the table, loaded on the listings connection when the store
-//! opens, and of every key whose `begin` the writer has answered. It is only a way to route a `begin`,
-//! never an answer: "maybe held" reads first, as a store without the filter does; "not held"
-//! goes to the writer, which decides by the record it reads. A wrong "not held" therefore costs
-//! time, not correctness: a key that another process (or another store on the same file) wrote
-//! after the load is not in the filter, and its first `begin` here waits for the writer like a
-//! fresh key's; that `begin` teaches the filter the key, so the next one reads first. So does
-//! a `begin` whose caller stopped waiting before the writer answered, when the writer wrote
-//! its record anyway.
+//! A Bloom filter (`fastbloom`'s, whose bits are atomics: every `begin` reads them without a
+//! lock) of every key in the table, loaded on the listings connection when the store opens,
+//! and taught by the writer the key of every `begin` it commits, before it answers (so also
+//! that of a caller that stopped waiting). It is only a way to route a `begin`, never an
+//! answer: "maybe held" reads first, as a store without the filter does; "not held" goes to the
+//! writer, which decides by the record it reads. A wrong "not held" gives the same answer, only
+//! later: it is a key that another process (or another store on the same file) wrote after
+//! the load, and its first `begin` here goes through the writer like a fresh key's (waiting,
+//! while another connection holds the write lock, up to `busy_timeout`, and failing as
+//! unavailable past it, where a read would have replayed); the writer then teaches the filter
+//! the key, so the next `begin` reads first.
 //!
 //! Keys are never taken out (a Bloom filter cannot forget one): a record purged after its expiry
 //! stays "maybe held" and costs a read, as before. When more keys were learnt than the filter
-//! was sized for, a new one, sized for twice the table, is loaded the same way and replaces it;
-//! until then the old one answers and both learn.
+//! was sized for, a new one, sized for twice the table (which forgets the purged keys), is
+//! loaded the same way and replaces it; until then the old one answers and both learn.
 
 use std::collections::hash_map::RandomState;
 use std::hash::BuildHasher;
@@ -32,9 +33,13 @@ use super::reader::Readers;
 
 /// The fewest keys a filter is sized for (about 77 KiB of bits); the tests grow filters past it.
 const MIN_CAPACITY: usize = if cfg!(test) { 64 } else { 1 << 16 };
-/// The most keys a filter is sized for (about 40 MiB of bits). Past it the filter fills up and
-/// answers "maybe held" more and more often: a `begin` then reads first, as without a filter.
+/// The most keys a filter is sized for (about 40 MiB of bits; twice that while a rebuild loads
+/// the next). A table past half of it gets a filter that fills up and answers "maybe held"
+/// more and more often (a `begin` then reads first, as without a filter) until the next
+/// rebuild, one for every `MAX_CAPACITY / 2` or so keys learnt.
 const MAX_CAPACITY: usize = 1 << 25;
+/// How many rows the scan reads between two checks that the store is still open.
+const ROWS_BETWEEN_CHECKS: usize = 4096;
 /// The rate of keys wrongly said "maybe held" (each costs one read) at capacity.
 const FALSE_POSITIVES: f64 = 0.01;
 /// The longest wait before loading again after a load failed.
@@ -86,9 +91,9 @@ impl Filter {
         }
     }
 
-    /// More keys than it was sized for, and a larger filter may be made.
+    /// More keys than it was sized for.
     fn outgrown(&self) -> bool {
-        self.keys.load(Ordering::Relaxed) > self.capacity && self.capacity < MAX_CAPACITY
+        self.keys.load(Ordering::Relaxed) > self.capacity
     }
 }
 
@@ -102,6 +107,9 @@ struct Load {
 impl Load {
     /// The first job: sizes the filter for twice the table and lets it learn.
     fn size(self, conn: &Connection) {
+        if Arc::strong_count(&self.known) == 1 {
+            return; // the store is gone
+        }
         let Ok(rows) = conn.query_row("SELECT count(*) FROM idem_records", [], |r| {
             r.get::<_, usize>(0)
         }) else {
@@ -120,7 +128,14 @@ impl Load {
         let filled = || {
             let mut keys = conn.prepare("SELECT scope, namespace, client_key FROM idem_records")?;
             let mut rows = keys.query([])?;
+            let mut read = 0usize;
             while let Some(row) = rows.next()? {
+                read += 1;
+                // Only this load holds the keys now: the store is gone, and so is the use of
+                // reading on (a table may hold millions of rows).
+                if read.is_multiple_of(ROWS_BETWEEN_CHECKS) && Arc::strong_count(&self.known) == 1 {
+                    return Err(rusqlite::Error::QueryReturnedNoRows);
+                }
                 let part = |i: usize| -> rusqlite::Result<&[u8]> {
                     let value = row.get_ref(i)?;
                     value.as_bytes().map_err(|e| {
@@ -175,7 +190,7 @@ impl KnownKeys {
             .is_none_or(|filter| filter.bits.contains_hash(hash))
     }
 
-    /// Notes that the writer has answered a `begin` of `key`, and may have written its record.
+    /// Notes that the writer has committed a `begin` of `key`: its record is in the table.
     pub(super) fn learn(self: &Arc<Self>, key: &Key) {
         let hash = self.hash_key(key);
         let rebuild = {
@@ -195,10 +210,12 @@ impl KnownKeys {
     /// Queues a load of a new filter from the table, unless one is queued or running.
     ///
     /// It takes two jobs on the listings connection. The first counts the table, sizes the
-    /// filter for twice that and lets it learn from then on; the second, queued after that,
-    /// puts every key of the table in it. The second's read starts after the filter learns,
-    /// and a key is learnt once the writer has answered its `begin`: a record this store
-    /// writes is either in what the second job reads or learnt, never missed between them.
+    /// filter for twice that and lets it learn from then on; the second, queued by the first,
+    /// puts every key of the table in it. The listings connection has one thread, which runs
+    /// the jobs queued while it was busy as a later batch (`reader::run_batch`, in one read
+    /// transaction), so the second job's read, and the WAL snapshot it takes, start after the
+    /// filter learns. The writer teaches a key after its commit: a record this store writes is
+    /// either in what the second job reads or taught to the filter, never missed between them.
     fn rebuild(self: &Arc<Self>) {
         {
             let mut filters = self.write();
@@ -277,7 +294,7 @@ mod tests {
 
     /// Waits until no load is queued or running, and one has been made.
     async fn settled(known: &KnownKeys) -> usize {
-        for _ in 0..500 {
+        for _ in 0..3000 {
             {
                 let filters = known.read();
                 if let (false, Some(current)) = (filters.rebuilding, &filters.current) {
@@ -323,6 +340,32 @@ mod tests {
             others < 500,
             "{others} of 10,000 unwritten keys said to be held"
         );
+    }
+
+    /// A key another store wrote after the load is replayed through the writer, which teaches
+    /// it to the filter.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn the_writer_teaches_a_key_written_elsewhere() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("idem.db");
+        let now = Timestamp::now();
+        let store = SqliteStore::open(&path).unwrap();
+        let known = Arc::clone(store.known.as_ref().unwrap());
+        settled(&known).await;
+        let other = SqliteStore::open(&path).unwrap();
+        let req = BeginRequest::new(key(7), Fingerprint::of_bytes(b"f"));
+        let BeginOutcome::Acquired(lease) = other.begin(&req, now).await.unwrap() else {
+            panic!("not acquired")
+        };
+        let answer = idem_core::Bytes::from_static(b"answer");
+        other.complete(&req.key, &lease, answer, now).await.unwrap();
+
+        let got = store.begin(&req, now).await.unwrap();
+        assert!(
+            matches!(&got, BeginOutcome::Replay(r) if &r.response[..] == b"answer"),
+            "{got:?}"
+        );
+        assert!(known.may_hold(&key(7)));
     }
 
     /// A load that cannot run leaves every key "maybe held", and is tried again only after

@@ -92,9 +92,12 @@ pub struct SqliteOptions {
     pub read_connections: usize,
     /// Keep in memory a filter of the keys the table holds, so that a `begin` of a key it
     /// certainly does not hold goes straight to the writer rather than reading first (with
-    /// read connections). A key another process writes later is learnt at its first `begin`
-    /// here, which waits for the writer. About 1.2 bytes a record, loaded when the store
-    /// opens. Default true.
+    /// read connections). A key another process wrote after the filter was loaded is learnt
+    /// at its first `begin` here, which goes through the writer: slower than a read, and
+    /// while another connection holds the write lock it waits for it, and may fail with
+    /// `StoreError::Unavailable` where a read would have replayed. About 2.4 bytes a record
+    /// (at least 77 KiB), loaded when the store opens. Default true; off for a file whose
+    /// keys other processes write most of.
     pub key_filter: bool,
 }
 
@@ -144,10 +147,6 @@ impl SqliteStore {
         let max_queue = options.max_queue.max(1);
         let (tx, rx) = mpsc::sync_channel(max_queue);
         let max_batch = options.max_batch.max(1);
-        thread::Builder::new()
-            .name("idem-sqlite".into())
-            .spawn(move || Writer { conn, max_batch }.run(&rx))
-            .map_err(|e| StoreError::backend("cannot start the SQLite writer thread", e))?;
         let reads = (options.read_connections > 0).then(|| {
             Arc::new(Readers::new(
                 "reads",
@@ -166,6 +165,15 @@ impl SqliteStore {
         ));
         let known =
             (reads.is_some() && options.key_filter).then(|| KnownKeys::load(Arc::clone(&listings)));
+        let writer = Writer {
+            conn,
+            max_batch,
+            known: known.clone(),
+        };
+        thread::Builder::new()
+            .name("idem-sqlite".into())
+            .spawn(move || writer.run(&rx))
+            .map_err(|e| StoreError::backend("cannot start the SQLite writer thread", e))?;
         Ok(Self {
             tx,
             max_queue,
@@ -232,17 +240,13 @@ impl Store for SqliteStore {
     }
 
     async fn begin(&self, req: &BeginRequest, now: Timestamp) -> Result<BeginOutcome, StoreError> {
+        // The writer teaches the filter every key it begins.
         let may_hold = self.known.as_ref().is_none_or(|k| k.may_hold(&req.key));
         if may_hold && let Some(outcome) = self.decided_by_reading(req, now).await {
             return Ok(outcome);
         }
-        let answer = self
-            .call(Request::Begin(req.clone(), now), Responder::Begin, Err)
-            .await;
-        if let Some(known) = &self.known {
-            known.learn(&req.key);
-        }
-        answer
+        self.call(Request::Begin(req.clone(), now), Responder::Begin, Err)
+            .await
     }
 
     async fn complete(

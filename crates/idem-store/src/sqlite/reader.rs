@@ -2,9 +2,10 @@
 //! reader sees the last committed state and never holds up the writer, nor waits for it.
 //!
 //! A [`Readers`] is a few threads, each owning one `query_only` connection and taking jobs
-//! from one bounded queue; they start at the first read and stop when every clone of the store
-//! is gone. The store keeps two: one for replays and `get` (short point reads), and one for
-//! listings and counts, so that a count over a large table never delays a replay.
+//! from one bounded queue; they start at the first job (for the listings, at open, when the
+//! key filter loads) and stop when every clone of the store is gone. The store keeps two: one
+//! for replays and `get` (short point reads), and one for listings, counts and the key
+//! filter's loads, so that a count over a large table never delays a replay.
 
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex, PoisonError, mpsc};

@@ -1,7 +1,7 @@
 //! The writer thread: it owns the connection, takes every operation waiting (up to a batch
 //! limit), runs them in one `BEGIN IMMEDIATE` transaction, commits once and answers each caller.
 
-use std::sync::mpsc;
+use std::sync::{Arc, mpsc};
 use std::time::Duration;
 
 use idem_core::{
@@ -11,6 +11,7 @@ use idem_core::{
 use rusqlite::{Connection, ErrorCode, TransactionBehavior};
 use tokio::sync::oneshot;
 
+use super::known::KnownKeys;
 use super::locks::{LockAnswer, LockOp};
 use super::records::apply;
 
@@ -71,6 +72,8 @@ pub(super) fn writer_stopped() -> StoreError {
 pub(super) struct Writer {
     pub(super) conn: Connection,
     pub(super) max_batch: usize,
+    /// Taught the key of every `begin` this thread commits (none: no key filter).
+    pub(super) known: Option<Arc<KnownKeys>>,
 }
 
 pub(super) fn store_error(e: &rusqlite::Error) -> StoreError {
@@ -196,6 +199,15 @@ impl Writer {
         let mut orphans = Vec::new();
         match result {
             Ok(()) => {
+                // Before any caller hears: a record a `begin` wrote (or found) is in the table
+                // from this commit on, whether its caller is still there or not.
+                if let Some(known) = &self.known {
+                    for op in &batch {
+                        if let Request::Begin(req, _) = &op.request {
+                            known.learn(&req.key);
+                        }
+                    }
+                }
                 for (op, answer) in batch.into_iter().zip(answers) {
                     let returned = op.responder.send(answer);
                     if let (

@@ -5,7 +5,8 @@
 //!   268435456, 256 MiB; see [`MemoryLimits`](crate::MemoryLimits)).
 //! - `sqlite://PATH`: a SQLite file; `sqlite://idem.db` is relative to the working directory,
 //!   `sqlite:///var/lib/idem/idem.db` is absolute. Options as a query string:
-//!   `synchronous=full|normal` and `busy_timeout_ms=N`.
+//!   `synchronous=full|normal`, `busy_timeout_ms=N` and `key_filter=on|off` (off for a file
+//!   whose keys other processes write most of; see `SqliteOptions::key_filter`).
 //! - `postgres://user:password@host:port/database` (feature `postgres`): PostgreSQL. Besides
 //!   the driver's own options, `idem_table=NAME` names the records table (default
 //!   `idem_records`), `idem_pool=N` caps the connection pool (default 16) and `idem_batch=N`
@@ -41,6 +42,8 @@ pub enum StoreUrl {
         synchronous: crate::Synchronous,
         /// How long to wait for another writer's lock, in milliseconds.
         busy_timeout_ms: u64,
+        /// Whether a fresh key's `begin` may skip the read first (`SqliteOptions::key_filter`).
+        key_filter: bool,
     },
     /// `redis://…` (one server) or `redis+cluster://…` (a Cluster, through these nodes).
     #[cfg(feature = "redis")]
@@ -182,6 +185,7 @@ impl FromStr for StoreUrl {
                 }
                 let mut synchronous = crate::Synchronous::Full;
                 let mut busy_timeout_ms = 5_000;
+                let mut key_filter = true;
                 for (name, value) in params(query) {
                     match name {
                         "synchronous" => {
@@ -200,9 +204,21 @@ impl FromStr for StoreUrl {
                                 err(format!("busy_timeout_ms={value:?} is not a whole number"))
                             })?;
                         }
+                        "key_filter" => {
+                            key_filter = match value.to_ascii_lowercase().as_str() {
+                                "on" => true,
+                                "off" => false,
+                                _ => {
+                                    return Err(err(format!(
+                                        "key_filter={value:?} is not one of on, off"
+                                    )));
+                                }
+                            };
+                        }
                         _ => {
                             return Err(err(format!(
-                                "unknown sqlite option {name:?}; known: synchronous, busy_timeout_ms"
+                                "unknown sqlite option {name:?}; known: synchronous, \
+                                 busy_timeout_ms, key_filter"
                             )));
                         }
                     }
@@ -211,6 +227,7 @@ impl FromStr for StoreUrl {
                     path: location.into(),
                     synchronous,
                     busy_timeout_ms,
+                    key_filter,
                 })
             }
             #[cfg(feature = "postgres")]
@@ -372,10 +389,12 @@ impl StoreUrl {
                 path,
                 synchronous,
                 busy_timeout_ms,
+                key_filter,
             } => {
                 let options = crate::SqliteOptions {
                     synchronous: *synchronous,
                     busy_timeout: std::time::Duration::from_millis(*busy_timeout_ms),
+                    key_filter: *key_filter,
                     ..crate::SqliteOptions::default()
                 };
                 Ok(both(crate::SqliteStore::open_with(path, options)?))

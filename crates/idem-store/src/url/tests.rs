@@ -52,21 +52,23 @@ fn parses_memory_bounds() {
 #[test]
 fn parses_sqlite_paths_and_options() {
     assert_eq!(
-        "sqlite:///var/lib/idem.db?synchronous=normal&busy_timeout_ms=10".parse(),
+        "sqlite:///var/lib/idem.db?synchronous=normal&busy_timeout_ms=10&key_filter=off".parse(),
         Ok(StoreUrl::Sqlite {
             path: "/var/lib/idem.db".into(),
             synchronous: crate::Synchronous::Normal,
-            busy_timeout_ms: 10
+            busy_timeout_ms: 10,
+            key_filter: false,
         })
     );
     assert!(matches!(
         "sqlite://idem.db".parse(),
-        Ok(StoreUrl::Sqlite { path, synchronous: crate::Synchronous::Full, .. }) if path == std::path::Path::new("idem.db")
+        Ok(StoreUrl::Sqlite { path, synchronous: crate::Synchronous::Full, key_filter: true, .. }) if path == std::path::Path::new("idem.db")
     ));
     for bad in [
         "sqlite://",
         "sqlite://x.db?synchronous=off",
         "sqlite://x.db?busy_timeout_ms=soon",
+        "sqlite://x.db?key_filter=yes",
         "sqlite://x.db?journal=delete",
     ] {
         let e = bad.parse::<StoreUrl>().unwrap_err();
