@@ -155,7 +155,7 @@ pub(crate) struct RepairArgs {
 /// Runs one `idem records` command against `store`.
 /// Runs `idem records` against the store its flags name.
 pub(crate) async fn records(args: RecordsArgs) -> Result<(), String> {
-    let store = super::open_store(&args.store).await?;
+    let store = super::open_store_once(&args.store).await?;
     run(store, args.command).await
 }
 

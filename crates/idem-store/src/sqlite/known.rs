@@ -34,10 +34,10 @@ use super::reader::Readers;
 /// The fewest keys a filter is sized for (about 77 KiB of bits); the tests grow filters past it.
 const MIN_CAPACITY: usize = if cfg!(test) { 64 } else { 1 << 16 };
 /// The most keys a filter is sized for (about 40 MiB of bits; twice that while a rebuild loads
-/// the next). A table past half of it gets a filter that fills up and answers "maybe held"
-/// more and more often (a `begin` then reads first, as without a filter) until the next
-/// rebuild, one for every `MAX_CAPACITY / 2` or so keys learnt.
-const MAX_CAPACITY: usize = 1 << 25;
+/// the next); the tests reach it. A table past half of it gets a filter that fills up and
+/// answers "maybe held" more and more often (a `begin` then reads first, as without a filter);
+/// it is loaded again after every `MAX_CAPACITY / 2` keys learnt (see `Filter::outgrown`).
+const MAX_CAPACITY: usize = if cfg!(test) { 512 } else { 1 << 25 };
 /// How many rows the scan reads between two checks that the store is still open.
 const ROWS_BETWEEN_CHECKS: usize = 4096;
 /// The rate of keys wrongly said "maybe held" (each costs one read) at capacity.
@@ -66,6 +66,8 @@ struct Filters {
     /// Loads that failed in a row, and when the next may start.
     failures: u32,
     retry_at: Option<Instant>,
+    /// Loads done.
+    loads: u64,
 }
 
 struct Filter {
@@ -74,6 +76,8 @@ struct Filter {
     /// Keys that set a bit no key before them had set: distinct keys, less the false
     /// positives among them.
     keys: AtomicUsize,
+    /// `keys` when the load was done: what the table held then, and what is learnt since.
+    at_load: AtomicUsize,
 }
 
 impl Filter {
@@ -82,6 +86,7 @@ impl Filter {
             bits: AtomicBloomFilter::with_false_pos(FALSE_POSITIVES).expected_items(capacity),
             capacity,
             keys: AtomicUsize::new(0),
+            at_load: AtomicUsize::new(0),
         }
     }
 
@@ -91,9 +96,15 @@ impl Filter {
         }
     }
 
-    /// More keys than it was sized for.
+    /// More keys than it was sized for, half of them learnt since the load. Below the ceiling
+    /// a load leaves a filter at most half full, so the first part implies the second; at the
+    /// ceiling a table larger than the filter leaves it over capacity from the start, and the
+    /// second part spaces the rebuilds (a count and a scan each) by `MAX_CAPACITY / 2` keys
+    /// rather than running them back to back.
     fn outgrown(&self) -> bool {
-        self.keys.load(Ordering::Relaxed) > self.capacity
+        let keys = self.keys.load(Ordering::Relaxed);
+        keys > self.capacity
+            && keys.saturating_sub(self.at_load.load(Ordering::Relaxed)) > self.capacity / 2
     }
 }
 
@@ -164,6 +175,7 @@ impl std::fmt::Debug for KnownKeys {
         f.debug_struct("KnownKeys")
             .field("loaded", &filters.current.is_some())
             .field("rebuilding", &filters.rebuilding)
+            .field("loads", &filters.loads)
             .finish_non_exhaustive()
     }
 }
@@ -239,11 +251,16 @@ impl KnownKeys {
         let mut filters = self.write();
         filters.rebuilding = false;
         filters.loading = None;
+        let mut replaced = None;
         match filter {
             Some(filter) => {
-                filters.current = Some(filter);
+                filter
+                    .at_load
+                    .store(filter.keys.load(Ordering::Relaxed), Ordering::Relaxed);
+                replaced = filters.current.replace(filter);
                 filters.failures = 0;
                 filters.retry_at = None;
+                filters.loads += 1;
             }
             None => {
                 filters.failures = filters.failures.saturating_add(1);
@@ -253,6 +270,9 @@ impl KnownKeys {
                 filters.retry_at = Some(Instant::now() + backoff);
             }
         }
+        drop(filters);
+        // The old filter (up to 40 MiB) is freed here, not under the lock every `begin` takes.
+        drop(replaced);
     }
 
     fn hash_key(&self, key: &Key) -> u64 {
@@ -340,6 +360,59 @@ mod tests {
             others < 500,
             "{others} of 10,000 unwritten keys said to be held"
         );
+    }
+
+    /// Begins keys `from..to` through `store`, many at once.
+    async fn begin_many(store: &SqliteStore, from: usize, to: usize) {
+        let now = Timestamp::now();
+        let tasks: Vec<_> = (from..to)
+            .map(|i| {
+                let store = store.clone();
+                tokio::spawn(async move {
+                    let req = BeginRequest::new(key(i), Fingerprint::of_bytes(b"f"));
+                    store.begin(&req, now).await.unwrap()
+                })
+            })
+            .collect();
+        for task in tasks {
+            assert!(matches!(task.await.unwrap(), BeginOutcome::Acquired(_)));
+        }
+    }
+
+    fn loads(known: &KnownKeys) -> u64 {
+        known.read().loads
+    }
+
+    /// A table larger than the largest filter fills it at once; it is loaded again only after
+    /// half a filter's worth of keys has been learnt since, not over and over.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_table_past_the_ceiling_is_loaded_again_only_after_many_new_keys() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("idem.db");
+        let options = crate::SqliteOptions {
+            synchronous: crate::Synchronous::Normal,
+            ..crate::SqliteOptions::default()
+        };
+        let before = SqliteStore::open_with(&path, options).unwrap();
+        begin_many(&before, 0, 600).await;
+        drop(before);
+
+        let store = SqliteStore::open_with(&path, options).unwrap();
+        let known = Arc::clone(store.known.as_ref().unwrap());
+        assert_eq!(settled(&known).await, MAX_CAPACITY);
+        assert_eq!(loads(&known), 1);
+        begin_many(&store, 600, 700).await;
+        settled(&known).await;
+        assert_eq!(loads(&known), 1, "100 new keys are not half a filter");
+        begin_many(&store, 700, 900).await;
+        settled(&known).await;
+        assert_eq!(loads(&known), 2, "300 new keys are");
+        begin_many(&store, 900, 920).await;
+        settled(&known).await;
+        assert_eq!(loads(&known), 2);
+        for i in 0..920 {
+            assert!(known.may_hold(&key(i)), "key {i} was written");
+        }
     }
 
     /// A key another store wrote after the load is replayed through the writer, which teaches

@@ -96,8 +96,9 @@ pub struct SqliteOptions {
     /// at its first `begin` here, which goes through the writer: slower than a read, and
     /// while another connection holds the write lock it waits for it, and may fail with
     /// `StoreError::Unavailable` where a read would have replayed. About 2.4 bytes a record
-    /// (at least 77 KiB), loaded when the store opens. Default true; off for a file whose
-    /// keys other processes write most of.
+    /// (at least 77 KiB, at most 40 MiB, twice that while a larger one loads), loaded when the
+    /// store opens, on the connection listings use. Default true; off for a file whose keys
+    /// other processes write most of, and for a command that runs a few operations and exits.
     pub key_filter: bool,
 }
 

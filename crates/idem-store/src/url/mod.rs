@@ -5,7 +5,7 @@
 //!   268435456, 256 MiB; see [`MemoryLimits`](crate::MemoryLimits)).
 //! - `sqlite://PATH`: a SQLite file; `sqlite://idem.db` is relative to the working directory,
 //!   `sqlite:///var/lib/idem/idem.db` is absolute. Options as a query string:
-//!   `synchronous=full|normal`, `busy_timeout_ms=N` and `key_filter=on|off` (off for a file
+//!   `synchronous=full|normal`, `busy_timeout_ms=N` and `key_filter=on|off` (or `true|false`; off for a file
 //!   whose keys other processes write most of; see `SqliteOptions::key_filter`).
 //! - `postgres://user:password@host:port/database` (feature `postgres`): PostgreSQL. Besides
 //!   the driver's own options, `idem_table=NAME` names the records table (default
@@ -35,6 +35,7 @@ pub enum StoreUrl {
     Memory(crate::MemoryLimits),
     /// `sqlite://PATH`
     #[cfg(feature = "sqlite")]
+    #[non_exhaustive]
     Sqlite {
         /// The database file.
         path: std::path::PathBuf,
@@ -206,11 +207,11 @@ impl FromStr for StoreUrl {
                         }
                         "key_filter" => {
                             key_filter = match value.to_ascii_lowercase().as_str() {
-                                "on" => true,
-                                "off" => false,
+                                "on" | "true" => true,
+                                "off" | "false" => false,
                                 _ => {
                                     return Err(err(format!(
-                                        "key_filter={value:?} is not one of on, off"
+                                        "key_filter={value:?} is not one of on, off, true, false"
                                     )));
                                 }
                             };

@@ -61,6 +61,13 @@ fn parses_sqlite_paths_and_options() {
         })
     );
     assert!(matches!(
+        "sqlite://idem.db?key_filter=FALSE".parse(),
+        Ok(StoreUrl::Sqlite {
+            key_filter: false,
+            ..
+        })
+    ));
+    assert!(matches!(
         "sqlite://idem.db".parse(),
         Ok(StoreUrl::Sqlite { path, synchronous: crate::Synchronous::Full, key_filter: true, .. }) if path == std::path::Path::new("idem.db")
     ));
