@@ -2,17 +2,17 @@
 //! straight to the writer instead of reading first: that read would find nothing, and the
 //! writer reads the record again inside its transaction anyway.
 //!
-//! A Bloom filter (`fastbloom`'s, whose bits are atomics: every `begin` reads them without a
-//! lock) of every key in the table, loaded on the listings connection when the store opens,
-//! and taught by the writer the key of every `begin` it commits, before it answers (so also
-//! that of a caller that stopped waiting). It is only a way to route a `begin`, never an
-//! answer: "maybe held" reads first, as a store without the filter does; "not held" goes to the
-//! writer, which decides by the record it reads. A wrong "not held" gives the same answer, only
-//! later: it is a key that another process (or another store on the same file) wrote after
-//! the load, and its first `begin` here goes through the writer like a fresh key's (waiting,
-//! while another connection holds the write lock, up to `busy_timeout`, and failing as
-//! unavailable past it, where a read would have replayed); the writer then teaches the filter
-//! the key, so the next `begin` reads first.
+//! A Bloom filter (`fastbloom`'s, whose bits are atomics, so `begin`s checking it and the
+//! writer setting it share one read lock) of every key in the table, loaded on the listings
+//! connection when the store opens, and taught by the writer the key of every `begin` it
+//! commits, before it answers (so also that of a caller that stopped waiting). It is only a
+//! way to route a `begin`, never an answer: "maybe held" reads first, as a store without the
+//! filter does; "not held" goes to the writer, which decides by the record it reads. A wrong
+//! "not held" gives the same answer, only later: it is a key that another process (or another
+//! store on the same file) wrote after the load, and its first `begin` here goes through the
+//! writer like a fresh key's (waiting, while another connection holds the write lock, up to
+//! `busy_timeout`, and failing as unavailable past it, where a read would have replayed); the
+//! writer then teaches the filter the key, so the next `begin` reads first.
 //!
 //! Keys are never taken out (a Bloom filter cannot forget one): a record purged after its expiry
 //! stays "maybe held" and costs a read, as before. When more keys were learnt than the filter
@@ -192,8 +192,8 @@ impl KnownKeys {
         known
     }
 
-    /// False only when no record of `key` was in the table at the last load and no `begin`
-    /// of it has gone to this store's writer since.
+    /// False only when no record of `key` was in the table at the last load and this store's
+    /// writer has committed no `begin` of it since.
     pub(super) fn may_hold(&self, key: &Key) -> bool {
         let hash = self.hash_key(key);
         self.read()
