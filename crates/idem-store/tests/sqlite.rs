@@ -262,14 +262,7 @@ async fn a_replay_does_not_wait_for_the_write_lock() {
         let store = open_with(&dir, options);
         let now = Timestamp::now();
         let done = req("done");
-        let BeginOutcome::Acquired(lease) = store.begin(&done, now).await.unwrap() else {
-            panic!("not acquired")
-        };
-        let answer = idem_core::Bytes::from_static(b"answer");
-        store
-            .complete(&done.key, &lease, answer, now)
-            .await
-            .unwrap();
+        completed(&store, "done", now).await;
 
         let blocker = Blocker::new(&dir);
         let replay = store.begin(&done, now).await;
@@ -290,9 +283,8 @@ async fn a_replay_does_not_wait_for_the_write_lock() {
     }
 }
 
-/// Completes `key` through `store`.
-async fn completed(store: &SqliteStore, key: &str) {
-    let now = Timestamp::now();
+/// Begins and completes `key` through `store` at `now`, its stored answer `b"answer"`.
+async fn completed(store: &SqliteStore, key: &str, now: Timestamp) {
     let BeginOutcome::Acquired(lease) = store.begin(&req(key), now).await.unwrap() else {
         panic!("{key} not acquired")
     };
@@ -311,10 +303,10 @@ async fn keys_written_elsewhere_are_replayed_and_read_without_the_writer() {
     let dir = tempfile::tempdir().unwrap();
     let mut options = SqliteOptions::default();
     options.busy_timeout = Duration::from_millis(300);
-    completed(&open_with(&dir, options), "before").await;
+    completed(&open_with(&dir, options), "before", Timestamp::now()).await;
     let store = open_with(&dir, options);
     let other = open_with(&dir, options);
-    completed(&other, "elsewhere").await;
+    completed(&other, "elsewhere", Timestamp::now()).await;
     let replayed = |got: Result<BeginOutcome, StoreError>| matches!(got, Ok(BeginOutcome::Replay(r)) if &r.response[..] == b"answer");
     assert!(replayed(
         store.begin(&req("elsewhere"), Timestamp::now()).await

@@ -100,16 +100,21 @@ pub(crate) async fn open_store(url: &str) -> Result<SharedStore, String> {
 /// would take the read connection that listings and counts use first.
 pub(crate) async fn open_store_once(url: &str) -> Result<SharedStore, String> {
     let fail = |e: idem_store::OpenError| format!("store {:?}: {e}", idem_store::redact(url));
-    let mut parsed: idem_store::StoreUrl = url
+    let parsed = url
         .parse()
         .map_err(|e| fail(idem_store::OpenError::Url(e)))?;
-    if let idem_store::StoreUrl::Sqlite { key_filter, .. } = &mut parsed {
-        *key_filter = false;
-    }
-    parsed
+    without_key_filter(parsed)
         .open()
         .await
         .map_err(|e| fail(idem_store::OpenError::Store(e)))
+}
+
+/// `url` with a SQLite file's key filter off; any other store as it is.
+fn without_key_filter(mut url: idem_store::StoreUrl) -> idem_store::StoreUrl {
+    if let idem_store::StoreUrl::Sqlite { key_filter, .. } = &mut url {
+        *key_filter = false;
+    }
+    url
 }
 
 /// `e` and the errors beneath it, as one line: "connecting to the broker: Connection refused".
@@ -131,4 +136,32 @@ pub(crate) async fn migrate(args: &MigrateArgs) -> Result<(), String> {
     let store = open_store_once(&args.store).await?;
     info!(store = store.kind(), "the store's schema is up to date");
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use idem_store::StoreUrl;
+
+    use super::without_key_filter;
+
+    /// The one-shot commands open SQLite without the key filter, even when the URL asks for it,
+    /// and leave other stores' URLs alone.
+    #[test]
+    fn one_shot_commands_turn_the_key_filter_off() {
+        for url in ["sqlite://idem.db", "sqlite://idem.db?key_filter=on"] {
+            let url = without_key_filter(url.parse().unwrap());
+            assert!(
+                matches!(
+                    url,
+                    StoreUrl::Sqlite {
+                        key_filter: false,
+                        ..
+                    }
+                ),
+                "{url:?}"
+            );
+        }
+        let memory: StoreUrl = "memory://".parse().unwrap();
+        assert_eq!(without_key_filter(memory.clone()), memory);
+    }
 }

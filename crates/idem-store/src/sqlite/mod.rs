@@ -25,7 +25,7 @@
 //! reads the record again inside its transaction and decides.
 //!
 //! A fresh key's read finds nothing, so a filter of the keys the table may hold (`known`: a
-//! Bloom filter loaded when the store opens and taught every key the writer answers for) sends
+//! Bloom filter loaded when the store opens and taught every key the writer commits) sends
 //! a `begin` of a key it certainly does not hold straight to the writer. It only routes: a
 //! key it wrongly calls absent (written by another process since the load) is decided by the
 //! writer, correctly, and learnt.
@@ -191,6 +191,12 @@ impl SqliteStore {
         &self.path
     }
 
+    /// Whether this store keeps a key filter (tests of how stores are opened).
+    #[cfg(test)]
+    pub(crate) fn has_key_filter(&self) -> bool {
+        self.known.is_some()
+    }
+
     /// The record for `key`, live or not, read on a read connection; `None` without them.
     async fn read(&self, key: &Key) -> Option<Result<Option<Record>, StoreError>> {
         let key = key.clone();
@@ -241,7 +247,7 @@ impl Store for SqliteStore {
     }
 
     async fn begin(&self, req: &BeginRequest, now: Timestamp) -> Result<BeginOutcome, StoreError> {
-        // The writer teaches the filter every key it begins.
+        // A key the filter has not seen skips the read; the writer teaches it after its commit.
         let may_hold = self.known.as_ref().is_none_or(|k| k.may_hold(&req.key));
         if may_hold && let Some(outcome) = self.decided_by_reading(req, now).await {
             return Ok(outcome);

@@ -5,8 +5,9 @@
 //!   268435456, 256 MiB; see [`MemoryLimits`](crate::MemoryLimits)).
 //! - `sqlite://PATH`: a SQLite file; `sqlite://idem.db` is relative to the working directory,
 //!   `sqlite:///var/lib/idem/idem.db` is absolute. Options as a query string:
-//!   `synchronous=full|normal`, `busy_timeout_ms=N` and `key_filter=on|off` (or `true|false`; off for a file
-//!   whose keys other processes write most of; see `SqliteOptions::key_filter`).
+//!   `synchronous=full|normal`, `busy_timeout_ms=N` and `key_filter=on|off` (or
+//!   `true|false`; off for a file whose keys other processes write most of; see
+//!   `SqliteOptions::key_filter`).
 //! - `postgres://user:password@host:port/database` (feature `postgres`): PostgreSQL. Besides
 //!   the driver's own options, `idem_table=NAME` names the records table (default
 //!   `idem_records`), `idem_pool=N` caps the connection pool (default 16) and `idem_batch=N`
@@ -392,12 +393,7 @@ impl StoreUrl {
                 busy_timeout_ms,
                 key_filter,
             } => {
-                let options = crate::SqliteOptions {
-                    synchronous: *synchronous,
-                    busy_timeout: std::time::Duration::from_millis(*busy_timeout_ms),
-                    key_filter: *key_filter,
-                    ..crate::SqliteOptions::default()
-                };
+                let options = sqlite_options(*synchronous, *busy_timeout_ms, *key_filter);
                 Ok(both(crate::SqliteStore::open_with(path, options)?))
             }
             #[cfg(feature = "redis")]
@@ -484,6 +480,21 @@ pub fn redact(url: &str) -> String {
         None => tail.to_owned(),
     };
     format!("{scheme}://{authority}{tail}")
+}
+
+/// The SQLite store's settings a `sqlite://` URL names; the rest as by default.
+#[cfg(feature = "sqlite")]
+fn sqlite_options(
+    synchronous: crate::Synchronous,
+    busy_timeout_ms: u64,
+    key_filter: bool,
+) -> crate::SqliteOptions {
+    crate::SqliteOptions {
+        synchronous,
+        busy_timeout: std::time::Duration::from_millis(busy_timeout_ms),
+        key_filter,
+        ..crate::SqliteOptions::default()
+    }
 }
 
 /// Why [`open`] failed.

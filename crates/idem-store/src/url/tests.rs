@@ -170,3 +170,38 @@ fn parses_mysql_and_mariadb_urls() {
     assert!("mysql://db/app?idem_pool=x".parse::<StoreUrl>().is_err());
     assert!("mysql://db/app?idem_batch=x".parse::<StoreUrl>().is_err());
 }
+
+/// `?key_filter=off` reaches the store: it opens without the filter, and with it by default.
+#[cfg(feature = "sqlite")]
+#[test]
+fn the_sqlite_key_filter_follows_the_url() {
+    let dir = tempfile::tempdir().unwrap();
+    let cases = [
+        ("", true),
+        ("?key_filter=off", false),
+        ("?key_filter=on", true),
+    ];
+    for (i, (query, filtered)) in cases.into_iter().enumerate() {
+        let url: StoreUrl = format!("sqlite://x.db{query}").parse().unwrap();
+        let StoreUrl::Sqlite {
+            synchronous,
+            busy_timeout_ms,
+            key_filter,
+            ..
+        } = url
+        else {
+            panic!("not sqlite")
+        };
+        let options = super::sqlite_options(synchronous, busy_timeout_ms, key_filter);
+        let path = dir.path().join(format!("k{i}.db"));
+        let store = crate::SqliteStore::open_with(path, options).unwrap();
+        assert_eq!(store.has_key_filter(), filtered, "{query:?}");
+    }
+    // No read connections, nothing to skip: no filter either.
+    let options = crate::SqliteOptions {
+        read_connections: 0,
+        ..crate::SqliteOptions::default()
+    };
+    let store = crate::SqliteStore::open_with(dir.path().join("r0.db"), options).unwrap();
+    assert!(!store.has_key_filter());
+}
