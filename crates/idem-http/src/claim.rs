@@ -60,13 +60,16 @@ pub(crate) fn answer_from_memory(
     begin: &BeginRequest,
 ) -> Option<Response<ResponseBody>> {
     let now = cfg.clock.now();
-    let outcome = cfg.store.begin_from_memory(begin, now)?;
-    if !matches!(outcome, BeginOutcome::Replay(_) | BeginOutcome::Mismatch) {
-        return None; // not a memory answer: the store decides
-    }
+    // Only a replay or a mismatch is a memory answer; anything else (a store breaking that
+    // contract) goes to `claim`, and so does a stored unknown outcome whose lease is over,
+    // which `claim` reopens.
+    let outcome @ (BeginOutcome::Replay(_) | BeginOutcome::Mismatch) =
+        cfg.store.begin_from_memory(begin, now)?
+    else {
+        return None;
+    };
     match decide(cfg, outcome, now, false) {
         Next::Answer(answer) => Some(answer),
-        // An outcome left unknown whose lease is over is reopened by `claim`.
         Next::Run(_) | Next::Reopen { .. } => None,
     }
 }

@@ -200,30 +200,11 @@ impl<S: Store> ReplayCache<S> {
     fn forget(&self, key: &Key) {
         self.shared.entries.remove(key);
     }
-}
 
-impl<S: Store> Store for ReplayCache<S> {
-    fn kind(&self) -> &'static str {
-        self.store.kind()
-    }
-
-    async fn begin(&self, req: &BeginRequest, now: Timestamp) -> Result<BeginOutcome, StoreError> {
-        if let Some(outcome) = self.begin_from_memory(req, now) {
-            return Ok(outcome);
-        }
-        let outcome = self.store.begin(req, now).await?;
-        if let BeginOutcome::Replay(replay) = &outcome {
-            self.keep(req, replay, now);
-        }
-        Ok(outcome)
-    }
-
-    /// The answer to `req` from memory, if the cache holds its record unexpired at `now`
-    /// (else the wrapped store's own, if it has one).
-    fn begin_from_memory(&self, req: &BeginRequest, now: Timestamp) -> Option<BeginOutcome> {
-        let Some(entry) = self.shared.entries.get(&req.key) else {
-            return self.store.begin_from_memory(req, now);
-        };
+    /// The answer to `req` from this cache's entries, if it holds its record unexpired at
+    /// `now` (counted as a hit); an expired entry is dropped.
+    fn cached(&self, req: &BeginRequest, now: Timestamp) -> Option<BeginOutcome> {
+        let entry = self.shared.entries.get(&req.key)?;
         if entry.until <= now {
             self.shared.entries.remove(&req.key);
             return None;
@@ -234,6 +215,31 @@ impl<S: Store> Store for ReplayCache<S> {
         } else {
             BeginOutcome::Mismatch
         })
+    }
+}
+
+impl<S: Store> Store for ReplayCache<S> {
+    fn kind(&self) -> &'static str {
+        self.store.kind()
+    }
+
+    async fn begin(&self, req: &BeginRequest, now: Timestamp) -> Result<BeginOutcome, StoreError> {
+        // The wrapped store's `begin` asks its own memory, if it has one.
+        if let Some(outcome) = self.cached(req, now) {
+            return Ok(outcome);
+        }
+        let outcome = self.store.begin(req, now).await?;
+        if let BeginOutcome::Replay(replay) = &outcome {
+            self.keep(req, replay, now);
+        }
+        Ok(outcome)
+    }
+
+    /// The answer to `req` from this cache, if it holds its record unexpired at `now`, else
+    /// from the wrapped store's memory, if it has one.
+    fn begin_from_memory(&self, req: &BeginRequest, now: Timestamp) -> Option<BeginOutcome> {
+        self.cached(req, now)
+            .or_else(|| self.store.begin_from_memory(req, now))
     }
 
     async fn complete(

@@ -151,6 +151,36 @@ async fn answers_from_memory_are_the_stores_answers() {
     assert!(cache.hits() > hits, "memory still held the unknown outcome");
 }
 
+/// A replay the cache holds is answered within the request's first poll: no task is spawned
+/// for it. A request that claims its key goes through the task that claims, which a first
+/// poll only starts.
+#[tokio::test]
+async fn a_replay_from_memory_is_answered_in_the_first_poll() {
+    use idem_store::{ReplayCache, ReplayCacheLimits};
+    use std::task::{Context, Poll, Waker};
+    let cache = ReplayCache::new(MemoryStore::new(), ReplayCacheLimits::default());
+    let app = app_on(Arc::new(cache.clone()), Policy::default());
+    app.send(post_with("/orders", "k", "pay 10")).await;
+    app.send(post_with("/orders", "k", "pay 10")).await; // the store's replay, now kept
+    let first_poll = |req| {
+        let mut answer = Box::pin(app.router.clone().oneshot(req));
+        answer
+            .as_mut()
+            .poll(&mut Context::from_waker(Waker::noop()))
+            .map(|r| r.unwrap())
+    };
+    let hits = cache.hits();
+    let Poll::Ready(replay) = first_poll(post_with("/orders", "k", "pay 10")) else {
+        panic!("a replay from memory waited")
+    };
+    assert_eq!(replay.headers()["idempotent-replayed"], "true");
+    assert_eq!(cache.hits(), hits + 1);
+    assert!(
+        first_poll(post_with("/orders", "fresh", "pay 10")).is_pending(),
+        "a claim runs in a task of its own"
+    );
+}
+
 #[tokio::test]
 async fn an_operator_reopens_a_held_unknown_outcome_and_nothing_else() {
     use idem_core::{Clock, Key};

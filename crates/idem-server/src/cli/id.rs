@@ -4,7 +4,7 @@ use std::sync::Arc;
 
 use idem_core::SystemClock;
 
-use super::open_store;
+use super::open_store_once;
 
 #[derive(clap::Args)]
 pub(crate) struct IdArgs {
@@ -37,7 +37,7 @@ pub(crate) async fn print_ids(args: &IdArgs) -> Result<(), String> {
     let mut line = |text: &str| writeln!(out, "{text}").map_err(|e| format!("cannot write: {e}"));
     match args.kind.as_str() {
         "snowflake" => {
-            let store = open_store(&args.store).await?;
+            let store = open_store_once(&args.store).await?;
             let pool = idem_id::WorkerPool::new(store, Arc::new(SystemClock), &args.id_space);
             let g = pool
                 .claim(
@@ -54,7 +54,7 @@ pub(crate) async fn print_ids(args: &IdArgs) -> Result<(), String> {
             issued?;
         }
         "segment" => {
-            let store = open_store(&args.store).await?;
+            let store = open_store_once(&args.store).await?;
             let tag = args.tag.as_deref().unwrap_or_default();
             // One range of exactly `count`, and no range fetched ahead: nothing is wasted.
             let options = idem_id::SegmentOptions {
