@@ -28,6 +28,7 @@ use std::time::{Duration, Instant};
 use fastbloom::AtomicBloomFilter;
 use idem_core::Key;
 use rusqlite::Connection;
+use rusqlite::types::Value;
 
 use super::reader::Readers;
 
@@ -38,8 +39,11 @@ const MIN_CAPACITY: usize = if cfg!(test) { 64 } else { 1 << 16 };
 /// answers "maybe held" more and more often (a `begin` then reads first, as without a filter);
 /// it is loaded again after every `MAX_CAPACITY / 2` keys learnt (see `Filter::outgrown`).
 const MAX_CAPACITY: usize = if cfg!(test) { 512 } else { 1 << 25 };
-/// How many rows the scan reads between two checks that the store is still open.
-const ROWS_BETWEEN_CHECKS: usize = 4096;
+/// How many keys one read of the scan takes. Each read is a statement of its own, with a WAL
+/// snapshot of its own, queued as a job of its own: a large table's load neither holds one
+/// snapshot for its whole length (which keeps checkpoints from resetting the WAL, so the WAL
+/// file grows meanwhile) nor keeps an operator's listing waiting behind it.
+const ROWS_PER_READ: usize = if cfg!(test) { 16 } else { 4096 };
 /// The rate of keys wrongly said "maybe held" (each costs one read) at capacity.
 const FALSE_POSITIVES: f64 = 0.01;
 /// The longest wait before loading again after a load failed.
@@ -131,37 +135,72 @@ impl Load {
         ));
         self.known.write().loading = Some(Arc::clone(&filter));
         let listings = Arc::clone(&self.known.listings);
-        let _ = listings.detach(move |conn| self.fill(conn, filter));
+        let _ = listings.detach(move |conn| self.fill(conn, filter, None));
     }
 
-    /// The second job: puts every key of the table in the filter.
-    fn fill(mut self, conn: &Connection, filter: Arc<Filter>) {
-        let filled = || {
-            let mut keys = conn.prepare("SELECT scope, namespace, client_key FROM idem_records")?;
-            let mut rows = keys.query([])?;
-            let mut read = 0usize;
-            while let Some(row) = rows.next()? {
-                read += 1;
-                // Only this load holds the keys now: the store is gone, and so is the use of
-                // reading on (a table may hold millions of rows).
-                if read.is_multiple_of(ROWS_BETWEEN_CHECKS) && Arc::strong_count(&self.known) == 1 {
-                    return Err(rusqlite::Error::QueryReturnedNoRows);
-                }
-                let part = |i: usize| -> rusqlite::Result<&[u8]> {
-                    let value = row.get_ref(i)?;
-                    value.as_bytes().map_err(|e| {
-                        rusqlite::Error::FromSqlConversionFailure(i, value.data_type(), e.into())
-                    })
-                };
-                filter.insert(self.known.hash(part(0)?, part(1)?, part(2)?));
+    /// The next jobs, one a read: put every key of the table in the filter, `ROWS_PER_READ`
+    /// keys at a time in the order of the key index, each read after the last key the one
+    /// before it read. A key that the store holds throughout the scan is in one of the reads
+    /// (rows are found by their key, not by their place, so what is written or purged between
+    /// two reads moves nothing); one begun after the filter was published is also taught to it
+    /// by the writer.
+    fn fill(mut self, conn: &Connection, filter: Arc<Filter>, after: Option<&Position>) {
+        if Arc::strong_count(&self.known) == 1 {
+            return; // the store is gone, and so is the use of reading on
+        }
+        match self.read_keys(conn, &filter, after) {
+            Ok(Some(last)) => {
+                let listings = Arc::clone(&self.known.listings);
+                // Refused (the queue is full, the threads are gone), the job is dropped unrun
+                // and `Load` ends the rebuild as failed.
+                let _ = listings.detach(move |conn| self.fill(conn, filter, Some(&last)));
             }
-            Ok::<_, rusqlite::Error>(())
-        };
-        if filled().is_ok() {
-            self.filled = Some(filter);
+            Ok(None) => self.filled = Some(filter),
+            Err(_) => {}
         }
     }
+
+    /// Puts the first `ROWS_PER_READ` keys after `after` (from the start without it) in the
+    /// filter; returns the last one when it read that many (there may be more).
+    fn read_keys(
+        &self,
+        conn: &Connection,
+        filter: &Filter,
+        after: Option<&Position>,
+    ) -> rusqlite::Result<Option<Position>> {
+        const FIRST: &str = "SELECT scope, namespace, client_key FROM idem_records \
+             ORDER BY scope, namespace, client_key LIMIT ?1";
+        const NEXT: &str = "SELECT scope, namespace, client_key FROM idem_records \
+             WHERE (scope, namespace, client_key) > (?2, ?3, ?4) \
+             ORDER BY scope, namespace, client_key LIMIT ?1";
+        let limit = i64::try_from(ROWS_PER_READ).unwrap_or(i64::MAX);
+        let mut keys = conn.prepare_cached(if after.is_some() { NEXT } else { FIRST })?;
+        let mut rows = match after {
+            Some([scope, namespace, client_key]) => {
+                keys.query(rusqlite::params![limit, scope, namespace, client_key])?
+            }
+            None => keys.query([limit])?,
+        };
+        let mut read = 0usize;
+        while let Some(row) = rows.next()? {
+            let part = |i: usize| -> rusqlite::Result<&[u8]> {
+                let value = row.get_ref(i)?;
+                value.as_bytes().map_err(|e| {
+                    rusqlite::Error::FromSqlConversionFailure(i, value.data_type(), e.into())
+                })
+            };
+            filter.insert(self.known.hash(part(0)?, part(1)?, part(2)?));
+            read += 1;
+            if read == ROWS_PER_READ {
+                return Ok(Some([row.get(0)?, row.get(1)?, row.get(2)?]));
+            }
+        }
+        Ok(None)
+    }
 }
+
+/// Where a scan of the key index stands: the last key read, as the row held it.
+type Position = [Value; 3];
 
 impl Drop for Load {
     fn drop(&mut self) {
@@ -221,13 +260,14 @@ impl KnownKeys {
 
     /// Queues a load of a new filter from the table, unless one is queued or running.
     ///
-    /// It takes two jobs on the listings connection. The first counts the table, sizes the
-    /// filter for twice that and lets it learn from then on; the second, queued by the first,
-    /// puts every key of the table in it. The listings connection has one thread, which runs
-    /// the jobs queued while it was busy as a later batch (`reader::run_batch`, in one read
-    /// transaction), so the second job's read, and the WAL snapshot it takes, start after the
-    /// filter learns. The writer teaches a key after its commit: a record this store writes is
-    /// either in what the second job reads or taught to the filter, never missed between them.
+    /// It takes jobs on the listings connection. The first counts the table, sizes the filter
+    /// for twice that and lets it learn from then on; the next, each queued by the one before,
+    /// put the table's keys in it, a slice of the key index each (`Load::fill`). The listings
+    /// connection has one thread, which runs the jobs queued while it was busy as a later
+    /// batch (`reader::run_batch`, in one read transaction), so every read of the keys, and the
+    /// WAL snapshot it takes, starts after the filter learns. The writer teaches a key after
+    /// its commit: a record this store writes is either in what a read of the keys finds or
+    /// taught to the filter, never missed between them.
     fn rebuild(self: &Arc<Self>) {
         {
             let mut filters = self.write();
@@ -439,6 +479,69 @@ mod tests {
             "{got:?}"
         );
         assert!(known.may_hold(&key(7)));
+    }
+
+    /// The scan reads the key index a slice at a time: between two slices it holds no WAL
+    /// snapshot (a checkpoint may reset the WAL), and what is written or purged between them
+    /// does not make it miss a key the table still holds.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn the_scan_holds_no_snapshot_between_slices_and_misses_no_key() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("idem.db");
+        let store = SqliteStore::open(&path).unwrap();
+        begin_many(&store, 0, 100).await;
+        let known = Arc::clone(store.known.as_ref().unwrap());
+        settled(&known).await;
+        let load = Load {
+            known: Arc::clone(&known),
+            filled: None,
+        };
+        let filter = Filter::new(1000);
+        let scan = Connection::open(&path).unwrap();
+        let other = Connection::open(&path).unwrap();
+        let checkpoint = || -> i64 {
+            other
+                .query_row("PRAGMA wal_checkpoint(TRUNCATE)", [], |r| r.get(0))
+                .unwrap()
+        };
+        let held = |filter: &Filter, i: usize| {
+            let k = key(i);
+            let hash = known.hash_key(&k);
+            filter.bits.contains_hash(hash)
+        };
+
+        let mut at = load.read_keys(&scan, &filter, None).unwrap();
+        assert!(at.is_some(), "100 keys are more than one slice");
+        // Between two slices: new keys, purged keys, and a checkpoint that must not find a
+        // reader in its way.
+        begin_many(&store, 100, 140).await;
+        let purged = [50, 51, 60, 99];
+        for i in purged {
+            other
+                .execute(
+                    "DELETE FROM idem_records WHERE client_key = ?1",
+                    [format!("k{i}")],
+                )
+                .unwrap();
+        }
+        assert_eq!(
+            checkpoint(),
+            0,
+            "a checkpoint between slices is not held up"
+        );
+        let mut slices = 1;
+        while let Some(after) = at {
+            at = load.read_keys(&scan, &filter, Some(&after)).unwrap();
+            slices += 1;
+            assert_eq!(checkpoint(), 0);
+        }
+        assert!(slices >= 100 / ROWS_PER_READ, "{slices} slices");
+        for i in (0..100).filter(|i| !purged.contains(i)) {
+            assert!(
+                held(&filter, i),
+                "key {i} was held throughout and is missed"
+            );
+        }
     }
 
     /// A load that cannot run leaves every key "maybe held", and is tried again only after
