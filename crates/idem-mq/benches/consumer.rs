@@ -6,17 +6,24 @@
 //!   `Consumer::run`: a slot, the next delivery, a task that settles it);
 //! - `idem-<store>`: `Consumer::run` with a handler that does nothing, its records in Redis,
 //!   PostgreSQL or memory (memory separates the consumer's own cost from the store's round
-//!   trips); `idem-redis-1` is Redis with group commit off (`max_batch` 1).
+//!   trips); `idem-redis-1` is Redis with group commit off (`max_batch` 1);
+//! - `redis-by-hand`: the dedupe table of the reference articles written by hand on the same
+//!   Redis, as the peer of `idem-redis`: `SET key running NX PX` (the claim), the handler
+//!   (nothing), `SET key done XX PX` (the record), then the ack; no fence, no fingerprint, no
+//!   lease kept alive, no payload copy, no metrics. It is the least a consumer that runs each
+//!   message once on Redis must do, so what `idem-redis` costs beyond it is the price of those.
 //!
 //! Each row publishes N messages (a fresh key each) to a fresh queue or stream, then times from
 //! the first delivery to the last settle; the queue or stream is deleted after. One round runs
 //! every variant once, in order; the ratio of each `idem-*` row is to the `bare` row of its
-//! round. A broker or store that does not answer at the test URLs
+//! round. Two columns split the time a message is held: from its arrival to the start of its
+//! settle (for `idem-*`: the claim, the handler and the record), and the settle itself. A broker or store that does not answer at the test URLs
 //! (`idem_testkit::services`) is skipped with a note.
 //!
 //! `cargo bench -p idem-mq --bench consumer -- [--messages N] [--rounds N] [--prefetch N]
-//! [--broker rabbitmq|nats] [--only idem-memory|idem-redis|idem-redis-1|idem-postgres] [--quick]`
-//! (`--only` keeps `bare` and the variants whose names begin with it).
+//! [--broker rabbitmq|nats] [--only idem-memory|idem-redis|idem-redis-1|idem-postgres|redis-by-hand]
+//! [--quick]` (`--only` keeps `bare` and the variants whose names begin with it; `idem-redis`
+//! also keeps its peer, `redis-by-hand`).
 
 #![allow(
     clippy::unwrap_used,
@@ -39,6 +46,7 @@ use idem_mq::nats::{DeadLetterTarget, NatsSource};
 use idem_mq::{Consumer, Delivery, Disposition, Failure, Message, Source};
 use idem_testkit::mq::{BODY, Meter, Row, Timed, all_settled, bare, fill_amqp, hex};
 use idem_testkit::services::{NATS, POSTGRES, RABBITMQ, REDIS};
+use redis::aio::MultiplexedConnection;
 
 struct Args {
     messages: usize,
@@ -84,6 +92,50 @@ async fn bare_ack(delivery: impl Delivery) {
     }
 }
 
+/// The `redis-by-hand` consumer's work on a delivery of a fresh message: claim its id in Redis,
+/// run the handler (nothing), record it done, ack. A taken id is acked if done and requeued
+/// if still running (no message repeats in the bench, so neither happens).
+async fn by_hand(mut redis: MultiplexedConnection, prefix: Arc<str>, delivery: impl Delivery) {
+    let key = format!("{prefix}{}", delivery.message_id().expect("a message id"));
+    let claimed: Option<String> = redis::cmd("SET")
+        .arg(&key)
+        .arg("running")
+        .arg("NX")
+        .arg("PX")
+        .arg(30_000)
+        .query_async(&mut redis)
+        .await
+        .expect("the claim");
+    let how = if claimed.is_some() {
+        let _: redis::Value = redis::cmd("SET")
+            .arg(&key)
+            .arg("done")
+            .arg("XX")
+            .arg("PX")
+            .arg(600_000)
+            .query_async(&mut redis)
+            .await
+            .expect("the record");
+        Disposition::Ack
+    } else {
+        let state: Option<String> = redis::cmd("GET")
+            .arg(&key)
+            .query_async(&mut redis)
+            .await
+            .expect("the state");
+        if state.as_deref() == Some("done") {
+            Disposition::Ack
+        } else {
+            Disposition::Requeue {
+                delay: Duration::from_secs(1),
+            }
+        }
+    };
+    if let Err(e) = delivery.settle(how).await {
+        eprintln!("redis-by-hand: settle refused: {e}");
+    }
+}
+
 /// The handler of the idempotent consumer: nothing to do.
 async fn nothing(_: Message) -> Result<(), Failure<String>> {
     Ok(())
@@ -95,6 +147,8 @@ enum Records {
     /// The store, and whether it groups concurrent calls (its default) or sends each alone.
     Redis(Box<RedisStore>, bool),
     Postgres(Box<PostgresStore>),
+    /// The dedupe table by hand: a connection, and the prefix of the run's keys.
+    ByHand(MultiplexedConnection, Arc<str>),
 }
 
 impl Records {
@@ -104,6 +158,7 @@ impl Records {
             Records::Redis(_, true) => "idem-redis",
             Records::Redis(_, false) => "idem-redis-1",
             Records::Postgres(_) => "idem-postgres",
+            Records::ByHand(..) => "redis-by-hand",
         }
     }
 }
@@ -136,6 +191,11 @@ async fn consume<S: Source>(source: S, variant: Option<&Records>, prefetch: u16,
             let consumer = idem_consumer((**store).clone(), concurrency);
             consumer.run(source, nothing, shutdown).await.unwrap();
             counts_note(consumer.counts(), n)
+        }
+        Some(Records::ByHand(redis, prefix)) => {
+            let work = |delivery| by_hand(redis.clone(), Arc::clone(prefix), delivery);
+            bare(source, "redis-by-hand", concurrency, shutdown, work).await;
+            String::new()
         }
     };
     Row::of(&meter, note)
@@ -250,6 +310,12 @@ async fn run(args: Args) {
             let store = RedisStore::connect(&url, options).await.unwrap();
             variants.push(Some(Records::Redis(Box::new(store), batched)));
         }
+        if only("redis-by-hand") || only("idem-redis") {
+            let client = redis::Client::open(url.as_str()).unwrap();
+            let conn = client.get_multiplexed_async_connection().await.unwrap();
+            let prefix = format!("idem-bench-{}:", hex());
+            variants.push(Some(Records::ByHand(conn, prefix.into())));
+        }
     }
     let table = format!("idem_bench_mq_{}", hex());
     let mut postgres = None;
@@ -268,8 +334,10 @@ async fn run(args: Args) {
         "consumer bench: {} messages per row, prefetch and concurrency {}, {} rounds; {cores} cores\n",
         args.messages, args.prefetch, args.rounds
     );
-    println!("| broker | round | consumer | s | msg/s | × bare (same round) | note |");
-    println!("|---|---:|---|---:|---:|---:|---|");
+    println!(
+        "| broker | round | consumer | s | msg/s | × bare (same round) | ms to settle | ms settling | note |"
+    );
+    println!("|---|---:|---|---:|---:|---:|---:|---:|---|");
     let mut ratios: BTreeMap<(&str, &str), Vec<f64>> = BTreeMap::new();
     let brokers = [("rabbitmq", RABBITMQ.url()), ("nats", NATS.url())];
     for (broker, url) in brokers {
@@ -298,8 +366,8 @@ async fn run(args: Args) {
                     }
                 };
                 println!(
-                    "| {broker} | {round} | {label} | {:.2} | {:.0} | {ratio} | {} |",
-                    row.seconds, row.rate, row.note
+                    "| {broker} | {round} | {label} | {:.2} | {:.0} | {ratio} | {:.2} | {:.2} | {} |",
+                    row.seconds, row.rate, row.before_settle_ms, row.settle_ms, row.note
                 );
             }
         }

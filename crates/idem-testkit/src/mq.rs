@@ -8,7 +8,7 @@
 
 use std::borrow::Cow;
 use std::future::Future;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, OnceLock};
 use std::time::{Duration, Instant};
 
@@ -44,6 +44,11 @@ pub struct Meter {
     pub settled: AtomicUsize,
     /// Settles the broker refused.
     pub failed: AtomicUsize,
+    /// Summed over the deliveries settled, in microseconds: from a delivery's arrival to the
+    /// start of its settle (the consumer's claim, handler and record), and the settle itself.
+    pub before_settle_us: AtomicU64,
+    /// See `before_settle_us`.
+    pub settling_us: AtomicU64,
     /// Notified when the `want`-th delivery is settled.
     pub done: Notify,
 }
@@ -57,6 +62,8 @@ impl Meter {
             last: OnceLock::new(),
             settled: AtomicUsize::new(0),
             failed: AtomicUsize::new(0),
+            before_settle_us: AtomicU64::new(0),
+            settling_us: AtomicU64::new(0),
             done: Notify::new(),
         })
     }
@@ -82,6 +89,7 @@ pub struct Timed<S> {
 pub struct TimedDelivery<D> {
     inner: D,
     meter: Arc<Meter>,
+    arrived: Instant,
 }
 
 impl<S: Source> Source for Timed<S> {
@@ -94,10 +102,12 @@ impl<S: Source> Source for Timed<S> {
     async fn next(&mut self) -> Option<Result<Self::Delivery, MqError>> {
         let next = self.inner.next().await?;
         Some(next.map(|inner| {
-            let _ = self.meter.first.set(Instant::now());
+            let arrived = Instant::now();
+            let _ = self.meter.first.set(arrived);
             TimedDelivery {
                 inner,
                 meter: Arc::clone(&self.meter),
+                arrived,
             }
         }))
     }
@@ -138,8 +148,15 @@ impl<D: Delivery> Delivery for TimedDelivery<D> {
 
     async fn settle(self, how: Disposition) -> Result<(), MqError> {
         let meter = self.meter;
+        let settling = Instant::now();
         let settled = self.inner.settle(how).await;
         if settled.is_ok() {
+            let micros = |d: Duration| u64::try_from(d.as_micros()).unwrap_or(u64::MAX);
+            let before = micros(settling.duration_since(self.arrived));
+            meter.before_settle_us.fetch_add(before, Ordering::Relaxed);
+            meter
+                .settling_us
+                .fetch_add(micros(settling.elapsed()), Ordering::Relaxed);
             if meter.settled.fetch_add(1, Ordering::AcqRel) + 1 == meter.want {
                 let _ = meter.last.set(Instant::now());
                 meter.done.notify_one();
@@ -167,6 +184,11 @@ pub struct Row {
     pub rate: f64,
     /// Empty when all went as it should; else what did not.
     pub note: String,
+    /// The mean time, in milliseconds, a delivery settled took from its arrival to the start
+    /// of its settle (claim, handler, record), and to settle.
+    pub before_settle_ms: f64,
+    /// See `before_settle_ms`.
+    pub settle_ms: f64,
 }
 
 impl Row {
@@ -179,10 +201,14 @@ impl Row {
             note
         };
         let seconds = meter.elapsed().as_secs_f64();
+        let settled = meter.settled.load(Ordering::Relaxed).max(1) as f64;
+        let mean_ms = |sum: &AtomicU64| sum.load(Ordering::Relaxed) as f64 / settled / 1000.0;
         Row {
             seconds,
             rate: meter.want as f64 / seconds,
             note,
+            before_settle_ms: mean_ms(&meter.before_settle_us),
+            settle_ms: mean_ms(&meter.settling_us),
         }
     }
 }
