@@ -22,13 +22,13 @@
 use std::collections::hash_map::RandomState;
 use std::hash::BuildHasher;
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::{Arc, PoisonError, RwLock, RwLockReadGuard, RwLockWriteGuard};
+use std::sync::{Arc, Mutex, PoisonError, RwLock, RwLockReadGuard, RwLockWriteGuard};
 use std::time::{Duration, Instant};
 
 use fastbloom::AtomicBloomFilter;
 use idem_core::Key;
-use rusqlite::Connection;
-use rusqlite::types::Value;
+use rusqlite::types::{ToSqlOutput, ValueRef};
+use rusqlite::{Connection, ToSql};
 
 use super::reader::Readers;
 
@@ -143,21 +143,48 @@ impl Load {
     /// before it read. A key that the store holds throughout the scan is in one of the reads
     /// (rows are found by their key, not by their place, so what is written or purged between
     /// two reads moves nothing); one begun after the filter was published is also taught to it
-    /// by the writer.
-    fn fill(mut self, conn: &Connection, filter: Arc<Filter>, after: Option<&Position>) {
-        if Arc::strong_count(&self.known) == 1 {
-            return; // the store is gone, and so is the use of reading on
-        }
-        match self.read_keys(conn, &filter, after) {
-            Ok(Some(last)) => {
-                let listings = Arc::clone(&self.known.listings);
-                // Refused (the queue is full, the threads are gone), the job is dropped unrun
-                // and `Load` ends the rebuild as failed.
-                let _ = listings.detach(move |conn| self.fill(conn, filter, Some(&last)));
+    /// by the writer. Each read queues the next as a job of its own, so that listings queued
+    /// meanwhile run between them; when the queue is full, the next read runs in this job.
+    fn fill(self, conn: &Connection, filter: Arc<Filter>, after: Option<Position>) {
+        let mut next = Some((self, filter, after));
+        while let Some((mut load, filter, after)) = next.take() {
+            if Arc::strong_count(&load.known) == 1 {
+                return; // the store is gone, and so is the use of reading on
             }
-            Ok(None) => self.filled = Some(filter),
-            Err(_) => {}
+            match load.read_keys(conn, &filter, after.as_ref()) {
+                Ok(Some(last)) => next = load.queue_fill(filter, last),
+                Ok(None) => load.filled = Some(filter),
+                // The load fails; dropping it ends the rebuild.
+                Err(_) => {}
+            }
         }
+    }
+
+    /// Queues the read after `last` as a job of its own; hands the load back when the queue
+    /// refused it (full, or its threads gone: then the next read here finds out).
+    fn queue_fill(
+        self,
+        filter: Arc<Filter>,
+        last: Position,
+    ) -> Option<(Self, Arc<Filter>, Option<Position>)> {
+        let listings = Arc::clone(&self.known.listings);
+        // The job takes the load out of the cell when it runs; a job refused is dropped unrun
+        // and leaves it there.
+        let cell = Arc::new(Mutex::new(Some((self, filter, Some(last)))));
+        let queued = Arc::clone(&cell);
+        let refused = listings
+            .detach(move |conn| {
+                let taken = queued.lock().unwrap_or_else(PoisonError::into_inner).take();
+                if let Some((load, filter, after)) = taken {
+                    load.fill(conn, filter, after);
+                }
+            })
+            .is_err();
+        // Queued, the job owns the load now (it may be running already); refused, nothing else
+        // can reach the cell.
+        refused
+            .then(|| cell.lock().unwrap_or_else(PoisonError::into_inner).take())
+            .flatten()
     }
 
     /// Puts the first `ROWS_PER_READ` keys after `after` (from the start without it) in the
@@ -183,16 +210,14 @@ impl Load {
         };
         let mut read = 0usize;
         while let Some(row) = rows.next()? {
-            let part = |i: usize| -> rusqlite::Result<&[u8]> {
-                let value = row.get_ref(i)?;
-                value.as_bytes().map_err(|e| {
-                    rusqlite::Error::FromSqlConversionFailure(i, value.data_type(), e.into())
-                })
-            };
-            filter.insert(self.known.hash(part(0)?, part(1)?, part(2)?));
+            let parts = [Part::of(row, 0)?, Part::of(row, 1)?, Part::of(row, 2)?];
+            filter.insert(
+                self.known
+                    .hash(&parts[0].bytes, &parts[1].bytes, &parts[2].bytes),
+            );
             read += 1;
             if read == ROWS_PER_READ {
-                return Ok(Some([row.get(0)?, row.get(1)?, row.get(2)?]));
+                return Ok(Some(parts));
             }
         }
         Ok(None)
@@ -200,7 +225,47 @@ impl Load {
 }
 
 /// Where a scan of the key index stands: the last key read, as the row held it.
-type Position = [Value; 3];
+type Position = [Part; 3];
+
+/// One part of a key as its row holds it: the bytes, and whether they are TEXT or a BLOB (the
+/// index puts every TEXT before every BLOB, so a position must be bound back as the type it
+/// was read as). Kept as bytes, not as a `String`: a key written by another program that is
+/// not UTF-8 is still read past.
+#[derive(Debug, Clone)]
+struct Part {
+    text: bool,
+    bytes: Vec<u8>,
+}
+
+impl Part {
+    fn of(row: &rusqlite::Row<'_>, i: usize) -> rusqlite::Result<Self> {
+        match row.get_ref(i)? {
+            ValueRef::Text(bytes) => Ok(Self {
+                text: true,
+                bytes: bytes.to_vec(),
+            }),
+            ValueRef::Blob(bytes) => Ok(Self {
+                text: false,
+                bytes: bytes.to_vec(),
+            }),
+            other => Err(rusqlite::Error::InvalidColumnType(
+                i,
+                format!("key part {i}"),
+                other.data_type(),
+            )),
+        }
+    }
+}
+
+impl ToSql for Part {
+    fn to_sql(&self) -> rusqlite::Result<ToSqlOutput<'_>> {
+        Ok(ToSqlOutput::Borrowed(if self.text {
+            ValueRef::Text(&self.bytes)
+        } else {
+            ValueRef::Blob(&self.bytes)
+        }))
+    }
+}
 
 impl Drop for Load {
     fn drop(&mut self) {
@@ -482,16 +547,46 @@ mod tests {
     }
 
     /// The scan reads the key index a slice at a time: between two slices it holds no WAL
-    /// snapshot (a checkpoint may reset the WAL), and what is written or purged between them
-    /// does not make it miss a key the table still holds.
+    /// snapshot (a checkpoint may reset the WAL after every write between them), and what is
+    /// written or purged between them (the key the scan stands at, keys before it) does not
+    /// make it miss a key the table still holds, across scopes and namespaces.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn the_scan_holds_no_snapshot_between_slices_and_misses_no_key() {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("idem.db");
         let store = SqliteStore::open(&path).unwrap();
-        begin_many(&store, 0, 100).await;
-        let known = Arc::clone(store.known.as_ref().unwrap());
-        settled(&known).await;
+        let now = Timestamp::now();
+        let begin = |k: Key| {
+            let store = store.clone();
+            async move {
+                let req = BeginRequest::new(k, Fingerprint::of_bytes(b"f"));
+                let got = store.begin(&req, now).await.unwrap();
+                assert!(matches!(got, BeginOutcome::Acquired(_)));
+            }
+        };
+        // Two scopes and two namespaces, in an order their client keys do not follow.
+        let part = |i: usize| {
+            let (scope, namespace) = (["b", "a"][i % 2], ["y", "x"][(i / 2) % 2]);
+            Key::parse(scope, namespace, &format!("k{:03}", 119 - i)).unwrap()
+        };
+        let keys: Vec<Key> = (0..120).map(part).collect();
+        for k in &keys {
+            begin(k.clone()).await;
+        }
+        let mut in_order = keys.clone();
+        in_order.sort_by_key(|k| {
+            (
+                k.scope().as_str().to_owned(),
+                k.namespace().as_str().to_owned(),
+                k.client_key().as_str().to_owned(),
+            )
+        });
+        // A key set of its own: dropping the load below ends its rebuild, not the store's.
+        let known = Arc::new(KnownKeys {
+            filters: RwLock::new(Filters::default()),
+            listings: Arc::clone(&store.listings),
+            hasher: RandomState::new(),
+        });
         let load = Load {
             known: Arc::clone(&known),
             filled: None,
@@ -499,48 +594,98 @@ mod tests {
         let filter = Filter::new(1000);
         let scan = Connection::open(&path).unwrap();
         let other = Connection::open(&path).unwrap();
-        let checkpoint = || -> i64 {
-            other
-                .query_row("PRAGMA wal_checkpoint(TRUNCATE)", [], |r| r.get(0))
-                .unwrap()
-        };
-        let held = |filter: &Filter, i: usize| {
-            let k = key(i);
-            let hash = known.hash_key(&k);
-            filter.bits.contains_hash(hash)
-        };
-
-        let mut at = load.read_keys(&scan, &filter, None).unwrap();
-        assert!(at.is_some(), "100 keys are more than one slice");
-        // Between two slices: new keys, purged keys, and a checkpoint that must not find a
-        // reader in its way.
-        begin_many(&store, 100, 140).await;
-        let purged = [50, 51, 60, 99];
-        for i in purged {
-            other
+        let purge = |k: &Key| {
+            let deleted = other
                 .execute(
-                    "DELETE FROM idem_records WHERE client_key = ?1",
-                    [format!("k{i}")],
+                    "DELETE FROM idem_records WHERE scope = ?1 AND namespace = ?2 \
+                     AND client_key = ?3",
+                    [
+                        k.scope().as_str(),
+                        k.namespace().as_str(),
+                        k.client_key().as_str(),
+                    ],
                 )
                 .unwrap();
-        }
-        assert_eq!(
-            checkpoint(),
-            0,
-            "a checkpoint between slices is not held up"
-        );
+            assert_eq!(deleted, 1);
+        };
+
+        let mut purged = Vec::new();
+        let mut at = load.read_keys(&scan, &filter, None).unwrap();
         let mut slices = 1;
         while let Some(after) = at {
+            // Purge the key the scan stands at and the first key still held before it, write a
+            // new key, and check that a checkpoint finds no reader in its way.
+            let here = in_order
+                .iter()
+                .position(|k| k.client_key().as_str().as_bytes() == after[2].bytes)
+                .unwrap();
+            purge(&in_order[here]);
+            purged.push(in_order[here].clone());
+            if let Some(before) = in_order[..here].iter().find(|k| !purged.contains(k)) {
+                purge(before);
+                purged.push(before.clone());
+            }
+            begin(Key::parse("c", "z", &format!("new{slices}")).unwrap()).await;
+            let busy: i64 = other
+                .query_row("PRAGMA wal_checkpoint(TRUNCATE)", [], |r| r.get(0))
+                .unwrap();
+            assert_eq!(busy, 0, "a checkpoint after slice {slices} is held up");
             at = load.read_keys(&scan, &filter, Some(&after)).unwrap();
             slices += 1;
-            assert_eq!(checkpoint(), 0);
         }
-        assert!(slices >= 100 / ROWS_PER_READ, "{slices} slices");
-        for i in (0..100).filter(|i| !purged.contains(i)) {
-            assert!(
-                held(&filter, i),
-                "key {i} was held throughout and is missed"
-            );
+        assert!(slices >= 120 / ROWS_PER_READ, "{slices} slices");
+        for k in keys.iter().filter(|k| !purged.contains(k)) {
+            let held = filter.bits.contains_hash(known.hash_key(k));
+            assert!(held, "{k:?} was held throughout and is missed");
+        }
+    }
+
+    /// When the listings queue has no room for the next slice, the load reads it in the job
+    /// it is in, rather than failing.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_full_queue_does_not_stop_the_scan() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("idem.db");
+        let store = SqliteStore::open(&path).unwrap();
+        begin_many(&store, 0, 100).await;
+        // One thread, busy until told, and a queue of one, taken.
+        let listings = Arc::new(Readers::new(
+            "listings",
+            path.clone(),
+            Duration::from_secs(1),
+            1,
+            1,
+        ));
+        let (release, held) = std::sync::mpsc::channel::<()>();
+        let (started, busy) = std::sync::mpsc::channel::<()>();
+        listings
+            .detach(move |_| {
+                let _ = started.send(());
+                let _ = held.recv();
+            })
+            .unwrap();
+        busy.recv().unwrap();
+        listings.detach(|_| {}).unwrap();
+        assert!(listings.detach(|_| {}).is_err(), "the queue is full");
+        let known = Arc::new(KnownKeys {
+            filters: RwLock::new(Filters::default()),
+            listings,
+            hasher: RandomState::new(),
+        });
+        let filter = Arc::new(Filter::new(1000));
+        let load = Load {
+            known: Arc::clone(&known),
+            filled: None,
+        };
+        load.fill(&Connection::open(&path).unwrap(), Arc::clone(&filter), None);
+        release.send(()).unwrap();
+
+        let filters = known.read();
+        assert_eq!(filters.loads, 1, "the load finished");
+        assert!(Arc::ptr_eq(filters.current.as_ref().unwrap(), &filter));
+        drop(filters);
+        for i in 0..100 {
+            assert!(known.may_hold(&key(i)), "key {i}");
         }
     }
 
