@@ -15,15 +15,16 @@
 //!
 //! Each row publishes N messages (a fresh key each) to a fresh queue or stream, then times from
 //! the first delivery to the last settle; the queue or stream is deleted after. One round runs
-//! every variant once, in order; the ratio of each `idem-*` row is to the `bare` row of its
+//! every variant once, in order; the ratio of each other row is to the `bare` row of its
 //! round. Two columns split the time a message is held: from its arrival to the start of its
 //! settle (for `idem-*`: the claim, the handler and the record), and the settle itself. A broker or store that does not answer at the test URLs
 //! (`idem_testkit::services`) is skipped with a note.
 //!
 //! `cargo bench -p idem-mq --bench consumer -- [--messages N] [--rounds N] [--prefetch N]
 //! [--broker rabbitmq|nats] [--only idem-memory|idem-redis|idem-redis-1|idem-postgres|redis-by-hand]
-//! [--quick]` (`--only` keeps `bare` and the variants whose names begin with it; `idem-redis`
-//! also keeps its peer, `redis-by-hand`).
+//! [--quick]` (`--only` keeps `bare` and the variants whose names begin with it; a word that
+//! `idem-redis` begins with, such as `idem-redis` or `idem`, also keeps its peer,
+//! `redis-by-hand`).
 
 #![allow(
     clippy::unwrap_used,
@@ -35,6 +36,7 @@
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
 use async_nats::jetstream::{self, message::PublishMessage, stream};
@@ -92,10 +94,16 @@ async fn bare_ack(delivery: impl Delivery) {
     }
 }
 
-/// The `redis-by-hand` consumer's work on a delivery of a fresh message: claim its id in Redis,
-/// run the handler (nothing), record it done, ack. A taken id is acked if done and requeued
-/// if still running (no message repeats in the bench, so neither happens).
-async fn by_hand(mut redis: MultiplexedConnection, prefix: Arc<str>, delivery: impl Delivery) {
+/// The `redis-by-hand` consumer's work on a delivery: claim its id in Redis, run the handler
+/// (nothing), record it done, ack. An id found taken is acked if done and requeued if still
+/// running, and counted in `taken`: every row's ids are fresh (its keys are under a prefix of
+/// its own), so none should be.
+async fn by_hand(
+    mut redis: MultiplexedConnection,
+    prefix: Arc<str>,
+    taken: Arc<AtomicUsize>,
+    delivery: impl Delivery,
+) {
     let key = format!("{prefix}{}", delivery.message_id().expect("a message id"));
     let claimed: Option<String> = redis::cmd("SET")
         .arg(&key)
@@ -118,6 +126,7 @@ async fn by_hand(mut redis: MultiplexedConnection, prefix: Arc<str>, delivery: i
             .expect("the record");
         Disposition::Ack
     } else {
+        taken.fetch_add(1, Ordering::Relaxed);
         let state: Option<String> = redis::cmd("GET")
             .arg(&key)
             .query_async(&mut redis)
@@ -147,7 +156,8 @@ enum Records {
     /// The store, and whether it groups concurrent calls (its default) or sends each alone.
     Redis(Box<RedisStore>, bool),
     Postgres(Box<PostgresStore>),
-    /// The dedupe table by hand: a connection, and the prefix of the run's keys.
+    /// The dedupe table by hand: a connection, and the prefix of the run's keys (each row
+    /// adds one of its own).
     ByHand(MultiplexedConnection, Arc<str>),
 }
 
@@ -193,9 +203,14 @@ async fn consume<S: Source>(source: S, variant: Option<&Records>, prefetch: u16,
             counts_note(consumer.counts(), n)
         }
         Some(Records::ByHand(redis, prefix)) => {
-            let work = |delivery| by_hand(redis.clone(), Arc::clone(prefix), delivery);
+            let prefix: Arc<str> = format!("{prefix}{}:", hex()).into();
+            let taken = Arc::new(AtomicUsize::new(0));
+            let work = |delivery| by_hand(redis.clone(), prefix.clone(), taken.clone(), delivery);
             bare(source, "redis-by-hand", concurrency, shutdown, work).await;
-            String::new()
+            match taken.load(Ordering::Relaxed) {
+                0 => String::new(),
+                n => format!("{n} claims found the id taken"),
+            }
         }
     };
     Row::of(&meter, note)

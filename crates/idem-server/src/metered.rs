@@ -196,4 +196,46 @@ mod tests {
             "{text}"
         );
     }
+
+    /// A memory answer passes through untimed: the wrapped cache gives it and counts the hit,
+    /// and no store call is recorded for it.
+    #[tokio::test]
+    async fn a_memory_answer_passes_through_untimed() {
+        let registry = Registry::default();
+        let cache = Arc::new(idem_store::ReplayCache::new(
+            idem_store::MemoryStore::new(),
+            idem_store::ReplayCacheLimits::default(),
+        ));
+        let store = metrics::with_local_recorder(&registry, || Metered::new(cache.clone()));
+        let req = BeginRequest::new(
+            Key::parse("s", "n", "k").unwrap(),
+            Fingerprint::of_bytes(b"x"),
+        );
+        let now = Timestamp::now();
+        assert!(
+            store.begin_from_memory(&req, now).is_none(),
+            "nothing kept yet"
+        );
+        let Ok(BeginOutcome::Acquired(lease)) = store.begin(&req, now).await else {
+            panic!("not acquired")
+        };
+        let done = Bytes::from_static(b"done");
+        store.complete(&req.key, &lease, done, now).await.unwrap();
+        // The first replay comes from the store, which the cache then keeps.
+        let replayed = store.begin(&req, now).await.unwrap();
+        assert!(matches!(replayed, BeginOutcome::Replay(_)), "{replayed:?}");
+        assert_eq!(cache.hits(), 0);
+
+        let from_memory = store.begin_from_memory(&req, now);
+        assert!(
+            matches!(&from_memory, Some(BeginOutcome::Replay(r)) if &r.response[..] == b"done"),
+            "{from_memory:?}"
+        );
+        assert_eq!(cache.hits(), 1, "answered by the cache");
+        let text = registry.render();
+        assert!(
+            text.contains(r#"idem_store_call_seconds_count{store="memory",operation="begin"} 2"#),
+            "the memory answer is not timed as a store call: {text}"
+        );
+    }
 }
