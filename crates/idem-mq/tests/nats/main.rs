@@ -179,6 +179,10 @@ struct OwnServer {
     child: std::process::Child,
     port: u16,
     dir: tempfile::TempDir,
+    /// Its `server_name`, which its greeting carries: a probe that reaches anything else on
+    /// the port (a server another test started there, or the probe's own socket connected to
+    /// itself, which Linux allows on a port of the ephemeral range) is not taken for it.
+    name: String,
 }
 
 impl OwnServer {
@@ -189,24 +193,41 @@ impl OwnServer {
             eprintln!("server restart test skipped: no {}", Self::BINARY);
             return None;
         }
-        let port = std::net::TcpListener::bind("127.0.0.1:0")
-            .expect("a free port")
-            .local_addr()
-            .expect("addr")
-            .port();
         let dir = tempfile::tempdir().expect("tempdir");
-        let mut server = Self {
-            child: Self::spawn(port, dir.path()),
-            port,
-            dir,
-        };
-        server.wait_up();
-        Some(server)
+        let name = format!("idem-test-{:016x}", rand::random::<u64>());
+        // A free port may be taken again before the server binds it; then it exits, and the
+        // next try takes another.
+        for _ in 0..5 {
+            let port = std::net::TcpListener::bind("127.0.0.1:0")
+                .expect("a free port")
+                .local_addr()
+                .expect("addr")
+                .port();
+            let mut child = Self::spawn(port, dir.path(), &name);
+            if Self::wait_up(&mut child, port, &name) {
+                return Some(Self {
+                    child,
+                    port,
+                    dir,
+                    name,
+                });
+            }
+        }
+        panic!("nats-server did not start on any of five free ports");
     }
 
-    fn spawn(port: u16, dir: &std::path::Path) -> std::process::Child {
+    fn spawn(port: u16, dir: &std::path::Path, name: &str) -> std::process::Child {
         std::process::Command::new(Self::BINARY)
-            .args(["-js", "-a", "127.0.0.1", "-p", &port.to_string(), "-sd"])
+            .args([
+                "-js",
+                "-a",
+                "127.0.0.1",
+                "-p",
+                &port.to_string(),
+                "-n",
+                name,
+                "-sd",
+            ])
             .arg(dir)
             .stdout(std::process::Stdio::null())
             .stderr(std::process::Stdio::null())
@@ -214,15 +235,37 @@ impl OwnServer {
             .expect("start nats-server")
     }
 
-    fn wait_up(&mut self) {
+    /// Waits until `child` greets a connection to `port` as the server `name`: true, or false
+    /// when it exited (its port was taken). Past [`PATIENCE`] it is killed and the test fails.
+    fn wait_up(child: &mut std::process::Child, port: u16, name: &str) -> bool {
         let deadline = std::time::Instant::now() + PATIENCE;
-        while std::net::TcpStream::connect(("127.0.0.1", self.port)).is_err() {
-            assert!(
-                std::time::Instant::now() < deadline,
-                "nats-server did not start"
-            );
+        while !Self::greets(port, name) {
+            if let Ok(Some(_)) = child.try_wait() {
+                return false;
+            }
+            if std::time::Instant::now() >= deadline {
+                let _ = child.kill();
+                let _ = child.wait();
+                panic!("nats-server did not start");
+            }
             std::thread::sleep(Duration::from_millis(50));
         }
+        true
+    }
+
+    /// Whether a connection to `port` is greeted by the server `name`: its first line is that
+    /// server's `INFO`.
+    fn greets(port: u16, name: &str) -> bool {
+        use std::io::BufRead;
+        let Ok(stream) = std::net::TcpStream::connect(("127.0.0.1", port)) else {
+            return false;
+        };
+        let _ = stream.set_read_timeout(Some(Duration::from_secs(1)));
+        let mut line = String::new();
+        let read = std::io::BufReader::new(stream).read_line(&mut line);
+        read.is_ok()
+            && line.starts_with("INFO ")
+            && line.contains(&format!("\"server_name\":\"{name}\""))
     }
 
     fn url(&self) -> String {
@@ -232,8 +275,11 @@ impl OwnServer {
     fn restart(&mut self) {
         let _ = self.child.kill();
         let _ = self.child.wait();
-        self.child = Self::spawn(self.port, self.dir.path());
-        self.wait_up();
+        self.child = Self::spawn(self.port, self.dir.path(), &self.name);
+        assert!(
+            Self::wait_up(&mut self.child, self.port, &self.name),
+            "nats-server did not start again on its port"
+        );
     }
 }
 
