@@ -90,23 +90,29 @@ pub(crate) async fn open_with_locks(
 
 /// Opens the store at `url`; the error names it with any password hidden.
 pub(crate) async fn open_store(url: &str) -> Result<SharedStore, String> {
-    idem_store::open(url)
-        .await
-        .map_err(|e| format!("store {:?}: {e}", idem_store::redact(url)))
+    opened(url, |parsed| parsed).await
 }
 
 /// The store for a command that runs once and exits: as [`open_store`], but a SQLite file's
 /// key filter is not loaded. A command's few `begin`s gain nothing from it, and its load
 /// would take the read connection that listings and counts use first.
 pub(crate) async fn open_store_once(url: &str) -> Result<SharedStore, String> {
-    let fail = |e: idem_store::OpenError| format!("store {:?}: {e}", idem_store::redact(url));
-    let parsed = url
-        .parse()
-        .map_err(|e| fail(idem_store::OpenError::Url(e)))?;
-    without_key_filter(parsed)
-        .open()
-        .await
-        .map_err(|e| fail(idem_store::OpenError::Store(e)))
+    opened(url, without_key_filter).await
+}
+
+/// Parses `url`, adjusts it and opens the store, as [`idem_store::open`] does.
+async fn opened(
+    url: &str,
+    adjust: impl FnOnce(idem_store::StoreUrl) -> idem_store::StoreUrl,
+) -> Result<SharedStore, String> {
+    let opened = match url.parse() {
+        Ok(parsed) => adjust(parsed)
+            .open()
+            .await
+            .map_err(idem_store::OpenError::from),
+        Err(e) => Err(idem_store::OpenError::from(e)),
+    };
+    opened.map_err(|e| format!("store {:?}: {e}", idem_store::redact(url)))
 }
 
 /// `url` with a SQLite file's key filter off; any other store as it is.

@@ -210,14 +210,19 @@ impl Load {
         };
         let mut read = 0usize;
         while let Some(row) = rows.next()? {
-            let parts = [Part::of(row, 0)?, Part::of(row, 1)?, Part::of(row, 2)?];
-            filter.insert(
-                self.known
-                    .hash(&parts[0].bytes, &parts[1].bytes, &parts[2].bytes),
-            );
+            let [scope, namespace, client_key] = [0, 1, 2].map(|i| Part::read(row, i));
+            let (_, scope) = scope?;
+            let (_, namespace) = namespace?;
+            let (_, client_key) = client_key?;
+            filter.insert(self.known.hash(scope, namespace, client_key));
             read += 1;
             if read == ROWS_PER_READ {
-                return Ok(Some(parts));
+                // Only the slice's last key is copied out, to start the next read after it.
+                return Ok(Some([
+                    Part::of(row, 0)?,
+                    Part::of(row, 1)?,
+                    Part::of(row, 2)?,
+                ]));
             }
         }
         Ok(None)
@@ -238,22 +243,26 @@ struct Part {
 }
 
 impl Part {
-    fn of(row: &rusqlite::Row<'_>, i: usize) -> rusqlite::Result<Self> {
+    /// Column `i` of `row`, borrowed: whether it is TEXT, and its bytes.
+    fn read<'r>(row: &'r rusqlite::Row<'_>, i: usize) -> rusqlite::Result<(bool, &'r [u8])> {
         match row.get_ref(i)? {
-            ValueRef::Text(bytes) => Ok(Self {
-                text: true,
-                bytes: bytes.to_vec(),
-            }),
-            ValueRef::Blob(bytes) => Ok(Self {
-                text: false,
-                bytes: bytes.to_vec(),
-            }),
+            ValueRef::Text(bytes) => Ok((true, bytes)),
+            ValueRef::Blob(bytes) => Ok((false, bytes)),
             other => Err(rusqlite::Error::InvalidColumnType(
                 i,
                 format!("key part {i}"),
                 other.data_type(),
             )),
         }
+    }
+
+    /// Column `i` of `row`, copied.
+    fn of(row: &rusqlite::Row<'_>, i: usize) -> rusqlite::Result<Self> {
+        let (text, bytes) = Self::read(row, i)?;
+        Ok(Self {
+            text,
+            bytes: bytes.to_vec(),
+        })
     }
 }
 
