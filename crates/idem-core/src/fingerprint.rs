@@ -100,11 +100,17 @@ impl Fingerprint {
     /// Lower-case hexadecimal, 64 digits.
     pub fn to_hex(&self) -> String {
         let mut s = String::with_capacity(64);
-        for b in self.0 {
-            s.push(char::from(HEX[usize::from(b >> 4)]));
-            s.push(char::from(HEX[usize::from(b & 0xf)]));
-        }
+        self.write_hex(32, &mut s);
         s
+    }
+
+    /// Appends the first `bytes` bytes (at most 32) to `out` in lower-case hexadecimal: a
+    /// prefix of [`Fingerprint::to_hex`], without a string of its own.
+    pub fn write_hex(&self, bytes: usize, out: &mut String) {
+        for &b in self.0.iter().take(bytes) {
+            out.push(char::from(HEX[usize::from(b >> 4)]));
+            out.push(char::from(HEX[usize::from(b & 0xf)]));
+        }
     }
 
     /// Parses 64 hexadecimal digits (either case).

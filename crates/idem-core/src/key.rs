@@ -299,7 +299,9 @@ impl Key {
     /// A short, stable, non-reversible tag of the whole key for logs and metrics
     /// (the first 8 bytes of [`Key::sha256`], in hex).
     pub fn log_tag(&self) -> String {
-        self.sha256().to_hex()[..16].to_owned()
+        let mut tag = String::with_capacity(16);
+        self.sha256().write_hex(8, &mut tag);
+        tag
     }
 }
 

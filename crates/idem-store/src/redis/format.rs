@@ -101,7 +101,14 @@ pub(super) fn status_byte(status: Status) -> u8 {
 pub(super) fn pack(r: &Record) -> Vec<u8> {
     use std::io::Write as _;
     let response = r.response.as_deref().unwrap_or_default();
-    let mut v = Vec::with_capacity(HEADER + response.len());
+    let (scope, namespace, client_key) = (
+        r.key.scope().as_str(),
+        r.key.namespace().as_str(),
+        r.key.client_key().as_str(),
+    );
+    let named = scope.len() + namespace.len() + client_key.len() + 2;
+    let len = HEADER + KEY_LEN_DIGITS + named + response.len();
+    let mut v = Vec::with_capacity(len);
     v.extend([FORMAT, status_byte(r.status)]);
     v.extend_from_slice(r.fingerprint.as_bytes());
     v.extend_from_slice(&r.lease_id.to_bytes());
@@ -118,14 +125,10 @@ pub(super) fn pack(r: &Record) -> Vec<u8> {
         ms(r.expires_at)
     );
     debug_assert_eq!(v.len(), HEADER);
-    let named = format!(
-        "{} {} {}",
-        r.key.scope().as_str(),
-        r.key.namespace().as_str(),
-        r.key.client_key().as_str()
-    );
-    let _ = write!(v, "{:0width$}{named}", named.len(), width = KEY_LEN_DIGITS);
+    let width = KEY_LEN_DIGITS;
+    let _ = write!(v, "{named:0width$}{scope} {namespace} {client_key}");
     v.extend_from_slice(response);
+    debug_assert_eq!(v.len(), len);
     v
 }
 

@@ -25,10 +25,11 @@ use idem_core::{
     Acquire, Held, HeldLock, LockError, LockName, LockStore, OwnerDigest, ReleaseListener,
     StoreError, Timestamp,
 };
-use redis::{Script, Value};
+use redis::Value;
 
 use super::RedisStore;
 use super::admin::{BATCH, Node};
+use super::conn::Lua;
 use super::error::{corrupt, error};
 use super::scripts::{CLOCK, FENCED_SET, LOCK_ACQUIRE, LOCK_RELEASE, LOCK_RENEW};
 use crate::fence::Fenced;
@@ -36,21 +37,21 @@ use crate::lock_feed::{FeedTask, ReleaseFeed};
 
 /// The lock scripts and the release feed, shared by a store's clones.
 pub(crate) struct LockScripts {
-    acquire: Script,
-    renew: Script,
-    release: Script,
-    fenced_set: Script,
+    acquire: Lua,
+    renew: Lua,
+    release: Lua,
+    fenced_set: Lua,
     feed: ReleaseFeed,
 }
 
 impl LockScripts {
     pub(crate) fn new() -> Self {
-        let script = |body: &str| Script::new(&format!("{CLOCK}{body}"));
+        let script = |body: &str| Lua::new(&format!("{CLOCK}{body}"));
         Self {
             acquire: script(LOCK_ACQUIRE),
             renew: script(LOCK_RENEW),
             release: script(LOCK_RELEASE),
-            fenced_set: Script::new(FENCED_SET),
+            fenced_set: Lua::new(FENCED_SET),
             feed: ReleaseFeed::new(),
         }
     }
@@ -284,7 +285,7 @@ impl LockStore for RedisStore {
         let listener = self.locks.feed.listen();
         if let Some(task) = self.locks.feed.claim() {
             runtime.spawn(run_feed(
-                client.clone(),
+                redis::Client::clone(client),
                 self.release_channel(),
                 self.locks.feed.clone(),
                 task,

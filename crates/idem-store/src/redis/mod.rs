@@ -50,7 +50,6 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use idem_core::{Key, StoreError};
-use redis::Script;
 use redis::aio::ConnectionManagerConfig;
 
 use crate::batch::GroupCommit;
@@ -65,7 +64,7 @@ mod scripts;
 #[cfg(test)]
 mod tests;
 
-pub(crate) use conn::Conn;
+pub(crate) use conn::{Conn, Lua};
 use error::error;
 pub use locks::lock_scripts;
 use scripts::{
@@ -107,15 +106,18 @@ impl Default for RedisOptions {
 }
 
 /// Idempotency records in Redis. Clones share one connection.
+///
+/// Every field is shared by the clones: the run-once engine clones its store for each call
+/// (a `begin` and a settle that must finish even if their caller goes away), so a clone is a
+/// few reference counts, never a copy of a string.
 #[derive(Clone)]
 pub struct RedisStore {
     pub(crate) conn: Conn,
-    pub(crate) prefix: String,
+    pub(crate) prefix: Arc<str>,
     /// A client of one server (of the Cluster's first node given), for the lock release
     /// feed's own connection.
-    pub(crate) client: Option<redis::Client>,
-    /// Shared by every clone: the run-once claim clones its store for each `begin`, and a
-    /// script's text and hash would otherwise be copied each time.
+    pub(crate) client: Option<Arc<redis::Client>>,
+    /// The scripts' text and hash.
     pub(crate) locks: Arc<locks::LockScripts>,
     pub(super) scripts: Arc<RecordScripts>,
     /// `None` when every call goes on its own (`max_batch` 1, or a Cluster).
@@ -124,15 +126,15 @@ pub struct RedisStore {
 
 /// The record scripts, loaded once per store.
 pub(super) struct RecordScripts {
-    pub(super) begin: Script,
-    pub(super) settle: Script,
-    pub(super) begin_new: Script,
-    pub(super) complete_many: Script,
-    pub(super) renew: Script,
-    pub(super) reopen: Script,
-    pub(super) raise: Script,
-    pub(super) repair: Script,
-    pub(super) step: Script,
+    pub(super) begin: Lua,
+    pub(super) settle: Lua,
+    pub(super) begin_new: Lua,
+    pub(super) complete_many: Lua,
+    pub(super) renew: Lua,
+    pub(super) reopen: Lua,
+    pub(super) raise: Lua,
+    pub(super) repair: Lua,
+    pub(super) step: Lua,
     /// [`GIVE_BACK`] with [`RECORD`] before it, sent whole with `EVAL`.
     pub(super) give_back: String,
 }
@@ -164,7 +166,7 @@ impl RedisStore {
             .await
             .map_err(|e| error("cannot connect to Redis", e))?;
         let mut store = Self::with(Conn::Single(conn), options.clone());
-        store.client = Some(client);
+        store.client = Some(Arc::new(client));
         store.checked(&options).await
     }
 
@@ -189,7 +191,8 @@ impl RedisStore {
         // the first node given.
         store.client = nodes
             .first()
-            .and_then(|n| redis::Client::open(n.as_str()).ok());
+            .and_then(|n| redis::Client::open(n.as_str()).ok())
+            .map(Arc::new);
         store.checked(&options).await
     }
 
@@ -202,17 +205,17 @@ impl RedisStore {
         Self {
             batches,
             conn,
-            prefix: options.prefix,
+            prefix: options.prefix.into(),
             client: None,
             locks: Arc::new(locks::LockScripts::new()),
             scripts: Arc::new(RecordScripts {
                 begin: record_script(BEGIN),
-                settle: Script::new(&format!("{RECORD}{SETTLE_FN}{SETTLE}")),
-                begin_new: Script::new(BEGIN_NEW),
-                complete_many: Script::new(&format!("{RECORD}{SETTLE_FN}{COMPLETE_MANY}")),
+                settle: Lua::new(&format!("{RECORD}{SETTLE_FN}{SETTLE}")),
+                begin_new: Lua::new(BEGIN_NEW),
+                complete_many: Lua::new(&format!("{RECORD}{SETTLE_FN}{COMPLETE_MANY}")),
                 renew: record_script(RENEW),
                 reopen: record_script(REOPEN),
-                raise: Script::new(RAISE),
+                raise: Lua::new(RAISE),
                 repair: record_script(REPAIR),
                 step: record_script(STEP),
                 give_back: format!("{RECORD}{GIVE_BACK}"),
@@ -280,7 +283,12 @@ impl RedisStore {
 
     /// The Redis key of a record: the prefix, then a 128-bit digest as its own hash tag.
     pub fn redis_key(&self, key: &Key) -> String {
-        format!("{}{{{}}}", self.prefix, &key.sha256().to_hex()[..32])
+        let mut name = String::with_capacity(self.prefix.len() + 34);
+        name.push_str(&self.prefix);
+        name.push('{');
+        key.sha256().write_hex(16, &mut name);
+        name.push('}');
+        name
     }
 }
 

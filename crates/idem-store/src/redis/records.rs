@@ -211,10 +211,12 @@ impl ManyAtOnce for RedisStore {
     /// says), so every lease it carried is given back, and every job fails with its error.
     async fn begin_many(&self, jobs: &[BeginJob], fresh: &[Fresh]) -> Many<Acquired> {
         let keys: Vec<String> = fresh.iter().map(|(_, r)| self.redis_key(&r.key)).collect();
-        let mut call = self.scripts.begin_new.prepare_invoke();
-        for ((job, (_, record)), key) in jobs.iter().zip(fresh).zip(&keys) {
-            call.key(key)
-                .arg(pack(record))
+        let mut call = self.scripts.begin_new.call(keys.len());
+        for key in &keys {
+            call.arg(key);
+        }
+        for (job, (_, record)) in jobs.iter().zip(fresh) {
+            call.arg(pack(record))
                 .arg(native_ttl(record.expires_at, job.now));
         }
         let got: Vec<i64> = match call.invoke_async(&mut self.conn.clone()).await {
@@ -246,11 +248,13 @@ impl ManyAtOnce for RedisStore {
     /// `complete_alone`, which finds those it completed done; without the server every job
     /// fails with the error.
     async fn complete_many(&self, jobs: &[CompleteJob]) -> Many<bool> {
-        let mut call = self.scripts.complete_many.prepare_invoke();
+        let mut call = self.scripts.complete_many.call(jobs.len());
+        for job in jobs {
+            call.arg(self.redis_key(&job.key));
+        }
         call.arg(millis(EXPIRY_MARGIN));
         for job in jobs {
-            call.key(self.redis_key(&job.key))
-                .arg(exact(job.now.as_millis()))
+            call.arg(exact(job.now.as_millis()))
                 .arg(&job.lease.id.to_bytes()[..])
                 .arg(job.lease.fence)
                 .arg(&job.response[..]);

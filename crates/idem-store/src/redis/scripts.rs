@@ -2,7 +2,7 @@
 //! record scripts read and write the layout of `super::format`; the lock scripts apply
 //! [`LockState`](idem_core::LockState)'s rules with the server's clock.
 
-use redis::Script;
+use super::conn::Lua;
 
 /// Put before every record script: `record(key)` reads the record at `key` and answers nil, or
 /// its value, state, fence, lease end, TTL, expiry and key (with its length; empty in format
@@ -302,6 +302,6 @@ return {1}
 ";
 
 /// A record script: [`RECORD`] and then `body`.
-pub(super) fn record_script(body: &str) -> Script {
-    Script::new(&format!("{RECORD}{body}"))
+pub(super) fn record_script(body: &str) -> Lua {
+    Lua::new(&format!("{RECORD}{body}"))
 }

@@ -258,3 +258,74 @@ fn far_expiries_keep_the_record_whole() {
         ));
     });
 }
+
+/// A server without the store's scripts (a fresh or restarted one, or one whose script cache
+/// was flushed) is sent each script once and the call goes through: single and batched record
+/// writes, and lock calls.
+#[test]
+fn a_server_that_lost_the_scripts_is_sent_them_again() {
+    use std::time::Duration;
+
+    use idem_core::{
+        BeginOutcome, BeginRequest, Bytes, Fingerprint, Key, LockName, LockStore, OwnerDigest,
+        Store, Timestamp,
+    };
+    use idem_testkit::services::RedisServer;
+
+    idem_testkit::block_on(async {
+        let Some(server) = RedisServer::start() else {
+            return;
+        };
+        let store = RedisStore::connect(&server.url(), options()).await.unwrap();
+        let mut admin = redis::Client::open(server.url())
+            .unwrap()
+            .get_multiplexed_async_connection()
+            .await
+            .unwrap();
+        for round in 0..2 {
+            let _: () = redis::cmd("SCRIPT")
+                .arg("FLUSH")
+                .query_async(&mut admin)
+                .await
+                .unwrap();
+            // Several at once, so that group commit sends the completions as one script call.
+            let keys: Vec<Key> = (0..8)
+                .map(|i| Key::parse("s", "flushed", &format!("{round}-{i}")).unwrap())
+                .collect();
+            let mut settled = tokio::task::JoinSet::new();
+            for key in keys {
+                let store = store.clone();
+                settled.spawn(async move {
+                    let req = BeginRequest::new(key.clone(), Fingerprint::of_bytes(b"x"));
+                    let BeginOutcome::Acquired(lease) =
+                        store.begin(&req, Timestamp::now()).await.unwrap()
+                    else {
+                        panic!("a fresh key is acquired");
+                    };
+                    store
+                        .complete(&key, &lease, Bytes::from_static(b"done"), Timestamp::now())
+                        .await
+                        .unwrap();
+                    store.get(&key, Timestamp::now()).await.unwrap()
+                });
+            }
+            while let Some(record) = settled.join_next().await {
+                let record = record.unwrap().expect("the record is stored");
+                assert_eq!(record.response.as_deref(), Some(&b"done"[..]));
+            }
+
+            let _: () = redis::cmd("SCRIPT")
+                .arg("FLUSH")
+                .query_async(&mut admin)
+                .await
+                .unwrap();
+            let name = LockName::new(&format!("flushed-{round}")).unwrap();
+            let owner = OwnerDigest([7; 32]);
+            let held = store
+                .acquire(&name, owner, Duration::from_secs(10))
+                .await
+                .unwrap();
+            assert!(matches!(held, idem_core::Acquire::Acquired(_)), "{held:?}");
+        }
+    });
+}
