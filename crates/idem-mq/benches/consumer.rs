@@ -14,10 +14,11 @@
 //!   message once on Redis must do, so what `idem-redis` costs beyond it is the price of those.
 //!
 //! Each row publishes N messages (a fresh key each) to a fresh queue or stream, then times from
-//! the first delivery to the last settle; the queue or stream is deleted after. One round runs
-//! every variant once, in order; the ratio of each other row is to the `bare` row of its
-//! round. Two columns split the time a message is held: from its arrival to the start of its
-//! settle (for `idem-*`: the claim, the handler and the record), and the settle itself. A broker or store that does not answer at the test URLs
+//! the first delivery to the last settle; the queue or stream is deleted after, and the run's
+//! Redis keys at its end. One round runs every variant once, in order; the ratio of each other
+//! row is to the `bare` row of its round. Two columns split the time a message is held: from
+//! its arrival to the start of its settle (for `idem-*`: the claim, the handler and the
+//! record), and the settle itself. A broker or store that does not answer at the test URLs
 //! (`idem_testkit::services`) is skipped with a note.
 //!
 //! `cargo bench -p idem-mq --bench consumer -- [--messages N] [--rounds N] [--prefetch N]
@@ -309,6 +310,8 @@ async fn run(args: Args) {
     // `idem-redis` keeps both Redis rows (with and without group commit).
     let only = |v: &str| args.only.as_deref().is_none_or(|w| v.starts_with(w));
     let mut variants: Vec<Option<Records>> = vec![None];
+    // Every Redis key the run writes starts with one of these.
+    let mut redis_prefixes = Vec::new();
     if only("idem-memory") {
         variants.push(Some(Records::Memory));
     }
@@ -317,8 +320,10 @@ async fn run(args: Args) {
             if !only(label) {
                 continue;
             }
+            let prefix = format!("idem-bench-{}:", hex());
+            redis_prefixes.push(prefix.clone());
             let options = RedisOptions {
-                prefix: format!("idem-bench-{}:", hex()),
+                prefix,
                 max_batch: if batched { 64 } else { 1 },
                 ..RedisOptions::default()
             };
@@ -329,6 +334,7 @@ async fn run(args: Args) {
             let client = redis::Client::open(url.as_str()).unwrap();
             let conn = client.get_multiplexed_async_connection().await.unwrap();
             let prefix = format!("idem-bench-{}:", hex());
+            redis_prefixes.push(prefix.clone());
             variants.push(Some(Records::ByHand(conn, prefix.into())));
         }
     }
@@ -396,6 +402,9 @@ async fn run(args: Args) {
         println!("| {broker} | {label} | {min:.2}–{max:.2} |");
     }
 
+    if let Some(url) = REDIS.url() {
+        forget(&url, &redis_prefixes).await;
+    }
     if let Some(store) = postgres {
         for t in [
             table.clone(),
@@ -407,6 +416,39 @@ async fn run(args: Args) {
                 .execute(store.pool())
                 .await
                 .unwrap();
+        }
+    }
+}
+
+/// Deletes the run's Redis keys. They would expire by themselves with their TTL, but until then
+/// they weigh on whatever else shares the server (a listing scans every key): a run of 200,000
+/// messages a row leaves over a million.
+async fn forget(url: &str, prefixes: &[String]) {
+    let client = redis::Client::open(url).unwrap();
+    let mut conn = client.get_multiplexed_async_connection().await.unwrap();
+    for prefix in prefixes {
+        let mut cursor = 0u64;
+        loop {
+            let (next, keys): (u64, Vec<String>) = redis::cmd("SCAN")
+                .arg(cursor)
+                .arg("MATCH")
+                .arg(format!("{prefix}*"))
+                .arg("COUNT")
+                .arg(10_000)
+                .query_async(&mut conn)
+                .await
+                .unwrap();
+            if !keys.is_empty() {
+                let _: u64 = redis::cmd("UNLINK")
+                    .arg(&keys)
+                    .query_async(&mut conn)
+                    .await
+                    .unwrap();
+            }
+            if next == 0 {
+                break;
+            }
+            cursor = next;
         }
     }
 }
