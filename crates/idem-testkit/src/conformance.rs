@@ -129,6 +129,20 @@ async fn acquire<S: Store>(store: &S, req: &BeginRequest, now: Timestamp) -> Lea
     }
 }
 
+/// Completes the record `lease` holds with `body`; the store must take it.
+async fn complete<S: Store>(
+    store: &S,
+    key: &Key,
+    lease: &Lease,
+    body: &'static [u8],
+    now: Timestamp,
+) {
+    store
+        .complete(key, lease, Bytes::from_static(body), now)
+        .await
+        .unwrap();
+}
+
 async fn replayed<S: Store>(store: &S, req: &BeginRequest, now: Timestamp) -> Bytes {
     match store.begin(req, now).await.unwrap() {
         BeginOutcome::Replay(r) => r.response,
@@ -172,10 +186,7 @@ pub async fn complete_then_every_retry_replays<S: Store>(store: &S) {
     let c = Case::new();
     let req = c.req("k", "a");
     let lease = acquire(store, &req, c.at(0)).await;
-    store
-        .complete(&req.key, &lease, Bytes::from_static(b"done"), c.at(1))
-        .await
-        .unwrap();
+    complete(store, &req.key, &lease, b"done", c.at(1)).await;
     for t in [1, 2, 50, 100] {
         match store.begin(&req, c.at(t)).await.unwrap() {
             BeginOutcome::Replay(r) => {
@@ -201,10 +212,7 @@ pub async fn memory_answers_are_begin_s_answers<S: Store>(store: &S) {
     );
     let lease = acquire(store, &req, c.at(0)).await;
     assert_eq!(store.begin_from_memory(&req, c.at(1)), None, "a held key");
-    store
-        .complete(&req.key, &lease, Bytes::from_static(b"done"), c.at(1))
-        .await
-        .unwrap();
+    complete(store, &req.key, &lease, b"done", c.at(1)).await;
     let other = c.req("k", "b");
     for t in [2, 3] {
         // The first `begin` may be what puts the answer in memory.
@@ -265,10 +273,7 @@ pub async fn other_fingerprint_is_a_mismatch<S: Store>(store: &S) {
         BeginOutcome::Mismatch,
         "an expired lease still binds the key to its fingerprint"
     );
-    store
-        .complete(&c.key("k"), &lease, Bytes::from_static(b"r"), c.at(21))
-        .await
-        .unwrap();
+    complete(store, &c.key("k"), &lease, b"r", c.at(21)).await;
     assert_eq!(
         store.begin(&c.req("k", "b"), c.at(22)).await.unwrap(),
         BeginOutcome::Mismatch
@@ -305,10 +310,7 @@ pub async fn reopen_reruns_a_completed_record<S: Store>(store: &S) {
     assert!(!store.reopen(&req.key, 1, c.at(0)).await.unwrap());
     let first = acquire(store, &req, c.at(0)).await;
     assert!(!store.reopen(&req.key, first.fence, c.at(1)).await.unwrap());
-    store
-        .complete(&req.key, &first, Bytes::from_static(b"unknown"), c.at(1))
-        .await
-        .unwrap();
+    complete(store, &req.key, &first, b"unknown", c.at(1)).await;
     // A wrong fence changes nothing.
     assert!(
         !store
@@ -325,10 +327,7 @@ pub async fn reopen_reruns_a_completed_record<S: Store>(store: &S) {
     let second = acquire(store, &req, c.at(4)).await;
     assert!(second.fence > first.fence);
     assert!(!store.reopen(&req.key, first.fence, c.at(5)).await.unwrap());
-    store
-        .complete(&req.key, &second, Bytes::from_static(b"ok"), c.at(5))
-        .await
-        .unwrap();
+    complete(store, &req.key, &second, b"ok", c.at(5)).await;
     assert!(!store.reopen(&req.key, first.fence, c.at(6)).await.unwrap());
     assert_eq!(&replayed(store, &req, c.at(6)).await[..], b"ok");
     // An expired record is not reopened.
@@ -373,10 +372,7 @@ pub async fn stale_lease_cannot_complete_or_release<S: Store>(store: &S) {
     let rec = store.get(&req.key, c.at(12)).await.unwrap().unwrap();
     assert_eq!(rec.status, Status::InProgress);
     assert_eq!(rec.fence, new.fence);
-    store
-        .complete(&req.key, &new, Bytes::from_static(b"new"), c.at(13))
-        .await
-        .unwrap();
+    complete(store, &req.key, &new, b"new", c.at(13)).await;
     assert_stale(
         store
             .complete(&req.key, &old, Bytes::from_static(b"old"), c.at(14))
@@ -390,10 +386,7 @@ pub async fn expired_lease_not_taken_over_may_complete<S: Store>(store: &S) {
     let c = Case::new();
     let req = c.req("k", "a");
     let lease = acquire(store, &req, c.at(0)).await;
-    store
-        .complete(&req.key, &lease, Bytes::from_static(b"late"), c.at(30))
-        .await
-        .unwrap();
+    complete(store, &req.key, &lease, b"late", c.at(30)).await;
     assert_eq!(&replayed(store, &req, c.at(31)).await[..], b"late");
 }
 
@@ -404,10 +397,7 @@ pub async fn repeated_complete_is_a_noop<S: Store>(store: &S) {
     let req = c.req("k", "a");
     let lease = acquire(store, &req, c.at(0)).await;
     for at in [1, 2] {
-        store
-            .complete(&req.key, &lease, Bytes::from_static(b"first"), c.at(at))
-            .await
-            .unwrap();
+        complete(store, &req.key, &lease, b"first", c.at(at)).await;
     }
     assert_stale(store.release(&req.key, &lease, c.at(2)).await);
     let rec = store.get(&req.key, c.at(3)).await.unwrap().unwrap();
@@ -422,10 +412,7 @@ pub async fn repeated_complete_with_another_response_is_stale<S: Store>(store: &
     let c = Case::new();
     let req = c.req("k", "a");
     let lease = acquire(store, &req, c.at(0)).await;
-    store
-        .complete(&req.key, &lease, Bytes::from_static(b"first"), c.at(1))
-        .await
-        .unwrap();
+    complete(store, &req.key, &lease, b"first", c.at(1)).await;
     for (response, at) in [(&b"second"[..], 2), (b"", 2), (b"first and more", 30)] {
         assert_stale(
             store
@@ -443,10 +430,7 @@ pub async fn taken_over_lease_is_stale_even_with_the_same_response<S: Store>(sto
     let req = c.req("k", "a");
     let old = acquire(store, &req, c.at(0)).await;
     let new = acquire(store, &req, c.at(11)).await;
-    store
-        .complete(&req.key, &new, Bytes::from_static(b"same"), c.at(12))
-        .await
-        .unwrap();
+    complete(store, &req.key, &new, b"same", c.at(12)).await;
     assert_stale(
         store
             .complete(&req.key, &old, Bytes::from_static(b"same"), c.at(13))
@@ -498,10 +482,7 @@ pub async fn completed_record_expires_after_ttl<S: Store>(store: &S) {
     let c = Case::new();
     let req = c.req("k", "a");
     let lease = acquire(store, &req, c.at(0)).await;
-    store
-        .complete(&req.key, &lease, Bytes::from_static(b"r"), c.at(5))
-        .await
-        .unwrap();
+    complete(store, &req.key, &lease, b"r", c.at(5)).await;
     let expires = c.at(5).saturating_add(TTL);
     let just_before = Timestamp::from_millis(expires.as_millis() - 1);
     assert_eq!(&replayed(store, &req, just_before).await[..], b"r");
@@ -589,10 +570,7 @@ pub async fn purge_keeps_a_late_completion<S: Store>(store: &S) {
     let c = Case::new();
     let req = c.req("late", "a"); // lease 10, retention 100
     let lease = acquire(store, &req, c.at(0)).await;
-    store
-        .complete(&req.key, &lease, Bytes::from_static(b"late"), c.at(30))
-        .await
-        .unwrap();
+    complete(store, &req.key, &lease, b"late", c.at(30)).await;
     // Past lease end plus retention (110), before completion plus retention (130).
     store.purge_expired(c.at(120), 100_000).await.unwrap();
     assert_eq!(&replayed(store, &req, c.at(120)).await[..], b"late");
@@ -629,10 +607,7 @@ pub async fn get_reports_the_record<S: Store>(store: &S) {
     assert_eq!(rec.lease_expires_at, lease.expires_at);
     assert_eq!(rec.created_at, c.at(0));
     assert_eq!(rec.response, None);
-    store
-        .complete(&req.key, &lease, Bytes::from_static(b"x"), c.at(2))
-        .await
-        .unwrap();
+    complete(store, &req.key, &lease, b"x", c.at(2)).await;
     let rec = store.get(&req.key, c.at(3)).await.unwrap().unwrap();
     assert_eq!(rec.status, Status::Completed);
     assert_eq!(rec.response.as_deref(), Some(&b"x"[..]));
@@ -651,10 +626,7 @@ pub async fn scope_isolation<S: Store>(store: &S) {
     let la = acquire(store, &a.req("shared", "x"), a.at(0)).await;
     // B's begin is not blocked by A's lease, and may even use another fingerprint.
     let lb = acquire(store, &b.req("shared", "y"), a.at(0)).await;
-    store
-        .complete(&a.key("shared"), &la, Bytes::from_static(b"A"), a.at(1))
-        .await
-        .unwrap();
+    complete(store, &a.key("shared"), &la, b"A", a.at(1)).await;
     assert_stale(
         store
             .complete(&b.key("shared"), &la, Bytes::from_static(b"A"), a.at(1))
@@ -669,10 +641,7 @@ pub async fn scope_isolation<S: Store>(store: &S) {
             .status,
         Status::InProgress
     );
-    store
-        .complete(&b.key("shared"), &lb, Bytes::from_static(b"B"), a.at(2))
-        .await
-        .unwrap();
+    complete(store, &b.key("shared"), &lb, b"B", a.at(2)).await;
     assert_eq!(
         &replayed(store, &a.req("shared", "x"), a.at(3)).await[..],
         b"A"
@@ -736,10 +705,7 @@ pub async fn duplicate_storm_with_completion<S: Store + Clone>(store: &S) {
                 barrier.wait().await;
                 let outcome = store.begin(&req, now).await.unwrap();
                 if let BeginOutcome::Acquired(lease) = &outcome {
-                    store
-                        .complete(&req.key, lease, Bytes::from_static(b"winner"), now)
-                        .await
-                        .unwrap();
+                    complete(&store, &req.key, lease, b"winner", now).await;
                 }
                 outcome
             })
@@ -792,10 +758,7 @@ pub async fn renew_extends_the_lease<S: Store>(store: &S) {
         .await
         .unwrap();
     assert_eq!(again.expires_at, c.at(60));
-    store
-        .complete(&req.key, &again, Bytes::from_static(b"done"), c.at(55))
-        .await
-        .unwrap();
+    complete(store, &req.key, &again, b"done", c.at(55)).await;
     assert_eq!(&replayed(store, &req, c.at(56)).await[..], b"done");
 }
 
@@ -924,10 +887,7 @@ pub async fn keys_are_compared_exactly<S: Store>(store: &S) {
     let c = Case::new();
     let now = c.at(0);
     let lease = acquire(store, &c.req("Order-1", "a"), now).await;
-    store
-        .complete(&c.key("Order-1"), &lease, Bytes::from_static(b"upper"), now)
-        .await
-        .unwrap();
+    complete(store, &c.key("Order-1"), &lease, b"upper", now).await;
     for other in ["order-1", "ORDER-1"] {
         let l = acquire(store, &c.req(other, "b"), now).await;
         assert_eq!(l.fence, 1, "{other:?} shares a record with Order-1");

@@ -9,7 +9,7 @@ use idem_core::{
     RecordFilter, RecordState, Repair, Scope, Shown, Status, Store, StoreError, Timestamp,
 };
 
-use super::{Case, LEASE, TTL, acquire};
+use super::{Case, LEASE, TTL, acquire, complete};
 
 /// The HTTP layer's mark of an unknown outcome, as a response prefix to filter by.
 const UNKNOWN: &[u8] = b"IDH1\x01";
@@ -117,10 +117,7 @@ pub async fn listing_pages_through_every_record_once<S: Store>(store: &S) {
         let name = format!("k{i:02}");
         let lease = acquire(store, &c.req(&name, "a"), c.at(0)).await;
         if i.is_multiple_of(3) {
-            store
-                .complete(&c.key(&name), &lease, Bytes::from_static(b"r"), c.at(1))
-                .await
-                .unwrap();
+            complete(store, &c.key(&name), &lease, b"r", c.at(1)).await;
         }
         names.push(name);
     }

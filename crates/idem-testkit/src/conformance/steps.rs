@@ -2,11 +2,11 @@
 //! `reopen` and expiry do to a record's steps.
 
 use idem_core::{
-    BeginOutcome, Bytes, Lease, LeaseId, RecordState, Repair, Shown, Status, Step, StepError,
-    StepName, StepOutcome, StepRefused, Store,
+    BeginOutcome, Lease, LeaseId, RecordState, Repair, Shown, Status, Step, StepError, StepName,
+    StepOutcome, StepRefused, Store,
 };
 
-use super::{Case, LEASE, TTL, acquire};
+use super::{Case, LEASE, TTL, acquire, complete};
 
 fn name(s: &str) -> StepName {
     StepName::new(s).unwrap()
@@ -80,10 +80,7 @@ pub async fn steps_survive_a_takeover<S: Store>(store: &S) {
         .record_step(&req.key, &second, &done("credit", b"ok"), c.at(12))
         .await
         .unwrap();
-    store
-        .complete(&req.key, &second, Bytes::from_static(b"ok"), c.at(13))
-        .await
-        .unwrap();
+    complete(store, &req.key, &second, b"ok", c.at(13)).await;
     let rec = store.get(&req.key, c.at(13)).await.unwrap().unwrap();
     assert_eq!(rec.status, Status::Completed);
     assert_eq!(names(&rec.steps), ["debit", "bank", "credit"]);
@@ -164,10 +161,7 @@ pub async fn reopen_and_expiry_drop_steps<S: Store>(store: &S) {
         .record_step(&req.key, &lease, &done("s", b"1"), c.at(1))
         .await
         .unwrap();
-    store
-        .complete(&req.key, &lease, Bytes::from_static(b"done"), c.at(2))
-        .await
-        .unwrap();
+    complete(store, &req.key, &lease, b"done", c.at(2)).await;
     assert!(store.reopen(&req.key, lease.fence, c.at(3)).await.unwrap());
     assert!(steps_of(store, &c, "k", 3).await.is_empty());
     let again = acquire(store, &req, c.at(4)).await;
@@ -303,10 +297,7 @@ pub async fn repairs_keep_or_drop_steps<S: Store>(store: &S) {
         leases.push((req, lease));
     }
     let (completed, lease) = &leases[1];
-    store
-        .complete(&completed.key, lease, Bytes::from_static(b"ok"), c.at(2))
-        .await
-        .unwrap();
+    complete(store, &completed.key, lease, b"ok", c.at(2)).await;
     // The first attempt is gone: past its lease the record is stuck.
     let now = c.at(11);
     for (req, repair) in [
