@@ -57,7 +57,11 @@ impl Lua {
         // numbers and a response of a few hundred bytes): built once, no copy when sent.
         let mut cmd = Cmd::with_capacity(8, 512);
         cmd.arg("EVALSHA").arg(self.0.get_hash()).arg(keys);
-        LuaCall { lua: self, cmd }
+        LuaCall {
+            lua: self,
+            cmd,
+            keys,
+        }
     }
 
     /// A call on the one key `key`.
@@ -77,6 +81,8 @@ impl Lua {
 pub(crate) struct LuaCall<'a> {
     lua: &'a Lua,
     cmd: Cmd,
+    /// How many of the arguments after the first three are keys.
+    keys: usize,
 }
 
 impl LuaCall<'_> {
@@ -89,6 +95,10 @@ impl LuaCall<'_> {
     /// Runs the script, loading it first if the server does not have it (a restarted or
     /// failed-over server, a flushed script cache).
     pub(crate) async fn invoke_async<T: FromRedisValue>(&self, conn: &mut Conn) -> RedisResult<T> {
+        debug_assert!(
+            self.cmd.args_iter().count() >= 3 + self.keys,
+            "a script call was given fewer arguments than it has keys"
+        );
         match self.cmd.query_async(conn).await {
             Err(e) if e.kind() == ErrorKind::Server(ServerErrorKind::NoScript) => {
                 self.lua.0.load_async(conn).await?;
