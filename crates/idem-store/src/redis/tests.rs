@@ -1,4 +1,5 @@
-//! The store against the project's Redis: a resent `begin`, a give-back, a foreign value.
+//! The store against the project's Redis: a resent `begin`, a give-back, a foreign value; and,
+//! on a server of its own, every script sent again after the server lost it.
 
 use idem_core::{
     BeginOutcome, BeginRequest, Bytes, Fingerprint, Key, Lease, Record, Status, Store, StoreError,
@@ -251,4 +252,89 @@ fn the_server_version_is_read_from_info() {
     assert_eq!(server_version("redis_version:6.2.14\r\n"), Some((6, 2)));
     assert_eq!(server_version("redis_version:8\r\n"), None);
     assert_eq!(server_version("valkey_version:8.0.1\r\n"), None);
+}
+
+/// A server that lost the scripts (restarted, failed over, its cache flushed) is sent each one
+/// again, and the call it failed runs: the batched `begin` and `complete` (called directly,
+/// so that no fallback to one-record calls can hide a failure), the one-record `begin` script
+/// (on a released key), `renew`, and the settle.
+#[test]
+fn every_script_is_sent_again_to_a_server_that_lost_it() {
+    use crate::batch::{BeginJob, CompleteJob, ManyAtOnce};
+
+    idem_testkit::block_on(async {
+        let Some(server) = idem_testkit::services::RedisServer::start() else {
+            return;
+        };
+        let store = RedisStore::connect(&server.url(), RedisOptions::default())
+            .await
+            .unwrap();
+        let mut admin = redis::Client::open(server.url())
+            .unwrap()
+            .get_multiplexed_async_connection()
+            .await
+            .unwrap();
+        let mut flushed = async || {
+            let () = redis::cmd("SCRIPT")
+                .arg("FLUSH")
+                .query_async(&mut admin)
+                .await
+                .unwrap();
+        };
+        let now = Timestamp::now();
+        let req = |k: &str| {
+            BeginRequest::new(
+                Key::parse("s", "flushed", k).unwrap(),
+                Fingerprint::of_bytes(b"x"),
+            )
+        };
+
+        flushed().await;
+        let jobs: Vec<BeginJob> = ["a", "b"]
+            .iter()
+            .map(|k| BeginJob { req: req(k), now })
+            .collect();
+        let fresh: Vec<_> = jobs
+            .iter()
+            .map(|j| Record::acquired(&j.req, now, 1, idem_core::LeaseId::generate()))
+            .collect();
+        let taken = store.begin_many(&jobs, &fresh).await.unwrap();
+        assert_eq!(taken.map(|t| t.len()), Some(2), "the batched begin ran");
+
+        flushed().await;
+        let completes: Vec<CompleteJob> = jobs
+            .iter()
+            .zip(&fresh)
+            .map(|(j, (lease, _))| CompleteJob {
+                key: j.req.key.clone(),
+                lease: *lease,
+                response: Bytes::from_static(b"done"),
+                now,
+            })
+            .collect();
+        let done = store.complete_many(&completes).await.unwrap();
+        assert_eq!(done, Some(vec![true, true]), "the batched complete ran");
+
+        let BeginOutcome::Acquired(lease) = store.begin(&req("c"), now).await.unwrap() else {
+            panic!("a fresh key is acquired");
+        };
+        flushed().await;
+        store
+            .renew(
+                &req("c").key,
+                &lease,
+                std::time::Duration::from_secs(30),
+                now,
+            )
+            .await
+            .unwrap();
+        flushed().await;
+        store.release(&req("c").key, &lease, now).await.unwrap();
+        flushed().await;
+        // A released key is taken by the `begin` script, not the plain `SET`.
+        let BeginOutcome::Acquired(again) = store.begin(&req("c"), now).await.unwrap() else {
+            panic!("a released key is acquired again");
+        };
+        assert_eq!(again.fence, 2);
+    });
 }
