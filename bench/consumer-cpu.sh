@@ -11,7 +11,7 @@ cd "$(dirname "$0")/.."
 row=${1:?a row: bare, idem-memory, idem-redis-1, redis-by-hand, …}
 broker=${2:-nats}
 n=${3:-100000}
-cargo bench -p idem-mq --bench consumer --all-features --no-run 2>/dev/null
+# Builds the bench (if it is not built) and names its binary.
 bin=$(cargo bench -p idem-mq --bench consumer --all-features --no-run --message-format=json 2>/dev/null |
   python3 -c 'import json,sys
 for l in sys.stdin:

@@ -48,7 +48,7 @@ use idem_mq::amqp::AmqpSource;
 use idem_mq::nats::{DeadLetterTarget, NatsSource};
 use idem_mq::{Consumer, Delivery, Disposition, Failure, Message, Source};
 use idem_testkit::mq::{BODY, Meter, Row, Timed, all_settled, bare, fill_amqp, hex};
-use idem_testkit::services::{NATS, POSTGRES, RABBITMQ, REDIS};
+use idem_testkit::services::{NATS, POSTGRES, RABBITMQ, REDIS, forget_redis_keys};
 use redis::aio::MultiplexedConnection;
 
 struct Args {
@@ -403,7 +403,9 @@ async fn run(args: Args) {
     }
 
     if let Some(url) = REDIS.url() {
-        forget(&url, &redis_prefixes).await;
+        for prefix in &redis_prefixes {
+            forget_redis_keys(&url, prefix).await;
+        }
     }
     if let Some(store) = postgres {
         for t in [
@@ -416,39 +418,6 @@ async fn run(args: Args) {
                 .execute(store.pool())
                 .await
                 .unwrap();
-        }
-    }
-}
-
-/// Deletes the run's Redis keys. They would expire by themselves with their TTL, but until then
-/// they weigh on whatever else shares the server (a listing scans every key): a run of 200,000
-/// messages a row leaves over a million.
-async fn forget(url: &str, prefixes: &[String]) {
-    let client = redis::Client::open(url).unwrap();
-    let mut conn = client.get_multiplexed_async_connection().await.unwrap();
-    for prefix in prefixes {
-        let mut cursor = 0u64;
-        loop {
-            let (next, keys): (u64, Vec<String>) = redis::cmd("SCAN")
-                .arg(cursor)
-                .arg("MATCH")
-                .arg(format!("{prefix}*"))
-                .arg("COUNT")
-                .arg(10_000)
-                .query_async(&mut conn)
-                .await
-                .unwrap();
-            if !keys.is_empty() {
-                let _: u64 = redis::cmd("UNLINK")
-                    .arg(&keys)
-                    .query_async(&mut conn)
-                    .await
-                    .unwrap();
-            }
-            if next == 0 {
-                break;
-            }
-            cursor = next;
         }
     }
 }

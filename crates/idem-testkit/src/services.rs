@@ -693,6 +693,41 @@ fn postgres_bin() -> std::io::Result<std::path::PathBuf> {
     })
 }
 
+/// Deletes every key of the Redis at `url` whose name starts with `prefix`: what a bench wrote
+/// to the shared server. Left to expire, a large run's keys would weigh on whatever shares the
+/// server until then (a listing of records scans every key).
+#[cfg(feature = "redis")]
+pub async fn forget_redis_keys(url: &str, prefix: &str) {
+    let client = redis::Client::open(url).expect("a Redis URL");
+    let mut conn = client
+        .get_multiplexed_async_connection()
+        .await
+        .expect("a connection to Redis");
+    let mut cursor = 0u64;
+    loop {
+        let (next, keys): (u64, Vec<String>) = redis::cmd("SCAN")
+            .arg(cursor)
+            .arg("MATCH")
+            .arg(format!("{prefix}*"))
+            .arg("COUNT")
+            .arg(10_000)
+            .query_async(&mut conn)
+            .await
+            .expect("SCAN");
+        if !keys.is_empty() {
+            let _: u64 = redis::cmd("UNLINK")
+                .arg(&keys)
+                .query_async(&mut conn)
+                .await
+                .expect("UNLINK");
+        }
+        if next == 0 {
+            return;
+        }
+        cursor = next;
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

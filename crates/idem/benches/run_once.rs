@@ -152,35 +152,7 @@ fn main() {
         for cache in [false, true] {
             scenarios(store.clone(), cache, seconds, &run).await;
         }
-        clean(&url).await;
+        // Deletes what the bench wrote.
+        idem_testkit::services::forget_redis_keys(&url, "idem-bench-run-once:").await;
     });
-}
-
-/// Deletes what the bench wrote.
-async fn clean(url: &str) {
-    let client = redis::Client::open(url).unwrap();
-    let mut conn = client.get_multiplexed_async_connection().await.unwrap();
-    let mut cursor: u64 = 0;
-    loop {
-        let (next, keys): (u64, Vec<String>) = redis::cmd("SCAN")
-            .arg(cursor)
-            .arg("MATCH")
-            .arg("idem-bench-run-once:*")
-            .arg("COUNT")
-            .arg(1000)
-            .query_async(&mut conn)
-            .await
-            .unwrap();
-        if !keys.is_empty() {
-            let () = redis::cmd("UNLINK")
-                .arg(&keys)
-                .query_async(&mut conn)
-                .await
-                .unwrap();
-        }
-        if next == 0 {
-            return;
-        }
-        cursor = next;
-    }
 }

@@ -117,8 +117,9 @@ pub struct RedisStore {
     /// A client of one server (of the Cluster's first node given), for the lock release
     /// feed's own connection.
     pub(crate) client: Option<Arc<redis::Client>>,
-    /// The scripts' text and hash.
+    /// The lock scripts and the lock release feed.
     pub(crate) locks: Arc<locks::LockScripts>,
+    /// The record scripts.
     pub(super) scripts: Arc<RecordScripts>,
     /// `None` when every call goes on its own (`max_batch` 1, or a Cluster).
     pub(super) batches: Option<GroupCommit>,

@@ -257,7 +257,8 @@ fn the_server_version_is_read_from_info() {
 /// A server that lost the scripts (restarted, failed over, its cache flushed) is sent each one
 /// again, and the call it failed runs: the batched `begin` and `complete` (called directly,
 /// so that no fallback to one-record calls can hide a failure), the one-record `begin` script
-/// (on a released key), `renew`, and the settle.
+/// (on a released key), `renew`, the settle (of a release and of a completion), and a lock's
+/// script.
 #[test]
 fn every_script_is_sent_again_to_a_server_that_lost_it() {
     use crate::batch::{BeginJob, CompleteJob, ManyAtOnce};
@@ -336,5 +337,23 @@ fn every_script_is_sent_again_to_a_server_that_lost_it() {
             panic!("a released key is acquired again");
         };
         assert_eq!(again.fence, 2);
+
+        // The settle of a completion (its response stored), and a lock's script.
+        flushed().await;
+        store
+            .complete(&req("c").key, &again, Bytes::from_static(b"done"), now)
+            .await
+            .unwrap();
+        let record = store.get(&req("c").key, now).await.unwrap();
+        let response = record.and_then(|r| r.response);
+        assert_eq!(response.as_deref(), Some(&b"done"[..]));
+        flushed().await;
+        let name = idem_core::LockName::new("flushed").unwrap();
+        let owner = idem_core::OwnerDigest([7; 32]);
+        let held =
+            idem_core::LockStore::acquire(&store, &name, owner, std::time::Duration::from_secs(10))
+                .await
+                .unwrap();
+        assert!(matches!(held, idem_core::Acquire::Acquired(_)), "{held:?}");
     });
 }
