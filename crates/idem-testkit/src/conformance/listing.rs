@@ -60,16 +60,23 @@ fn keys(listed: &[idem_core::Listed]) -> Vec<String> {
     keys
 }
 
-/// Records in every state, in the case's scope, as seen at `c.at(15)`:
-/// `running` in progress (acquired at 14), `stuck` (acquired at 0, lease ran out at 10),
-/// `done` completed, `unknown` completed with the HTTP layer's unknown mark, `released`,
-/// `expired` (completed at 0 with a TTL that ended at 5), and `other` in another namespace
-/// (completed).
+/// When the records [`populate`] writes are looked at, in seconds from the case's start.
+///
+/// Late enough that the `expired` record's TTL is long: a store that also expires records
+/// natively (Redis: the TTL plus a margin, in wall-clock time) still holds it while a listing
+/// scans a crowded server.
+const SEEN: u64 = 60;
+
+/// Records in every state, in the case's scope, as seen at `c.at(SEEN)`:
+/// `running` in progress (acquired a second before), `stuck` (acquired at 0, lease ran out at
+/// 10), `done` completed, `unknown` completed with the HTTP layer's unknown mark, `released`,
+/// `expired` (completed at 0 with a TTL that ended 10 s before `SEEN`), and `other` in another
+/// namespace (completed).
 async fn populate<S: Store>(store: &S, c: &Case) -> BTreeMap<&'static str, Lease> {
     let short = |k: &str| {
         BeginRequest::new(c.key(k), Fingerprint::of_bytes(b"a"))
             .with_lease(LEASE)
-            .with_ttl(Duration::from_secs(5))
+            .with_ttl(Duration::from_secs(SEEN - 10))
     };
     let mut leases = BTreeMap::new();
     leases.insert("stuck", acquire(store, &c.req("stuck", "a"), c.at(0)).await);
@@ -103,7 +110,7 @@ async fn populate<S: Store>(store: &S, c: &Case) -> BTreeMap<&'static str, Lease
     leases.insert("other", lease);
     leases.insert(
         "running",
-        acquire(store, &c.req("running", "a"), c.at(14)).await,
+        acquire(store, &c.req("running", "a"), c.at(SEEN - 1)).await,
     );
     leases
 }
@@ -154,7 +161,7 @@ pub async fn listing_filters_by_state_namespace_age_and_prefix<S: Store>(store: 
     let c = Case::new();
     populate(store, &c).await;
     let admin = admin(store);
-    let now = c.at(15);
+    let now = c.at(SEEN);
     let by = |f: RecordFilter| async move { keys(&list_all(admin, &f, 3, now).await) };
     let state = |s| RecordFilter {
         state: Some(s),
@@ -210,11 +217,11 @@ pub async fn counts_by_state<S: Store>(store: &S) {
     let c = Case::new();
     let admin = admin(store);
     assert_eq!(
-        admin.count(&in_scope(&c), c.at(15)).await.unwrap(),
+        admin.count(&in_scope(&c), c.at(SEEN)).await.unwrap(),
         Counts::default()
     );
     populate(store, &c).await;
-    let counts = admin.count(&in_scope(&c), c.at(15)).await.unwrap();
+    let counts = admin.count(&in_scope(&c), c.at(SEEN)).await.unwrap();
     assert_eq!(
         counts,
         Counts {
@@ -232,13 +239,16 @@ pub async fn counts_by_state<S: Store>(store: &S) {
         state: Some(RecordState::Released),
         ..in_scope(&c)
     };
-    let counts = admin.count(&unknown, c.at(15)).await.unwrap();
+    let counts = admin.count(&unknown, c.at(SEEN)).await.unwrap();
     assert_eq!((counts.completed, counts.total()), (1, 1));
     let namespace = RecordFilter {
         namespace: Some(Namespace::new("elsewhere").unwrap()),
         ..in_scope(&c)
     };
-    assert_eq!(admin.count(&namespace, c.at(15)).await.unwrap().total(), 1);
+    assert_eq!(
+        admin.count(&namespace, c.at(SEEN)).await.unwrap().total(),
+        1
+    );
 }
 
 /// A repair lands only on the record that was shown (same state, same fence): releasing a
@@ -248,7 +258,7 @@ pub async fn repairs_are_fenced<S: Store>(store: &S) {
     let c = Case::new();
     let leases = populate(store, &c).await;
     let admin = admin(store);
-    let now = c.at(15);
+    let now = c.at(SEEN);
     let shown = |name: &str, state| Shown {
         state,
         fence: leases[name].fence,
