@@ -6,50 +6,15 @@
 #![allow(clippy::unwrap_used)]
 
 use std::net::SocketAddr;
-use std::sync::{Arc, Mutex};
-use std::time::Duration;
 
 use axum::http::{Method, Request};
 use idem_server::gateway::{FileConfig, Gateway, Upstream as UpstreamUrl};
 use serde_json::Value;
 
+use idem_testkit::logs::Log;
+
 mod gateway_support;
 use gateway_support::*;
-
-/// Collects what the gateway logs on this thread.
-#[derive(Clone, Default)]
-struct Log(Arc<Mutex<Vec<u8>>>);
-
-impl Log {
-    fn text(&self) -> String {
-        String::from_utf8_lossy(&self.0.lock().unwrap()).into_owned()
-    }
-
-    /// The log once it holds the `n`th line with `needle`: a line may be written by a task
-    /// that runs after the answer went out.
-    async fn text_with(&self, needle: &str, n: usize) -> String {
-        idem_testkit::within(&format!("a log line with {needle:?}"), async {
-            loop {
-                let text = self.text();
-                if text.matches(needle).count() >= n {
-                    return text;
-                }
-                tokio::time::sleep(Duration::from_millis(5)).await;
-            }
-        })
-        .await
-    }
-}
-
-impl std::io::Write for Log {
-    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
-        self.0.lock().unwrap().extend_from_slice(buf);
-        Ok(buf.len())
-    }
-    fn flush(&mut self) -> std::io::Result<()> {
-        Ok(())
-    }
-}
 
 /// The warnings a gateway configured with `config` logs when it starts.
 fn warnings_of(config: &str) -> Vec<String> {
@@ -76,12 +41,7 @@ fn logged_scope(log: &str) -> String {
 async fn scopes_are_logged_only_when_keyed_and_the_record_tools_take_both_forms() {
     const TOKEN: &str = "operator-token-0123456789";
     let log = Log::default();
-    let writer = log.clone();
-    let subscriber = tracing_subscriber::fmt()
-        .with_ansi(false)
-        .with_writer(move || writer.clone())
-        .finish();
-    let _guard = tracing::subscriber::set_default(subscriber);
+    let _guard = tracing::subscriber::set_default(log.subscriber());
     // Call sites other tests' threads reached first (logging nowhere) may have cached that
     // nobody listens; ask them again now that this thread does.
     tracing::callsite::rebuild_interest_cache();
@@ -156,7 +116,7 @@ async fn scopes_are_logged_only_when_keyed_and_the_record_tools_take_both_forms(
 
     // With a secret the log carries the keyed scope, and the tools take it or the credential
     // (any spelling of its scheme).
-    log.0.lock().unwrap().clear();
+    log.clear();
     let config = format!(
         "upstream_timeout = \"200ms\"\nadmin_token_file = {:?}\nscope_secret_file = {:?}",
         token_file.display(),

@@ -12,6 +12,7 @@
 //! - [`load`] (feature `load`): keep-alive HTTP clients under load, for the HTTP benches.
 //! - [`chaos`] (feature `chaos`): a proxy that loses requests and answers, a ledger of what
 //!   ran, and storms of `idem-client` calls through both.
+//! - [`logs`] (feature `logs`): what a test's `tracing` subscriber wrote.
 
 // Test support: a failed expectation is meant to panic.
 #![allow(clippy::unwrap_used)]
@@ -23,6 +24,8 @@ mod faulty;
 #[cfg(feature = "load")]
 pub mod load;
 pub mod locks;
+#[cfg(feature = "logs")]
+pub mod logs;
 #[cfg(feature = "mq")]
 pub mod mq;
 pub mod services;

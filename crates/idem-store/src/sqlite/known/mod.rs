@@ -117,18 +117,33 @@ impl Filter {
 struct Load {
     known: Arc<KnownKeys>,
     filled: Option<Arc<Filter>>,
+    /// Why it failed, for the log.
+    failed: Option<rusqlite::Error>,
 }
 
 impl Load {
+    fn new(known: Arc<KnownKeys>) -> Self {
+        Self {
+            known,
+            filled: None,
+            failed: None,
+        }
+    }
+
     /// The first job: sizes the filter for twice the table and lets it learn.
     fn size(self, conn: &Connection) {
         if Arc::strong_count(&self.known) == 1 {
             return; // the store is gone
         }
-        let Ok(rows) = conn.query_row("SELECT count(*) FROM idem_records", [], |r| {
+        let rows = match conn.query_row("SELECT count(*) FROM idem_records", [], |r| {
             r.get::<_, usize>(0)
-        }) else {
-            return;
+        }) {
+            Ok(rows) => rows,
+            Err(e) => {
+                let mut load = self;
+                load.failed = Some(e);
+                return;
+            }
         };
         let filter = Arc::new(Filter::new(
             rows.saturating_mul(2).clamp(MIN_CAPACITY, MAX_CAPACITY),
@@ -155,7 +170,7 @@ impl Load {
                 Ok(Some(last)) => next = load.queue_fill(filter, last),
                 Ok(None) => load.filled = Some(filter),
                 // The load fails; dropping it ends the rebuild.
-                Err(_) => {}
+                Err(e) => load.failed = Some(e),
             }
         }
     }
@@ -278,7 +293,7 @@ impl ToSql for Part {
 
 impl Drop for Load {
     fn drop(&mut self) {
-        self.known.loaded(self.filled.take());
+        self.known.loaded(self.filled.take(), self.failed.take());
     }
 }
 
@@ -350,18 +365,35 @@ impl KnownKeys {
             }
             filters.rebuilding = true;
         }
-        let load = Load {
-            known: Arc::clone(self),
-            filled: None,
-        };
-        // A job refused (the queue is full, the threads are gone) is dropped unrun, and
-        // `Load` ends the rebuild as failed.
-        let _ = self.listings.detach(move |conn| load.size(conn));
+        let load = Load::new(Arc::clone(self));
+        // A job refused (the queue is full, the threads are gone, the connection does not
+        // open) is dropped unrun, and `Load` ends the rebuild as failed.
+        if let Err(error) = self.listings.detach(move |conn| load.size(conn)) {
+            self.not_loaded(&error);
+        }
+    }
+
+    /// Says that a load failed: only slower meanwhile (every `begin` reads first, as with no
+    /// filter), but an operator should hear of a table that cannot be read.
+    fn not_loaded(&self, error: &dyn std::fmt::Display) {
+        let filters = self.read();
+        let failures = filters.failures;
+        let retry_in = filters
+            .retry_at
+            .map(|at| at.saturating_duration_since(Instant::now()));
+        drop(filters);
+        tracing::warn!(
+            %error,
+            failures,
+            retry_in_ms = retry_in.map(|d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX)),
+            "the SQLite store's key filter did not load; every begin reads first until it does"
+        );
     }
 
     /// Ends a load: its filter answers from now on, or, when it failed, the next load waits
     /// a while (doubling, up to a minute) and the filter in place answers meanwhile.
-    fn loaded(&self, filter: Option<Arc<Filter>>) {
+    /// `failed` is why a read of the table failed, if one did.
+    fn loaded(&self, filter: Option<Arc<Filter>>, failed: Option<rusqlite::Error>) {
         let mut filters = self.write();
         filters.rebuilding = false;
         filters.loading = None;
@@ -385,6 +417,9 @@ impl KnownKeys {
             }
         }
         drop(filters);
+        if let Some(error) = failed {
+            self.not_loaded(&error);
+        }
         // The old filter (up to 40 MiB) is freed here, not under the lock every `begin` takes.
         drop(replaced);
     }

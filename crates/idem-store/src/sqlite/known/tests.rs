@@ -181,10 +181,7 @@ async fn the_scan_holds_no_snapshot_between_slices_and_misses_no_key() {
         listings: Arc::clone(&store.listings),
         hasher: RandomState::new(),
     });
-    let load = Load {
-        known: Arc::clone(&known),
-        filled: None,
-    };
+    let load = Load::new(Arc::clone(&known));
     let filter = Filter::new(1000);
     let scan = Connection::open(&path).unwrap();
     let other = Connection::open(&path).unwrap();
@@ -267,10 +264,7 @@ async fn a_full_queue_does_not_stop_the_scan() {
         hasher: RandomState::new(),
     });
     let filter = Arc::new(Filter::new(1000));
-    let load = Load {
-        known: Arc::clone(&known),
-        filled: None,
-    };
+    let load = Load::new(Arc::clone(&known));
     load.fill(&Connection::open(&path).unwrap(), Arc::clone(&filter), None);
     release.send(()).unwrap();
 
@@ -283,8 +277,8 @@ async fn a_full_queue_does_not_stop_the_scan() {
     }
 }
 
-/// A load that cannot run leaves every key "maybe held", and is tried again only after
-/// a pause.
+/// A load that cannot run leaves every key "maybe held", is tried again only after a pause,
+/// and says why in a warning.
 #[test]
 fn a_failed_load_answers_maybe_and_waits_to_try_again() {
     let dir = tempfile::tempdir().unwrap();
@@ -296,7 +290,15 @@ fn a_failed_load_answers_maybe_and_waits_to_try_again() {
         1,
         4,
     ));
-    let known = KnownKeys::load(listings);
+    let log = idem_testkit::logs::Log::default();
+    let known = tracing::subscriber::with_default(log.subscriber(), || KnownKeys::load(listings));
+    let warning = log.text();
+    assert!(
+        warning.contains("WARN") && warning.contains("key filter did not load"),
+        "{warning}"
+    );
+    assert!(warning.contains("missing.db"), "the cause: {warning}");
+    assert!(warning.contains("failures=1"), "{warning}");
     {
         let filters = known.read();
         assert!(!filters.rebuilding && filters.current.is_none());
