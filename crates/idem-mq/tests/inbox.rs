@@ -77,6 +77,14 @@ async fn pg_with_effects(url: &str) -> (idem::PostgresStore, String, String) {
     (store, name, table)
 }
 
+/// Drops what [`pg_with_effects`] created.
+async fn drop_pg_tables(store: &idem::PostgresStore, name: &str, table: &str) {
+    sqlx::query(sql(format!("DROP TABLE {table}, idem_mq_{name}")))
+        .execute(store.pool())
+        .await
+        .expect("drop");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn duplicates_and_failures_after_the_write_leave_one_effect_per_key_on_postgres() {
     let Some(url) = idem_testkit::services::POSTGRES.url() else {
@@ -119,10 +127,7 @@ async fn duplicates_and_failures_after_the_write_leave_one_effect_per_key_on_pos
     assert_eq!(rows.len(), 120, "every id has its effect");
     assert!(rows.iter().all(|(_, n)| *n == 1), "and only one: {rows:?}");
     assert!(q.dead_letters().is_empty());
-    sqlx::query(sql(format!("DROP TABLE {table}, idem_mq_{name}")))
-        .execute(store.pool())
-        .await
-        .expect("drop");
+    drop_pg_tables(&store, &name, &table).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -176,10 +181,7 @@ async fn a_consumer_dying_before_its_commit_leaves_nothing_and_the_redelivery_ru
         .await
         .expect("count");
     assert_eq!(n, 1, "the dead attempt's write rolled back");
-    sqlx::query(sql(format!("DROP TABLE {table}, idem_mq_{name}")))
-        .execute(store.pool())
-        .await
-        .expect("drop");
+    drop_pg_tables(&store, &name, &table).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -161,42 +161,67 @@ fn run_with_kills(args: &[&str], seen: &Arc<Mutex<HashMap<String, usize>>>, tota
     kills
 }
 
-/// Runs the relay from `source` (its `--from` and queue or stream flags) to the gateway at
-/// `gw`, killing it four times mid-stream, and checks that the service saw each of `ids`
-/// exactly once.
-fn relay_through_kills(
-    source: &[&str],
-    dir: &std::path::Path,
-    gw: &str,
-    seen: &Arc<Mutex<HashMap<String, usize>>>,
-    ids: &[String],
-) {
-    let store = format!("sqlite://{}", dir.join("relay.db").display());
-    let to = format!("http://{gw}/events");
-    let rest = [
-        "--to",
-        &to,
-        "--store",
-        &store,
-        "--header",
-        "Authorization: Bearer relay",
-        "--prefetch",
-        "8",
-        "--lease",
-        "2s",
-        "--status-every",
-        "1s",
-    ];
-    let kills = run_with_kills(&[source, &rest].concat(), seen, ids.len());
-    assert_eq!(kills, 4);
-    let seen = seen.lock().unwrap().clone();
-    for id in ids {
-        assert_eq!(seen.get(id), Some(&1), "{id} ran once (kills: {kills})");
-    }
+/// What a relay test runs against: a counting service behind a gateway, the ids of the
+/// messages to send, and a runtime to send them on.
+struct Setup {
+    dir: tempfile::TempDir,
+    seen: Arc<Mutex<HashMap<String, usize>>>,
+    _gateway: Proc,
+    gw: String,
+    rt: tokio::runtime::Runtime,
+    ids: Vec<String>,
 }
 
-fn ids(n: usize) -> Vec<String> {
-    (0..n).map(|i| format!("evt-{i}")).collect()
+impl Setup {
+    fn new(messages: usize) -> Self {
+        let dir = tempfile::tempdir().unwrap();
+        let (service, seen) = counting_service();
+        let (gateway, gw) = gateway(&service, dir.path());
+        Self {
+            dir,
+            seen,
+            _gateway: gateway,
+            gw,
+            rt: tokio::runtime::Runtime::new().unwrap(),
+            ids: (0..messages).map(|i| format!("evt-{i}")).collect(),
+        }
+    }
+
+    /// Every id to publish, three in ten of them twice (redeliveries the relay must drop).
+    fn sent(&self) -> impl Iterator<Item = &String> {
+        self.ids.iter().enumerate().flat_map(|(i, id)| {
+            let copies = if i % 10 < 3 { 2 } else { 1 };
+            std::iter::repeat_n(id, copies)
+        })
+    }
+
+    /// Runs the relay from `source` (its `--from` and queue or stream flags) to the gateway,
+    /// killing it four times mid-stream, and checks that the service saw each id exactly
+    /// once.
+    fn relay_through_kills(&self, source: &[&str]) {
+        let store = format!("sqlite://{}", self.dir.path().join("relay.db").display());
+        let to = format!("http://{}/events", self.gw);
+        let rest = [
+            "--to",
+            &to,
+            "--store",
+            &store,
+            "--header",
+            "Authorization: Bearer relay",
+            "--prefetch",
+            "8",
+            "--lease",
+            "2s",
+            "--status-every",
+            "1s",
+        ];
+        let kills = run_with_kills(&[source, &rest].concat(), &self.seen, self.ids.len());
+        assert_eq!(kills, 4);
+        let seen = self.seen.lock().unwrap().clone();
+        for id in &self.ids {
+            assert_eq!(seen.get(id), Some(&1), "{id} ran once (kills: {kills})");
+        }
+    }
 }
 
 #[test]
@@ -204,14 +229,9 @@ fn a_relay_killed_and_restarted_delivers_each_amqp_message_once_through_the_gate
     let Some(url) = idem_testkit::services::RABBITMQ.url() else {
         return;
     };
-    let dir = tempfile::tempdir().unwrap();
     let queue = format!("relay-{:08x}", rand::random::<u32>());
-    let (service, seen) = counting_service();
-    let (_gateway, gw) = gateway(&service, dir.path());
-
-    let rt = tokio::runtime::Runtime::new().unwrap();
-    let ids = ids(400);
-    rt.block_on(async {
+    let run = Setup::new(400);
+    run.rt.block_on(async {
         // Declares the queue and its dead letter, as the relay would.
         AmqpSource::builder(url.clone(), queue.clone())
             .connect()
@@ -220,32 +240,23 @@ fn a_relay_killed_and_restarted_delivers_each_amqp_message_once_through_the_gate
             .shutdown()
             .await;
         let publisher = AmqpPublisher::connect(&url).await.unwrap();
-        for (i, id) in ids.iter().enumerate() {
-            let copies = if i % 10 < 3 { 2 } else { 1 };
-            for _ in 0..copies {
-                publisher
-                    .publish_once(
-                        "",
-                        &queue,
-                        id,
-                        b"{\"paid\":true}",
-                        BasicProperties::default(),
-                    )
-                    .await
-                    .unwrap();
-            }
+        for id in run.sent() {
+            publisher
+                .publish_once(
+                    "",
+                    &queue,
+                    id,
+                    b"{\"paid\":true}",
+                    BasicProperties::default(),
+                )
+                .await
+                .unwrap();
         }
         publisher.close().await;
     });
 
-    relay_through_kills(
-        &["--from", &url, "--queue", &queue],
-        dir.path(),
-        &gw,
-        &seen,
-        &ids,
-    );
-    rt.block_on(async {
+    run.relay_through_kills(&["--from", &url, "--queue", &queue]);
+    run.rt.block_on(async {
         AmqpSource::delete_topology(&url, &queue).await.unwrap();
     });
 }
@@ -256,13 +267,9 @@ fn a_relay_killed_and_restarted_delivers_each_jetstream_message_once_through_the
     let Some(url) = idem_testkit::services::NATS.url() else {
         return;
     };
-    let dir = tempfile::tempdir().unwrap();
     let name = format!("RELAY_{:08x}", rand::random::<u32>());
-    let (service, seen) = counting_service();
-    let (_gateway, gw) = gateway(&service, dir.path());
-    let rt = tokio::runtime::Runtime::new().unwrap();
-    let ids = ids(400);
-    let js = rt.block_on(async {
+    let run = Setup::new(400);
+    let js = run.rt.block_on(async {
         let js = jetstream::new(async_nats::connect(&url).await.unwrap());
         js.create_stream(stream::Config {
             name: name.clone(),
@@ -295,25 +302,16 @@ fn a_relay_killed_and_restarted_delivers_each_jetstream_message_once_through_the
         })
         .await
         .unwrap();
-        for (i, id) in ids.iter().enumerate() {
-            let copies = if i % 10 < 3 { 2 } else { 1 };
-            for _ in 0..copies {
-                idem_mq::nats::publish_once(&js, format!("{name}.in"), id, "{}".into())
-                    .await
-                    .unwrap();
-            }
+        for id in run.sent() {
+            idem_mq::nats::publish_once(&js, format!("{name}.in"), id, "{}".into())
+                .await
+                .unwrap();
         }
         js
     });
 
-    relay_through_kills(
-        &["--from", &url, "--stream", &name, "--consumer", "relay"],
-        dir.path(),
-        &gw,
-        &seen,
-        &ids,
-    );
-    rt.block_on(async {
+    run.relay_through_kills(&["--from", &url, "--stream", &name, "--consumer", "relay"]);
+    run.rt.block_on(async {
         js.delete_stream(&name).await.unwrap();
         js.delete_stream(format!("{name}_DL")).await.unwrap();
     });

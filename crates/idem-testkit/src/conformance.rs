@@ -143,6 +143,21 @@ async fn complete<S: Store>(
         .unwrap();
 }
 
+/// Asserts that `complete` with `lease` is refused as stale.
+async fn complete_refused<S: Store>(
+    store: &S,
+    key: &Key,
+    lease: &Lease,
+    body: &'static [u8],
+    now: Timestamp,
+) {
+    assert_stale(
+        store
+            .complete(key, lease, Bytes::from_static(body), now)
+            .await,
+    );
+}
+
 async fn replayed<S: Store>(store: &S, req: &BeginRequest, now: Timestamp) -> Bytes {
     match store.begin(req, now).await.unwrap() {
         BeginOutcome::Replay(r) => r.response,
@@ -293,11 +308,7 @@ pub async fn release_gives_the_key_back<S: Store>(store: &S) {
     assert_eq!(rec.status, Status::Released);
     let second = acquire(store, &c.req("k", "b"), c.at(2)).await;
     assert!(second.fence > first.fence);
-    assert_stale(
-        store
-            .complete(&c.key("k"), &first, Bytes::new(), c.at(3))
-            .await,
-    );
+    complete_refused(store, &c.key("k"), &first, b"", c.at(3)).await;
 }
 
 /// `reopen` turns a completed record back into a released one only when named by its fence:
@@ -363,21 +374,13 @@ pub async fn stale_lease_cannot_complete_or_release<S: Store>(store: &S) {
     let old = acquire(store, &req, c.at(0)).await;
     let new = acquire(store, &req, c.at(11)).await;
     assert!(new.fence > old.fence);
-    assert_stale(
-        store
-            .complete(&req.key, &old, Bytes::from_static(b"old"), c.at(12))
-            .await,
-    );
+    complete_refused(store, &req.key, &old, b"old", c.at(12)).await;
     assert_stale(store.release(&req.key, &old, c.at(12)).await);
     let rec = store.get(&req.key, c.at(12)).await.unwrap().unwrap();
     assert_eq!(rec.status, Status::InProgress);
     assert_eq!(rec.fence, new.fence);
     complete(store, &req.key, &new, b"new", c.at(13)).await;
-    assert_stale(
-        store
-            .complete(&req.key, &old, Bytes::from_static(b"old"), c.at(14))
-            .await,
-    );
+    complete_refused(store, &req.key, &old, b"old", c.at(14)).await;
     assert_eq!(&replayed(store, &req, c.at(14)).await[..], b"new");
 }
 
@@ -414,11 +417,7 @@ pub async fn repeated_complete_with_another_response_is_stale<S: Store>(store: &
     let lease = acquire(store, &req, c.at(0)).await;
     complete(store, &req.key, &lease, b"first", c.at(1)).await;
     for (response, at) in [(&b"second"[..], 2), (b"", 2), (b"first and more", 30)] {
-        assert_stale(
-            store
-                .complete(&req.key, &lease, Bytes::from_static(response), c.at(at))
-                .await,
-        );
+        complete_refused(store, &req.key, &lease, response, c.at(at)).await;
     }
     assert_eq!(&replayed(store, &req, c.at(31)).await[..], b"first");
 }
@@ -431,11 +430,7 @@ pub async fn taken_over_lease_is_stale_even_with_the_same_response<S: Store>(sto
     let old = acquire(store, &req, c.at(0)).await;
     let new = acquire(store, &req, c.at(11)).await;
     complete(store, &req.key, &new, b"same", c.at(12)).await;
-    assert_stale(
-        store
-            .complete(&req.key, &old, Bytes::from_static(b"same"), c.at(13))
-            .await,
-    );
+    complete_refused(store, &req.key, &old, b"same", c.at(13)).await;
     let rec = store.get(&req.key, c.at(13)).await.unwrap().unwrap();
     assert_eq!((rec.fence, rec.updated_at), (new.fence, c.at(12)));
 }
@@ -449,26 +444,14 @@ pub async fn forged_or_absent_lease_is_stale<S: Store>(store: &S) {
         id: LeaseId::generate(),
         ..real
     };
-    assert_stale(
-        store
-            .complete(&req.key, &forged, Bytes::new(), c.at(1))
-            .await,
-    );
+    complete_refused(store, &req.key, &forged, b"", c.at(1)).await;
     assert_stale(store.release(&req.key, &forged, c.at(1)).await);
     let wrong_fence = Lease {
         fence: real.fence + 1,
         ..real
     };
-    assert_stale(
-        store
-            .complete(&req.key, &wrong_fence, Bytes::new(), c.at(1))
-            .await,
-    );
-    assert_stale(
-        store
-            .complete(&c.key("nobody"), &real, Bytes::new(), c.at(1))
-            .await,
-    );
+    complete_refused(store, &req.key, &wrong_fence, b"", c.at(1)).await;
+    complete_refused(store, &c.key("nobody"), &real, b"", c.at(1)).await;
     assert_stale(store.release(&c.key("nobody"), &real, c.at(1)).await);
     assert!(matches!(
         store.begin(&req, c.at(1)).await.unwrap(),
@@ -627,11 +610,7 @@ pub async fn scope_isolation<S: Store>(store: &S) {
     // B's begin is not blocked by A's lease, and may even use another fingerprint.
     let lb = acquire(store, &b.req("shared", "y"), a.at(0)).await;
     complete(store, &a.key("shared"), &la, b"A", a.at(1)).await;
-    assert_stale(
-        store
-            .complete(&b.key("shared"), &la, Bytes::from_static(b"A"), a.at(1))
-            .await,
-    );
+    complete_refused(store, &b.key("shared"), &la, b"A", a.at(1)).await;
     assert_eq!(
         store
             .get(&b.key("shared"), a.at(2))

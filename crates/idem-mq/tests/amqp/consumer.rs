@@ -92,20 +92,26 @@ async fn messages_published_twice_run_once() {
     // 30 % published twice back to back, 10 % again once the first copy was handled.
     let twice = |i: usize| i % 10 < 3;
     let late = |i: usize| i % 10 == 3;
-    let mut published = 0u64;
-    for i in 0..N {
-        let copies = if twice(i) { 2 } else { 1 };
-        for _ in 0..copies {
+    let publish = |i: usize| {
+        let (publisher, queue) = (&publisher, &queue);
+        async move {
             publisher
                 .publish_once(
                     "",
-                    &queue,
+                    queue,
                     &format!("m-{i}"),
                     b"x",
                     BasicProperties::default(),
                 )
                 .await
                 .expect("publish");
+        }
+    };
+    let mut published = 0u64;
+    for i in 0..N {
+        let copies = if twice(i) { 2 } else { 1 };
+        for _ in 0..copies {
+            publish(i).await;
             published += 1;
         }
     }
@@ -129,16 +135,7 @@ async fn messages_published_twice_run_once() {
     })
     .await;
     for i in (0..N).filter(|i| late(*i)) {
-        publisher
-            .publish_once(
-                "",
-                &queue,
-                &format!("m-{i}"),
-                b"x",
-                BasicProperties::default(),
-            )
-            .await
-            .expect("publish");
+        publish(i).await;
     }
     run.await.expect("join").expect("run");
     assert!(

@@ -223,14 +223,7 @@ async fn a_core_dead_letter_subject_gets_the_copy_and_term_only_gets_none() {
         .expect("subscribe");
     streams.js.client().flush().await.expect("flush");
     for key in ["to-core", "term-only"] {
-        publish_once(
-            &streams.js,
-            streams.subject(),
-            key,
-            Bytes::from_static(b"x"),
-        )
-        .await
-        .expect("publish");
+        streams.publish(key, Bytes::from_static(b"x")).await;
     }
     let dead = |reason| {
         Disposition::DeadLetter(DeadLetter {
@@ -331,9 +324,7 @@ async fn progress_holds_a_message_and_its_absence_lets_it_go() {
     };
     let mut first = open().await;
     let mut second = open().await;
-    publish_once(&streams.js, streams.subject(), "slow", Bytes::new())
-        .await
-        .expect("publish");
+    streams.publish("slow", Bytes::new()).await;
     let held = next(&mut first).await;
     assert_eq!(held.delivery_count(), Some(1));
 
@@ -418,14 +409,7 @@ async fn close_hands_back_what_was_prefetched() {
     let Some(url) = nats_url() else { return };
     let streams = Streams::new(&url, |_| {}).await;
     for i in 0..100 {
-        publish_once(
-            &streams.js,
-            streams.subject(),
-            &format!("c-{i}"),
-            Bytes::new(),
-        )
-        .await
-        .expect("publish");
+        streams.publish(&format!("c-{i}"), Bytes::new()).await;
     }
     // An ack wait far beyond the test's bound: a message left in the closed source's buffer
     // would not come back in time.

@@ -108,14 +108,9 @@ async fn messages_published_twice_run_once_per_id() {
     const N: usize = 300;
     let twice: Vec<usize> = (0..N).filter(|i| i % 10 < 3).collect();
     for i in 0..N {
-        publish_once(
-            &streams.js,
-            streams.subject(),
-            &format!("order-{i}"),
-            Bytes::from(i.to_string()),
-        )
-        .await
-        .expect("publish");
+        streams
+            .publish(&format!("order-{i}"), Bytes::from(i.to_string()))
+            .await;
     }
     for &i in &twice {
         let key = format!("order-{i}");
@@ -235,14 +230,7 @@ async fn slow_handlers_on_two_instances(progress: bool) {
     let name = if progress { "progress" } else { "silent" };
     const N: usize = 4;
     for i in 0..N {
-        publish_once(
-            &streams.js,
-            streams.subject(),
-            &format!("slow-{i}"),
-            Bytes::new(),
-        )
-        .await
-        .expect("publish");
+        streams.publish(&format!("slow-{i}"), Bytes::new()).await;
     }
     // Progress goes out every third of it: a stall of over a second and a half would be needed
     // for a redelivery with progress on.

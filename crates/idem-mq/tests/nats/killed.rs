@@ -193,6 +193,21 @@ struct Children {
 }
 
 impl Children {
+    /// None running yet; each will consume `streams` in `mode`, its tables named by `prefix`.
+    fn new(nats: &str, pg: &str, streams: &Streams, prefix: &str, mode: &str) -> Self {
+        Self {
+            env: vec![
+                (ENV_NATS, nats.to_owned()),
+                (ENV_PG, pg.to_owned()),
+                (ENV_STREAM, streams.name.clone()),
+                (ENV_TABLES, prefix.to_owned()),
+                (ENV_MODE, mode.to_owned()),
+            ],
+            live: Vec::new(),
+            killed: HashMap::new(),
+        }
+    }
+
     fn spawn(&mut self) {
         let exe = std::env::current_exe().expect("the test binary");
         let mut cmd = Command::new(exe);
@@ -320,27 +335,10 @@ async fn chaos(mode: &str) -> Option<Chaos> {
     .expect("effects table");
 
     for i in 0..N {
-        publish_once(
-            &streams.js,
-            streams.subject(),
-            &format!("m-{i}"),
-            Bytes::new(),
-        )
-        .await
-        .expect("publish");
+        streams.publish(&format!("m-{i}"), Bytes::new()).await;
     }
 
-    let mut children = Children {
-        env: vec![
-            (ENV_NATS, url.clone()),
-            (ENV_PG, pg.clone()),
-            (ENV_STREAM, streams.name.clone()),
-            (ENV_TABLES, prefix.clone()),
-            (ENV_MODE, mode.to_owned()),
-        ],
-        live: Vec::new(),
-        killed: HashMap::new(),
-    };
+    let mut children = Children::new(&url, &pg, &streams, &prefix, mode);
     children.spawn();
     children.spawn();
     for _ in 0..8 {
@@ -488,35 +486,13 @@ async fn a_message_that_crashes_its_consumer_ends_in_the_dead_letter() {
     let streams = Streams::new(&url, |_| {}).await;
     let (tables, pool) = Tables::create(&pg).await;
     let prefix = tables.prefix.clone();
-    publish_once(
-        &streams.js,
-        streams.subject(),
-        "crash-1",
-        Bytes::from_static(b"crash"),
-    )
-    .await
-    .expect("publish");
+    streams
+        .publish("crash-1", Bytes::from_static(b"crash"))
+        .await;
     for i in 0..10 {
-        publish_once(
-            &streams.js,
-            streams.subject(),
-            &format!("ok-{i}"),
-            Bytes::new(),
-        )
-        .await
-        .expect("publish");
+        streams.publish(&format!("ok-{i}"), Bytes::new()).await;
     }
-    let mut children = Children {
-        env: vec![
-            (ENV_NATS, url.clone()),
-            (ENV_PG, pg.clone()),
-            (ENV_STREAM, streams.name.clone()),
-            (ENV_TABLES, prefix.clone()),
-            (ENV_MODE, "crash".to_owned()),
-        ],
-        live: Vec::new(),
-        killed: HashMap::new(),
-    };
+    let mut children = Children::new(&url, &pg, &streams, &prefix, "crash");
     // One consumer at a time, started again whenever the message crashed it.
     let mut crashes = 0;
     tokio::time::timeout(Duration::from_secs(120), async {

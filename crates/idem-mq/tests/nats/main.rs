@@ -66,6 +66,13 @@ async fn create_stream(js: &jetstream::Context, config: stream::Config) {
 }
 
 impl Streams {
+    /// Publishes `body` on the stream's subject, once under `id`.
+    async fn publish(&self, id: &str, body: Bytes) {
+        publish_once(&self.js, self.subject(), id, body)
+            .await
+            .expect("publish");
+    }
+
     /// Waits (a minute at most) until the durable consumer `durable` has nothing pending
     /// and nothing unacknowledged.
     async fn wait_settled(&self, durable: &str) {
