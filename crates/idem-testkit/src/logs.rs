@@ -28,7 +28,10 @@ impl Log {
 
     /// Forgets what was written so far.
     pub fn clear(&self) {
-        self.0.lock().unwrap_or_else(PoisonError::into_inner).clear();
+        self.0
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .clear();
     }
 
     /// The text once it holds `needle` `n` times: a line may be written by a task that runs
