@@ -461,3 +461,97 @@ async fn a_handler_whose_lease_cannot_be_renewed_is_stopped_when_it_runs_out() {
         "the handler never ran past its lease"
     );
 }
+
+#[tokio::test]
+async fn a_handler_whose_renewal_hangs_is_stopped_when_its_lease_runs_out() {
+    let q = Queue::new("orders");
+    q.publish(Some("hung"), b"{}".as_slice());
+    let store = FaultyStore::new(MemoryStore::new());
+    // The first renewal never answers (a server that stalls, a half-open connection).
+    let _stall = store.stall_next(Op::Renew);
+    let consumer = Consumer::new(store.clone()).lease(Duration::from_millis(300));
+    let finished = Arc::new(AtomicUsize::new(0));
+    let done = finished.clone();
+    let handler = move |_m: Message| {
+        let done = done.clone();
+        async move {
+            tokio::time::sleep(Duration::from_secs(5)).await;
+            done.fetch_add(1, Ordering::SeqCst);
+            Ok::<_, Failure<String>>(())
+        }
+    };
+    let mut source = q.source();
+    let d = source.next().await.expect("open").expect("delivery");
+    let outcome = within("the process", consumer.process(&source, d, &handler))
+        .await
+        .expect("process");
+    assert_eq!(outcome, Outcome::Requeued, "stopped and requeued");
+    assert_eq!(
+        finished.load(Ordering::SeqCst),
+        0,
+        "the handler never ran past its lease"
+    );
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_handler_that_panics_before_returning_its_future_is_caught_too() {
+    let q = Queue::new("orders");
+    q.publish(Some("p-1"), b"{}".as_slice());
+    q.publish(None, b"{}".as_slice());
+    let ran = Arc::new(AtomicUsize::new(0));
+    let counter = ran.clone();
+    let handler = move |m: Message| {
+        let n = counter.fetch_add(1, Ordering::SeqCst);
+        // In the call itself, as a handler that parses its payload before `async` would.
+        assert!(
+            n > 1,
+            "the first delivery of each message panics: {:?}",
+            m.key
+        );
+        async move { Ok::<_, Failure<String>>("done".to_owned()) }
+    };
+    let consumer = Consumer::new(MemoryStore::new()).missing_key(MissingKey::RunUnguarded);
+    consume_all(&consumer, &q, handler).await;
+    assert_eq!(ran.load(Ordering::SeqCst), 4);
+    let c = consumer.counts();
+    assert_eq!((c.requeued, c.handled), (2, 2));
+}
+
+/// An output whose serialization panics: a panic in the run-once engine, outside the
+/// handler's future.
+struct Unserializable;
+
+impl serde::Serialize for Unserializable {
+    fn serialize<S: serde::Serializer>(&self, _: S) -> Result<S::Ok, S::Error> {
+        panic!("cannot serialize")
+    }
+}
+
+impl<'de> serde::Deserialize<'de> for Unserializable {
+    fn deserialize<D: serde::Deserializer<'de>>(_: D) -> Result<Self, D::Error> {
+        Ok(Self)
+    }
+}
+
+#[tokio::test]
+async fn a_panic_outside_the_handler_still_settles_the_delivery() {
+    let q = Queue::new("orders");
+    q.publish(Some("bad-output"), b"{}".as_slice());
+    let consumer = Consumer::new(MemoryStore::new()).max_attempts(2);
+    let handler = |_m: Message| async { Ok::<_, Failure<String>>(Unserializable) };
+    let mut source = q.source();
+    let d = source.next().await.expect("open").expect("delivery");
+    let outcome = within("the process", consumer.process(&source, d, &handler))
+        .await
+        .expect("process");
+    assert_eq!(outcome, Outcome::Requeued, "settled, not left hanging");
+    let d = source.next().await.expect("open").expect("redelivery");
+    let outcome = within("the process", consumer.process(&source, d, &handler))
+        .await
+        .expect("process");
+    assert_eq!(
+        outcome,
+        Outcome::DeadLettered(Reason::AttemptsExhausted),
+        "after max_attempts deliveries"
+    );
+}

@@ -57,6 +57,21 @@ impl AmqpDelivery {
         self.header_value(name).and_then(value_u64)
     }
 
+    /// Gives the delivery back to its queue (`basic.nack` with requeue), at once: for when the
+    /// copy that was to replace it could not be made. A delivery left unacknowledged would
+    /// hold its place in the prefetch window until the channel closes.
+    async fn give_back(&self) {
+        let _ = self
+            .inner
+            .acker
+            .nack(BasicNackOptions {
+                multiple: false,
+                requeue: true,
+            })
+            .bounded("giving a delivery back")
+            .await;
+    }
+
     /// Publishes a copy of the message (confirmed), then acks the original.
     async fn republish_then_ack(
         self,
@@ -70,28 +85,25 @@ impl AmqpDelivery {
             .clone()
             .with_headers(headers)
             .with_delivery_mode(PERSISTENT);
-        let published = publish_confirmed(
-            &self.link.publish,
-            exchange,
-            routing_key,
-            &self.inner.data,
-            props,
-            true,
-        )
-        .await;
+        let published = match self.link.publish_channel().await {
+            Ok(channel) => {
+                publish_confirmed(
+                    &channel,
+                    exchange,
+                    routing_key,
+                    &self.inner.data,
+                    props,
+                    true,
+                )
+                .await
+            }
+            Err(e) => Err(e),
+        };
         if let Err(e) = published {
             // The copy may not exist: give the original back to the queue now rather than
             // leave it unacknowledged until the channel closes. (If the broker did take the
             // copy, both come back: a duplicate the record absorbs.)
-            let _ = self
-                .inner
-                .acker
-                .nack(BasicNackOptions {
-                    multiple: false,
-                    requeue: true,
-                })
-                .bounded("giving a delivery back")
-                .await;
+            self.give_back().await;
             return Err(e);
         }
         // Between the confirm above and this ack a crash leaves both copies: a duplicate, which
@@ -196,17 +208,28 @@ impl Delivery for AmqpDelivery {
         match how {
             Disposition::Ack => ack(&self.inner, &self.link).await,
             Disposition::Requeue { delay } => {
-                let attempts = self
-                    .delivery_count()
-                    .map(u64::from)
-                    .unwrap_or_else(|| self.header_u64(ATTEMPT_HEADER).unwrap_or(0) + 1);
+                let attempts = self.delivery_count().map(u64::from).unwrap_or_else(|| {
+                    // A publisher's header may say anything.
+                    self.header_u64(ATTEMPT_HEADER)
+                        .unwrap_or(0)
+                        .saturating_add(1)
+                });
                 let mut headers = self.copied_headers();
                 headers.insert(
                     ATTEMPT_HEADER.into(),
                     AMQPValue::LongLongInt(i64::try_from(attempts).unwrap_or(i64::MAX)),
                 );
                 let routing_key = match bucket_for(delay) {
-                    Some(bucket) => self.link.ensure_delay_queue(bucket).await?,
+                    Some(bucket) => match self.link.ensure_delay_queue(bucket).await {
+                        Ok(queue) => queue,
+                        Err(e) => {
+                            // No delay queue (refused, or declared before with other
+                            // arguments): give the message back to its queue now, without the
+                            // delay, rather than leave it unacknowledged.
+                            self.give_back().await;
+                            return Err(e);
+                        }
+                    },
                     None => self.link.topology.queue.clone(),
                 };
                 self.republish_then_ack("", &routing_key, headers).await

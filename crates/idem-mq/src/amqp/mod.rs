@@ -31,9 +31,12 @@
 //!   RabbitMQ only expires messages at the head of a queue: a long delay would hold back the
 //!   short ones queued behind it. A crash (or a lost connection) between the confirm and the
 //!   ack leaves two copies, the original redelivered and the delayed one: a duplicate, which
-//!   the idempotency record absorbs like any other. If the copy is not confirmed (a nack, no
-//!   queue for it, no confirm within 30 s), the original is given back to the
-//!   queue at once (`basic.nack` with requeue) and the settle fails.
+//!   the idempotency record absorbs like any other. If the copy is not made (its delay queue
+//!   cannot be declared, or the copy is not confirmed: a nack, no queue for it, no confirm
+//!   within 30 s), the original is given back to the queue at once (`basic.nack` with requeue)
+//!   and the settle fails. The copies go out on a channel of their own in confirm mode; a
+//!   publish the broker refuses with a channel error (to an exchange that was deleted) closes
+//!   it, and the next copy opens another.
 //! * [`Disposition::DeadLetter`](crate::Disposition::DeadLetter) publishes a copy to the dead-letter exchange with the headers
 //!   `x-idem-reason` ([`Reason::code`](crate::Reason::code)) and `x-idem-detail`, waits for the
 //!   confirm, then acks the original. A plain `basic.reject` would dead-letter through the

@@ -1,7 +1,7 @@
 //! The source: its options, its connection, and reconnecting.
 
 use std::collections::HashSet;
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
 use futures_util::StreamExt;
@@ -144,8 +144,11 @@ pub(super) struct Link {
     pub(super) connection: Arc<Connection>,
     /// The channel the deliveries arrived on (and are acked on).
     pub(super) consume: Channel,
-    /// A channel in confirm mode, for the copies requeues and dead letters publish.
-    pub(super) publish: Channel,
+    /// A channel in confirm mode, for the copies requeues and dead letters publish; see
+    /// [`Link::publish_channel`].
+    publish: Mutex<Channel>,
+    /// Held while a closed `publish` is replaced, so that one new channel replaces it.
+    reopening: tokio::sync::Mutex<()>,
     pub(super) topology: Topology,
     /// The delay buckets declared on this connection.
     pub(super) delays: Mutex<HashSet<u64>>,
@@ -169,6 +172,32 @@ impl Drop for Link {
 }
 
 impl Link {
+    /// The confirm-mode channel to publish copies on, opened again when the last one was
+    /// closed: a publish the broker refuses with a channel error (a dead letter to an exchange
+    /// that was deleted, say) closes that channel alone, and every later requeue and dead
+    /// letter would fail on it while the deliveries keep arriving on the other.
+    pub(super) async fn publish_channel(&self) -> Result<Channel, MqError> {
+        let current = self.current_publish();
+        if current.status().connected() {
+            return Ok(current);
+        }
+        let _reopening = self.reopening.lock().await;
+        let current = self.current_publish();
+        if current.status().connected() {
+            return Ok(current); // reopened meanwhile
+        }
+        let fresh = open_confirm_channel(&self.connection).await?;
+        *self.publish.lock().unwrap_or_else(PoisonError::into_inner) = fresh.clone();
+        Ok(fresh)
+    }
+
+    fn current_publish(&self) -> Channel {
+        self.publish
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .clone()
+    }
+
     pub(super) async fn ensure_delay_queue(&self, bucket_ms: u64) -> Result<String, MqError> {
         let name = self.topology.delay_queue(bucket_ms);
         let known = self
@@ -217,11 +246,7 @@ impl Live {
         config.topology.declare(&setup).await?;
         let _ = setup.close(200, "OK".into()).bounded("closing").await;
 
-        let publish = open_channel(&connection).await?;
-        publish
-            .confirm_select(ConfirmSelectOptions::default())
-            .bounded("enabling publisher confirms")
-            .await?;
+        let publish = open_confirm_channel(&connection).await?;
         let consume = open_channel(&connection).await?;
         consume
             .basic_qos(config.prefetch, BasicQosOptions::default())
@@ -241,7 +266,8 @@ impl Live {
             link: Arc::new(Link {
                 connection: Arc::new(connection),
                 consume,
-                publish,
+                publish: Mutex::new(publish),
+                reopening: tokio::sync::Mutex::new(()),
                 topology: config.topology.clone(),
                 delays: Mutex::new(HashSet::new()),
             }),
@@ -494,4 +520,14 @@ impl Source for AmqpSource {
                 .await;
         }
     }
+}
+
+/// A new channel in confirm mode.
+async fn open_confirm_channel(connection: &Connection) -> Result<Channel, MqError> {
+    let channel = open_channel(connection).await?;
+    channel
+        .confirm_select(ConfirmSelectOptions::default())
+        .bounded("enabling publisher confirms")
+        .await?;
+    Ok(channel)
 }

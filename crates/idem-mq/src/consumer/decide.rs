@@ -17,8 +17,32 @@ use super::{Consumer, Failure, Handler, Message, MissingKey, Outcome};
 use crate::source::{DeadLetter, Delivery, Disposition, Reason};
 
 impl<S: Store + Clone, C: Clock + Clone> Consumer<S, C> {
+    /// [`Consumer::decide`], and what a panic outside the handler's own future comes to (in
+    /// a key source, or in serializing the handler's output): the run ended without a
+    /// result, so the delivery is requeued with backoff, or dead-lettered once it was
+    /// delivered `max_attempts` times. Every delivery is settled either way: one left
+    /// unsettled would hold its place in the prefetch window until the broker's own timeout.
+    pub(super) async fn decide_or_panicked<D: Delivery, H: Handler>(
+        &self,
+        ctx: &Ctx,
+        delivery: &D,
+        handler: &H,
+    ) -> (Disposition, Outcome) {
+        match AssertUnwindSafe(self.decide(ctx, delivery, handler))
+            .catch_unwind()
+            .await
+        {
+            Ok(decided) => decided,
+            Err(panic) => {
+                let attempt = delivery.delivery_count().unwrap_or(1).max(1);
+                tracing::error!(source = &*ctx.source, "a message's handling panicked");
+                self.after_failure(Fault::<String>::Panicked(panic_message(&*panic), attempt))
+            }
+        }
+    }
+
     /// Decides a delivery's fate, running its handler if it is the one to run.
-    pub(super) async fn decide<D: Delivery, H: Handler>(
+    async fn decide<D: Delivery, H: Handler>(
         &self,
         ctx: &Ctx,
         delivery: &D,
@@ -72,7 +96,7 @@ impl<S: Store + Clone, C: Clock + Clone> Consumer<S, C> {
                 };
                 let renew = self.keep_alive(key, lease, delivery, ctx.ack_wait);
                 tokio::select! {
-                    done = guarded(run, handler.handle(message)) => done,
+                    done = guarded(run, async move { handler.handle(message).await }) => done,
                     () = renew => Err(Fault::LeaseLost(run)),
                 }
             })
@@ -153,7 +177,7 @@ impl<S: Store + Clone, C: Clock + Clone> Consumer<S, C> {
             message_id: delivery.message_id().map(str::to_owned),
             attempt,
         };
-        match guarded(attempt, handler.handle(message)).await {
+        match guarded(attempt, async move { handler.handle(message).await }).await {
             Ok(_) => (Disposition::Ack, Outcome::Handled),
             Err(fault) => self.after_failure(fault),
         }
@@ -190,7 +214,8 @@ enum Fault<E> {
 }
 
 /// Runs a handler's future (the `run`-th run of its key), turning a panic into a retryable
-/// fault.
+/// fault. `work` is an `async` block that calls the handler, so that a panic in the call
+/// itself, before it returns its future, is caught too.
 async fn guarded<T, E>(
     run: u32,
     work: impl Future<Output = Result<T, Failure<E>>>,
@@ -200,15 +225,17 @@ async fn guarded<T, E>(
         Ok(Err(Failure::Permanent(e))) => Err(Fault::Permanent(e)),
         Ok(Err(Failure::Retry(e))) => Err(Fault::Retry(e, run, None)),
         Ok(Err(Failure::RetryAfter(e, after))) => Err(Fault::Retry(e, run, Some(after))),
-        Err(panic) => Err(Fault::Panicked(
-            panic
-                .downcast_ref::<&str>()
-                .map(|s| (*s).to_owned())
-                .or_else(|| panic.downcast_ref::<String>().cloned())
-                .unwrap_or_else(|| "(no message)".into()),
-            run,
-        )),
+        Err(panic) => Err(Fault::Panicked(panic_message(&*panic), run)),
     }
+}
+
+/// What a panic said, when it said it with a string.
+fn panic_message(panic: &(dyn std::any::Any + Send)) -> String {
+    panic
+        .downcast_ref::<&str>()
+        .map(|s| (*s).to_owned())
+        .or_else(|| panic.downcast_ref::<String>().cloned())
+        .unwrap_or_else(|| "(no message)".into())
 }
 
 fn dead(reason: Reason, detail: impl Into<String>) -> (Disposition, Outcome) {

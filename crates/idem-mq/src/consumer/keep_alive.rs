@@ -27,34 +27,54 @@ impl<S: Store + Clone, C: Clock + Clone> Consumer<S, C> {
         }
         let every = every.max(Duration::from_millis(10));
         let clock = self.idem.clock();
-        let mut held_until = lease.expires_at;
-        loop {
-            let left = held_until.saturating_since(clock.now());
-            if left.is_zero() {
-                tracing::warn!(
-                    "a running message's lease ran out unrenewed; its handler is stopped"
-                );
-                return;
-            }
-            tokio::time::sleep(every.min(left)).await;
-            // The two heartbeats at once: a slow store does not hold back the broker's.
-            let (renewed, progress) = tokio::join!(
-                self.idem.store().renew(key, &lease, s.lease, clock.now()),
-                delivery.in_progress()
-            );
-            match renewed {
-                Ok(renewed) => held_until = renewed.expires_at,
-                Err(LeaseError::Stale(_)) => {
+        // Two heartbeats, each on its own: a store that is slow to renew does not hold back
+        // the broker's, nor a slow broker the renewal.
+        let renewing = async {
+            let mut held_until = lease.expires_at;
+            loop {
+                let left = held_until.saturating_since(clock.now());
+                if left.is_zero() {
                     tracing::warn!(
-                        "a running message's key was taken over; its handler is stopped"
+                        "a running message's lease ran out unrenewed; its handler is stopped"
                     );
                     return;
                 }
-                Err(e) => tracing::debug!(error = %e, "cannot renew a running message's lease"),
+                tokio::time::sleep(every.min(left)).await;
+                // A renewal may take no longer than what is left of the lease: a store that
+                // does not answer cannot keep the handler running past it.
+                let left = held_until.saturating_since(clock.now());
+                let renew = self.idem.store().renew(key, &lease, s.lease, clock.now());
+                match tokio::time::timeout(left, renew).await {
+                    Ok(Ok(renewed)) => held_until = renewed.expires_at,
+                    Ok(Err(LeaseError::Stale(_))) => {
+                        tracing::warn!(
+                            "a running message's key was taken over; its handler is stopped"
+                        );
+                        return;
+                    }
+                    Ok(Err(e)) => {
+                        tracing::debug!(error = %e, "cannot renew a running message's lease");
+                    }
+                    Err(_) => {
+                        tracing::debug!(
+                            "the store did not renew a running message's lease in time"
+                        );
+                    }
+                }
             }
-            if let Err(e) = progress {
-                tracing::debug!(error = %e, "cannot tell the broker a message is in progress");
+        };
+        let progress = async {
+            loop {
+                tokio::time::sleep(every).await;
+                if let Err(e) = delivery.in_progress().await {
+                    tracing::debug!(error = %e, "cannot tell the broker a message is in progress");
+                }
             }
+        };
+        // `progress` never ends; the lease's loop ends when the lease is lost.
+        tokio::select! {
+            () = renewing => {}
+            _ = progress => {}
         }
     }
 }

@@ -116,7 +116,7 @@ impl<S: Store + Clone, C: Clock + Clone> Consumer<S, C> {
     ) -> Outcome {
         let source = &*ctx.source;
         self.counters.note_received(&ctx.source);
-        let (disposition, outcome) = self.decide(ctx, &delivery, handler).await;
+        let (disposition, outcome) = self.decide_or_panicked(ctx, &delivery, handler).await;
         let outcome = match delivery.settle(disposition).await {
             Ok(()) => outcome,
             Err(e) => {

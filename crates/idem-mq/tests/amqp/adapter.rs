@@ -415,3 +415,94 @@ async fn a_requeue_whose_copy_is_refused_gives_the_original_back() {
     source.shutdown().await;
     assert_eq!(depth(&url, &queue).await, 0);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_requeue_whose_delay_queue_cannot_be_declared_gives_the_original_back() {
+    let Some((url, queue, _cleanup)) = setup("undeclared", QueueType::Quorum).await else {
+        return;
+    };
+    // A queue of the delay queue's name with other arguments: declaring it is refused.
+    let conn = Connection::connect(&url, ConnectionProperties::default())
+        .await
+        .expect("connect");
+    let ch = conn.create_channel().await.expect("channel");
+    ch.queue_declare(
+        format!("{queue}.delay.100").as_str().into(),
+        Default::default(),
+        FieldTable::default(),
+    )
+    .await
+    .expect("declare a queue in the way");
+    let _ = conn.close(200, "OK".into()).await;
+
+    let mut source = AmqpSource::connect(&url, &queue).await.expect("source");
+    let publisher = AmqpPublisher::connect(&url).await.expect("publisher");
+    publisher
+        .publish_once("", &queue, "k-undeclared", b"x", BasicProperties::default())
+        .await
+        .expect("publish");
+    let d = next(&mut source).await;
+    let err = d
+        .settle(Disposition::Requeue {
+            delay: Duration::from_millis(50),
+        })
+        .await
+        .expect_err("the delay queue was refused");
+    assert!(matches!(err, idem_mq::MqError::Broker { .. }), "{err}");
+    // Given back at once, not left unacknowledged until the channel closes.
+    let d = next(&mut source).await;
+    assert_eq!(
+        d.message_id(),
+        Some("k-undeclared"),
+        "the original came back"
+    );
+    assert!(d.redelivered());
+    d.settle(Disposition::Ack).await.expect("ack");
+    source.shutdown().await;
+    assert_eq!(depth(&url, &queue).await, 0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_refused_dead_letter_does_not_stop_later_requeues() {
+    let Some((url, queue, _cleanup)) = setup("reopen", QueueType::Quorum).await else {
+        return;
+    };
+    let mut source = AmqpSource::connect(&url, &queue).await.expect("source");
+    let publisher = AmqpPublisher::connect(&url).await.expect("publisher");
+    publisher
+        .publish_once("", &queue, "k-reopen", b"x", BasicProperties::default())
+        .await
+        .expect("publish");
+    // The dead-letter exchange deleted under the running source: publishing to it is a
+    // channel error, which closes the channel the copies go out on.
+    let conn = Connection::connect(&url, ConnectionProperties::default())
+        .await
+        .expect("connect");
+    let ch = conn.create_channel().await.expect("channel");
+    ch.exchange_delete(format!("{queue}.dlx").as_str().into(), Default::default())
+        .await
+        .expect("delete the dead-letter exchange");
+    let _ = conn.close(200, "OK".into()).await;
+    let d = next(&mut source).await;
+    let err = d
+        .settle(Disposition::DeadLetter(DeadLetter {
+            reason: Reason::Permanent,
+            detail: "test".into(),
+        }))
+        .await
+        .expect_err("no exchange to dead-letter to");
+    assert!(matches!(err, idem_mq::MqError::Broker { .. }), "{err}");
+    // The original came back, and a requeue goes out on a channel opened again.
+    let d = next(&mut source).await;
+    assert_eq!(d.message_id(), Some("k-reopen"));
+    d.settle(Disposition::Requeue {
+        delay: Duration::ZERO,
+    })
+    .await
+    .expect("a requeue after the refused dead letter");
+    let d = next(&mut source).await;
+    assert_eq!(d.message_id(), Some("k-reopen"));
+    d.settle(Disposition::Ack).await.expect("ack");
+    source.shutdown().await;
+    assert_eq!(depth(&url, &queue).await, 0);
+}
