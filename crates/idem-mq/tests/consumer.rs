@@ -433,48 +433,32 @@ async fn a_retry_after_sets_the_requeue_delay_within_the_backoff_bound() {
 
 #[tokio::test]
 async fn a_handler_whose_lease_cannot_be_renewed_is_stopped_when_it_runs_out() {
+    // The store goes away once the key is claimed: no renewal reaches it.
+    stopped_when_the_lease_runs_out(|store| store.set_down(true)).await;
+}
+
+#[tokio::test]
+async fn a_handler_whose_renewal_hangs_is_stopped_when_its_lease_runs_out() {
+    // The first renewal never answers (a server that stalls, a half-open connection).
+    stopped_when_the_lease_runs_out(|store| std::mem::forget(store.stall_next(Op::Renew))).await;
+}
+
+/// Runs a handler that takes 5 s under a 300 ms lease, `once_claimed` doing to the store
+/// what keeps the lease from being renewed; checks the handler is stopped and requeued
+/// before it finishes.
+async fn stopped_when_the_lease_runs_out(
+    once_claimed: impl Fn(&FaultyStore<MemoryStore>) + Clone + Send + Sync + 'static,
+) {
     let q = Queue::new("orders");
     q.publish(Some("cut-off"), b"{}".as_slice());
     let store = FaultyStore::new(MemoryStore::new());
     let consumer = Consumer::new(store.clone()).lease(Duration::from_millis(300));
     let finished = Arc::new(AtomicUsize::new(0));
-    let (done, down) = (finished.clone(), store.clone());
-    let handler = move |_m: Message| {
-        let (done, down) = (done.clone(), down.clone());
-        async move {
-            // The store goes away once the key is claimed: no renewal reaches it.
-            down.set_down(true);
-            tokio::time::sleep(Duration::from_secs(5)).await;
-            done.fetch_add(1, Ordering::SeqCst);
-            Ok::<_, Failure<String>>(())
-        }
-    };
-    let mut source = q.source();
-    let d = source.next().await.expect("open").expect("delivery");
-    let outcome = within("the process", consumer.process(&source, d, &handler))
-        .await
-        .expect("process");
-    assert_eq!(outcome, Outcome::Requeued, "stopped and requeued");
-    assert_eq!(
-        finished.load(Ordering::SeqCst),
-        0,
-        "the handler never ran past its lease"
-    );
-}
-
-#[tokio::test]
-async fn a_handler_whose_renewal_hangs_is_stopped_when_its_lease_runs_out() {
-    let q = Queue::new("orders");
-    q.publish(Some("hung"), b"{}".as_slice());
-    let store = FaultyStore::new(MemoryStore::new());
-    // The first renewal never answers (a server that stalls, a half-open connection).
-    let _stall = store.stall_next(Op::Renew);
-    let consumer = Consumer::new(store.clone()).lease(Duration::from_millis(300));
-    let finished = Arc::new(AtomicUsize::new(0));
     let done = finished.clone();
     let handler = move |_m: Message| {
-        let done = done.clone();
+        let (done, store, once_claimed) = (done.clone(), store.clone(), once_claimed.clone());
         async move {
+            once_claimed(&store);
             tokio::time::sleep(Duration::from_secs(5)).await;
             done.fetch_add(1, Ordering::SeqCst);
             Ok::<_, Failure<String>>(())
