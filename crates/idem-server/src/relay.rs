@@ -16,8 +16,6 @@ use axum::body::Body;
 use axum::http::header::{CONTENT_TYPE, RETRY_AFTER};
 use axum::http::uri::Scheme;
 use axum::http::{HeaderMap, HeaderName, HeaderValue, Method, Request, StatusCode, Uri};
-use hyper_util::client::legacy::Client;
-use hyper_util::client::legacy::connect::HttpConnector;
 use idem_http::ProblemCode;
 use idem_mq::{Failure, Handler, Message};
 use serde::{Deserialize, Serialize};
@@ -108,7 +106,7 @@ impl fmt::Display for RelayError {
 #[derive(Clone)]
 pub struct Relay {
     target: Arc<Target>,
-    client: Client<HttpConnector, Body>,
+    client: crate::gateway::proxy::UpstreamClient,
 }
 
 impl Relay {

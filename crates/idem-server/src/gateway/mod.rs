@@ -23,6 +23,7 @@ pub mod admin;
 pub mod config;
 pub mod path;
 pub mod proxy;
+pub mod resolve;
 
 use std::convert::Infallible;
 use std::sync::Arc;

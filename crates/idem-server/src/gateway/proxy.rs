@@ -22,6 +22,8 @@ use idem_http::policy::remove_hop_by_hop;
 use idem_http::{BoxError, LeaseFence, Problem, ProblemCode, Settle};
 use tower_service::Service;
 
+use super::resolve::BoundedResolver;
+
 /// Where requests go: an `http://` origin and an optional base path.
 #[derive(Debug, Clone)]
 pub struct Upstream {
@@ -82,19 +84,24 @@ pub struct Proxy {
     inner: Arc<ProxyInner>,
 }
 
+/// The HTTP client the gateway and the relay send with (see [`client`]).
+pub type UpstreamClient = Client<HttpConnector<BoundedResolver>, Body>;
+
 #[derive(Clone)]
 struct ProxyInner {
-    client: Client<HttpConnector, Body>,
+    client: UpstreamClient,
     upstream: Upstream,
     timeout: Duration,
     trusted: TrustedProxies,
 }
 
 /// The HTTP client the gateway and the relay send with, for requests that may take `timeout`:
-/// its connect timeout is shorter than that (half, at most 5 s), so that a peer that cannot be
-/// reached is reported as such (nothing was sent: safe to retry) rather than as a timeout.
-pub fn client(timeout: Duration) -> Client<HttpConnector, Body> {
-    let mut connector = HttpConnector::new();
+/// its name lookup (a quarter, at most 5 s) and its connect (half, at most 5 s) are bounded by
+/// less than that, so that a peer that cannot be reached, or whose name does not resolve, is
+/// reported as such (nothing was sent: safe to retry) rather than as a timeout.
+pub fn client(timeout: Duration) -> UpstreamClient {
+    let lookup = (timeout / 4).min(Duration::from_secs(5));
+    let mut connector = HttpConnector::new_with_resolver(BoundedResolver::new(lookup));
     connector.set_connect_timeout(Some((timeout / 2).min(Duration::from_secs(5))));
     connector.set_nodelay(true);
     Client::builder(TokioExecutor::new()).build(connector)
