@@ -163,8 +163,10 @@ pub struct ScopeSecretTooShort;
 /// RFC 9110 §11.1: an authentication scheme is case-insensitive, so `bearer X` is the
 /// credential `Bearer X`. In `Authorization` and `Proxy-Authorization` the scheme is written
 /// the way the IANA registry spells it (or in lower case if unregistered) and separated from
-/// the rest by one space; other headers are opaque. A credential already spelled that way is
-/// hashed as it was before this rule existed.
+/// the rest by one space; other headers are opaque. A value with no space is a scheme alone
+/// only if it is a registered one: otherwise it is a bare credential (some APIs take a raw key
+/// in `Authorization`), case-sensitive like any credential. A credential already spelled that
+/// way is hashed as it was before this rule existed.
 fn canonical_credential<'v>(name: &HeaderName, value: &'v HeaderValue) -> Cow<'v, [u8]> {
     const SCHEMES: &[&str] = &[
         "Basic",
@@ -190,12 +192,13 @@ fn canonical_credential<'v>(name: &HeaderName, value: &'v HeaderValue) -> Cow<'v
         Some(at) => (&bytes[..at], Some(bytes[at..].trim_ascii_start())),
         None => (bytes, None),
     };
-    let mut out = match SCHEMES
+    let registered = SCHEMES
         .iter()
-        .find(|s| s.as_bytes().eq_ignore_ascii_case(scheme))
-    {
-        Some(s) => s.as_bytes().to_vec(),
-        None => scheme.to_ascii_lowercase(),
+        .find(|s| s.as_bytes().eq_ignore_ascii_case(scheme));
+    let mut out = match (registered, rest) {
+        (Some(s), _) => s.as_bytes().to_vec(),
+        (None, Some(_)) => scheme.to_ascii_lowercase(),
+        (None, None) => return Cow::Borrowed(bytes),
     };
     if let Some(rest) = rest {
         out.push(b' ');
@@ -299,6 +302,25 @@ mod tests {
             unregistered.scope_of(&parts(&["Custom-Scheme t"])),
             unregistered.scope_of(&parts(&["custom-scheme t"]))
         );
+        // A registered scheme alone is still a scheme.
+        assert_eq!(
+            unregistered.scope_of(&parts(&["negotiate"])),
+            unregistered.scope_of(&parts(&["Negotiate"]))
+        );
+    }
+
+    #[test]
+    fn a_bare_credential_is_case_sensitive_and_keeps_its_scope() {
+        for s in [ScopeSource::default(), keyed_source(&"k".repeat(32))] {
+            // A raw API key in `Authorization`, no scheme: not a scheme to fold.
+            assert_ne!(
+                s.scope_of(&parts(&["sk_AbC123"])),
+                s.scope_of(&parts(&["sk_abc123"]))
+            );
+        }
+        // hashed as before the scheme rule existed, so existing records keep their scope
+        let bare = ScopeSource::default().scope_of(&parts(&["sk_AbC123"]));
+        assert_eq!(bare, hashed([Cow::Borrowed(&b"sk_AbC123"[..])].into_iter()));
     }
 
     #[test]
