@@ -125,10 +125,21 @@ impl WorkerPool {
     }
 
     fn key(&self, worker: u64) -> Result<Key, IdError> {
+        self.worker_key(worker, "")
+    }
+
+    /// The counter holding the latest time (Unix milliseconds) up to which a holder of
+    /// `worker` whose generator ran ahead of the clock was let issue ids; see
+    /// [`LeasedSnowflake::extend`].
+    fn ceiling_key(&self, worker: u64) -> Result<Key, IdError> {
+        self.worker_key(worker, "-ceiling")
+    }
+
+    fn worker_key(&self, worker: u64, suffix: &str) -> Result<Key, IdError> {
         Key::parse(
             "idem.ids",
             &format!("snowflake.{}", self.name),
-            &format!("worker-{worker}"),
+            &format!("worker-{worker}{suffix}"),
         )
         .map_err(|e| IdError::Space(e.to_string()))
     }
@@ -175,9 +186,19 @@ impl WorkerPool {
                 armed: true,
             };
             let last_use = previous.map_or(0, |r| r.lease_expires_at.max(r.updated_at).as_millis());
+            // Past the lease's end, for a holder whose generator ran ahead of the clock.
+            let ceiling_key = self.ceiling_key(worker)?;
+            let ceiling = match self.store.raise(&ceiling_key, 0).await {
+                Ok(ceiling) => ceiling,
+                Err(e) => {
+                    granted.give_back().await;
+                    return Err(e.into());
+                }
+            };
             // Strictly after: ids of that millisecond under other worker ids may sort higher.
             let floor_millis = time_floor
                 .max(last_use)
+                .max(ceiling)
                 .saturating_sub(layout.epoch_ms())
                 .saturating_add(1);
             let options = SnowflakeOptions {
@@ -199,6 +220,7 @@ impl WorkerPool {
                 pool: self.clone(),
                 key,
                 time_floor_key: self.time_floor_key()?,
+                ceiling_key,
                 floor_written: AtomicU64::new(0),
                 lease: Mutex::new(lease),
                 generator,
@@ -267,6 +289,7 @@ pub struct LeasedSnowflake {
     pool: WorkerPool,
     key: Key,
     time_floor_key: Key,
+    ceiling_key: Key,
     /// The last time (layout milliseconds) written to the time floor.
     floor_written: AtomicU64,
     lease: Mutex<Lease>,
@@ -300,13 +323,34 @@ impl LeasedSnowflake {
 
     /// Records the time of the last id issued in the id space's time floor, then lets the
     /// generator issue until the lease's end.
+    ///
+    /// The lease's end is where the next holder of this worker id starts, and a generator
+    /// whose time runs ahead of the clock (after a rollback, its time floor is ahead of the
+    /// wall clock) would issue ids past it. For such a generator the time it may issue up to
+    /// is written first to the worker id's ceiling, which the next holder starts after too.
     async fn extend(&self, lease: &Lease) -> Result<(), IdError> {
         let g = &self.generator;
         self.raise_time_floor().await?;
+        let until = self.until(lease);
+        let epoch = g.layout().epoch_ms();
+        let mut cap = u64::MAX;
+        if epoch.saturating_add(until) > lease.expires_at.as_millis() {
+            self.pool
+                .store
+                .raise(&self.ceiling_key, epoch.saturating_add(until))
+                .await?;
+            cap = until;
+        }
+        // Computed again after the writes: the lease may have run on meanwhile.
+        g.set_valid_until(self.until(lease).min(cap));
+        Ok(())
+    }
+
+    /// The generator's time at the lease's end.
+    fn until(&self, lease: &Lease) -> u64 {
         let lease_left = lease.expires_at.saturating_since(self.pool.clock.now());
         let lease_left = u64::try_from(lease_left.as_millis()).unwrap_or(u64::MAX);
-        g.set_valid_until(g.now_millis().saturating_add(lease_left));
-        Ok(())
+        self.generator.now_millis().saturating_add(lease_left)
     }
 
     /// Raises the id space's time floor to this generator's last id.

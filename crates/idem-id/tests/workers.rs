@@ -19,6 +19,19 @@ fn store() -> SharedStore {
     Arc::new(MemoryStore::new())
 }
 
+/// A pool of the `orders` id space on `store`, with 30 s leases, whose generators read time
+/// from `clock`.
+fn manual_pool(store: SharedStore, clock: &ManualClock) -> WorkerPool {
+    WorkerPool::new(store, Arc::new(clock.clone()), "orders")
+        .lease(Duration::from_secs(30))
+        .time_source(ManualTime::new(clock))
+}
+
+/// The `orders` id space's time floor counter.
+fn time_floor() -> Key {
+    Key::parse("idem.ids", "snowflake.orders", "time-fence").unwrap()
+}
+
 #[tokio::test]
 async fn live_processes_never_share_a_worker_id() {
     let store = store();
@@ -184,6 +197,48 @@ async fn a_restart_after_a_clock_rollback_issues_above_everything_before() {
     assert!(issued.iter().all(|id| *id < first));
 }
 
+/// A holder whose generator runs ahead of the clock (the id space's time floor is an hour
+/// ahead, as after the clock was stepped back) issues ids past its lease's end; when it dies,
+/// the next holder of its worker id starts after every one of them.
+#[tokio::test]
+async fn the_next_holder_of_a_worker_id_starts_after_a_holder_that_ran_ahead() {
+    let store = store();
+    let clock = ManualClock::starting_now();
+    let pool = manual_pool(store.clone(), &clock);
+    store
+        .raise(&time_floor(), clock.now().as_millis() + 3_600_000)
+        .await
+        .unwrap();
+    let a = pool
+        .claim(small_layout(), SnowflakeOptions::default())
+        .await
+        .unwrap();
+    let mut issued = vec![a.try_next().unwrap()];
+    clock.advance(Duration::from_secs(20));
+    a.heartbeat().await.unwrap();
+    // Near the end of the renewed lease, an hour ahead: issued, but no floor records it.
+    clock.advance(Duration::from_secs(29));
+    issued.push(a.try_next().unwrap());
+    let worker = a.worker();
+    // A dies without a word; its lease runs out.
+    std::mem::forget(a);
+    clock.advance(Duration::from_secs(2));
+    let mut others = Vec::new();
+    for _ in 0..4 {
+        others.push(
+            pool.claim(small_layout(), SnowflakeOptions::default())
+                .await
+                .unwrap(),
+        );
+    }
+    let b = others.iter().find(|g| g.worker() == worker).unwrap();
+    let first = b.try_next().unwrap();
+    assert!(
+        issued.iter().all(|id| *id < first),
+        "{issued:?} against {first}"
+    );
+}
+
 /// A heartbeat writes the time floor only when ids were issued since the last write: an idle
 /// generator costs the store one renewal per beat, not two writes.
 #[tokio::test]
@@ -212,14 +267,11 @@ async fn an_idle_heartbeat_leaves_the_time_floor_alone() {
 async fn a_claim_dropped_after_its_worker_id_was_granted_gives_it_back() {
     let store = TestStore::new();
     let clock = ManualClock::starting_now();
-    let pool = WorkerPool::new(store.clone(), Arc::new(clock.clone()), "orders")
-        .lease(Duration::from_secs(30))
-        .time_source(ManualTime::new(&clock));
+    let pool = manual_pool(store.clone(), &clock);
     // Ids were issued in this space before: once granted, a claim records the time floor
     // (stored under its older name, `time-fence`).
-    let time_floor = Key::parse("idem.ids", "snowflake.orders", "time-fence").unwrap();
     store
-        .raise(&time_floor, clock.now().as_millis())
+        .raise(&time_floor(), clock.now().as_millis())
         .await
         .unwrap();
     // The claim's second raise (the time floor, after the grant) is held; its caller goes away.
