@@ -284,7 +284,7 @@ impl Retries {
             let pause = self
                 .policy
                 .pause(attempts, after)
-                .filter(|p| start.elapsed() + *p <= self.policy.total_time);
+                .filter(|p| start.elapsed().saturating_add(*p) <= self.policy.total_time);
             let Some(pause) = pause else {
                 return Err(Error::GaveUp {
                     last,

@@ -80,7 +80,7 @@ impl RetryPolicy {
     pub(crate) fn pause(&self, retry: u32, retry_after: Option<Duration>) -> Option<Duration> {
         match retry_after {
             Some(asked) if asked > self.max_retry_after => None,
-            Some(asked) => Some(asked + jitter(self.base_delay)),
+            Some(asked) => Some(asked.saturating_add(jitter(self.base_delay))),
             None => {
                 let factor = 2u32.saturating_pow(retry.saturating_sub(1));
                 Some(jitter(
@@ -172,6 +172,19 @@ mod tests {
         }
         assert_eq!(p.pause(1, Some(Duration::from_secs(6))), None);
         assert!(p.pause(1, Some(Duration::from_secs(5))).is_some());
+    }
+
+    #[test]
+    fn the_longest_retry_after_does_not_overflow() {
+        // A caller that honours any wait, and a server that asks for the most a header holds.
+        let p = RetryPolicy::default()
+            .backoff(Duration::from_secs(5), Duration::from_secs(60))
+            .max_retry_after(Duration::MAX);
+        let asked = retry_after(&headers("18446744073709551615"), SystemTime::now());
+        assert_eq!(asked, Some(Duration::from_secs(u64::MAX)));
+        for _ in 0..50 {
+            assert!(p.pause(1, asked).is_some());
+        }
     }
 
     #[test]
