@@ -27,6 +27,19 @@ fn manual_pool(store: SharedStore, clock: &ManualClock) -> WorkerPool {
         .time_source(ManualTime::new(clock))
 }
 
+/// Claims all four worker ids of [`small_layout`] in `pool`.
+async fn claim_every_worker_id(pool: &WorkerPool) -> Vec<Arc<idem_id::LeasedSnowflake>> {
+    let mut held = Vec::new();
+    for _ in 0..4 {
+        held.push(
+            pool.claim(small_layout(), SnowflakeOptions::default())
+                .await
+                .unwrap(),
+        );
+    }
+    held
+}
+
 /// The `orders` id space's time floor counter.
 fn time_floor() -> Key {
     Key::parse("idem.ids", "snowflake.orders", "time-fence").unwrap()
@@ -83,14 +96,7 @@ async fn a_process_past_its_lease_stops_issuing_and_a_stale_renewal_stops_it_for
     tokio::time::sleep(Duration::from_millis(500)).await;
     assert_eq!(a.try_next(), Err(IdError::LeaseExpired));
     // Others take every worker id, A's included.
-    let mut others = Vec::new();
-    for _ in 0..4 {
-        others.push(
-            pool.claim(small_layout(), SnowflakeOptions::default())
-                .await
-                .unwrap(),
-        );
-    }
+    let others = claim_every_worker_id(&pool).await;
     assert!(others.iter().any(|g| g.worker() == a.worker()));
     // A's renewal finds its lease taken: lost for good.
     assert_eq!(a.heartbeat().await, Err(IdError::WorkerLost));
@@ -223,14 +229,7 @@ async fn the_next_holder_of_a_worker_id_starts_after_a_holder_that_ran_ahead() {
     // A dies without a word; its lease runs out.
     std::mem::forget(a);
     clock.advance(Duration::from_secs(2));
-    let mut others = Vec::new();
-    for _ in 0..4 {
-        others.push(
-            pool.claim(small_layout(), SnowflakeOptions::default())
-                .await
-                .unwrap(),
-        );
-    }
+    let others = claim_every_worker_id(&pool).await;
     let b = others.iter().find(|g| g.worker() == worker).unwrap();
     let first = b.try_next().unwrap();
     assert!(
