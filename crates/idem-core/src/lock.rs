@@ -246,7 +246,7 @@ impl LockState {
         lease: Duration,
         now: Timestamp,
     ) -> Result<LockState, Timestamp> {
-        let expires_at = now.saturating_add(lease);
+        let expires_at = lease_end(now, lease);
         match current {
             Some(s) if s.expires_at > now && s.owner == owner => Ok(LockState { expires_at, ..*s }),
             Some(s) if s.expires_at > now => Err(s.expires_at),
@@ -270,7 +270,7 @@ impl LockState {
         if self.owner != owner || self.fence != fence || self.expires_at <= now {
             return Err(LockError::NotOwner);
         }
-        self.expires_at = now.saturating_add(lease);
+        self.expires_at = lease_end(now, lease);
         Ok(Held {
             fence,
             expires_at: self.expires_at,
@@ -492,9 +492,21 @@ impl<T: DynLockStore + ?Sized> LockStore for Arc<T> {
     }
 }
 
-/// A lease length in whole milliseconds, at least 1, as backends store it.
+/// A lease length in whole milliseconds, as backends store it: at least 1 (a lease is never
+/// granted already run out, so of two acquires in one millisecond only one wins) and at most
+/// [`MAX_LEASE_MILLIS`] (so that its end fits every backend's numbers).
 pub fn lease_millis(lease: Duration) -> u64 {
-    duration_millis(lease).max(1)
+    duration_millis(lease).clamp(1, MAX_LEASE_MILLIS)
+}
+
+/// The longest lease a lock is granted, in milliseconds: 2^50 (over 35,000 years). Its end, added
+/// to any time of this era, is still exact in a double (Redis's Lua numbers) and a signed 64-bit
+/// integer (SQL).
+pub const MAX_LEASE_MILLIS: u64 = 1 << 50;
+
+/// When a lease of `lease` granted at `now` ends, by [`lease_millis`].
+fn lease_end(now: Timestamp, lease: Duration) -> Timestamp {
+    now.saturating_add(Duration::from_millis(lease_millis(lease)))
 }
 
 #[cfg(test)]
@@ -505,6 +517,24 @@ mod tests {
         OwnerDigest([n; 32])
     }
     const LEASE: Duration = Duration::from_secs(10);
+
+    #[test]
+    fn a_zero_lease_still_excludes_and_a_huge_one_is_capped() {
+        let now = Timestamp::from_millis(1_000);
+        let held = LockState::acquire(None, owner(1), Duration::ZERO, now).unwrap();
+        assert_eq!(held.expires_at, Timestamp::from_millis(1_001));
+        assert_eq!(
+            LockState::acquire(Some(&held), owner(2), LEASE, now),
+            Err(held.expires_at),
+            "a second owner in the same millisecond waits"
+        );
+        let mut held = LockState::acquire(None, owner(1), Duration::MAX, now).unwrap();
+        assert_eq!(held.expires_at.as_millis(), 1_000 + MAX_LEASE_MILLIS);
+        let renewed = held
+            .renew(owner(1), held.fence, Duration::ZERO, now)
+            .unwrap();
+        assert_eq!(renewed.expires_at, Timestamp::from_millis(1_001));
+    }
 
     #[test]
     fn names_and_ids_are_checked() {

@@ -136,6 +136,25 @@ pub async fn a_lease_runs_out(store: &dyn DynLockStore) {
     busy(store, &name, a).await;
 }
 
+/// The longest lease there is (`Duration::MAX`, granted as
+/// [`MAX_LEASE_MILLIS`](idem_core::lock::MAX_LEASE_MILLIS)) is held, renewed and released like
+/// any other, and leaves nothing behind.
+pub async fn an_endless_lease_is_held_and_released(store: &dyn DynLockStore) {
+    let name = fresh_name("endless");
+    let (a, b) = (owner(), owner());
+    let held = acquired(store, &name, a, Duration::MAX).await;
+    busy(store, &name, b).await;
+    let renewed = store
+        .renew(&name, a, held.fence, Duration::MAX)
+        .await
+        .unwrap();
+    assert_eq!(renewed.fence, held.fence);
+    store.release(&name, a, held.fence).await.unwrap();
+    let next = acquired(store, &name, b, LONG).await;
+    assert!(next.fence > held.fence);
+    store.release(&name, b, next.fence).await.unwrap();
+}
+
 /// Of many concurrent acquires of a free lock exactly one wins.
 pub async fn acquire_storm(store: SharedLockStore) {
     let name = fresh_name("storm");
@@ -240,6 +259,7 @@ macro_rules! lock_conformance_tests {
             names_are_independent,
             a_release_is_heard,
             held_lists_live_locks,
+            an_endless_lease_is_held_and_released,
         );
         #[test]
         fn acquire_storm() {
