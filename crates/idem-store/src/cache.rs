@@ -82,6 +82,9 @@ struct Shared {
     entries: quick_cache::sync::Cache<Key, Entry, Weigher>,
     max_age: Duration,
     hits: AtomicU64,
+    /// Raised by every [`ReplayCache::forget`]: a replay read from the store while one ran may
+    /// be the answer it removed, and is not kept.
+    forgets: AtomicU64,
 }
 
 /// A store whose completed records are replayed from memory (see the module's notes).
@@ -146,6 +149,7 @@ impl<S: Store> ReplayCache<S> {
                 ),
                 max_age: limits.max_age,
                 hits: AtomicU64::new(0),
+                forgets: AtomicU64::new(0),
             }),
             skip: None,
         }
@@ -175,7 +179,9 @@ impl<S: Store> ReplayCache<S> {
         (self.shared.entries.len(), self.shared.entries.weight())
     }
 
-    fn keep(&self, req: &BeginRequest, replay: &Replay, now: Timestamp) {
+    /// Keeps `replay`, read from the store when [`Shared::forgets`] stood at `forgets`, unless
+    /// a key was forgotten since.
+    fn keep(&self, req: &BeginRequest, replay: &Replay, now: Timestamp, forgets: u64) {
         if self
             .skip
             .as_ref()
@@ -195,9 +201,15 @@ impl<S: Store> ReplayCache<S> {
             until,
         };
         self.shared.entries.insert(req.key.clone(), entry);
+        // Checked after the insert, and `forget` counts before it removes: a forget that this
+        // check misses removes the entry after it was inserted.
+        if self.shared.forgets.load(Ordering::SeqCst) != forgets {
+            self.shared.entries.remove(&req.key);
+        }
     }
 
     fn forget(&self, key: &Key) {
+        self.shared.forgets.fetch_add(1, Ordering::SeqCst);
         self.shared.entries.remove(key);
     }
 
@@ -228,9 +240,10 @@ impl<S: Store> Store for ReplayCache<S> {
         if let Some(outcome) = self.cached(req, now) {
             return Ok(outcome);
         }
+        let forgets = self.shared.forgets.load(Ordering::SeqCst);
         let outcome = self.store.begin(req, now).await?;
         if let BeginOutcome::Replay(replay) = &outcome {
-            self.keep(req, replay, now);
+            self.keep(req, replay, now, forgets);
         }
         Ok(outcome)
     }
@@ -279,7 +292,8 @@ impl<S: Store> Store for ReplayCache<S> {
     async fn reopen(&self, key: &Key, fence: u64, now: Timestamp) -> Result<bool, StoreError> {
         self.forget(key);
         let reopened = self.store.reopen(key, fence, now).await;
-        // A `begin` that ran meanwhile may have kept the answer this call is removing.
+        // Again after: a `begin` that read the record before the reopen landed and answers
+        // after it does not keep what it read (see `keep`).
         self.forget(key);
         reopened
     }
@@ -382,6 +396,45 @@ mod tests {
 
     fn cached(limits: ReplayCacheLimits) -> ReplayCache<MemoryStore> {
         ReplayCache::new(MemoryStore::new(), limits)
+    }
+
+    /// A `begin` that read the completed record before a reopen through the cache, and whose
+    /// answer arrives after it, does not leave that answer in the cache.
+    #[test]
+    fn a_replay_read_before_a_reopen_is_not_kept() {
+        use idem_testkit::{Fault, FaultyStore, Op};
+        idem_testkit::block_on(async {
+            let faulty = FaultyStore::new(MemoryStore::new());
+            let store = ReplayCache::new(faulty.clone(), ReplayCacheLimits::default());
+            let now = Timestamp::from_millis(1_000_000);
+            let r = req("k", b"x");
+            let BeginOutcome::Acquired(lease) = store.begin(&r, now).await.unwrap() else {
+                panic!("not acquired")
+            };
+            store
+                .complete(&r.key, &lease, Bytes::from_static(b"answer"), now)
+                .await
+                .unwrap();
+            // Read from the store at once; the answer comes 200 ms later.
+            faulty.fail_next(Op::Begin, Fault::SlowReply(Duration::from_millis(200)));
+            let late = tokio::spawn({
+                let (store, r) = (store.clone(), r.clone());
+                async move { store.begin(&r, now).await }
+            });
+            tokio::time::sleep(Duration::from_millis(50)).await;
+            assert!(store.reopen(&r.key, lease.fence, now).await.unwrap());
+            assert!(matches!(
+                late.await.unwrap().unwrap(),
+                BeginOutcome::Replay(_)
+            ));
+            assert!(
+                matches!(
+                    store.begin(&r, now).await.unwrap(),
+                    BeginOutcome::Acquired(_)
+                ),
+                "the reopened record runs again"
+            );
+        });
     }
 
     #[test]
@@ -524,7 +577,7 @@ mod tests {
                     completed_at: now,
                     expires_at: now.saturating_add(Duration::from_secs(60)),
                 };
-                big.keep(&r, &replay, now);
+                big.keep(&r, &replay, now, 0);
             }
             let (entries, bytes) = big.size();
             assert!(entries <= 50 * 1024 / (8 * 1024), "{entries} entries");
