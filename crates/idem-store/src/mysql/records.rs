@@ -390,12 +390,25 @@ impl ManyAtOnce for MySqlStore {
         if q.execute(&mut *c).await.is_err() {
             return Ok(None);
         }
-        let mut read = sqlx::query(sized.acquired.clone());
-        for i in rows() {
-            read = keyed(read, &jobs[i].req.key);
-        }
-        let Ok(rows) = read.fetch_all(&mut *c).await else {
-            return Ok(None);
+        let read = || {
+            rows().fold(sqlx::query(sized.acquired.clone()), |q, i| {
+                keyed(q, &jobs[i].req.key)
+            })
+        };
+        let rows = match read().fetch_all(&mut *c).await {
+            Ok(rows) => rows,
+            // The upsert committed: the rows under this batch's lease ids are its callers'.
+            // One-record begins would find them held under those ids and answer "in
+            // progress" for keys taken for them, so they are read again, elsewhere; a store
+            // that cannot answer that fails the batch.
+            Err(_) => {
+                drop(c);
+                let mut c = self.conn().await?;
+                read()
+                    .fetch_all(&mut *c)
+                    .await
+                    .map_err(|e| error("cannot read which keys a batch took", e))?
+            }
         };
         Ok(rows
             .iter()
