@@ -178,6 +178,20 @@ impl From<StaleLease> for StepError {
     }
 }
 
+/// Whether a step of a name not in `steps` may be added to them: refused after a step whose
+/// outcome is unknown, and once they hold [`MAX_STEPS`]. (Whether its output fits in
+/// [`MAX_STEPS_BYTES`] is known only once it is made.) For a caller to check before it runs
+/// a step whose recording would be refused.
+pub fn may_add(steps: &[Step]) -> Result<(), StepRefused> {
+    if let Some(last) = steps.last().filter(|s| s.outcome == StepOutcome::Unknown) {
+        return Err(StepRefused::AfterUnknown(last.name.clone()));
+    }
+    if steps.len() >= MAX_STEPS {
+        return Err(StepRefused::Full);
+    }
+    Ok(())
+}
+
 /// Records `step` in `steps` (the record's, already checked to be held by the lease):
 /// `Ok(true)` if they changed, `Ok(false)` for a repeat of what is recorded.
 pub(crate) fn record(steps: &mut Vec<Step>, step: &Step) -> Result<bool, StepRefused> {
@@ -194,12 +208,7 @@ pub(crate) fn record(steps: &mut Vec<Step>, step: &Step) -> Result<bool, StepRef
             _ => Err(StepRefused::Conflict(step.name.clone())),
         };
     }
-    if let Some(last) = steps.last().filter(|s| s.outcome == StepOutcome::Unknown) {
-        return Err(StepRefused::AfterUnknown(last.name.clone()));
-    }
-    if steps.len() >= MAX_STEPS {
-        return Err(StepRefused::Full);
-    }
+    may_add(steps)?;
     steps.push(step.clone());
     check_size(steps).inspect_err(|_| {
         steps.pop();

@@ -369,6 +369,7 @@ impl<'a, S: Store + Clone, C: Clock + Clone, P> Once<'a, S, C, P> {
         // in a `Serialize` impl gives the key back like a panic in the work.
         let stored = match &result {
             Ok(value) => Some(encode(&Stored::<&T, &E>::Ok(value))),
+            Err(Halt::Unrecordable(codec)) => Some(Err(serde_json::Error::custom(codec))),
             Err(Halt::Work(error)) if self.classify.is_permanent(error) => {
                 Some(encode(&Stored::<&T, &E>::Err(error)))
             }
@@ -416,6 +417,8 @@ impl<'a, S: Store + Clone, C: Clock + Clone, P> Once<'a, S, C, P> {
                 replayed: false,
             }),
             Err(Halt::Engine(e)) => Err(e),
+            // Stored as a marker and answered above.
+            Err(Halt::Unrecordable(codec)) => Err(RunError::Codec(codec)),
         }
     }
 
@@ -471,6 +474,7 @@ fn halt<E>(failure: StepFailure<E>) -> Halt<E> {
         StepFailure::NotRecorded(e) => Halt::Engine(RunError::NotRecorded(e)),
         StepFailure::Problem(p) => Halt::Engine(RunError::Step(p)),
         StepFailure::Codec(e) => Halt::Engine(RunError::Codec(e)),
+        StepFailure::Unrecordable(e) => Halt::Unrecordable(e),
     }
 }
 
@@ -481,6 +485,9 @@ pub(crate) enum Halt<E> {
     /// The engine's: the key is released (a step that could not be recorded) unless the lease
     /// was lost.
     Engine(RunError<E>),
+    /// Work ran whose result can never be recorded (a step's output): a marker is stored, as
+    /// for a result that does not encode.
+    Unrecordable(serde_json::Error),
 }
 
 enum Claim {

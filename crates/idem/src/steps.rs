@@ -25,6 +25,7 @@ use idem_core::{
 };
 use serde::Serialize;
 use serde::de::DeserializeOwned;
+use serde::ser::Error as _;
 
 use crate::claim::settle_retrying;
 
@@ -46,9 +47,17 @@ pub enum StepFailure<E> {
     /// The step's name is invalid, or the record refused it.
     #[error(transparent)]
     Problem(StepProblem),
-    /// The step's output could not be encoded, or a recorded one decoded.
-    #[error("cannot encode or decode the step's output: {0}")]
+    /// A recorded step's output could not be decoded (its type changed since it was
+    /// recorded); the key is released.
+    #[error("cannot decode the step's output: {0}")]
     Codec(#[source] serde_json::Error),
+    /// The step ran, but its output cannot be recorded: it does not encode, does not decode
+    /// back as it was written (a non-finite float becomes `null`), or is larger than a record
+    /// keeps. Every attempt would run the step and fail the same way, so the run stores a
+    /// marker instead of releasing the key, and retries get
+    /// [`RunError::Codec`](crate::RunError::Codec) without running anything.
+    #[error("the step ran but its output cannot be recorded: {0}")]
+    Unrecordable(#[source] serde_json::Error),
 }
 
 /// A step the record cannot take.
@@ -195,7 +204,17 @@ impl<S: Store + Clone, C: Clock + Clone> Steps<S, C> {
         Fut: Future<Output = Result<T, E>>,
     {
         let name = StepName::new(name).map_err(|e| StepFailure::Problem(e.into()))?;
-        let before = self.lock().iter().find(|s| s.name == name).cloned();
+        let before = {
+            let recorded = self.lock();
+            let before = recorded.iter().find(|s| s.name == name).cloned();
+            if before.is_none() {
+                // What the record would refuse anyway, refused before the step runs rather
+                // than after its effect.
+                idem_core::step::may_add(&recorded)
+                    .map_err(|r| StepFailure::Problem(StepProblem::Refused(r)))?;
+            }
+            before
+        };
         let after_unknown = match before.map(|s| s.outcome) {
             Some(StepOutcome::Done(output)) => {
                 return serde_json::from_slice(&output).map_err(StepFailure::Codec);
@@ -209,9 +228,23 @@ impl<S: Store + Clone, C: Clock + Clone> Steps<S, C> {
         };
         match work(context).await {
             Ok(value) => {
-                let output = serde_json::to_vec(&value).map_err(StepFailure::Codec)?;
-                let step = Step::done(name, output).map_err(|e| StepFailure::Problem(e.into()))?;
-                self.record(step).await?;
+                let output = serde_json::to_vec(&value).map_err(StepFailure::Unrecordable)?;
+                // A later attempt reads the output back instead of running the step: one that
+                // does not decode would fail every attempt after the effect.
+                serde_json::from_slice::<T>(&output).map_err(StepFailure::Unrecordable)?;
+                let step = Step::done(name, output).map_err(|e| match e {
+                    InvalidStep::TooLarge => {
+                        StepFailure::Unrecordable(serde_json::Error::custom(e.to_string()))
+                    }
+                    e => StepFailure::Problem(e.into()),
+                })?;
+                self.record(step).await.map_err(|f| match f {
+                    // Past the record's bytes with this output: it would be refused again.
+                    StepFailure::Problem(StepProblem::Refused(r @ StepRefused::Full)) => {
+                        StepFailure::Unrecordable(serde_json::Error::custom(r.to_string()))
+                    }
+                    f => f,
+                })?;
                 Ok(value)
             }
             Err(error) if unknown(&error) => {

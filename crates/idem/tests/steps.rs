@@ -398,6 +398,91 @@ async fn a_bad_step_name_stops_the_run_and_a_name_used_again_hands_back_its_outp
     assert_eq!(twice.value, (1, 1));
 }
 
+/// A step whose output can never be recorded (it does not encode, it does not decode back, it
+/// is larger than a record keeps) ran its effect: the run stores a marker, and a retry gets the
+/// same error without running the step again.
+#[tokio::test]
+async fn a_step_that_ran_but_cannot_be_recorded_is_not_run_again() {
+    #[derive(Serialize, Deserialize)]
+    struct Unencodable(#[serde(serialize_with = "refuse")] u32);
+    fn refuse<S: serde::Serializer>(_: &u32, _: S) -> Result<S::Ok, S::Error> {
+        Err(serde::ser::Error::custom("no"))
+    }
+    let idem = Idempotency::new(MemoryStore::new());
+    let ran = AtomicUsize::new(0);
+    let effect = &|| {
+        ran.fetch_add(1, Ordering::SeqCst);
+    };
+    let cases: [(&str, &dyn Fn() -> Key); 3] = [
+        ("unencodable", &|| key("memory", "unencodable")),
+        ("nan", &|| key("memory", "nan")),
+        ("too-large", &|| key("memory", "too-large")),
+    ];
+    for (case, make_key) in cases {
+        ran.store(0, Ordering::SeqCst);
+        let key = make_key();
+        for attempt in 0..2 {
+            let run = idem
+                .once(&key)
+                .steps(|s| async move {
+                    match case {
+                        "unencodable" => {
+                            s.step("effect", |_| async {
+                                effect();
+                                Ok::<_, BankError>(Unencodable(1))
+                            })
+                            .await?;
+                        }
+                        "nan" => {
+                            s.step("effect", |_| async {
+                                effect();
+                                Ok::<_, BankError>(f64::NAN)
+                            })
+                            .await?;
+                        }
+                        _ => {
+                            s.step("effect", |_| async {
+                                effect();
+                                Ok::<_, BankError>("x".repeat(2 << 20))
+                            })
+                            .await?;
+                        }
+                    }
+                    Ok(())
+                })
+                .await;
+            assert!(
+                matches!(run, Err(RunError::Codec(_))),
+                "{case}, attempt {attempt}: {run:?}"
+            );
+        }
+        assert_eq!(ran.load(Ordering::SeqCst), 1, "{case}: the effect ran once");
+    }
+}
+
+/// A step past the most a record keeps is refused before it runs.
+#[tokio::test]
+async fn a_step_past_the_last_a_record_keeps_does_not_run() {
+    let idem = Idempotency::new(MemoryStore::new());
+    let ran = &AtomicUsize::new(0);
+    let run = idem
+        .once(&key("memory", "full"))
+        .steps(|s| async move {
+            for i in 0..idem_core::step::MAX_STEPS {
+                s.step(&format!("s{i}"), |_| async { Ok::<_, BankError>(()) })
+                    .await?;
+            }
+            s.step("one-more", |_| async {
+                ran.fetch_add(1, Ordering::SeqCst);
+                Ok::<_, BankError>(())
+            })
+            .await
+        })
+        .await;
+    assert!(matches!(run, Err(RunError::Step(_))), "{run:?}");
+    assert_eq!(ran.load(Ordering::SeqCst), 0);
+}
+
 /// A run with steps on a store chosen at run time (`SharedStore`) is `Send`: it can be spawned,
 /// as an HTTP handler's work is.
 #[tokio::test]
