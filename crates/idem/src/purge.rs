@@ -37,12 +37,16 @@ pub async fn purge_all(store: &dyn DynStore, now: Timestamp) -> Result<u64, Stor
     }
 }
 
-/// Runs [`purge_all`] every `every` (the first pass at once) until the task is dropped. A
-/// failing store is logged and tried again at the next tick. [`purge_loop_reporting`] does the
+/// Runs [`purge_all`] every `every` (the first pass at once; an interval under a second is
+/// taken as a second) until the task is dropped. A failing store is logged and tried again at
+/// the next tick. [`purge_loop_reporting`] does the
 /// same and says how its passes went.
 pub async fn purge_loop(store: SharedStore, clock: Arc<dyn Clock>, every: Duration) {
     purge_loop_reporting(store, clock, every, PurgeStatus::default()).await;
 }
+
+/// The shortest interval between two purge passes.
+const MIN_INTERVAL: Duration = Duration::from_secs(1);
 
 /// [`purge_loop`], recording each pass in `status` for health reports. A run of failed passes
 /// is logged once as it begins (a warning) and once as it ends.
@@ -52,7 +56,8 @@ pub async fn purge_loop_reporting(
     every: Duration,
     status: PurgeStatus,
 ) {
-    let mut tick = tokio::time::interval(every);
+    // `interval` panics on zero; a purge more often than every second only loads the store.
+    let mut tick = tokio::time::interval(every.max(MIN_INTERVAL));
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
         tick.tick().await;

@@ -67,3 +67,18 @@ async fn the_loop_survives_a_failing_store_and_purges_at_the_next_tick() {
     assert!(!task.is_finished());
     task.abort();
 }
+
+/// A zero interval does not stop the loop: it purges, at most once a second.
+#[tokio::test(start_paused = true)]
+async fn a_zero_interval_still_purges() {
+    let store = Arc::new(MemoryStore::new());
+    let clock = Arc::new(ManualClock::new(Timestamp::from_millis(1_000_000)));
+    completed(&*store, 0, Duration::from_secs(1), clock.now()).await;
+    clock.advance(Duration::from_secs(10));
+    let shared: SharedStore = store.clone();
+    let task = tokio::spawn(purge_loop(shared, clock.clone(), Duration::ZERO));
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert_eq!(store.len(), 0);
+    assert!(!task.is_finished(), "the loop runs on");
+    task.abort();
+}
