@@ -32,20 +32,18 @@ impl<S: Store + Clone, C: Clock + Clone> Consumer<S, C> {
         let renewing = async {
             let mut held_until = lease.expires_at;
             loop {
-                let left = held_until.saturating_since(clock.now());
-                if left.is_zero() {
-                    tracing::warn!(
-                        "a running message's lease ran out unrenewed; its handler is stopped"
-                    );
-                    return;
-                }
-                tokio::time::sleep(every.min(left)).await;
-                // A renewal may take no longer than what is left of the lease: a store that
-                // does not answer cannot keep the handler running past it.
-                let left = held_until.saturating_since(clock.now());
+                tokio::time::sleep(every.min(held_until.saturating_since(clock.now()))).await;
+                // A renewal may take what is left of the lease (at least a beat: a process the
+                // machine starved past its lease's end still asks; a lease that ran out but was
+                // not taken over may be renewed), and no longer: a store that does not answer
+                // cannot keep the handler running past the lease.
+                let bound = held_until.saturating_since(clock.now()).max(every);
                 let renew = self.idem.store().renew(key, &lease, s.lease, clock.now());
-                match tokio::time::timeout(left, renew).await {
-                    Ok(Ok(renewed)) => held_until = renewed.expires_at,
+                match tokio::time::timeout(bound, renew).await {
+                    Ok(Ok(renewed)) => {
+                        held_until = renewed.expires_at;
+                        continue;
+                    }
                     Ok(Err(LeaseError::Stale(_))) => {
                         tracing::warn!(
                             "a running message's key was taken over; its handler is stopped"
@@ -60,6 +58,12 @@ impl<S: Store + Clone, C: Clock + Clone> Consumer<S, C> {
                             "the store did not renew a running message's lease in time"
                         );
                     }
+                }
+                if held_until <= clock.now() {
+                    tracing::warn!(
+                        "a running message's lease ran out unrenewed; its handler is stopped"
+                    );
+                    return;
                 }
             }
         };
