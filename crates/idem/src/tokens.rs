@@ -39,7 +39,8 @@ pub enum TokenError {
     /// No such token (never issued, or forgotten long after it expired).
     #[error("no such token")]
     Unknown,
-    /// A purpose or scope that cannot be used (1 to 128 visible ASCII characters).
+    /// A purpose (1 to 128 visible ASCII characters) or scope (1 to 255, as a
+    /// [`Scope`](idem_core::Scope)) that cannot be used.
     #[error("invalid {0}")]
     Invalid(&'static str),
     /// The store failed; nothing was consumed, or it is not known whether it was.
@@ -79,11 +80,12 @@ impl std::fmt::Debug for Tokens {
     }
 }
 
-/// The longest purpose and scope.
-const MAX_LABEL: usize = 128;
+/// The longest purpose.
+const MAX_PURPOSE: usize = 128;
 
-fn label(what: &'static str, s: &str) -> Result<(), TokenError> {
-    if s.is_empty() || s.len() > MAX_LABEL || !s.bytes().all(|b| b.is_ascii_graphic()) {
+/// Checks a purpose or scope: 1 to `max` visible ASCII characters.
+fn label(what: &'static str, s: &str, max: usize) -> Result<(), TokenError> {
+    if s.is_empty() || s.len() > max || !s.bytes().all(|b| b.is_ascii_graphic()) {
         return Err(TokenError::Invalid(what));
     }
     Ok(())
@@ -134,8 +136,9 @@ impl Tokens {
         purpose: &str,
         ttl: Duration,
     ) -> Result<IssuedToken, TokenError> {
-        label("scope", scope)?;
-        label("purpose", purpose)?;
+        // Any caller's scope: the HTTP API's are up to 255 characters.
+        label("scope", scope, idem_core::key::MAX_SCOPE_LEN)?;
+        label("purpose", purpose, MAX_PURPOSE)?;
         let token = idem_core::random_hex128();
         let now = self.clock.now();
         let expires_at = now.saturating_add(ttl);

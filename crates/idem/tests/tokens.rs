@@ -142,6 +142,19 @@ async fn each_refusal_has_its_own_reason() {
             .await,
         Err(TokenError::Invalid("purpose"))
     ));
+    // Any caller's scope may hold tokens: up to 255 characters, as a key's scope.
+    let long = "s".repeat(255);
+    let t = tokens
+        .issue(&long, "order-form", Duration::from_secs(60))
+        .await
+        .unwrap();
+    tokens.consume(&long, &t.token, "order-form").await.unwrap();
+    assert!(matches!(
+        tokens
+            .issue(&"s".repeat(256), "order-form", Duration::from_secs(60))
+            .await,
+        Err(TokenError::Invalid("scope"))
+    ));
 }
 
 #[tokio::test]
