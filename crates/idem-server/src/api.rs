@@ -53,7 +53,9 @@ fn record_key(caller: &Caller, namespace: &str, key: &str) -> Result<Key, Proble
     ))
 }
 
-fn duration_ms(
+/// A duration in milliseconds from a request: `default` when absent; 400 `invalid_duration`
+/// when zero or past `max`.
+pub(crate) fn duration_ms(
     name: &str,
     value: Option<u64>,
     default: Duration,

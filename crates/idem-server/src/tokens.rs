@@ -20,7 +20,7 @@ use serde_json::json;
 use utoipa::ToSchema;
 
 use crate::AppState;
-use crate::api::{MAX_TTL, rfc3339};
+use crate::api::{MAX_TTL, duration_ms, rfc3339};
 use crate::auth::Caller;
 use crate::json::JsonBody;
 
@@ -57,12 +57,7 @@ pub async fn issue(
     caller: Caller,
     JsonBody(body): JsonBody<IssueBody>,
 ) -> Result<Response, Problem> {
-    let ttl = Duration::from_millis(body.ttl_ms.unwrap_or(3_600_000));
-    if ttl.is_zero() || ttl > MAX_TTL {
-        return Err(Problem::invalid_request(
-            "`ttl_ms` must be from 1 to 31536000000 (365 days).",
-        ));
-    }
+    let ttl = duration_ms("ttl_ms", body.ttl_ms, Duration::from_secs(3600), MAX_TTL)?;
     let issued = tokens(&state)
         .issue(caller.scope.as_str(), &body.purpose, ttl)
         .await

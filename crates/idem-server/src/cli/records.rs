@@ -239,11 +239,15 @@ async fn run(store: SharedStore, command: RecordsCommand) -> Result<(), String> 
             }
             if let Some(a) = answer {
                 say!("\nanswer: {}", a.status);
+                // Control characters escaped: a stored answer must not drive the terminal (a
+                // header value may hold bytes that decode to C1 controls).
                 for (name, value) in &a.headers {
-                    say!("{name}: {}", String::from_utf8_lossy(value.as_bytes()));
+                    say!(
+                        "{name}: {}",
+                        printable(&String::from_utf8_lossy(value.as_bytes()))
+                    );
                 }
                 match std::str::from_utf8(&a.body) {
-                    // Control characters escaped: a stored body must not drive the terminal.
                     Ok(text) => say!("\n{}", printable(text)),
                     Err(_) => say!("\n({} bytes, not text)", a.body.len()),
                 }

@@ -37,6 +37,7 @@ const COUNT: &[P] = &[P::InvalidCount, P::InvalidRequest];
 const ERRORS: &[(&str, &str, &[&[P]])] = &[
     ("get", "/healthz", &[&[P::StoreUnavailable]]),
     ("get", "/_idem/health", &[&[P::StoreUnavailable]]),
+    ("get", "/_idem", &[&[P::AdminDisabled]]),
     (
         "post",
         "/v1/records/begin",
@@ -102,7 +103,11 @@ const ERRORS: &[(&str, &str, &[&[P]])] = &[
             &[P::InvalidKey, P::InvalidRequest, P::NotFound],
         ],
     ),
-    ("post", "/v1/tokens", &[AUTH, BODY, STORE]),
+    (
+        "post",
+        "/v1/tokens",
+        &[AUTH, BODY, STORE, &[P::InvalidDuration]],
+    ),
     (
         "post",
         "/v1/tokens/consume",
