@@ -132,6 +132,8 @@ catalogue! {
     // `idem gateway`.
     AmbiguousPath = (BAD_REQUEST, "ambiguous_path", "Ambiguous path",
         "The path is one that servers read differently (an encoded `/`, `\\` or dot segment, a `;`, a control character).");
+    AmbiguousMethod = (BAD_REQUEST, "ambiguous_method", "Ambiguous method",
+        "The method is a standard one in other letter case (`post`): methods are case-sensitive, and some servers read it as the standard one.");
     CredentialRequired = (UNAUTHORIZED, "credential_required", "Credential required",
         "The route keeps callers apart by a header the request with an Idempotency-Key does not carry.");
     UpstreamUnreachable = (BAD_GATEWAY, "upstream_unreachable", "Upstream unreachable",

@@ -300,6 +300,12 @@ impl Service<Request<Body>> for Front {
     }
 
     fn call(&mut self, mut req: Request<Body>) -> Self::Future {
+        if let Some(standard) = standard_in_other_case(req.method()) {
+            return ready(refuse(ProblemCode::AmbiguousMethod.problem(format!(
+                "Refused: the method is {standard} in other letter case. Methods are \
+                 case-sensitive, and servers differ on this one; send {standard}."
+            ))));
+        }
         let normal = match path::normalize(req.uri().path()) {
             Ok(normal) => normal,
             Err(e) => return ready(refuse(path_problem(e))),
@@ -343,6 +349,19 @@ fn with_path(uri: &Uri, path: &str) -> Option<Uri> {
     let mut parts = uri.clone().into_parts();
     parts.path_and_query = Some(PathAndQuery::try_from(pq).ok()?);
     Uri::from_parts(parts).ok()
+}
+
+/// The standard method (RFC 9110, and PATCH) that `method` spells in other letter case, if
+/// any: `post` is not POST to the gateway, so no route guards it, while Django, Flask and
+/// ASP.NET run it as POST.
+fn standard_in_other_case(method: &axum::http::Method) -> Option<&'static str> {
+    const STANDARD: [&str; 9] = [
+        "GET", "HEAD", "POST", "PUT", "DELETE", "CONNECT", "OPTIONS", "TRACE", "PATCH",
+    ];
+    let m = method.as_str();
+    STANDARD
+        .into_iter()
+        .find(|s| s.eq_ignore_ascii_case(m) && *s != m)
 }
 
 /// 400 `ambiguous_path` (`invalid_request` for a target that is not a path at all).
@@ -429,6 +448,6 @@ fn describe_metrics() {
     );
     metrics::describe_counter!(
         "idem_gateway_refused_total",
-        "Requests the gateway refused before any route: ambiguous_path, invalid_request, credential_required."
+        "Requests the gateway refused before any route: ambiguous_method, ambiguous_path, invalid_request, credential_required."
     );
 }

@@ -160,6 +160,15 @@ async fn no_spelling_of_a_guarded_path_reaches_the_upstream_unguarded() {
         assert_eq!(r.code(), code, "{path}");
         assert!(is_problem(&r), "{path}");
     }
+    // A standard method in other letter case is another method to the gateway, which no route
+    // guards, and POST to some frameworks.
+    for method in ["post", "Post", "pUT", "delete", "patch"] {
+        let method = Method::from_bytes(method.as_bytes()).unwrap();
+        let r = send(gw, method.clone(), "/v1/payments/charge", &[], "pay").await;
+        assert_eq!(r.status, StatusCode::BAD_REQUEST, "{method}: {}", r.body);
+        assert_eq!(r.code(), "ambiguous_method", "{method}");
+        assert!(is_problem(&r), "{method}");
+    }
     assert_eq!(seen.runs(), 0, "a spelling reached the upstream");
 
     // With a key, any clean spelling is the one request the upstream sees under its one name,
