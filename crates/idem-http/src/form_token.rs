@@ -8,7 +8,10 @@
 //! `expired`, `wrong_purpose`, `unknown`). A request without one is 400 `token_missing`.
 //! The token is used up before the handler runs, whatever the handler then answers: a form
 //! whose submission failed needs a new token (render the form again), which is what keeps a
-//! second submission from slipping in while the first one runs.
+//! second submission from slipping in while the first one runs. Spending the token and the
+//! handler run in a task of their own, so a client that hangs up after the token was spent
+//! (a double click aborts the first submission) does not cancel the handler: the first
+//! submission is made, and the second is told the token was used.
 
 use std::sync::Arc;
 use std::task::{Context, Poll};
@@ -104,7 +107,11 @@ where
         let clone = self.inner.clone();
         let mut inner = std::mem::replace(&mut self.inner, clone);
         let cfg = self.cfg.clone();
-        Box::pin(async move {
+        // Spending the token and running the handler happen in a task of its own, as the
+        // idempotency layer's claim and handler do: a client that hangs up (a double click
+        // aborts the first submission) cancels neither half way, so a spent token always
+        // reached the handler, which finishes.
+        let work = async move {
             let (parts, body) = req.into_parts();
             let Some(token) = parts.headers.get(&cfg.header).and_then(|v| v.to_str().ok()) else {
                 return Ok(ProblemCode::TokenMissing
@@ -127,6 +134,15 @@ where
             }
             let req = Request::from_parts(parts, body);
             Ok(inner.call(req).await?.map(boxed))
+        };
+        Box::pin(async move {
+            match tokio::spawn(work).await {
+                Ok(result) => result,
+                Err(_) => Ok(ProblemCode::HandlerFailed
+                    .problem("The handler failed before answering; the token was spent.")
+                    .into_http::<Full<bytes::Bytes>>()
+                    .map(boxed)),
+            }
         })
     }
 }
