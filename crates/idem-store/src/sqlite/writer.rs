@@ -140,32 +140,83 @@ impl Responder {
     }
 }
 
+/// How long a key claimed for a caller that left waits before it is given back again, when
+/// the last try failed and no other write comes first.
+const RELEASE_RETRY: Duration = Duration::from_millis(100);
+
 impl Writer {
     pub(super) fn run(mut self, rx: &mpsc::Receiver<Op>) {
-        // Ends when every SqliteStore clone has been dropped.
-        while let Ok(first) = rx.recv() {
-            let mut batch = Vec::with_capacity(self.max_batch);
-            batch.push(first);
-            while batch.len() < self.max_batch {
-                match rx.try_recv() {
-                    Ok(op) => batch.push(op),
-                    Err(_) => break,
+        // Keys claimed for callers that stopped waiting, not given back yet.
+        let mut unreleased: Vec<(Key, Lease, Timestamp)> = Vec::new();
+        let mut warned = false;
+        loop {
+            let first = if unreleased.is_empty() {
+                rx.recv().ok()
+            } else {
+                // Given back with the next batch, or after a pause if none comes.
+                match rx.recv_timeout(RELEASE_RETRY) {
+                    Ok(op) => Some(op),
+                    Err(mpsc::RecvTimeoutError::Timeout) => None,
+                    Err(mpsc::RecvTimeoutError::Disconnected) => {
+                        self.give_back(&mut unreleased, &mut warned);
+                        return;
+                    }
                 }
+            };
+            if let Some(first) = first {
+                let mut batch = Vec::with_capacity(self.max_batch);
+                batch.push(first);
+                while batch.len() < self.max_batch {
+                    match rx.try_recv() {
+                        Ok(op) => batch.push(op),
+                        Err(_) => break,
+                    }
+                }
+                unreleased.extend(self.run_batch(batch));
+            } else if unreleased.is_empty() {
+                return; // every SqliteStore clone has been dropped
             }
-            let orphans = self.run_batch(batch);
-            if !orphans.is_empty() {
-                // A key claimed for a caller that stopped waiting (a timeout, a dropped
-                // request) is given back at once rather than held for a whole lease.
-                let releases = orphans
-                    .into_iter()
-                    .map(|(key, lease, now)| Op {
-                        request: Request::Release(key, lease, now),
-                        responder: Responder::Lease(oneshot::channel().0),
-                    })
-                    .collect();
-                self.run_batch(releases);
+            if !unreleased.is_empty() {
+                self.give_back(&mut unreleased, &mut warned);
             }
         }
+    }
+
+    /// Gives back keys claimed for callers that stopped waiting (a timeout, a dropped
+    /// request), at once rather than held for a whole lease. What the store could not give
+    /// back stays in `claimed` to be tried again, until its lease has run out by itself.
+    fn give_back(&mut self, claimed: &mut Vec<(Key, Lease, Timestamp)>, warned: &mut bool) {
+        let (ops, answers): (Vec<Op>, Vec<_>) = claimed
+            .iter()
+            .map(|(key, lease, now)| {
+                let (tx, rx) = oneshot::channel();
+                let op = Op {
+                    request: Request::Release(key.clone(), *lease, *now),
+                    responder: Responder::Lease(tx),
+                };
+                (op, rx)
+            })
+            .unzip();
+        self.run_batch(ops);
+        let now = Timestamp::now();
+        let mut answers = answers.into_iter();
+        claimed.retain(|(_, lease, _)| {
+            // Given back, or given up (taken over, or no longer held): done.
+            let failed = matches!(
+                answers.next().map(|mut rx| rx.try_recv()),
+                Some(Ok(Err(LeaseError::Store(_))))
+            );
+            failed && lease.expires_at > now
+        });
+        // Said once, when keys first stay (they are tried again every `RELEASE_RETRY`).
+        if !claimed.is_empty() && !*warned {
+            tracing::warn!(
+                keys = claimed.len(),
+                "the SQLite store could not give back keys claimed for callers that left; \
+                 trying again until their leases run out"
+            );
+        }
+        *warned = !claimed.is_empty();
     }
 
     /// Runs `batch` in one transaction and answers every caller. Returns the leases acquired
