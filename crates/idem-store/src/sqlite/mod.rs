@@ -304,8 +304,9 @@ impl Store for SqliteStore {
 
     async fn get(&self, key: &Key, now: Timestamp) -> Result<Option<Record>, StoreError> {
         match self.read(key).await {
-            // No read connections, or all busy or gone: the writer reads too.
-            None | Some(Err(StoreError::Unavailable { .. })) => {
+            // No read connections, or all busy, gone or unable to open (as for `begin`, any
+            // read that cannot be made): the writer reads too.
+            None | Some(Err(_)) => {
                 self.call(Request::Get(key.clone(), now), Responder::Get, Err)
                     .await
             }
