@@ -319,3 +319,47 @@ async fn keys_written_elsewhere_are_replayed_and_read_without_the_writer() {
     }
     drop(blocker);
 }
+
+/// A row another program wrote with a column of another type is that record's corruption,
+/// answered to its caller; the other records go on.
+#[tokio::test]
+async fn a_row_of_the_wrong_types_is_corrupt_and_fails_nothing_else() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = open(&dir, Duration::from_secs(5));
+    let now = Timestamp::now();
+    assert!(matches!(
+        store.begin(&req("bad"), now).await.unwrap(),
+        BeginOutcome::Acquired(_)
+    ));
+    let conn = rusqlite::Connection::open(dir.path().join("idem.db")).unwrap();
+    conn.execute(
+        "UPDATE idem_records SET fence = 'not a number' WHERE client_key = 'bad'",
+        [],
+    )
+    .unwrap();
+    drop(conn);
+    let bad = store.begin(&req("bad"), now).await;
+    assert!(matches!(bad, Err(StoreError::Corrupt(_))), "{bad:?}");
+    // Many at once, so that the bad key shares a batch with good ones.
+    let mut calls = tokio::task::JoinSet::new();
+    for i in 0..20 {
+        let store = store.clone();
+        let k = if i == 10 {
+            req("bad")
+        } else {
+            req(&format!("ok-{i}"))
+        };
+        calls.spawn(async move { (i, store.begin(&k, now).await) });
+    }
+    while let Some(done) = calls.join_next().await {
+        let (i, answer) = done.unwrap();
+        if i == 10 {
+            assert!(matches!(answer, Err(StoreError::Corrupt(_))), "{answer:?}");
+        } else {
+            assert!(
+                matches!(answer, Ok(BeginOutcome::Acquired(_))),
+                "{i}: {answer:?}"
+            );
+        }
+    }
+}

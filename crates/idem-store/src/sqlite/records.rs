@@ -192,7 +192,22 @@ pub(super) fn load(
                 })
             },
         )
-        .optional()?;
+        .optional();
+    let row = match row {
+        Ok(row) => row,
+        // A column of another type (a row another program wrote): this record is corrupt, which
+        // is its caller's answer, not a reason to fail every other record of the batch.
+        Err(
+            e @ (rusqlite::Error::InvalidColumnType(..)
+            | rusqlite::Error::FromSqlConversionFailure(..)
+            | rusqlite::Error::IntegralValueOutOfRange(..)),
+        ) => {
+            return Ok(Err(StoreError::Corrupt(format!(
+                "a stored record does not read: {e}"
+            ))));
+        }
+        Err(e) => return Err(e),
+    };
     Ok(row.map(|raw| raw.into_record(key)).transpose())
 }
 
