@@ -15,6 +15,8 @@
 //!   transactions on one resource are also serialized.
 //! - **Redis** ([`RedisStore::fenced_set`](crate::RedisStore::fenced_set)): a value stored with
 //!   its fence, replaced only by an equal or higher one, in one script.
+//!
+//! A fence is at most [`MAX_FENCE`] (2^53 - 1): past it Lua would round two fences to one.
 
 /// The answer of a fenced write.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -27,6 +29,30 @@ pub enum Fenced {
         /// The highest fence accepted so far.
         highest: u64,
     },
+}
+
+/// The highest fence a fenced write takes: 2^53 - 1, the largest that Redis's Lua numbers (and
+/// every SQL `BIGINT`) hold exactly. A larger one would be rounded or capped, and two different
+/// fences compared as equal, so the lower one would pass; it is refused instead. The fences idem
+/// hands out (a record's, a lock's) stay far below it.
+pub const MAX_FENCE: u64 = (1 << 53) - 1;
+
+/// Refuses a fence past [`MAX_FENCE`].
+fn checked(fence: u64) -> Result<u64, String> {
+    if fence > MAX_FENCE {
+        return Err(format!(
+            "fence {fence} is past the largest a fenced write takes exactly ({MAX_FENCE})"
+        ));
+    }
+    Ok(fence)
+}
+
+/// [`checked`], as a store error.
+pub(crate) fn checked_fence(fence: u64) -> Result<u64, idem_core::StoreError> {
+    checked(fence).map_err(|message| idem_core::StoreError::Backend {
+        message,
+        source: None,
+    })
 }
 
 impl Fenced {
@@ -102,7 +128,7 @@ impl SqlFences {
     ) -> Result<Fenced, idem_core::StoreError> {
         use sqlx::AssertSqlSafe;
         let fail = |e| crate::postgres::error("cannot check the fence", e);
-        let fence = crate::row::sql_int(fence);
+        let fence = crate::row::sql_int(checked_fence(fence)?);
         let accepted: Option<i64> = sqlx::query_scalar(AssertSqlSafe(self.check_sql()))
             .bind(resource)
             .bind(fence)
@@ -132,6 +158,8 @@ impl SqlFences {
         fence: u64,
     ) -> Result<Fenced, rusqlite::Error> {
         use rusqlite::OptionalExtension;
+        let fence =
+            checked(fence).map_err(|m| rusqlite::Error::ToSqlConversionFailure(m.into()))?;
         let fence = crate::row::sql_int(fence);
         let accepted: Option<i64> = tx
             .prepare_cached(&self.check_sql())?

@@ -278,6 +278,33 @@ fn a_stopped_holder_is_fenced_out_on_sqlite() {
     });
 }
 
+/// A fence past the exact range (which Redis's Lua numbers would round, so that two fences
+/// compare equal) is refused, not rounded: a lower one never passes for a higher.
+#[tokio::test]
+async fn a_fence_past_the_exact_range_is_refused() {
+    let max = idem_store::fence::MAX_FENCE;
+    let conn = rusqlite::Connection::open_in_memory().unwrap();
+    let fences = SqlFences::new("fences").unwrap();
+    conn.execute(&fences.create_table_sql(), []).unwrap();
+    assert!(fences.check_sqlite(&conn, "r", max).unwrap().is_accepted());
+    assert!(fences.check_sqlite(&conn, "r", max + 2).is_err());
+    let Some(store) = redis().await else { return };
+    let key = unique("fenced-range");
+    assert_eq!(
+        store.fenced_set(&key, max + 2, b"high").await.ok(),
+        None,
+        "refused"
+    );
+    assert!(
+        store
+            .fenced_set(&key, max, b"exact")
+            .await
+            .unwrap()
+            .is_accepted()
+    );
+    assert!(store.fenced_set(&key, max + 1, b"past").await.is_err());
+}
+
 /// Renewal in the background keeps a lock well past its first lease.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn auto_renew_keeps_the_lock() {

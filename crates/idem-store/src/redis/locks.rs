@@ -89,7 +89,7 @@ impl RedisStore {
             .locks
             .fenced_set
             .key(key)
-            .arg(fence)
+            .arg(crate::fence::checked_fence(fence)?)
             .arg(value)
             .invoke_async(&mut self.conn.clone())
             .await
