@@ -38,6 +38,7 @@ pub enum Fenced {
 pub const MAX_FENCE: u64 = (1 << 53) - 1;
 
 /// Refuses a fence past [`MAX_FENCE`].
+#[cfg(any(feature = "postgres", feature = "sqlite", feature = "redis"))]
 fn checked(fence: u64) -> Result<u64, String> {
     if fence > MAX_FENCE {
         return Err(format!(
@@ -48,6 +49,7 @@ fn checked(fence: u64) -> Result<u64, String> {
 }
 
 /// [`checked`], as a store error.
+#[cfg(any(feature = "postgres", feature = "redis"))]
 pub(crate) fn checked_fence(fence: u64) -> Result<u64, idem_core::StoreError> {
     checked(fence).map_err(|message| idem_core::StoreError::Backend {
         message,
