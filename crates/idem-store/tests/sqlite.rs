@@ -351,15 +351,48 @@ async fn a_row_of_the_wrong_types_is_corrupt_and_fails_nothing_else() {
         };
         calls.spawn(async move { (i, store.begin(&k, now).await) });
     }
+    only_one_corrupt(calls, 10, |a| matches!(a, BeginOutcome::Acquired(_))).await;
+}
+
+/// The same for a lock's row: that lock answers corrupt, and other locks in its batch go on.
+#[tokio::test]
+async fn a_lock_row_of_the_wrong_types_is_corrupt_and_fails_nothing_else() {
+    use idem_core::{Acquire, LockName, LockOwner, LockStore};
+    let dir = tempfile::tempdir().unwrap();
+    let store = open(&dir, Duration::from_secs(5));
+    let name = |n: &str| LockName::new(n).unwrap();
+    let lease = Duration::from_secs(60);
+    let owner = LockOwner::random().digest();
+    store.acquire(&name("bad"), owner, lease).await.unwrap();
+    let conn = rusqlite::Connection::open(dir.path().join("idem.db")).unwrap();
+    conn.execute("UPDATE idem_locks SET fence = 'x' WHERE name = 'bad'", [])
+        .unwrap();
+    drop(conn);
+    let mut calls = tokio::task::JoinSet::new();
+    for i in 0..20 {
+        let store = store.clone();
+        let n = if i == 10 {
+            name("bad")
+        } else {
+            name(&format!("ok-{i}"))
+        };
+        calls.spawn(async move { (i, store.acquire(&n, owner, lease).await) });
+    }
+    only_one_corrupt(calls, 10, |a| matches!(a, Acquire::Acquired(_))).await;
+}
+
+/// Joins `calls`, each answering with its index: the one at `bad` is corrupt, every other `ok`.
+async fn only_one_corrupt<T: std::fmt::Debug + 'static>(
+    mut calls: tokio::task::JoinSet<(usize, Result<T, StoreError>)>,
+    bad: usize,
+    ok: fn(&T) -> bool,
+) {
     while let Some(done) = calls.join_next().await {
         let (i, answer) = done.unwrap();
-        if i == 10 {
+        if i == bad {
             assert!(matches!(answer, Err(StoreError::Corrupt(_))), "{answer:?}");
         } else {
-            assert!(
-                matches!(answer, Ok(BeginOutcome::Acquired(_))),
-                "{i}: {answer:?}"
-            );
+            assert!(answer.as_ref().is_ok_and(ok), "{i}: {answer:?}");
         }
     }
 }

@@ -35,7 +35,7 @@ pub(super) fn apply_lock(
     op: &LockOp,
 ) -> rusqlite::Result<Result<LockAnswer, LockError>> {
     let now = Timestamp::now();
-    let mut state = tx
+    let row = tx
         .prepare_cached("SELECT owner, fence, expires_at FROM idem_locks WHERE name = ?1")?
         .query_row([name.as_str()], |row| {
             let owner: Vec<u8> = row.get(0)?;
@@ -43,14 +43,20 @@ pub(super) fn apply_lock(
             let expires_at: i64 = row.get(2)?;
             Ok((owner, fence, expires_at))
         })
-        .optional()?
-        .map(|(owner, fence, expires_at)| {
+        .optional();
+    // `None`: no row; `Some(None)`: a row that does not read as a lock's state, which is that
+    // lock's corruption, not its batch's failure.
+    let mut state = match row {
+        Ok(row) => row.map(|(owner, fence, expires_at)| {
             Some(LockState {
                 owner: OwnerDigest(owner.try_into().ok()?),
                 fence: u64::try_from(fence).ok()?,
                 expires_at: Timestamp::from_millis(u64::try_from(expires_at).ok()?),
             })
-        });
+        }),
+        Err(e) if super::records::unreadable(&e) => Some(None),
+        Err(e) => return Err(e),
+    };
     let Some(current) = state.take() else {
         return Ok(match op {
             LockOp::Acquire(owner, lease) => acquire_lock(tx, name, None, *owner, *lease, now)?,

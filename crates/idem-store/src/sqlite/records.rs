@@ -160,6 +160,17 @@ fn transition<E: From<StoreError>>(
     }
 }
 
+/// Whether `e` says a row's column holds a value of another type (a row another program
+/// wrote): that row is corrupt; the statement and the database are fine.
+pub(super) fn unreadable(e: &rusqlite::Error) -> bool {
+    matches!(
+        e,
+        rusqlite::Error::InvalidColumnType(..)
+            | rusqlite::Error::FromSqlConversionFailure(..)
+            | rusqlite::Error::IntegralValueOutOfRange(..)
+    )
+}
+
 pub(super) fn load(
     tx: &rusqlite::Connection,
     key: &Key,
@@ -195,13 +206,9 @@ pub(super) fn load(
         .optional();
     let row = match row {
         Ok(row) => row,
-        // A column of another type (a row another program wrote): this record is corrupt, which
-        // is its caller's answer, not a reason to fail every other record of the batch.
-        Err(
-            e @ (rusqlite::Error::InvalidColumnType(..)
-            | rusqlite::Error::FromSqlConversionFailure(..)
-            | rusqlite::Error::IntegralValueOutOfRange(..)),
-        ) => {
+        // This record is corrupt, which is its caller's answer, not a reason to fail every
+        // other record of the batch.
+        Err(e) if unreadable(&e) => {
             return Ok(Err(StoreError::Corrupt(format!(
                 "a stored record does not read: {e}"
             ))));
