@@ -157,6 +157,15 @@ impl Gateway {
                 let pattern = PathPattern::parse(path)
                     .map_err(|e| format!("{}: {e}", at()))?
                     .case_sensitive(case.unwrap_or(true));
+                // Folded here as ASCII only, while an upstream that routes without regard to
+                // case may fold `Ä` to `ä` too: the route would miss requests it serves.
+                if case == Some(false) && pattern.has_non_ascii() {
+                    return Err(format!(
+                        "{}: case_sensitive = false folds ASCII letters only, and path {path:?} \
+                         has other characters; keep such routes case-sensitive",
+                        at()
+                    ));
+                }
                 let route = config::route(r, &file.defaults, self.upstream_timeout)
                     .map_err(|e| format!("{}: {e}", at()))?;
                 Ok((pattern, route))

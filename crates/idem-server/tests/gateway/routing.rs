@@ -341,6 +341,32 @@ async fn forwarding_headers_are_this_hop_s_unless_the_peer_is_trusted() {
     assert!(Gateway::new(url, memory()).configure(&file).is_err());
 }
 
+/// A route matched without regard to case folds ASCII letters only; one whose path has other
+/// letters is refused at start, rather than missing requests its upstream folds (`Ä`, `ä`).
+#[test]
+fn a_case_insensitive_route_with_letters_past_ascii_is_refused() {
+    let url = UpstreamUrl::parse("http://127.0.0.1:9").unwrap();
+    let config = |case: &str| {
+        FileConfig::parse(&format!(
+            "[[route]]\npath = \"/v1/zahlung-%C3%A4/**\"\n{case}"
+        ))
+        .unwrap()
+    };
+    let err = Gateway::new(url.clone(), memory())
+        .configure(&config("case_sensitive = false"))
+        .err()
+        .unwrap();
+    assert!(err.contains("ASCII letters only"), "{err}");
+    assert!(
+        Gateway::new(url.clone(), memory())
+            .configure(&config(""))
+            .is_ok()
+    );
+    let ascii =
+        FileConfig::parse("[[route]]\npath = \"/v1/pay/**\"\ncase_sensitive = false").unwrap();
+    assert!(Gateway::new(url, memory()).configure(&ascii).is_ok());
+}
+
 #[tokio::test]
 async fn nothing_under_the_reserved_prefix_is_ever_forwarded() {
     let (seen, up) = start_upstream().await;

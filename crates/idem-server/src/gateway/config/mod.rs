@@ -190,6 +190,14 @@ impl PathPattern {
         self
     }
 
+    /// Whether a literal segment has a byte past ASCII (a letter such as `ä`, once decoded),
+    /// which matching without regard to case would not fold.
+    pub fn has_non_ascii(&self) -> bool {
+        self.segments
+            .iter()
+            .any(|s| matches!(s, Segment::Literal(l) if !l.is_ascii()))
+    }
+
     /// The pattern as written.
     pub fn as_str(&self) -> &str {
         &self.text
