@@ -83,10 +83,10 @@ impl std::fmt::Debug for Tokens {
 /// The longest purpose.
 const MAX_PURPOSE: usize = 128;
 
-/// Checks a purpose or scope: 1 to `max` visible ASCII characters.
-fn label(what: &'static str, s: &str, max: usize) -> Result<(), TokenError> {
-    if s.is_empty() || s.len() > max || !s.bytes().all(|b| b.is_ascii_graphic()) {
-        return Err(TokenError::Invalid(what));
+/// Checks a purpose: 1 to [`MAX_PURPOSE`] visible ASCII characters.
+fn purpose_ok(s: &str) -> Result<(), TokenError> {
+    if s.is_empty() || s.len() > MAX_PURPOSE || !s.bytes().all(|b| b.is_ascii_graphic()) {
+        return Err(TokenError::Invalid("purpose"));
     }
     Ok(())
 }
@@ -136,9 +136,9 @@ impl Tokens {
         purpose: &str,
         ttl: Duration,
     ) -> Result<IssuedToken, TokenError> {
-        // Any caller's scope: the HTTP API's are up to 255 characters.
-        label("scope", scope, idem_core::key::MAX_SCOPE_LEN)?;
-        label("purpose", purpose, MAX_PURPOSE)?;
+        // Any caller's scope, as a key's scope is checked (the HTTP API's are up to 255).
+        idem_core::Scope::new(scope).map_err(|_| TokenError::Invalid("scope"))?;
+        purpose_ok(purpose)?;
         let token = idem_core::random_hex128();
         let now = self.clock.now();
         let expires_at = now.saturating_add(ttl);

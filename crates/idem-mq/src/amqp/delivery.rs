@@ -85,20 +85,19 @@ impl AmqpDelivery {
             .clone()
             .with_headers(headers)
             .with_delivery_mode(PERSISTENT);
-        let published = match self.link.publish_channel().await {
-            Ok(channel) => {
-                publish_confirmed(
-                    &channel,
-                    exchange,
-                    routing_key,
-                    &self.inner.data,
-                    props,
-                    true,
-                )
-                .await
-            }
-            Err(e) => Err(e),
-        };
+        let published = async {
+            let channel = self.link.publish_channel().await?;
+            publish_confirmed(
+                &channel,
+                exchange,
+                routing_key,
+                &self.inner.data,
+                props,
+                true,
+            )
+            .await
+        }
+        .await;
         if let Err(e) = published {
             // The copy may not exist: give the original back to the queue now rather than
             // leave it unacknowledged until the channel closes. (If the broker did take the
