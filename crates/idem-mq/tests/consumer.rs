@@ -539,3 +539,32 @@ async fn a_panic_outside_the_handler_still_settles_the_delivery() {
         "after max_attempts deliveries"
     );
 }
+
+/// A process the machine starved past its lease's end (here its clock jumps while the handler
+/// runs) still asks the store before it stops the handler: a lease that ran out but that
+/// nobody took over is renewed, and the handler finishes.
+#[tokio::test]
+async fn a_handler_starved_past_its_lease_goes_on_if_nobody_took_the_key() {
+    let q = Queue::new("orders");
+    q.publish(Some("starved"), b"{}".as_slice());
+    let clock = idem::ManualClock::starting_now();
+    let store = FaultyStore::new(MemoryStore::new());
+    let engine = idem::Idempotency::new(store.clone()).with_clock(clock.clone());
+    let consumer = Consumer::with_engine(engine).lease(Duration::from_millis(300));
+    let handler = move |_m: Message| {
+        let (clock, store) = (clock.clone(), store.clone());
+        async move {
+            clock.advance(Duration::from_secs(1));
+            // The renewal takes a moment, as any over a network does.
+            store.fail_next(Op::Renew, Fault::SlowReply(Duration::from_millis(20)));
+            tokio::time::sleep(Duration::from_millis(400)).await;
+            Ok::<_, Failure<String>>(())
+        }
+    };
+    let mut source = q.source();
+    let d = source.next().await.expect("open").expect("delivery");
+    let outcome = within("the process", consumer.process(&source, d, &handler))
+        .await
+        .expect("process");
+    assert_eq!(outcome, Outcome::Handled);
+}
