@@ -252,8 +252,8 @@ fn invalid_step(e: &InvalidStep) -> Problem {
     }
 }
 
-/// The steps recorded by earlier attempts of a key this attempt has just taken: none on a
-/// record's first lease (fence 1), else read from the store.
+/// The steps recorded by earlier attempts of a key this attempt has just taken: none on the
+/// lease that created the record, else read from the store.
 ///
 /// A lease is granted before its steps are read: if the read fails, or the caller leaves
 /// while it runs, the key is given back (as a claim whose caller left is), so that nobody

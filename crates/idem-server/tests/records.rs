@@ -9,7 +9,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use axum::http::StatusCode;
-use common::{BANK, SHOP, get, post, with_callers};
+use common::{BANK, SHOP, acquisition, get, post, with_callers};
 use idem_core::{ManualClock, Timestamp};
 use idem_server::AppState;
 use idem_server::admin::AdminToken;
@@ -17,8 +17,10 @@ use serde_json::{Value, json};
 
 const TOKEN: &str = "operator-token-0123456789";
 
+const START: Timestamp = Timestamp::from_millis(1_700_000_000_000);
+
 fn state() -> (AppState, Arc<ManualClock>) {
-    let clock = Arc::new(ManualClock::new(Timestamp::from_millis(1_700_000_000_000)));
+    let clock = Arc::new(ManualClock::new(START));
     let mut state = with_callers(AppState::new(Arc::new(idem_store::MemoryStore::new())));
     state.clock = clock.clone();
     state.admin_token = Some(AdminToken::new(TOKEN).unwrap());
@@ -110,7 +112,7 @@ async fn records_are_listed_by_page_and_filter_and_counted() {
 
     let (_, _, page) = get(&state, TOKEN, "/_idem/records?scope=shop&state=stuck").await;
     assert_eq!(keys(&page), ["shop/a"]);
-    assert_eq!(page["records"][0]["fence"], 1);
+    assert_eq!(acquisition(&page["records"][0]["fence"]), 1);
     let (_, _, page) = get(&state, TOKEN, "/_idem/records?state=completed").await;
     assert_eq!(keys(&page), ["shop/c"]);
     let (_, _, page) = get(&state, TOKEN, "/_idem/records?namespace=pay&older_than=1h").await;
@@ -184,7 +186,10 @@ async fn repair(state: &AppState, body: Value) -> (StatusCode, Value) {
     (status, serde_json::from_slice(&bytes).unwrap())
 }
 
-fn shown(scope: &str, key: &str, state: &str, fence: u64) -> Value {
+/// A record as shown, by the `acquisition`-th fence of a record created at the clock's start
+/// (as `populate`'s are).
+fn shown(scope: &str, key: &str, state: &str, acquisition: u64) -> Value {
+    let fence = idem_core::Lease::first_fence(START) + acquisition - 1;
     json!({"scope": scope, "namespace": "pay", "key": key, "state": state, "fence": fence})
 }
 
@@ -209,7 +214,10 @@ async fn a_repair_touches_only_records_still_as_shown() {
     let (_, _, page) = get(&state, TOKEN, "/_idem/records?state=released").await;
     assert_eq!(keys(&page), ["shop/a"]);
     // The shop's retry of `a` now runs, with a higher fence.
-    assert_eq!(begin(&state, SHOP, "a", 60_000).await["lease"]["fence"], 2);
+    assert_eq!(
+        acquisition(&begin(&state, SHOP, "a", 60_000).await["lease"]["fence"]),
+        2
+    );
 
     // Released once: the same repair again changes nothing.
     let (_, done) = repair(

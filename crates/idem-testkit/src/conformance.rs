@@ -172,11 +172,12 @@ fn assert_stale(result: Result<(), LeaseError>) {
     }
 }
 
-/// The first `begin` of a key acquires it, with fence 1 and the asked lease length.
+/// The first `begin` of a key acquires it, with the first fence of its time
+/// ([`Lease::first_fence`]) and the asked lease length.
 pub async fn begin_on_absent_key_acquires<S: Store>(store: &S) {
     let c = Case::new();
     let lease = acquire(store, &c.req("k", "a"), c.at(0)).await;
-    assert_eq!(lease.fence, 1);
+    assert_eq!(lease.fence, Lease::first_fence(c.at(0)));
     assert_eq!(lease.expires_at, c.at(0).saturating_add(LEASE));
 }
 
@@ -869,7 +870,11 @@ pub async fn keys_are_compared_exactly<S: Store>(store: &S) {
     complete(store, &c.key("Order-1"), &lease, b"upper", now).await;
     for other in ["order-1", "ORDER-1"] {
         let l = acquire(store, &c.req(other, "b"), now).await;
-        assert_eq!(l.fence, 1, "{other:?} shares a record with Order-1");
+        assert_eq!(
+            l.fence,
+            Lease::first_fence(now),
+            "{other:?} shares a record with Order-1"
+        );
     }
     assert_eq!(
         &replayed(store, &c.req("Order-1", "a"), now).await[..],

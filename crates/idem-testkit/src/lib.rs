@@ -131,6 +131,7 @@ macro_rules! conformance_tests {
             listing_filters_by_state_namespace_age_and_prefix,
             counts_by_state,
             repairs_are_fenced,
+            fences_never_go_back,
             listing_refuses_bad_arguments,
         );
     };

@@ -143,15 +143,15 @@ impl<S: Store + Clone, C: Clock + Clone> Steps<S, C> {
         }
     }
 
-    /// The recorded steps of a key taken over, read under `lease`: none on a first lease;
-    /// `None` if the lease no longer holds the record.
+    /// The recorded steps of a key taken over, read under `lease`: none on the lease that
+    /// created the record; `None` if the lease no longer holds the record.
     pub(crate) async fn recorded(
         store: &S,
         clock: &C,
         key: &Key,
         lease: &Lease,
     ) -> Result<Option<Vec<Step>>, StoreError> {
-        // Fence 1 is the record's first lease: no attempt before it recorded anything.
+        // The lease that created the record: no attempt before it recorded anything.
         if !lease.may_resume() {
             return Ok(Some(Vec::new()));
         }

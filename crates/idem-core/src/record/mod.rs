@@ -112,9 +112,10 @@ impl fmt::Debug for LeaseId {
 
 /// The right to run the work for one key, and to complete or release its record.
 ///
-/// `fence` rises by at least one every time a key's record is acquired (a first begin, a begin
-/// after release or expiry, a takeover of an expired lease), so a resource that remembers the
-/// highest fence it has seen can refuse a holder that was overtaken.
+/// `fence` rises every time a key's record is acquired (a first begin, a begin after release or
+/// expiry, a takeover of an expired lease), so a resource that remembers the highest fence it
+/// has seen can refuse a holder that was overtaken. It never goes back, not even when the
+/// record is deleted or purged: see [`Lease::first_fence`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Lease {
     /// Which lease this is.
@@ -135,13 +136,54 @@ impl Lease {
         }
     }
 
-    /// Whether an attempt held the key before this lease, and so may have recorded steps
-    /// (see [`crate::step`]) that this one resumes after. Not on fence 1, the first lease of
-    /// the key: a caller can skip reading the record for steps then.
+    /// The fence of a lease that creates a key's record at `now` (no record was there, or
+    /// only one past its retention): the millisecond, times 1000 (at least 1000).
+    ///
+    /// A fence is the millisecond its record was created, times 1000, plus one for each
+    /// acquisition since ([`Lease::next_fence`]). So a key's fences never go back, not even
+    /// when its record is deleted, purged, or lost with a store that kept nothing: a record
+    /// created again in a later millisecond starts above every fence the key had, unless its
+    /// last record averaged more than one acquisition a microsecond. The clock is the caller's
+    /// `now`, the one that already decides when leases run out.
+    pub fn first_fence(now: Timestamp) -> u64 {
+        now.as_millis().max(1).saturating_mul(FENCE_STRIDE)
+    }
+
+    /// The fence of a lease that takes over a record whose fence was `previous` (after a
+    /// release, a lease that ran out, a reopen): one more, skipping whole thousands, so that
+    /// only a record's creating lease has one.
+    pub const fn next_fence(previous: u64) -> u64 {
+        let next = previous.saturating_add(1);
+        if next.is_multiple_of(FENCE_STRIDE) {
+            next.saturating_add(1)
+        } else {
+            next
+        }
+    }
+
+    /// Whether an attempt may have held the key before this lease, and so may have recorded
+    /// steps (see [`crate::step`]) that this one resumes after. Not for the lease that created
+    /// the record (a fence of whole thousands, [`Lease::first_fence`]): a caller can skip
+    /// reading the record for steps then.
     pub const fn may_resume(&self) -> bool {
-        self.fence > 1
+        !self.fence.is_multiple_of(FENCE_STRIDE)
+    }
+
+    /// Which acquisition of its record this lease is: 1 for the lease that created it, one
+    /// more for each lease after it (runs that failed and gave the key back, attempts whose
+    /// process died and whose lease was taken over). Exact up to 1000.
+    pub fn acquisition(&self) -> u32 {
+        Self::acquisition_of(self.fence)
+    }
+
+    /// [`Lease::acquisition`] of a lease with `fence`.
+    pub fn acquisition_of(fence: u64) -> u32 {
+        u32::try_from(fence % FENCE_STRIDE).map_or(u32::MAX, |n| n + 1)
     }
 }
+
+/// A fence counts acquisitions in its last three decimal digits (see [`Lease::first_fence`]).
+const FENCE_STRIDE: u64 = 1000;
 
 /// What `begin` is asked to do.
 #[derive(Debug, Clone)]
@@ -316,7 +358,7 @@ impl Record {
                 };
             }
         }
-        let fence = existing.map_or(0, |r| r.fence).saturating_add(1);
+        let fence = existing.map_or(Lease::first_fence(now), |r| Lease::next_fence(r.fence));
         let (lease, mut record) = Self::acquired(req, now, fence, id);
         // A takeover or a begin after a release resumes the steps already recorded.
         if let Some(live) = existing.filter(|r| r.is_live(now)) {

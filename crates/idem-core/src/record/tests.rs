@@ -25,7 +25,7 @@ fn acquire(existing: Option<&Record>, r: &BeginRequest, now: Timestamp) -> (Leas
 fn full_lifecycle() {
     let r = req(b"a");
     let (lease, rec) = acquire(None, &r, t(0));
-    assert_eq!(lease.fence, 1);
+    assert_eq!(lease.fence, Lease::first_fence(t(0)));
     assert_eq!(rec.status, Status::InProgress);
     let step = Record::begin(Some(&rec), &r, t(1), LeaseId::generate());
     assert_eq!(
@@ -48,7 +48,7 @@ fn full_lifecycle() {
     );
     // after the TTL the key is free again, with a higher fence
     let (lease2, _) = acquire(Some(&done), &req(b"b"), t(102));
-    assert_eq!(lease2.fence, 2);
+    assert_eq!(lease2.fence, lease.fence + 1);
 }
 
 #[test]
@@ -71,7 +71,7 @@ fn release_frees_the_key_for_any_fingerprint() {
     let released = Record::release(Some(&rec), &lease, t(1)).unwrap().unwrap();
     assert_eq!(Record::release(Some(&released), &lease, t(1)), Ok(None));
     let (l2, _) = acquire(Some(&released), &req(b"other"), t(2));
-    assert_eq!(l2.fence, 2);
+    assert_eq!(l2.fence, lease.fence + 1);
 }
 
 #[test]
@@ -211,5 +211,39 @@ fn begin_is_a_function_of_its_inputs() {
         Record::begin(None, &r, t(5), id),
     );
     assert_eq!(one.write, two.write);
-    assert!(matches!(one.outcome, BeginOutcome::Acquired(l) if l.id == id && l.fence == 1));
+    assert!(
+        matches!(one.outcome, BeginOutcome::Acquired(l) if l.id == id && l.fence == Lease::first_fence(t(5)))
+    );
+}
+
+#[test]
+fn fences_count_acquisitions_and_survive_a_lost_record() {
+    let r = req(b"a");
+    let (first, mut rec) = acquire(None, &r, t(0));
+    assert_eq!(first.fence, Lease::first_fence(t(0)));
+    assert!(!first.may_resume());
+    assert_eq!(first.acquisition(), 1);
+    // Released and taken again, 1500 times within one millisecond: one more each time,
+    // skipping whole thousands, which only a creating lease has.
+    let mut lease = first;
+    for n in 2..=1500 {
+        let released = Record::release(Some(&rec), &lease, t(0)).unwrap().unwrap();
+        let (next, again) = acquire(Some(&released), &r, t(0));
+        assert!(next.fence > lease.fence);
+        assert!(next.may_resume(), "acquisition {n}");
+        if n <= 1000 {
+            assert_eq!(next.acquisition(), n);
+        }
+        (lease, rec) = (next, again);
+    }
+    assert_eq!(lease.fence, first.fence + 1500);
+    // The record is lost (deleted, purged, a store that kept nothing): a key created again
+    // starts above every fence it had, once the clock has passed those acquisitions (1500
+    // count as 1.5 ms).
+    let later = Timestamp::from_millis(t(0).as_millis() + 2);
+    assert!(acquire(None, &r, later).0.fence < lease.fence);
+    let later = Timestamp::from_millis(t(0).as_millis() + 3);
+    let (fresh, _) = acquire(None, &r, later);
+    assert!(fresh.fence > lease.fence);
+    assert!(!fresh.may_resume());
 }

@@ -82,10 +82,10 @@ impl<S: Store + Clone, C: Clock + Clone> Consumer<S, C> {
             .in_flight(InFlight::Wait(s.wait_in_flight))
             .permanent_if(|f: &Fault<H::Error>| matches!(f, Fault::Permanent(_)))
             .run(|lease| async move {
-                // The fence counts the attempts that took this key: runs that failed in a
+                // The record counts the attempts that took this key: runs that failed in a
                 // retryable way, and runs whose consumer died (a crash loop), but not
                 // deliveries that only waited for the key or sat in a dead consumer's buffer.
-                let run = u32::try_from(lease.fence).unwrap_or(u32::MAX);
+                let run = lease.acquisition();
                 if run > s.max_attempts {
                     return Err(Fault::Exhausted(run - 1));
                 }

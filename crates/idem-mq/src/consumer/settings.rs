@@ -12,6 +12,10 @@ use crate::MqError;
 use crate::key::KeyFrom;
 use crate::source::{Horizon, Source};
 
+/// The most runs [`Consumer::max_attempts`] allows: a record counts its acquisitions
+/// exactly up to 1000 ([`Lease::acquisition`](idem::Lease::acquisition)).
+const MAX_ATTEMPTS: u32 = 999;
+
 #[derive(Debug, Clone)]
 pub(super) struct Settings {
     pub(super) key: KeyFrom,
@@ -98,13 +102,13 @@ impl<S: Store + Clone, C: Clock + Clone> Consumer<S, C> {
     }
 
     /// How many times a message's handler may run before it is dead-lettered
-    /// (`attempts_exhausted`); at least 1. Runs are counted by the record (each attempt that
-    /// takes the key raises its fence), so a run whose consumer died counts (a message that
+    /// (`attempts_exhausted`); at least 1, at most 999. Runs are counted by the record
+    /// ([`Lease::acquisition`](idem::Lease::acquisition)), so a run whose consumer died counts (a message that
     /// crashes its consumer every time ends in the dead letter too), while a redelivery that
     /// only waited for a running attempt, or sat unstarted in a dead consumer's prefetch
     /// buffer, does not. Messages without a key are counted by the broker's deliveries.
     pub fn max_attempts(self, n: u32) -> Self {
-        self.set(|s| s.max_attempts = n.max(1))
+        self.set(|s| s.max_attempts = n.clamp(1, MAX_ATTEMPTS))
     }
 
     /// The requeue delay after the first retryable failure, doubling up to `max`, with

@@ -134,3 +134,8 @@ fn lease_of(r: &Reply) -> String {
 
 mod bad_input;
 mod records;
+
+/// Which acquisition of its record the fence in an answer is (1 for the lease that created it).
+fn acquisition(fence: &serde_json::Value) -> u32 {
+    idem_core::Lease::acquisition_of(fence.as_u64().expect("a fence"))
+}

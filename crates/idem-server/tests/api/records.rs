@@ -19,7 +19,7 @@ async fn full_record_lifecycle() {
         .begin(None, "k1", json!({"amount": 1, "to": "bob"}))
         .await;
     let lease = lease_of(&b);
-    assert_eq!(b.body["lease"]["fence"], 1);
+    assert_eq!(acquisition(&b.body["lease"]["fence"]), 1);
 
     let again = api
         .begin(None, "k1", json!({"to": "bob", "amount": 1}))
@@ -43,12 +43,12 @@ async fn full_record_lifecycle() {
     assert_eq!(replay.status, StatusCode::OK);
     assert_eq!(replay.body["outcome"], "replay");
     assert_eq!(replay.body["response"], json!({"tx": "t-1"}));
-    assert_eq!(replay.body["fence"], 1);
+    assert_eq!(acquisition(&replay.body["fence"]), 1);
 
     let rec = api.get("/v1/records/pay/k1", None).await;
     assert_eq!(rec.status, StatusCode::OK);
     assert_eq!(rec.body["status"], "completed");
-    assert_eq!(rec.body["fence"], 1);
+    assert_eq!(acquisition(&rec.body["fence"]), 1);
     assert_eq!(rec.body["response"], json!({"tx": "t-1"}));
     assert!(rec.body["expires_at"].as_str().unwrap().ends_with('Z'));
 }
@@ -66,7 +66,7 @@ async fn release_then_retry_runs_again_with_a_higher_fence() {
         .await;
     assert_eq!(r.status, StatusCode::OK, "{}", r.body);
     let again = api.begin(None, "k", json!(1)).await;
-    assert_eq!(again.body["lease"]["fence"], 2);
+    assert_eq!(acquisition(&again.body["lease"]["fence"]), 2);
 }
 
 #[tokio::test]

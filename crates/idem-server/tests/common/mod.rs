@@ -69,3 +69,8 @@ pub(crate) async fn get(state: &AppState, key: &str, path: &str) -> (StatusCode,
         serde_json::from_slice(&bytes).unwrap(),
     )
 }
+
+/// Which acquisition of its record the fence in an answer is (1 for the lease that created it).
+pub(crate) fn acquisition(fence: &Value) -> u32 {
+    idem_core::Lease::acquisition_of(fence.as_u64().expect("a fence"))
+}

@@ -415,7 +415,14 @@ async fn begin_batch<S: ManyAtOnce>(
     }
     let fresh: Vec<_> = jobs
         .iter()
-        .map(|j| Record::acquired(&j.req, j.now, 1, idem_core::LeaseId::generate()))
+        .map(|j| {
+            Record::acquired(
+                &j.req,
+                j.now,
+                Lease::first_fence(j.now),
+                idem_core::LeaseId::generate(),
+            )
+        })
         .collect();
     let rows = match store.begin_many(&jobs, &fresh).await {
         Ok(rows) => rows,

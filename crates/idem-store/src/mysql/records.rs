@@ -53,6 +53,9 @@ const TAKEN_OVER: &str =
     expires_at = IF(lease_id = VALUES(lease_id), VALUES(expires_at), expires_at),
     purge_after = IF(lease_id = VALUES(lease_id), VALUES(purge_after), purge_after)";
 
+/// The fence of a takeover: `Lease::next_fence` of the row's.
+const NEXT_FENCE: &str = "fence + IF((fence + 1) % 1000 = 0, 2, 1)";
+
 /// `expires_at` for a record settled at `?` (bound twice): `now + ttl_ms`, capped.
 const SETTLED_EXPIRY: &str = "LEAST(ttl_ms, 9223372036854775807 - ?) + ?";
 
@@ -69,7 +72,7 @@ impl Statements {
                 "INSERT INTO {t} (scope, namespace, client_key, fingerprint, status, fence,
                      lease_id, lease_expires_at, response, ttl_ms, created_at, updated_at,
                      expires_at, purge_after)
-                 VALUES (?, ?, ?, ?, 'in_progress', LAST_INSERT_ID(1), ?, ?, NULL, ?, ?, ?, ?,
+                 VALUES (?, ?, ?, ?, 'in_progress', LAST_INSERT_ID(?), ?, ?, NULL, ?, ?, ?, ?,
                      ?)
                  ON DUPLICATE KEY UPDATE
                      lease_id = IF(expires_at <= ? OR (status = 'released'
@@ -77,7 +80,7 @@ impl Statements {
                          OR (status = 'in_progress' AND fingerprint = VALUES(fingerprint)
                              AND lease_expires_at <= ?),
                          VALUES(lease_id), lease_id),
-                     fence = IF({ours}, LAST_INSERT_ID(fence + 1), fence + LAST_INSERT_ID(0)),
+                     fence = IF({ours}, LAST_INSERT_ID({NEXT_FENCE}), fence + LAST_INSERT_ID(0)),
                      {TAKEN_OVER}"
             )),
             // A locking read: inside a caller's transaction (same-transaction mode) a plain
@@ -168,11 +171,17 @@ impl MySqlStore {
         req: &BeginRequest,
         now: Timestamp,
     ) -> Result<BeginOutcome, StoreError> {
-        let (lease, fresh) = Record::acquired(req, now, 1, idem_core::LeaseId::generate());
+        let (lease, fresh) = Record::acquired(
+            req,
+            now,
+            Lease::first_fence(now),
+            idem_core::LeaseId::generate(),
+        );
         let now_ms = sql_int(now.as_millis());
         for _ in 0..reread::ROUNDS {
             let done = keyed(sqlx::query(self.sql.begin.clone()), &req.key)
                 .bind(&fresh.fingerprint.as_bytes()[..])
+                .bind(sql_int(fresh.fence))
                 .bind(&lease.id.to_bytes()[..])
                 .bind(sql_int(lease.expires_at.as_millis()))
                 .bind(sql_int(fresh.ttl_ms))
@@ -290,10 +299,10 @@ impl BatchSql {
                          OR (status = 'in_progress' AND fingerprint = VALUES(fingerprint)
                              AND lease_expires_at <= VALUES(created_at)),
                          VALUES(lease_id), lease_id),
-                     fence = IF({ours}, fence + 1, fence),
+                     fence = IF({ours}, {NEXT_FENCE}, fence),
                      {TAKEN_OVER}",
                 list(
-                    "(?, ?, ?, ?, 'in_progress', 1, ?, ?, NULL, ?, ?, ?, ?, ?)",
+                    "(?, ?, ?, ?, 'in_progress', ?, ?, ?, NULL, ?, ?, ?, ?, ?)",
                     ", "
                 )
             )),
@@ -378,6 +387,7 @@ impl ManyAtOnce for MySqlStore {
             let now = sql_int(jobs[i].now.as_millis());
             q = keyed(q, &jobs[i].req.key)
                 .bind(&record.fingerprint.as_bytes()[..])
+                .bind(sql_int(record.fence))
                 .bind(&id[..])
                 .bind(sql_int(lease.expires_at.as_millis()))
                 .bind(sql_int(record.ttl_ms))

@@ -33,10 +33,12 @@ pub(super) struct Statements {
 /// How `begin` takes an existing row over: only when it may be acquired (expired, released
 /// without steps or for the same request, or in progress for the same request with its lease
 /// run out, as `Record::begin` decides), `now` being the new row's `created_at`. The steps of
-/// a live row stay, for the new attempt to resume.
+/// a live row stay, for the new attempt to resume. The fence is `Lease::next_fence` of the
+/// row's, a fresh row's `Lease::first_fence`.
 const TAKE_OVER: &str = "ON CONFLICT (scope, namespace, client_key) DO UPDATE SET
         fingerprint = EXCLUDED.fingerprint, status = 'in_progress',
-        fence = r.fence + 1, lease_id = EXCLUDED.lease_id,
+        fence = r.fence + CASE WHEN (r.fence + 1) % 1000 = 0 THEN 2 ELSE 1 END,
+        lease_id = EXCLUDED.lease_id,
         lease_expires_at = EXCLUDED.lease_expires_at, response = NULL,
         ttl_ms = EXCLUDED.ttl_ms, created_at = EXCLUDED.created_at,
         updated_at = EXCLUDED.updated_at, expires_at = EXCLUDED.expires_at,
@@ -55,14 +57,14 @@ impl Statements {
         let s = |sql: String| AssertSqlSafe(sql).into_sql_str();
         let key = "scope = $1 AND namespace = $2 AND client_key = $3";
         Self {
-            // A fresh row has fence 1; an existing one is taken over only when it may be
+            // A fresh row has the first fence ($10); an existing one is taken over only when it may be
             // acquired: expired, released, or in progress for the same request with its lease
             // run out (`Record::begin`).
             begin: s(format!(
                 "INSERT INTO {t} AS r (scope, namespace, client_key, fingerprint, status, fence,
                      lease_id, lease_expires_at, response, ttl_ms, created_at, updated_at,
                      expires_at, purge_after)
-                 VALUES ($1, $2, $3, $5, 'in_progress', 1, $6, $7, NULL, $8, $4, $4, $9, $9)
+                 VALUES ($1, $2, $3, $5, 'in_progress', $10, $6, $7, NULL, $8, $4, $4, $9, $9)
                  {TAKE_OVER}
                  RETURNING fence"
             )),
@@ -73,13 +75,13 @@ impl Statements {
                 "INSERT INTO {t} AS r (scope, namespace, client_key, fingerprint, status, fence,
                      lease_id, lease_expires_at, response, ttl_ms, created_at, updated_at,
                      expires_at, purge_after)
-                 SELECT i.scope, i.namespace, i.client_key, i.fingerprint, 'in_progress', 1,
-                     i.lease_id, i.lease_expires_at, NULL, i.ttl_ms, i.now, i.now, i.expires_at,
-                     i.expires_at
+                 SELECT i.scope, i.namespace, i.client_key, i.fingerprint, 'in_progress',
+                     i.fence, i.lease_id, i.lease_expires_at, NULL, i.ttl_ms, i.now, i.now,
+                     i.expires_at, i.expires_at
                  FROM unnest($1::text[], $2::text[], $3::text[], $4::int8[], $5::bytea[],
-                     $6::bytea[], $7::int8[], $8::int8[], $9::int8[])
+                     $6::bytea[], $7::int8[], $8::int8[], $9::int8[], $10::int8[])
                      AS i(scope, namespace, client_key, now, fingerprint, lease_id,
-                          lease_expires_at, ttl_ms, expires_at)
+                          lease_expires_at, ttl_ms, expires_at, fence)
                  ORDER BY i.scope, i.namespace, i.client_key
                  {TAKE_OVER}
                  RETURNING lease_id, fence"
@@ -185,7 +187,12 @@ impl PostgresStore {
         now: Timestamp,
     ) -> Result<BeginOutcome, StoreError> {
         // The record a fresh acquisition writes; its fence comes from the database.
-        let (lease, fresh) = Record::acquired(req, now, 1, idem_core::LeaseId::generate());
+        let (lease, fresh) = Record::acquired(
+            req,
+            now,
+            Lease::first_fence(now),
+            idem_core::LeaseId::generate(),
+        );
         for _ in 0..reread::ROUNDS {
             let fence: Option<i64> = sqlx::query_scalar(self.sql.begin.clone())
                 .bind(req.key.scope().as_str())
@@ -197,6 +204,7 @@ impl PostgresStore {
                 .bind(sql_int(lease.expires_at.as_millis()))
                 .bind(sql_int(fresh.ttl_ms))
                 .bind(sql_int(fresh.expires_at.as_millis()))
+                .bind(sql_int(fresh.fence))
                 .fetch_optional(&mut *c)
                 .await
                 .map_err(|e| error("cannot begin the record", e))?;
@@ -338,6 +346,7 @@ impl ManyAtOnce for PostgresStore {
             .bind(column(|_, (l, _)| sql_int(l.expires_at.as_millis())))
             .bind(column(|_, (_, r)| sql_int(r.ttl_ms)))
             .bind(column(|_, (_, r)| sql_int(r.expires_at.as_millis())))
+            .bind(column(|_, (_, r)| sql_int(r.fence)))
             .fetch_all(&mut *c)
             .await
             .ok())

@@ -196,7 +196,12 @@ impl ManyAtOnce for RedisStore {
         req: &BeginRequest,
         now: Timestamp,
     ) -> Result<BeginOutcome, StoreError> {
-        let (lease, fresh) = Record::acquired(req, now, 1, idem_core::LeaseId::generate());
+        let (lease, fresh) = Record::acquired(
+            req,
+            now,
+            Lease::first_fence(now),
+            idem_core::LeaseId::generate(),
+        );
         self.begin_as(&fresh, lease, now).await
     }
 
@@ -238,7 +243,12 @@ impl ManyAtOnce for RedisStore {
                 .iter()
                 .zip(got)
                 .filter(|(_, got)| *got == 1)
-                .map(|((lease, _), _)| (lease.id.to_bytes().to_vec(), 1))
+                .map(|((lease, _), _)| {
+                    (
+                        lease.id.to_bytes().to_vec(),
+                        i64::try_from(lease.fence).unwrap_or(i64::MAX),
+                    )
+                })
                 .collect(),
         ))
     }

@@ -52,16 +52,18 @@ end
 /// What a record script raises on a value it did not write.
 pub(super) const FOREIGN: &str = "idem: the key holds a value this store did not write";
 
-/// ARGV = now, fingerprint, lease id, the fresh record (fence 1), its native TTL. Run when
+/// ARGV = now, fingerprint, lease id, the fresh record (with `Lease::first_fence`), its native
+/// TTL; a takeover's fence is `Lease::next_fence` of the record's. Run when
 /// the plain `SET … NX GET` found the key taken by a record that needs a write (or that the
 /// client could not read).
 pub(super) const BEGIN: &str = r"
 local now = tonumber(ARGV[1])
 local v, st, fence, lexp, _, exp, kb = record(KEYS[1])
 local steps = KEYS[1] .. ':s'
-local f = 1
+local f = tonumber(string.sub(ARGV[4], 51, 70))
 if v then
   f = fence + 1
+  if f % 1000 == 0 then f = f + 1 end
   if exp <= now then
     -- Expired: the key starts afresh, without the steps of the last request.
     redis.call('DEL', steps)

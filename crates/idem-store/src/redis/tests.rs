@@ -336,7 +336,7 @@ fn every_script_is_sent_again_to_a_server_that_lost_it() {
         let BeginOutcome::Acquired(again) = store.begin(&req("c"), now).await.unwrap() else {
             panic!("a released key is acquired again");
         };
-        assert_eq!(again.fence, 2);
+        assert_eq!(again.fence, lease.fence + 1);
 
         // The settle of a completion (its response stored), and a lock's script.
         flushed().await;

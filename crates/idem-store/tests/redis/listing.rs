@@ -124,7 +124,7 @@ async fn every_record_once(store: RedisStore, raw: &mut impl redis::aio::Connect
     // Deleted by fenced repairs, as an operator would.
     let shown = Shown {
         state: RecordState::InProgress,
-        fence: 1,
+        fence: idem_core::Lease::first_fence(now),
     };
     for chunk in ids.chunks(250) {
         let deletes: Vec<_> = chunk

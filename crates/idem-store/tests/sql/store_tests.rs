@@ -272,7 +272,7 @@ macro_rules! sql_store_tests {
                         (0, BeginOutcome::Replay(r)) => assert_eq!(r.response, body(0)),
                         (1, BeginOutcome::InProgress { .. }) => {}
                         (i, BeginOutcome::Acquired(lease)) if i >= 2 => {
-                            assert_eq!(lease.fence, 1);
+                            assert_eq!(lease.fence, idem_core::Lease::first_fence(now));
                             leases.push((i, lease));
                         }
                         (i, other) => panic!("k{i}: {other:?}"),

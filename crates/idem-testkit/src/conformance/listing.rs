@@ -142,7 +142,7 @@ pub async fn listing_pages_through_every_record_once<S: Store>(store: &S) {
                 (RecordState::InProgress, None)
             };
             assert_eq!((l.state, l.response_len), (state, len), "{i}");
-            assert_eq!(l.fence, 1);
+            assert_eq!(l.fence, Lease::first_fence(c.at(0)));
             assert_eq!(l.created_at, c.at(0));
             assert_eq!(l.lease_expires_at, c.at(0).saturating_add(LEASE));
         }
@@ -361,7 +361,11 @@ pub async fn repairs_are_fenced<S: Store>(store: &S) {
         .await
     );
     assert_eq!(store.get(&c.key("done"), now).await.unwrap(), None);
-    assert_eq!(acquire(store, &c.req("done", "b"), now).await.fence, 1);
+    let recreated = acquire(store, &c.req("done", "b"), now).await;
+    assert!(
+        recreated.fence > leases["done"].fence,
+        "the fence went back"
+    );
     assert!(
         fix(
             admin,
@@ -415,4 +419,87 @@ pub async fn listing_refuses_bad_arguments<S: Store>(store: &S) {
         admin.list(&long, None, 10, now).await,
         Err(StoreError::Invalid(_))
     ));
+}
+
+/// A key's fences never go back: across release, reopen, a takeover, an operator's delete (of
+/// a running attempt too), expiry and purge, every acquisition's fence is higher than every one
+/// before, so a resource that checks fences refuses the attempt that was overtaken. The lease
+/// that creates a record has [`Lease::first_fence`] of its time; every other acquisition has a
+/// higher one, which is how a caller tells that there may be steps to resume.
+pub async fn fences_never_go_back<S: Store>(store: &S) {
+    let c = Case::new();
+    let admin = admin(store);
+    let req = c.req("k", "a");
+    let created = |lease: &Lease, at: Timestamp| {
+        assert_eq!(
+            lease.fence,
+            Lease::first_fence(at),
+            "a created record's fence"
+        );
+        assert!(!lease.may_resume());
+    };
+    let mut fences = Vec::new();
+
+    let first = acquire(store, &req, c.at(0)).await;
+    created(&first, c.at(0));
+    fences.push(first.fence);
+    // Released and acquired again within the same millisecond.
+    store.release(&req.key, &first, c.at(0)).await.unwrap();
+    let again = acquire(store, &req, c.at(0)).await;
+    assert!(again.may_resume(), "a second lease may resume steps");
+    fences.push(again.fence);
+    complete(store, &req.key, &again, b"r", c.at(1)).await;
+    assert!(store.reopen(&req.key, again.fence, c.at(1)).await.unwrap());
+    let reopened = acquire(store, &req, c.at(1)).await;
+    fences.push(reopened.fence);
+
+    // An operator deletes the running attempt: the next one's fence is higher still, and the
+    // deleted one can no longer settle.
+    let shown = Shown {
+        state: RecordState::InProgress,
+        fence: reopened.fence,
+    };
+    let now = c.at(2);
+    assert!(
+        admin
+            .repair(&req.key, shown, Repair::Delete, now)
+            .await
+            .unwrap()
+    );
+    let recreated = acquire(store, &req, now).await;
+    created(&recreated, now);
+    fences.push(recreated.fence);
+    complete_refused_after_delete(store, &req.key, &reopened, now).await;
+
+    // Its lease runs out and another attempt takes over; that one completes, the record ends
+    // its retention and is purged; the key begins again.
+    let lease_end = recreated.expires_at;
+    let taken = acquire(store, &req, lease_end).await;
+    fences.push(taken.fence);
+    complete(store, &req.key, &taken, b"r", lease_end).await;
+    let gone = lease_end.saturating_add(TTL);
+    store.purge_expired(gone, 1000).await.unwrap();
+    assert_eq!(store.get(&req.key, gone).await.unwrap(), None);
+    let after_purge = acquire(store, &req, gone).await;
+    fences.push(after_purge.fence);
+
+    assert!(
+        fences.windows(2).all(|w| w[0] < w[1]),
+        "fences went back: {fences:?}"
+    );
+}
+
+async fn complete_refused_after_delete<S: Store>(
+    store: &S,
+    key: &Key,
+    lease: &Lease,
+    now: Timestamp,
+) {
+    let late = store
+        .complete(key, lease, Bytes::from_static(b"late"), now)
+        .await;
+    assert!(
+        matches!(late, Err(idem_core::LeaseError::Stale(_))),
+        "a deleted attempt completed: {late:?}"
+    );
 }

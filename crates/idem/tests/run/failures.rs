@@ -93,7 +93,7 @@ async fn a_cancelled_run_releases_the_key() {
     assert!(released);
     let retry = idem
         .once(&key("l"))
-        .run(|lease| async move { Ok::<_, PayError>(lease.fence) })
+        .run(|lease| async move { Ok::<_, PayError>(lease.acquisition()) })
         .await
         .unwrap();
     assert_eq!(retry.value, 2);

@@ -76,7 +76,7 @@ async fn a_lease_that_runs_out_is_taken_over_and_the_old_result_is_refused() {
     let second = idem
         .once(&key("h"))
         .in_flight(InFlight::Wait(Duration::from_secs(1)))
-        .run(|lease| async move { Ok::<_, PayError>(format!("second@{}", lease.fence)) })
+        .run(|lease| async move { Ok::<_, PayError>(format!("second@{}", lease.acquisition())) })
         .await
         .unwrap();
     assert_eq!(second.value, "second@2");

@@ -6,6 +6,7 @@ use super::*;
 async fn runs_once_and_replays_the_value() {
     let idem = Idempotency::new(MemoryStore::new());
     let runs = &AtomicUsize::new(0);
+    let mut fence = None;
     for i in 0..3 {
         let done = idem
             .once(&key("a"))
@@ -17,9 +18,13 @@ async fn runs_once_and_replays_the_value() {
             })
             .await
             .unwrap();
-        assert_eq!(done.value, "tx-1");
+        assert_eq!(done.value, format!("tx-{}", done.fence));
         assert_eq!(done.replayed, i > 0);
-        assert_eq!(done.fence, 1);
+        assert_eq!(
+            *fence.get_or_insert(done.fence),
+            done.fence,
+            "one run's fence"
+        );
     }
     assert_eq!(runs.load(Ordering::SeqCst), 1);
 }
@@ -71,7 +76,7 @@ async fn retryable_error_releases_the_key() {
     ));
     let second = idem
         .once(&key("c"))
-        .run(|lease| async move { Ok::<_, PayError>(lease.fence) })
+        .run(|lease| async move { Ok::<_, PayError>(lease.acquisition()) })
         .await
         .unwrap();
     assert_eq!(second.value, 2, "ran again, under a higher fence");
@@ -158,7 +163,7 @@ async fn a_panicking_error_policy_releases_the_key() {
     let retry = idem
         .once(&key("q"))
         .in_flight(InFlight::Wait(Duration::from_secs(5)))
-        .run(|lease| async move { Ok::<_, PayError>(lease.fence) })
+        .run(|lease| async move { Ok::<_, PayError>(lease.acquisition()) })
         .await
         .unwrap();
     assert_eq!(retry.value, 2);
