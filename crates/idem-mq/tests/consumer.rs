@@ -362,6 +362,24 @@ async fn a_record_ttl_shorter_than_the_redelivery_horizon_is_refused() {
         .await
         .expect_err("refused");
     assert!(err.to_string().contains("namespace"), "{err}");
+
+    // A key source that could find no key in any message: refused before the first one.
+    let q = Queue::new("orders");
+    q.publish(Some("o-1"), br#"{"order":"o-1"}"#.as_slice());
+    let err = Consumer::new(MemoryStore::new())
+        .key(KeyFrom::JsonPointer("order".into()))
+        .run(
+            q.source(),
+            counting(&Runs::default()),
+            std::future::ready(()),
+        )
+        .await
+        .expect_err("refused");
+    assert!(err.to_string().contains("is not a JSON pointer"), "{err}");
+    assert!(
+        q.dead_letters().is_empty() && q.pending() == 1,
+        "nothing was taken"
+    );
 }
 
 #[tokio::test]
