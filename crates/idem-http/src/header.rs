@@ -6,11 +6,15 @@
 //! (`Idempotency-Key: 8e03978e-40d5-43e8-bc93-6894a57f9324`). Both are accepted and yield the
 //! same key. A key is 1 to 255 visible ASCII characters (`!` to `~`).
 //!
+//! A client sending a key it did not choose (the relay, with a message id) writes it with
+//! [`encode_key`], the other half of [`parse_key`]: always the quoted form, which reads back
+//! as exactly the key, where the bare form would not (`a,b` is two items, `"q"` is `q`).
+//!
 //! Written by hand rather than with a structured-field crate: only one item type (a string,
 //! with parameters ignored as RFC 8941 requires) is needed, the bare-token form is outside
 //! RFC 8941 anyway, and the parser must never allocate more than the 255-byte key.
 
-use http::{HeaderMap, HeaderName};
+use http::{HeaderMap, HeaderName, HeaderValue};
 
 /// `Idempotency-Key`.
 pub const IDEMPOTENCY_KEY: HeaderName = HeaderName::from_static("idempotency-key");
@@ -40,6 +44,13 @@ pub enum KeyHeaderError {
          visible ASCII characters without spaces or commas"
     )]
     Malformed,
+    /// A key to send has a character outside visible ASCII, which an RFC 8941 string (and so
+    /// the header) cannot carry.
+    #[error(
+        "the key has a character outside visible ASCII (`!` to `~`), which an \
+         Idempotency-Key header cannot carry"
+    )]
+    Unsendable,
 }
 
 /// The key of a request: `Ok(None)` if it has no `Idempotency-Key` header.
@@ -77,6 +88,43 @@ pub fn parse_key(value: &[u8]) -> Result<String, KeyHeaderError> {
     }
     // Every byte is visible ASCII, so this cannot fail.
     String::from_utf8(key).map_err(|_| KeyHeaderError::Malformed)
+}
+
+/// The header value that carries `key`: an RFC 8941 string, `"` then the key with `"` and `\`
+/// escaped, then `"`. [`parse_key`], and any server that reads the field as the IETF draft
+/// defines it, reads back exactly `key`; two different keys never read back the same.
+///
+/// Refused (never truncated): an empty key, one longer than [`MAX_KEY_LEN`], and one with a
+/// character outside visible ASCII ([`KeyHeaderError::Unsendable`]).
+///
+/// ```
+/// use idem_http::header::{encode_key, parse_key};
+/// let sent = encode_key(r#"a,"b"\c"#).unwrap();
+/// assert_eq!(sent, r#""a,\"b\"\\c""#);
+/// assert_eq!(parse_key(sent.as_bytes()).unwrap(), r#"a,"b"\c"#);
+/// assert!(encode_key("caf\u{e9}").is_err());
+/// ```
+pub fn encode_key(key: &str) -> Result<HeaderValue, KeyHeaderError> {
+    if key.is_empty() {
+        return Err(KeyHeaderError::Empty);
+    }
+    if key.len() > MAX_KEY_LEN {
+        return Err(KeyHeaderError::TooLong);
+    }
+    let mut out = Vec::with_capacity(key.len() + 2);
+    out.push(b'"');
+    for b in key.bytes() {
+        if !is_visible(b) {
+            return Err(KeyHeaderError::Unsendable);
+        }
+        if matches!(b, b'"' | b'\\') {
+            out.push(b'\\');
+        }
+        out.push(b);
+    }
+    out.push(b'"');
+    // Visible ASCII only, so this cannot fail.
+    HeaderValue::from_bytes(&out).map_err(|_| KeyHeaderError::Unsendable)
 }
 
 fn is_visible(b: u8) -> bool {
@@ -225,6 +273,26 @@ mod tests {
     }
 
     #[test]
+    fn keys_that_read_alike_bare_are_sent_apart() {
+        let read = |k: &str| parse_key(encode_key(k).unwrap().as_bytes()).unwrap();
+        for k in ["a,b", "\"q\"", "q", "\\", "\"", "a;b=c", "\"a\";x"] {
+            assert_eq!(read(k), k);
+        }
+        assert_ne!(encode_key("\"q\"").unwrap(), encode_key("q").unwrap());
+        use KeyHeaderError::*;
+        assert_eq!(encode_key(""), Err(Empty));
+        assert_eq!(encode_key(&"k".repeat(256)), Err(TooLong));
+        assert_eq!(encode_key("a b"), Err(Unsendable));
+        assert_eq!(encode_key("caf\u{e9}"), Err(Unsendable));
+        let longest = "\"".repeat(255);
+        assert_eq!(
+            read(&longest),
+            longest,
+            "escaping does not count against the length"
+        );
+    }
+
+    #[test]
     fn repeated_header_is_refused() {
         let mut h = HeaderMap::new();
         assert_eq!(key_from_headers(&h), Ok(None));
@@ -240,11 +308,22 @@ mod tests {
     }
 
     proptest! {
-        /// Every valid key round-trips through the structured-field form.
+        /// Every valid key round-trips through the structured-field form `encode_key` writes.
         #[test]
         fn sf_string_round_trips(key in key_strategy()) {
-            let quoted = format!("\"{}\"", key.replace('\\', "\\\\").replace('"', "\\\""));
-            prop_assert_eq!(parse_key(quoted.as_bytes()).unwrap(), key);
+            let sent = encode_key(&key).unwrap();
+            prop_assert_eq!(parse_key(sent.as_bytes()).unwrap(), key);
+        }
+
+        /// Any string either encodes to a value that reads back as it, or is refused.
+        #[test]
+        fn any_string_encodes_exactly_or_not_at_all(key in ".{0,300}") {
+            match encode_key(&key) {
+                Ok(sent) => prop_assert_eq!(parse_key(sent.as_bytes()).unwrap(), key),
+                Err(_) => prop_assert!(
+                    key.is_empty() || key.len() > MAX_KEY_LEN || !key.bytes().all(is_visible)
+                ),
+            }
         }
 
         /// A bare key without commas or a leading quote is taken as it is.

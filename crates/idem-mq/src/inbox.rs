@@ -223,6 +223,7 @@ where
             Err(Failure::RetryAfter(e, after)) => {
                 return Err(Failure::RetryAfter(InboxError::Handler(e), after));
             }
+            Err(Failure::DeadLetter(e)) => return Err(Failure::DeadLetter(InboxError::Handler(e))),
         };
         // The bytes `run` stores afterwards, so that its own `complete` changes nothing.
         let response = idem::stored_value(&value).map_err(|e| db(&e))?;

@@ -56,6 +56,38 @@ impl KeyFrom {
         Self::Function(Arc::new(f))
     }
 
+    /// Checks what can be checked before any message arrives: a [`KeyFrom::JsonPointer`] must
+    /// be an RFC 6901 pointer (empty, or `/` and reference tokens in which `~` is only `~0` or
+    /// `~1`); anything else would find no key in any message. The message names the pointer
+    /// (configuration, not a key) and shows the right form.
+    ///
+    /// ```
+    /// use idem_mq::KeyFrom;
+    /// assert!(KeyFrom::JsonPointer("/order/id".into()).check().is_ok());
+    /// assert!(KeyFrom::JsonPointer("order/id".into()).check().is_err());
+    /// ```
+    pub fn check(&self) -> Result<(), String> {
+        let KeyFrom::JsonPointer(pointer) = self else {
+            return Ok(());
+        };
+        if !pointer.is_empty() && !pointer.starts_with('/') {
+            return Err(format!(
+                "{pointer:?} is not a JSON pointer: it must start with \"/\", as in /order/id"
+            ));
+        }
+        let mut rest = pointer.as_str();
+        while let Some(at) = rest.find('~') {
+            rest = &rest[at + 1..];
+            if !rest.starts_with(['0', '1']) {
+                return Err(format!(
+                    "{pointer:?} is not a JSON pointer: \"~\" must be followed by 0 (for ~) or 1 \
+                     (for /)"
+                ));
+            }
+        }
+        Ok(())
+    }
+
     /// The key of `message`, if it has one. An empty value is no key.
     pub fn find(&self, message: &dyn MessageView) -> Option<String> {
         let found = match self {
@@ -136,5 +168,21 @@ mod tests {
         };
         assert_eq!(KeyFrom::MessageId.find(&bare), None, "empty is no key");
         assert_eq!(KeyFrom::JsonPointer("/a".into()).find(&bare), None);
+    }
+
+    #[test]
+    fn only_a_json_pointer_passes_the_check() {
+        for good in ["", "/", "/order/id", "/a~1b/~0c", "/0"] {
+            assert_eq!(
+                KeyFrom::JsonPointer(good.into()).check(),
+                Ok(()),
+                "{good:?}"
+            );
+        }
+        for bad in ["no-slash", "order/id", "/a~2", "/a~"] {
+            let e = KeyFrom::JsonPointer(bad.into()).check().unwrap_err();
+            assert!(e.contains("is not a JSON pointer"), "{bad:?}: {e}");
+        }
+        assert_eq!(KeyFrom::MessageId.check(), Ok(()));
     }
 }

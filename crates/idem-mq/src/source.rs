@@ -109,8 +109,8 @@ pub enum Disposition {
 pub struct DeadLetter {
     /// Why.
     pub reason: Reason,
-    /// The sentence: for [`Reason::Permanent`] the handler's error as text, else a
-    /// description of the reason.
+    /// The sentence: for [`Reason::Permanent`] and [`Reason::Refused`] the handler's error as
+    /// text, else a description of the reason.
     pub detail: String,
 }
 
@@ -126,6 +126,11 @@ pub enum Reason {
     Mismatch,
     /// The handler failed permanently (now, or in an earlier delivery whose failure is stored).
     Permanent,
+    /// The handler dead-lettered it without storing a failure ([`Failure::DeadLetter`]):
+    /// moved back to the queue, it runs again.
+    ///
+    /// [`Failure::DeadLetter`]: crate::Failure::DeadLetter
+    Refused,
     /// It failed in a retryable way as many times as allowed.
     AttemptsExhausted,
     /// Its stored result cannot be read back, or its result could not be stored.
@@ -133,7 +138,7 @@ pub enum Reason {
 }
 
 impl Reason {
-    /// The stable code (`no_key`, `invalid_key`, `mismatch`, `permanent`,
+    /// The stable code (`no_key`, `invalid_key`, `mismatch`, `permanent`, `refused`,
     /// `attempts_exhausted`, `undecodable`): the AMQP header and the NATS term reason carry it.
     pub fn code(self) -> &'static str {
         match self {
@@ -141,6 +146,7 @@ impl Reason {
             Reason::InvalidKey => "invalid_key",
             Reason::Mismatch => "mismatch",
             Reason::Permanent => "permanent",
+            Reason::Refused => "refused",
             Reason::AttemptsExhausted => "attempts_exhausted",
             Reason::Undecodable => "undecodable",
         }

@@ -85,6 +85,39 @@ async fn a_permanent_failure_is_stored_dead_lettered_and_replayed_to_a_redeliver
     }
 }
 
+/// `Failure::DeadLetter` stores nothing: the message moved back from the dead letter runs
+/// again (and this time succeeds), where a permanent failure would be replayed.
+#[tokio::test]
+async fn a_refused_message_is_dead_lettered_without_a_record_and_runs_again_when_moved_back() {
+    let q = Queue::new("orders");
+    q.publish(Some("wrong-target"), b"{}".as_slice());
+    let ran = Arc::new(AtomicUsize::new(0));
+    let counter = ran.clone();
+    let handler = move |_m: Message| {
+        let first = counter.fetch_add(1, Ordering::SeqCst) == 0;
+        async move {
+            if first {
+                Err(Failure::DeadLetter("the target answered 404".to_owned()))
+            } else {
+                Ok(())
+            }
+        }
+    };
+    let consumer = Consumer::new(MemoryStore::new());
+    consume_all(&consumer, &q, handler.clone()).await;
+    let dead = q.dead_letters();
+    assert_eq!(dead.len(), 1);
+    assert_eq!(dead[0].1.reason, Reason::Refused);
+    assert_eq!(dead[0].1.detail, "the target answered 404");
+    assert_eq!(q.acked(), 0, "a refused message is not acked");
+
+    q.publish(Some("wrong-target"), b"{}".as_slice());
+    consume_all(&consumer, &q, handler).await;
+    assert_eq!(ran.load(Ordering::SeqCst), 2, "moved back, it ran again");
+    assert_eq!(q.acked(), 1);
+    assert_eq!(q.dead_letters().len(), 1);
+}
+
 #[tokio::test(start_paused = true)]
 async fn a_retryable_failure_is_requeued_with_backoff_then_dead_lettered() {
     let q = Queue::new("orders");
@@ -329,6 +362,24 @@ async fn a_record_ttl_shorter_than_the_redelivery_horizon_is_refused() {
         .await
         .expect_err("refused");
     assert!(err.to_string().contains("namespace"), "{err}");
+
+    // A key source that could find no key in any message: refused before the first one.
+    let q = Queue::new("orders");
+    q.publish(Some("o-1"), br#"{"order":"o-1"}"#.as_slice());
+    let err = Consumer::new(MemoryStore::new())
+        .key(KeyFrom::JsonPointer("order".into()))
+        .run(
+            q.source(),
+            counting(&Runs::default()),
+            std::future::ready(()),
+        )
+        .await
+        .expect_err("refused");
+    assert!(err.to_string().contains("is not a JSON pointer"), "{err}");
+    assert!(
+        q.dead_letters().is_empty() && q.pending() == 1,
+        "nothing was taken"
+    );
 }
 
 #[tokio::test]

@@ -15,8 +15,8 @@ use idem_mq::amqp::{AmqpPublisher, AmqpSource, BasicProperties};
 
 const PATIENCE: Duration = Duration::from_secs(60);
 
-/// A counting service: each POST's `Idempotency-Key` is counted; each answer takes 20 ms, so
-/// that a kill often lands while a request is in flight.
+/// A counting service: each POST's `Idempotency-Key` is counted (read as the gateway reads
+/// it); each answer takes 20 ms, so that a kill often lands while a request is in flight.
 fn counting_service() -> (String, Arc<Mutex<HashMap<String, usize>>>) {
     let listener = TcpListener::bind("127.0.0.1:0").unwrap();
     let addr = listener.local_addr().unwrap().to_string();
@@ -35,12 +35,15 @@ fn counting_service() -> (String, Arc<Mutex<HashMap<String, usize>>>) {
                         if reader.read_line(&mut line).unwrap_or(0) == 0 {
                             return;
                         }
-                        let lower = line.to_ascii_lowercase();
-                        if let Some(v) = lower.strip_prefix("content-length:") {
-                            length = v.trim().parse().unwrap();
-                        }
-                        if let Some(v) = lower.strip_prefix("idempotency-key:") {
-                            key = v.trim().to_owned();
+                        if let Some((name, value)) = line.split_once(':') {
+                            let value = value.trim();
+                            match name.to_ascii_lowercase().as_str() {
+                                "content-length" => length = value.parse().unwrap(),
+                                "idempotency-key" => {
+                                    key = idem_http::parse_key(value.as_bytes()).unwrap();
+                                }
+                                _ => {}
+                            }
                         }
                         if line == "\r\n" {
                             break;
@@ -78,21 +81,23 @@ fn idem(args: &[&str]) -> Command {
     cmd
 }
 
-/// `idem gateway` in front of `upstream`, on a port of its own.
-fn gateway(upstream: &str, dir: &std::path::Path) -> (Proc, String) {
+/// `idem gateway` in front of `upstream`, on a port of its own, with `extra` flags.
+fn gateway(upstream: &str, dir: &std::path::Path, extra: &[&str]) -> (Proc, String) {
     let store = format!("sqlite://{}", dir.join("gateway.db").display());
-    let mut child = idem(&[
+    let upstream = format!("http://{upstream}");
+    let flags = [
         "gateway",
         "--listen",
         "127.0.0.1:0",
         "--upstream",
-        &format!("http://{upstream}"),
+        &upstream,
         "--store",
         &store,
-    ])
-    .stderr(Stdio::piped())
-    .spawn()
-    .unwrap();
+    ];
+    let mut child = idem(&[&flags, extra].concat())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
     let mut lines = BufReader::new(child.stderr.take().unwrap()).lines();
     let addr = loop {
         let line = lines
@@ -105,6 +110,23 @@ fn gateway(upstream: &str, dir: &std::path::Path) -> (Proc, String) {
     };
     std::thread::spawn(move || for _ in lines {});
     (Proc(child), addr)
+}
+
+/// `idem relay` from RabbitMQ's `queue` to `to`, with its records in `dir`.
+fn relay_queue(url: &str, queue: &str, to: &str, dir: &std::path::Path) -> Proc {
+    let store = format!("sqlite://{}", dir.join("relay.db").display());
+    relay(&[
+        "--from",
+        url,
+        "--queue",
+        queue,
+        "--to",
+        to,
+        "--store",
+        &store,
+        "--header",
+        "Authorization: Bearer relay",
+    ])
 }
 
 fn relay(args: &[&str]) -> Proc {
@@ -176,7 +198,7 @@ impl Setup {
     fn new(messages: usize) -> Self {
         let dir = tempfile::tempdir().unwrap();
         let (service, seen) = counting_service();
-        let (gateway, gw) = gateway(&service, dir.path());
+        let (gateway, gw) = gateway(&service, dir.path(), &[]);
         Self {
             dir,
             seen,
@@ -224,6 +246,30 @@ impl Setup {
     }
 }
 
+/// Declares `queue` and its dead letter, as the relay would, and publishes a message with
+/// each of `ids`.
+async fn fill_queue(
+    url: &str,
+    queue: &str,
+    ids: impl IntoIterator<Item = impl AsRef<str>>,
+    body: &[u8],
+) {
+    AmqpSource::builder(url, queue)
+        .connect()
+        .await
+        .unwrap()
+        .shutdown()
+        .await;
+    let publisher = AmqpPublisher::connect(url).await.unwrap();
+    for id in ids {
+        publisher
+            .publish_once("", queue, id.as_ref(), body, BasicProperties::default())
+            .await
+            .unwrap();
+    }
+    publisher.close().await;
+}
+
 #[test]
 fn a_relay_killed_and_restarted_delivers_each_amqp_message_once_through_the_gateway() {
     let Some(url) = idem_testkit::services::RABBITMQ.url() else {
@@ -231,29 +277,8 @@ fn a_relay_killed_and_restarted_delivers_each_amqp_message_once_through_the_gate
     };
     let queue = format!("relay-{:08x}", rand::random::<u32>());
     let run = Setup::new(400);
-    run.rt.block_on(async {
-        // Declares the queue and its dead letter, as the relay would.
-        AmqpSource::builder(url.clone(), queue.clone())
-            .connect()
-            .await
-            .unwrap()
-            .shutdown()
-            .await;
-        let publisher = AmqpPublisher::connect(&url).await.unwrap();
-        for id in run.sent() {
-            publisher
-                .publish_once(
-                    "",
-                    &queue,
-                    id,
-                    b"{\"paid\":true}",
-                    BasicProperties::default(),
-                )
-                .await
-                .unwrap();
-        }
-        publisher.close().await;
-    });
+    run.rt
+        .block_on(fill_queue(&url, &queue, run.sent(), b"{\"paid\":true}"));
 
     run.relay_through_kills(&["--from", &url, "--queue", &queue]);
     run.rt.block_on(async {
@@ -326,22 +351,7 @@ fn the_relay_serves_its_counts_as_metrics() {
     let queue = format!("relay-m-{:08x}", rand::random::<u32>());
     let (service, seen) = counting_service();
     let rt = tokio::runtime::Runtime::new().unwrap();
-    rt.block_on(async {
-        AmqpSource::builder(url.clone(), queue.clone())
-            .connect()
-            .await
-            .unwrap()
-            .shutdown()
-            .await;
-        let publisher = AmqpPublisher::connect(&url).await.unwrap();
-        for id in ["m-1", "m-1", "m-2"] {
-            publisher
-                .publish_once("", &queue, id, b"{}", BasicProperties::default())
-                .await
-                .unwrap();
-        }
-        publisher.close().await;
-    });
+    rt.block_on(fill_queue(&url, &queue, ["m-1", "m-1", "m-2"], b"{}"));
     let store = format!("sqlite://{}", dir.path().join("relay.db").display());
     let to = format!("http://{service}/events");
     let mut child = idem(&[
@@ -434,7 +444,26 @@ fn relay_flags_are_checked_with_readable_errors() {
     .unwrap();
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(err.contains("--queue"), "{err}");
-    let out = idem(&[
+    let err = relay_refuses(&["--header", "no colon"]);
+    assert!(err.contains("Name: value"), "{err}");
+    // Not a JSON pointer: refused at start, before the broker (which is not there) is tried.
+    let err = relay_refuses(&["--key-json", "no-slash"]);
+    assert!(
+        err.contains("--key-json")
+            && err.contains("is not a JSON pointer")
+            && err.contains("/order/id"),
+        "{err}"
+    );
+    assert!(
+        !err.contains("broker") && !err.contains("panicked"),
+        "{err}"
+    );
+}
+
+/// What `idem relay` prints when it refuses to start with `extra` beside flags that would
+/// do (to a broker and a target that are not there).
+fn relay_refuses(extra: &[&str]) -> String {
+    let base = [
         "relay",
         "--from",
         "amqp://127.0.0.1:1/%2f",
@@ -442,11 +471,87 @@ fn relay_flags_are_checked_with_readable_errors() {
         "q",
         "--to",
         "http://127.0.0.1:1/",
-        "--header",
-        "no colon",
-    ])
-    .output()
-    .unwrap();
-    let err = String::from_utf8_lossy(&out.stderr);
-    assert!(err.contains("Name: value"), "{err}");
+    ];
+    let out = idem(&[&base, extra].concat()).output().unwrap();
+    assert!(!out.status.success(), "{extra:?}");
+    String::from_utf8_lossy(&out.stderr).into_owned()
+}
+
+/// Message ids that are one key as bare header values (`"q"` and `q`), or two (`a,b`), reach
+/// the service through the gateway as exactly themselves, each once: the relay writes them as
+/// structured-field strings, which the gateway reads back.
+#[test]
+fn message_ids_reach_the_service_through_the_gateway_as_exactly_themselves() {
+    let Some(url) = idem_testkit::services::RABBITMQ.url() else {
+        return;
+    };
+    let queue = format!("relay-k-{:08x}", rand::random::<u32>());
+    let run = Setup::new(0);
+    let ids = ["a,b", "\"q\"", "q", "back\\slash", "\"a\";x=1"];
+    run.rt.block_on(fill_queue(&url, &queue, ids, b"{}"));
+    let to = format!("http://{}/events", run.gw);
+    let _relay = relay_queue(&url, &queue, &to, run.dir.path());
+    let started = Instant::now();
+    while run.seen.lock().unwrap().len() < ids.len() {
+        assert!(
+            started.elapsed() < PATIENCE,
+            "{:?}",
+            run.seen.lock().unwrap()
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let seen = run.seen.lock().unwrap().clone();
+    for id in ids {
+        assert_eq!(seen.get(id), Some(&1), "{id}: {seen:?}");
+    }
+    run.rt.block_on(async {
+        AmqpSource::delete_topology(&url, &queue).await.unwrap();
+    });
+}
+
+/// A service that reads requests and never answers: the gateway in front of it times out.
+fn silent_service() -> String {
+    let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = listener.local_addr().unwrap().to_string();
+    std::thread::spawn(move || {
+        let mut held = Vec::new();
+        for stream in listener.incoming().flatten() {
+            held.push(stream);
+        }
+    });
+    addr
+}
+
+/// The gateway times out on its upstream (504, the outcome recorded as unknown); the relay
+/// retries and gets 409 `outcome_unknown`. The message goes to the dead letter with that
+/// answer, and is not acked as delivered.
+#[test]
+fn an_unknown_outcome_at_the_gateway_goes_to_the_dead_letter_with_the_answer() {
+    use idem_mq::amqp::{DETAIL_HEADER, REASON_HEADER};
+    use idem_testkit::mq::{get_one, header_text};
+    let Some(url) = idem_testkit::services::RABBITMQ.url() else {
+        return;
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let (_gateway, gw) = gateway(&silent_service(), dir.path(), &["--upstream-timeout", "1s"]);
+    let queue = format!("relay-u-{:08x}", rand::random::<u32>());
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    rt.block_on(fill_queue(&url, &queue, ["pay-1"], b"{\"amount\":10}"));
+    let to = format!("http://{gw}/payments");
+    let _relay = relay_queue(&url, &queue, &to, dir.path());
+    let dead = rt.block_on(get_one(&url, &format!("{queue}.dead")));
+    assert_eq!(dead.data, b"{\"amount\":10}");
+    let props = &dead.delivery.properties;
+    assert_eq!(
+        header_text(props, REASON_HEADER).as_deref(),
+        Some("refused")
+    );
+    let detail = header_text(props, DETAIL_HEADER).unwrap();
+    assert!(
+        detail.contains("409") && detail.contains("outcome_unknown"),
+        "{detail}"
+    );
+    rt.block_on(async {
+        AmqpSource::delete_topology(&url, &queue).await.unwrap();
+    });
 }

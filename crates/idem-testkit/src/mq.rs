@@ -12,7 +12,9 @@ use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, OnceLock};
 use std::time::{Duration, Instant};
 
-use idem_mq::amqp::lapin::options::{BasicPublishOptions, ConfirmSelectOptions};
+use idem_mq::amqp::lapin::options::{
+    BasicAckOptions, BasicGetOptions, BasicPublishOptions, ConfirmSelectOptions,
+};
 use idem_mq::amqp::lapin::types::ShortString;
 use idem_mq::amqp::lapin::{Connection, ConnectionProperties};
 use idem_mq::amqp::{AmqpSource, BasicProperties};
@@ -305,4 +307,44 @@ pub async fn fill_amqp(url: &str, queue: &str, prefetch: u16, n: usize) {
         }
     }
     let _ = connection.close(200, "OK".into()).await;
+}
+
+/// Takes one message off `queue` (waiting up to [`PATIENCE`](crate::PATIENCE) for one) and
+/// acks it: how a test reads a dead letter.
+pub async fn get_one(url: &str, queue: &str) -> idem_mq::amqp::lapin::message::BasicGetMessage {
+    let conn = Connection::connect(url, ConnectionProperties::default())
+        .await
+        .expect("connect");
+    let ch = conn.create_channel().await.expect("channel");
+    let deadline = tokio::time::Instant::now() + crate::PATIENCE;
+    loop {
+        if let Some(m) = ch
+            .basic_get(queue.into(), BasicGetOptions::default())
+            .await
+            .expect("basic.get")
+        {
+            m.delivery
+                .acker
+                .ack(BasicAckOptions::default())
+                .await
+                .expect("ack");
+            let _ = conn.close(200, "OK".into()).await;
+            return m;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "no message on {queue} within {:?}",
+            crate::PATIENCE
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+/// A header of a message, as text (a long string's bytes; anything else in its debug form).
+pub fn header_text(props: &BasicProperties, name: &str) -> Option<String> {
+    use idem_mq::amqp::lapin::types::AMQPValue;
+    match props.headers().as_ref()?.inner().get(name)? {
+        AMQPValue::LongString(s) => Some(String::from_utf8_lossy(s.as_bytes()).into_owned()),
+        other => Some(format!("{other:?}")),
+    }
 }

@@ -134,6 +134,7 @@ impl<S: Store + Clone, C: Clock + Clone> Consumer<S, C> {
         let max = self.settings.max_attempts;
         let (detail, run, after) = match fault {
             Fault::Permanent(e) => return dead(Reason::Permanent, e.to_string()),
+            Fault::Refused(e) => return dead(Reason::Refused, e.to_string()),
             Fault::Exhausted(runs) => {
                 return dead(
                     Reason::AttemptsExhausted,
@@ -206,6 +207,8 @@ enum Fault<E> {
     #[serde(skip)]
     Retry(E, u32, Option<Duration>),
     #[serde(skip)]
+    Refused(E),
+    #[serde(skip)]
     Panicked(String, u32),
     #[serde(skip)]
     Exhausted(u32),
@@ -225,6 +228,7 @@ async fn guarded<T, E>(
         Ok(Err(Failure::Permanent(e))) => Err(Fault::Permanent(e)),
         Ok(Err(Failure::Retry(e))) => Err(Fault::Retry(e, run, None)),
         Ok(Err(Failure::RetryAfter(e, after))) => Err(Fault::Retry(e, run, Some(after))),
+        Ok(Err(Failure::DeadLetter(e))) => Err(Fault::Refused(e)),
         Err(panic) => Err(Fault::Panicked(panic_message(&*panic), run)),
     }
 }

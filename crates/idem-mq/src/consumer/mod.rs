@@ -77,6 +77,11 @@ pub enum Failure<E> {
     /// Like [`Failure::Retry`], not before this long (a downstream's `Retry-After`); the
     /// delay is bounded by the consumer's backoff maximum.
     RetryAfter(E, Duration),
+    /// Dead-letter the message now (reason `refused`) without storing the failure: the key is
+    /// given back, so the message, moved back to the queue once the cause is mended (a
+    /// misconfigured downstream, an outcome someone had to look at), runs again. For failures
+    /// that say the effect did not happen here, and that a person must look at.
+    DeadLetter(E),
 }
 
 impl<E: Display> Display for Failure<E> {
@@ -84,6 +89,7 @@ impl<E: Display> Display for Failure<E> {
         match self {
             Failure::Permanent(e) => write!(f, "permanent: {e}"),
             Failure::Retry(e) | Failure::RetryAfter(e, _) => write!(f, "retryable: {e}"),
+            Failure::DeadLetter(e) => write!(f, "refused: {e}"),
         }
     }
 }

@@ -165,7 +165,8 @@ impl<S: Store + Clone, C: Clock + Clone> Consumer<S, C> {
         })
     }
 
-    /// Checks the settings against the source: a valid scope and namespace, and a record TTL
+    /// Checks the settings against the source: a valid scope, namespace and key source
+    /// ([`KeyFrom::check`](crate::KeyFrom::check)), and a record TTL
     /// that outlives the broker's redelivery horizon. [`Consumer::run`] checks this at start
     /// (and warns of a broker that may redeliver without a bound), [`Consumer::process`] on
     /// every call.
@@ -179,6 +180,10 @@ impl<S: Store + Clone, C: Clock + Clone> Consumer<S, C> {
         let scope = Scope::new(self.settings.scope.clone())
             .map_err(|e| MqError::Config(format!("the scope is not valid: {e}")))?;
         let namespace = self.namespace_for(source.name())?;
+        self.settings
+            .key
+            .check()
+            .map_err(|e| MqError::Config(format!("the key source: {e}")))?;
         let ttl = self.settings.ttl;
         if let Horizon::Bounded(h) = source.redelivery_horizon()
             && h > ttl

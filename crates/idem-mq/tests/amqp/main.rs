@@ -11,14 +11,14 @@ use std::time::Duration;
 use idem::{MemoryStore, PostgresOptions, PostgresStore};
 
 use futures_util::future::BoxFuture;
-use idem_mq::amqp::lapin::options::{BasicAckOptions, BasicGetOptions, QueueDeclareOptions};
+use idem_mq::amqp::lapin::options::QueueDeclareOptions;
 use idem_mq::amqp::lapin::types::FieldTable;
 use idem_mq::amqp::lapin::{Connection, ConnectionProperties};
 use idem_mq::amqp::{ATTEMPT_HEADER, AmqpPublisher, AmqpSource, BasicProperties, QueueType};
 use idem_mq::inbox::{Inbox, InboxFn, inbox_fn};
 use idem_mq::{Consumer, DeadLetter, Delivery, Disposition, Failure, Message, Reason, Source};
 use idem_testkit::services::{POSTGRES, RABBITMQ};
-use idem_testkit::{PATIENCE, within};
+use idem_testkit::within;
 
 fn unique(prefix: &str) -> String {
     format!("idem-test-{prefix}-{:016x}", rand::random::<u64>())
@@ -89,42 +89,7 @@ async fn depth(url: &str, queue: &str) -> u32 {
     q.message_count()
 }
 
-/// Takes one message off `queue` (waiting up to [`PATIENCE`] for one) and acks it.
-async fn get_one(url: &str, queue: &str) -> idem_mq::amqp::lapin::message::BasicGetMessage {
-    let conn = Connection::connect(url, ConnectionProperties::default())
-        .await
-        .expect("connect");
-    let ch = conn.create_channel().await.expect("channel");
-    let deadline = tokio::time::Instant::now() + PATIENCE;
-    loop {
-        if let Some(m) = ch
-            .basic_get(queue.into(), BasicGetOptions::default())
-            .await
-            .expect("basic.get")
-        {
-            m.delivery
-                .acker
-                .ack(BasicAckOptions::default())
-                .await
-                .expect("ack");
-            let _ = conn.close(200, "OK".into()).await;
-            return m;
-        }
-        assert!(
-            tokio::time::Instant::now() < deadline,
-            "no message on {queue} within {PATIENCE:?}"
-        );
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
-}
-
-fn header_text(props: &BasicProperties, name: &str) -> Option<String> {
-    use idem_mq::amqp::lapin::types::AMQPValue;
-    match props.headers().as_ref()?.inner().get(name)? {
-        AMQPValue::LongString(s) => Some(String::from_utf8_lossy(s.as_bytes()).into_owned()),
-        other => Some(format!("{other:?}")),
-    }
-}
+use idem_testkit::mq::{get_one, header_text};
 
 async fn setup(prefix: &str, queue_type: QueueType) -> Option<(String, String, Cleanup)> {
     let url = RABBITMQ.url()?;

@@ -51,7 +51,7 @@ pub(crate) struct RelayArgs {
     key_header: Option<String>,
 
     /// Take the key from this JSON pointer into the payload (e.g. /order/id).
-    #[arg(long, value_name = "POINTER")]
+    #[arg(long, value_name = "POINTER", value_parser = parse_json_pointer)]
     key_json: Option<String>,
 
     /// The records' namespace [default: the queue's name, or STREAM.CONSUMER].
@@ -88,9 +88,16 @@ pub(crate) struct RelayArgs {
     #[arg(long, default_value = "24h", value_parser = parse_ttl)]
     ttl: Duration,
 
-    /// Dead-letter messages the target refuses with a 4xx, instead of recording and acking
-    /// them.
+    /// Record and ack messages the target refuses with a 4xx that is a business answer (a
+    /// refused order), instead of dead-lettering them. Answers that mean the relay or target
+    /// is misconfigured (401, 403, 404, 405, 407, 413, 415, the gateway's key errors) and
+    /// unknown outcomes are dead-lettered either way.
     #[arg(long)]
+    ack_4xx: bool,
+
+    /// Dead-letter messages the target refuses with a 4xx: the default, accepted for scripts
+    /// written before it was.
+    #[arg(long, hide = true, conflicts_with = "ack_4xx")]
     dead_letter_4xx: bool,
 
     /// Serve /metrics (Prometheus text) and /healthz on this address.
@@ -100,6 +107,12 @@ pub(crate) struct RelayArgs {
     /// How often to log a status line with the counts (when they changed).
     #[arg(long, default_value = "30s", value_parser = parse_purge_interval)]
     status_every: Duration,
+}
+
+/// `--key-json`: an RFC 6901 pointer, checked by the rule the consumer applies at start.
+fn parse_json_pointer(pointer: &str) -> Result<String, String> {
+    idem_mq::KeyFrom::JsonPointer(pointer.to_owned()).check()?;
+    Ok(pointer.to_owned())
 }
 
 pub(crate) async fn relay(args: RelayArgs) -> Result<(), String> {
@@ -113,7 +126,7 @@ pub(crate) async fn relay(args: RelayArgs) -> Result<(), String> {
     )?;
     let mut target = relay::Target::parse(&args.to)?
         .timeout(args.timeout)
-        .dead_letter_4xx(args.dead_letter_4xx)
+        .ack_4xx(args.ack_4xx && !args.dead_letter_4xx)
         .header("content-type", &args.content_type)?;
     for h in &args.headers {
         let (name, value) = h
@@ -170,7 +183,7 @@ pub(crate) async fn relay(args: RelayArgs) -> Result<(), String> {
         Duration::from_secs(60),
     ));
     let status = tokio::spawn(relay::status_line(consumer.clone(), args.status_every));
-    info!(from = %from.display(), to = %args.to, "relaying");
+    info!(from = %from.display(), to = %idem_store::redact(&args.to), "relaying");
     let ran = from
         .relay(
             &consumer,

@@ -92,6 +92,95 @@ fn bad_flags_and_stores_get_readable_errors() {
     }
 }
 
+/// A store URL's credentials never appear in what `idem` prints: passwords typed with `/`, `?`,
+/// `@`, `#` or `:` unencoded (which a driver may misread, and its error quote), and
+/// credentials in the query (`sslpassword`, which the PostgreSQL driver would echo in a
+/// warning). The stores are the machine's, on loopback; each URL fails or opens, and
+/// neither prints the secret.
+#[test]
+fn no_credential_of_a_store_url_is_ever_printed() {
+    let mut urls = Vec::new();
+    for password in [
+        "S3c/retPW",
+        "S3c?retPW",
+        "S3c@retPW",
+        "S3c#retPW",
+        "S3c:ret/@PW",
+    ] {
+        urls.push(format!(
+            "postgres://idem_nobody:{password}@127.0.0.1:5432/test"
+        ));
+        urls.push(format!(
+            "mysql://idem_nobody:{password}@127.0.0.1:3306/test"
+        ));
+        urls.push(format!("redis://idem_nobody:{password}@127.0.0.1:6379"));
+        urls.push(format!(
+            "redis+cluster://:{password}@127.0.0.1:1,127.0.0.1:2"
+        ));
+    }
+    for query in [
+        "sslpassword=S3cretPW",
+        "password=S3cretPW",
+        "sslmode=disable&pass%77ord=S3cretPW",
+    ] {
+        urls.push(format!(
+            "postgres://idem_nobody@127.0.0.1:5432/test?{query}"
+        ));
+        urls.push(format!("mysql://idem_nobody@127.0.0.1:3306/test?{query}"));
+    }
+    for url in &urls {
+        prints_no_secret(&["migrate", "--store", url]);
+        prints_no_secret(&["serve", "--store", url, "--listen", "127.0.0.1:1"]);
+    }
+}
+
+/// No credential of `--from`, `--to` or `--store` appears in what `idem relay` prints, at
+/// start or when it cannot connect.
+#[test]
+fn the_relay_never_prints_a_credential_of_its_urls() {
+    let dir = tempfile::tempdir().unwrap();
+    let sqlite = format!("sqlite://{}", dir.path().join("relay.db").display());
+    let cases = [
+        // Unreachable broker, a target with credentials in its user part and query.
+        [
+            "amqp://guest:S3c/ret?PW@127.0.0.1:1/%2f",
+            "http://u:S3c@retPW@127.0.0.1:1/x?token=S3cretPW",
+            sqlite.as_str(),
+        ],
+        // A store whose URL the driver would have warned about, with its value.
+        [
+            "amqp://guest:S3c#retPW@127.0.0.1:1/%2f",
+            "http://127.0.0.1:1/x",
+            "postgres://u:S3c/retPW@127.0.0.1:1/db?sslpassword=S3cretPW",
+        ],
+    ];
+    for [from, to, store] in cases {
+        prints_no_secret(&[
+            "relay", "--from", from, "--queue", "q", "--to", to, "--store", store,
+        ]);
+    }
+}
+
+/// Runs `idem` with `args` (logging everything), which must fail without printing any part
+/// of the secret the test URLs carry (`S3c…retPW`) or panicking.
+fn prints_no_secret(args: &[&str]) {
+    let out = idem().args(args).env("IDEM_LOG", "debug").output().unwrap();
+    assert!(
+        !out.status.success() || args[0] == "migrate",
+        "{args:?} succeeded"
+    );
+    let printed = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(
+        !printed.contains("S3c") && !printed.contains("retPW"),
+        "{args:?}: {printed}"
+    );
+    assert!(!printed.contains("panicked"), "{args:?}: {printed}");
+}
+
 #[test]
 fn help_explains_each_command() {
     let out = idem().arg("--help").output().unwrap();

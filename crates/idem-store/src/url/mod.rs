@@ -28,8 +28,12 @@ use idem_core::{LockStore, SharedLockStore, SharedStore, StoreError};
 
 use crate::MemoryStore;
 
-/// A parsed store URL.
-#[derive(Debug, Clone, PartialEq, Eq)]
+mod redact;
+
+pub use redact::redact;
+
+/// A parsed store URL. Its `Debug` form shows server URLs through [`redact`].
+#[derive(Clone, PartialEq, Eq)]
 #[non_exhaustive]
 pub enum StoreUrl {
     /// `memory://`, with its bounds.
@@ -73,6 +77,59 @@ pub enum StoreUrl {
         /// The store's options.
         options: crate::PostgresOptions,
     },
+}
+
+impl std::fmt::Debug for StoreUrl {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            StoreUrl::Memory(limits) => f.debug_tuple("Memory").field(limits).finish(),
+            #[cfg(feature = "sqlite")]
+            StoreUrl::Sqlite {
+                path,
+                synchronous,
+                busy_timeout_ms,
+                key_filter,
+            } => f
+                .debug_struct("Sqlite")
+                .field("path", path)
+                .field("synchronous", synchronous)
+                .field("busy_timeout_ms", busy_timeout_ms)
+                .field("key_filter", key_filter)
+                .finish(),
+            #[cfg(feature = "redis")]
+            StoreUrl::Redis {
+                nodes,
+                cluster,
+                options,
+            } => f
+                .debug_struct("Redis")
+                .field(
+                    "nodes",
+                    &nodes.iter().map(|n| redact(n)).collect::<Vec<_>>(),
+                )
+                .field("cluster", cluster)
+                .field("options", options)
+                .finish(),
+            #[cfg(feature = "mysql")]
+            StoreUrl::MySql { url, options } => server(f, "MySql", url, options),
+            #[cfg(feature = "postgres")]
+            StoreUrl::Postgres { url, options } => server(f, "Postgres", url, options),
+        }
+    }
+}
+
+/// A SQL server's URL (redacted) and options, in the `Debug` form of a [`StoreUrl`].
+#[cfg(any(feature = "postgres", feature = "mysql"))]
+fn server(
+    f: &mut std::fmt::Formatter<'_>,
+    name: &str,
+    url: &str,
+    options: &dyn std::fmt::Debug,
+) -> std::fmt::Result {
+    f.debug_struct(name)
+        .field("url", &redact(url))
+        .field("options", options)
+        .finish()
 }
 
 /// Why a store URL was refused. The message is meant for a person.
@@ -235,6 +292,7 @@ impl FromStr for StoreUrl {
             #[cfg(feature = "postgres")]
             "postgres" | "postgresql" => {
                 let (url, ours) = sql_options(url)?;
+                postgres_driver_options(&url)?;
                 let mut options = crate::PostgresOptions::default();
                 options.table = ours.table.unwrap_or(options.table);
                 options.max_connections = ours.pool.unwrap_or(options.max_connections);
@@ -346,6 +404,63 @@ fn batch_size(name: &str, value: &str) -> Result<usize, StoreUrlError> {
     Ok(n)
 }
 
+/// The query options the PostgreSQL driver reads (sqlx-postgres 0.9), besides `options[NAME]`.
+#[cfg(feature = "postgres")]
+const POSTGRES_OPTIONS: &[&str] = &[
+    "sslmode",
+    "ssl-mode",
+    "sslrootcert",
+    "ssl-root-cert",
+    "ssl-ca",
+    "sslcert",
+    "ssl-cert",
+    "sslkey",
+    "ssl-key",
+    "statement-cache-capacity",
+    "host",
+    "hostaddr",
+    "port",
+    "dbname",
+    "user",
+    "password",
+    "application_name",
+    "options",
+];
+
+/// Refuses a PostgreSQL URL option the driver does not read. The driver would ignore it with
+/// a warning that prints its value, which for `sslpassword` (a libpq option it lacks) is a
+/// secret; and an option silently ignored is a setting the user believes in but does not
+/// have. The error names the option, never its value.
+#[cfg(feature = "postgres")]
+fn postgres_driver_options(url: &str) -> Result<(), StoreUrlError> {
+    let query = url.split_once('?').map_or("", |(_, q)| q);
+    for pair in query.split('&').filter(|p| !p.is_empty()) {
+        let name = redact::percent_decoded(pair.split_once('=').map_or(pair, |(n, _)| n));
+        let known = POSTGRES_OPTIONS.contains(&name.as_str())
+            || name.starts_with("options[") && name.ends_with(']');
+        if !known {
+            // A name is shown only if it is one: followed by `=`, and spelled like a name (not
+            // a value typed in its place).
+            let plain = pair.contains('=')
+                && name
+                    .bytes()
+                    .all(|b| b.is_ascii_alphanumeric() || b"-_.[]".contains(&b));
+            let shown = if plain {
+                format!("{name:?}")
+            } else {
+                "(not shown)".into()
+            };
+            return Err(err(format!(
+                "the PostgreSQL URL option {shown} is not one the driver reads (its value is \
+                 not shown); it would be ignored, so it is refused. The options are {}, \
+                 options[NAME], and idem's idem_table, idem_pool, idem_batch",
+                POSTGRES_OPTIONS.join(", ")
+            )));
+        }
+    }
+    Ok(())
+}
+
 /// A SQL server URL without idem's options, and the options (`idem_table`, `idem_pool`,
 /// `idem_batch`) it gave.
 #[cfg(any(feature = "postgres", feature = "mysql"))]
@@ -436,50 +551,6 @@ impl StoreUrl {
 /// ```
 pub async fn open(url: &str) -> Result<SharedStore, OpenError> {
     Ok(url.parse::<StoreUrl>()?.open().await?)
-}
-
-/// `url` with any password replaced by `***`, for messages and logs: the one in the user
-/// information, and the value of any query parameter whose name contains `password`.
-///
-/// ```
-/// assert_eq!(idem_store::redact("postgres://app:s3cret@db/app"), "postgres://app:***@db/app");
-/// assert_eq!(idem_store::redact("redis://:pw@cache:6379"), "redis://:***@cache:6379");
-/// assert_eq!(
-///     idem_store::redact("postgres://db/app?user=app&password=s3cret&sslmode=require"),
-///     "postgres://db/app?user=app&password=***&sslmode=require"
-/// );
-/// assert_eq!(idem_store::redact("sqlite://idem.db"), "sqlite://idem.db");
-/// ```
-pub fn redact(url: &str) -> String {
-    let Some((scheme, rest)) = url.split_once("://") else {
-        return url.to_owned();
-    };
-    let authority_end = rest.find(['/', '?']).unwrap_or(rest.len());
-    let (authority, tail) = rest.split_at(authority_end);
-    let authority = match authority.rsplit_once('@') {
-        Some((userinfo, hosts)) => {
-            let user = userinfo.split_once(':').map_or(userinfo, |(u, _)| u);
-            let hidden = if userinfo.contains(':') { ":***" } else { "" };
-            format!("{user}{hidden}@{hosts}")
-        }
-        None => authority.to_owned(),
-    };
-    let tail = match tail.split_once('?') {
-        Some((path, query)) => {
-            let query: Vec<String> = query
-                .split('&')
-                .map(|p| match p.split_once('=') {
-                    Some((k, _)) if k.to_ascii_lowercase().contains("password") => {
-                        format!("{k}=***")
-                    }
-                    _ => p.to_owned(),
-                })
-                .collect();
-            format!("{path}?{}", query.join("&"))
-        }
-        None => tail.to_owned(),
-    };
-    format!("{scheme}://{authority}{tail}")
 }
 
 /// The SQLite store's settings a `sqlite://` URL names; the rest as by default.

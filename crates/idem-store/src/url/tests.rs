@@ -205,3 +205,87 @@ fn the_sqlite_key_filter_follows_the_url() {
     let store = crate::SqliteStore::open_with(dir.path().join("r0.db"), options).unwrap();
     assert!(!store.has_key_filter());
 }
+
+/// Passwords as people type them (with `/`, `?`, `@`, `#`, `:` unencoded) and credentials in
+/// the query never survive redaction, whatever the scheme.
+#[test]
+fn redaction_hides_every_credential_a_url_can_carry() {
+    let secret = "S3cretPW";
+    for password in [
+        "S3c/retPW",
+        "S3c?retPW",
+        "S3c@retPW",
+        "S3c#retPW",
+        "S3c:ret/?@#PW",
+    ] {
+        for scheme in ["postgres", "mysql", "redis", "amqp", "nats", "http"] {
+            let url = format!("{scheme}://u:{password}@db.example:5432/app?sslmode=require");
+            let shown = redact(&url);
+            assert!(!shown.contains("ret"), "{url} -> {shown}");
+            assert!(shown.starts_with(&format!("{scheme}://u:***@")), "{shown}");
+        }
+    }
+    for query in [
+        "password",
+        "sslpassword",
+        "PASSWORD",
+        "passwd",
+        "pwd",
+        "auth_token",
+        "token",
+        "secret",
+        "client-secret",
+        "api_key",
+        "ssl%70assword",
+    ] {
+        let url = format!("postgres://db/app?user=app&{query}={secret}&sslmode=require");
+        let shown = redact(&url);
+        assert!(!shown.contains(secret), "{url} -> {shown}");
+        assert!(
+            shown.contains("user=app") && shown.contains("sslmode=require"),
+            "{shown}"
+        );
+    }
+    // A `#` in a query credential belongs to its value.
+    assert!(!redact("postgres://db/app?password=S3c#retPW").contains("ret"));
+    // A lone user part is a name for the SQL, Redis and AMQP schemes and a token otherwise.
+    assert_eq!(redact("postgres://app@db/x"), "postgres://app@db/x");
+    assert_eq!(redact("nats://S3cretPW@h:4222"), "nats://***@h:4222");
+    assert_eq!(redact("http://S3cretPW@h/x"), "http://***@h/x");
+    // Without a scheme, the same rules.
+    assert_eq!(redact("u:S3c/retPW@db/app"), "u:***@db/app");
+    // A parsed URL's debug form too.
+    #[cfg(all(feature = "postgres", feature = "mysql", feature = "redis"))]
+    for url in [
+        "postgres://u:S3c/retPW@db/app",
+        "mysql://u:S3c@retPW@db/app",
+        "redis+cluster://:S3c?retPW@a:1,b:2",
+    ] {
+        let parsed: StoreUrl = url.parse().unwrap();
+        let shown = format!("{parsed:?}");
+        assert!(!shown.contains("ret"), "{shown}");
+    }
+}
+
+/// An option the PostgreSQL driver does not read is refused by name: the driver would print
+/// its value in a warning (`sslpassword` is a secret), and ignore it.
+#[cfg(feature = "postgres")]
+#[test]
+fn postgres_options_the_driver_ignores_are_refused_without_their_value() {
+    for url in [
+        "postgres://u@db/app?sslpassword=S3cretPW",
+        "postgres://u@db/app?sslmode=require&ssl%70assword=S3cretPW",
+        "postgres://u@db/app?connect_timeout=S3cretPW",
+        "postgres://u@db/app?S3cretPW",
+    ] {
+        let e = url.parse::<StoreUrl>().unwrap_err().to_string();
+        assert!(e.contains("is not one the driver reads"), "{url}: {e}");
+        assert!(!e.contains("S3cretPW"), "{url}: {e}");
+    }
+    for url in [
+        "postgres://u@db/app?sslmode=disable&application_name=a&options[search_path]=x",
+        "postgres://db/app?user=u&password=p&idem_pool=2",
+    ] {
+        assert!(url.parse::<StoreUrl>().is_ok(), "{url}");
+    }
+}

@@ -1,22 +1,23 @@
 //! `idem relay`: feeds a queue's messages to an HTTP service, once each.
 //!
 //! Each message's body is POSTed to the target with `Idempotency-Key` set to the message's
-//! key. An answer the gateway would store (2xx, and 4xx other than 408, 409 "in progress",
-//! 425 and 429) is recorded in the relay's store and the message acked; a redelivery of it
-//! is acked without calling the target again. 5xx, 408, 425, 429, a 409 "in progress", a
-//! connection that fails and a timeout are retried with backoff (the same key every time, so
-//! a target that honours `Idempotency-Key`, such as `idem gateway`, runs the request once),
-//! and dead-lettered after the last attempt; a `Retry-After` in seconds sets the delay.
+//! key, written so that the target reads back exactly that key ([`idem_http::encode_key`]).
+//! What follows each answer is [`answer::verdict`]: a message is acked only when the target
+//! took it; an answer that says it was not processed is retried with the same key (so a
+//! target that honours `Idempotency-Key`, such as `idem gateway`, runs it once); an answer
+//! that says its effect did not happen, or may not have (an unknown outcome, a relay or
+//! target that is misconfigured), dead-letters it with the answer, and records nothing.
+
+mod answer;
 
 use std::fmt;
 use std::sync::Arc;
 use std::time::Duration;
 
 use axum::body::Body;
-use axum::http::header::{CONTENT_TYPE, RETRY_AFTER};
+use axum::http::header::CONTENT_TYPE;
 use axum::http::uri::Scheme;
 use axum::http::{HeaderMap, HeaderName, HeaderValue, Method, Request, StatusCode, Uri};
-use idem_http::ProblemCode;
 use idem_mq::{Failure, Handler, Message};
 use serde::{Deserialize, Serialize};
 
@@ -30,20 +31,22 @@ pub struct Target {
     uri: Uri,
     headers: HeaderMap,
     timeout: Duration,
-    dead_letter_4xx: bool,
+    ack_4xx: bool,
 }
 
 impl Target {
     /// A target at `url` (`http://host:port/path`), with the defaults: `Content-Type:
-    /// application/json`, a 30 s timeout, 4xx answers recorded and acked.
+    /// application/json`, a 30 s timeout, 4xx answers dead-lettered. Errors show the URL
+    /// through [`idem_store::redact`].
     pub fn parse(url: &str) -> Result<Self, String> {
+        let shown = idem_store::redact(url);
         let uri: Uri = url
             .parse()
-            .map_err(|e| format!("--to {url:?} is not a URL: {e}"))?;
+            .map_err(|e| format!("--to {shown:?} is not a URL: {e}"))?;
         if uri.scheme() != Some(&Scheme::HTTP) || uri.authority().is_none() {
             return Err(format!(
-                "--to {url:?} must be an http:// URL with a host (put TLS termination in front \
-                 of the target)"
+                "--to {shown:?} must be an http:// URL with a host (put TLS termination in \
+                 front of the target)"
             ));
         }
         let mut headers = HeaderMap::new();
@@ -52,7 +55,7 @@ impl Target {
             uri,
             headers,
             timeout: Duration::from_secs(30),
-            dead_letter_4xx: false,
+            ack_4xx: false,
         })
     }
 
@@ -66,8 +69,10 @@ impl Target {
         if name.as_str() == "idempotency-key" {
             return Err("the relay sets Idempotency-Key itself, from the message's key".into());
         }
-        let value = HeaderValue::from_str(value.trim())
+        let mut value = HeaderValue::from_str(value.trim())
             .map_err(|_| format!("the value of header {name} is not a valid header value"))?;
+        // It may be a credential (`Authorization`): kept out of `Debug` output.
+        value.set_sensitive(true);
         self.headers.insert(name, value);
         Ok(self)
     }
@@ -78,9 +83,12 @@ impl Target {
         self
     }
 
-    /// Dead-letter messages the target answers with a stored 4xx, instead of acking them.
-    pub fn dead_letter_4xx(mut self, on: bool) -> Self {
-        self.dead_letter_4xx = on;
+    /// Record and ack messages the target answers with a 4xx that is a business answer (a
+    /// refused order), instead of dead-lettering them (the default). Answers that say the
+    /// relay or target is misconfigured, the gateway's key errors and unknown outcomes are
+    /// dead-lettered either way.
+    pub fn ack_4xx(mut self, on: bool) -> Self {
+        self.ack_4xx = on;
         self
     }
 }
@@ -120,27 +128,24 @@ impl Relay {
 
     async fn post(&self, message: Message) -> Result<Answer, Failure<RelayError>> {
         let retry = |why: String| Failure::Retry(RelayError(why));
+        let refuse = |why: String| Failure::DeadLetter(RelayError(why));
+        // Without its key the target could not tell a resend from a new request: a message
+        // whose key cannot be sent is dead-lettered, not sent.
+        let key = match &message.key {
+            Some(key) => idem_http::encode_key(key.client_key().as_str())
+                .map_err(|e| refuse(format!("its key cannot be sent as Idempotency-Key: {e}")))?,
+            None => return Err(refuse("the message has no key".into())),
+        };
         let mut req = Request::builder()
             .method(Method::POST)
             .uri(self.target.uri.clone());
         if let Some(headers) = req.headers_mut() {
             headers.clone_from(&self.target.headers);
-            // Without its key the target could not tell a resend from a new request: a
-            // message that has none (or one that is not a header value) is refused, not sent.
-            let key = message
-                .key
-                .as_ref()
-                .and_then(|k| HeaderValue::from_str(k.client_key().as_str()).ok())
-                .ok_or_else(|| {
-                    Failure::Permanent(RelayError(
-                        "the message has no key that can be sent as Idempotency-Key".into(),
-                    ))
-                })?;
-            headers.insert("idempotency-key", key);
+            headers.insert(idem_http::IDEMPOTENCY_KEY, key);
         }
-        let req = req.body(Body::from(message.payload)).map_err(|e| {
-            Failure::Permanent(RelayError(format!("cannot build the request: {e}")))
-        })?;
+        let req = req
+            .body(Body::from(message.payload))
+            .map_err(|e| refuse(format!("cannot build the request: {e}")))?;
         let sent = tokio::time::timeout(self.target.timeout, async {
             let res = self.client.request(req).await?;
             let (head, body) = res.into_parts();
@@ -173,30 +178,34 @@ impl Relay {
         let status = head.status;
         metrics::counter!("idem_relay_requests_total", "result" => status_class(status))
             .increment(1);
-        if retryable(status, &head.headers, body.as_deref()) {
-            let why = RelayError(format!("the target answered {status}"));
-            // A delay the target asks for (in seconds; an HTTP date is not followed).
-            let after = head
-                .headers
-                .get(RETRY_AFTER)
-                .and_then(|v| v.to_str().ok()?.trim().parse::<u64>().ok())
-                .map(Duration::from_secs);
-            return Err(match after {
-                Some(after) => Failure::RetryAfter(why, after),
-                None => Failure::Retry(why),
-            });
+        let code = body
+            .as_deref()
+            .and_then(|b| serde_json::from_slice::<serde_json::Value>(b).ok())
+            .and_then(|v| v.get("code")?.as_str().map(str::to_owned));
+        // The answer, as the dead letter and the log carry it: the status and the problem
+        // code, never the body.
+        let answered = match &code {
+            Some(code) => format!("the target answered {status} ({code})"),
+            None => format!("the target answered {status}"),
+        };
+        match answer::verdict(status, &head.headers, code.as_deref(), self.target.ack_4xx) {
+            answer::Verdict::Delivered => {
+                if status.is_client_error() {
+                    tracing::info!(%status, code = code.as_deref(), "the target refused a message with a business answer; recorded and acked");
+                }
+                Ok(Answer {
+                    status: status.as_u16(),
+                })
+            }
+            answer::Verdict::Retry(None) => Err(retry(answered)),
+            answer::Verdict::Retry(Some(after)) => {
+                Err(Failure::RetryAfter(RelayError(answered), after))
+            }
+            answer::Verdict::DeadLetter(why) => {
+                tracing::warn!(%status, code = code.as_deref(), "{why}; the message is dead-lettered");
+                Err(refuse(format!("{answered}: {why}")))
+            }
         }
-        if status.is_client_error() && self.target.dead_letter_4xx {
-            return Err(Failure::Permanent(RelayError(format!(
-                "the target answered {status}"
-            ))));
-        }
-        if status.is_client_error() {
-            tracing::warn!(%status, "the target refused a message; its answer is recorded and the message acked");
-        }
-        Ok(Answer {
-            status: status.as_u16(),
-        })
     }
 }
 
@@ -209,23 +218,6 @@ impl Handler for Relay {
         message: Message,
     ) -> impl Future<Output = Result<Answer, Failure<RelayError>>> + Send {
         self.post(message)
-    }
-}
-
-/// Whether an answer says the request was not processed and may be sent again: the statuses
-/// the gateway never stores (5xx, 408, 425, 429), and a 409 whose problem `code` says another
-/// attempt with this key is in progress (`idem gateway`'s `request_in_progress`).
-fn retryable(status: StatusCode, headers: &HeaderMap, body: Option<&[u8]>) -> bool {
-    match status.as_u16() {
-        408 | 425 | 429 | 500..=599 => true,
-        409 => {
-            headers.contains_key(RETRY_AFTER)
-                || body
-                    .and_then(|b| serde_json::from_slice::<serde_json::Value>(b).ok())
-                    .and_then(|v| v.get("code")?.as_str().map(str::to_owned))
-                    .is_some_and(|code| code == ProblemCode::RequestInProgress.as_str())
-        }
-        _ => false,
     }
 }
 
