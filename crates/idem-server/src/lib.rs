@@ -121,6 +121,7 @@ pub fn router(state: AppState) -> Router {
         clock: state.clock.clone(),
         token: state.admin_token.clone(),
         history: state.records_history.clone(),
+        prefix: ADMIN_PREFIX.into(),
     };
     let operator = Router::new()
         .route("/health", get(api::health))

@@ -53,6 +53,9 @@ pub struct RecordTools {
     pub token: Option<AdminToken>,
     /// The counts taken in the background ([`super::sampler`]).
     pub history: Arc<super::History>,
+    /// The prefix the tools are served under, in normal form (`/_idem`): the page names its
+    /// assets from it, never from the request's path.
+    pub prefix: Arc<str>,
 }
 
 impl AdminAccess for RecordTools {

@@ -39,6 +39,8 @@ pub(super) struct AdminState {
     pub(super) metrics_require_token: bool,
     pub(super) history: Arc<crate::admin::History>,
     pub(super) health: crate::health::Monitor,
+    /// The reserved prefix, in normal form.
+    pub(super) prefix: Arc<str>,
     pub(super) scope: ScopeSource,
     /// Each route's pattern and key namespace, then the namespace of requests no route matches.
     pub(super) namespaces: Arc<(Vec<(PathPattern, Namespace)>, Namespace)>,
@@ -63,6 +65,7 @@ pub(super) fn router(state: AdminState) -> Router {
         clock: state.clock.clone(),
         token: state.token.clone(),
         history: state.history.clone(),
+        prefix: state.prefix.clone(),
     };
     Router::new()
         .route("/health", get(health))

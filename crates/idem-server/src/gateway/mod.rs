@@ -255,6 +255,7 @@ impl Gateway {
             metrics_require_token: self.metrics_require_token,
             history: self.records_history.clone(),
             health: self.health.clone(),
+            prefix: self.admin_prefix.as_str().into(),
             scope: self.scope.clone(),
             namespaces: Arc::new((namespaces, self.default_route.policy.namespace.clone())),
         });

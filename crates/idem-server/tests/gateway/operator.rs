@@ -211,3 +211,32 @@ async fn the_record_tools_are_disabled_without_an_admin_token() {
     assert_eq!(r.status, StatusCode::FORBIDDEN);
     assert_eq!(r.code(), "admin_disabled");
 }
+
+/// The page names its assets under the configured prefix, whatever spelling of it was asked
+/// for: `//evil.example/..//_idem` is the page too, and must not load its script from
+/// `//evil.example/…`.
+#[tokio::test]
+async fn the_page_names_its_assets_from_the_prefix_not_the_request() {
+    let dir = tempfile::tempdir().unwrap();
+    let token_file = dir.path().join("admin-token");
+    std::fs::write(&token_file, "operator-token-0123456789").unwrap();
+    let (_, up) = start_upstream().await;
+    let config = format!("admin_token_file = {:?}", token_file.display());
+    let gw = start_gateway(up, memory(), &config).await;
+    for path in [
+        "/_idem",
+        "//evil.example/..//_idem",
+        "/x/..//_idem/",
+        "/%5Fidem",
+    ] {
+        let r = send(gw, Method::GET, path, &[], "").await;
+        assert_eq!(r.status, StatusCode::OK, "{path}: {}", r.body);
+        assert!(
+            r.body.contains(r#"<script src="/_idem/assets/app.js""#)
+                && r.body.contains(r#"href="/_idem/assets/app.css""#),
+            "{path}: {}",
+            r.body
+        );
+        assert!(!r.body.contains("evil"), "{path}: {}", r.body);
+    }
+}
