@@ -210,3 +210,19 @@ async fn an_operator_lists_counts_and_releases_stuck_attempts() {
         assert!(!err.is_empty(), "{args:?}");
     }
 }
+
+/// A mistyped store path is an error that says so, and leaves no new, empty database behind
+/// to answer later commands with zeros.
+#[test]
+fn the_records_tools_open_an_existing_store_only() {
+    let dir = tempfile::tempdir().unwrap();
+    let typo = dir.path().join("typo.db");
+    for args in [&["counts"][..], &["list"], &["release", "--yes"]] {
+        let out = idem(&typo, args);
+        assert!(!out.status.success(), "{args:?}: {}", stdout(&out));
+        let err = stderr(&out);
+        assert!(err.contains("there is no such file"), "{args:?}: {err}");
+        assert!(!err.contains("panicked"), "{args:?}: {err}");
+        assert!(!typo.exists(), "{args:?} created {}", typo.display());
+    }
+}

@@ -21,7 +21,8 @@ macro_rules! say {
 
 #[derive(clap::Args)]
 pub(crate) struct RecordsArgs {
-    /// The store: sqlite://PATH, memory://, postgres://…, mysql://…, redis://…
+    /// The store: sqlite://PATH, memory://, postgres://…, mysql://…, redis://… (an existing
+    /// one: a missing SQLite file is not created)
     #[arg(long, env = "IDEM_STORE", default_value = "sqlite://idem.db")]
     store: String,
 
@@ -152,10 +153,9 @@ pub(crate) struct RepairArgs {
     max: usize,
 }
 
-/// Runs one `idem records` command against `store`.
-/// Runs `idem records` against the store its flags name.
+/// Runs `idem records` against the store its flags name, which must exist.
 pub(crate) async fn records(args: RecordsArgs) -> Result<(), String> {
-    let store = super::open_store_once(&args.store).await?;
+    let store = super::open_existing_store(&args.store).await?;
     run(store, args.command).await
 }
 

@@ -46,6 +46,9 @@ pub enum StoreUrl {
         busy_timeout_ms: u64,
         /// Whether a fresh key's `begin` may skip the read first (`SqliteOptions::key_filter`).
         key_filter: bool,
+        /// Whether a missing file is created (`SqliteOptions::create`); always true when
+        /// parsed, see [`StoreUrl::existing_only`].
+        create: bool,
     },
     /// `redis://…` (one server) or `redis+cluster://…` (a Cluster, through these nodes).
     #[cfg(feature = "redis")]
@@ -230,6 +233,7 @@ impl FromStr for StoreUrl {
                     synchronous,
                     busy_timeout_ms,
                     key_filter,
+                    create: true,
                 })
             }
             #[cfg(feature = "postgres")]
@@ -368,6 +372,17 @@ fn sql_options(url: &str) -> Result<(String, SqlOptions), StoreUrlError> {
 }
 
 impl StoreUrl {
+    /// This URL, opening only a store that exists: a SQLite file is not created when it is
+    /// missing (the other stores are servers, and their tables are made on connecting).
+    #[must_use]
+    pub fn existing_only(mut self) -> Self {
+        #[cfg(feature = "sqlite")]
+        if let StoreUrl::Sqlite { create, .. } = &mut self {
+            *create = false;
+        }
+        self
+    }
+
     /// Opens the store this URL names (connecting, and applying migrations, for server
     /// stores).
     pub async fn open(&self) -> Result<SharedStore, StoreError> {
@@ -392,8 +407,12 @@ impl StoreUrl {
                 synchronous,
                 busy_timeout_ms,
                 key_filter,
+                create,
             } => {
-                let options = sqlite_options(*synchronous, *busy_timeout_ms, *key_filter);
+                let options = crate::SqliteOptions {
+                    create: *create,
+                    ..sqlite_options(*synchronous, *busy_timeout_ms, *key_filter)
+                };
                 Ok(both(crate::SqliteStore::open_with(path, options)?))
             }
             #[cfg(feature = "redis")]
