@@ -12,6 +12,9 @@ use crate::MqError;
 use crate::key::KeyFrom;
 use crate::source::{Horizon, Source};
 
+/// The scope of a consumer's records when it is not given one.
+pub const DEFAULT_SCOPE: &str = "mq";
+
 #[derive(Debug, Clone)]
 pub(super) struct Settings {
     pub(super) key: KeyFrom,
@@ -48,7 +51,7 @@ impl<S: Store + Clone, C: Clock + Clone> Consumer<S, C> {
             idem,
             settings: Arc::new(Settings {
                 key: KeyFrom::MessageId,
-                scope: "mq".into(),
+                scope: DEFAULT_SCOPE.into(),
                 namespace: None,
                 fingerprint: false,
                 missing_key: MissingKey::DeadLetter,
@@ -75,7 +78,7 @@ impl<S: Store + Clone, C: Clock + Clone> Consumer<S, C> {
         self.set(|s| s.key = from)
     }
 
-    /// The records' scope (default `mq`): keys of one scope never meet another's.
+    /// The records' scope (default [`DEFAULT_SCOPE`]): keys of one scope never meet another's.
     pub fn scope(self, scope: impl Into<String>) -> Self {
         self.set(|s| s.scope = scope.into())
     }
