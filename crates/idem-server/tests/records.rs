@@ -258,6 +258,56 @@ async fn a_repair_touches_only_records_still_as_shown() {
     assert_eq!(status, StatusCode::BAD_REQUEST);
 }
 
+/// A repair that names an attempt still in progress is refused whole without `force`, and one
+/// that names idem's own records is refused even with it; neither touches anything.
+#[tokio::test]
+async fn running_attempts_need_force_and_idems_own_records_are_never_repaired() {
+    let (state, _) = state();
+    populate(&state).await;
+    let running = [
+        shown("shop", "b", "in_progress", 1),
+        shown("shop", "c", "completed", 1),
+    ];
+    let (status, body) = repair(&state, json!({"action": "delete", "records": running})).await;
+    assert_eq!(status, StatusCode::CONFLICT, "{body}");
+    assert_eq!(body["code"], "force_required");
+    assert_eq!(body["in_progress"], 1);
+    let (_, _, page) = get(&state, TOKEN, "/_idem/records?scope=shop").await;
+    assert_eq!(
+        keys(&page),
+        ["shop/a", "shop/b", "shop/c"],
+        "nothing was deleted"
+    );
+
+    // The Snowflake worker lease of a running server, as idem keeps it.
+    let worker = idem_core::BeginRequest::new(
+        idem_core::Key::parse("idem.ids", "snowflake.default", "7").unwrap(),
+        idem_core::Fingerprint::of_bytes(b"worker"),
+    );
+    state.store.begin(&worker, state.clock.now()).await.unwrap();
+    let (_, _, page) = get(&state, TOKEN, "/_idem/records?scope=idem.ids").await;
+    assert_eq!(page["records"][0]["internal"], true, "{page}");
+    let internal = json!({"scope": "idem.ids", "namespace": "snowflake.default", "key": "7",
+        "state": "in_progress", "fence": 1});
+    let (status, body) = repair(
+        &state,
+        json!({"action": "delete", "records": [internal], "force": true}),
+    )
+    .await;
+    assert_eq!(status, StatusCode::FORBIDDEN, "{body}");
+    assert_eq!(body["code"], "internal_record");
+    let (_, _, page) = get(&state, TOKEN, "/_idem/records?scope=idem.ids").await;
+    assert_eq!(page["records"].as_array().unwrap().len(), 1, "{page}");
+
+    let (status, done) = repair(
+        &state,
+        json!({"action": "delete", "records": running, "force": true}),
+    )
+    .await;
+    assert_eq!(status, StatusCode::OK, "{done}");
+    assert_eq!(done, json!({"applied": 2, "skipped": 0}));
+}
+
 #[tokio::test]
 async fn the_segment_tags_in_use_are_shown_with_their_runway() {
     let (state, _) = state();

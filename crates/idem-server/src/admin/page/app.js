@@ -74,11 +74,13 @@ function shownOf(r) {
   return { scope: r.scope, namespace: r.namespace, key: r.key, state: r.state, fence: r.fence };
 }
 
-async function repair(action, records) {
+// `force`: the operator said explicitly that attempts in progress may be repaired too; without
+// it the server refuses a list naming one (409 force_required).
+async function repair(action, records, force) {
   const done = await call("records/repair", {
     method: "POST",
     headers: { "content-type": "application/json" },
-    body: JSON.stringify({ action, records: records.map(shownOf) }),
+    body: JSON.stringify({ action, records: records.map(shownOf), force: Boolean(force) }),
   });
   say(`${action}: ${done.applied} applied, ${done.skipped} skipped (changed since shown).`);
   await refresh();
@@ -86,6 +88,8 @@ async function repair(action, records) {
 }
 
 function actionsFor(r) {
+  // idem's own records (a server's Snowflake worker lease): shown, never repaired.
+  if (r.internal) return [];
   const out = [];
   if (r.kind === "unknown") out.push(["reopen", "Reopen"]);
   if (r.state === "stuck") out.push(["release", "Release"]);
@@ -101,8 +105,12 @@ function actionButtons(r) {
     class: action === "delete" ? "danger" : "",
     "aria-label": `${label} ${r.key}`,
     on: { click: async () => {
-      if (!confirm(`${label} the record ${r.key} (fence ${r.fence})?`)) return;
-      try { await repair(action, [r]); } catch (e) { if (!(e instanceof Refused)) say(e.message, true); }
+      const running = r.state === "in_progress"
+        ? " Its attempt is still in progress and may still be working: a retry let in beside it runs the work twice."
+        : "";
+      if (!confirm(`${label} the record ${r.key} (fence ${r.fence})?${running}`)) return;
+      // The question named the running attempt: answering yes is the explicit force.
+      try { await repair(action, [r], r.state === "in_progress"); } catch (e) { if (!(e instanceof Refused)) say(e.message, true); }
     } },
   }, label));
 }
