@@ -162,7 +162,8 @@ async fn an_operator_signs_in_filters_and_reopens_an_unknown_outcome() {
     state.records_history.push(Timestamp::now(), counts);
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let base = format!("http://{}", listener.local_addr().unwrap());
-    let app = idem_server::router(state);
+    // The API on one router, the page on the admin listener's, as `idem serve` runs them.
+    let app = idem_server::router(state.clone());
     // A segment tag in use, for the page's table of them.
     let ids = Request::get("/v1/ids/segment/orders?count=5")
         .body(Body::empty())
@@ -176,7 +177,8 @@ async fn an_operator_signs_in_filters_and_reopens_an_unknown_outcome() {
         .unwrap();
     let res = app.clone().oneshot(lock).await.unwrap();
     assert_eq!(res.status(), StatusCode::OK);
-    let server = tokio::spawn(async move { axum::serve(listener, app).await });
+    let admin = idem_server::admin_router(state);
+    let server = tokio::spawn(async move { axum::serve(listener, admin).await });
 
     let shot = Path::new(env!("CARGO_TARGET_TMPDIR")).join("admin-page.png");
     let script = dir.join("admin_page.mjs");

@@ -87,6 +87,58 @@ async fn only_the_admin_token_opens_the_tools() {
     assert_eq!(status, StatusCode::OK, "{body}");
 }
 
+/// The API's listener serves health and metrics under /_idem, never the page or the tools that
+/// take the admin token: those are on the admin listener, an origin of their own.
+#[tokio::test]
+async fn the_page_and_the_tools_are_on_the_admin_listener_only() {
+    let (state, _) = state();
+    let state = state.with_locks(Arc::new(idem_store::MemoryStore::new()));
+    let status = |app: axum::Router, path: &'static str| async move {
+        let req = axum::http::Request::get(path)
+            .header("authorization", format!("Bearer {TOKEN}"))
+            .body(axum::body::Body::empty())
+            .unwrap();
+        let res = tower::ServiceExt::oneshot(app, req).await.unwrap();
+        let status = res.status();
+        let bytes = axum::body::to_bytes(res.into_body(), usize::MAX)
+            .await
+            .unwrap();
+        (status, String::from_utf8_lossy(&bytes).into_owned())
+    };
+    let api = idem_server::router(state.clone());
+    let admin = idem_server::admin_router(state);
+    for path in [
+        "/_idem",
+        "/_idem/",
+        "/_idem/assets/app.js",
+        "/_idem/records",
+        "/_idem/records/counts",
+        "/_idem/segments",
+        "/_idem/locks",
+    ] {
+        let (code, body) = status(api.clone(), path).await;
+        assert_eq!(code, StatusCode::NOT_FOUND, "{path}: {body}");
+        assert!(body.contains("--admin-listen"), "{path}: {body}");
+        let (code, body) = status(admin.clone(), path).await;
+        assert!(
+            code.is_success() || code.is_redirection(),
+            "{path}: {code} {body}"
+        );
+    }
+    for path in ["/_idem/health", "/_idem/metrics"] {
+        for app in [&api, &admin] {
+            let (code, body) = status(app.clone(), path).await;
+            assert_eq!(code, StatusCode::OK, "{path}: {body}");
+        }
+    }
+    let (code, _) = status(admin, "/v1/ids/uuid7").await;
+    assert_eq!(
+        code,
+        StatusCode::NOT_FOUND,
+        "the admin listener serves no API"
+    );
+}
+
 #[tokio::test]
 async fn records_are_listed_by_page_and_filter_and_counted() {
     let (state, clock) = state();
@@ -174,7 +226,7 @@ async fn repair(state: &AppState, body: Value) -> (StatusCode, Value) {
         .header("authorization", format!("Bearer {TOKEN}"))
         .body(axum::body::Body::from(body.to_string()))
         .unwrap();
-    let res = tower::ServiceExt::oneshot(idem_server::router(state.clone()), req)
+    let res = tower::ServiceExt::oneshot(common::app_for(state, "/_idem/records/repair"), req)
         .await
         .unwrap();
     let status = res.status();
