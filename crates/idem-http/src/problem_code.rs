@@ -150,6 +150,10 @@ catalogue! {
         "The server's store does not list, count or repair records.");
     NotUnknown = (CONFLICT, "not_unknown", "Outcome not unknown",
         "Only a record with an unknown outcome is reopened; this one holds something else.");
+    ForceRequired = (CONFLICT, "force_required", "Force required",
+        "The repair names attempts in progress, which may still be working; it is refused unless it says `\"force\": true`.");
+    InternalRecord = (FORBIDDEN, "internal_record", "idem's own record",
+        "The repair names one of idem's own records (scope `idem.…`, such as a server's Snowflake worker lease), which no repair touches.");
     // One-time tokens.
     TokenMissing = (BAD_REQUEST, "token_missing", "Token missing",
         "The route needs a one-time token and the request has none.");

@@ -23,6 +23,9 @@ use idem_core::Scope;
 /// The scope of requests that carry no credential under a header source.
 pub const ANONYMOUS: &str = "anonymous";
 
+/// The start of every scope hashed from a credential (`cred-…`).
+pub const CREDENTIAL_PREFIX: &str = "cred-";
+
 /// What [`ScopeSource::log_form`] writes in place of a scope that must not be logged.
 pub const WITHHELD: &str = "withheld";
 
@@ -219,7 +222,7 @@ fn hashed<'v>(credential: impl Iterator<Item = Cow<'v, [u8]>>) -> Scope {
         fp = fp.part(&value);
     }
     let hex = fp.finish().to_hex();
-    Scope::new(format!("cred-{}", &hex[..32])).expect("a valid scope")
+    Scope::new(format!("{CREDENTIAL_PREFIX}{}", &hex[..32])).expect("a valid scope")
 }
 
 /// `cred-` and the first 128 bits of an HMAC-SHA-256 under the secret over the credential's
@@ -234,7 +237,7 @@ fn keyed<'v>(secret: &ScopeSecret, credential: impl Iterator<Item = Cow<'v, [u8]
     }
     let tag = mac.finalize().into_bytes();
     let hex = idem_core::hex(&tag[..16]);
-    Scope::new(format!("cred-{hex}")).expect("a valid scope")
+    Scope::new(format!("{CREDENTIAL_PREFIX}{hex}")).expect("a valid scope")
 }
 
 #[cfg(test)]

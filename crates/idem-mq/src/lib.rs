@@ -24,7 +24,9 @@ pub mod source;
 #[cfg(any(feature = "amqp", feature = "nats"))]
 mod text;
 
-pub use consumer::{Consumer, Counts, Failure, Handler, Message, MissingKey, Outcome};
+pub use consumer::{
+    Consumer, Counts, DEFAULT_SCOPE, Failure, Handler, Message, MissingKey, Outcome,
+};
 pub use error::MqError;
 pub use key::KeyFrom;
 pub use source::{DeadLetter, Delivery, Disposition, Horizon, Reason, Source};

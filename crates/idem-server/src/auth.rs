@@ -22,6 +22,25 @@ use idem_http::{Problem, ProblemCode};
 /// API key may have one.
 pub const RESERVED_SCOPE_PREFIX: &str = "idem.";
 
+/// Why `scope` may not be an API key's, if it may not: idem's own records, and the scopes the
+/// other ways in give their callers (`idem gateway`'s `anonymous` and `cred-…`, `idem relay`'s
+/// `relay`, a message consumer's default `mq`). A store may be shared by all of them, and a
+/// caller of `idem serve` under such a scope could read, hold or replay their records.
+pub fn reserved(scope: &str) -> Option<&'static str> {
+    use idem_http::scope::{ANONYMOUS, CREDENTIAL_PREFIX};
+    if scope.starts_with(RESERVED_SCOPE_PREFIX) {
+        Some("scopes starting with `idem.` hold idem's own records")
+    } else if scope == ANONYMOUS || scope.starts_with(CREDENTIAL_PREFIX) {
+        Some("`anonymous` and scopes starting with `cred-` are the gateway's callers")
+    } else if scope == crate::relay::SCOPE {
+        Some("`relay` is idem relay's")
+    } else if scope == idem_mq::DEFAULT_SCOPE {
+        Some("`mq` is the message consumers' default")
+    } else {
+        None
+    }
+}
+
 /// The scope used when no API keys are configured.
 pub const DEFAULT_SCOPE: &str = "default";
 
@@ -76,11 +95,10 @@ impl Auth {
             };
             let scope = Scope::new(scope)
                 .map_err(|e| AuthConfigError(format!("{at}: invalid scope: {e}")))?;
-            // idem keeps its own records (worker ids, tokens) under scopes named `idem.…`: a
-            // caller with such a scope could read or hold them through the record API.
-            if scope.as_str().starts_with(RESERVED_SCOPE_PREFIX) {
+            if let Some(why) = reserved(scope.as_str()) {
                 return Err(AuthConfigError(format!(
-                    "{at}: scopes starting with `{RESERVED_SCOPE_PREFIX}` are idem's own"
+                    "{at}: the scope {:?} is reserved: {why}; choose another name",
+                    scope.as_str()
                 )));
             }
             if key.len() < 16 {
@@ -186,6 +204,10 @@ mod tests {
             ),
             ("idem.ids 0123456789abcdef0123", "idem's own"),
             ("idem.tokens 0123456789abcdef0123", "idem's own"),
+            ("anonymous 0123456789abcdef0123", "reserved"),
+            ("cred-3f9a 0123456789abcdef0123", "gateway"),
+            ("relay 0123456789abcdef0123", "idem relay"),
+            ("mq 0123456789abcdef0123", "consumers"),
         ] {
             let err = Auth::parse_keys(bad, "keys").unwrap_err().to_string();
             assert!(err.contains(why), "{bad:?}: {err}");

@@ -15,6 +15,10 @@
 //! | `POST /v1/locks/{name}/acquire`, `/renew`, `/release` | locks with fencing (see [`locks`]) |
 //! | `GET /v1/ids/uuid7`, `/v1/ids/snowflake`, `/v1/ids/segment/{tag}` (`?count=N`) | ids (see [`ids`]) |
 //! | `GET /openapi.json` | this API as an OpenAPI 3.1 document (see [`openapi`]) |
+//! | `GET /_idem/health`, `/_idem/metrics` | health and metrics |
+//!
+//! The admin page and the record tools are served by [`admin_router`], on a listener of their
+//! own.
 
 pub mod admin;
 pub mod api;
@@ -109,34 +113,17 @@ impl AppState {
 /// The reserved prefix of the server's own endpoints (health, metrics, record tools).
 pub const ADMIN_PREFIX: &str = "/_idem";
 
-/// The API's routes, and under [`ADMIN_PREFIX`] the operator's: `/health`, `/metrics` and the
-/// record tools (see [`admin::http`]).
+/// What the API's listener answers under [`ADMIN_PREFIX`] for anything but health and metrics.
+const ON_ADMIN_LISTENER: &str = "The admin page and the record tools are served on the admin \
+                                 listener (--admin-listen), not on the API's.";
+
+/// The API's routes, and under [`ADMIN_PREFIX`] health and metrics. The admin page and the
+/// record tools are on [`admin_router`], for a listener of their own.
 pub fn router(state: AppState) -> Router {
     api::describe_metrics();
     ids::describe_metrics();
     locks::describe_metrics();
     metered::describe_metrics();
-    let tools = admin::RecordTools {
-        store: state.store.clone(),
-        clock: state.clock.clone(),
-        token: state.admin_token.clone(),
-        history: state.records_history.clone(),
-    };
-    let operator = Router::new()
-        .route("/health", get(api::health))
-        .route("/segments", get(admin_segments))
-        .route("/locks", get(admin_locks))
-        .route(
-            "/metrics",
-            get(
-                |axum::extract::State(s): axum::extract::State<AppState>,
-                 req: axum::extract::Request| async move {
-                    admin::metrics_response(&s, s.metrics_require_token, &req.into_parts().0)
-                },
-            ),
-        )
-        .with_state(state.clone())
-        .merge(admin::router(tools));
     Router::new()
         .route("/healthz", get(api::health))
         .route("/v1/records/begin", post(api::begin))
@@ -153,18 +140,70 @@ pub fn router(state: AppState) -> Router {
         .route("/v1/ids/snowflake", get(ids::snowflake))
         .route("/v1/ids/segment/{tag}", get(ids::segment))
         .route("/openapi.json", get(openapi::serve))
-        .with_state(state)
-        .nest(ADMIN_PREFIX, operator)
-        // The page is the prefix itself; with a final slash too.
+        .with_state(state.clone())
+        .nest(
+            ADMIN_PREFIX,
+            operator(state, false).fallback(|| async { Problem::not_found(ON_ADMIN_LISTENER) }),
+        )
         .route(
             "/_idem/",
-            get(|| async { axum::response::Redirect::permanent(ADMIN_PREFIX) }),
+            axum::routing::any(|| async { Problem::not_found(ON_ADMIN_LISTENER) }),
         )
         .fallback(|| async { Problem::not_found("There is no such endpoint.") })
         .method_not_allowed_fallback(|| async {
             ProblemCode::MethodNotAllowed.problem("This endpoint does not take that method.")
         })
         .layer(trace::RequestSpanLayer)
+}
+
+/// The admin listener's routes, all under [`ADMIN_PREFIX`]: the admin page at the prefix
+/// itself, the record tools (see [`admin::http`]), the segment tags and locks held, health and
+/// metrics. Served on an address of its own, so that the page and the token it keeps share an
+/// origin with nothing else.
+pub fn admin_router(state: AppState) -> Router {
+    Router::new()
+        .nest(ADMIN_PREFIX, operator(state, true))
+        // The page is the prefix itself; with a final slash too.
+        .route(
+            "/_idem/",
+            get(|| async { axum::response::Redirect::permanent(ADMIN_PREFIX) }),
+        )
+        .fallback(|| async {
+            Problem::not_found("There is no such endpoint; the admin page is at /_idem.")
+        })
+        .method_not_allowed_fallback(|| async {
+            ProblemCode::MethodNotAllowed.problem("This endpoint does not take that method.")
+        })
+        .layer(trace::RequestSpanLayer)
+}
+
+/// The operator's routes under the prefix: health and metrics, and with `tools` the page, the
+/// record tools, the segment tags and the locks held.
+fn operator(state: AppState, tools: bool) -> Router {
+    let routes = Router::new().route("/health", get(api::health)).route(
+        "/metrics",
+        get(
+            |axum::extract::State(s): axum::extract::State<AppState>,
+             req: axum::extract::Request| async move {
+                admin::metrics_response(&s, s.metrics_require_token, &req.into_parts().0)
+            },
+        ),
+    );
+    if !tools {
+        return routes.with_state(state);
+    }
+    let tools = admin::RecordTools {
+        store: state.store.clone(),
+        clock: state.clock.clone(),
+        token: state.admin_token.clone(),
+        history: state.records_history.clone(),
+        prefix: ADMIN_PREFIX.into(),
+    };
+    routes
+        .route("/segments", get(admin_segments))
+        .route("/locks", get(admin_locks))
+        .with_state(state)
+        .merge(admin::router(tools))
 }
 
 impl admin::AdminAccess for AppState {

@@ -116,6 +116,34 @@ async fn an_operator_signs_in_filters_and_reopens_an_unknown_outcome() {
         .record_step(&stuck.key, &lease, &debit, then)
         .await
         .unwrap();
+    // Another namespace: two answers and an attempt still running.
+    for (key, lease) in [
+        ("batch-1", Duration::ZERO),
+        ("batch-2", Duration::ZERO),
+        ("batch-running", Duration::from_secs(600)),
+    ] {
+        let req = BeginRequest::new(
+            Key::parse("tenant-b", "batch", key).unwrap(),
+            Fingerprint::of_bytes(b"batch"),
+        )
+        .with_lease(Duration::from_secs(600));
+        let BeginOutcome::Acquired(l) = store.begin(&req, then).await.unwrap() else {
+            panic!("acquired");
+        };
+        if lease.is_zero() {
+            store
+                .complete(&req.key, &l, idem_core::Bytes::from_static(b"done"), then)
+                .await
+                .unwrap();
+        }
+    }
+    // A running server's Snowflake worker lease, as idem keeps it.
+    let worker = BeginRequest::new(
+        Key::parse("idem.ids", "snowflake.default", "worker-7").unwrap(),
+        Fingerprint::of_bytes(b"worker"),
+    )
+    .with_lease(Duration::from_secs(600));
+    store.begin(&worker, then).await.unwrap();
 
     let mut state =
         AppState::new(store.clone()).with_locks(Arc::new(idem_store::MemoryStore::new()));
@@ -134,7 +162,8 @@ async fn an_operator_signs_in_filters_and_reopens_an_unknown_outcome() {
     state.records_history.push(Timestamp::now(), counts);
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let base = format!("http://{}", listener.local_addr().unwrap());
-    let app = idem_server::router(state);
+    // The API on one router, the page on the admin listener's, as `idem serve` runs them.
+    let app = idem_server::router(state.clone());
     // A segment tag in use, for the page's table of them.
     let ids = Request::get("/v1/ids/segment/orders?count=5")
         .body(Body::empty())
@@ -148,7 +177,8 @@ async fn an_operator_signs_in_filters_and_reopens_an_unknown_outcome() {
         .unwrap();
     let res = app.clone().oneshot(lock).await.unwrap();
     assert_eq!(res.status(), StatusCode::OK);
-    let server = tokio::spawn(async move { axum::serve(listener, app).await });
+    let admin = idem_server::admin_router(state);
+    let server = tokio::spawn(async move { axum::serve(listener, admin).await });
 
     let shot = Path::new(env!("CARGO_TARGET_TMPDIR")).join("admin-page.png");
     let script = dir.join("admin_page.mjs");
@@ -197,4 +227,23 @@ async fn an_operator_signs_in_filters_and_reopens_an_unknown_outcome() {
         .unwrap()
         .unwrap();
     assert_eq!(rec.status, idem_core::Status::Released);
+    // The bulk delete took exactly the namespace it showed; idem's own record is untouched.
+    let live = |scope: &'static str, ns: &'static str, key: &'static str| {
+        let store = store.clone();
+        async move {
+            store
+                .get(&Key::parse(scope, ns, key).unwrap(), Timestamp::now())
+                .await
+                .unwrap()
+                .is_some()
+        }
+    };
+    for key in ["batch-1", "batch-2", "batch-running"] {
+        assert!(
+            !live("tenant-b", "batch", key).await,
+            "{key} was not deleted"
+        );
+    }
+    assert!(live("anonymous", "jobs", "stuck-1").await);
+    assert!(live("idem.ids", "snowflake.default", "worker-7").await);
 }

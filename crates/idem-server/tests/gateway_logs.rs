@@ -87,7 +87,7 @@ async fn scopes_are_logged_only_when_keyed_and_the_record_tools_take_both_forms(
         "upstream_timeout = \"200ms\"\nadmin_token_file = {:?}",
         token_file.display()
     );
-    let gw = start_gateway(up, memory(), &config).await;
+    let (gw, tools) = start_gateway_with_admin(up, memory(), &config).await;
     let r = send(gw, Method::POST, "/orders", &slow, "pay").await;
     assert_eq!(r.code(), "upstream_timeout");
     let text = log.text_with("outcome unknown", 1).await;
@@ -101,13 +101,13 @@ async fn scopes_are_logged_only_when_keyed_and_the_record_tools_take_both_forms(
             .any(|w| w.contains("no scope_secret_file"))
     );
     let r = inspect(
-        gw,
+        tools,
         serde_json::json!({"path": "/orders", "key": "t", "credential": alice}),
     )
     .await;
     assert_eq!(r.json()["state"], "unknown", "{}", r.body);
     let r = inspect(
-        gw,
+        tools,
         serde_json::json!({"path": "/orders", "key": "t", "scope": "withheld"}),
     )
     .await;
@@ -122,7 +122,7 @@ async fn scopes_are_logged_only_when_keyed_and_the_record_tools_take_both_forms(
         token_file.display(),
         secret_file.display()
     );
-    let gw = start_gateway(up, memory(), &config).await;
+    let (gw, tools) = start_gateway_with_admin(up, memory(), &config).await;
     let r = send(gw, Method::POST, "/orders", &slow, "pay").await;
     assert_eq!(r.code(), "upstream_timeout");
     let text = log.text_with("outcome unknown", 1).await;
@@ -146,24 +146,24 @@ async fn scopes_are_logged_only_when_keyed_and_the_record_tools_take_both_forms(
         body.as_object_mut()
             .unwrap()
             .extend(who.as_object().unwrap().clone());
-        let r = inspect(gw, body.clone()).await;
+        let r = inspect(tools, body.clone()).await;
         assert_eq!(r.json()["state"], "unknown", "{body}: {}", r.body);
     }
     let r = inspect(
-        gw,
+        tools,
         serde_json::json!({"path": "/orders", "key": "t", "scope": plain.as_str()}),
     )
     .await;
     assert_eq!(r.code(), "record_not_found");
     // The path is read as a request's would be.
     let r = inspect(
-        gw,
+        tools,
         serde_json::json!({"path": "/x/../orders", "key": "t", "scope": keyed}),
     )
     .await;
     assert_eq!(r.json()["state"], "unknown", "{}", r.body);
     let r = inspect(
-        gw,
+        tools,
         serde_json::json!({"path": "/%2e/orders", "key": "t", "scope": keyed}),
     )
     .await;

@@ -89,6 +89,58 @@ async fn only_the_admin_token_opens_the_tools() {
     assert_eq!(status, StatusCode::OK, "{body}");
 }
 
+/// The API's listener serves health and metrics under /_idem, never the page or the tools that
+/// take the admin token: those are on the admin listener, an origin of their own.
+#[tokio::test]
+async fn the_page_and_the_tools_are_on_the_admin_listener_only() {
+    let (state, _) = state();
+    let state = state.with_locks(Arc::new(idem_store::MemoryStore::new()));
+    let status = |app: axum::Router, path: &'static str| async move {
+        let req = axum::http::Request::get(path)
+            .header("authorization", format!("Bearer {TOKEN}"))
+            .body(axum::body::Body::empty())
+            .unwrap();
+        let res = tower::ServiceExt::oneshot(app, req).await.unwrap();
+        let status = res.status();
+        let bytes = axum::body::to_bytes(res.into_body(), usize::MAX)
+            .await
+            .unwrap();
+        (status, String::from_utf8_lossy(&bytes).into_owned())
+    };
+    let api = idem_server::router(state.clone());
+    let admin = idem_server::admin_router(state);
+    for path in [
+        "/_idem",
+        "/_idem/",
+        "/_idem/assets/app.js",
+        "/_idem/records",
+        "/_idem/records/counts",
+        "/_idem/segments",
+        "/_idem/locks",
+    ] {
+        let (code, body) = status(api.clone(), path).await;
+        assert_eq!(code, StatusCode::NOT_FOUND, "{path}: {body}");
+        assert!(body.contains("--admin-listen"), "{path}: {body}");
+        let (code, body) = status(admin.clone(), path).await;
+        assert!(
+            code.is_success() || code.is_redirection(),
+            "{path}: {code} {body}"
+        );
+    }
+    for path in ["/_idem/health", "/_idem/metrics"] {
+        for app in [&api, &admin] {
+            let (code, body) = status(app.clone(), path).await;
+            assert_eq!(code, StatusCode::OK, "{path}: {body}");
+        }
+    }
+    let (code, _) = status(admin, "/v1/ids/uuid7").await;
+    assert_eq!(
+        code,
+        StatusCode::NOT_FOUND,
+        "the admin listener serves no API"
+    );
+}
+
 #[tokio::test]
 async fn records_are_listed_by_page_and_filter_and_counted() {
     let (state, clock) = state();
@@ -176,7 +228,7 @@ async fn repair(state: &AppState, body: Value) -> (StatusCode, Value) {
         .header("authorization", format!("Bearer {TOKEN}"))
         .body(axum::body::Body::from(body.to_string()))
         .unwrap();
-    let res = tower::ServiceExt::oneshot(idem_server::router(state.clone()), req)
+    let res = tower::ServiceExt::oneshot(common::app_for(state, "/_idem/records/repair"), req)
         .await
         .unwrap();
     let status = res.status();
@@ -264,6 +316,56 @@ async fn a_repair_touches_only_records_still_as_shown() {
         .collect();
     let (status, _) = repair(&state, json!({"action": "delete", "records": too_many})).await;
     assert_eq!(status, StatusCode::BAD_REQUEST);
+}
+
+/// A repair that names an attempt still in progress is refused whole without `force`, and one
+/// that names idem's own records is refused even with it; neither touches anything.
+#[tokio::test]
+async fn running_attempts_need_force_and_idems_own_records_are_never_repaired() {
+    let (state, _) = state();
+    populate(&state).await;
+    let running = [
+        shown("shop", "b", "in_progress", 1),
+        shown("shop", "c", "completed", 1),
+    ];
+    let (status, body) = repair(&state, json!({"action": "delete", "records": running})).await;
+    assert_eq!(status, StatusCode::CONFLICT, "{body}");
+    assert_eq!(body["code"], "force_required");
+    assert_eq!(body["in_progress"], 1);
+    let (_, _, page) = get(&state, TOKEN, "/_idem/records?scope=shop").await;
+    assert_eq!(
+        keys(&page),
+        ["shop/a", "shop/b", "shop/c"],
+        "nothing was deleted"
+    );
+
+    // The Snowflake worker lease of a running server, as idem keeps it.
+    let worker = idem_core::BeginRequest::new(
+        idem_core::Key::parse("idem.ids", "snowflake.default", "7").unwrap(),
+        idem_core::Fingerprint::of_bytes(b"worker"),
+    );
+    state.store.begin(&worker, state.clock.now()).await.unwrap();
+    let (_, _, page) = get(&state, TOKEN, "/_idem/records?scope=idem.ids").await;
+    assert_eq!(page["records"][0]["internal"], true, "{page}");
+    let internal = json!({"scope": "idem.ids", "namespace": "snowflake.default", "key": "7",
+        "state": "in_progress", "fence": 1});
+    let (status, body) = repair(
+        &state,
+        json!({"action": "delete", "records": [internal], "force": true}),
+    )
+    .await;
+    assert_eq!(status, StatusCode::FORBIDDEN, "{body}");
+    assert_eq!(body["code"], "internal_record");
+    let (_, _, page) = get(&state, TOKEN, "/_idem/records?scope=idem.ids").await;
+    assert_eq!(page["records"].as_array().unwrap().len(), 1, "{page}");
+
+    let (status, done) = repair(
+        &state,
+        json!({"action": "delete", "records": running, "force": true}),
+    )
+    .await;
+    assert_eq!(status, StatusCode::OK, "{done}");
+    assert_eq!(done, json!({"applied": 2, "skipped": 0}));
 }
 
 #[tokio::test]

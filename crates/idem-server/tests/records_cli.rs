@@ -122,6 +122,11 @@ async fn an_operator_lists_counts_and_releases_stuck_attempts() {
     let out = idem(&db, &["release"]);
     assert!(!out.status.success());
     assert!(stderr(&out).contains("add --yes"), "{}", stderr(&out));
+    assert!(
+        stderr(&out).contains("release 2 records (2 stuck)?"),
+        "{}",
+        stderr(&out)
+    );
     // A running attempt is not released without --force.
     let out = idem(&db, &["release", "--state", "in_progress", "--yes"]);
     assert!(!out.status.success());
@@ -209,4 +214,81 @@ async fn an_operator_lists_counts_and_releases_stuck_attempts() {
         assert!(!err.contains("panicked"), "{args:?}: {err}");
         assert!(!err.is_empty(), "{args:?}");
     }
+}
+
+/// A mistyped store path is an error that says so, and leaves no new, empty database behind
+/// to answer later commands with zeros.
+#[test]
+fn the_records_tools_open_an_existing_store_only() {
+    let dir = tempfile::tempdir().unwrap();
+    let typo = dir.path().join("typo.db");
+    for args in [&["counts"][..], &["list"], &["release", "--yes"]] {
+        let out = idem(&typo, args);
+        assert!(!out.status.success(), "{args:?}: {}", stdout(&out));
+        let err = stderr(&out);
+        assert!(err.contains("there is no such file"), "{args:?}: {err}");
+        assert!(!err.contains("panicked"), "{args:?}: {err}");
+        assert!(!typo.exists(), "{args:?} created {}", typo.display());
+    }
+}
+
+/// A repair that would touch an attempt still in progress changes nothing without --force; a
+/// filter leaves idem's own records out, and naming one by its key is refused.
+#[tokio::test]
+async fn repairs_need_force_for_running_attempts_and_leave_idems_own_records_alone() {
+    let dir = tempfile::tempdir().unwrap();
+    let db = dir.path().join("idem.db");
+    populate(&db).await;
+    // A server's Snowflake worker lease, as idem keeps it.
+    let worker = BeginRequest::new(
+        Key::parse("idem.ids", "snowflake.default", "7").unwrap(),
+        Fingerprint::of_bytes(b"worker"),
+    )
+    .with_lease(Duration::from_secs(600));
+    let store = SqliteStore::open(&db).unwrap();
+    store.begin(&worker, Timestamp::now()).await.unwrap();
+    drop(store);
+    let total = |db: &Path| -> Value {
+        let out = idem(db, &["counts", "--json"]);
+        serde_json::from_str::<Value>(&stdout(&out)).unwrap()["total"].clone()
+    };
+    assert_eq!(total(&db), 5);
+
+    let out = idem(&db, &["delete", "--namespace", "pay", "--yes"]);
+    assert!(!out.status.success(), "{}", stdout(&out));
+    assert!(stderr(&out).contains("--force"), "{}", stderr(&out));
+    assert!(stderr(&out).contains("1 of the 4"), "{}", stderr(&out));
+    assert_eq!(total(&db), 5, "nothing was deleted");
+
+    let by_key = [
+        "delete",
+        "--scope",
+        "idem.ids",
+        "--namespace",
+        "snowflake.default",
+        "--key",
+        "7",
+        "--force",
+        "--yes",
+    ];
+    let out = idem(&db, &by_key);
+    assert!(!out.status.success(), "{}", stdout(&out));
+    assert!(stderr(&out).contains("idem's own"), "{}", stderr(&out));
+
+    let out = idem(
+        &db,
+        &["delete", "--state", "in_progress", "--force", "--yes"],
+    );
+    assert!(out.status.success(), "{}", stderr(&out));
+    assert!(
+        stdout(&out).contains("left out 1 of idem's own records"),
+        "{}",
+        stdout(&out)
+    );
+    assert!(
+        stdout(&out).contains("delete: 1 applied"),
+        "{}",
+        stdout(&out)
+    );
+    assert_eq!(total(&db), 4, "the worker lease is still there");
 }

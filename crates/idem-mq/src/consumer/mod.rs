@@ -35,6 +35,7 @@ mod settings;
 
 use counts::Counters;
 pub use counts::Counts;
+pub use settings::DEFAULT_SCOPE;
 use settings::Settings;
 
 /// A message as the handler sees it.

@@ -12,6 +12,9 @@ use crate::MqError;
 use crate::key::KeyFrom;
 use crate::source::{Horizon, Source};
 
+/// The scope of a consumer's records when it is not given one.
+pub const DEFAULT_SCOPE: &str = "mq";
+
 /// The most runs [`Consumer::max_attempts`] allows: a record counts its acquisitions
 /// exactly up to 1000 ([`Lease::acquisition`](idem::Lease::acquisition)).
 const MAX_ATTEMPTS: u32 = 999;
@@ -52,7 +55,7 @@ impl<S: Store + Clone, C: Clock + Clone> Consumer<S, C> {
             idem,
             settings: Arc::new(Settings {
                 key: KeyFrom::MessageId,
-                scope: "mq".into(),
+                scope: DEFAULT_SCOPE.into(),
                 namespace: None,
                 fingerprint: false,
                 missing_key: MissingKey::DeadLetter,
@@ -79,7 +82,7 @@ impl<S: Store + Clone, C: Clock + Clone> Consumer<S, C> {
         self.set(|s| s.key = from)
     }
 
-    /// The records' scope (default `mq`): keys of one scope never meet another's.
+    /// The records' scope (default [`DEFAULT_SCOPE`]): keys of one scope never meet another's.
     pub fn scope(self, scope: impl Into<String>) -> Self {
         self.set(|s| s.scope = scope.into())
     }

@@ -7,7 +7,7 @@
 //! | `GET /records/counts?scope=&namespace=` | records by state, unknown outcomes, the oldest attempt's age |
 //! | `GET /records/show?scope=&namespace=&key=` | one live record, with the answer it replays |
 //! | `GET /records/history` | the counts taken in the background, oldest first |
-//! | `POST /records/repair` | `{"action": "release"\|"reopen"\|"delete", "records": [{"scope", "namespace", "key", "state", "fence"}, …]}`: each record is repaired only if it is still in the state and fence given (as it was shown); answers `{"applied": N, "skipped": M}` |
+//! | `POST /records/repair` | `{"action": "release"\|"reopen"\|"delete", "records": [{"scope", "namespace", "key", "state", "fence"}, …], "force": false}`: each record is repaired only if it is still in the state and fence given (as it was shown); answers `{"applied": N, "skipped": M}`. Refused whole, before anything is touched, when it names idem's own records (403 `internal_record`) or, without `"force": true`, attempts shown `in_progress` (409 `force_required`) |
 //!
 //! `reopen` is `release` for unknown outcomes only; `release` gives back the key of an attempt
 //! that is gone (or of a completed record whose answer must not stand); `delete` forgets a
@@ -32,7 +32,7 @@ use serde_json::{Value, json};
 use tracing::info;
 use utoipa::{IntoParams, ToSchema};
 
-use super::records::{self, MAX_BULK, Selector, Target};
+use super::records::{self, MAX_BULK, Refused, Selector, Target};
 use super::{AdminAccess, AdminToken, Operator};
 use crate::json::{BodyLimit, JsonBody};
 
@@ -53,6 +53,9 @@ pub struct RecordTools {
     pub token: Option<AdminToken>,
     /// The counts taken in the background ([`super::sampler`]).
     pub history: Arc<super::History>,
+    /// The prefix the tools are served under, in normal form (`/_idem`): the page names its
+    /// assets from it, never from the request's path.
+    pub prefix: Arc<str>,
 }
 
 impl AdminAccess for RecordTools {
@@ -315,6 +318,10 @@ pub(crate) struct RepairBody {
     /// 1 to 1000 records, each as it was shown.
     #[schema(min_items = 1, max_items = 1000)]
     records: Vec<ShownRecord>,
+    /// Repair attempts shown `in_progress` too: their lease runs, so they may still be
+    /// working. Without it a repair naming one is refused (409 `force_required`).
+    #[serde(default)]
+    force: bool,
 }
 
 /// A repair an operator asks for by name.
@@ -441,6 +448,7 @@ async fn repair(
             })
         })
         .collect::<Result<Vec<_>, Problem>>()?;
+    records::check(&targets, body.force).map_err(refused)?;
     let admin = t.admin()?;
     let who = peer.map_or_else(|| "http".to_owned(), |a| format!("http {}", a.ip()));
     match apply(&t.store, admin, &targets, action, t.clock.now(), &who).await {
@@ -450,6 +458,25 @@ async fn repair(
         Err((done, e)) => Err(Problem::store(&e)
             .with("applied", done.applied)
             .with("skipped", done.skipped)),
+    }
+}
+
+/// The answer to a repair refused before it touched anything.
+fn refused(r: Refused) -> Problem {
+    match r {
+        Refused::Internal(n) => ProblemCode::InternalRecord
+            .problem(format!(
+                "{n} of the records named are idem's own (scope `idem.…`: a server's Snowflake \
+                 worker lease, a one-time token); no repair touches them, and nothing was done."
+            ))
+            .with("internal", n),
+        Refused::InProgress(n) => ProblemCode::ForceRequired
+            .problem(format!(
+                "{n} of the records named are attempts in progress: their lease runs, so they \
+                 may still be working, and a retry let in beside one runs the work twice. \
+                 Nothing was done; send `\"force\": true` to repair them anyway."
+            ))
+            .with("in_progress", n),
     }
 }
 

@@ -2,7 +2,7 @@
 //! step, nothing fetched from elsewhere). The page holds no data: it signs in with the admin
 //! token and reads the record tools' JSON endpoints beside it.
 
-use axum::extract::{OriginalUri, State};
+use axum::extract::State;
 use axum::http::{HeaderValue, header};
 use axum::response::{IntoResponse, Response};
 use idem_http::ProblemCode;
@@ -39,9 +39,10 @@ fn asset(body: &'static str, content_type: &'static str) -> Response {
 }
 
 /// The page, at the reserved prefix itself; off (403 `admin_disabled`) without an admin
-/// token. Its assets are named under the prefix it was asked at (the gateway's may be
-/// configured).
-pub(super) async fn index(State(t): State<RecordTools>, OriginalUri(uri): OriginalUri) -> Response {
+/// token. Its assets are named under the configured prefix in normal form, never under the
+/// path as asked: `//evil.example/..//_idem` reaches the page too, and a script named from it
+/// would come from another host.
+pub(super) async fn index(State(t): State<RecordTools>) -> Response {
     if t.token.is_none() {
         return ProblemCode::AdminDisabled
             .problem(
@@ -50,8 +51,8 @@ pub(super) async fn index(State(t): State<RecordTools>, OriginalUri(uri): Origin
             )
             .into_response();
     }
-    // A request path holds no quotes or angle brackets, but the page is markup: escape anyway.
-    let base = format!("{}/", uri.path().trim_end_matches('/'))
+    // A prefix holds no quotes or angle brackets, but the page is markup: escape anyway.
+    let base = format!("{}/", t.prefix.trim_end_matches('/'))
         .replace('&', "&amp;")
         .replace('"', "&quot;")
         .replace('<', "&lt;");

@@ -72,7 +72,7 @@ pub fn filter(
 }
 
 /// A listed record as JSON: its key, its state in the store and in HTTP terms, its fence, its
-/// times, and its stored answer's size.
+/// times, its stored answer's size, and whether it is idem's own ([`is_internal`]).
 pub fn listed_json(l: &Listed) -> Value {
     let http = operator::listed_state(l);
     let mut v = json!({
@@ -87,6 +87,7 @@ pub fn listed_json(l: &Listed) -> Value {
         "lease_expires_at": rfc3339(l.lease_expires_at),
         "expires_at": rfc3339(l.expires_at),
         "response_bytes": l.response_len,
+        "internal": is_internal(&l.key),
     });
     match http {
         HttpState::Stored { status } | HttpState::TooLarge { status } => {
@@ -113,6 +114,43 @@ pub fn steps_json(record: &Record) -> Value {
         })
         .collect::<Vec<_>>()
         .into()
+}
+
+/// Whether `key` is one of idem's own records (scope `idem.…`: each server's Snowflake worker
+/// lease, one-time tokens). They are listed, never repaired: deleting or releasing a live
+/// worker lease lets a second server take the same worker id and issue the same ids, and an
+/// expired one is taken over by the next server that needs it without anyone's help.
+pub fn is_internal(key: &Key) -> bool {
+    key.scope()
+        .as_str()
+        .starts_with(crate::auth::RESERVED_SCOPE_PREFIX)
+}
+
+/// Why a repair is refused before it touches anything.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Refused {
+    /// It names this many of idem's own records ([`is_internal`]).
+    Internal(usize),
+    /// It names this many attempts in progress (their lease runs: they may still be working,
+    /// and a retry let in beside one runs the work twice), without force.
+    InProgress(usize),
+}
+
+/// The check every repair passes first, on the command line and over HTTP: idem's own records
+/// are never repaired, and attempts shown in progress only with `force`.
+pub fn check(targets: &[Target], force: bool) -> Result<(), Refused> {
+    let internal = targets.iter().filter(|t| is_internal(&t.key)).count();
+    if internal > 0 {
+        return Err(Refused::Internal(internal));
+    }
+    let running = targets
+        .iter()
+        .filter(|t| t.shown.state == RecordState::InProgress)
+        .count();
+    if running > 0 && !force {
+        return Err(Refused::InProgress(running));
+    }
+    Ok(())
 }
 
 /// One record named for a repair, with what was shown of it.
@@ -172,6 +210,23 @@ pub async fn collect(
     }
 }
 
+/// How many of `listed` are in each state, for a question put to an operator:
+/// `2 completed, 1 in_progress`.
+pub fn states(listed: &[Listed]) -> String {
+    let mut counts: Vec<(RecordState, usize)> = Vec::new();
+    for l in listed {
+        match counts.iter_mut().find(|(s, _)| *s == l.state) {
+            Some((_, n)) => *n += 1,
+            None => counts.push((l.state, 1)),
+        }
+    }
+    counts
+        .iter()
+        .map(|(s, n)| format!("{n} {s}"))
+        .collect::<Vec<_>>()
+        .join(", ")
+}
+
 /// How long ago `t` was at `now`, for people (`42s`, `3m`, `2h`, `5d`).
 pub fn age(now: Timestamp, t: Timestamp) -> String {
     let secs = now.saturating_since(t).as_secs();
@@ -208,5 +263,23 @@ mod tests {
         assert!(Selector::parse("done").is_err());
         assert!(filter(Some("bad scope"), None, None, None, now).is_err());
         assert!(filter(None, Some("bad/ns"), None, None, now).is_err());
+    }
+
+    #[test]
+    fn repairs_leave_internal_records_alone_and_running_ones_without_force() {
+        let target = |scope: &str, state| Target {
+            key: Key::parse(scope, "ns", "k").unwrap(),
+            shown: Shown { state, fence: 1 },
+        };
+        let stuck = target("tenant", RecordState::Stuck);
+        let running = target("tenant", RecordState::InProgress);
+        let worker = target("idem.ids", RecordState::InProgress);
+        assert_eq!(check(std::slice::from_ref(&stuck), false), Ok(()));
+        assert_eq!(
+            check(&[stuck.clone(), running.clone()], false),
+            Err(Refused::InProgress(1))
+        );
+        assert_eq!(check(&[stuck, running], true), Ok(()));
+        assert_eq!(check(&[worker], true), Err(Refused::Internal(1)));
     }
 }

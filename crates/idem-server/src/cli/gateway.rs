@@ -7,7 +7,7 @@ use std::time::Duration;
 use idem_server::gateway::{FileConfig, Gateway, Upstream};
 use tracing::info;
 
-use super::listen::{LimitArgs, limits, run};
+use super::listen::{AdminListener, GATEWAY_ADMIN_LISTEN, LimitArgs, limits, run};
 use super::parse::{parse_purge_interval, parse_upstream_timeout};
 use super::{ReplayCacheArgs, open_with_locks};
 
@@ -30,12 +30,17 @@ pub(crate) struct GatewayArgs {
     #[arg(long, env = "IDEM_GATEWAY_CONFIG", value_name = "FILE")]
     config: Option<PathBuf>,
 
+    /// The address of the admin page and the record tools (under the admin prefix), apart
+    /// from the upstream's origin; opened only with an admin token [default: 127.0.0.1:7081].
+    #[arg(long, env = "IDEM_GATEWAY_ADMIN_LISTEN")]
+    admin_listen: Option<SocketAddr>,
+
     /// The reserved path prefix of the gateway's own endpoints [default: /_idem].
     #[arg(long, env = "IDEM_ADMIN_PREFIX")]
     admin_prefix: Option<String>,
 
-    /// A file holding the operator's token for the record tools under the admin prefix
-    /// (inspect, reopen an unknown outcome); without it they are disabled.
+    /// A file holding the operator's token for the admin page and the record tools on
+    /// --admin-listen (inspect, reopen an unknown outcome); without them they are off.
     #[arg(long, env = "IDEM_ADMIN_TOKEN_FILE", value_name = "FILE")]
     admin_token_file: Option<PathBuf>,
 
@@ -74,6 +79,15 @@ pub(crate) async fn gateway(args: GatewayArgs) -> Result<(), String> {
             .parse()
             .map_err(|e| format!("listen = {text:?} in the config file: {e}"))?,
         (None, None) => SocketAddr::from(([127, 0, 0, 1], 7080)),
+    };
+    let admin_listen = match (args.admin_listen, &file.admin_listen) {
+        (Some(addr), _) => addr,
+        (None, Some(text)) => text
+            .parse()
+            .map_err(|e| format!("admin_listen = {text:?} in the config file: {e}"))?,
+        (None, None) => GATEWAY_ADMIN_LISTEN
+            .parse()
+            .map_err(|e| format!("{GATEWAY_ADMIN_LISTEN}: {e}"))?,
     };
     let store_url = args
         .store
@@ -125,9 +139,17 @@ pub(crate) async fn gateway(args: GatewayArgs) -> Result<(), String> {
         gateway.records_history.clone(),
         idem_server::admin::sampler::SAMPLE_EVERY,
     ));
+    let admin = AdminListener::new(
+        listen,
+        admin_listen,
+        gateway.admin_token.is_some(),
+        &gateway.admin_prefix,
+        || gateway.admin_router(),
+    )?;
     let served = run(
         listen,
         gateway.router(),
+        admin,
         store,
         clock,
         purge_interval,

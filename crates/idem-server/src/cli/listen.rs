@@ -98,23 +98,81 @@ pub(crate) fn limits(
     Ok(limits)
 }
 
-/// Serves `app` on `listen` with `limits` until SIGTERM or Ctrl-C, purging expired records
-/// meanwhile.
+/// The admin listener's default address on `idem serve` (the API's port plus one).
+pub(crate) const SERVE_ADMIN_LISTEN: &str = "127.0.0.1:7071";
+
+/// The admin listener's default address on `idem gateway` (the gateway's port plus one).
+pub(crate) const GATEWAY_ADMIN_LISTEN: &str = "127.0.0.1:7081";
+
+/// The admin listener: the admin page and the record tools on an address of their own.
+pub(crate) struct AdminListener {
+    addr: SocketAddr,
+    routes: axum::Router,
+    /// The page's path, for the log.
+    page: String,
+}
+
+impl AdminListener {
+    /// The admin listener on `addr`, when the server has an admin token (without one the page
+    /// and the record tools are off, and health and metrics are on the main listener anyway).
+    /// Refuses the main listener's own address.
+    pub(crate) fn new(
+        listen: SocketAddr,
+        addr: SocketAddr,
+        has_token: bool,
+        page: &str,
+        routes: impl FnOnce() -> axum::Router,
+    ) -> Result<Option<Self>, String> {
+        if !has_token {
+            return Ok(None);
+        }
+        if addr == listen && listen.port() != 0 {
+            return Err(format!(
+                "--admin-listen {addr} is the address the server listens on: the admin page \
+                 needs an address of its own"
+            ));
+        }
+        Ok(Some(Self {
+            addr,
+            routes: routes(),
+            page: page.to_owned(),
+        }))
+    }
+}
+
+async fn bind(listen: SocketAddr, what: &str) -> Result<tokio::net::TcpListener, String> {
+    tokio::net::TcpListener::bind(listen)
+        .await
+        .map_err(|e| format!("cannot listen on {listen}{what}: {e}"))
+}
+
+/// Serves `app` on `listen` (and `admin`'s routes on its address) with `limits` until SIGTERM
+/// or Ctrl-C, purging expired records meanwhile.
+#[allow(clippy::too_many_arguments)]
 pub(crate) async fn run(
     listen: SocketAddr,
     app: axum::Router,
+    admin: Option<AdminListener>,
     store: SharedStore,
     clock: Arc<dyn Clock>,
     purge_interval: Duration,
     purge: idem::purge::PurgeStatus,
     limits: Limits,
 ) -> Result<(), String> {
-    let socket = tokio::net::TcpListener::bind(listen)
-        .await
-        .map_err(|e| format!("cannot listen on {listen}: {e}"))?;
+    let socket = bind(listen, "").await?;
     let local = socket
         .local_addr()
         .map_err(|e| format!("cannot read the listening address: {e}"))?;
+    let admin = match admin {
+        Some(admin) => {
+            let socket = bind(admin.addr, " (--admin-listen)").await?;
+            let local = socket
+                .local_addr()
+                .map_err(|e| format!("cannot read the admin listening address: {e}"))?;
+            Some((socket, local, admin))
+        }
+        None => None,
+    };
     tokio::spawn(purge_loop_reporting(
         store.clone(),
         clock,
@@ -139,7 +197,35 @@ pub(crate) async fn run(
         );
     }
     info!(store = store.kind(), "listening on http://{local}");
-    listener::serve(socket, app, limits, shutdown_signal()).await;
+    // One signal stops both listeners.
+    let (stop, stopped) = tokio::sync::watch::channel(false);
+    let on_stop = move || {
+        let mut stopped = stopped.clone();
+        async move {
+            let _ = stopped.wait_for(|s| *s).await;
+        }
+    };
+    let admin = admin.map(|(socket, local, admin)| {
+        info!(
+            "admin page on http://{local}{} (the record tools beside it)",
+            admin.page
+        );
+        tokio::spawn(listener::serve(
+            socket,
+            admin.routes,
+            limits.clone(),
+            on_stop(),
+        ))
+    });
+    let signal = tokio::spawn(async move {
+        shutdown_signal().await;
+        let _ = stop.send(true);
+    });
+    listener::serve(socket, app, limits, on_stop()).await;
+    if let Some(admin) = admin {
+        let _ = admin.await;
+    }
+    signal.abort();
     info!("stopped");
     Ok(())
 }

@@ -100,6 +100,13 @@ pub(crate) async fn open_store_once(url: &str) -> Result<SharedStore, String> {
     opened(url, without_key_filter).await
 }
 
+/// The store for a tool that looks at and mends an existing store (`idem records`): as
+/// [`open_store_once`], and a SQLite file that is not there is an error, not a new, empty
+/// database.
+pub(crate) async fn open_existing_store(url: &str) -> Result<SharedStore, String> {
+    opened(url, |url| without_key_filter(url).existing_only()).await
+}
+
 /// Parses `url`, adjusts it and opens the store, as [`idem_store::open`] does.
 async fn opened(
     url: &str,

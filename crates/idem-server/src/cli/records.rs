@@ -9,7 +9,7 @@ use idem_core::{
 };
 use idem_http::operator;
 use idem_server::admin::http::{Action, apply, counts_json};
-use idem_server::admin::records::{self, Selector, Target, age, listed_json, steps_json};
+use idem_server::admin::records::{self, Refused, Selector, Target, age, listed_json, steps_json};
 
 /// Writes a line to standard output, or returns the error (a closed pipe ends the command
 /// instead of panicking).
@@ -21,7 +21,8 @@ macro_rules! say {
 
 #[derive(clap::Args)]
 pub(crate) struct RecordsArgs {
-    /// The store: sqlite://PATH, memory://, postgres://…, mysql://…, redis://…
+    /// The store: sqlite://PATH, memory://, postgres://…, mysql://…, redis://… (an existing
+    /// one: a missing SQLite file is not created)
     #[arg(long, env = "IDEM_STORE", default_value = "sqlite://idem.db")]
     store: String,
 
@@ -144,7 +145,8 @@ pub(crate) struct RepairArgs {
     /// Do not ask before changing records.
     #[arg(long, short = 'y')]
     yes: bool,
-    /// Release attempts whose lease is still running (they may still be working).
+    /// Also repair attempts whose lease is still running (they may still be working); without
+    /// it a repair that would touch one changes nothing.
     #[arg(long)]
     force: bool,
     /// Refuse to touch more records than this at once.
@@ -152,10 +154,9 @@ pub(crate) struct RepairArgs {
     max: usize,
 }
 
-/// Runs one `idem records` command against `store`.
-/// Runs `idem records` against the store its flags name.
+/// Runs `idem records` against the store its flags name, which must exist.
 pub(crate) async fn records(args: RecordsArgs) -> Result<(), String> {
-    let store = super::open_store_once(&args.store).await?;
+    let store = super::open_existing_store(&args.store).await?;
     run(store, args.command).await
 }
 
@@ -366,20 +367,13 @@ async fn repair(
         (Action::Reopen, None | Some(Selector::Unknown)) => Some(Selector::Unknown),
         (Action::Reopen, Some(_)) => return Err("reopen takes only unknown outcomes".into()),
         (Action::Release, None) => Some(Selector::State(RecordState::Stuck)),
-        (Action::Release, Some(Selector::State(RecordState::InProgress))) if !args.force => {
-            return Err(
-                "an in-progress attempt may still be working: add --force to release \
-                        attempts whose lease is still running"
-                    .into(),
-            );
-        }
         (_, state) => state,
     };
     let filter = FilterArgs {
         state,
         ..args.filter.clone()
     };
-    let shown: Vec<Listed> = match &args.key {
+    let mut shown: Vec<Listed> = match &args.key {
         Some(key) => {
             let key = Key::parse(
                 filter.scope.as_deref().unwrap_or_default(),
@@ -418,20 +412,55 @@ async fn repair(
             }
         }
     };
+    // A filter leaves idem's own records out; a key names one on purpose, and is refused below.
+    if args.key.is_none() {
+        let all = shown.len();
+        shown.retain(|l| !records::is_internal(&l.key));
+        if shown.len() < all {
+            say!(
+                "left out {} of idem's own records (scope idem.…), which no repair touches",
+                all - shown.len()
+            );
+        }
+    }
     if shown.is_empty() {
         say!("no records match; nothing changed");
         return Ok(());
+    }
+    let targets: Vec<Target> = shown.iter().map(Target::of).collect();
+    match records::check(&targets, args.force) {
+        Ok(()) => {}
+        Err(Refused::Internal(_)) => {
+            return Err(
+                "this is one of idem's own records (scope idem.…: a server's Snowflake worker \
+                 lease, a one-time token), which no repair touches"
+                    .into(),
+            );
+        }
+        Err(Refused::InProgress(n)) => {
+            return Err(format!(
+                "{n} of the {} records are attempts in progress: their lease runs, so they may \
+                 still be working; add --force to {} them too, or narrow the filter \
+                 (--state stuck); nothing changed",
+                shown.len(),
+                action.as_str()
+            ));
+        }
     }
     print_table(&shown[..shown.len().min(20)], now)?;
     if shown.len() > 20 {
         say!("… and {} more", shown.len() - 20);
     }
-    let question = format!("{} {} records?", action.as_str(), shown.len());
+    let question = format!(
+        "{} {} records ({})?",
+        action.as_str(),
+        shown.len(),
+        records::states(&shown)
+    );
     if !args.yes && !confirm(&question)? {
         say!("nothing changed");
         return Ok(());
     }
-    let targets: Vec<Target> = shown.iter().map(Target::of).collect();
     // Judged now, not when they were listed: the operator may have been asked for minutes.
     let now = Timestamp::now();
     let who = std::env::var("USER").map_or_else(|_| "cli".to_owned(), |u| format!("cli {u}"));

@@ -136,7 +136,7 @@ pub(crate) async fn relay(args: RelayArgs) -> Result<(), String> {
     }
     let store = open_store(&args.store).await?;
     let mut consumer = idem_mq::Consumer::new(store.clone())
-        .scope("relay")
+        .scope(idem_server::relay::SCOPE)
         .max_attempts(args.max_attempts)
         .lease(args.lease)
         .ttl(args.ttl);

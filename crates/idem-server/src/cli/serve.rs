@@ -11,7 +11,7 @@ use idem_server::{AppState, DEFAULT_MAX_BODY, router};
 use idem_store::StoreUrl;
 use tracing::warn;
 
-use super::listen::{LimitArgs, limits, run};
+use super::listen::{AdminListener, LimitArgs, SERVE_ADMIN_LISTEN, limits, run};
 use super::parse::{parse_lease, parse_purge_interval, parse_ttl};
 use super::{ReplayCacheArgs, open_with_locks};
 
@@ -25,6 +25,11 @@ pub(crate) struct ServeArgs {
     /// The address to listen on.
     #[arg(long, env = "IDEM_LISTEN", default_value = "127.0.0.1:7070")]
     listen: SocketAddr,
+
+    /// The address of the admin page and the record tools (/_idem on it), apart from the
+    /// API's; opened only with --admin-token-file.
+    #[arg(long, env = "IDEM_ADMIN_LISTEN", default_value = SERVE_ADMIN_LISTEN)]
+    admin_listen: SocketAddr,
 
     /// A file of API keys, one `SCOPE API_KEY` pair per line. Each caller's records live in
     /// its key's scope. Without keys all callers share one scope, and only a loopback
@@ -57,8 +62,7 @@ pub(crate) struct ServeArgs {
     id_space: String,
 
     /// A file holding the admin token (one word, at least 16 characters) that turns on the
-    /// record tools under /_idem/records (list, counts, show, repair); without it they
-    /// answer 403.
+    /// admin page and the record tools (list, counts, show, repair) on --admin-listen.
     #[arg(long, env = "IDEM_ADMIN_TOKEN_FILE", value_name = "FILE")]
     admin_token_file: Option<PathBuf>,
 
@@ -98,6 +102,7 @@ pub(crate) async fn serve(args: &ServeArgs) -> Result<(), String> {
             args.listen
         ));
     }
+    let has_token = admin_token.is_some();
     let (store, locks) = open_with_locks(&args.store).await?;
     let store = args.replay_cache.wrap(store, None);
     if locks.is_none() {
@@ -152,9 +157,13 @@ pub(crate) async fn serve(args: &ServeArgs) -> Result<(), String> {
         state.records_history.clone(),
         idem_server::admin::sampler::SAMPLE_EVERY,
     ));
+    let admin = AdminListener::new(args.listen, args.admin_listen, has_token, "/_idem", || {
+        idem_server::admin_router(state.clone())
+    })?;
     let served = run(
         args.listen,
         router(state),
+        admin,
         store,
         clock,
         args.purge_interval,

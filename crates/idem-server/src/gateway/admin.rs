@@ -39,6 +39,8 @@ pub(super) struct AdminState {
     pub(super) metrics_require_token: bool,
     pub(super) history: Arc<crate::admin::History>,
     pub(super) health: crate::health::Monitor,
+    /// The reserved prefix, in normal form.
+    pub(super) prefix: Arc<str>,
     pub(super) scope: ScopeSource,
     /// Each route's pattern and key namespace, then the namespace of requests no route matches.
     pub(super) namespaces: Arc<(Vec<(PathPattern, Namespace)>, Namespace)>,
@@ -56,22 +58,36 @@ impl BodyLimit for AdminState {
     }
 }
 
-pub(super) fn router(state: AdminState) -> Router {
+/// The endpoints under the prefix: health and metrics, and with `tools` (the admin listener)
+/// the admin page and the record tools.
+pub(super) fn router(state: AdminState, tools: bool) -> Router {
     use axum::routing::{get, post};
-    let tools = crate::admin::RecordTools {
-        store: state.store.clone(),
-        clock: state.clock.clone(),
-        token: state.token.clone(),
-        history: state.history.clone(),
-    };
-    Router::new()
+    let routes = Router::new()
         .route("/health", get(health))
-        .route("/metrics", get(metrics))
-        .route("/records/inspect", post(inspect))
-        .route("/records/reopen", post(reopen))
-        .with_state(state)
-        .merge(crate::admin::router(tools))
-        .fallback(|| async { Problem::not_found("There is no such gateway endpoint.") })
+        .route("/metrics", get(metrics));
+    let routes = if tools {
+        let tools = crate::admin::RecordTools {
+            store: state.store.clone(),
+            clock: state.clock.clone(),
+            token: state.token.clone(),
+            history: state.history.clone(),
+            prefix: state.prefix.clone(),
+        };
+        routes
+            .route("/records/inspect", post(inspect))
+            .route("/records/reopen", post(reopen))
+            .with_state(state)
+            .merge(crate::admin::router(tools))
+            .fallback(|| async { Problem::not_found("There is no such gateway endpoint.") })
+    } else {
+        routes.with_state(state).fallback(|| async {
+            Problem::not_found(
+                "There is no such gateway endpoint here: the admin page and the record tools \
+                 are served on the admin listener (--admin-listen).",
+            )
+        })
+    };
+    routes
         // The `Allow` header is still added by the router.
         .method_not_allowed_fallback(|| async {
             ProblemCode::MethodNotAllowed.problem(

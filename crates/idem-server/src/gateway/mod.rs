@@ -16,8 +16,12 @@
 //! | --- | --- |
 //! | `{prefix}/health` | 200 `{"status":"ok"\|"degraded","store":KIND,"components":{…}}`, 503 if the store fails (see [`crate::health`]) |
 //! | `{prefix}/metrics` | Prometheus text |
-//! | `POST {prefix}/records/inspect` | what a record holds (admin token) |
-//! | `POST {prefix}/records/reopen` | run an unknown outcome again on the next retry (admin token) |
+//!
+//! The admin page and the record tools (see [`crate::admin::http`]), with
+//! `POST {prefix}/records/inspect` (what a record holds) and `POST {prefix}/records/reopen` (run
+//! an unknown outcome again on the next retry), are served by [`Gateway::admin_router`], on a
+//! listener of its own: on the gateway's address they would share an origin with the
+//! upstream, whose scripts could then read the admin token the page keeps.
 
 pub mod admin;
 pub mod config;
@@ -242,12 +246,37 @@ impl Gateway {
             default: guard(&self.default_route),
             scope: self.scope.clone(),
         };
+        Router::new()
+            .fallback_service(Front {
+                prefix: self.admin_prefix.as_str().into(),
+                admin: admin::router(self.admin_state(registry), false),
+                dispatch: Some(dispatch),
+            })
+            .layer(crate::trace::RequestSpanLayer)
+    }
+
+    /// The admin listener's routes: under the reserved prefix the admin page, the record tools,
+    /// health and metrics; nothing else, and nothing forwarded. Served on an address of its
+    /// own, so that the page, and the admin token it keeps, share no origin with the upstream,
+    /// whose scripts could otherwise read the token.
+    pub fn admin_router(&self) -> Router {
+        let registry = Registry::global();
+        Router::new()
+            .fallback_service(Front {
+                prefix: self.admin_prefix.as_str().into(),
+                admin: admin::router(self.admin_state(registry), true),
+                dispatch: None,
+            })
+            .layer(crate::trace::RequestSpanLayer)
+    }
+
+    fn admin_state(&self, registry: Registry) -> AdminState {
         let namespaces = self
             .routes
             .iter()
             .map(|(pattern, route)| (pattern.clone(), route.policy.namespace.clone()))
             .collect();
-        let admin = admin::router(AdminState {
+        AdminState {
             store: self.store.clone(),
             clock: self.clock.clone(),
             registry,
@@ -255,16 +284,10 @@ impl Gateway {
             metrics_require_token: self.metrics_require_token,
             history: self.records_history.clone(),
             health: self.health.clone(),
+            prefix: self.admin_prefix.as_str().into(),
             scope: self.scope.clone(),
             namespaces: Arc::new((namespaces, self.default_route.policy.namespace.clone())),
-        });
-        Router::new()
-            .fallback_service(Front {
-                prefix: self.admin_prefix.as_str().into(),
-                admin,
-                dispatch,
-            })
-            .layer(crate::trace::RequestSpanLayer)
+        }
     }
 }
 
@@ -291,12 +314,13 @@ fn scope_secret(path: &std::path::Path) -> Result<ScopeSecret, String> {
 }
 
 /// The whole gateway: brings the path to its normal form (or refuses it), answers under the
-/// reserved prefix itself, and hands everything else to [`Dispatch`].
+/// reserved prefix itself, and hands everything else to [`Dispatch`] (none: the admin
+/// listener, which serves the prefix only).
 #[derive(Clone)]
 struct Front {
     prefix: Arc<str>,
     admin: Router,
-    dispatch: Dispatch,
+    dispatch: Option<Dispatch>,
 }
 
 impl Service<Request<Body>> for Front {
@@ -326,8 +350,17 @@ impl Service<Request<Body>> for Front {
             *req.uri_mut() = uri;
         }
         if !path::under_prefix(&normal, &self.prefix) {
+            let Some(dispatch) = &mut self.dispatch else {
+                return ready(
+                    Problem::not_found(format!(
+                        "The admin listener serves only {}, the admin page, and what is under it.",
+                        self.prefix
+                    ))
+                    .into_response(),
+                );
+            };
             // Always ready, and its future owns what it needs: called here, not cloned.
-            return self.dispatch.call(req);
+            return dispatch.call(req);
         }
         // Every spelling of the prefix is reserved; only the exact one is served.
         let Some(rest) = normal.strip_prefix(&*self.prefix) else {

@@ -308,6 +308,9 @@ pub(super) struct ListedRecord {
     /// Until when an unknown outcome is held (`unknown`; `null`: until someone resolves it).
     #[schema(format = DateTime)]
     until: Option<String>,
+    /// One of idem's own records (scope `idem.…`, such as a server's Snowflake worker lease):
+    /// listed, never repaired.
+    internal: bool,
 }
 
 /// One page of records.

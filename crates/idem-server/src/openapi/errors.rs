@@ -234,7 +234,11 @@ const ERRORS: &[(&str, &str, &[&[P]])] = &[
         "/_idem/metrics",
         &[&[P::Unauthorized, P::AdminDisabled]],
     ),
-    ("post", "/_idem/records/repair", &[ADMIN, BODY, STORE]),
+    (
+        "post",
+        "/_idem/records/repair",
+        &[ADMIN, BODY, STORE, &[P::ForceRequired, P::InternalRecord]],
+    ),
 ];
 
 /// Adds each operation's problem answers from [`ERRORS`]: one response a status, whose `code`

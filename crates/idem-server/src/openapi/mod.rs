@@ -64,7 +64,9 @@ fn spell_unsigned_formats(v: &mut Value) {
         title = "idem",
         description = "The idem server's JSON API: idempotency records, one-time tokens, locks \
                        and ids for services in any language, and the operator's endpoints under \
-                       `/_idem`. Every error is an RFC 9457 problem+json with a stable `code`."
+                       `/_idem`: health and metrics on both listeners, the admin page and the \
+                       record tools (tag `admin`) on the admin listener only (--admin-listen). \
+                       Every error is an RFC 9457 problem+json with a stable `code`."
     ),
     paths(
         ops::healthz,
@@ -104,7 +106,7 @@ fn spell_unsigned_formats(v: &mut Value) {
         (name = "locks", description = "Locks with fencing tokens."),
         (name = "ids", description = "UUIDv7, Snowflake and segment ids."),
         (name = "health", description = "Health and metrics."),
-        (name = "admin", description = "The operator's record tools, behind the admin token."),
+        (name = "admin", description = "The admin page and the operator's record tools, behind the admin token, on the admin listener (--admin-listen) only."),
     )
 )]
 struct ApiDoc;

@@ -21,6 +21,9 @@ use axum::http::{HeaderMap, HeaderName, HeaderValue, Method, Request, StatusCode
 use idem_mq::{Failure, Handler, Message};
 use serde::{Deserialize, Serialize};
 
+/// The scope `idem relay` keeps its records under.
+pub const SCOPE: &str = "relay";
+
 /// The most of an answer's body the relay reads (to find a problem's `code`); the rest is
 /// dropped with the connection.
 const MAX_ANSWER_BODY: usize = 64 * 1024;

@@ -31,6 +31,23 @@ fn bad_flags_and_stores_get_readable_errors() {
         &["serve", "--api-keys", "/nonexistent/keys"],
         "cannot read API keys file",
     );
+    // A scope another way in gives its callers is refused at start, by name (before the
+    // store, which here cannot be opened: nothing is left running either way).
+    for scope in ["anonymous", "cred-3f9a0b", "relay", "mq", "idem.ids"] {
+        let keys = dir.path().join("keys");
+        std::fs::write(&keys, format!("{scope} 0123456789abcdef0123\n")).unwrap();
+        let keys = keys.display().to_string();
+        fails_with(
+            &[
+                "serve",
+                "--store",
+                "sqlite:///nonexistent-dir/x/idem.db",
+                "--api-keys",
+                &keys,
+            ],
+            &format!("the scope \"{scope}\" is reserved"),
+        );
+    }
     fails_with(&["frobnicate"], "unrecognized subcommand");
     fails_with(&["gateway", "--store", "memory://"], "no upstream");
     fails_with(

@@ -186,3 +186,87 @@ fn a_gateway_on_memory_publishes_the_stores_size_and_bounds() {
         std::thread::sleep(Duration::from_millis(200));
     }
 }
+
+/// With an admin token, `idem serve` and `idem gateway` serve the admin page and the record
+/// tools on a listener of their own (`--admin-listen`): the API's, or the upstream's, origin
+/// answers 404 there, so no script of theirs can reach the page or the token it keeps.
+#[test]
+fn the_admin_page_is_served_on_a_listener_of_its_own() {
+    let dir = tempfile::tempdir().unwrap();
+    let token = dir.path().join("admin-token");
+    std::fs::write(&token, "operator-token-0123456789\n").unwrap();
+    let token = token.display().to_string();
+    fails_with(
+        &[
+            "serve",
+            "--store",
+            "memory://",
+            "--listen",
+            "127.0.0.1:7999",
+            "--admin-listen",
+            "127.0.0.1:7999",
+            "--admin-token-file",
+            &token,
+        ],
+        "needs an address of its own",
+    );
+    for command in [
+        &["serve"][..],
+        &["gateway", "--upstream", "http://127.0.0.1:1"],
+    ] {
+        let mut child = idem()
+            .args(command)
+            .args(["--store", "memory://", "--listen", "127.0.0.1:0"])
+            .args([
+                "--admin-listen",
+                "127.0.0.1:0",
+                "--admin-token-file",
+                &token,
+            ])
+            .env("IDEM_LOG", "info")
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap();
+        let mut lines = BufReader::new(child.stderr.take().unwrap()).lines();
+        let after = |line: &str, marker: &str| {
+            line.split(marker)
+                .nth(1)
+                .map(|rest| rest.split(['/', ' ']).next().unwrap().to_owned())
+        };
+        let (mut api, mut admin) = (None, None);
+        while api.is_none() || admin.is_none() {
+            let line = lines
+                .next()
+                .expect("the server printed its addresses")
+                .unwrap();
+            api = api.or_else(|| after(&line, "listening on http://"));
+            admin = admin.or_else(|| after(&line, "admin page on http://"));
+        }
+        std::thread::spawn(move || for _ in lines {});
+        let server = Server {
+            child,
+            addr: api.unwrap(),
+        };
+        let admin = admin.unwrap();
+        assert_ne!(server.addr, admin, "{command:?}");
+
+        let (status, body) = get(&admin, "/_idem");
+        assert_eq!(status, 200, "{command:?}: {body}");
+        assert!(
+            body.contains(r#"<script src="/_idem/assets/app.js""#),
+            "{body}"
+        );
+        let (status, _) = get(&admin, "/_idem/health");
+        assert_eq!(status, 200, "{command:?}");
+        for path in ["/_idem", "/_idem/records", "/_idem/assets/app.js"] {
+            let (status, body) = get(&server.addr, path);
+            assert_eq!(status, 404, "{command:?} {path}: {body}");
+            assert!(
+                body.contains("--admin-listen"),
+                "{command:?} {path}: {body}"
+            );
+        }
+        let (status, _) = get(&server.addr, "/_idem/health");
+        assert_eq!(status, 200, "{command:?}");
+    }
+}

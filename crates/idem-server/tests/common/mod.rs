@@ -25,6 +25,19 @@ pub(crate) fn with_callers(mut state: AppState) -> AppState {
     state
 }
 
+/// The listener that serves `path`: the admin listener's for the operator's endpoints under
+/// `/_idem` (the admin page, the record tools, segments, locks), the API's for the rest.
+pub(crate) fn app_for(state: &AppState, path: &str) -> axum::Router {
+    let on_api = ["/_idem/health", "/_idem/metrics"]
+        .iter()
+        .any(|p| path.starts_with(p));
+    if path.starts_with("/_idem") && !on_api {
+        idem_server::admin_router(state.clone())
+    } else {
+        router(state.clone())
+    }
+}
+
 /// POSTs `body` to `path` as the caller with API key `key`: the status and the JSON answer.
 pub(crate) async fn post(
     state: &AppState,
@@ -37,7 +50,7 @@ pub(crate) async fn post(
         .header(header::AUTHORIZATION, format!("Bearer {key}"))
         .body(Body::from(body.to_string()))
         .unwrap();
-    let res = router(state.clone()).oneshot(req).await.unwrap();
+    let res = app_for(state, path).oneshot(req).await.unwrap();
     let status = res.status();
     let bytes = axum::body::to_bytes(res.into_body(), usize::MAX)
         .await
@@ -52,7 +65,7 @@ pub(crate) async fn get(state: &AppState, key: &str, path: &str) -> (StatusCode,
         .header(header::AUTHORIZATION, format!("Bearer {key}"))
         .body(Body::empty())
         .unwrap();
-    let res = router(state.clone()).oneshot(req).await.unwrap();
+    let res = app_for(state, path).oneshot(req).await.unwrap();
     let status = res.status();
     let content_type = res
         .headers()

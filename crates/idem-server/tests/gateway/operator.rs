@@ -14,7 +14,7 @@ async fn an_operator_reopens_an_unknown_outcome_for_the_next_retry() {
          [[route]]\npath = \"/v1/payments\"\nnamespace = \"payments\"",
         token_file.display()
     );
-    let gw = start_gateway(up, memory(), &config).await;
+    let (gw, tools) = start_gateway_with_admin(up, memory(), &config).await;
     let alice = "Bearer alice-secret";
     let slow = [
         ("idempotency-key", "t"),
@@ -30,7 +30,7 @@ async fn an_operator_reopens_an_unknown_outcome_for_the_next_retry() {
             ("authorization", auth),
             ("content-type", "application/json"),
         ];
-        send(gw, Method::POST, path, &headers, &body).await
+        send(tools, Method::POST, path, &headers, &body).await
     };
     let record = serde_json::json!({"path": "/v1/payments", "key": "t", "credential": alice});
     let bearer = "Bearer operator-token-0123456789";
@@ -130,7 +130,7 @@ async fn an_operator_lists_unknown_outcomes_and_reopens_what_was_shown() {
          [[route]]\npath = \"/v1/payments\"\nnamespace = \"payments\"",
         token_file.display()
     );
-    let gw = start_gateway(up, memory(), &config).await;
+    let (gw, tools) = start_gateway_with_admin(up, memory(), &config).await;
     for key in ["t1", "t2"] {
         let slow = [("idempotency-key", key), ("x-delay-ms", "1000")];
         let r = send(gw, Method::POST, "/v1/payments", &slow, "pay").await;
@@ -140,10 +140,17 @@ async fn an_operator_lists_unknown_outcomes_and_reopens_what_was_shown() {
     send(gw, Method::POST, "/v1/payments", &fine, "pay").await;
     let bearer = [("authorization", "Bearer operator-token-0123456789")];
 
-    let r = send(gw, Method::GET, "/_idem/records/counts", &bearer, "").await;
+    let r = send(tools, Method::GET, "/_idem/records/counts", &bearer, "").await;
     assert_eq!(r.json()["unknown"], 2, "{}", r.body);
     assert_eq!(r.json()["completed"], 3);
-    let r = send(gw, Method::GET, "/_idem/records?state=unknown", &bearer, "").await;
+    let r = send(
+        tools,
+        Method::GET,
+        "/_idem/records?state=unknown",
+        &bearer,
+        "",
+    )
+    .await;
     assert_eq!(r.status, StatusCode::OK, "{}", r.body);
     let shown: Vec<Value> = r.json()["records"].as_array().unwrap().clone();
     assert_eq!(shown.len(), 2);
@@ -162,7 +169,7 @@ async fn an_operator_lists_unknown_outcomes_and_reopens_what_was_shown() {
         ("content-type", "application/json"),
     ];
     let r = send(
-        gw,
+        tools,
         Method::POST,
         "/_idem/records/reopen",
         &headers,
@@ -188,28 +195,35 @@ async fn an_operator_lists_unknown_outcomes_and_reopens_what_was_shown() {
         })
         .collect();
     let body = serde_json::json!({"action": "reopen", "records": records}).to_string();
-    let r = send(gw, Method::POST, "/_idem/records/repair", &headers, &body).await;
+    let r = send(
+        tools,
+        Method::POST,
+        "/_idem/records/repair",
+        &headers,
+        &body,
+    )
+    .await;
     assert_eq!(r.status, StatusCode::OK, "{}", r.body);
     assert_eq!(r.json(), serde_json::json!({"applied": 1, "skipped": 1}));
-    let r = send(gw, Method::GET, "/_idem/records/counts", &bearer, "").await;
+    let r = send(tools, Method::GET, "/_idem/records/counts", &bearer, "").await;
     assert_eq!(r.json()["unknown"], 0);
     // t1 ran again once (by its retry), t2 is free to; nothing else was forwarded.
     assert_eq!(seen.runs(), 4);
-    let r = send(gw, Method::GET, "/_idem", &bearer, "").await;
+    let r = send(tools, Method::GET, "/_idem", &bearer, "").await;
     assert_eq!(r.status, StatusCode::OK);
 }
 
 #[tokio::test]
 async fn the_record_tools_are_disabled_without_an_admin_token() {
     let (_, up) = start_upstream().await;
-    let gw = start_gateway(up, memory(), "").await;
+    let (_, tools) = start_gateway_with_admin(up, memory(), "").await;
     let body = serde_json::json!({"path": "/orders", "key": "t", "scope": "anonymous"});
     let headers = [
         ("authorization", "Bearer anything-at-all-here"),
         ("content-type", "application/json"),
     ];
     let r = send(
-        gw,
+        tools,
         Method::POST,
         "/_idem/records/reopen",
         &headers,
@@ -218,4 +232,33 @@ async fn the_record_tools_are_disabled_without_an_admin_token() {
     .await;
     assert_eq!(r.status, StatusCode::FORBIDDEN);
     assert_eq!(r.code(), "admin_disabled");
+}
+
+/// The page names its assets under the configured prefix, whatever spelling of it was asked
+/// for: `//evil.example/..//_idem` is the page too, and must not load its script from
+/// `//evil.example/…`.
+#[tokio::test]
+async fn the_page_names_its_assets_from_the_prefix_not_the_request() {
+    let dir = tempfile::tempdir().unwrap();
+    let token_file = dir.path().join("admin-token");
+    std::fs::write(&token_file, "operator-token-0123456789").unwrap();
+    let (_, up) = start_upstream().await;
+    let config = format!("admin_token_file = {:?}", token_file.display());
+    let (_, tools) = start_gateway_with_admin(up, memory(), &config).await;
+    for path in [
+        "/_idem",
+        "//evil.example/..//_idem",
+        "/x/..//_idem/",
+        "/%5Fidem",
+    ] {
+        let r = send(tools, Method::GET, path, &[], "").await;
+        assert_eq!(r.status, StatusCode::OK, "{path}: {}", r.body);
+        assert!(
+            r.body.contains(r#"<script src="/_idem/assets/app.js""#)
+                && r.body.contains(r#"href="/_idem/assets/app.css""#),
+            "{path}: {}",
+            r.body
+        );
+        assert!(!r.body.contains("evil"), "{path}: {}", r.body);
+    }
 }

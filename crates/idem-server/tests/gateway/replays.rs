@@ -146,7 +146,7 @@ async fn replays_come_from_memory_but_unknown_outcomes_never_do() {
             .skip(idem_http::operator::is_unknown_outcome)
     };
     let (cache_a, cache_b) = (cached(), cached());
-    let a = start_gateway(up, Arc::new(cache_a.clone()), &config).await;
+    let (a, a_tools) = start_gateway_with_admin(up, Arc::new(cache_a.clone()), &config).await;
     let b = start_gateway(up, Arc::new(cache_b.clone()), &config).await;
 
     // A stored answer: run through A, replayed by B, the second time from B's memory.
@@ -177,7 +177,14 @@ async fn replays_come_from_memory_but_unknown_outcomes_never_do() {
         ("content-type", "application/json"),
     ];
     let body = record.to_string();
-    let r = send(a, Method::POST, "/_idem/records/reopen", &headers, &body).await;
+    let r = send(
+        a_tools,
+        Method::POST,
+        "/_idem/records/reopen",
+        &headers,
+        &body,
+    )
+    .await;
     assert_eq!(r.status, StatusCode::OK, "{}", r.body);
     let r = post(b, "/v1/orders", "k2", "y").await;
     assert_eq!(r.status, StatusCode::CREATED, "{}", r.body);

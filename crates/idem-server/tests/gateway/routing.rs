@@ -370,11 +370,16 @@ fn a_case_insensitive_route_with_letters_past_ascii_is_refused() {
 #[tokio::test]
 async fn nothing_under_the_reserved_prefix_is_ever_forwarded() {
     let (seen, up) = start_upstream().await;
-    let gw = start_gateway(up, memory(), "").await;
+    let (gw, tools) = start_gateway_with_admin(up, memory(), "").await;
     for method in [Method::GET, Method::POST, Method::DELETE] {
-        // The prefix itself is the admin page: off without an admin token, and GET only.
+        // The prefix itself is the admin page, served on the admin listener only: off there
+        // without an admin token, and GET only.
         for path in ["/_idem", "/_idem/", "/%5fidem/"] {
             let r = send(gw, method.clone(), path, &[("idempotency-key", "k")], "").await;
+            assert_eq!(r.code(), "not_found", "{method} {path}: {}", r.body);
+            assert!(r.body.contains("--admin-listen"), "{method} {path}");
+            assert!(is_problem(&r), "{method} {path}");
+            let r = send(tools, method.clone(), path, &[("idempotency-key", "k")], "").await;
             let code = if method == Method::GET {
                 "admin_disabled"
             } else {
@@ -382,6 +387,19 @@ async fn nothing_under_the_reserved_prefix_is_ever_forwarded() {
             };
             assert_eq!(r.code(), code, "{method} {path}: {}", r.body);
             assert!(is_problem(&r), "{method} {path}");
+        }
+        // The admin listener serves nothing else, and forwards nothing; the record tools are
+        // not on the gateway's own listener.
+        for (addr, path) in [
+            (tools, "/orders"),
+            (tools, "/"),
+            (tools, "/_idemx/health"),
+            (gw, "/_idem/records"),
+            (gw, "/_idem/records/reopen"),
+            (gw, "/_idem/assets/app.js"),
+        ] {
+            let r = send(addr, method.clone(), path, &[("idempotency-key", "k")], "").await;
+            assert_eq!(r.code(), "not_found", "{method} {path}: {}", r.body);
         }
         for path in [
             "/_idem/nothing-here",
@@ -420,13 +438,14 @@ async fn nothing_under_the_reserved_prefix_is_ever_forwarded() {
         assert_eq!(r.status, StatusCode::OK, "{path}: {}", r.body);
     }
     // A wrong method is a problem too, with the methods it takes.
-    for (method, path, allow) in [
-        (Method::POST, "/_idem/health", "GET,HEAD"),
-        (Method::DELETE, "/_idem/metrics", "GET,HEAD"),
-        (Method::GET, "/_idem/records/reopen", "POST"),
-        (Method::PUT, "/_idem/records/inspect", "POST"),
+    for (addr, method, path, allow) in [
+        (gw, Method::POST, "/_idem/health", "GET,HEAD"),
+        (gw, Method::DELETE, "/_idem/metrics", "GET,HEAD"),
+        (tools, Method::POST, "/_idem/health", "GET,HEAD"),
+        (tools, Method::GET, "/_idem/records/reopen", "POST"),
+        (tools, Method::PUT, "/_idem/records/inspect", "POST"),
     ] {
-        let r = send(gw, method.clone(), path, &[], "").await;
+        let r = send(addr, method.clone(), path, &[], "").await;
         assert_eq!(r.status, StatusCode::METHOD_NOT_ALLOWED, "{method} {path}");
         assert_eq!(r.code(), "method_not_allowed", "{method} {path}");
         assert!(is_problem(&r), "{method} {path}");

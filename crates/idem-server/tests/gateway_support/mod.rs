@@ -150,16 +150,27 @@ pub(crate) async fn start_gateway(
     store: SharedStore,
     config: &str,
 ) -> SocketAddr {
+    start_gateway_with_admin(upstream, store, config).await.0
+}
+
+/// A gateway, and its admin listener (the admin page and the record tools), each on an
+/// address of its own, as `idem gateway` serves them.
+pub(crate) async fn start_gateway_with_admin(
+    upstream: SocketAddr,
+    store: SharedStore,
+    config: &str,
+) -> (SocketAddr, SocketAddr) {
     let file = FileConfig::parse(config).unwrap();
     let url = UpstreamUrl::parse(&format!("http://{upstream}")).unwrap();
     let gateway = Gateway::new(url, store).configure(&file).unwrap();
-    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let addr = listener.local_addr().unwrap();
-    let app = gateway
-        .router()
-        .into_make_service_with_connect_info::<SocketAddr>();
-    tokio::spawn(async move { axum::serve(listener, app).await.unwrap() });
-    addr
+    let mut addrs = Vec::new();
+    for app in [gateway.router(), gateway.admin_router()] {
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        addrs.push(listener.local_addr().unwrap());
+        let app = app.into_make_service_with_connect_info::<SocketAddr>();
+        tokio::spawn(async move { axum::serve(listener, app).await.unwrap() });
+    }
+    (addrs[0], addrs[1])
 }
 
 pub(crate) struct Reply {

@@ -100,6 +100,10 @@ pub struct SqliteOptions {
     /// store opens, on the connection listings use. Default true; off for a file whose keys
     /// other processes write most of, and for a command that runs a few operations and exits.
     pub key_filter: bool,
+    /// Create the database file when it is missing (default true). Off for a tool that only
+    /// looks at and mends an existing store: a mistyped path must be an error, not a new,
+    /// empty database that answers every question with nothing.
+    pub create: bool,
 }
 
 impl Default for SqliteOptions {
@@ -111,6 +115,7 @@ impl Default for SqliteOptions {
             max_queue: 16 * 1024,
             read_connections: 2,
             key_filter: true,
+            create: true,
         }
     }
 }
@@ -140,8 +145,8 @@ impl SqliteStore {
         Self::open_with(path, SqliteOptions::default())
     }
 
-    /// Opens (creating if needed) the database at `path`, applies pending migrations and starts
-    /// the writer thread.
+    /// Opens the database at `path` (creating it if needed, unless [`SqliteOptions::create`] is
+    /// off), applies pending migrations and starts the writer thread.
     pub fn open_with(path: impl AsRef<Path>, options: SqliteOptions) -> Result<Self, StoreError> {
         let path = path.as_ref().to_path_buf();
         let conn = connect(&path, &options)?;

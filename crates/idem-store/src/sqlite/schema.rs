@@ -3,7 +3,7 @@
 use std::path::Path;
 
 use idem_core::StoreError;
-use rusqlite::{Connection, ErrorCode, TransactionBehavior};
+use rusqlite::{Connection, ErrorCode, OpenFlags, TransactionBehavior};
 
 use super::{SqliteOptions, Synchronous};
 
@@ -69,7 +69,19 @@ pub(super) fn connect(path: &Path, options: &SqliteOptions) -> Result<Connection
         message: format!("cannot open SQLite database {}: {what}", path.display()),
         source: None,
     };
-    let mut conn = Connection::open(path).map_err(|e| open_error(path, e))?;
+    let mut flags = OpenFlags::default();
+    if !options.create {
+        // Without the flag SQLite refuses a missing file itself; the check first only makes
+        // the message plain.
+        flags.remove(OpenFlags::SQLITE_OPEN_CREATE);
+        if !path.exists() {
+            return Err(fail(
+                "there is no such file (an existing database is opened, none is created)"
+                    .to_owned(),
+            ));
+        }
+    }
+    let mut conn = Connection::open_with_flags(path, flags).map_err(|e| open_error(path, e))?;
     conn.busy_timeout(options.busy_timeout)
         .map_err(|e| open_error(path, e))?;
     // journal_mode answers with the mode in effect; WAL is refused only by special files.

@@ -50,6 +50,9 @@ pub enum StoreUrl {
         busy_timeout_ms: u64,
         /// Whether a fresh key's `begin` may skip the read first (`SqliteOptions::key_filter`).
         key_filter: bool,
+        /// Whether a missing file is created (`SqliteOptions::create`); always true when
+        /// parsed, see [`StoreUrl::existing_only`].
+        create: bool,
     },
     /// `redis://…` (one server) or `redis+cluster://…` (a Cluster, through these nodes).
     #[cfg(feature = "redis")]
@@ -89,12 +92,14 @@ impl std::fmt::Debug for StoreUrl {
                 synchronous,
                 busy_timeout_ms,
                 key_filter,
+                create,
             } => f
                 .debug_struct("Sqlite")
                 .field("path", path)
                 .field("synchronous", synchronous)
                 .field("busy_timeout_ms", busy_timeout_ms)
                 .field("key_filter", key_filter)
+                .field("create", create)
                 .finish(),
             #[cfg(feature = "redis")]
             StoreUrl::Redis {
@@ -287,6 +292,7 @@ impl FromStr for StoreUrl {
                     synchronous,
                     busy_timeout_ms,
                     key_filter,
+                    create: true,
                 })
             }
             #[cfg(feature = "postgres")]
@@ -483,6 +489,17 @@ fn sql_options(url: &str) -> Result<(String, SqlOptions), StoreUrlError> {
 }
 
 impl StoreUrl {
+    /// This URL, opening only a store that exists: a SQLite file is not created when it is
+    /// missing (the other stores are servers, and their tables are made on connecting).
+    #[must_use]
+    pub fn existing_only(mut self) -> Self {
+        #[cfg(feature = "sqlite")]
+        if let StoreUrl::Sqlite { create, .. } = &mut self {
+            *create = false;
+        }
+        self
+    }
+
     /// Opens the store this URL names (connecting, and applying migrations, for server
     /// stores).
     pub async fn open(&self) -> Result<SharedStore, StoreError> {
@@ -507,8 +524,12 @@ impl StoreUrl {
                 synchronous,
                 busy_timeout_ms,
                 key_filter,
+                create,
             } => {
-                let options = sqlite_options(*synchronous, *busy_timeout_ms, *key_filter);
+                let options = crate::SqliteOptions {
+                    create: *create,
+                    ..sqlite_options(*synchronous, *busy_timeout_ms, *key_filter)
+                };
                 Ok(both(crate::SqliteStore::open_with(path, options)?))
             }
             #[cfg(feature = "redis")]

@@ -58,6 +58,7 @@ fn parses_sqlite_paths_and_options() {
             synchronous: crate::Synchronous::Normal,
             busy_timeout_ms: 10,
             key_filter: false,
+            create: true,
         })
     );
     assert!(matches!(
@@ -288,4 +289,23 @@ fn postgres_options_the_driver_ignores_are_refused_without_their_value() {
     ] {
         assert!(url.parse::<StoreUrl>().is_ok(), "{url}");
     }
+}
+
+/// `existing_only` opens a SQLite file that is there and refuses, plainly, one that is not,
+/// creating nothing.
+#[cfg(feature = "sqlite")]
+#[tokio::test]
+async fn an_existing_only_url_does_not_create_a_sqlite_file() {
+    let dir = tempfile::tempdir().unwrap();
+    let missing = dir.path().join("typo.db");
+    let url: StoreUrl = format!("sqlite://{}", missing.display()).parse().unwrap();
+    let Err(err) = url.clone().existing_only().open().await else {
+        panic!("a missing file opened")
+    };
+    assert!(err.to_string().contains("there is no such file"), "{err}");
+    assert!(!missing.exists(), "a file was created");
+    // Created the usual way, it then opens as an existing store.
+    drop(url.clone().open().await.map_err(|e| e.to_string()).unwrap());
+    let opened = url.existing_only().open().await;
+    assert!(opened.is_ok(), "{:?}", opened.err());
 }

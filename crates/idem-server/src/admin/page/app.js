@@ -16,6 +16,9 @@ const BASE = location.pathname.replace(/\/+$/, "") + "/";
 let token = sessionStorage.getItem("idem-admin-token");
 let cursors = [null];
 let current = null;
+// The filter whose result is on screen: set when Filter is pressed, not as the form is typed
+// in. The table's pages and the bulk repairs use this one only.
+let applied = new URLSearchParams();
 
 function el(tag, attrs, ...children) {
   const node = document.createElement(tag);
@@ -49,11 +52,23 @@ async function call(path, options) {
   return body;
 }
 
-function filterQuery(extra) {
+// The filter as the form holds it now.
+function typedFilter() {
   const q = new URLSearchParams();
-  for (const [k, v] of new FormData($("filter"))) if (v) q.set(k, v);
+  for (const [k, v] of new FormData($("filter"))) if (v.trim()) q.set(k, v.trim());
+  return q;
+}
+
+// The filter on screen, with `extra` (limit, cursor, a narrower state) on top.
+function filterQuery(extra) {
+  const q = new URLSearchParams(applied);
   for (const [k, v] of Object.entries(extra || {})) if (v !== null && v !== undefined) q.set(k, v);
   return q;
+}
+
+function describeFilter(q) {
+  const parts = [...q].map(([k, v]) => `${k.replace("_", " ")} ${v}`);
+  return parts.length ? parts.join(", ") : "no filter: every record";
 }
 
 function age(iso) {
@@ -74,11 +89,13 @@ function shownOf(r) {
   return { scope: r.scope, namespace: r.namespace, key: r.key, state: r.state, fence: r.fence };
 }
 
-async function repair(action, records) {
+// `force`: the operator said explicitly that attempts in progress may be repaired too; without
+// it the server refuses a list naming one (409 force_required).
+async function repair(action, records, force) {
   const done = await call("records/repair", {
     method: "POST",
     headers: { "content-type": "application/json" },
-    body: JSON.stringify({ action, records: records.map(shownOf) }),
+    body: JSON.stringify({ action, records: records.map(shownOf), force: Boolean(force) }),
   });
   say(`${action}: ${done.applied} applied, ${done.skipped} skipped (changed since shown).`);
   await refresh();
@@ -86,6 +103,8 @@ async function repair(action, records) {
 }
 
 function actionsFor(r) {
+  // idem's own records (a server's Snowflake worker lease): shown, never repaired.
+  if (r.internal) return [];
   const out = [];
   if (r.kind === "unknown") out.push(["reopen", "Reopen"]);
   if (r.state === "stuck") out.push(["release", "Release"]);
@@ -101,8 +120,12 @@ function actionButtons(r) {
     class: action === "delete" ? "danger" : "",
     "aria-label": `${label} ${r.key}`,
     on: { click: async () => {
-      if (!confirm(`${label} the record ${r.key} (fence ${r.fence})?`)) return;
-      try { await repair(action, [r]); } catch (e) { if (!(e instanceof Refused)) say(e.message, true); }
+      const running = r.state === "in_progress"
+        ? " Its attempt is still in progress and may still be working: a retry let in beside it runs the work twice."
+        : "";
+      if (!confirm(`${label} the record ${r.key} (fence ${r.fence})?${running}`)) return;
+      // The question named the running attempt: answering yes is the explicit force.
+      try { await repair(action, [r], r.state === "in_progress"); } catch (e) { if (!(e instanceof Refused)) say(e.message, true); }
     } },
   }, label));
 }
@@ -306,29 +329,81 @@ async function show(r, quiet) {
   $("detail").scrollIntoView({ block: "nearest" });
 }
 
+// The records `action` may touch among those the filter on screen matches: reopen takes
+// unknown outcomes only, release stuck attempts unless the filter names a state it applies to.
+// `null` when the filter's state leaves the action nothing.
+function bulkQuery(action) {
+  const state = applied.get("state");
+  if (action === "reopen") {
+    if (state && !["unknown", "completed"].includes(state)) return null;
+    return filterQuery({ state: "unknown", limit: MAX_BULK });
+  }
+  if (action === "release") {
+    if (["released", "expired"].includes(state)) return null;
+    return filterQuery({ state: state || "stuck", limit: MAX_BULK });
+  }
+  return filterQuery({ limit: MAX_BULK });
+}
+
 async function bulk(action) {
-  if (action === "delete" && ![...new FormData($("filter")).values()].some((v) => v)) {
-    say("Delete all matching… needs a filter: choose a scope, namespace, state or age first.", true);
+  if (typedFilter().toString() !== applied.toString()) {
+    say("The filter was changed but not applied: press Filter first. A bulk repair acts only on the records the table shows.", true);
     return;
   }
-  const extra = { limit: MAX_BULK };
-  if (action === "reopen") extra.state = "unknown";
-  if (action === "release" && !["stuck", "in_progress", "completed"].includes(new FormData($("filter")).get("state"))) {
-    extra.state = "stuck";
+  if (action === "delete" && ![...applied.keys()].length) {
+    say("Delete all matching… needs a filter: choose a scope, namespace, state or age, and press Filter.", true);
+    return;
   }
+  const q = bulkQuery(action);
+  if (!q) { say(`The filter shown selects ${applied.get("state")} records; there are none to ${action}.`); return; }
   try {
     const all = [];
     let after = null;
     do {
-      const page = await call(`records?${filterQuery({ ...extra, after })}`);
+      if (after) q.set("after", after);
+      const page = await call(`records?${q}`);
       all.push(...page.records);
       after = page.next;
     } while (after && all.length <= MAX_BULK);
-    if (!all.length) { say(`No records match; nothing to ${action}.`); return; }
     if (all.length > MAX_BULK) { say(`More than ${MAX_BULK} records match: narrow the filter.`, true); return; }
-    if (!confirm(`${all.length} records match. ${action} them? Only records still as shown are changed.`)) return;
-    await repair(action, all);
+    const own = all.filter((r) => r.internal);
+    const records = all.filter((r) => !r.internal);
+    if (!records.length) {
+      say(own.length ? `Only idem's own records match (${own.length}); they are never repaired.` : `No records match; nothing to ${action}.`);
+      return;
+    }
+    askBulk(action, q, records, own.length);
   } catch (e) { if (!(e instanceof Refused)) say(e.message, true); }
+}
+
+// Shows what a bulk repair will touch, counted by state, and asks; attempts in progress are
+// called out and repaired only once their box is ticked.
+function askBulk(action, q, records, own) {
+  const byState = {};
+  for (const r of records) byState[r.state] = (byState[r.state] || 0) + 1;
+  const running = byState.in_progress || 0;
+  q.delete("limit");
+  q.delete("after");
+  $("bulk-title").textContent = `${action[0].toUpperCase()}${action.slice(1)} ${records.length} records?`;
+  $("bulk-filter").textContent = `Filter: ${describeFilter(q)}.`;
+  $("bulk-states").replaceChildren(...Object.entries(byState).map(([s, n]) =>
+    el("li", { "data-state": s }, `${n} ${s.replace("_", " ")}`)));
+  $("bulk-own").hidden = !own;
+  $("bulk-own").textContent = `${own} of idem's own records (scope idem.…) match too and are left out: they are never repaired.`;
+  $("bulk-running").hidden = !running;
+  $("bulk-force-label").textContent = `Also ${action} the ${running} attempts still in progress. They may still be working: a retry let in beside one runs the work twice.`;
+  $("bulk-force").checked = false;
+  const go = $("bulk-go");
+  go.textContent = `${action[0].toUpperCase()}${action.slice(1)} ${records.length} records`;
+  const ready = () => { go.disabled = running > 0 && !$("bulk-force").checked; };
+  $("bulk-force").onchange = ready;
+  ready();
+  go.onclick = async () => {
+    const force = running > 0 && $("bulk-force").checked;
+    $("bulk-dialog").close();
+    try { await repair(action, records, force); } catch (e) { if (!(e instanceof Refused)) say(e.message, true); }
+  };
+  $("bulk-dialog").showModal();
 }
 
 async function refresh() {
@@ -367,6 +442,7 @@ document.addEventListener("DOMContentLoaded", () => {
   $("sign-out").addEventListener("click", () => signOut());
   $("filter").addEventListener("submit", async (e) => {
     e.preventDefault();
+    applied = typedFilter();
     cursors = [null];
     try { await loadRecords(); } catch (err) { if (!(err instanceof Refused)) say(err.message, true); }
   });
@@ -381,6 +457,7 @@ document.addEventListener("DOMContentLoaded", () => {
   for (const action of ["release", "reopen", "delete"]) {
     $(`bulk-${action}`).addEventListener("click", () => bulk(action));
   }
+  $("bulk-cancel").addEventListener("click", () => $("bulk-dialog").close());
   if (token) signedIn(); else signOut();
   // The chart follows the server's own counts; it does not count again.
   setInterval(() => { if (token) loadHistory().catch(() => {}); }, 30000);

@@ -8,6 +8,7 @@
 //! trusted_proxies = ["10.0.0.0/8"]             # whose X-Forwarded-* / Forwarded are kept
 //! admin_prefix = "/_idem"
 //! admin_token_file = "/etc/idem/admin-token"   # enables the record tools and the admin page
+//! admin_listen = "127.0.0.1:7081"              # where they are served, apart from the upstream
 //! metrics_require_token = false                # true: /_idem/metrics needs the admin token
 //!
 //! [defaults]              # every route, and requests no route matches
@@ -40,6 +41,8 @@ pub struct FileConfig {
     pub upstream: Option<String>,
     /// The address to listen on.
     pub listen: Option<String>,
+    /// The address of the admin page and the record tools (default `127.0.0.1:7081`).
+    pub admin_listen: Option<String>,
     /// The store URL.
     pub store: Option<String>,
     /// The reserved path prefix of the gateway's own endpoints.
