@@ -22,6 +22,12 @@ use idem_http::policy::remove_hop_by_hop;
 use idem_http::{BoxError, LeaseFence, Problem, ProblemCode, Settle};
 use tower_service::Service;
 
+/// The header that carries a guarded request's fence to the upstream: the number of the
+/// attempt, higher for every attempt that takes the key. An upstream that remembers the highest
+/// fence it accepted for a key, and refuses a lower one, turns away an attempt that stalled
+/// past its lease and was overtaken (see docs/guarantees.md). A client's own is never passed on.
+pub const FENCE_HEADER: HeaderName = HeaderName::from_static("idem-fence");
+
 use super::resolve::BoundedResolver;
 
 /// Where requests go: an `http://` origin and an optional base path.
@@ -216,7 +222,8 @@ impl Service<Request<Body>> for Proxy {
 
 impl ProxyInner {
     async fn forward(&self, req: Request<Body>) -> Response<Body> {
-        let guarded = req.extensions().get::<LeaseFence>().is_some();
+        let fence = req.extensions().get::<LeaseFence>().map(|f| f.fence);
+        let guarded = fence.is_some();
         let (mut parts, body) = req.into_parts();
         let Ok(uri) = self.upstream.uri_for(parts.uri.path_and_query()) else {
             return Problem::invalid_request("The request target cannot be forwarded.").into_http();
@@ -231,6 +238,10 @@ impl ProxyInner {
             trusted: peer.is_some_and(|p| self.trusted.contains(p)),
         };
         forwarded_headers(&mut parts.headers, &seen);
+        parts.headers.remove(&FENCE_HEADER);
+        if let Some(fence) = fence {
+            parts.headers.insert(FENCE_HEADER, HeaderValue::from(fence));
+        }
         parts.uri = uri;
         parts.version = axum::http::Version::HTTP_11;
         parts.extensions = Default::default();

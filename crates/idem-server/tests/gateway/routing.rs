@@ -453,3 +453,36 @@ async fn nothing_under_the_reserved_prefix_is_ever_forwarded() {
     }
     assert_eq!(seen.runs(), 0);
 }
+
+/// A guarded request reaches the upstream with its attempt's fence in `Idem-Fence`, higher for
+/// an attempt that takes the key again; a client's own `Idem-Fence` is never passed on.
+#[tokio::test]
+async fn the_upstream_is_told_each_attempt_s_fence_and_never_a_client_s() {
+    let (seen, up) = start_upstream().await;
+    let last_fence = || {
+        let headers = seen.headers.lock().unwrap().last().cloned().unwrap();
+        headers
+            .get("idem-fence")
+            .map(|v| v.to_str().unwrap().parse::<u64>().unwrap())
+    };
+    let gw = start_gateway(up, memory(), "").await;
+    let forged = ("idem-fence", "99999999999999999");
+    send(gw, Method::GET, "/orders", &[forged], "").await;
+    assert_eq!(last_fence(), None, "an unguarded request carries none");
+    send(
+        gw,
+        Method::POST,
+        "/orders",
+        &[("idempotency-key", "f"), forged],
+        "a",
+    )
+    .await;
+    let first = last_fence().expect("a guarded request carries its fence");
+    assert_eq!(idem_core::Lease::acquisition_of(first), 1);
+    // The upstream's 500 gives the key back; the retry is the next attempt.
+    let failing = [("idempotency-key", "g"), ("x-status", "500")];
+    send(gw, Method::POST, "/orders", &failing, "a").await;
+    let failed = last_fence().unwrap();
+    send(gw, Method::POST, "/orders", &failing, "a").await;
+    assert_eq!(last_fence(), Some(failed + 1));
+}

@@ -56,8 +56,11 @@ pub(crate) async fn orders(
         tokio::time::sleep(Duration::from_millis(ms)).await;
     }
     let body = String::from_utf8_lossy(&body).into_owned();
+    let status = headers.get("x-status").map_or(StatusCode::CREATED, |s| {
+        StatusCode::from_bytes(s.as_bytes()).unwrap()
+    });
     (
-        StatusCode::CREATED,
+        status,
         [("x-upstream", "yes"), ("set-cookie", "s=1")],
         axum::Json(serde_json::json!({"run": n, "body": body})),
     )
