@@ -392,7 +392,8 @@ pub async fn segment(
                 tracing::warn!(error = %e, "segment ids unavailable");
                 unavailable(
                     ProblemCode::StoreUnavailable,
-                    "No segment ids are left in memory and the store cannot be reached.",
+                    "No segment ids are left in memory and the store gives no more now (the \
+                     server's log says why).",
                 )
                 .retry_after(std::time::Duration::from_secs(1))
             })?,
