@@ -30,6 +30,16 @@ pub enum IdError {
     /// hold the worker id.
     #[error("the worker id's lease ran out before it could be renewed; try again shortly")]
     LeaseExpired,
+    /// The worker id was just claimed, and its first ids wait until any earlier holder of it
+    /// has stopped (see [`crate::WorkerPool::claim`]): try again after `retry_after`.
+    #[error(
+        "the worker id was just claimed; its ids begin once any earlier holder of it has \
+         stopped, in {retry_after:?}"
+    )]
+    Starting {
+        /// When the first id may be issued.
+        retry_after: Duration,
+    },
     /// A [`crate::ManagedSnowflake`] holds no worker id at the moment: its last one was lost,
     /// or none could be claimed yet, and it is claiming one (see [`crate::WorkerStatus`]).
     #[error("no worker id is held at the moment ({reason}); try again in {retry_after:?}")]

@@ -35,4 +35,4 @@ pub use segment::{SegmentOptions, SegmentStatus, Segments};
 pub use snowflake::{Batch, Snowflake, SnowflakeOptions, SystemTimeSource, TimeSource};
 pub use uuid::Uuid;
 pub use uuid7::{Uuid7, token, uuid7};
-pub use workers::{LeasedSnowflake, WorkerPool};
+pub use workers::{ISSUE_WINDOW, LeasedSnowflake, WorkerPool};

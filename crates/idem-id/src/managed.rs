@@ -1,18 +1,13 @@
 //! A Snowflake generator that keeps itself on a worker id: it claims one, renews it, and when
 //! the store no longer holds its lease (taken over, or forgotten by a store that restarted
-//! empty) it claims another and resumes, but only where no id can repeat.
+//! empty) it claims another and resumes.
 //!
 //! A worker id is lost when a renewal answers stale. Either another process holds the id now
-//! (this one paused past its lease), and the store's records and time floor still keep the
-//! next claim's ids above the old ones, as [`WorkerPool::claim`] describes; or the store forgot
-//! its records and counters, and then they hold nothing back: the worker ids look free while
-//! other processes may still issue ids under them until their own leases run out, which they
-//! do by themselves (a generator issues nothing past its lease's end) within one lease of the
-//! loss. This generator cannot tell the two apart (a store that forgot a few keys looks like
-//! one that purged them), so it always waits out one lease after a loss before it claims again,
-//! and its new ids start above the end of that wait and above every id it issued before. Under one clock (as every lease in idem assumes) no
-//! lease granted before the loss still runs then, so whatever worker id it gets, nobody else
-//! issues ids under it at those times.
+//! (this one paused past its lease), or the store forgot its records and counters. Either way
+//! the claim rule of [`WorkerPool::claim`] keeps the next ids apart from every earlier
+//! holder's: a new holder stamps nothing until [`crate::ISSUE_WINDOW`] after its claim, by
+//! when every process whose renewal the store no longer knows has stopped by itself. So it
+//! claims again at once, and its new ids also start above every id it issued before.
 
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::time::Duration;
@@ -25,6 +20,17 @@ use crate::{Batch, IdError, Layout, LeasedSnowflake, SnowflakeOptions, WorkerPoo
 #[derive(Debug, Clone, PartialEq, Eq)]
 #[non_exhaustive]
 pub enum WorkerStatus {
+    /// Holding `worker`, claimed at `since`, and waiting until `ready_at` to issue its first
+    /// id: until then any earlier holder of it may still be issuing (see
+    /// [`WorkerPool::claim`]).
+    Starting {
+        /// The worker id.
+        worker: u64,
+        /// When it was claimed.
+        since: Timestamp,
+        /// When its first id may be issued.
+        ready_at: Timestamp,
+    },
     /// Issuing ids under `worker`, held since `since`.
     Holding {
         /// The worker id.
@@ -44,8 +50,8 @@ pub enum WorkerStatus {
         reason: String,
     },
     /// No worker id since `since`: the last one was lost (or none could be claimed at start),
-    /// and one is claimed at `next_try`. After a loss that is one lease later (see the
-    /// module's notes); after a failed claim, a backoff of up to a lease.
+    /// and one is claimed at `next_try`: at once after a loss; after a failed claim, after a
+    /// backoff of up to a lease.
     Claiming {
         /// Since when there has been no worker id.
         since: Timestamp,
@@ -73,7 +79,8 @@ impl WorkerStatus {
     /// When the current state began.
     pub fn since(&self) -> Timestamp {
         match self {
-            WorkerStatus::Holding { since, .. }
+            WorkerStatus::Starting { since, .. }
+            | WorkerStatus::Holding { since, .. }
             | WorkerStatus::Expired { since, .. }
             | WorkerStatus::Claiming { since, .. }
             | WorkerStatus::Stopped { since, .. } => *since,
@@ -83,9 +90,10 @@ impl WorkerStatus {
 
 /// A Snowflake generator on a worker id leased from a [`WorkerPool`], kept by a task of its
 /// own: it renews the lease every `min(lease / 3, 1 s)`, and when the lease is lost it claims a
-/// new worker id and resumes, issuing ids above every id it issued before and, after a loss,
-/// only once every lease the store might have forgotten has run out (see the module's notes).
-/// Meanwhile it answers [`IdError::NoWorker`], and [`ManagedSnowflake::status`] says why.
+/// new worker id and resumes, issuing ids above every id it issued before. A worker id's first
+/// ids come [`crate::ISSUE_WINDOW`] after its claim (see [`WorkerPool::claim`]). Meanwhile it
+/// answers [`IdError::NoWorker`] or [`IdError::Starting`], and [`ManagedSnowflake::status`]
+/// says why.
 ///
 /// What it goes through is logged (with `tracing`) once when it begins and once when it ends:
 /// a lease that ran out before its renewal, a lost worker id, a claim that keeps failing.
@@ -148,6 +156,7 @@ enum Step {
 /// The state as logged: a change of this is a transition.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Shown {
+    Starting(u64),
     Holding(u64),
     Expired(u64),
     Claiming,
@@ -330,7 +339,7 @@ impl Shared {
                 Err(e) => e,
                 Ok(_) => IdError::NoWorker {
                     reason: "the worker id was lost".to_owned(),
-                    retry_after: self.pool.lease_length().max(Duration::from_secs(1)),
+                    retry_after: crate::ISSUE_WINDOW,
                 },
             },
             e => e,
@@ -343,15 +352,20 @@ impl Shared {
                 generator,
                 since,
                 renewal_error,
-            } => match generator.expired_at() {
-                Some(at) => WorkerStatus::Expired {
+            } => match (generator.starts_at(), generator.expired_at()) {
+                (Some(ready_at), _) => WorkerStatus::Starting {
+                    worker: generator.worker(),
+                    since: *since,
+                    ready_at,
+                },
+                (None, Some(at)) => WorkerStatus::Expired {
                     worker: generator.worker(),
                     since: at,
                     reason: renewal_error.clone().unwrap_or_else(|| {
                         "the lease ran out before a renewal came through".to_owned()
                     }),
                 },
-                None => WorkerStatus::Holding {
+                (None, None) => WorkerStatus::Holding {
                     worker: generator.worker(),
                     since: *since,
                 },
@@ -463,18 +477,15 @@ impl Shared {
         match beat {
             Ok(()) => *renewal_error = None,
             Err(IdError::WorkerLost) => {
-                // Every lease the store may have forgotten ends by `resume` (see the module's
-                // notes); ids start strictly after it, and after this generator's last id.
-                let resume = now.saturating_add(self.pool.lease_length());
-                let resume_millis = self.layout.millis_at(resume.to_system_time()).unwrap_or(0);
+                // Claimed again at once: the claim's wait keeps the new ids apart from any
+                // earlier holder's (see the module's notes); they start above this one's too.
                 let floor_millis = self
                     .options
                     .floor_millis
-                    .max(generator.last_millis().saturating_add(1))
-                    .max(resume_millis.saturating_add(1));
+                    .max(generator.last_millis().saturating_add(1));
                 *phase = Phase::Claiming {
                     since: now,
-                    next_try: resume,
+                    next_try: now,
                     reason: format!(
                         "worker id {} was lost: the store no longer holds its lease (another \
                          process took it over, or the store lost its records)",
@@ -512,6 +523,7 @@ impl Shared {
     fn log_transition(&self, shown: &mut Option<(Shown, Timestamp)>) {
         let status = self.status();
         let current = match &status {
+            WorkerStatus::Starting { worker, .. } => Shown::Starting(*worker),
             WorkerStatus::Holding { worker, .. } => Shown::Holding(*worker),
             WorkerStatus::Expired { worker, .. } => Shown::Expired(*worker),
             WorkerStatus::Claiming { .. } => Shown::Claiming,
@@ -528,7 +540,22 @@ impl Shared {
         let before = before.map(|(s, _)| s);
         let space = self.pool.name();
         match (&status, before) {
-            (WorkerStatus::Holding { worker, .. }, None) => {
+            (
+                WorkerStatus::Starting {
+                    worker, ready_at, ..
+                },
+                _,
+            ) => {
+                let wait = ready_at.saturating_since(self.pool.clock().now());
+                tracing::info!(
+                    id_space = space,
+                    worker,
+                    first_ids_in = ?wait,
+                    "claimed a Snowflake worker id; its ids begin once any earlier holder of it \
+                     has stopped"
+                );
+            }
+            (WorkerStatus::Holding { worker, .. }, None | Some(Shown::Starting(_))) => {
                 tracing::info!(id_space = space, worker, "holding a Snowflake worker id");
             }
             (WorkerStatus::Holding { worker, .. }, Some(Shown::Expired(_))) => {

@@ -95,6 +95,9 @@ pub struct Snowflake {
     lost: AtomicBool,
     /// No id is issued with a timestamp above this (the worker id's lease end).
     valid_until: AtomicU64,
+    /// No id is issued with a timestamp below this (a worker id's new holder waits until any
+    /// earlier holder has stopped).
+    not_before: AtomicU64,
 }
 
 impl std::fmt::Debug for Snowflake {
@@ -143,6 +146,7 @@ impl Snowflake {
             last: AtomicU64::new(floor.saturating_sub(1)),
             lost: AtomicBool::new(false),
             valid_until: AtomicU64::new(u64::MAX),
+            not_before: AtomicU64::new(0),
         })
     }
 
@@ -180,6 +184,22 @@ impl Snowflake {
         self.valid_until.load(Ordering::Acquire)
     }
 
+    /// Moves the last millisecond ids may be stamped with up to `millis`, never down.
+    pub(crate) fn extend_valid_until(&self, millis: u64) {
+        self.valid_until.fetch_max(millis, Ordering::AcqRel);
+    }
+
+    /// Issues no id with a timestamp below `millis` (since the layout's epoch): the first
+    /// millisecond a worker id's new holder may stamp.
+    pub(crate) fn set_not_before(&self, millis: u64) {
+        self.not_before.store(millis, Ordering::Release);
+    }
+
+    /// The first millisecond ids may be stamped with (see [`Snowflake::set_not_before`]).
+    pub(crate) fn not_before(&self) -> u64 {
+        self.not_before.load(Ordering::Acquire)
+    }
+
     /// Whether the worker id was marked lost.
     pub fn is_lost(&self) -> bool {
         self.lost.load(Ordering::Acquire)
@@ -198,11 +218,14 @@ impl Snowflake {
     }
 
     /// The next id, waiting (without holding any lock) while ids are asked for faster than
-    /// the layout allows for longer than the borrowing bound.
+    /// the layout allows for longer than the borrowing bound, and while a worker id's new
+    /// holder waits for its first millisecond ([`IdError::Starting`]).
     pub fn next(&self) -> Result<u64, IdError> {
         loop {
             match self.try_next() {
-                Err(IdError::Exhausted { retry_after }) => std::thread::sleep(retry_after),
+                Err(IdError::Exhausted { retry_after } | IdError::Starting { retry_after }) => {
+                    std::thread::sleep(retry_after);
+                }
                 other => return other,
             }
         }
@@ -247,6 +270,12 @@ impl Snowflake {
         let now = self.now_millis();
         if now > self.layout.max_millis() {
             return Err(IdError::LayoutExhausted);
+        }
+        let not_before = self.not_before.load(Ordering::Acquire);
+        if now < not_before {
+            return Err(IdError::Starting {
+                retry_after: Duration::from_millis(not_before - now),
+            });
         }
         let now_stamp = now << bits;
         let mut last = self.last.load(Ordering::Acquire);

@@ -3,21 +3,35 @@
 //!
 //! Each worker id is a record (`idem.ids` / `snowflake.<name>` / `worker-<n>`) in any idem
 //! store. A process claims one with a single `begin` (the store's atomic conditional write):
-//! it gets a worker id nobody holds, or none. A heartbeat renews the lease; the generator
-//! issues no id with a timestamp past the lease's end, so a process that pauses past its lease
-//! (and might be overtaken meanwhile) stops issuing by itself until a renewal succeeds, and a
-//! renewal that answers "stale" marks the worker id lost for good. Releasing a worker id
-//! completes its record instead of deleting it: the record lives on for the quarantine, during
-//! which nobody can claim the id.
+//! it gets a worker id nobody holds, or none. A heartbeat renews the lease; a renewal that
+//! answers "stale" marks the worker id lost for good. Releasing a worker id completes its
+//! record instead of deleting it: the record lives on for the quarantine, during which nobody
+//! can claim the id.
+//!
+//! The record alone cannot keep two holders apart: it may vanish under a live holder (a Redis
+//! that keeps nothing restarts, a failover loses the last writes, someone deletes rows), and
+//! the holder learns of it only at its next renewal, while another process may claim the id
+//! at once. So issuing is bounded by the [`ISSUE_WINDOW`] `W`, on both sides:
+//!
+//! - a holder stamps no id later than `W` (or its lease, if shorter) after its last
+//!   *confirmed* renewal was sent: with the store unreachable, or the record gone, it stops
+//!   by itself within `W`;
+//! - a claimer stamps no id earlier than `W` after the store's grant reached it.
+//!
+//! An earlier holder's last renewal was applied before the claim (after the claim its renewals
+//! are stale), so it was sent before the grant came back, and all its ids are stamped before
+//! the claimer's first, whatever happened to the record. This rests on the processes' clocks
+//! agreeing, as every lease in idem does. Its cost: a new holder's first id comes `W` after its
+//! claim, and a holder that cannot renew for about `W` (two missed renewals) pauses.
 //!
 //! A time floor per id space (a counter raised with `Counters::raise`) records the time of the
 //! last id each generator issued, every second and when it stops; a new generator starts above
 //! it, so a process restarted after the wall clock was set back still issues ids above the ids
 //! issued before. The one exception is a process that crashed: the ids of its last second may
-//! sort above a successor's first ones (they never collide: its worker id stays held until its
-//! lease runs out by the same clock). Keeping the floor ahead of the ids instead would close
-//! that second, but every restart would then start ahead of the floor and push it further, so
-//! the ids of a fleet that restarts often would drift into the future.
+//! sort above a successor's first ones (they never collide: the rule above keeps them apart).
+//! Keeping the floor ahead of the ids instead would close that second, but every restart would
+//! then start ahead of the floor and push it further, so the ids of a fleet that restarts
+//! often would drift into the future.
 //!
 //! (A time floor is not a fence: a record's or a lock's fence rises with each acquisition,
 //! while the time floor holds a time, the one below which no new id may be stamped.)
@@ -32,6 +46,13 @@ use idem_core::{
 };
 
 use crate::{IdError, Layout, Snowflake, SnowflakeOptions, TimeSource};
+
+/// How long after its last confirmed renewal was sent a holder may still stamp ids, and how
+/// long after its claim a new holder waits before it stamps any (see the module's notes).
+/// One value for every process, whatever its lease: a claimer must wait as long as any
+/// earlier holder may go on. Three heartbeats at the longest beat (1 s), so a holder rides out
+/// a failed renewal without a pause.
+pub const ISSUE_WINDOW: Duration = Duration::from_secs(3);
 
 /// Where worker ids of one generator family are leased, and for how long.
 #[derive(Clone)]
@@ -124,6 +145,12 @@ impl WorkerPool {
         (self.lease / 3).min(Duration::from_secs(1))
     }
 
+    /// How long after a confirmed renewal was sent its holder may stamp ids: the
+    /// [`ISSUE_WINDOW`], or the lease if shorter.
+    fn window(&self) -> Duration {
+        ISSUE_WINDOW.min(self.lease)
+    }
+
     fn key(&self, worker: u64) -> Result<Key, IdError> {
         self.worker_key(worker, "")
     }
@@ -146,8 +173,12 @@ impl WorkerPool {
 
     /// Claims a free worker id and makes a generator on it, or fails with
     /// [`IdError::NoWorkerFree`]. Ids are tried from a random starting point, so processes
-    /// starting together spread out. Call [`LeasedSnowflake::heartbeat`] every third of the
-    /// lease (or [`LeasedSnowflake::spawn_heartbeat`] on a Tokio runtime).
+    /// starting together spread out.
+    ///
+    /// The generator issues nothing until [`ISSUE_WINDOW`] after the claim (it answers
+    /// [`IdError::Starting`]), and then only within the window of its last confirmed renewal:
+    /// call [`LeasedSnowflake::heartbeat`] every `min(lease / 3, 1 s)`, or
+    /// [`LeasedSnowflake::spawn_heartbeat`] on a Tokio runtime, which does.
     ///
     /// A claim that fails, or whose future is dropped, after the store granted it a worker id
     /// gives the id back (in a task of its own when dropped): nobody else would ever use it
@@ -216,6 +247,11 @@ impl WorkerPool {
                     return Err(e);
                 }
             };
+            // Any earlier holder of this worker id stamps nothing past ISSUE_WINDOW after its
+            // last renewal, sent before the grant reached us: ours start strictly later. The
+            // claim itself opens no window (it ends before the wait does); renewals do.
+            let window = u64::try_from(ISSUE_WINDOW.as_millis()).unwrap_or(u64::MAX);
+            generator.set_not_before(generator.now_millis().saturating_add(window + 1));
             let leased = LeasedSnowflake {
                 pool: self.clone(),
                 key,
@@ -225,10 +261,9 @@ impl WorkerPool {
                 lease: Mutex::new(lease),
                 generator,
             };
-            if let Err(e) = leased.extend(&lease).await {
-                granted.give_back().await;
-                return Err(e);
-            }
+            leased
+                .generator
+                .set_valid_until(leased.millis_at(now.saturating_add(self.window())));
             granted.keep();
             return Ok(Arc::new(leased));
         }
@@ -313,6 +348,22 @@ impl LeasedSnowflake {
             .then(|| Timestamp::from_millis(g.layout().epoch_ms().saturating_add(until)))
     }
 
+    /// When a new holder stamps its first id (see [`WorkerPool::claim`]), while that is still
+    /// ahead; `None` after.
+    pub(crate) fn starts_at(&self) -> Option<Timestamp> {
+        let g = &self.generator;
+        let left = g
+            .not_before()
+            .checked_sub(g.now_millis())
+            .filter(|&l| l > 0)?;
+        Some(
+            self.pool
+                .clock
+                .now()
+                .saturating_add(Duration::from_millis(left)),
+        )
+    }
+
     /// The current lease.
     pub fn lease(&self) -> Lease {
         *self
@@ -321,36 +372,16 @@ impl LeasedSnowflake {
             .unwrap_or_else(std::sync::PoisonError::into_inner)
     }
 
-    /// Records the time of the last id issued in the id space's time floor, then lets the
-    /// generator issue until the lease's end.
-    ///
-    /// The lease's end is where the next holder of this worker id starts, and a generator
-    /// whose time runs ahead of the clock (after a rollback, its time floor is ahead of the
-    /// wall clock) would issue ids past it. For such a generator the time it may issue up to
-    /// is written first to the worker id's ceiling, which the next holder starts after too.
-    async fn extend(&self, lease: &Lease) -> Result<(), IdError> {
-        let g = &self.generator;
-        self.raise_time_floor().await?;
-        let until = self.until(lease);
-        let epoch = g.layout().epoch_ms();
-        let mut cap = u64::MAX;
-        if epoch.saturating_add(until) > lease.expires_at.as_millis() {
-            self.pool
-                .store
-                .raise(&self.ceiling_key, epoch.saturating_add(until))
-                .await?;
-            cap = until;
+    /// The generator's time (layout milliseconds) when the pool's clock reads `at`.
+    fn millis_at(&self, at: Timestamp) -> u64 {
+        let now = self.pool.clock.now();
+        let g = self.generator.now_millis();
+        let ms = |d: Duration| u64::try_from(d.as_millis()).unwrap_or(u64::MAX);
+        if at >= now {
+            g.saturating_add(ms(at.saturating_since(now)))
+        } else {
+            g.saturating_sub(ms(now.saturating_since(at)))
         }
-        // Computed again after the writes: the lease may have run on meanwhile.
-        g.set_valid_until(self.until(lease).min(cap));
-        Ok(())
-    }
-
-    /// The generator's time at the lease's end.
-    fn until(&self, lease: &Lease) -> u64 {
-        let lease_left = lease.expires_at.saturating_since(self.pool.clock.now());
-        let lease_left = u64::try_from(lease_left.as_millis()).unwrap_or(u64::MAX);
-        self.generator.now_millis().saturating_add(lease_left)
     }
 
     /// Raises the id space's time floor to this generator's last id.
@@ -372,23 +403,37 @@ impl LeasedSnowflake {
         Ok(())
     }
 
-    /// Renews the lease. A store failure leaves the generator issuing until the current lease
-    /// ends (and then refusing until a renewal succeeds); a stale answer means another process
-    /// holds the worker id now (or the store lost it), and the generator stops for good (a
+    /// Renews the lease, and lets the generator stamp ids up to [`ISSUE_WINDOW`] (or the
+    /// lease, if shorter) after the renewal was sent; then records the last id's time in the
+    /// id space's time floor. A store failure leaves the window as it was (ids stop at its
+    /// end until a renewal succeeds); a stale answer means another process holds the worker
+    /// id now (or the store lost it), and the generator stops for good (a
     /// [`crate::ManagedSnowflake`] then claims another).
     ///
+    /// A generator whose time runs ahead of the clock (after a rollback, its time floor is
+    /// ahead of the wall clock) would stamp ids past where a new holder starts. For such a
+    /// generator the end of the window is written to the worker id's ceiling before the
+    /// renewal is sent, so a claim granted after the renewal starts above it too.
+    ///
     /// Dropped before it ends, it leaves nothing half-done: a renewal the store applied unseen
-    /// extends the lease there while the generator keeps the earlier end, so it stops sooner,
-    /// never later, and the next renewal goes on from there.
+    /// extends the lease there while the generator keeps the earlier window, so it stops
+    /// sooner, never later, and the next renewal goes on from there.
     pub async fn heartbeat(&self) -> Result<(), IdError> {
         if self.generator.is_lost() {
             return Err(IdError::WorkerLost);
         }
         let lease = self.lease();
+        let sent = self.pool.clock.now();
+        let window_end = sent.saturating_add(self.pool.window());
+        let until = self.millis_at(window_end);
+        let until_unix = self.generator.layout().epoch_ms().saturating_add(until);
+        if until_unix > window_end.as_millis() {
+            self.pool.store.raise(&self.ceiling_key, until_unix).await?;
+        }
         let renewed = self
             .pool
             .store
-            .renew(&self.key, &lease, self.pool.lease, self.pool.clock.now())
+            .renew(&self.key, &lease, self.pool.lease, sent)
             .await;
         match renewed {
             Ok(new) => {
@@ -396,7 +441,8 @@ impl LeasedSnowflake {
                     .lease
                     .lock()
                     .unwrap_or_else(std::sync::PoisonError::into_inner) = new;
-                self.extend(&new).await
+                self.generator.extend_valid_until(until);
+                self.raise_time_floor().await
             }
             Err(LeaseError::Stale(_)) => {
                 self.generator.mark_lost();

@@ -1,6 +1,6 @@
-//! A Snowflake generator that keeps its worker id: it replaces one the store forgot, only once
-//! every lease the store may have forgotten has run out and above every id it issued; it says
-//! what it is doing meanwhile; and it stops for good when released.
+//! A Snowflake generator that keeps its worker id: it replaces one the store forgot at once,
+//! issuing only once no earlier holder can still be issuing, and above every id it issued; it
+//! says what it is doing meanwhile; and it stops for good when released.
 //!
 //! The store's callers and the generators read one manual clock, and Tokio's timers are
 //! paused (they run ahead whenever every task waits), so each step is where the test puts it.
@@ -15,7 +15,8 @@ use std::time::Duration;
 
 use idem_core::{Clock, Counters, Key, ManualClock, SharedStore};
 use idem_id::{
-    DEFAULT_EPOCH_MS, IdError, Layout, ManagedSnowflake, SnowflakeOptions, WorkerPool, WorkerStatus,
+    DEFAULT_EPOCH_MS, ISSUE_WINDOW, IdError, Layout, ManagedSnowflake, SnowflakeOptions,
+    WorkerPool, WorkerStatus,
 };
 use idem_testkit::Op;
 use support::{ManualTime, TestStore, Then, When, eventually, small_layout};
@@ -44,70 +45,83 @@ async fn let_it_run() {
     tokio::time::sleep(Duration::from_secs(5)).await;
 }
 
+/// Moves the clock past a fresh claim's wait, and lets the keeper renew.
+async fn past_the_claims_wait(clock: &ManualClock) {
+    clock.advance(ISSUE_WINDOW + Duration::from_millis(1));
+    let_it_run().await;
+}
+
 /// The store forgets everything (a Redis restarted empty) under two processes: A keeps its ids
 /// with a `ManagedSnowflake`, B is a plain leased generator that cannot reach the store and so
-/// goes on issuing until its lease ends. A says it lost its worker id, issues nothing while
-/// B's forgotten lease may still run, then claims a new worker id and issues ids above all of
-/// its own and stamped after B's last possible one, whichever worker id it gets.
+/// goes on issuing until the window of its last renewal ends. A says it lost its worker id,
+/// claims a new one at once, issues nothing while B may still issue, then issues ids above all
+/// of its own and stamped after B's last possible one, whichever worker id it gets.
 #[tokio::test(start_paused = true)]
-async fn a_worker_id_the_store_forgot_is_replaced_once_every_forgotten_lease_has_ended() {
+async fn a_worker_id_the_store_forgot_is_replaced_once_no_earlier_holder_can_issue() {
     let clock = ManualClock::starting_now();
     let store = TestStore::new();
     let a = start(store.clone(), &clock).await;
-    let WorkerStatus::Holding { worker: first, .. } = a.status() else {
+    let WorkerStatus::Starting {
+        worker: first,
+        since,
+        ready_at,
+    } = a.status()
+    else {
         panic!("{:?}", a.status());
     };
     assert_eq!(a.worker(), Some(first));
+    assert!(ready_at > since.saturating_add(ISSUE_WINDOW));
+    assert!(matches!(a.try_next(), Err(IdError::Starting { .. })));
     let b_view = TestStore::over(store.clone());
     let b = pool(b_view.clone(), &clock)
         .claim(small_layout(), SnowflakeOptions::default())
         .await
         .unwrap();
+    past_the_claims_wait(&clock).await;
+    assert!(a.status().is_issuing(), "{:?}", a.status());
+    b.heartbeat().await.unwrap();
     let mut a_ids: Vec<u64> = (0..1000).map(|_| a.try_next().unwrap()).collect();
     let mut b_ids: Vec<u64> = (0..1000).map(|_| b.try_next().unwrap()).collect();
-    // Both renew (A by itself), then the store forgets, and B loses its way to it.
+    // B's last renewal: it may issue until ISSUE_WINDOW after it.
     b.heartbeat().await.unwrap();
-    let_it_run().await;
-    let b_lease_end = small_layout()
-        .millis_at(b.lease().expires_at.to_system_time())
+    let b_window_end = small_layout()
+        .millis_at(clock.now().saturating_add(ISSUE_WINDOW).to_system_time())
         .unwrap();
     let lost_at = clock.now();
     store.forget_everything();
     b_view.set_down(true);
 
-    eventually("A notices", || !a.status().is_issuing()).await;
-    let WorkerStatus::Claiming {
-        since, next_try, ..
+    eventually("A claims again", || {
+        matches!(a.status(), WorkerStatus::Starting { .. })
+    })
+    .await;
+    let WorkerStatus::Starting {
+        since, ready_at, ..
     } = a.status()
     else {
         panic!("{:?}", a.status());
     };
     assert_eq!(since, lost_at);
-    assert_eq!(next_try, lost_at.saturating_add(LEASE));
-    assert_eq!(a.worker(), None);
+    assert!(ready_at > lost_at.saturating_add(ISSUE_WINDOW));
     assert!(
-        matches!(a.try_next(), Err(IdError::NoWorker { retry_after, .. }) if retry_after == LEASE),
+        matches!(a.try_next(), Err(IdError::Starting { .. })),
         "{:?}",
         a.try_next()
     );
 
-    // Just before B's lease ends, B still issues and A still waits.
-    clock.advance(LEASE - Duration::from_secs(1));
-    let_it_run().await;
-    assert!(matches!(a.status(), WorkerStatus::Claiming { .. }));
+    // Just before B's window ends, B still issues and A still waits.
+    clock.advance(ISSUE_WINDOW - Duration::from_millis(1));
     b_ids.extend((0..1000).map(|_| b.try_next().unwrap()));
+    assert!(matches!(a.try_next(), Err(IdError::Starting { .. })));
 
-    // Past it, B refuses by itself, and A holds a worker id again.
-    clock.advance(Duration::from_secs(2));
+    // Past it, B refuses by itself, and A issues.
+    clock.advance(Duration::from_millis(2));
     assert_eq!(b.try_next(), Err(IdError::LeaseExpired));
-    eventually("A holds a new worker id", || a.status().is_issuing()).await;
-    let WorkerStatus::Holding { since, .. } = a.status() else {
-        panic!("{:?}", a.status());
-    };
-    assert_eq!(since, clock.now());
+    let_it_run().await;
+    eventually("A issues again", || a.status().is_issuing()).await;
     let resumed: Vec<u64> = (0..1000).map(|_| a.try_next().unwrap()).collect();
     assert!(resumed[0] > *a_ids.last().unwrap());
-    assert!(small_layout().decode(resumed[0]).millis > b_lease_end);
+    assert!(small_layout().decode(resumed[0]).millis > b_window_end);
     a_ids.extend(resumed);
     assert!(a_ids.windows(2).all(|w| w[0] < w[1]), "not increasing");
     let a_set: HashSet<u64> = a_ids.iter().copied().collect();
@@ -123,20 +137,22 @@ async fn a_worker_id_the_store_forgot_is_replaced_once_every_forgotten_lease_has
     assert!(floor >= small_layout().decode(*a_ids.last().unwrap()).millis + DEFAULT_EPOCH_MS);
 }
 
-/// A store that cannot be reached past the lease: the status says the lease ran out (and
-/// when, and why), ids are refused; once the store answers again the same worker id goes on.
+/// A store that cannot be reached past the window of the last renewal: the status says the
+/// lease ran out (and when, and why), ids are refused; once the store answers again the same
+/// worker id goes on.
 #[tokio::test(start_paused = true)]
 async fn a_lease_that_ran_out_unrenewed_is_reported_and_resumes_when_renewed() {
     let clock = ManualClock::starting_now();
     let store = TestStore::new();
     let g = start(store.clone(), &clock).await;
     let worker = g.worker().unwrap();
+    past_the_claims_wait(&clock).await;
     g.try_next().unwrap();
-    let_it_run().await;
-    let lease_end = clock.now().saturating_add(LEASE);
+    // The window of the last renewal.
+    let window_end = clock.now().saturating_add(ISSUE_WINDOW);
 
     store.set_down(true);
-    clock.advance(LEASE + Duration::from_secs(1));
+    clock.advance(ISSUE_WINDOW + Duration::from_secs(1));
     let_it_run().await;
     let WorkerStatus::Expired {
         worker: w,
@@ -147,7 +163,7 @@ async fn a_lease_that_ran_out_unrenewed_is_reported_and_resumes_when_renewed() {
         panic!("{:?}", g.status());
     };
     assert_eq!(w, worker);
-    assert_eq!(since, lease_end);
+    assert_eq!(since, window_end);
     assert!(reason.contains("unavailable"), "{reason}");
     assert_eq!(g.try_next(), Err(IdError::LeaseExpired));
 
@@ -188,8 +204,9 @@ async fn with_no_worker_id_free_it_keeps_claiming_until_one_is() {
     for other in &others {
         other.heartbeat().await.unwrap();
     }
-    eventually("a worker id is claimed", || g.status().is_issuing()).await;
+    eventually("a worker id is claimed", || g.worker().is_some()).await;
     assert_eq!(g.worker(), Some(gone));
+    past_the_claims_wait(&clock).await;
     g.try_next().unwrap();
 }
 
@@ -202,6 +219,7 @@ async fn released_it_stops_for_good_even_if_the_release_is_dropped() {
     let store = TestStore::new();
     let g = start(store.clone(), &clock).await;
     let released = g.worker();
+    past_the_claims_wait(&clock).await;
     g.try_next().unwrap();
     g.release().await.unwrap();
     assert!(matches!(g.status(), WorkerStatus::Stopped { .. }));
@@ -250,22 +268,26 @@ async fn a_redis_restarted_empty_is_survived() {
     let g = ManagedSnowflake::start(pool, Layout::default(), SnowflakeOptions::default())
         .await
         .unwrap();
-    assert!(g.status().is_issuing());
+    eventually("the first ids", || g.status().is_issuing()).await;
     let mut ids = vec![g.try_next().unwrap()];
     server.restart();
 
     // Ids until it has been without a worker id and is back, and a while after. `lost`: when
-    // it lost its worker id, and how many ids came before (all later ones are the new
-    // generator's: the old one was marked lost before the status said so).
+    // it lost its worker id (or claimed the next), and how many ids came before (all later
+    // ones are the new generator's: the old one was marked lost before the status said so).
     let mut lost = None;
     let issued = tokio::time::timeout(Duration::from_secs(30), async {
         while lost.is_none_or(|(_, before)| ids.len() < before + 100) {
             match g.try_next() {
                 Ok(id) => ids.push(id),
-                Err(IdError::LeaseExpired | IdError::NoWorker { .. }) => {}
+                Err(
+                    IdError::LeaseExpired | IdError::NoWorker { .. } | IdError::Starting { .. },
+                ) => {}
                 Err(e) => panic!("{e}"),
             }
-            if let WorkerStatus::Claiming { since, .. } = g.status() {
+            if let WorkerStatus::Claiming { since, .. } | WorkerStatus::Starting { since, .. } =
+                g.status()
+            {
                 lost.get_or_insert((since, ids.len()));
             }
             tokio::time::sleep(Duration::from_millis(2)).await;
@@ -274,10 +296,10 @@ async fn a_redis_restarted_empty_is_survived() {
     .await;
     assert!(issued.is_ok(), "no ids again within 30 s: {:?}", g.status());
     assert!(ids.windows(2).all(|w| w[0] < w[1]), "not increasing");
-    // The new generator's ids are stamped more than a lease after the loss.
+    // The new generator's ids are stamped more than ISSUE_WINDOW after the loss.
     let (lost, before) = lost.unwrap();
     let lost = Layout::default().millis_at(lost.to_system_time()).unwrap();
     let first_after = Layout::default().decode(ids[before]).millis;
-    assert!(first_after > lost + 1000, "{first_after} vs {lost}");
+    assert!(first_after > lost + 3000, "{first_after} vs {lost}");
     g.release().await.unwrap();
 }

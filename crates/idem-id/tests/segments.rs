@@ -260,3 +260,48 @@ async fn a_failed_fetch_fails_every_waiter_and_the_next_call_after_recovery_succ
     assert_eq!(next.expect("the tag answers no more").unwrap(), 1);
     assert_eq!(segments.status(), SegmentStatus::Ready { remaining: 99 });
 }
+
+/// Segments on a Redis of the test's own that keeps nothing on disk: taken before and after a
+/// restart, no id repeats. Such a server would reset the counter and hand out the same ranges
+/// again, so its counters are refused, with a message that says why and what to set.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn segments_never_repeat_across_a_restart_of_a_redis_that_keeps_nothing() {
+    use idem_store::{RedisOptions, RedisStore};
+    use idem_testkit::services::RedisServer;
+
+    let Some(mut server) = RedisServer::start() else {
+        return;
+    };
+    let redis = RedisOptions {
+        response_timeout: Duration::from_secs(1),
+        ..RedisOptions::default()
+    };
+    let mut seen = HashSet::new();
+    let mut refusals = Vec::new();
+    for life in 0..2 {
+        if life == 1 {
+            server.restart();
+        }
+        // Each life is a process started afresh against the server.
+        let store: SharedStore = Arc::new(
+            RedisStore::connect(&server.url(), redis.clone())
+                .await
+                .unwrap(),
+        );
+        let segments = Segments::new(store, "orders", options(100)).unwrap();
+        for _ in 0..250 {
+            match segments.next().await {
+                Ok(id) => assert!(seen.insert(id), "{id} handed out twice"),
+                Err(e) => {
+                    refusals.push(e.to_string());
+                    break;
+                }
+            }
+        }
+    }
+    assert_eq!(refusals.len(), 2, "{refusals:?}");
+    assert!(
+        refusals.iter().all(|r| r.contains("appendonly yes")),
+        "{refusals:?}"
+    );
+}

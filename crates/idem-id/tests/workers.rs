@@ -1,5 +1,6 @@
 //! Leased worker ids: distinct per live process, given up by a process that lost its lease,
-//! kept from reuse during the quarantine, and a time floor for the next holder.
+//! kept from reuse during the quarantine, a time floor for the next holder, and no id issued
+//! twice when a worker id's record vanishes under its holder.
 
 #![allow(clippy::unwrap_used)]
 
@@ -10,7 +11,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use idem_core::{Clock, Counters, Key, ManualClock, SharedStore, SystemClock};
-use idem_id::{IdError, SnowflakeOptions, WorkerPool};
+use idem_id::{ISSUE_WINDOW, IdError, LeasedSnowflake, SnowflakeOptions, WorkerPool};
 use idem_store::MemoryStore;
 use idem_testkit::Op;
 use support::{ManualTime, TestStore, Then, When, small_layout};
@@ -38,6 +39,31 @@ async fn claim_every_worker_id(pool: &WorkerPool) -> Vec<Arc<idem_id::LeasedSnow
         );
     }
     held
+}
+
+/// Moves the clock past a fresh claim's wait and renews: `g` may issue.
+async fn past_the_claims_wait(clock: &ManualClock, g: &LeasedSnowflake) {
+    clock.advance(ISSUE_WINDOW + Duration::from_millis(1));
+    g.heartbeat().await.unwrap();
+}
+
+/// The first id of a fresh claim on the system clock, renewing every `beat` until the claim's
+/// wait is over (at most 30 s).
+async fn first_id(g: &LeasedSnowflake, beat: Duration) -> u64 {
+    let waited = tokio::time::timeout(Duration::from_secs(30), async {
+        loop {
+            match g.try_next() {
+                Ok(id) => return id,
+                Err(IdError::Starting { .. } | IdError::LeaseExpired) => {
+                    tokio::time::sleep(beat).await;
+                    g.heartbeat().await.unwrap();
+                }
+                Err(e) => panic!("{e}"),
+            }
+        }
+    })
+    .await;
+    waited.expect("no id within 30 s")
 }
 
 /// The `orders` id space's time floor counter.
@@ -91,7 +117,7 @@ async fn a_process_past_its_lease_stops_issuing_and_a_stale_renewal_stops_it_for
         .claim(small_layout(), SnowflakeOptions::default())
         .await
         .unwrap();
-    a.try_next().unwrap();
+    first_id(&a, lease / 3).await;
     // A pauses past its lease without renewing: it refuses by itself.
     tokio::time::sleep(Duration::from_millis(500)).await;
     assert_eq!(a.try_next(), Err(IdError::LeaseExpired));
@@ -103,6 +129,7 @@ async fn a_process_past_its_lease_stops_issuing_and_a_stale_renewal_stops_it_for
     assert_eq!(a.try_next(), Err(IdError::WorkerLost));
     // A holder that renews in time keeps issuing.
     let b = &others[0];
+    first_id(b, lease / 3).await;
     for _ in 0..3 {
         tokio::time::sleep(Duration::from_millis(100)).await;
         b.heartbeat().await.unwrap();
@@ -124,6 +151,7 @@ async fn a_released_worker_id_waits_out_its_quarantine_and_sets_the_next_holders
         .claim(small_layout(), SnowflakeOptions::default())
         .await
         .unwrap();
+    past_the_claims_wait(&clock, &a).await;
     let last_of_a = a.try_next().unwrap();
     let a_lease_end = a.lease().expires_at;
     a.release().await.unwrap();
@@ -159,6 +187,7 @@ async fn a_released_worker_id_waits_out_its_quarantine_and_sets_the_next_holders
         .await
         .unwrap();
     assert_eq!(next.worker(), a.worker());
+    past_the_claims_wait(&clock, &next).await;
     let first = next.try_next().unwrap();
     let l = small_layout();
     assert!(
@@ -189,6 +218,7 @@ async fn a_restart_after_a_clock_rollback_issues_above_everything_before() {
         .claim(small_layout(), SnowflakeOptions::default())
         .await
         .unwrap();
+    past_the_claims_wait(&before_clock, &a).await;
     let issued: Vec<u64> = (0..1000).map(|_| a.try_next().unwrap()).collect();
     a.release().await.unwrap();
 
@@ -199,13 +229,14 @@ async fn a_restart_after_a_clock_rollback_issues_above_everything_before() {
         .await
         .unwrap();
     assert_ne!(b.worker(), a.worker());
+    past_the_claims_wait(&rolled_back, &b).await;
     let first = b.try_next().unwrap();
     assert!(issued.iter().all(|id| *id < first));
 }
 
 /// A holder whose generator runs ahead of the clock (the id space's time floor is an hour
-/// ahead, as after the clock was stepped back) issues ids past its lease's end; when it dies,
-/// the next holder of its worker id starts after every one of them.
+/// ahead, as after the clock was stepped back) issues ids past the end of its window by the
+/// clock; when it dies, the next holder of its worker id starts after every one of them.
 #[tokio::test]
 async fn the_next_holder_of_a_worker_id_starts_after_a_holder_that_ran_ahead() {
     let store = store();
@@ -219,18 +250,20 @@ async fn the_next_holder_of_a_worker_id_starts_after_a_holder_that_ran_ahead() {
         .claim(small_layout(), SnowflakeOptions::default())
         .await
         .unwrap();
+    past_the_claims_wait(&clock, &a).await;
     let mut issued = vec![a.try_next().unwrap()];
-    clock.advance(Duration::from_secs(20));
+    clock.advance(Duration::from_secs(1));
     a.heartbeat().await.unwrap();
-    // Near the end of the renewed lease, an hour ahead: issued, but no floor records it.
-    clock.advance(Duration::from_secs(29));
+    // Near the end of the renewal's window, an hour ahead: issued, but no floor records it.
+    clock.advance(ISSUE_WINDOW - Duration::from_millis(1));
     issued.push(a.try_next().unwrap());
     let worker = a.worker();
     // A dies without a word; its lease runs out.
     std::mem::forget(a);
-    clock.advance(Duration::from_secs(2));
+    clock.advance(Duration::from_secs(31));
     let others = claim_every_worker_id(&pool).await;
     let b = others.iter().find(|g| g.worker() == worker).unwrap();
+    past_the_claims_wait(&clock, b).await;
     let first = b.try_next().unwrap();
     assert!(
         issued.iter().all(|id| *id < first),
@@ -245,7 +278,8 @@ async fn an_idle_heartbeat_leaves_the_time_floor_alone() {
     use idem_testkit::{Fault, FaultyStore, Op};
     let faulty = Arc::new(FaultyStore::new(MemoryStore::new()));
     let store: SharedStore = faulty.clone();
-    let pool = WorkerPool::new(store, Arc::new(SystemClock), "orders");
+    let clock = ManualClock::starting_now();
+    let pool = manual_pool(store, &clock);
     let g = pool
         .claim(small_layout(), SnowflakeOptions::default())
         .await
@@ -253,6 +287,7 @@ async fn an_idle_heartbeat_leaves_the_time_floor_alone() {
     // Nothing issued: a failing time floor write is never tried.
     faulty.fail_next(Op::Raise, Fault::Unavailable);
     g.heartbeat().await.unwrap();
+    past_the_claims_wait(&clock, &g).await;
     // Once ids are issued, the beat writes the time floor (and here meets the planned failure).
     g.try_next().unwrap();
     assert!(matches!(g.heartbeat().await, Err(IdError::Store(_))));
@@ -290,17 +325,69 @@ async fn a_claim_dropped_after_its_worker_id_was_granted_gives_it_back() {
     given_back.end(Then::Answer);
 
     // A millisecond on, with no lease run out, every worker id can be claimed, and none of
-    // the new holders starts ahead of the clock.
+    // the new holders starts ahead of the clock once its claim's wait is over.
     clock.advance(Duration::from_millis(1));
+    let held = claim_every_worker_id(&pool).await;
+    clock.advance(ISSUE_WINDOW + Duration::from_millis(1));
     let now = small_layout()
         .millis_at(clock.now().to_system_time())
         .unwrap();
-    for _ in 0..4 {
-        let g = pool
-            .claim(small_layout(), SnowflakeOptions::default())
-            .await
-            .unwrap();
+    for g in held {
+        g.heartbeat().await.unwrap();
         let first = small_layout().decode(g.try_next().unwrap());
         assert!(first.millis <= now + 1, "{} ms ahead", first.millis - now);
     }
+}
+
+/// A worker id's record deleted under its live holder (by hand here; a Redis that keeps nothing
+/// restarting, or a failover that lost the last writes, does the same): another process
+/// claims the worker id at once, while the holder goes on until its next renewal tells it.
+/// Both issue and renew as they would, and no id is issued twice: the holder stamps nothing
+/// past the window of its last confirmed renewal, the claimer nothing before its wait is over.
+#[tokio::test]
+async fn a_worker_record_deleted_under_its_holder_never_lets_an_id_be_issued_twice() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("ids.db");
+    let store: SharedStore = Arc::new(idem_store::SqliteStore::open(&path).unwrap());
+    let clock = ManualClock::starting_now();
+    let pool = manual_pool(store, &clock);
+    // Every other worker id is held, so the claimer can only get A's.
+    let mut held = claim_every_worker_id(&pool).await;
+    let a = held.remove(0);
+    past_the_claims_wait(&clock, &a).await;
+    let mut a_ids: Vec<u64> = (0..100).map(|_| a.try_next().unwrap()).collect();
+
+    let deleted = rusqlite::Connection::open(&path)
+        .unwrap()
+        .execute(
+            "DELETE FROM idem_records WHERE namespace = 'snowflake.orders' AND client_key = ?1",
+            [format!("worker-{}", a.worker())],
+        )
+        .unwrap();
+    assert_eq!(deleted, 1);
+    let b = pool
+        .claim(small_layout(), SnowflakeOptions::default())
+        .await
+        .unwrap();
+    assert_eq!(b.worker(), a.worker());
+
+    // Five seconds in steps of 100 ms, each renewing once a second.
+    let mut b_ids = Vec::new();
+    for step in 1..=50 {
+        for _ in 0..100 {
+            a_ids.extend(a.try_next());
+            b_ids.extend(b.try_next());
+        }
+        clock.advance(Duration::from_millis(100));
+        if step % 10 == 0 {
+            let _ = a.heartbeat().await;
+            b.heartbeat().await.unwrap();
+        }
+    }
+    assert_eq!(a.try_next(), Err(IdError::WorkerLost));
+    assert!(a_ids.len() > 100, "A issued nothing after the deletion");
+    assert!(!b_ids.is_empty(), "B never issued");
+    let a_set: HashSet<u64> = a_ids.iter().copied().collect();
+    let twice: Vec<u64> = b_ids.into_iter().filter(|id| a_set.contains(id)).collect();
+    assert!(twice.is_empty(), "{} ids issued twice", twice.len());
 }

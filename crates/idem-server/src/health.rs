@@ -343,6 +343,19 @@ async fn probe_store(store: &SharedStore, clock: &dyn Clock) -> Component {
 fn snowflake_health(status: &WorkerStatus, stopping: bool) -> Component {
     match status {
         WorkerStatus::Holding { .. } => Component::ok(),
+        WorkerStatus::Starting {
+            worker,
+            since,
+            ready_at,
+        } => Component::not_ok(
+            Level::Degraded,
+            format!(
+                "worker id {worker} was just claimed; its ids begin at {}, once any earlier \
+                 holder of it has stopped",
+                rfc3339(*ready_at)
+            ),
+            Some(*since),
+        ),
         WorkerStatus::Expired { since, reason, .. } => Component::not_ok(
             Level::Degraded,
             format!("the worker id's lease ran out before it could be renewed: {reason}"),

@@ -14,9 +14,9 @@
 //!
 //! `count` is 1 (the default) to [`MAX_COUNT`]; anything else is 400 `invalid_count`. The
 //! server leases its Snowflake worker id from its store and keeps it (see
-//! `idem_id::ManagedSnowflake`); while it holds none (at start, or after the store lost it, until
-//! a new one can safely be claimed) the Snowflake endpoint answers 503 `no_worker_id` with a
-//! `Retry-After`.
+//! `idem_id::ManagedSnowflake`); while it holds none, and for `idem_id::ISSUE_WINDOW` (3 s)
+//! after it claims one (at start, or after the store lost it), the Snowflake endpoint answers
+//! 503 `no_worker_id` with a `Retry-After`.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
@@ -392,7 +392,8 @@ pub async fn segment(
                 tracing::warn!(error = %e, "segment ids unavailable");
                 unavailable(
                     ProblemCode::StoreUnavailable,
-                    "No segment ids are left in memory and the store cannot be reached.",
+                    "No segment ids are left in memory and the store gives no more now (the \
+                     server's log says why).",
                 )
                 .retry_after(std::time::Duration::from_secs(1))
             })?,
@@ -429,6 +430,14 @@ async fn take(generator: &ManagedSnowflake, n: u32) -> Result<Batch, Problem> {
                 return Err(unavailable(
                     ProblemCode::NoWorkerId,
                     format!("This server holds no Snowflake worker id now ({reason}); it claims one by itself."),
+                )
+                .retry_after(retry_after));
+            }
+            Err(IdError::Starting { retry_after }) => {
+                return Err(unavailable(
+                    ProblemCode::NoWorkerId,
+                    "This server's Snowflake worker id was just claimed; its ids begin once any \
+                     earlier holder of it has stopped.",
                 )
                 .retry_after(retry_after));
             }

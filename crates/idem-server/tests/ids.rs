@@ -34,6 +34,14 @@ async fn state_with_worker() -> AppState {
     let g = ManagedSnowflake::start(pool, Layout::default(), SnowflakeOptions::default())
         .await
         .unwrap();
+    // A worker id's first ids wait for idem_id::ISSUE_WINDOW after its claim.
+    let issuing = tokio::time::timeout(std::time::Duration::from_secs(30), async {
+        while !g.status().is_issuing() {
+            tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+        }
+    })
+    .await;
+    assert!(issuing.is_ok(), "{:?}", g.status());
     let mut state = AppState::new(store);
     state.snowflake = Some(g);
     state
@@ -61,6 +69,26 @@ async fn snowflake_ids_come_as_numbers_and_strings_and_never_repeat() {
     }
     let (_, body) = get(&state, "/v1/ids/snowflake").await;
     assert_eq!(body["ids"].as_array().unwrap().len(), 1);
+}
+
+/// Right after its claim a worker id issues nothing yet (an earlier holder may still be
+/// issuing under it): 503 `no_worker_id`, not an id.
+#[tokio::test]
+async fn a_server_whose_worker_id_was_just_claimed_says_so() {
+    let store: SharedStore = Arc::new(MemoryStore::new());
+    let pool = WorkerPool::new(store.clone(), Arc::new(SystemClock), "test");
+    let g = ManagedSnowflake::start(pool, Layout::default(), SnowflakeOptions::default())
+        .await
+        .unwrap();
+    let mut state = AppState::new(store);
+    state.snowflake = Some(g);
+    let (status, body) = get(&state, "/v1/ids/snowflake").await;
+    assert_eq!(status, StatusCode::SERVICE_UNAVAILABLE, "{body}");
+    assert_eq!(body["code"], "no_worker_id");
+    assert!(
+        body["detail"].as_str().unwrap().contains("just claimed"),
+        "{body}"
+    );
 }
 
 #[tokio::test]

@@ -46,10 +46,28 @@ pub(crate) async fn print_ids(args: &IdArgs) -> Result<(), String> {
                 )
                 .await
                 .map_err(|e| e.to_string())?;
-            let issued = (0..args.count).try_for_each(|_| {
-                let id = g.next().map_err(|e| e.to_string())?;
-                line(&id.to_string())
-            });
+            // The first ids come idem_id::ISSUE_WINDOW after the claim, and only while the
+            // lease is renewed.
+            let heartbeat = g.spawn_heartbeat();
+            let mut issued = Ok(());
+            let mut left = args.count;
+            while left > 0 && issued.is_ok() {
+                issued = match g.try_next() {
+                    Ok(id) => {
+                        left -= 1;
+                        line(&id.to_string())
+                    }
+                    Err(
+                        idem_id::IdError::Starting { retry_after }
+                        | idem_id::IdError::Exhausted { retry_after },
+                    ) => {
+                        tokio::time::sleep(retry_after).await;
+                        Ok(())
+                    }
+                    Err(e) => Err(e.to_string()),
+                };
+            }
+            heartbeat.abort();
             g.release().await.map_err(|e| e.to_string())?;
             issued?;
         }

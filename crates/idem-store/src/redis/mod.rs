@@ -87,6 +87,11 @@ pub struct RedisOptions {
     /// than `noeviction`). An evicted record is a key forgotten: its work runs again. Default
     /// false: such a server is refused at connect.
     pub allow_eviction: bool,
+    /// Accept counters (`Counters::advance`, behind segment ids) on a server that keeps
+    /// nothing on disk (`appendonly no`): a restart resets them, and segment ids repeat.
+    /// Default false: such a server refuses `advance` with a message saying why, and says so
+    /// once at connect.
+    pub allow_volatile_counters: bool,
     /// The most records one script call begins or completes (group commit, one server only):
     /// calls that arrive while one is in flight wait and then go together, up to this many
     /// per call; 1 sends every call on its own; at most 1024. A Cluster sends every call on its
@@ -100,6 +105,7 @@ impl Default for RedisOptions {
             prefix: "idem:".to_owned(),
             response_timeout: Duration::from_secs(5),
             allow_eviction: false,
+            allow_volatile_counters: false,
             max_batch: 64,
         }
     }
@@ -123,6 +129,9 @@ pub struct RedisStore {
     pub(super) scripts: Arc<RecordScripts>,
     /// `None` when every call goes on its own (`max_batch` 1, or a Cluster).
     pub(super) batches: Option<GroupCommit>,
+    /// Why counters are refused: the server keeps nothing on disk (see
+    /// [`RedisOptions::allow_volatile_counters`]).
+    pub(super) volatile_counters: Option<Arc<str>>,
 }
 
 /// The record scripts, loaded once per store.
@@ -208,6 +217,7 @@ impl RedisStore {
             conn,
             prefix: options.prefix.into(),
             client: None,
+            volatile_counters: None,
             locks: Arc::new(locks::LockScripts::new()),
             scripts: Arc::new(RecordScripts {
                 begin: record_script(BEGIN),
@@ -224,8 +234,9 @@ impl RedisStore {
         }
     }
 
-    /// Checks the options, and that the server will not evict records.
-    async fn checked(self, options: &RedisOptions) -> Result<Self, StoreError> {
+    /// Checks the options, that the server will not evict records, and whether it keeps
+    /// counters across a restart.
+    async fn checked(mut self, options: &RedisOptions) -> Result<Self, StoreError> {
         if self.prefix.contains(['{', '}']) {
             return Err(StoreError::Backend {
                 message: "the Redis key prefix may not contain { or }: they would make it the \
@@ -252,19 +263,9 @@ impl RedisStore {
             });
         }
         if !options.allow_eviction {
-            // Servers that disable CONFIG (some managed services) cannot be asked; go on.
-            let config: Result<Vec<String>, _> = redis::cmd("CONFIG")
-                .arg("GET")
-                .arg("maxmemory*")
-                .query_async(&mut self.conn.clone())
-                .await;
-            if let Ok(pairs) = config {
-                let get = |name: &str| {
-                    pairs
-                        .chunks(2)
-                        .find(|p| p[0] == name)
-                        .and_then(|p| p.get(1).cloned())
-                };
+            let config = self.config("maxmemory*").await;
+            if let Some(get) = config.as_ref() {
+                let get = |name: &str| get.get(name).cloned();
                 let limited = get("maxmemory").is_some_and(|m| m != "0");
                 let policy = get("maxmemory-policy").unwrap_or_default();
                 if limited && policy != "noeviction" {
@@ -279,7 +280,35 @@ impl RedisStore {
                 }
             }
         }
+        if !options.allow_volatile_counters {
+            let config = self.config("appendonly").await;
+            if config.is_some_and(|c| c.get("appendonly").is_some_and(|v| v == "no")) {
+                let why = "this Redis keeps no append-only file (appendonly no): a restart would \
+                           reset its counters and segment ids would repeat, so counters are \
+                           refused; set appendonly yes (with appendfsync always), or allow \
+                           volatile counters explicitly";
+                tracing::warn!("{why}");
+                self.volatile_counters = Some(why.into());
+            }
+        }
         Ok(self)
+    }
+
+    /// The server's settings matching `pattern` (`CONFIG GET`), or `None` where it cannot be
+    /// asked (some managed services disable CONFIG): then the checks go on without them.
+    async fn config(&self, pattern: &str) -> Option<std::collections::HashMap<String, String>> {
+        let pairs: Vec<String> = redis::cmd("CONFIG")
+            .arg("GET")
+            .arg(pattern)
+            .query_async(&mut self.conn.clone())
+            .await
+            .ok()?;
+        Some(
+            pairs
+                .chunks_exact(2)
+                .map(|p| (p[0].clone(), p[1].clone()))
+                .collect(),
+        )
     }
 
     /// The Redis key of a record: the prefix, then a 128-bit digest as its own hash tag.

@@ -130,6 +130,12 @@ impl Store for RedisStore {
 
 impl Counters for RedisStore {
     async fn advance(&self, key: &Key, by: u64) -> Result<u64, StoreError> {
+        if let Some(why) = &self.volatile_counters {
+            return Err(StoreError::Backend {
+                message: why.to_string(),
+                source: None,
+            });
+        }
         // A key of its own beside the record's, in the same hash slot; no TTL.
         let value: i64 = redis::cmd("INCRBY")
             .arg(format!("{}:n", self.redis_key(key)))

@@ -12,6 +12,9 @@ use idem_testkit::services::REDIS;
 fn options() -> RedisOptions {
     RedisOptions {
         prefix: "idem-test:".into(),
+        // The test servers keep nothing on disk; the suite checks what counters do, not what
+        // survives a restart.
+        allow_volatile_counters: true,
         ..RedisOptions::default()
     }
 }
