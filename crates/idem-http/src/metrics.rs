@@ -8,7 +8,7 @@ pub fn describe_metrics() {
     );
     metrics::describe_counter!(
         "idem_http_settled_total",
-        "Records settled after the handler ran: stored, released, unknown, too_large, failed."
+        "Records settled after the handler ran: stored, released, unknown, too_large, overtaken, failed."
     );
 }
 
@@ -19,7 +19,8 @@ pub(crate) fn count(outcome: &'static str) {
 }
 
 /// Counts how records were settled, once each: `stored`, `released`, `unknown`,
-/// `too_large`, or `failed` when the store could not be told.
+/// `too_large`, `overtaken` when another attempt had taken the key, or `failed` when the store
+/// could not be told.
 pub(crate) fn count_settled(result: &'static str) {
     metrics::counter!("idem_http_settled_total", "result" => result).increment(1);
 }

@@ -10,7 +10,9 @@ use http::{HeaderMap, HeaderName, Request, Response};
 use http_body::Body;
 use http_body_util::Full;
 use idem_claim::settle_retrying;
-use idem_core::{Key, Lease, Store};
+use std::time::Duration;
+
+use idem_core::{Key, Lease, LeaseError, Store};
 use tower_service::Service;
 
 use crate::body::{BoxError, Collected, Prefixed, ResponseBody, boxed, collect_limited};
@@ -93,12 +95,16 @@ where
                     headers: stored_headers(&parts.headers, &policy.replay_headers),
                     body: bytes.clone(),
                 };
-                settler.complete(stored).await;
+                if settler.complete(stored).await == Completed::Overtaken {
+                    return Ok(overtaken());
+                }
                 Ok(Response::from_parts(parts, boxed(Full::new(bytes))))
             }
             Collected::TooLarge(prefix, rest) => {
                 let status = parts.status;
-                settler.complete(Stored::TooLarge { status }).await;
+                if settler.complete(Stored::TooLarge { status }).await == Completed::Overtaken {
+                    return Ok(overtaken());
+                }
                 Ok(Response::from_parts(
                     parts,
                     boxed(Prefixed::new(prefix, rest)),
@@ -112,6 +118,20 @@ where
             }
         },
     }
+}
+
+/// The answer to a caller whose attempt was overtaken while its handler ran (its lease ran out
+/// and another attempt took the key): not the handler's answer, which is not the one stored,
+/// but a conflict to retry, so that every caller is given the one answer the key keeps.
+fn overtaken() -> Response<ResponseBody> {
+    reject(
+        ProblemCode::StaleLease
+            .problem(
+                "This attempt outlived its lease and another took the key over, so its answer \
+                 is not the one kept; retry to be given that one.",
+            )
+            .retry_after(Duration::from_secs(1)),
+    )
 }
 
 /// The response headers kept for replay: the policy's choice, never a hop-by-hop field.
@@ -134,8 +154,18 @@ struct Settler {
     settled: bool,
 }
 
+/// What became of a completion.
+#[derive(Debug, PartialEq, Eq)]
+enum Completed {
+    /// Stored, or the store could not be reached (the record stays in progress until its lease
+    /// ends; the caller still gets the answer, the only one there is yet).
+    Done,
+    /// Another attempt holds the key: this answer is not the one kept.
+    Overtaken,
+}
+
 impl Settler {
-    async fn complete(mut self, stored: Stored) {
+    async fn complete(mut self, stored: Stored) -> Completed {
         self.settled = true;
         let kind = match stored {
             Stored::Response { .. } => "stored",
@@ -150,12 +180,25 @@ impl Settler {
         })
         .await;
         match result {
-            Ok(()) => count_settled(kind),
+            Ok(()) => {
+                count_settled(kind);
+                Completed::Done
+            }
+            Err(LeaseError::Stale(_)) => {
+                count_settled("overtaken");
+                tracing::warn!(
+                    key = %key.log_tag(),
+                    fence = lease.fence,
+                    "the lease was taken over while the handler ran; its answer is not kept"
+                );
+                Completed::Overtaken
+            }
             Err(e) => {
                 count_settled("failed");
                 // The answer still goes to the caller; the record stays in progress until
                 // its lease ends, after which a retry may run again.
                 tracing::warn!(key = %key.log_tag(), error = %e, "could not store the answer");
+                Completed::Done
             }
         }
     }

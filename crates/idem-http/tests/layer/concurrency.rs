@@ -201,3 +201,29 @@ async fn a_waiter_runs_the_request_itself_when_the_first_attempt_gives_the_key_b
     assert!(second.headers().get("idempotent-replayed").is_none());
     assert_eq!(app.runs(), 2);
 }
+
+/// A handler that answers after its lease ran out and another attempt took the key over: its
+/// caller is not given that answer (it is not the one kept) but a conflict to retry, and every
+/// caller from then on gets the answer of the attempt that holds the key.
+#[tokio::test]
+async fn an_attempt_overtaken_while_its_handler_ran_does_not_deliver_its_answer() {
+    let lease = Duration::from_secs(30);
+    let app = app(Policy::default().lease(lease));
+    let first = app.spawn("/slow", "k");
+    app.counters.entered.notified().await;
+    // The first attempt stalls past its lease: the next one takes the key over.
+    app.clock.advance(lease + Duration::from_secs(1));
+    let second = app.spawn("/slow", "k");
+    app.counters.entered.notified().await;
+    app.counters.gate.notify_one();
+    let overtaken = first.await.unwrap();
+    assert_eq!(overtaken.status(), StatusCode::CONFLICT);
+    assert_eq!(overtaken.headers()["retry-after"], "1");
+    app.counters.gate.notify_one();
+    let kept = second.await.unwrap();
+    assert_eq!(kept.status(), StatusCode::OK);
+    let r = app.send(post_with("/slow", "k", "")).await;
+    assert!(r.replayed());
+    assert_eq!(r.body, "slow run 2", "the attempt that holds the key");
+    assert_eq!(app.runs(), 2);
+}

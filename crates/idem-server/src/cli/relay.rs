@@ -72,7 +72,7 @@ pub(crate) struct RelayArgs {
 
     /// POSTs of a message (failed in a retryable way, or cut off by a relay that died) before
     /// it is dead-lettered.
-    #[arg(long, default_value_t = 5, value_parser = clap::value_parser!(u32).range(1..=1000))]
+    #[arg(long, default_value_t = 5, value_parser = clap::value_parser!(u32).range(1..=999))]
     max_attempts: u32,
 
     /// Messages in flight at once (the broker's prefetch, and POSTs at once).

@@ -492,12 +492,24 @@ impl StoreUrl {
     /// This URL, opening only a store that exists: a SQLite file is not created when it is
     /// missing (the other stores are servers, and their tables are made on connecting).
     #[must_use]
-    pub fn existing_only(mut self) -> Self {
-        #[cfg(feature = "sqlite")]
-        if let StoreUrl::Sqlite { create, .. } = &mut self {
-            *create = false;
+    pub fn existing_only(self) -> Self {
+        match self {
+            #[cfg(feature = "sqlite")]
+            StoreUrl::Sqlite {
+                path,
+                synchronous,
+                busy_timeout_ms,
+                key_filter,
+                create: _,
+            } => StoreUrl::Sqlite {
+                path,
+                synchronous,
+                busy_timeout_ms,
+                key_filter,
+                create: false,
+            },
+            other => other,
         }
-        self
     }
 
     /// Opens the store this URL names (connecting, and applying migrations, for server

@@ -1,0 +1,103 @@
+//! The upstream: a payments ledger that counts one effect per key, the one with the highest
+//! fence (`Idem-Fence`), and refuses a write with a lower fence than one it took. It answers
+//! after a random delay on both sides of the write, so that faults land in every gap.
+
+use std::collections::HashMap;
+use std::io::{BufRead, BufReader, Read, Write};
+use std::net::TcpListener;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+/// What the ledger holds.
+#[derive(Debug, Clone, Default)]
+pub(crate) struct Entries {
+    /// Per key, the fence of the effect that counts.
+    pub(crate) counted: HashMap<String, u64>,
+    /// Every write it took, in order: key and fence.
+    pub(crate) accepted: Vec<(String, u64)>,
+    /// Every write it refused for a lower fence.
+    pub(crate) refused: Vec<(String, u64)>,
+}
+
+pub(crate) struct Ledger {
+    pub(crate) addr: String,
+    entries: Arc<Mutex<Entries>>,
+}
+
+impl Ledger {
+    pub(crate) fn start() -> Self {
+        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = listener.local_addr().unwrap().to_string();
+        let entries = Arc::new(Mutex::new(Entries::default()));
+        let shared = entries.clone();
+        std::thread::spawn(move || {
+            for (n, stream) in listener.incoming().enumerate() {
+                let Ok(stream) = stream else { continue };
+                let entries = shared.clone();
+                std::thread::spawn(move || serve(stream, &entries, n as u64));
+            }
+        });
+        Self { addr, entries }
+    }
+
+    pub(crate) fn entries(&self) -> Entries {
+        self.entries.lock().unwrap().clone()
+    }
+}
+
+fn serve(mut stream: std::net::TcpStream, entries: &Mutex<Entries>, n: u64) {
+    let mut reader = BufReader::new(stream.try_clone().unwrap());
+    let (mut length, mut key, mut fence) = (0, None, None);
+    loop {
+        let mut line = String::new();
+        if reader.read_line(&mut line).unwrap_or(0) == 0 {
+            return;
+        }
+        let lower = line.to_ascii_lowercase();
+        if let Some((name, value)) = lower.split_once(':') {
+            let value = value.trim().to_owned();
+            match name {
+                "content-length" => length = value.parse().unwrap_or(0),
+                "idempotency-key" => key = Some(value),
+                "idem-fence" => fence = value.parse::<u64>().ok(),
+                _ => {}
+            }
+        }
+        if line == "\r\n" {
+            break;
+        }
+    }
+    let mut body = vec![0; length];
+    if reader.read_exact(&mut body).is_err() {
+        return;
+    }
+    let pause = |salt: u64| Duration::from_millis((n.wrapping_mul(2_654_435_761) ^ salt) % 150);
+    std::thread::sleep(pause(17));
+    let (status, answer) = match (key, fence) {
+        (Some(key), Some(fence)) => {
+            let mut e = entries.lock().unwrap();
+            if e.counted.get(&key).is_some_and(|&counted| fence < counted) {
+                e.refused.push((key, fence));
+                ("409 Conflict", format!("{{\"stale\":{fence}}}"))
+            } else {
+                e.counted.insert(key.clone(), fence);
+                e.accepted.push((key.clone(), fence));
+                (
+                    "201 Created",
+                    format!("{{\"key\":\"{key}\",\"fence\":{fence}}}"),
+                )
+            }
+        }
+        _ => (
+            "400 Bad Request",
+            "{\"missing\":\"key or fence\"}".to_owned(),
+        ),
+    };
+    std::thread::sleep(pause(91));
+    let _ = write!(
+        stream,
+        "HTTP/1.1 {status}\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\
+         Connection: close\r\n\r\n{answer}",
+        answer.len()
+    );
+}
