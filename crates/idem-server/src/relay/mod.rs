@@ -2,7 +2,7 @@
 //!
 //! Each message's body is POSTed to the target with `Idempotency-Key` set to the message's
 //! key, written so that the target reads back exactly that key ([`idem_http::encode_key`]).
-//! What follows each answer is [`answer::verdict`]: a message is acked only when the target
+//! What follows each answer is `answer::verdict`: a message is acked only when the target
 //! took it; an answer that says it was not processed is retried with the same key (so a
 //! target that honours `Idempotency-Key`, such as `idem gateway`, runs it once); an answer
 //! that says its effect did not happen, or may not have (an unknown outcome, a relay or

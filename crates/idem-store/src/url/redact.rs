@@ -31,7 +31,7 @@ const CREDENTIAL_NAMES: &[&str] = &[
 
 /// `url` with every credential it can carry replaced by `***`: the password in the user
 /// information (`user:***@`; a lone user part too, for schemes where it is a token), and the
-/// value of every query parameter whose name says it is a credential ([`is_credential`]).
+/// value of every query parameter whose name says it is a credential (`is_credential`, below).
 ///
 /// Built for URLs as people write them, not only as RFC 3986 allows: a password with `/`, `?`,
 /// `#`, `:` or `@` in it, unencoded, is hidden whole, because the user information is taken to
