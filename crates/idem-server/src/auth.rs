@@ -95,10 +95,10 @@ impl Auth {
             };
             let scope = Scope::new(scope)
                 .map_err(|e| AuthConfigError(format!("{at}: invalid scope: {e}")))?;
+            // The scope is not repeated: in a file whose columns were swapped it is the key.
             if let Some(why) = reserved(scope.as_str()) {
                 return Err(AuthConfigError(format!(
-                    "{at}: the scope {:?} is reserved: {why}; choose another name",
-                    scope.as_str()
+                    "{at}: the scope is reserved: {why}; choose another name"
                 )));
             }
             if key.len() < 16 {

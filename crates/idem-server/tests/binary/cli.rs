@@ -45,7 +45,7 @@ fn bad_flags_and_stores_get_readable_errors() {
                 "--api-keys",
                 &keys,
             ],
-            &format!("the scope \"{scope}\" is reserved"),
+            "line 1: the scope is reserved",
         );
     }
     fails_with(&["frobnicate"], "unrecognized subcommand");
