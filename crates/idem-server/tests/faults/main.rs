@@ -83,6 +83,11 @@ fn gateways_stopped_killed_and_restarted_keep_every_guarantee() {
     // the last few.
     let keys = Arc::new(AtomicU64::new(1));
     let started = Instant::now();
+    // Keys of this run's own: a shared store may still hold an earlier run's answers.
+    let run = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_millis();
 
     let clients: Vec<_> = (0..6u64)
         .map(|n| {
@@ -97,7 +102,7 @@ fn gateways_stopped_killed_and_restarted_keep_every_guarantee() {
                         let last = keys.load(Ordering::Relaxed);
                         last.saturating_sub(1 + dice.below(12)).max(1)
                     };
-                    let key = format!("k{key}");
+                    let key = format!("r{run}-k{key}");
                     let addrs = cluster.lock().unwrap().addrs();
                     let gw = dice.pick(addrs.len());
                     history.push(Event::Invoke {
@@ -161,7 +166,7 @@ fn gateways_stopped_killed_and_restarted_keep_every_guarantee() {
     let addrs = cluster.lock().unwrap().addrs();
     for k in 1..keys.load(Ordering::Relaxed) {
         for (gw, addr) in addrs.iter().enumerate() {
-            let key = format!("k{k}");
+            let key = format!("r{run}-k{k}");
             history.push(Event::Invoke {
                 key: key.clone(),
                 gateway: gw,
