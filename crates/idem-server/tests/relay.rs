@@ -30,6 +30,7 @@ type Scripted = (u16, &'static str);
 #[derive(Clone, Default)]
 struct Counting {
     calls: Arc<Mutex<HashMap<String, Vec<String>>>>,
+    fences: Arc<Mutex<HashMap<String, Vec<u64>>>>,
     script: Arc<Mutex<HashMap<String, Vec<Scripted>>>>,
     delay: Arc<Mutex<Duration>>,
 }
@@ -58,6 +59,16 @@ async fn answer(State(t): State<Counting>, headers: HeaderMap, body: String) -> 
         .entry(key.clone())
         .or_default()
         .push(body);
+    let fence = headers
+        .get("idem-fence")
+        .and_then(|v| v.to_str().ok()?.parse().ok())
+        .expect("the relay sends its attempt's fence");
+    t.fences
+        .lock()
+        .unwrap()
+        .entry(key.clone())
+        .or_default()
+        .push(fence);
     let delay = *t.delay.lock().unwrap();
     tokio::time::sleep(delay).await;
     let (status, code) = {
@@ -136,6 +147,8 @@ struct Row {
     dead: Vec<idem_mq::DeadLetter>,
     calls_again: usize,
     acked_again: usize,
+    /// The `Idem-Fence` of every POST, in order.
+    fences: Vec<u64>,
 }
 
 async fn row(script: &[Scripted], ack_4xx: bool) -> Row {
@@ -159,6 +172,13 @@ async fn row(script: &[Scripted], ack_4xx: bool) -> Row {
         dead,
         calls_again: t.calls("m") - calls,
         acked_again: q.acked() - acked,
+        fences: t
+            .fences
+            .lock()
+            .unwrap()
+            .get("m")
+            .cloned()
+            .unwrap_or_default(),
     }
 }
 
@@ -204,6 +224,9 @@ async fn row_delivered_answers_are_recorded_and_acked() {
 async fn row_answers_that_say_not_processed_are_retried_with_the_same_key() {
     let r = row(&[(503, ""), (409, "request_in_progress"), (429, "")], false).await;
     assert_eq!((r.calls, r.acked, r.dead.len()), (4, 1, 0));
+    // Each POST is a new attempt at the key, under a higher fence.
+    assert_eq!(r.fences.len(), 4);
+    assert!(r.fences.windows(2).all(|w| w[0] < w[1]), "{:?}", r.fences);
     let r = row(&[(408, ""), (425, ""), (502, "upstream_failed")], false).await;
     assert_eq!((r.calls, r.acked, r.dead.len()), (4, 1, 0));
 }

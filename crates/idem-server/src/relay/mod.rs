@@ -145,6 +145,14 @@ impl Relay {
         if let Some(headers) = req.headers_mut() {
             headers.clone_from(&self.target.headers);
             headers.insert(idem_http::IDEMPOTENCY_KEY, key);
+            // The attempt's fence, as the gateway sends it, for a target that refuses an
+            // attempt overtaken by a later one.
+            if let Some(lease) = message.lease {
+                headers.insert(
+                    crate::gateway::FENCE_HEADER,
+                    axum::http::HeaderValue::from(lease.fence),
+                );
+            }
         }
         let req = req
             .body(Body::from(message.payload))
