@@ -19,6 +19,12 @@ use http::{HeaderMap, HeaderName, HeaderValue};
 /// `Idempotency-Key`.
 pub const IDEMPOTENCY_KEY: HeaderName = HeaderName::from_static("idempotency-key");
 
+/// `Idem-Fence`: the fence of the attempt a guarded request belongs to, which the gateway and
+/// the relay send on, higher for every attempt that takes the key. A service that remembers the
+/// highest fence it accepted for a key, and refuses a lower one, turns away an attempt that
+/// stalled past its lease and was overtaken (see docs/guarantees.md).
+pub const FENCE_HEADER: HeaderName = HeaderName::from_static("idem-fence");
+
 /// `Idempotent-Replayed`, set to `true` on every replayed response.
 pub const IDEMPOTENT_REPLAYED: HeaderName = HeaderName::from_static("idempotent-replayed");
 

@@ -48,7 +48,8 @@ mod stored;
 pub use body::{BoxError, ResponseBody, boxed};
 pub use form_token::{FORM_TOKEN, FormToken, FormTokenLayer, token_problem};
 pub use header::{
-    IDEMPOTENCY_KEY, IDEMPOTENT_REPLAYED, KeyHeaderError, encode_key, key_from_headers, parse_key,
+    FENCE_HEADER, IDEMPOTENCY_KEY, IDEMPOTENT_REPLAYED, KeyHeaderError, encode_key,
+    key_from_headers, parse_key,
 };
 pub use layer::IdempotencyLayer;
 pub use metrics::describe_metrics;

@@ -53,7 +53,7 @@ use crate::metrics::Registry;
 use admin::AdminState;
 pub use config::{Anonymous, FileConfig, PathPattern, Route, RouteSettings};
 pub use path::AmbiguousPath;
-pub use proxy::{FENCE_HEADER, Proxy, TrustedProxies, Upstream};
+pub use proxy::{Proxy, TrustedProxies, Upstream};
 
 /// The default reserved prefix.
 pub const DEFAULT_ADMIN_PREFIX: &str = "/_idem";

@@ -19,14 +19,8 @@ use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::TokioExecutor;
 use idem_core::BoxFuture;
 use idem_http::policy::remove_hop_by_hop;
-use idem_http::{BoxError, LeaseFence, Problem, ProblemCode, Settle};
+use idem_http::{BoxError, FENCE_HEADER, LeaseFence, Problem, ProblemCode, Settle};
 use tower_service::Service;
-
-/// The header that carries a guarded request's fence to the upstream: the number of the
-/// attempt, higher for every attempt that takes the key. An upstream that remembers the highest
-/// fence it accepted for a key, and refuses a lower one, turns away an attempt that stalled
-/// past its lease and was overtaken (see docs/guarantees.md). A client's own is never passed on.
-pub const FENCE_HEADER: HeaderName = HeaderName::from_static("idem-fence");
 
 use super::resolve::BoundedResolver;
 
@@ -238,6 +232,7 @@ impl ProxyInner {
             trusted: peer.is_some_and(|p| self.trusted.contains(p)),
         };
         forwarded_headers(&mut parts.headers, &seen);
+        // A client's own is never passed on.
         parts.headers.remove(&FENCE_HEADER);
         if let Some(fence) = fence {
             parts.headers.insert(FENCE_HEADER, HeaderValue::from(fence));

@@ -149,7 +149,7 @@ impl Relay {
             // attempt overtaken by a later one.
             if let Some(lease) = message.lease {
                 headers.insert(
-                    crate::gateway::FENCE_HEADER,
+                    idem_http::FENCE_HEADER,
                     axum::http::HeaderValue::from(lease.fence),
                 );
             }

@@ -492,24 +492,14 @@ impl StoreUrl {
     /// This URL, opening only a store that exists: a SQLite file is not created when it is
     /// missing (the other stores are servers, and their tables are made on connecting).
     #[must_use]
-    pub fn existing_only(self) -> Self {
-        match self {
-            #[cfg(feature = "sqlite")]
-            StoreUrl::Sqlite {
-                path,
-                synchronous,
-                busy_timeout_ms,
-                key_filter,
-                create: _,
-            } => StoreUrl::Sqlite {
-                path,
-                synchronous,
-                busy_timeout_ms,
-                key_filter,
-                create: false,
-            },
-            other => other,
+    // Without SQLite there is nothing to change.
+    #[cfg_attr(not(feature = "sqlite"), allow(unused_mut))]
+    pub fn existing_only(mut self) -> Self {
+        #[cfg(feature = "sqlite")]
+        if let StoreUrl::Sqlite { create, .. } = &mut self {
+            *create = false;
         }
+        self
     }
 
     /// Opens the store this URL names (connecting, and applying migrations, for server
