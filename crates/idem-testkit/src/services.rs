@@ -275,6 +275,7 @@ fn which(program: &str) -> std::io::Result<()> {
 pub struct RedisServer {
     port: u16,
     cluster: bool,
+    durable: bool,
     dir: tempfile::TempDir,
     running: Option<Supervised>,
 }
@@ -283,13 +284,21 @@ impl RedisServer {
     /// A plain server, or `None` (with a note; a panic under `CI=true`) if `redis-server`
     /// cannot be run.
     pub fn start() -> Option<Self> {
-        Self::launch(false)
+        Self::launch(false, false)
     }
 
-    fn launch(cluster: bool) -> Option<Self> {
+    /// A server that writes every command to its append-only file before it answers
+    /// (`appendfsync always`), so that a [`restart`](Self::restart) after a crash keeps every
+    /// write it acknowledged; or `None`, as [`start`](Self::start).
+    pub fn start_durable() -> Option<Self> {
+        Self::launch(false, true)
+    }
+
+    fn launch(cluster: bool, durable: bool) -> Option<Self> {
         let mut server = Self {
             port: free_port(),
             cluster,
+            durable,
             dir: tempfile::tempdir().expect("a temporary directory"),
             running: None,
         };
@@ -314,11 +323,14 @@ impl RedisServer {
             &self.port.to_string(),
             "--save",
             "",
-            "--appendonly",
-            "no",
         ]
         .map(String::from)
         .into();
+        if self.durable {
+            command.extend(["--appendonly", "yes", "--appendfsync", "always"].map(String::from));
+        } else {
+            command.extend(["--appendonly", "no"].map(String::from));
+        }
         if self.cluster {
             command.extend(
                 [
@@ -353,7 +365,8 @@ impl RedisServer {
         }
     }
 
-    /// Starts it again on the same port, empty (it keeps nothing on disk).
+    /// Starts it again on the same port: empty, or with every write it acknowledged if it was
+    /// started [durable](Self::start_durable).
     pub fn restart(&mut self) {
         self.stop();
         self.spawn().expect("restart redis-server");
@@ -400,7 +413,7 @@ impl RedisCluster {
 
     fn start() -> Option<Self> {
         let nodes = (0..3)
-            .map(|_| RedisServer::launch(true))
+            .map(|_| RedisServer::launch(true, false))
             .collect::<Option<Vec<_>>>()?;
         let addrs: Vec<String> = nodes
             .iter()

@@ -1,8 +1,17 @@
-//! Gateway processes on one store, each on a port of its own that it keeps across restarts.
+//! Gateway processes on one store, each on an address of its own that it keeps across
+//! restarts; where the store is reached over the network, each through a proxy of its own
+//! (delays, stalls, cuts) and, where the machine allows, from a network namespace of its own
+//! (partitions).
 
 use std::io::{BufRead, BufReader};
 use std::process::{Child, Command, Stdio};
 use std::time::Duration;
+
+use idem_testkit::services::RedisServer;
+
+use crate::ledger::Ledger;
+use crate::netns::Netns;
+use crate::proxy::{Mode, Proxy};
 
 /// The lease of every guarded request (`lease` in the gateways' file).
 pub(crate) const LEASE: Duration = Duration::from_secs(2);
@@ -15,12 +24,6 @@ pub(crate) fn can_step_clocks() -> bool {
     std::path::Path::new(FAKETIME).exists()
 }
 
-pub(crate) struct Cluster {
-    gateways: Vec<(String, Child)>,
-    args: Vec<String>,
-    _dir: tempfile::TempDir,
-}
-
 /// Sends `signal` (`-STOP`, `-CONT`) to process `pid`.
 pub(crate) fn signal(signal: &str, pid: u32) {
     let ok = Command::new("kill")
@@ -30,15 +33,109 @@ pub(crate) fn signal(signal: &str, pid: u32) {
     assert!(ok, "kill {signal} {pid}");
 }
 
-impl Cluster {
-    /// `n` gateways in front of `upstream`, on the store `IDEM_FAULTS_STORE` names (a SQLite
-    /// file of their own by default).
-    pub(crate) fn start(n: usize, upstream: &str) -> Self {
-        let dir = tempfile::tempdir().unwrap();
-        let store = std::env::var("IDEM_FAULTS_STORE")
+/// The store the gateways share.
+pub(crate) enum Store {
+    /// A SQLite file: no network between the gateways and their store.
+    File(String),
+    /// A server of the run's own, which the nemesis may crash and restart.
+    Own(RedisServer),
+    /// A server shared with others (`IDEM_FAULTS_STORE`): never restarted.
+    Shared(String),
+}
+
+impl Store {
+    /// `IDEM_FAULTS_STORE`: a URL, `sqlite` for a file in `dir`, or (unset) a durable Redis of
+    /// the run's own if `redis-server` runs here, else a file.
+    pub(crate) fn choose(dir: &std::path::Path) -> Self {
+        let file = || Self::File(format!("sqlite://{}", dir.join("idem.db").display()));
+        match std::env::var("IDEM_FAULTS_STORE")
             .ok()
             .filter(|s| !s.is_empty())
-            .unwrap_or_else(|| format!("sqlite://{}", dir.path().join("idem.db").display()));
+        {
+            Some(s) if s == "sqlite" => file(),
+            Some(url) => Self::Shared(url),
+            // A missing redis-server is a note here and a failure under CI=true.
+            None => RedisServer::start_durable().map_or_else(file, Self::Own),
+        }
+    }
+
+    fn url(&self) -> String {
+        match self {
+            Self::File(url) | Self::Shared(url) => url.clone(),
+            Self::Own(server) => server.url(),
+        }
+    }
+
+    pub(crate) fn describe(&self) -> String {
+        let url = self.url();
+        let scheme = url.split("://").next().unwrap_or_default().to_owned();
+        match self {
+            Self::Own(_) => format!("{scheme} of the run's own"),
+            _ => scheme,
+        }
+    }
+
+    /// Crashes the store (SIGKILL) and starts it again after `down`; false if it is not the
+    /// run's own.
+    pub(crate) fn crash_and_restart(&mut self, down: Duration) -> bool {
+        let Self::Own(server) = self else {
+            return false;
+        };
+        server.stop();
+        std::thread::sleep(down);
+        server.restart();
+        true
+    }
+}
+
+/// The `host:port` a store URL names (its default port if it names none), and the URL with
+/// them replaced by `to`; `None` for a store reached without a network.
+fn reroute(url: &str, to: impl FnOnce(&str) -> String) -> Option<String> {
+    let (scheme, rest) = url.split_once("://")?;
+    let default = match scheme {
+        "redis" => 6379,
+        "postgres" | "postgresql" => 5432,
+        "mysql" | "mariadb" => 3306,
+        _ => return None,
+    };
+    let end = rest.find(['/', '?']).unwrap_or(rest.len());
+    let (authority, tail) = rest.split_at(end);
+    let (userinfo, host) = match authority.rsplit_once('@') {
+        Some((u, h)) => (format!("{u}@"), h),
+        None => (String::new(), authority),
+    };
+    let target = if host.contains(':') {
+        host.to_owned()
+    } else {
+        format!("{host}:{default}")
+    };
+    Some(format!("{scheme}://{userinfo}{}{tail}", to(&target)))
+}
+
+/// One gateway: where it listens, and what stands between it and its store.
+struct Gateway {
+    addr: String,
+    store: String,
+    upstream: String,
+    proxy: Option<Proxy>,
+    netns: Option<Netns>,
+    child: Option<Child>,
+}
+
+pub(crate) struct Cluster {
+    gateways: Vec<Gateway>,
+    config: String,
+    pub(crate) store: Store,
+    /// Why the gateways run without namespaces, if they do.
+    pub(crate) no_netns: Option<String>,
+    _dir: tempfile::TempDir,
+}
+
+impl Cluster {
+    /// `n` gateways in front of `ledger`, on the store [`Store::choose`] picks.
+    pub(crate) fn start(n: usize, ledger: &Ledger) -> Self {
+        let dir = tempfile::tempdir().unwrap();
+        let store = Store::choose(dir.path());
         let config = dir.path().join("gateway.toml");
         std::fs::write(
             &config,
@@ -48,39 +145,71 @@ impl Cluster {
             ),
         )
         .unwrap();
-        let args = vec![
-            "gateway".to_owned(),
-            "--upstream".to_owned(),
-            format!("http://{upstream}"),
-            "--store".to_owned(),
-            store,
-            "--config".to_owned(),
-            config.display().to_string(),
-        ];
+        let url = store.url();
+        let networked = reroute(&url, str::to_owned).is_some();
+        let mut no_netns = (!networked).then(|| "the store is a file".to_owned());
+        let mut gateways = Vec::new();
+        for i in 0..n {
+            let netns = if no_netns.is_none() {
+                Netns::create(i)
+                    .map_err(|e| no_netns = Some(format!("no network namespace here ({e})")))
+                    .ok()
+            } else {
+                None
+            };
+            let (outside, inside) = netns.as_ref().map_or(("127.0.0.1", "127.0.0.1"), |ns| {
+                (ns.store.as_str(), ns.inside.as_str())
+            });
+            let mut proxy = None;
+            let store = reroute(&url, |target| {
+                let p = Proxy::start(outside, target);
+                let addr = p.addr.clone();
+                proxy = Some(p);
+                addr
+            })
+            .unwrap_or_else(|| url.clone());
+            // Nothing else listens in a namespace of the run's own.
+            let port = if netns.is_some() {
+                8080
+            } else {
+                let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+                l.local_addr().unwrap().port()
+            };
+            let upstream = ledger.listen(netns.as_ref().map_or("127.0.0.1", |ns| &ns.outside));
+            gateways.push(Gateway {
+                addr: format!("{inside}:{port}"),
+                store,
+                upstream,
+                proxy,
+                netns,
+                child: None,
+            });
+        }
         let mut cluster = Self {
-            gateways: Vec::new(),
-            args,
+            gateways,
+            config: config.display().to_string(),
+            store,
+            no_netns,
             _dir: dir,
         };
-        for _ in 0..n {
-            let port = std::net::TcpListener::bind("127.0.0.1:0")
-                .unwrap()
-                .local_addr()
-                .unwrap()
-                .port();
-            let addr = format!("127.0.0.1:{port}");
-            let child = cluster.spawn(&addr, None);
-            cluster.gateways.push((addr, child));
+        for i in 0..n {
+            cluster.spawn(i, None);
         }
         cluster
     }
 
-    /// A gateway on `addr`, its wall clock `ahead` of the others' if given (its monotonic
-    /// clock, which times its own waits, is left alone).
-    fn spawn(&self, addr: &str, ahead: Option<Duration>) -> Child {
-        let mut cmd = Command::new(env!("CARGO_BIN_EXE_idem"));
-        cmd.args(&self.args)
-            .args(["--listen", addr])
+    /// Gateway `i`, its wall clock `ahead` of the others' if given (its monotonic clock, which
+    /// times its own waits, is left alone).
+    fn spawn(&mut self, i: usize, ahead: Option<Duration>) {
+        let g = &self.gateways[i];
+        let program = env!("CARGO_BIN_EXE_idem");
+        let mut cmd = g
+            .netns
+            .as_ref()
+            .map_or_else(|| Command::new(program), |ns| ns.command(program));
+        cmd.args(["gateway", "--upstream", &format!("http://{}", g.upstream)])
+            .args(["--store", &g.store, "--config", &self.config])
+            .args(["--listen", &g.addr])
             .env_remove("IDEM_STORE")
             .env("IDEM_LOG", "info")
             .stderr(Stdio::piped());
@@ -99,33 +228,59 @@ impl Cluster {
         }
         // Drained, so a gateway never blocks on a full pipe.
         std::thread::spawn(move || for _ in lines {});
-        child
+        self.gateways[i].child = Some(child);
     }
 
     pub(crate) fn addrs(&self) -> Vec<String> {
-        self.gateways.iter().map(|(a, _)| a.clone()).collect()
+        self.gateways.iter().map(|g| g.addr.clone()).collect()
     }
 
     pub(crate) fn pid(&self, i: usize) -> u32 {
-        self.gateways[i].1.id()
+        self.gateways[i].child.as_ref().unwrap().id()
     }
 
-    /// SIGKILL, then the same gateway again on the same port, its wall clock `ahead` of the
-    /// others' if given.
+    /// Whether the nemesis can come between the gateways and their store: the proxies.
+    pub(crate) fn has_proxies(&self) -> bool {
+        self.gateways.iter().all(|g| g.proxy.is_some())
+    }
+
+    pub(crate) fn proxy(&self, i: usize) -> &Proxy {
+        self.gateways[i].proxy.as_ref().unwrap()
+    }
+
+    /// Cuts gateway `i` off from its store for `how_long`, its clients still reaching it.
+    pub(crate) fn partition(&self, i: usize, how_long: Duration) {
+        let ns = self.gateways[i].netns.as_ref().unwrap();
+        ns.partition();
+        std::thread::sleep(how_long);
+        ns.heal();
+    }
+
+    /// The store holds every byte of gateway `i` for `how_long`.
+    pub(crate) fn stall(&self, i: usize, how_long: Duration) {
+        self.proxy(i).set(Mode::Hold);
+        std::thread::sleep(how_long);
+        self.proxy(i).set(Mode::Pass);
+    }
+
+    /// SIGKILL, then the same gateway again on the same address, its wall clock `ahead` of
+    /// the others' if given.
     pub(crate) fn kill_and_restart(&mut self, i: usize, ahead: Option<Duration>) {
-        let (addr, child) = &mut self.gateways[i];
-        child.kill().unwrap();
-        child.wait().unwrap();
-        let addr = addr.clone();
-        self.gateways[i].1 = self.spawn(&addr, ahead);
+        if let Some(mut child) = self.gateways[i].child.take() {
+            child.kill().unwrap();
+            child.wait().unwrap();
+        }
+        self.spawn(i, ahead);
     }
 }
 
 impl Drop for Cluster {
     fn drop(&mut self) {
-        for (_, child) in &mut self.gateways {
-            let _ = child.kill();
-            let _ = child.wait();
+        for g in &mut self.gateways {
+            if let Some(mut child) = g.child.take() {
+                let _ = child.kill();
+                let _ = child.wait();
+            }
         }
     }
 }

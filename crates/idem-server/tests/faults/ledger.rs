@@ -5,6 +5,7 @@
 use std::collections::HashMap;
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::TcpListener;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -20,24 +21,37 @@ pub(crate) struct Entries {
 }
 
 pub(crate) struct Ledger {
+    /// Where it answers on loopback.
     pub(crate) addr: String,
     entries: Arc<Mutex<Entries>>,
+    requests: Arc<AtomicU64>,
 }
 
 impl Ledger {
     pub(crate) fn start() -> Self {
-        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+        let mut ledger = Self {
+            addr: String::new(),
+            entries: Arc::default(),
+            requests: Arc::default(),
+        };
+        ledger.addr = ledger.listen("127.0.0.1");
+        ledger
+    }
+
+    /// Where the ledger answers on `ip` (a free port of its own there).
+    pub(crate) fn listen(&self, ip: &str) -> String {
+        let listener = TcpListener::bind((ip, 0)).unwrap();
         let addr = listener.local_addr().unwrap().to_string();
-        let entries = Arc::new(Mutex::new(Entries::default()));
-        let shared = entries.clone();
+        let (entries, requests) = (self.entries.clone(), self.requests.clone());
         std::thread::spawn(move || {
-            for (n, stream) in listener.incoming().enumerate() {
+            for stream in listener.incoming() {
                 let Ok(stream) = stream else { continue };
-                let entries = shared.clone();
-                std::thread::spawn(move || serve(stream, &entries, n as u64));
+                let entries = entries.clone();
+                let n = requests.fetch_add(1, Ordering::Relaxed);
+                std::thread::spawn(move || serve(stream, &entries, n));
             }
         });
-        Self { addr, entries }
+        addr
     }
 
     pub(crate) fn entries(&self) -> Entries {
