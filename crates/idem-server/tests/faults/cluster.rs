@@ -1,7 +1,7 @@
-//! Gateway processes on one store, each on an address of its own that it keeps across
-//! restarts; where the store is reached over the network, each through a proxy of its own
-//! (delays, stalls, cuts) and, where the machine allows, from a network namespace of its own
-//! (partitions).
+//! `idem gateway` or `idem serve` processes on one store, each on an address of its own that
+//! it keeps across restarts; where the store is reached over the network, each through a proxy
+//! of its own (delays, stalls, cuts) and, where the machine allows, from a network namespace of
+//! its own (partitions).
 
 use std::io::{BufRead, BufReader};
 use std::process::{Child, Command, Stdio};
@@ -13,13 +13,14 @@ use crate::ledger::Ledger;
 use crate::netns::Netns;
 use crate::proxy::{Mode, Proxy};
 
-/// The lease of every guarded request (`lease` in the gateways' file).
+/// The lease of every guarded request (`lease` in the gateways' file, `lease_ms` in the API
+/// clients' begins).
 pub(crate) const LEASE: Duration = Duration::from_secs(2);
 
 /// libfaketime, which steps a process's wall clock (Debian's `faketime` package).
 const FAKETIME: &str = "/usr/lib/x86_64-linux-gnu/faketime/libfaketimeMT.so.1";
 
-/// Whether a gateway's wall clock can be stepped here (libfaketime is installed).
+/// Whether an instance's wall clock can be stepped here (libfaketime is installed).
 pub(crate) fn can_step_clocks() -> bool {
     std::path::Path::new(FAKETIME).exists()
 }
@@ -33,9 +34,9 @@ pub(crate) fn signal(signal: &str, pid: u32) {
     assert!(ok, "kill {signal} {pid}");
 }
 
-/// The store the gateways share.
+/// The store the instances share.
 pub(crate) enum Store {
-    /// A SQLite file: no network between the gateways and their store.
+    /// A SQLite file: no network between the instances and their store.
     File(String),
     /// A server of the run's own, which the nemesis may crash and restart.
     Own(RedisServer),
@@ -112,8 +113,18 @@ fn reroute(url: &str, to: impl FnOnce(&str) -> String) -> Option<String> {
     Some(format!("{scheme}://{userinfo}{}{tail}", to(&target)))
 }
 
-/// One gateway: where it listens, and what stands between it and its store.
-struct Gateway {
+/// What the instances are.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Role {
+    /// `idem gateway` in front of the ledger: the clients send it their payments.
+    Gateway,
+    /// `idem serve`: the clients claim keys from it, write to the ledger themselves and store
+    /// the answer.
+    Serve,
+}
+
+/// One instance: where it listens, and what stands between it and its store.
+struct Instance {
     addr: String,
     store: String,
     upstream: String,
@@ -123,17 +134,19 @@ struct Gateway {
 }
 
 pub(crate) struct Cluster {
-    gateways: Vec<Gateway>,
+    role: Role,
+    instances: Vec<Instance>,
     config: String,
     pub(crate) store: Store,
-    /// Why the gateways run without namespaces, if they do.
+    /// Why the instances run without namespaces, if they do.
     pub(crate) no_netns: Option<String>,
     _dir: tempfile::TempDir,
 }
 
 impl Cluster {
-    /// `n` gateways in front of `ledger`, on the store [`Store::choose`] picks.
-    pub(crate) fn start(n: usize, ledger: &Ledger) -> Self {
+    /// `n` instances (gateways in front of `ledger`, or API servers), on the store
+    /// [`Store::choose`] picks.
+    pub(crate) fn start(role: Role, n: usize, ledger: &Ledger) -> Self {
         let dir = tempfile::tempdir().unwrap();
         let store = Store::choose(dir.path());
         let config = dir.path().join("gateway.toml");
@@ -148,10 +161,10 @@ impl Cluster {
         let url = store.url();
         let networked = reroute(&url, str::to_owned).is_some();
         let mut no_netns = (!networked).then(|| "the store is a file".to_owned());
-        let mut gateways = Vec::new();
-        for i in 0..n {
+        let mut instances = Vec::new();
+        for _ in 0..n {
             let netns = if no_netns.is_none() {
-                Netns::create(i)
+                Netns::create()
                     .map_err(|e| no_netns = Some(format!("no network namespace here ({e})")))
                     .ok()
             } else {
@@ -176,7 +189,7 @@ impl Cluster {
                 l.local_addr().unwrap().port()
             };
             let upstream = ledger.listen(netns.as_ref().map_or("127.0.0.1", |ns| &ns.outside));
-            gateways.push(Gateway {
+            instances.push(Instance {
                 addr: format!("{inside}:{port}"),
                 store,
                 upstream,
@@ -186,7 +199,8 @@ impl Cluster {
             });
         }
         let mut cluster = Self {
-            gateways,
+            role,
+            instances,
             config: config.display().to_string(),
             store,
             no_netns,
@@ -198,18 +212,23 @@ impl Cluster {
         cluster
     }
 
-    /// Gateway `i`, its wall clock `ahead` of the others' if given (its monotonic clock, which
+    /// Instance `i`, its wall clock `ahead` of the others' if given (its monotonic clock, which
     /// times its own waits, is left alone).
     fn spawn(&mut self, i: usize, ahead: Option<Duration>) {
-        let g = &self.gateways[i];
+        let g = &self.instances[i];
         let program = env!("CARGO_BIN_EXE_idem");
         let mut cmd = g
             .netns
             .as_ref()
             .map_or_else(|| Command::new(program), |ns| ns.command(program));
-        cmd.args(["gateway", "--upstream", &format!("http://{}", g.upstream)])
-            .args(["--store", &g.store, "--config", &self.config])
-            .args(["--listen", &g.addr])
+        match self.role {
+            Role::Gateway => cmd
+                .args(["gateway", "--upstream", &format!("http://{}", g.upstream)])
+                .args(["--config", &self.config]),
+            // Its clients give the lease in every begin; every caller shares one scope.
+            Role::Serve => cmd.args(["serve", "--allow-anonymous"]),
+        };
+        cmd.args(["--store", &g.store, "--listen", &g.addr])
             .env_remove("IDEM_STORE")
             .env("IDEM_LOG", "info")
             .stderr(Stdio::piped());
@@ -221,52 +240,52 @@ impl Cluster {
         let mut child = cmd.spawn().unwrap();
         let mut lines = BufReader::new(child.stderr.take().unwrap()).lines();
         loop {
-            let line = lines.next().expect("the gateway started").unwrap();
+            let line = lines.next().expect("the instance started").unwrap();
             if line.contains("listening on http://") {
                 break;
             }
         }
-        // Drained, so a gateway never blocks on a full pipe.
+        // Drained, so an instance never blocks on a full pipe.
         std::thread::spawn(move || for _ in lines {});
-        self.gateways[i].child = Some(child);
+        self.instances[i].child = Some(child);
     }
 
     pub(crate) fn addrs(&self) -> Vec<String> {
-        self.gateways.iter().map(|g| g.addr.clone()).collect()
+        self.instances.iter().map(|g| g.addr.clone()).collect()
     }
 
     pub(crate) fn pid(&self, i: usize) -> u32 {
-        self.gateways[i].child.as_ref().unwrap().id()
+        self.instances[i].child.as_ref().unwrap().id()
     }
 
-    /// Whether the nemesis can come between the gateways and their store: the proxies.
+    /// Whether the nemesis can come between the instances and their store: the proxies.
     pub(crate) fn has_proxies(&self) -> bool {
-        self.gateways.iter().all(|g| g.proxy.is_some())
+        self.instances.iter().all(|g| g.proxy.is_some())
     }
 
     pub(crate) fn proxy(&self, i: usize) -> &Proxy {
-        self.gateways[i].proxy.as_ref().unwrap()
+        self.instances[i].proxy.as_ref().unwrap()
     }
 
-    /// Cuts gateway `i` off from its store for `how_long`, its clients still reaching it.
+    /// Cuts instance `i` off from its store for `how_long`, its clients still reaching it.
     pub(crate) fn partition(&self, i: usize, how_long: Duration) {
-        let ns = self.gateways[i].netns.as_ref().unwrap();
+        let ns = self.instances[i].netns.as_ref().unwrap();
         ns.partition();
         std::thread::sleep(how_long);
         ns.heal();
     }
 
-    /// The store holds every byte of gateway `i` for `how_long`.
+    /// The store holds every byte of instance `i` for `how_long`.
     pub(crate) fn stall(&self, i: usize, how_long: Duration) {
         self.proxy(i).set(Mode::Hold);
         std::thread::sleep(how_long);
         self.proxy(i).set(Mode::Pass);
     }
 
-    /// SIGKILL, then the same gateway again on the same address, its wall clock `ahead` of
+    /// SIGKILL, then the same instance again on the same address, its wall clock `ahead` of
     /// the others' if given.
     pub(crate) fn kill_and_restart(&mut self, i: usize, ahead: Option<Duration>) {
-        if let Some(mut child) = self.gateways[i].child.take() {
+        if let Some(mut child) = self.instances[i].child.take() {
             child.kill().unwrap();
             child.wait().unwrap();
         }
@@ -276,7 +295,7 @@ impl Cluster {
 
 impl Drop for Cluster {
     fn drop(&mut self) {
-        for g in &mut self.gateways {
+        for g in &mut self.instances {
             if let Some(mut child) = g.child.take() {
                 let _ = child.kill();
                 let _ = child.wait();

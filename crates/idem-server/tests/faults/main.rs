@@ -32,21 +32,20 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use check::{Event, History, check};
-use cluster::{Cluster, Store};
+use cluster::{Cluster, Role, Store};
 use ledger::Ledger;
 
 /// How long a client waits for an answer before it gives up and retries elsewhere.
 const CLIENT_TIMEOUT: Duration = Duration::from_millis(1500);
 
-/// One POST through gateway `addr`: the status, whether it was a replay, and the body; `None`
-/// when the gateway did not answer in time.
-fn post(addr: &str, key: &str) -> Option<(u16, bool, String)> {
+/// One POST of `body` to `path` at `addr` with the extra header lines `headers`: the status,
+/// the head in lower case, and the body; `None` when no answer came in time.
+fn http(addr: &str, path: &str, headers: &str, body: &str) -> Option<(u16, String, String)> {
     let mut s = TcpStream::connect(addr).ok()?;
     s.set_read_timeout(Some(CLIENT_TIMEOUT)).ok()?;
     s.set_write_timeout(Some(CLIENT_TIMEOUT)).ok()?;
-    let body = format!("{{\"pay\":\"{key}\"}}");
     let req = format!(
-        "POST /pay HTTP/1.1\r\nHost: x\r\nConnection: close\r\nIdempotency-Key: {key}\r\n\
+        "POST {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n{headers}\
          Content-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
         body.len()
     );
@@ -55,10 +54,67 @@ fn post(addr: &str, key: &str) -> Option<(u16, bool, String)> {
     s.read_to_string(&mut out).ok()?;
     let status = out.get(9..12)?.parse().ok()?;
     let (head, body) = out.split_once("\r\n\r\n")?;
-    let replayed = head
-        .to_ascii_lowercase()
-        .contains("idempotent-replayed: true");
-    Some((status, replayed, body.to_owned()))
+    Some((status, head.to_ascii_lowercase(), body.to_owned()))
+}
+
+/// One payment through gateway `addr`: the status, whether it was a replay, and the body;
+/// `None` when the gateway did not answer in time.
+fn post(addr: &str, key: &str) -> Option<(u16, bool, String)> {
+    let body = format!("{{\"pay\":\"{key}\"}}");
+    let (status, head, body) = http(addr, "/pay", &format!("Idempotency-Key: {key}\r\n"), &body)?;
+    Some((status, head.contains("idempotent-replayed: true"), body))
+}
+
+/// The answer a client of the API hands on for `key`, as the ledger wrote it (`{"key","fence"}`).
+fn answer_of(key: &str, fence: u64) -> String {
+    format!("{{\"key\":\"{key}\",\"fence\":{fence}}}")
+}
+
+/// One payment by a client of `idem serve`: it claims the key from instance `first`, writes to the
+/// ledger under its fence, and stores its answer through another; it sometimes stalls past its
+/// lease before the write (a long pause of its own). What it hands on: the stored answer of a
+/// replay, its own once stored, or nothing (no answer in time, or overtaken, which, as the
+/// gateway does, it never hands on).
+fn run_once(
+    addrs: &[String],
+    first: usize,
+    ledger: &str,
+    key: &str,
+    dice: &mut Dice,
+    stalls: bool,
+) -> Option<(u16, bool, String)> {
+    let begin = serde_json::json!({
+        "namespace": "pay", "key": key, "request": {"pay": key},
+        "lease_ms": cluster::LEASE.as_millis(),
+    });
+    let (status, _, body) = http(&addrs[first], "/v1/records/begin", "", &begin.to_string())?;
+    let answer: serde_json::Value = serde_json::from_str(&body).ok()?;
+    if status != 200 {
+        return Some((status, false, body));
+    }
+    if answer["outcome"] == "replay" {
+        let fence = answer["response"]["fence"].as_u64()?;
+        return Some((200, true, answer_of(key, fence)));
+    }
+    let (fence, lease) = (
+        answer["lease"]["fence"].as_u64()?,
+        answer["lease"]["id"].as_str()?,
+    );
+    if stalls && dice.below(25) == 0 {
+        std::thread::sleep(cluster::LEASE + Duration::from_millis(500));
+    }
+    let write = format!("Idempotency-Key: {key}\r\nIdem-Fence: {fence}\r\n");
+    let (status, _, _) = http(ledger, "/pay", &write, "{}")?;
+    if status != 201 {
+        return None;
+    }
+    let complete = serde_json::json!({
+        "namespace": "pay", "key": key, "lease": lease,
+        "response": {"key": key, "fence": fence},
+    });
+    let at = &addrs[dice.pick(addrs.len())];
+    let (status, _, _) = http(at, "/v1/records/complete", "", &complete.to_string())?;
+    (status == 200).then(|| (201, false, answer_of(key, fence)))
 }
 
 /// A small generator for choices (xorshift), seeded per thread.
@@ -140,8 +196,18 @@ fn strike(c: &mut Cluster, fault: &str, victim: usize) {
 
 #[test]
 fn gateways_under_the_nemesis_keep_every_guarantee() {
+    run(Role::Gateway);
+}
+
+#[test]
+fn api_servers_and_their_clients_under_the_nemesis_keep_every_guarantee() {
+    run(Role::Serve);
+}
+
+/// Three instances of `role`, six clients, the nemesis, then the checker.
+fn run(role: Role) {
     let ledger = Ledger::start();
-    let mut cluster = Cluster::start(3, &ledger);
+    let mut cluster = Cluster::start(role, 3, &ledger);
     let (kinds, left_out) = fault_kinds(&cluster);
     for note in &left_out {
         println!("{note}");
@@ -155,7 +221,7 @@ fn gateways_under_the_nemesis_keep_every_guarantee() {
     }
     let addrs = cluster.addrs();
     println!(
-        "{} gateways on {}; faults: {}",
+        "{} {role:?} instances on {}; faults: {}",
         addrs.len(),
         cluster.store.describe(),
         kinds.join(", ")
@@ -172,10 +238,19 @@ fn gateways_under_the_nemesis_keep_every_guarantee() {
         .unwrap()
         .as_millis();
 
+    let call = {
+        let (addrs, ledger) = (addrs.clone(), ledger.addr.clone());
+        Arc::new(
+            move |at: usize, key: &str, dice: &mut Dice, stalls: bool| match role {
+                Role::Gateway => post(&addrs[at], key),
+                Role::Serve => run_once(&addrs, at, &ledger, key, dice, stalls),
+            },
+        )
+    };
     let clients: Vec<_> = (0..6u64)
         .map(|n| {
             let (addrs, history, stop) = (addrs.clone(), history.clone(), stop.clone());
-            let keys = keys.clone();
+            let (keys, call) = (keys.clone(), call.clone());
             std::thread::spawn(move || {
                 let mut dice = Dice(0x9e37_79b9_7f4a_7c15 ^ (n + 1));
                 while !stop.load(Ordering::Relaxed) {
@@ -191,7 +266,7 @@ fn gateways_under_the_nemesis_keep_every_guarantee() {
                         key: key.clone(),
                         gateway: gw,
                     });
-                    let answer = post(&addrs[gw], &key);
+                    let answer = call(gw, &key, &mut dice, true);
                     history.push(Event::Complete { key, answer });
                     std::thread::sleep(Duration::from_millis(dice.below(30)));
                 }
@@ -214,20 +289,21 @@ fn gateways_under_the_nemesis_keep_every_guarantee() {
         strike(&mut cluster, fault, victim);
         kind += 1;
     }
-    // Quiet: every key settles, then each is asked once more through every gateway.
+    // Quiet: every key settles, then each is asked once more through every instance.
     stop.store(true, Ordering::Relaxed);
     for c in clients {
         c.join().unwrap();
     }
     std::thread::sleep(cluster::LEASE * 2);
+    let mut dice = Dice(11);
     for k in 1..keys.load(Ordering::Relaxed) {
-        for (gw, addr) in addrs.iter().enumerate() {
+        for gw in 0..addrs.len() {
             let key = format!("r{run}-k{k}");
             history.push(Event::Invoke {
                 key: key.clone(),
                 gateway: gw,
             });
-            let answer = post(addr, &key);
+            let answer = call(gw, &key, &mut dice, false);
             history.push(Event::Complete { key, answer });
         }
     }
@@ -235,7 +311,7 @@ fn gateways_under_the_nemesis_keep_every_guarantee() {
         history.save(&path);
     }
     let report = check(&history, &ledger.entries());
-    println!("{report}");
+    println!("{role:?}: {report}");
     assert!(report.faults >= kinds.len(), "the nemesis ran: {report}");
     assert!(report.violations.is_empty(), "{report}");
 }

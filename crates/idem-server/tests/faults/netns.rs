@@ -10,6 +10,7 @@
 //! go when this is dropped.
 
 use std::process::Command;
+use std::sync::atomic::{AtomicUsize, Ordering};
 
 pub(crate) struct Netns {
     name: String,
@@ -39,8 +40,11 @@ fn ip(args: &[&str]) -> Result<(), String> {
 }
 
 impl Netns {
-    /// Namespace `i` of this process, or why it cannot be made here.
-    pub(crate) fn create(i: usize) -> Result<Self, String> {
+    /// A namespace of this process's own, or why it cannot be made here.
+    pub(crate) fn create() -> Result<Self, String> {
+        // Numbered across the process: the tests of one run make theirs at the same time.
+        static MADE: AtomicUsize = AtomicUsize::new(0);
+        let i = MADE.fetch_add(1, Ordering::Relaxed);
         let pid = std::process::id();
         // A second octet of this process's own, so that two runs at once do not share routes.
         let net = format!("10.{}.{i}", 100 + pid % 150);
