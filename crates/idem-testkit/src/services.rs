@@ -182,11 +182,19 @@ impl Supervised {
             .is_ok_and(|s| s.success())
     }
 
+    /// Kills the server and its children, and waits (up to 10 s) until they are gone: a
+    /// PostgreSQL started again while its killed postmaster is still a zombie, or its backends
+    /// still hold its shared memory, refuses to start.
     fn kill(mut self) {
         use std::io::Write;
         if let Some(mut stdin) = self.watchdog.stdin.take() {
             let _ = stdin.write_all(b"keep\n");
         }
+        let children = std::process::Command::new("pgrep")
+            .args(["-P", &self.pid])
+            .output()
+            .map(|o| String::from_utf8_lossy(&o.stdout).into_owned())
+            .unwrap_or_default();
         let _ = std::process::Command::new("sh")
             .arg("-c")
             .arg(KILL_TREE)
@@ -195,6 +203,21 @@ impl Supervised {
             .status();
         drop(self.watchdog.stdin.take());
         let _ = self.watchdog.wait();
+        let pids: Vec<&str> = std::iter::once(self.pid.as_str())
+            .chain(children.split_whitespace())
+            .collect();
+        for _ in 0..400 {
+            if pids.iter().all(|pid| {
+                !std::process::Command::new("kill")
+                    .args(["-0", pid])
+                    .stderr(std::process::Stdio::null())
+                    .status()
+                    .is_ok_and(|s| s.success())
+            }) {
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(25));
+        }
     }
 }
 

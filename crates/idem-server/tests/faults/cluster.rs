@@ -7,7 +7,7 @@ use std::io::{BufRead, BufReader};
 use std::process::{Child, Command, Stdio};
 use std::time::Duration;
 
-use idem_testkit::services::RedisServer;
+use idem_testkit::services::{RedisServer, SqlKind, SqlServer};
 
 use crate::ledger::Ledger;
 use crate::netns::Netns;
@@ -38,53 +38,71 @@ pub(crate) fn signal(signal: &str, pid: u32) {
 pub(crate) enum Store {
     /// A SQLite file: no network between the instances and their store.
     File(String),
-    /// A server of the run's own, which the nemesis may crash and restart.
-    Own(RedisServer),
+    /// A Redis of the run's own, which the nemesis may crash and restart.
+    OwnRedis(RedisServer),
+    /// A PostgreSQL or MariaDB of the run's own, the same.
+    OwnSql(SqlServer),
     /// A server shared with others (`IDEM_FAULTS_STORE`): never restarted.
     Shared(String),
 }
 
 impl Store {
-    /// `IDEM_FAULTS_STORE`: a URL, `sqlite` for a file in `dir`, or (unset) a durable Redis of
-    /// the run's own if `redis-server` runs here, else a file.
+    /// `IDEM_FAULTS_STORE`: `sqlite` for a file in `dir`, `own-postgres` or `own-mariadb` for
+    /// a server of the run's own, a URL for a server of someone else's; or (unset) a durable
+    /// Redis of the run's own if `redis-server` runs here, else a file. A server that cannot
+    /// be run here is a note, and a failure under `CI=true`.
     pub(crate) fn choose(dir: &std::path::Path) -> Self {
         let file = || Self::File(format!("sqlite://{}", dir.join("idem.db").display()));
-        match std::env::var("IDEM_FAULTS_STORE")
-            .ok()
-            .filter(|s| !s.is_empty())
-        {
-            Some(s) if s == "sqlite" => file(),
-            Some(url) => Self::Shared(url),
-            // A missing redis-server is a note here and a failure under CI=true.
-            None => RedisServer::start_durable().map_or_else(file, Self::Own),
+        let sql = |kind| SqlServer::start(kind).map_or_else(file, Self::OwnSql);
+        let chosen = std::env::var("IDEM_FAULTS_STORE").unwrap_or_default();
+        match chosen.as_str() {
+            "" => RedisServer::start_durable().map_or_else(file, Self::OwnRedis),
+            "sqlite" => file(),
+            "own-postgres" => sql(SqlKind::Postgres),
+            "own-mariadb" => sql(SqlKind::MariaDb),
+            url => Self::Shared(url.to_owned()),
         }
+    }
+
+    /// Whether the store is the run's own, which the nemesis may restart.
+    pub(crate) fn own(&self) -> bool {
+        matches!(self, Self::OwnRedis(_) | Self::OwnSql(_))
     }
 
     fn url(&self) -> String {
         match self {
             Self::File(url) | Self::Shared(url) => url.clone(),
-            Self::Own(server) => server.url(),
+            Self::OwnRedis(server) => server.url(),
+            Self::OwnSql(server) => server.url(),
         }
     }
 
     pub(crate) fn describe(&self) -> String {
         let url = self.url();
         let scheme = url.split("://").next().unwrap_or_default().to_owned();
-        match self {
-            Self::Own(_) => format!("{scheme} of the run's own"),
-            _ => scheme,
+        if self.own() {
+            format!("{scheme} of the run's own")
+        } else {
+            scheme
         }
     }
 
     /// Crashes the store (SIGKILL) and starts it again after `down`; false if it is not the
     /// run's own.
     pub(crate) fn crash_and_restart(&mut self, down: Duration) -> bool {
-        let Self::Own(server) = self else {
-            return false;
-        };
-        server.stop();
-        std::thread::sleep(down);
-        server.restart();
+        match self {
+            Self::OwnRedis(server) => {
+                server.stop();
+                std::thread::sleep(down);
+                server.restart();
+            }
+            Self::OwnSql(server) => {
+                server.stop();
+                std::thread::sleep(down);
+                server.restart();
+            }
+            _ => return false,
+        }
         true
     }
 }

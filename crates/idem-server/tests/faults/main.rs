@@ -13,8 +13,9 @@
 //! key, the violations of the stated guarantees (see docs/guarantees.md).
 //!
 //! `IDEM_FAULTS_SECS` sets how long the run lasts at least (default 20; it lasts until every
-//! kind of fault has struck), `IDEM_FAULTS_STORE` the store (default a Redis of the run's own,
-//! `sqlite` for a file, or any store URL, which is then never restarted),
+//! kind of fault has struck), `IDEM_FAULTS_STORE` the store (default a Redis of the run's own;
+//! `own-postgres` or `own-mariadb` for one of those; `sqlite` for a file; or any store URL, a
+//! server the run never restarts),
 //! `IDEM_FAULTS_HISTORY` a file to keep the history in.
 
 #![allow(clippy::unwrap_used)]
@@ -34,7 +35,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use check::{Event, History, check};
-use cluster::{Cluster, Role, Store};
+use cluster::{Cluster, Role};
 use ledger::Ledger;
 
 /// How long a client waits for an answer before it gives up and retries elsewhere.
@@ -160,7 +161,7 @@ fn fault_kinds(cluster: &Cluster) -> (Vec<&'static str>, Vec<String>) {
         None => kinds.push("partition"),
         Some(why) => left_out.push(format!("{why}: no partitions")),
     }
-    if matches!(cluster.store, Store::Own(_)) {
+    if cluster.store.own() {
         kinds.push("store");
     } else {
         left_out.push("the store is not the run's own: it is never restarted".into());
