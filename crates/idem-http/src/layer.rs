@@ -11,13 +11,16 @@ use crate::scope::ScopeSource;
 use crate::service::IdempotencyService;
 
 /// What every request on a guarded route shares: where records live, the clock, the route's
-/// policy, and where a request's scope comes from.
+/// policy, where a request's scope comes from, and the answers still being stored.
 #[derive(Clone)]
 pub(crate) struct Config {
     pub(crate) store: SharedStore,
     pub(crate) clock: Arc<dyn Clock>,
     pub(crate) policy: Policy,
     pub(crate) scope: ScopeSource,
+    /// One permit for each answer whose storing is retried in the background
+    /// ([`LATE_ANSWERS`](crate::settle::LATE_ANSWERS) at most).
+    pub(crate) late: Arc<tokio::sync::Semaphore>,
 }
 
 /// A [`Layer`] that gives a route `Idempotency-Key` semantics.
@@ -48,6 +51,7 @@ impl IdempotencyLayer {
                 clock: Arc::new(SystemClock),
                 policy,
                 scope: ScopeSource::default(),
+                late: Arc::new(tokio::sync::Semaphore::new(crate::settle::LATE_ANSWERS)),
             }),
         }
     }

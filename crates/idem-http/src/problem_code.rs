@@ -121,6 +121,8 @@ catalogue! {
         "An earlier request with the key may or may not have taken effect; it is not run again until the outcome is resolved.");
     ResponseNotReplayable = (CONFLICT, "response_not_replayable", "Response not replayable",
         "The request with the key was processed but its response was too large to store; it is not run again.");
+    AnswerNotStored = (SERVICE_UNAVAILABLE, "answer_not_stored", "Answer not stored",
+        "The request ran, but the record store failed before its answer was stored, so the answer is not given (with Retry-After): a retry with the key is given the answer once it is stored, or runs again when the lease ends.");
     ResponseFailed = (BAD_GATEWAY, "response_failed", "Response failed",
         "The handler's response broke off while it was read; the outcome is recorded as unknown.");
     HandlerFailed = (INTERNAL_SERVER_ERROR, "handler_failed", "Handler failed",

@@ -95,20 +95,22 @@ where
                     headers: stored_headers(&parts.headers, &policy.replay_headers),
                     body: bytes.clone(),
                 };
-                if settler.complete(stored).await == Completed::Overtaken {
-                    return Ok(overtaken());
+                match settler.complete(stored).await {
+                    Completed::Done => Ok(Response::from_parts(parts, boxed(Full::new(bytes)))),
+                    Completed::Overtaken => Ok(overtaken()),
+                    Completed::NotStored => Ok(not_stored()),
                 }
-                Ok(Response::from_parts(parts, boxed(Full::new(bytes))))
             }
             Collected::TooLarge(prefix, rest) => {
                 let status = parts.status;
-                if settler.complete(Stored::TooLarge { status }).await == Completed::Overtaken {
-                    return Ok(overtaken());
+                match settler.complete(Stored::TooLarge { status }).await {
+                    Completed::Done => Ok(Response::from_parts(
+                        parts,
+                        boxed(Prefixed::new(prefix, rest)),
+                    )),
+                    Completed::Overtaken => Ok(overtaken()),
+                    Completed::NotStored => Ok(not_stored()),
                 }
-                Ok(Response::from_parts(
-                    parts,
-                    boxed(Prefixed::new(prefix, rest)),
-                ))
             }
             Collected::Failed => {
                 settler.unknown().await;
@@ -134,6 +136,29 @@ fn overtaken() -> Response<ResponseBody> {
     )
 }
 
+/// The answer to a caller whose handler ran but whose answer the store did not take: not the
+/// handler's answer, which a retry might never be given (if the lease ends before it is
+/// stored, the retry runs again), but an error to retry, so that every caller is given the one
+/// answer the key keeps.
+fn not_stored() -> Response<ResponseBody> {
+    reject(
+        ProblemCode::AnswerNotStored
+            .problem(
+                "The request ran, but its answer could not be stored yet; retry with the same \
+                 key to be given the answer that is kept.",
+            )
+            .retry_after(Duration::from_secs(1)),
+    )
+}
+
+/// How many answers a layer (or gateway) goes on trying to store in the background after the
+/// store failed, at most; past it, such a record stays in progress until its lease ends.
+pub(crate) const LATE_ANSWERS: usize = 1024;
+
+/// How long after its lease ends an answer is still offered to the store: until then no
+/// other attempt may have taken the key, and the store takes it if none has.
+const LATE_GRACE: Duration = Duration::from_secs(30);
+
 /// The response headers kept for replay: the policy's choice, never a hop-by-hop field.
 fn stored_headers(headers: &HeaderMap, keep: &ReplayHeaders) -> HeaderMap {
     let mut out = headers.clone();
@@ -157,11 +182,15 @@ struct Settler {
 /// What became of a completion.
 #[derive(Debug, PartialEq, Eq)]
 enum Completed {
-    /// Stored, or the store could not be reached (the record stays in progress until its lease
-    /// ends; the caller still gets the answer, the only one there is yet).
+    /// Stored.
     Done,
     /// Another attempt holds the key: this answer is not the one kept.
     Overtaken,
+    /// The store failed: the answer is not kept (yet: a failure that may pass is retried in
+    /// the background, see [`complete_later`]). The record stays in progress until it is
+    /// stored or its lease ends, after which a retry runs again; so the caller is not given
+    /// an answer that retries might never be given.
+    NotStored,
 }
 
 impl Settler {
@@ -193,12 +222,15 @@ impl Settler {
                 );
                 Completed::Overtaken
             }
+            Err(LeaseError::Store(e)) if e.is_transient() => {
+                complete_later(cfg, key, lease, response, kind);
+                Completed::NotStored
+            }
             Err(e) => {
                 count_settled("failed");
-                // The answer still goes to the caller; the record stays in progress until
-                // its lease ends, after which a retry may run again.
+                // The record stays in progress until its lease ends; then a retry runs again.
                 tracing::warn!(key = %key.log_tag(), error = %e, "could not store the answer");
-                Completed::Done
+                Completed::NotStored
             }
         }
     }
@@ -224,6 +256,58 @@ impl Settler {
         self.settled = true;
         release(&self.cfg, &self.key, &self.lease).await;
     }
+}
+
+/// Goes on offering an answer the store failed to take, backing off from 100 ms to 2 s, until
+/// it is stored, another attempt holds the key, or [`LATE_GRACE`] after the lease ended; in a
+/// task of its own, so that the caller's answer does not wait. At most [`LATE_ANSWERS`] at
+/// once: past that the answer is dropped and the record waits for its lease to end.
+fn complete_later(
+    cfg: &Arc<Config>,
+    key: &Key,
+    lease: &Lease,
+    response: Bytes,
+    kind: &'static str,
+) {
+    let (Ok(permit), Ok(rt)) = (
+        cfg.late.clone().try_acquire_owned(),
+        tokio::runtime::Handle::try_current(),
+    ) else {
+        count_settled("failed");
+        tracing::warn!(key = %key.log_tag(), "could not store the answer");
+        return;
+    };
+    let (cfg, key, lease) = (cfg.clone(), key.clone(), *lease);
+    rt.spawn(async move {
+        let _permit = permit;
+        let mut pause = Duration::from_millis(100);
+        loop {
+            tokio::time::sleep(pause).await;
+            pause = (pause * 2).min(Duration::from_secs(2));
+            let now = cfg.clock.now();
+            match cfg
+                .store
+                .complete(&key, &lease, response.clone(), now)
+                .await
+            {
+                Ok(()) => {
+                    count_settled(kind);
+                    return;
+                }
+                Err(LeaseError::Store(e))
+                    if e.is_transient() && now < lease.expires_at.saturating_add(LATE_GRACE) => {}
+                Err(LeaseError::Stale(_)) => {
+                    count_settled("overtaken");
+                    return;
+                }
+                Err(e) => {
+                    count_settled("failed");
+                    tracing::warn!(key = %key.log_tag(), error = %e, "could not store the answer");
+                    return;
+                }
+            }
+        }
+    });
 }
 
 async fn release(cfg: &Config, key: &Key, lease: &Lease) {

@@ -151,6 +151,70 @@ async fn a_failing_store_fails_closed() {
 }
 
 #[tokio::test]
+async fn an_answer_the_store_did_not_take_is_not_given_and_is_stored_when_the_store_returns() {
+    let store = Arc::new(FaultyStore::new(MemoryStore::new()));
+    let app = app_on(store.clone(), Policy::default());
+    let first = app.spawn("/slow", "k");
+    app.counters.entered.notified().await;
+    // The store goes away while the handler runs: its answer cannot be stored.
+    store.set_down(true);
+    app.counters.gate.notify_one();
+    let first = app.reply(first.await.unwrap()).await;
+    assert_eq!(
+        first.status,
+        StatusCode::SERVICE_UNAVAILABLE,
+        "{}",
+        first.body
+    );
+    assert_eq!(first.code(), "answer_not_stored");
+    assert_eq!(first.headers["retry-after"], "1");
+    assert!(!first.body.contains("slow run"), "{}", first.body);
+    // The store is back: the answer is stored in the background, and a retry is given it.
+    store.set_down(false);
+    let retry = within("the answer is stored", async {
+        loop {
+            let r = app.send(post_with("/slow", "k", "")).await;
+            if r.replayed() {
+                return r;
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    })
+    .await;
+    assert_eq!(retry.body, "slow run 1");
+    assert_eq!(app.runs(), 1);
+}
+
+#[tokio::test]
+async fn an_answer_never_stored_runs_again_after_its_lease_and_only_that_answer_is_given() {
+    let store = Arc::new(FaultyStore::new(MemoryStore::new()));
+    let app = app_on(
+        store.clone(),
+        Policy::default().lease(Duration::from_secs(5)),
+    );
+    let first = app.spawn("/slow", "k");
+    app.counters.entered.notified().await;
+    store.set_down(true);
+    app.counters.gate.notify_one();
+    let first = app.reply(first.await.unwrap()).await;
+    assert_eq!(first.code(), "answer_not_stored");
+    // The store stays away until well past the lease and the time an answer is still
+    // offered: the background attempt gives up, and the key is taken over.
+    app.clock.advance(Duration::from_secs(60));
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    store.set_down(false);
+    let again = app.spawn("/slow", "k");
+    app.counters.entered.notified().await;
+    app.counters.gate.notify_one();
+    let again = app.reply(again.await.unwrap()).await;
+    assert_eq!(again.status, StatusCode::OK, "{}", again.body);
+    assert_eq!(again.body, "slow run 2");
+    let replay = app.send(post_with("/slow", "k", "")).await;
+    assert!(replay.replayed());
+    assert_eq!(replay.body, "slow run 2");
+}
+
+#[tokio::test]
 async fn the_handler_sees_a_rising_fence() {
     let app = app(Policy::default());
     let fence = |body: &str| body.parse::<u64>().unwrap();

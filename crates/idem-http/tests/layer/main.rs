@@ -206,6 +206,10 @@ fn post_with(path: &str, key: &str, body: &str) -> Request<Body> {
 impl App {
     async fn send(&self, req: Request<Body>) -> Reply {
         let res = self.router.clone().oneshot(req).await.unwrap();
+        self.reply(res).await
+    }
+
+    async fn reply(&self, res: Response) -> Reply {
         let status = res.status();
         let headers = res.headers().clone();
         let body = axum::body::to_bytes(res.into_body(), usize::MAX)
