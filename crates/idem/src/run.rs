@@ -162,7 +162,8 @@ pub enum RunError<E> {
     #[error("the key was used with a different input")]
     Mismatch,
     /// The work ran, but its lease had been taken over (it ran longer than the lease), so its
-    /// result was not stored: another attempt owns the key now.
+    /// result was not stored, nor its retryable failure acted on: another attempt owns the key
+    /// now.
     #[error("the lease was lost while the work ran; its result was not stored")]
     LeaseLost,
     /// The work ran, but storing its result failed; the record stays in progress until its
@@ -401,9 +402,14 @@ impl<'a, S: Store + Clone, C: Clock + Clone, P> Once<'a, S, C, P> {
                 return Err(RunError::Codec(codec));
             }
             None => {
-                // If the release fails the key frees itself when the lease runs out; the
-                // caller still gets the work's own error.
-                let _ = settle(engine, self.key, lease, None).await;
+                // Another attempt took the key over while the work ran: its outcome is the
+                // key's, and this failure (perhaps its very consequence, as a fenced
+                // resource's refusal) is nobody's to act on. If the release fails otherwise,
+                // the key frees itself when the lease runs out and the caller still gets the
+                // work's own error.
+                if let Err(e @ LeaseError::Stale(_)) = settle(engine, self.key, lease, None).await {
+                    return Err(lease_error(e));
+                }
             }
         }
         match result {

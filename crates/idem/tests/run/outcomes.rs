@@ -206,3 +206,45 @@ async fn a_store_chosen_at_run_time_works_in_a_spawned_task() {
     });
     assert_eq!(task.await.unwrap().unwrap(), 7);
 }
+
+#[tokio::test]
+async fn a_retryable_failure_of_an_overtaken_run_is_a_lost_lease() {
+    // A relay's POST refused by a fenced target because a newer attempt already delivered it
+    // is such a failure: the newer attempt's answer is the key's, and this one must not be
+    // reported (or dead-lettered) as the work's own failure.
+    let clock = ManualClock::starting_now();
+    let idem = Idempotency::new(MemoryStore::new()).with_clock(clock.clone());
+    let lease = Duration::from_secs(5);
+    let (go, wait) = tokio::sync::oneshot::channel::<()>();
+    let (started_tx, started) = tokio::sync::oneshot::channel();
+    let first = {
+        let idem = idem.clone();
+        tokio::spawn(async move {
+            idem.once(&key("overtaken"))
+                .lease(lease)
+                .run(|_| async move {
+                    started_tx.send(()).unwrap();
+                    let _ = wait.await;
+                    Err::<u8, _>(PayError::Timeout)
+                })
+                .await
+        })
+    };
+    started.await.unwrap();
+    clock.advance(lease + Duration::from_secs(1));
+    let second = idem
+        .once(&key("overtaken"))
+        .run(|_| async { Ok::<_, PayError>(2) })
+        .await
+        .unwrap();
+    assert_eq!(second.value, 2);
+    go.send(()).unwrap();
+    let first = first.await.unwrap();
+    assert!(matches!(first, Err(RunError::LeaseLost)), "{first:?}");
+    let replay = idem
+        .once(&key("overtaken"))
+        .run(|_| async { Ok::<_, PayError>(3) })
+        .await
+        .unwrap();
+    assert_eq!((replay.value, replay.replayed), (2, true));
+}
