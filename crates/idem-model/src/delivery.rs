@@ -68,9 +68,11 @@ impl DeliveryBounds {
         timers: 1,
         duplicates: 1,
     };
-    /// The documented longer run: a third claim each.
+    /// The documented longer run: a third consumer, with one lease expiry (with two, the
+    /// search needs more than 3.5 GiB).
     pub const LARGE: Self = Self {
-        begins: 3,
+        consumers: 3,
+        expiries: 1,
         ..Self::SMALL
     };
 }
