@@ -1,4 +1,6 @@
-//! A model of idem's record protocol, checked exhaustively with [`stateright`].
+//! Models of idem's protocols, checked exhaustively with [`stateright`]: one key's record
+//! ([`record`]), a distributed lock with fences ([`lock`]), and a message's way from the broker
+//! through a consumer and back ([`delivery`]).
 //!
 //! The model is a key's record in a store, several clients that retry one request against it
 //! (begin, a write to a fenced resource, a step, complete, release, crash at any point, pause
@@ -13,9 +15,18 @@
 //! against the real memory and SQLite stores and compare every answer, so the model cannot
 //! drift from what ships.
 //!
-//! The guarantees are written as [`stateright::Property`]s of [`RecordModel`]; see
-//! docs/guarantees.md for what each one means and what idem does not promise.
+//! The lock model calls idem-core's lock state machine ([`idem_core::LockState`]) the same
+//! way, and the delivery model the record's, in the order `idem-mq`'s consumer and `idem relay`
+//! call them.
+//!
+//! The guarantees are written as [`stateright::Property`]s of [`RecordModel`], [`LockModel`]
+//! and [`DeliveryModel`]; see docs/guarantees.md for what each one means and what idem does not
+//! promise.
 
+pub mod delivery;
+pub mod lock;
 pub mod record;
 
+pub use delivery::{DeliveryBounds, DeliveryBug, DeliveryModel, Mode};
+pub use lock::{LockBounds, LockBug, LockModel};
 pub use record::{Action, Answer, Bounds, Bug, RecordModel, State};
