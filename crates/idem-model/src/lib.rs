@@ -16,6 +16,7 @@
 //! The guarantees are written as [`stateright::Property`]s of [`RecordModel`]; see
 //! docs/guarantees.md for what each one means and what idem does not promise.
 
+pub mod linearizable;
 pub mod record;
 
 pub use record::{Action, Answer, Bounds, Bug, RecordModel, State};
