@@ -24,6 +24,7 @@
 //! promise.
 
 pub mod delivery;
+pub mod linearizable;
 pub mod lock;
 pub mod record;
 
