@@ -13,6 +13,7 @@
 mod check;
 mod cluster;
 mod ledger;
+mod relay;
 
 use std::io::{Read, Write};
 use std::net::TcpStream;
