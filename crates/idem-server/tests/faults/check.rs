@@ -21,6 +21,18 @@ pub(crate) enum Event {
     },
     /// The nemesis struck.
     Fault { fault: String, gateway: usize },
+    /// What happened in a relay run (`relay.rs`).
+    Relay(RelayEvent),
+}
+
+/// What happened in a relay run.
+#[allow(dead_code)]
+#[derive(Debug, Clone)]
+pub(crate) enum RelayEvent {
+    /// The publisher published a message with this id (once per copy).
+    Published { id: String },
+    /// The nemesis struck relay `relay`.
+    Fault { fault: String, relay: usize },
 }
 
 pub(crate) struct History {
@@ -123,6 +135,7 @@ pub(crate) fn check(history: &History, ledger: &Entries) -> Report {
         match e {
             Event::Invoke { .. } => r.requests += 1,
             Event::Fault { .. } => r.faults += 1,
+            Event::Relay(_) => {}
             Event::Complete { key, answer } => match answer {
                 Some((200..=299, replayed, body)) => {
                     r.answered += 1;
@@ -166,6 +179,127 @@ pub(crate) fn check(history: &History, ledger: &Entries) -> Report {
                 "{key}: answered {first}, the ledger counts fence {counted:?}"
             ));
         }
+    }
+    r
+}
+
+/// What the broker held once a relay run had drained.
+#[derive(Debug, Default)]
+pub(crate) struct Drained {
+    /// Messages still in the queue, or waiting to go back to it: never acked.
+    pub(crate) left: u64,
+    /// The dead letters: each one's message id and reason.
+    pub(crate) dead: Vec<(String, String)>,
+}
+
+/// What a relay run shows.
+#[derive(Debug, Default)]
+pub(crate) struct RelayReport {
+    /// Distinct message ids published.
+    pub(crate) messages: usize,
+    /// Ids published a second time (a redelivery the records must drop).
+    pub(crate) duplicates: usize,
+    pub(crate) faults: usize,
+    /// Ids whose effect the ledger counts.
+    pub(crate) effects: usize,
+    /// Writes the ledger took that a later attempt's higher fence superseded.
+    pub(crate) superseded: usize,
+    /// Writes the ledger refused for a lower fence.
+    pub(crate) refused: usize,
+    pub(crate) dead_letters: usize,
+    pub(crate) violations: Vec<String>,
+}
+
+impl fmt::Display for RelayReport {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "{} messages ({} published twice), {} faults; ledger: {} effects, {} writes \
+             superseded by a higher fence, {} refused as stale; {} dead letters; {} violations",
+            self.messages,
+            self.duplicates,
+            self.faults,
+            self.effects,
+            self.superseded,
+            self.refused,
+            self.dead_letters,
+            self.violations.len()
+        )?;
+        for v in &self.violations {
+            write!(f, "\n  {v}")?;
+        }
+        Ok(())
+    }
+}
+
+/// Per message id published in a relay run: the ledger counts its effect (none lost), no two
+/// writes it took share a fence (no double effect), and the broker holds nothing of it once
+/// the run drained: no message left unacked, and no dead letter (the ledger answers 2xx, or
+/// 409 to an attempt overtaken by a higher fence). The ledger's keys are the message ids.
+pub(crate) fn check_relay(history: &History, ledger: &Entries, drained: &Drained) -> RelayReport {
+    let mut r = RelayReport::default();
+    let mut copies: BTreeMap<String, usize> = BTreeMap::new();
+    for e in history.events() {
+        match e {
+            Event::Relay(RelayEvent::Published { id }) => *copies.entry(id).or_default() += 1,
+            Event::Relay(RelayEvent::Fault { .. }) => r.faults += 1,
+            _ => {}
+        }
+    }
+    r.messages = copies.len();
+    r.duplicates = copies.values().filter(|n| **n > 1).count();
+    let mut writes: HashMap<(&str, u64), usize> = HashMap::new();
+    let mut per_key: HashMap<&str, usize> = HashMap::new();
+    for (key, fence) in &ledger.accepted {
+        *writes.entry((key, *fence)).or_default() += 1;
+        *per_key.entry(key).or_default() += 1;
+    }
+    let mut doubled: Vec<_> = writes.iter().filter(|(_, n)| **n > 1).collect();
+    doubled.sort();
+    for ((key, fence), n) in doubled {
+        r.violations.push(format!(
+            "{key}: {n} writes under one fence {fence} (a double effect)"
+        ));
+    }
+    r.superseded = per_key.values().map(|n| n - 1).sum();
+    r.refused = ledger.refused.len();
+    r.effects = ledger.counted.len();
+    r.dead_letters = drained.dead.len();
+    let mut strangers: Vec<_> = ledger
+        .counted
+        .keys()
+        .filter(|k| !copies.contains_key(*k))
+        .collect();
+    strangers.sort();
+    for key in strangers {
+        r.violations
+            .push(format!("{key}: an effect for a message nobody published"));
+    }
+    let dead: BTreeMap<&str, &str> = drained
+        .dead
+        .iter()
+        .map(|(id, why)| (id.as_str(), why.as_str()))
+        .collect();
+    for (id, n) in &copies {
+        let counted = ledger.counted.get(id);
+        match (counted, dead.get(id.as_str())) {
+            (None, None) => r.violations.push(format!(
+                "{id}: lost: published {n} times, no effect at the ledger, no dead letter"
+            )),
+            (None, Some(why)) => r.violations.push(format!(
+                "{id}: dead-lettered ({why}), no effect at the ledger"
+            )),
+            (Some(fence), Some(why)) => r.violations.push(format!(
+                "{id}: dead-lettered ({why}) though the ledger counts its effect (fence {fence})"
+            )),
+            (Some(_), None) => {}
+        }
+    }
+    if drained.left > 0 {
+        r.violations.push(format!(
+            "{} messages left in the broker, never acked",
+            drained.left
+        ));
     }
     r
 }
@@ -215,5 +349,69 @@ mod planted {
         answered(&h, "lost", "{\"key\":\"lost\",\"fence\":7000}");
         let r = check(&h, &ledger(&[]));
         assert_eq!(r.violations.len(), 1, "{r}");
+    }
+
+    fn published(history: &History, ids: &[&str]) {
+        for id in ids {
+            history.push(Event::Relay(RelayEvent::Published {
+                id: (*id).to_owned(),
+            }));
+        }
+    }
+
+    #[test]
+    fn a_relay_run_with_every_effect_counted_once_passes() {
+        let h = History::default();
+        published(&h, &["a", "b", "b"]);
+        // b ran again after its lease ran out: superseded, not doubled.
+        let r = check_relay(
+            &h,
+            &ledger(&[("a", 10), ("b", 10), ("b", 11)]),
+            &Drained::default(),
+        );
+        assert!(r.violations.is_empty(), "{r}");
+        assert_eq!(
+            (r.messages, r.duplicates, r.effects, r.superseded),
+            (2, 1, 2, 1)
+        );
+    }
+
+    #[test]
+    fn a_lost_message_is_flagged() {
+        let h = History::default();
+        published(&h, &["a", "lost"]);
+        let r = check_relay(&h, &ledger(&[("a", 10)]), &Drained::default());
+        assert_eq!(r.violations.len(), 1, "{r}");
+        assert!(r.violations[0].starts_with("lost: lost"), "{r}");
+    }
+
+    #[test]
+    fn a_double_effect_of_a_message_is_flagged() {
+        let h = History::default();
+        published(&h, &["a", "a"]);
+        let r = check_relay(&h, &ledger(&[("a", 10), ("a", 10)]), &Drained::default());
+        assert_eq!(r.violations.len(), 1, "{r}");
+        assert!(r.violations[0].contains("a double effect"), "{r}");
+    }
+
+    #[test]
+    fn dead_letters_and_messages_left_unacked_are_flagged() {
+        let h = History::default();
+        published(&h, &["a", "b"]);
+        let drained = Drained {
+            left: 1,
+            dead: vec![
+                ("a".into(), "refused".into()),
+                ("b".into(), "refused".into()),
+            ],
+        };
+        let r = check_relay(&h, &ledger(&[("a", 10)]), &drained);
+        assert_eq!(r.violations.len(), 3, "{r}");
+        assert!(
+            r.violations[0].contains("though the ledger counts its effect"),
+            "{r}"
+        );
+        assert!(r.violations[1].contains("no effect at the ledger"), "{r}");
+        assert!(r.violations[2].contains("never acked"), "{r}");
     }
 }

@@ -27,6 +27,7 @@ mod cluster;
 mod ledger;
 mod netns;
 mod proxy;
+mod relay;
 
 use std::io::{Read, Write};
 use std::net::TcpStream;
