@@ -216,12 +216,15 @@ impl Broker {
         }
     }
 
-    /// Messages the broker has not seen settled: ready or waiting in a delay queue
-    /// (RabbitMQ: a delivery held by a live connection is not counted), or not yet delivered
-    /// or not acked (JetStream).
+    /// Messages the broker has not seen settled: ready or waiting in a delay queue, or
+    /// delivered and not acked (RabbitMQ: asked of `rabbitmqctl` where it runs, since AMQP
+    /// tells only the ready ones), or not yet delivered or not acked (JetStream).
     async fn unsettled(&self) -> u64 {
         match self {
             Broker::Amqp { url, queue } => {
+                if let Some(n) = rabbitmqctl_unsettled(queue) {
+                    return n;
+                }
                 let conn = Connection::connect(url, ConnectionProperties::default())
                     .await
                     .unwrap();
@@ -359,6 +362,33 @@ impl Broker {
             }
         }
     }
+}
+
+/// Messages ready or delivered and not acked in `queue` and its delay queues, as the broker
+/// itself counts them; `None` where `rabbitmqctl` does not run here.
+fn rabbitmqctl_unsettled(queue: &str) -> Option<u64> {
+    let out = std::process::Command::new("rabbitmqctl")
+        .args([
+            "-q",
+            "list_queues",
+            "name",
+            "messages_ready",
+            "messages_unacknowledged",
+        ])
+        .output()
+        .ok()
+        .filter(|o| o.status.success())?;
+    let delay = format!("{queue}.delay.");
+    let n = String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .filter_map(|line| {
+            let mut cols = line.split_whitespace();
+            let name = cols.next()?;
+            (name == queue || name.starts_with(&delay)).then_some(())?;
+            Some(cols.filter_map(|c| c.parse::<u64>().ok()).sum::<u64>())
+        })
+        .sum();
+    Some(n)
 }
 
 /// The relay processes, on one store, each writing its log to a file of the run's.
