@@ -232,6 +232,32 @@ fn the_records_tools_open_an_existing_store_only() {
     }
 }
 
+/// `--store` is taken before or after the subcommand, the same store either way.
+#[tokio::test]
+async fn the_store_is_named_on_either_side_of_the_subcommand() {
+    let dir = tempfile::tempdir().unwrap();
+    let db = dir.path().join("idem.db");
+    populate(&db).await;
+    let before = idem(&db, &["counts", "--json"]);
+    let after = Command::new(env!("CARGO_BIN_EXE_idem"))
+        .args(["records", "counts", "--json", "--store"])
+        .arg(format!("sqlite://{}", db.display()))
+        .stdin(Stdio::null())
+        .output()
+        .unwrap();
+    assert!(after.status.success(), "{}", stderr(&after));
+    let counts = |o: &Output| {
+        let mut v: Value = serde_json::from_str(&stdout(o)).unwrap();
+        // The one figure that moves between the two runs.
+        v.as_object_mut()
+            .unwrap()
+            .remove("oldest_in_progress_seconds");
+        v
+    };
+    assert_eq!(counts(&after), counts(&before));
+    assert_eq!(counts(&after)["total"], 4);
+}
+
 /// A repair that would touch an attempt still in progress changes nothing without --force; a
 /// filter leaves idem's own records out, and naming one by its key is refused.
 #[tokio::test]

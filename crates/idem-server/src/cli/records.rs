@@ -22,8 +22,13 @@ macro_rules! say {
 #[derive(clap::Args)]
 pub(crate) struct RecordsArgs {
     /// The store: sqlite://PATH, memory://, postgres://…, mysql://…, redis://… (an existing
-    /// one: a missing SQLite file is not created)
-    #[arg(long, env = "IDEM_STORE", default_value = "sqlite://idem.db")]
+    /// one: a missing SQLite file is not created); before or after the subcommand
+    #[arg(
+        long,
+        env = "IDEM_STORE",
+        default_value = "sqlite://idem.db",
+        global = true
+    )]
     store: String,
 
     #[command(subcommand)]
