@@ -162,14 +162,17 @@ impl NatsSourceBuilder {
             .await
             .map_err(|e| MqError::broker(format!("stream {} not found", self.stream), e))?;
         let wanted_filter = self.filter_subject.clone().unwrap_or_default();
-        if self.binding == Binding::CreateIfMissing {
+        // A consumer made earlier is checked as it is, whatever filter this builder names.
+        let exists =
+            self.binding == Binding::Bind || stream.consumer_info(&self.consumer).await.is_ok();
+        if !exists {
             // Before creating anything, with the filter the consumer would get.
             check_dead_letter(&js, stream.cached_info(), &wanted_filter, &dead_letter).await?;
         }
         let consumer = open_consumer(&stream, &self).await?;
         let info = consumer.cached_info().clone();
-        if self.binding == Binding::Bind || info.config.filter_subject != wanted_filter {
-            // The consumer as it is (bound, or made earlier with another filter).
+        if exists || info.config.filter_subject != wanted_filter {
+            // The consumer as it is (bound, made earlier, or by another at the same time).
             check_dead_letter(
                 &js,
                 stream.cached_info(),

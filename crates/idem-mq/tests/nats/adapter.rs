@@ -197,6 +197,13 @@ async fn a_dead_letter_subject_read_back_or_not_stored_is_refused() {
         .connect(&url)
         .await
         .expect("a filtered consumer does not read its dead letters");
+    // The durable consumer exists with that filter: a builder that names no filter uses it
+    // as it is, and so is not refused.
+    NatsSource::builder(&streams.name, "dl-filtered")
+        .dead_letter_subject(format!("{}.other.dead", streams.name))
+        .connect(&url)
+        .await
+        .expect("an existing filtered consumer is checked as it is");
     let err = NatsSource::builder(&streams.name, "dl2")
         .dead_letter_subject(format!("{}.nowhere", streams.name))
         .connect(&url)
