@@ -1,13 +1,18 @@
-//! Real `idem gateway` processes on one store, clients retrying keys through any of them, a
-//! fenced ledger upstream, and a nemesis that, on a schedule it records:
-//! - stops a gateway past its lease (SIGSTOP, then SIGCONT);
+//! Real `idem gateway` and `idem serve` processes on one store, a fenced ledger, and a nemesis.
+//! Three runs: clients retrying payments through any of three gateways in front of the ledger;
+//! clients of three API servers claiming payments, writing to the ledger and storing the
+//! answer; and clients taking four locks through the API servers and writing under their
+//! fences. The nemesis, on a schedule it records:
+//! - stops an instance past its lease (SIGSTOP, then SIGCONT);
 //! - kills one and restarts it (SIGKILL);
 //! - restarts one with its wall clock stepped past the lease (libfaketime);
 //! - cuts one off from its store while its clients still reach it (a route in its network
 //!   namespace);
 //! - stalls one's store connections past the lease, delays and reorders them, or cuts them
 //!   (a proxy between it and its store);
-//! - crashes the store and restarts it (a durable Redis of the run's own).
+//! - crashes the store and restarts it (a server of the run's own).
+//!
+//! `relay.rs` puts `idem relay` under the same kinds of fault.
 //!
 //! Every operation goes to a history; the checker reads it with the ledger and reports, per
 //! key, the violations of the stated guarantees (see docs/guarantees.md).
@@ -121,6 +126,42 @@ fn run_once(
     (status == 200).then(|| (201, false, answer_of(key, fence)))
 }
 
+/// One holding of lock `name` by a client of `idem serve`: it acquires the lock from instance
+/// `first` (waiting up to a second for it), writes to the ledger under the holding's fence
+/// (sometimes stalling past its lease first), and releases it through any instance. Nothing
+/// is handed on: the ledger's writes are what the checker reads.
+fn hold_lock(
+    addrs: &[String],
+    first: usize,
+    ledger: &str,
+    name: &str,
+    dice: &mut Dice,
+    stalls: bool,
+) -> Option<(u16, bool, String)> {
+    let acquire = serde_json::json!({"lease_ms": cluster::LEASE.as_millis(), "wait_ms": 1000});
+    let path = format!("/v1/locks/{name}/acquire");
+    let (status, _, body) = http(&addrs[first], &path, "", &acquire.to_string())?;
+    if status != 200 {
+        return Some((status, false, body));
+    }
+    let held: serde_json::Value = serde_json::from_str(&body).ok()?;
+    let (fence, lock) = (held["fence"].as_u64()?, held["lock"].as_str()?);
+    if stalls && dice.below(25) == 0 {
+        std::thread::sleep(cluster::LEASE + Duration::from_millis(500));
+    }
+    let write = format!("Idempotency-Key: {name}\r\nIdem-Fence: {fence}\r\n");
+    http(ledger, "/pay", &write, "{}")?;
+    let release = serde_json::json!({ "lock": lock });
+    let at = &addrs[dice.pick(addrs.len())];
+    http(
+        at,
+        &format!("/v1/locks/{name}/release"),
+        "",
+        &release.to_string(),
+    );
+    None
+}
+
 /// A small generator for choices (xorshift), seeded per thread.
 struct Dice(u64);
 
@@ -198,20 +239,53 @@ fn strike(c: &mut Cluster, fault: &str, victim: usize) {
     }
 }
 
+/// What the clients do.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Work {
+    /// Payments through `idem gateway`.
+    Gateway,
+    /// Payments claimed and stored through `idem serve`'s record API.
+    Records,
+    /// Writes under four locks taken through `idem serve`'s lock API.
+    Locks,
+}
+
 #[test]
 fn gateways_under_the_nemesis_keep_every_guarantee() {
-    run(Role::Gateway);
+    run(Work::Gateway);
 }
 
 #[test]
 fn api_servers_and_their_clients_under_the_nemesis_keep_every_guarantee() {
-    run(Role::Serve);
+    run(Work::Records);
 }
 
-/// Three instances of `role`, six clients, the nemesis, then the checker.
-fn run(role: Role) {
+#[test]
+fn locks_through_api_servers_under_the_nemesis_keep_their_fences() {
+    run(Work::Locks);
+}
+
+/// Three instances, six clients doing `work`, the nemesis, then the checker.
+fn run(work: Work) {
+    let role = match work {
+        Work::Gateway => Role::Gateway,
+        Work::Records | Work::Locks => Role::Serve,
+    };
     let ledger = Ledger::start();
     let mut cluster = Cluster::start(role, 3, &ledger);
+    if work == Work::Locks {
+        let probe = serde_json::json!({"lease_ms": 1000});
+        let held = http(
+            &cluster.addrs()[0],
+            "/v1/locks/probe/acquire",
+            "",
+            &probe.to_string(),
+        );
+        if held.is_some_and(|(status, _, _)| status == 501) {
+            println!("the {} store keeps no locks", cluster.store.describe());
+            return;
+        }
+    }
     let (kinds, left_out) = fault_kinds(&cluster);
     for note in &left_out {
         println!("{note}");
@@ -225,7 +299,7 @@ fn run(role: Role) {
     }
     let addrs = cluster.addrs();
     println!(
-        "{} {role:?} instances on {}; faults: {}",
+        "{} {role:?} instances for {work:?} on {}; faults: {}",
         addrs.len(),
         cluster.store.describe(),
         kinds.join(", ")
@@ -245,9 +319,10 @@ fn run(role: Role) {
     let call = {
         let (addrs, ledger) = (addrs.clone(), ledger.addr.clone());
         Arc::new(
-            move |at: usize, key: &str, dice: &mut Dice, stalls: bool| match role {
-                Role::Gateway => post(&addrs[at], key),
-                Role::Serve => run_once(&addrs, at, &ledger, key, dice, stalls),
+            move |at: usize, key: &str, dice: &mut Dice, stalls: bool| match work {
+                Work::Gateway => post(&addrs[at], key),
+                Work::Records => run_once(&addrs, at, &ledger, key, dice, stalls),
+                Work::Locks => hold_lock(&addrs, at, &ledger, key, dice, stalls),
             },
         )
     };
@@ -264,7 +339,11 @@ fn run(role: Role) {
                         let last = keys.load(Ordering::Relaxed);
                         last.saturating_sub(1 + dice.below(12)).max(1)
                     };
-                    let key = format!("r{run}-k{key}");
+                    let key = match work {
+                        // Four locks, so that holders contend.
+                        Work::Locks => format!("r{run}-lock{}", key % 4),
+                        _ => format!("r{run}-k{key}"),
+                    };
                     let gw = dice.pick(addrs.len());
                     history.push(Event::Invoke {
                         key: key.clone(),
@@ -300,7 +379,13 @@ fn run(role: Role) {
     }
     std::thread::sleep(cluster::LEASE * 2);
     let mut dice = Dice(11);
-    for k in 1..keys.load(Ordering::Relaxed) {
+    // Locks hand nothing on to ask again.
+    let asked = if work == Work::Locks {
+        1
+    } else {
+        keys.load(Ordering::Relaxed)
+    };
+    for k in 1..asked {
         for gw in 0..addrs.len() {
             let key = format!("r{run}-k{k}");
             history.push(Event::Invoke {
@@ -315,7 +400,8 @@ fn run(role: Role) {
         history.save(&path);
     }
     let report = check(&history, &ledger.entries());
-    println!("{role:?}: {report}");
+    println!("{work:?}: {report}");
     assert!(report.faults >= kinds.len(), "the nemesis ran: {report}");
+    assert!(report.keys > 0, "the ledger took writes: {report}");
     assert!(report.violations.is_empty(), "{report}");
 }
