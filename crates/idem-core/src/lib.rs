@@ -32,6 +32,7 @@ pub mod lock;
 pub mod record;
 pub mod step;
 pub mod store;
+pub mod token;
 
 pub use admin::{
     Counts, Cursor, InvalidListing, Listed, Page, RecordAdmin, RecordFilter, RecordState, Repair,
@@ -51,6 +52,7 @@ pub use record::{
 };
 pub use step::{InvalidStep, Step, StepError, StepName, StepOutcome, StepRefused, step_key};
 pub use store::{BoxFuture, DynStore, LeaseError, SharedStore, Store, StoreError};
+pub use token::{IssuedToken, TokenError, Tokens};
 
 pub use bytes::Bytes;
 

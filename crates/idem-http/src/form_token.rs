@@ -19,8 +19,8 @@ use std::task::{Context, Poll};
 use http::{HeaderName, Request, Response};
 use http_body::Body;
 use http_body_util::Full;
-use idem::{TokenError, Tokens};
 use idem_core::BoxFuture;
+use idem_core::{TokenError, Tokens};
 use tower_layer::Layer;
 use tower_service::Service;
 

@@ -11,7 +11,7 @@ use axum::Router;
 use axum::body::Body;
 use axum::http::{Request, StatusCode};
 use axum::routing::post;
-use idem::{SharedStore, SystemClock, Tokens};
+use idem_core::{SharedStore, SystemClock, Tokens};
 use idem_http::{FormTokenLayer, ScopeSource};
 use idem_store::MemoryStore;
 use serde_json::Value;
@@ -38,7 +38,7 @@ async fn send(app: &Router, token: Option<&str>, auth: &str) -> (StatusCode, Val
 }
 
 /// A token for the order form, issued to the scope the layer derives from `auth`.
-async fn token_for(tokens: &Tokens, auth: &str) -> idem::IssuedToken {
+async fn token_for(tokens: &Tokens, auth: &str) -> idem_core::IssuedToken {
     let parts = Request::get("/")
         .header("authorization", auth)
         .body(())

@@ -50,13 +50,13 @@ pub mod locks;
 pub mod purge;
 mod run;
 pub mod steps;
-pub mod tokens;
 
 pub use claim::InFlight;
 // Store calls finished for a caller who left, shared with the claim helpers.
 use idem_claim::cancel;
+pub use idem_core::token as tokens;
+pub use idem_core::{IssuedToken, TokenError, Tokens};
 pub use locks::{LockGuard, Locks};
-pub use tokens::{IssuedToken, TokenError, Tokens};
 
 pub use run::{
     AllRetryable, Done, ErrorPolicy, Idempotency, Once, PermanentIf, RunError, stored_value,

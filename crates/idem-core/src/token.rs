@@ -15,7 +15,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use idem_core::{
+use crate::{
     BeginOutcome, BeginRequest, Bytes, Clock, Fingerprint, Key, SharedStore, Status, Store,
     StoreError, Timestamp,
 };
@@ -40,7 +40,7 @@ pub enum TokenError {
     #[error("no such token")]
     Unknown,
     /// A purpose (1 to 128 visible ASCII characters) or scope (1 to 255, as a
-    /// [`Scope`](idem_core::Scope)) that cannot be used.
+    /// [`Scope`](crate::Scope)) that cannot be used.
     #[error("invalid {0}")]
     Invalid(&'static str),
     /// The store failed; nothing was consumed, or it is not known whether it was.
@@ -137,9 +137,9 @@ impl Tokens {
         ttl: Duration,
     ) -> Result<IssuedToken, TokenError> {
         // Any caller's scope, as a key's scope is checked (the HTTP API's are up to 255).
-        idem_core::Scope::new(scope).map_err(|_| TokenError::Invalid("scope"))?;
+        crate::Scope::new(scope).map_err(|_| TokenError::Invalid("scope"))?;
         purpose_ok(purpose)?;
-        let token = idem_core::random_hex128();
+        let token = crate::random_hex128();
         let now = self.clock.now();
         let expires_at = now.saturating_add(ttl);
         let key = key_of(&token);
@@ -161,7 +161,7 @@ impl Tokens {
             .complete(&key, &lease, Bytes::from(body), now)
             .await
             .map_err(|e| match e {
-                idem_core::LeaseError::Store(s) => s,
+                crate::LeaseError::Store(s) => s,
                 other => StoreError::Corrupt(other.to_string()),
             })?;
         Ok(IssuedToken { token, expires_at })
