@@ -5,7 +5,7 @@ use idem_core::{
     BeginOutcome, BeginRequest, Bytes, Key, Lease, LeaseError, LeaseId, Record, Step, StepError,
     StoreError, Timestamp,
 };
-use sqlx::{AssertSqlSafe, MySqlConnection, SqlSafeStr, SqlStr};
+use sqlx::{AssertSqlSafe, Connection, MySqlConnection, SqlSafeStr, SqlStr};
 
 use super::{MySqlStore, error};
 use crate::batch::{Acquired, BeginJob, CompleteJob, Fresh, GroupCommit, Many, ManyAtOnce};
@@ -286,8 +286,8 @@ impl BatchSql {
             rows,
             // `begin` for many rows: the same decision as `begin` per row, `now` being each
             // row's `created_at`. Rows go in key order, so two batches lock shared keys in the
-            // same order. What was acquired is read back by lease id (`acquired`): a row holds
-            // our lease id only if this statement gave it.
+            // same order. What was acquired is read back by lease id (`acquired`), in the same
+            // transaction: a row holds our lease id only if this statement gave it.
             begin: s(format!(
                 "INSERT INTO {t} (scope, namespace, client_key, fingerprint, status, fence,
                      lease_id, lease_expires_at, response, ttl_ms, created_at, updated_at,
@@ -306,8 +306,11 @@ impl BatchSql {
                     ", "
                 )
             )),
+            // Run in the upsert's transaction, which holds every row of the batch locked
+            // (inserted or found): a locking read sees each row as the upsert left it.
             acquired: s(format!(
-                "SELECT lease_id, fence FROM {t} WHERE (scope, namespace, client_key) IN ({})",
+                "SELECT lease_id, fence FROM {t} WHERE (scope, namespace, client_key) IN ({})
+                 FOR UPDATE",
                 list("(?, ?, ?)", ", ")
             )),
             // `complete` for many rows: the rows are found by key, lease and fence, and each
@@ -358,7 +361,8 @@ impl ManyAtOnce for MySqlStore {
     }
 
     /// One multi-row upsert, in key order (the primary key compares bytes) so that batches
-    /// lock rows in one order, then one read of which rows hold our lease ids.
+    /// lock rows in one order, then one read of which rows hold our lease ids, in one
+    /// transaction.
     async fn begin_many(&self, jobs: &[BeginJob], fresh: &[Fresh]) -> Many<Acquired> {
         let mut order: Vec<usize> = (0..jobs.len()).collect();
         order.sort_by(|a, b| jobs[*a].req.key.cmp(&jobs[*b].req.key));
@@ -396,31 +400,26 @@ impl ManyAtOnce for MySqlStore {
                 .bind(sql_int(record.expires_at.as_millis()))
                 .bind(sql_int(record.expires_at.as_millis()));
         }
+        let read = rows().fold(sqlx::query(sized.acquired.clone()), |q, i| {
+            keyed(q, &jobs[i].req.key)
+        });
+        // The upsert and the read in one transaction. Each as a statement of its own, a
+        // `begin` of another caller could take a row over between them (its clock past the
+        // lease just given), and the read would then miss a row this batch did take: its caller
+        // would be left to a second `begin` of its own, having acquired with the first.
         let mut c = self.conn().await?;
-        if q.execute(&mut *c).await.is_err() {
+        let Ok(mut tx) = c.begin().await else {
+            return Ok(None);
+        };
+        // Until the commit, a failure leaves nothing behind (the transaction rolls back when
+        // dropped, or with the connection): every job is then decided on its own.
+        if q.execute(&mut *tx).await.is_err() {
             return Ok(None);
         }
-        let read = || {
-            rows().fold(sqlx::query(sized.acquired.clone()), |q, i| {
-                keyed(q, &jobs[i].req.key)
-            })
+        let Ok(rows) = read.fetch_all(&mut *tx).await else {
+            return Ok(None);
         };
-        let rows = match read().fetch_all(&mut *c).await {
-            Ok(rows) => rows,
-            // The upsert committed: the rows under this batch's lease ids are its callers'.
-            // One-record begins would find them held under those ids and answer "in
-            // progress" for keys taken for them, so they are read again, elsewhere; a store
-            // that cannot answer that fails the batch.
-            Err(_) => {
-                drop(c);
-                let mut c = self.conn().await?;
-                read()
-                    .fetch_all(&mut *c)
-                    .await
-                    .map_err(|e| error("cannot read which keys a batch took", e))?
-            }
-        };
-        Ok(rows
+        let taken: Option<Vec<Acquired>> = rows
             .iter()
             .map(|r| {
                 Some((
@@ -428,7 +427,17 @@ impl ManyAtOnce for MySqlStore {
                     sqlx::Row::try_get(r, 1).ok()?,
                 ))
             })
-            .collect())
+            .collect();
+        let Some(taken) = taken else {
+            return Ok(None);
+        };
+        // A commit that failed may have been applied: the rows taken may be this batch's
+        // callers', so none may begin again; each fails, as a lone `begin` whose answer was
+        // lost does.
+        tx.commit()
+            .await
+            .map_err(|e| error("cannot commit a batch of begins", e))?;
+        Ok(Some(taken))
     }
 
     /// One statement; MySQL reports only how many rows it changed, so only when that is every
