@@ -20,6 +20,7 @@ pub(super) struct BatchSql {
     pub(super) begin: SqlStr,
     acquired: SqlStr,
     pub(super) complete: SqlStr,
+    completed: SqlStr,
 }
 
 #[derive(Clone, Debug)]
@@ -329,6 +330,13 @@ impl BatchSql {
                 list("(?, ?, ?, ?, ?)", ", "),
                 list("WHEN ? THEN ?", " "),
             )),
+            // The rows of a `complete` that did not change every row, read in its transaction
+            // as it left them (key last: `sql::raw` reads the columns from the first).
+            completed: s(format!(
+                "SELECT {COLUMNS}, scope, namespace, client_key FROM {t}
+                 WHERE (scope, namespace, client_key) IN ({}) FOR UPDATE",
+                list("(?, ?, ?)", ", ")
+            )),
         }
     }
 }
@@ -440,8 +448,12 @@ impl ManyAtOnce for MySqlStore {
         Ok(Some(taken))
     }
 
-    /// One statement; MySQL reports only how many rows it changed, so only when that is every
-    /// job is each known to be done.
+    /// One statement; MySQL reports only how many rows it changed. When that is every job,
+    /// each is done; otherwise the rows are read in the statement's transaction, and a job is
+    /// done if its row, as the statement left it, is completed by its lease with its response
+    /// (`complete` would answer it `Ok`). Read later, on its own, a row this statement did
+    /// complete could have moved on (reopened, or expired and taken over): its caller would be
+    /// told its lease is stale after completing the record.
     async fn complete_many(&self, jobs: &[CompleteJob]) -> Many<bool> {
         let (Some(sized), Some(last)) = (self.sized(jobs.len()), jobs.last()) else {
             return Ok(None);
@@ -479,10 +491,49 @@ impl ManyAtOnce for MySqlStore {
                 .bind(sql_int(job.now.as_millis()));
         }
         let mut c = self.conn().await?;
-        let Ok(done) = q.execute(&mut *c).await else {
+        let Ok(mut tx) = c.begin().await else {
             return Ok(None);
         };
-        let all = u64::try_from(jobs.len()).is_ok_and(|n| done.rows_affected() == n);
-        Ok(Some(vec![all; jobs.len()]))
+        // Until the commit, a failure leaves nothing behind: every job is settled on its own.
+        let Ok(done) = q.execute(&mut *tx).await else {
+            return Ok(None);
+        };
+        let done = if u64::try_from(jobs.len()).is_ok_and(|n| done.rows_affected() == n) {
+            vec![true; jobs.len()]
+        } else {
+            let read = rows().fold(sqlx::query(sized.completed.clone()), |q, job| {
+                keyed(q, &job.key)
+            });
+            let Ok(read) = read.fetch_all(&mut *tx).await else {
+                return Ok(None);
+            };
+            jobs.iter()
+                .map(|job| {
+                    read.iter()
+                        .find(|r| holds_key(r, &job.key))
+                        .and_then(|r| sql::raw(r).ok()?.into_record(&job.key).ok())
+                        .is_some_and(|record| {
+                            let response = Some(job.response.clone());
+                            sql::repeated_settle(Some(record), &job.lease, response, job.now)
+                                .is_ok()
+                        })
+                })
+                .collect()
+        };
+        // A commit that failed may have been applied: no job may be settled again (one this
+        // statement completed would be refused), so each fails, as a lone `complete` whose
+        // answer was lost does.
+        tx.commit()
+            .await
+            .map_err(|e| error("cannot commit a batch of completions", e))?;
+        Ok(Some(done))
     }
+}
+
+/// Whether a row read with its key in the last three columns is `key`'s.
+fn holds_key(r: &sqlx::mysql::MySqlRow, key: &Key) -> bool {
+    let part = |i: usize| sqlx::Row::try_get::<Vec<u8>, _>(r, i).ok();
+    part(11).as_deref() == Some(key.scope().as_str().as_bytes())
+        && part(12).as_deref() == Some(key.namespace().as_str().as_bytes())
+        && part(13).as_deref() == Some(key.client_key().as_str().as_bytes())
 }
