@@ -419,13 +419,13 @@ impl ManyAtOnce for MySqlStore {
         let Ok(mut tx) = c.begin().await else {
             return Ok(None);
         };
-        // Until the commit, a failure leaves nothing behind (the transaction rolls back when
-        // dropped, or with the connection): every job is then decided on its own.
+        // Until the commit, a failure leaves nothing behind: every job is then decided on
+        // its own.
         if q.execute(&mut *tx).await.is_err() {
-            return Ok(None);
+            return abandon(tx).await;
         }
         let Ok(rows) = read.fetch_all(&mut *tx).await else {
-            return Ok(None);
+            return abandon(tx).await;
         };
         let taken: Option<Vec<Acquired>> = rows
             .iter()
@@ -437,7 +437,7 @@ impl ManyAtOnce for MySqlStore {
             })
             .collect();
         let Some(taken) = taken else {
-            return Ok(None);
+            return abandon(tx).await;
         };
         // A commit that failed may have been applied: the rows taken may be this batch's
         // callers', so none may begin again; each fails, as a lone `begin` whose answer was
@@ -496,7 +496,7 @@ impl ManyAtOnce for MySqlStore {
         };
         // Until the commit, a failure leaves nothing behind: every job is settled on its own.
         let Ok(done) = q.execute(&mut *tx).await else {
-            return Ok(None);
+            return abandon(tx).await;
         };
         let done = if u64::try_from(jobs.len()).is_ok_and(|n| done.rows_affected() == n) {
             vec![true; jobs.len()]
@@ -505,7 +505,7 @@ impl ManyAtOnce for MySqlStore {
                 keyed(q, &job.key)
             });
             let Ok(read) = read.fetch_all(&mut *tx).await else {
-                return Ok(None);
+                return abandon(tx).await;
             };
             jobs.iter()
                 .map(|job| {
@@ -528,6 +528,14 @@ impl ManyAtOnce for MySqlStore {
             .map_err(|e| error("cannot commit a batch of completions", e))?;
         Ok(Some(done))
     }
+}
+
+/// Ends a batch's transaction that failed before its commit, so that nothing of it stays: its
+/// row locks go now, before its jobs go on their own, not when the connection is next used.
+/// (If the connection is lost, the server rolls back.)
+async fn abandon<T>(tx: sqlx::Transaction<'_, sqlx::MySql>) -> Many<T> {
+    let _ = tx.rollback().await;
+    Ok(None)
 }
 
 /// Whether a row read with its key in the last three columns is `key`'s.
