@@ -305,6 +305,12 @@ pub(crate) trait ManyAtOnce: Clone + Send + Sync + 'static {
     /// fresh lease and record of the same index. Returns the lease id and fence of each row it
     /// acquired, `Ok(None)` if the statement failed, or the error if no connection was to be
     /// had (which every job would meet on its own too).
+    ///
+    /// Each job not among the rows returned, and every job after `Ok(None)`, is decided by a
+    /// `begin` of its own, so the answer must be exact: every row this call acquired is
+    /// returned (read in the same atomic step as the write, never after other callers could
+    /// change the row), and `Ok(None)` only when nothing was written. When that cannot be
+    /// known (a reply lost after the write may have been applied), the answer is an error.
     fn begin_many(
         &self,
         jobs: &[BeginJob],
@@ -400,7 +406,8 @@ pub(crate) async fn complete<S: ManyAtOnce>(
 }
 
 /// `begin` for a batch: one statement. A job it did not acquire is decided on its own, as
-/// `begin` decides a refused upsert; if the statement failed, every job is tried on its own, so
+/// `begin` decides a refused upsert (the statement left its row as it was, so that is the job's
+/// one `begin`); if the statement failed, every job is tried on its own, so
 /// one record's trouble (a lock wait that timed out) stays its own. Those run concurrently, so
 /// the batch takes as long as its slowest job, not their sum. Without a connection every job
 /// fails at once with that error.

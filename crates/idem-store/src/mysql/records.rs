@@ -5,7 +5,7 @@ use idem_core::{
     BeginOutcome, BeginRequest, Bytes, Key, Lease, LeaseError, LeaseId, Record, Step, StepError,
     StoreError, Timestamp,
 };
-use sqlx::{AssertSqlSafe, MySqlConnection, SqlSafeStr, SqlStr};
+use sqlx::{AssertSqlSafe, Connection, MySqlConnection, SqlSafeStr, SqlStr};
 
 use super::{MySqlStore, error};
 use crate::batch::{Acquired, BeginJob, CompleteJob, Fresh, GroupCommit, Many, ManyAtOnce};
@@ -20,6 +20,7 @@ pub(super) struct BatchSql {
     pub(super) begin: SqlStr,
     acquired: SqlStr,
     pub(super) complete: SqlStr,
+    completed: SqlStr,
 }
 
 #[derive(Clone, Debug)]
@@ -286,8 +287,8 @@ impl BatchSql {
             rows,
             // `begin` for many rows: the same decision as `begin` per row, `now` being each
             // row's `created_at`. Rows go in key order, so two batches lock shared keys in the
-            // same order. What was acquired is read back by lease id (`acquired`): a row holds
-            // our lease id only if this statement gave it.
+            // same order. What was acquired is read back by lease id (`acquired`), in the same
+            // transaction: a row holds our lease id only if this statement gave it.
             begin: s(format!(
                 "INSERT INTO {t} (scope, namespace, client_key, fingerprint, status, fence,
                      lease_id, lease_expires_at, response, ttl_ms, created_at, updated_at,
@@ -306,8 +307,11 @@ impl BatchSql {
                     ", "
                 )
             )),
+            // Run in the upsert's transaction, which holds every row of the batch locked
+            // (inserted or found): a locking read sees each row as the upsert left it.
             acquired: s(format!(
-                "SELECT lease_id, fence FROM {t} WHERE (scope, namespace, client_key) IN ({})",
+                "SELECT lease_id, fence FROM {t} WHERE (scope, namespace, client_key) IN ({})
+                 FOR UPDATE",
                 list("(?, ?, ?)", ", ")
             )),
             // `complete` for many rows: the rows are found by key, lease and fence, and each
@@ -325,6 +329,13 @@ impl BatchSql {
                 list("WHEN ? THEN ?", " "),
                 list("(?, ?, ?, ?, ?)", ", "),
                 list("WHEN ? THEN ?", " "),
+            )),
+            // The rows of a `complete` that did not change every row, read in its transaction
+            // as it left them (key last: `sql::raw` reads the columns from the first).
+            completed: s(format!(
+                "SELECT {COLUMNS}, scope, namespace, client_key FROM {t}
+                 WHERE (scope, namespace, client_key) IN ({}) FOR UPDATE",
+                list("(?, ?, ?)", ", ")
             )),
         }
     }
@@ -358,7 +369,8 @@ impl ManyAtOnce for MySqlStore {
     }
 
     /// One multi-row upsert, in key order (the primary key compares bytes) so that batches
-    /// lock rows in one order, then one read of which rows hold our lease ids.
+    /// lock rows in one order, then one read of which rows hold our lease ids, in one
+    /// transaction.
     async fn begin_many(&self, jobs: &[BeginJob], fresh: &[Fresh]) -> Many<Acquired> {
         let mut order: Vec<usize> = (0..jobs.len()).collect();
         order.sort_by(|a, b| jobs[*a].req.key.cmp(&jobs[*b].req.key));
@@ -396,31 +408,26 @@ impl ManyAtOnce for MySqlStore {
                 .bind(sql_int(record.expires_at.as_millis()))
                 .bind(sql_int(record.expires_at.as_millis()));
         }
+        let read = rows().fold(sqlx::query(sized.acquired.clone()), |q, i| {
+            keyed(q, &jobs[i].req.key)
+        });
+        // The upsert and the read in one transaction. Each as a statement of its own, a
+        // `begin` of another caller could take a row over between them (its clock past the
+        // lease just given), and the read would then miss a row this batch did take: its caller
+        // would be left to a second `begin` of its own, having acquired with the first.
         let mut c = self.conn().await?;
-        if q.execute(&mut *c).await.is_err() {
+        let Ok(mut tx) = c.begin().await else {
             return Ok(None);
+        };
+        // Until the commit, a failure leaves nothing behind: every job is then decided on
+        // its own.
+        if q.execute(&mut *tx).await.is_err() {
+            return abandon(tx).await;
         }
-        let read = || {
-            rows().fold(sqlx::query(sized.acquired.clone()), |q, i| {
-                keyed(q, &jobs[i].req.key)
-            })
+        let Ok(rows) = read.fetch_all(&mut *tx).await else {
+            return abandon(tx).await;
         };
-        let rows = match read().fetch_all(&mut *c).await {
-            Ok(rows) => rows,
-            // The upsert committed: the rows under this batch's lease ids are its callers'.
-            // One-record begins would find them held under those ids and answer "in
-            // progress" for keys taken for them, so they are read again, elsewhere; a store
-            // that cannot answer that fails the batch.
-            Err(_) => {
-                drop(c);
-                let mut c = self.conn().await?;
-                read()
-                    .fetch_all(&mut *c)
-                    .await
-                    .map_err(|e| error("cannot read which keys a batch took", e))?
-            }
-        };
-        Ok(rows
+        let taken: Option<Vec<Acquired>> = rows
             .iter()
             .map(|r| {
                 Some((
@@ -428,11 +435,25 @@ impl ManyAtOnce for MySqlStore {
                     sqlx::Row::try_get(r, 1).ok()?,
                 ))
             })
-            .collect())
+            .collect();
+        let Some(taken) = taken else {
+            return abandon(tx).await;
+        };
+        // A commit that failed may have been applied: the rows taken may be this batch's
+        // callers', so none may begin again; each fails, as a lone `begin` whose answer was
+        // lost does.
+        tx.commit()
+            .await
+            .map_err(|e| error("cannot commit a batch of begins", e))?;
+        Ok(Some(taken))
     }
 
-    /// One statement; MySQL reports only how many rows it changed, so only when that is every
-    /// job is each known to be done.
+    /// One statement; MySQL reports only how many rows it changed. When that is every job,
+    /// each is done; otherwise the rows are read in the statement's transaction, and a job is
+    /// done if its row, as the statement left it, is completed by its lease with its response
+    /// (`complete` would answer it `Ok`). Read later, on its own, a row this statement did
+    /// complete could have moved on (reopened, or expired and taken over): its caller would be
+    /// told its lease is stale after completing the record.
     async fn complete_many(&self, jobs: &[CompleteJob]) -> Many<bool> {
         let (Some(sized), Some(last)) = (self.sized(jobs.len()), jobs.last()) else {
             return Ok(None);
@@ -470,10 +491,57 @@ impl ManyAtOnce for MySqlStore {
                 .bind(sql_int(job.now.as_millis()));
         }
         let mut c = self.conn().await?;
-        let Ok(done) = q.execute(&mut *c).await else {
+        let Ok(mut tx) = c.begin().await else {
             return Ok(None);
         };
-        let all = u64::try_from(jobs.len()).is_ok_and(|n| done.rows_affected() == n);
-        Ok(Some(vec![all; jobs.len()]))
+        // Until the commit, a failure leaves nothing behind: every job is settled on its own.
+        let Ok(done) = q.execute(&mut *tx).await else {
+            return abandon(tx).await;
+        };
+        let done = if u64::try_from(jobs.len()).is_ok_and(|n| done.rows_affected() == n) {
+            vec![true; jobs.len()]
+        } else {
+            let read = rows().fold(sqlx::query(sized.completed.clone()), |q, job| {
+                keyed(q, &job.key)
+            });
+            let Ok(read) = read.fetch_all(&mut *tx).await else {
+                return abandon(tx).await;
+            };
+            jobs.iter()
+                .map(|job| {
+                    read.iter()
+                        .find(|r| holds_key(r, &job.key))
+                        .and_then(|r| sql::raw(r).ok()?.into_record(&job.key).ok())
+                        .is_some_and(|record| {
+                            let response = Some(job.response.clone());
+                            sql::repeated_settle(Some(record), &job.lease, response, job.now)
+                                .is_ok()
+                        })
+                })
+                .collect()
+        };
+        // A commit that failed may have been applied: no job may be settled again (one this
+        // statement completed would be refused), so each fails, as a lone `complete` whose
+        // answer was lost does.
+        tx.commit()
+            .await
+            .map_err(|e| error("cannot commit a batch of completions", e))?;
+        Ok(Some(done))
     }
+}
+
+/// Ends a batch's transaction that failed before its commit, so that nothing of it stays: its
+/// row locks go now, before its jobs go on their own, not when the connection is next used.
+/// (If the connection is lost, the server rolls back.)
+async fn abandon<T>(tx: sqlx::Transaction<'_, sqlx::MySql>) -> Many<T> {
+    let _ = tx.rollback().await;
+    Ok(None)
+}
+
+/// Whether a row read with its key in the last three columns is `key`'s.
+fn holds_key(r: &sqlx::mysql::MySqlRow, key: &Key) -> bool {
+    let part = |i: usize| sqlx::Row::try_get::<Vec<u8>, _>(r, i).ok();
+    part(11).as_deref() == Some(key.scope().as_str().as_bytes())
+        && part(12).as_deref() == Some(key.namespace().as_str().as_bytes())
+        && part(13).as_deref() == Some(key.client_key().as_str().as_bytes())
 }

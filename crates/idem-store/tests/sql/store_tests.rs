@@ -318,6 +318,163 @@ macro_rules! sql_store_tests {
             });
         }
 
+        /// Every key a batched `begin` takes is taken for its caller, even while `begin`s of
+        /// another store, one at a time and with clocks past every lease, take the same keys
+        /// over as the batches run: the fences handed out for a key follow one another with
+        /// no gap. (A batch that took a row and lost it to a takeover before it read back what
+        /// it took would answer its caller with a second `begin`; the fence of its first would
+        /// be nobody's.)
+        #[test]
+        fn every_fence_a_batched_begin_takes_goes_to_its_caller() {
+            idem_testkit::block_on(async {
+                const KEYS: usize = 16;
+                const ROUNDS: u64 = 100;
+                let table = fresh_name("idem_test_fences");
+                let Some(url) = $service.url() else {
+                    return;
+                };
+                let options = |max_batch| $options {
+                    table: table.clone(),
+                    max_batch,
+                    ..$options::default()
+                };
+                let batched = $store::connect_with(&url, options($options::default().max_batch));
+                let batched = Arc::new(batched.await.unwrap());
+                let alone = Arc::new($store::connect_with(&url, options(1)).await.unwrap());
+                let key = |i: usize| Key::parse("fences", "pay", &format!("k{i}")).unwrap();
+                let req = move |i| {
+                    BeginRequest::new(key(i), Fingerprint::of_bytes(b"same"))
+                        .with_lease(Duration::from_millis(1))
+                        .with_ttl(Duration::from_secs(3600))
+                };
+                let start = Timestamp::now();
+                let later = |at: Timestamp| at.saturating_add(Duration::from_secs(5));
+                let mut fences = vec![Vec::new(); KEYS];
+                for round in 0..ROUNDS {
+                    // Each round's keys may be acquired by either side: the batched side's
+                    // clock is past the last round's leases, the other's past this round's.
+                    let at = start.saturating_add(Duration::from_secs(10 * round));
+                    let calls: Vec<_> = (0..KEYS)
+                        .flat_map(|i| {
+                            [(batched.clone(), at), (alone.clone(), later(at))].map(
+                                |(store, now)| {
+                                    tokio::spawn(async move {
+                                        (i, store.begin(&req(i), now).await.unwrap())
+                                    })
+                                },
+                            )
+                        })
+                        .collect();
+                    for call in calls {
+                        if let (i, BeginOutcome::Acquired(lease)) = call.await.unwrap() {
+                            fences[i].push(lease.fence);
+                        }
+                    }
+                }
+                let end = start.saturating_add(Duration::from_secs(10 * ROUNDS));
+                let first = [start, later(start)].map(idem_core::Lease::first_fence);
+                for (i, mut got) in fences.into_iter().enumerate() {
+                    got.sort_unstable();
+                    assert!(first.contains(&got[0]), "k{i}: {got:?}");
+                    for pair in got.windows(2) {
+                        let next = idem_core::Lease::next_fence(pair[0]);
+                        let gap = (pair[0], pair[1]);
+                        assert_eq!(pair[1], next, "k{i}: a fence between {gap:?} was nobody's");
+                    }
+                    let r = batched.get(&key(i), end).await.unwrap().unwrap();
+                    assert_eq!(Some(&r.fence), got.last(), "k{i}");
+                }
+                drop_tables(&batched, &[table.clone(), format!("{table}_migrations")]).await;
+            });
+        }
+
+        /// Every completion a batched `complete` applies is answered `Ok`, even while
+        /// `reopen`s of another store give the records back as the batches run. Each batch
+        /// holds stale leases too, so it does not complete every row; a record reopened at a
+        /// lease's fence was completed by that lease, and its caller must not be told the
+        /// lease is stale (as a batch that decided such jobs afterwards, each on its own,
+        /// would find the record given back).
+        #[test]
+        fn every_completion_a_batch_applies_is_answered_ok() {
+            use std::sync::atomic::{AtomicBool, Ordering};
+            idem_testkit::block_on(async {
+                const KEYS: usize = 16;
+                const ROUNDS: usize = 40;
+                let table = fresh_name("idem_test_reopened");
+                let Some(url) = $service.url() else {
+                    return;
+                };
+                let options = |max_batch| $options {
+                    table: table.clone(),
+                    max_batch,
+                    ..$options::default()
+                };
+                let batched = $store::connect_with(&url, options($options::default().max_batch));
+                let batched = Arc::new(batched.await.unwrap());
+                let alone = Arc::new($store::connect_with(&url, options(1)).await.unwrap());
+                let now = Timestamp::now();
+                let mut reopened_and_ok = 0;
+                for round in 0..ROUNDS {
+                    let key = move |i: usize| {
+                        Key::parse("reopened", "pay", &format!("r{round}-k{i}")).unwrap()
+                    };
+                    let mut leases = Vec::new();
+                    for i in 0..KEYS {
+                        let req = BeginRequest::new(key(i), Fingerprint::of_bytes(b"same"));
+                        match alone.begin(&req, now).await.unwrap() {
+                            BeginOutcome::Acquired(lease) => leases.push(lease),
+                            other => panic!("{other:?}"),
+                        }
+                    }
+                    let settled = Arc::new(AtomicBool::new(false));
+                    // Odd keys are completed with a lease that is not theirs.
+                    let completes: Vec<_> = (0..KEYS)
+                        .map(|i| {
+                            let (store, mut lease) = (batched.clone(), leases[i]);
+                            if i % 2 == 1 {
+                                lease.id = idem_core::LeaseId::generate();
+                            }
+                            let body = Bytes::from_static(b"done");
+                            tokio::spawn(async move { store.complete(&key(i), &lease, body, now).await })
+                        })
+                        .collect();
+                    let reopens: Vec<_> = (0..KEYS)
+                        .step_by(2)
+                        .map(|i| {
+                            let (store, fence) = (alone.clone(), leases[i].fence);
+                            let settled = settled.clone();
+                            tokio::spawn(async move {
+                                while !settled.load(Ordering::SeqCst) {
+                                    if store.reopen(&key(i), fence, now).await.unwrap() {
+                                        return true;
+                                    }
+                                }
+                                false
+                            })
+                        })
+                        .collect();
+                    let mut answers = Vec::new();
+                    for complete in completes {
+                        answers.push(complete.await.unwrap());
+                    }
+                    settled.store(true, Ordering::SeqCst);
+                    for (n, reopen) in reopens.into_iter().enumerate() {
+                        let i = 2 * n;
+                        if reopen.await.unwrap() {
+                            assert!(answers[i].is_ok(), "r{round}-k{i}: {:?}", answers[i]);
+                            reopened_and_ok += 1;
+                        }
+                    }
+                    for i in (1..KEYS).step_by(2) {
+                        let stale = matches!(answers[i], Err(LeaseError::Stale(_)));
+                        assert!(stale, "r{round}-k{i}: {:?}", answers[i]);
+                    }
+                }
+                assert!(reopened_and_ok > 0, "no reopen met a completion");
+                drop_tables(&batched, &[table.clone(), format!("{table}_migrations")]).await;
+            });
+        }
+
         /// A record held by a caller's open transaction makes a `begin` of its key wait at
         /// most the lock timeout, then fail closed (not hold a connection without bound); once
         /// the transaction commits, the begin replays.
