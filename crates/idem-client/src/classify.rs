@@ -7,8 +7,9 @@ use reqwest::header::{CONTENT_LENGTH, CONTENT_TYPE};
 use reqwest::{Response, Url};
 use reqwest::{ResponseBuilderExt, StatusCode};
 
+use idem_wire::{Answer, Problem, retry_after};
+
 use crate::outcome::Last;
-use crate::policy::retry_after;
 
 /// What to do with an attempt's answer.
 pub(crate) enum Verdict {
@@ -30,97 +31,42 @@ pub(crate) enum Verdict {
 /// headers alone.
 const PROBLEM_LIMIT: usize = 64 * 1024;
 
-/// Judges one answer.
-///
-/// Retried: 408, 425, 429 and every 5xx but 501 and 505 (which a retry does not change), and
-/// a 409 that says a request with the key is still in progress: by its problem code
-/// (`request_in_progress`, `in_progress`), by Stripe's `idempotency_error`, or, for a 409
-/// without a problem document, by a `Retry-After`.
+/// Judges one answer by [`idem_wire::read`], the rules `idem relay` reads answers by too:
+/// retried are 408, 425, 429 and every 5xx but 501 and 505 (which a retry does not change),
+/// a 409 that says a request with the key is still in progress (by its problem code, or
+/// Stripe's `idempotency_error`), and any 409 with a `Retry-After`.
 pub(crate) async fn classify(response: Response) -> Verdict {
     let status = response.status();
     let after = retry_after(response.headers(), SystemTime::now());
-    match status.as_u16() {
-        408 | 425 | 429 => retry(response, after),
-        501 | 505 => Verdict::Keep(response),
-        500..=599 => retry(response, after),
-        400 | 409 | 422 => {
-            let (response, problem) = match read_problem(response).await {
-                Ok(read) => read,
-                // The body broke off: as if the connection had.
-                Err(e) => {
-                    return Verdict::Retry {
-                        last: Last::Transport(e),
-                        after: None,
-                    };
-                }
-            };
-            match (status.as_u16(), problem.kind()) {
-                (409, Kind::InProgress | Kind::Stripe) => retry(response, after),
-                (409, Kind::Unknown) => Verdict::Unknown {
-                    detail: problem.detail,
-                },
-                (400 | 422, Kind::Mismatch | Kind::Stripe) => Verdict::Mismatch {
-                    status,
-                    detail: problem.detail,
-                },
-                (409, Kind::None) if !problem.read && after.is_some() => retry(response, after),
-                _ => Verdict::Keep(response),
+    // Only these are told apart by their body.
+    let (response, problem) = if matches!(status.as_u16(), 400 | 409 | 422) {
+        match read_problem(response).await {
+            Ok(read) => read,
+            // The body broke off: as if the connection had.
+            Err(e) => {
+                return Verdict::Retry {
+                    last: Last::Transport(e),
+                    after: None,
+                };
             }
         }
+    } else {
+        (response, Problem::default())
+    };
+    match idem_wire::read(status.as_u16(), &problem, after) {
+        Answer::Retry { after } => Verdict::Retry {
+            last: Last::Response(Box::new(response)),
+            after,
+        },
+        Answer::OutcomeUnknown => Verdict::Unknown {
+            detail: problem.detail,
+        },
+        Answer::KeyRefused { mismatch: true } => Verdict::Mismatch {
+            status,
+            detail: problem.detail,
+        },
+        // Done, final, not replayable, or a key the client sent wrong: the server's answer.
         _ => Verdict::Keep(response),
-    }
-}
-
-fn retry(response: Response, after: Option<Duration>) -> Verdict {
-    Verdict::Retry {
-        last: Last::Response(Box::new(response)),
-        after,
-    }
-}
-
-/// What a problem document says about the key.
-#[derive(Debug, PartialEq, Eq)]
-enum Kind {
-    InProgress,
-    Unknown,
-    Mismatch,
-    /// Stripe's `idempotency_error`: in progress with 409, a mismatch with 400.
-    Stripe,
-    None,
-}
-
-/// The parts of an error body that matter here: RFC 9457's `code` extension and `detail`
-/// (idem's servers), and Stripe's `{"error": {"type", "message"}}`.
-#[derive(Default, serde::Deserialize)]
-struct Problem {
-    code: Option<String>,
-    detail: Option<String>,
-    error: Option<StripeError>,
-    /// Whether a JSON body was read at all.
-    #[serde(skip)]
-    read: bool,
-}
-
-#[derive(serde::Deserialize)]
-struct StripeError {
-    #[serde(rename = "type")]
-    kind: Option<String>,
-}
-
-impl Problem {
-    fn kind(&self) -> Kind {
-        match self.code.as_deref() {
-            Some("request_in_progress" | "in_progress") => return Kind::InProgress,
-            Some("outcome_unknown") => return Kind::Unknown,
-            Some("idempotency_key_mismatch" | "fingerprint_mismatch") => return Kind::Mismatch,
-            _ => {}
-        }
-        // Stripe answers a key in use with 409 and a key reused with other parameters with
-        // 400, both as an `idempotency_error`; the status tells them apart.
-        match self.error.as_ref().and_then(|e| e.kind.as_deref()) {
-            Some("idempotency_error") => Kind::Stripe,
-            _ => Kind::None,
-        }
     }
 }
 
@@ -152,8 +98,7 @@ async fn read_problem(
             Err(e) => reqwest_middleware::Error::Middleware(anyhow::Error::from_boxed(e)),
         })?
         .to_bytes();
-    let mut problem: Problem = serde_json::from_slice(&bytes).unwrap_or_default();
-    problem.read = true;
+    let problem = Problem::from_json(&bytes);
     Ok((rebuild(parts, bytes, url), problem))
 }
 
@@ -181,44 +126,6 @@ mod tests {
     #![allow(clippy::unwrap_used)]
 
     use super::*;
-
-    fn problem(json: &str) -> Problem {
-        serde_json::from_str(json).unwrap()
-    }
-
-    #[test]
-    fn problem_codes_and_stripe_errors_are_told_apart() {
-        assert_eq!(
-            problem(r#"{"code":"request_in_progress","detail":"x"}"#).kind(),
-            Kind::InProgress
-        );
-        assert_eq!(
-            problem(r#"{"code":"in_progress"}"#).kind(),
-            Kind::InProgress
-        );
-        assert_eq!(
-            problem(r#"{"code":"outcome_unknown"}"#).kind(),
-            Kind::Unknown
-        );
-        assert_eq!(
-            problem(r#"{"code":"idempotency_key_mismatch"}"#).kind(),
-            Kind::Mismatch
-        );
-        assert_eq!(
-            problem(r#"{"code":"fingerprint_mismatch"}"#).kind(),
-            Kind::Mismatch
-        );
-        assert_eq!(
-            problem(r#"{"error":{"type":"idempotency_error","message":"m"}}"#).kind(),
-            Kind::Stripe
-        );
-        assert_eq!(problem(r#"{"code":"lock_held"}"#).kind(), Kind::None);
-        assert_eq!(
-            problem(r#"{"error":{"type":"card_error"}}"#).kind(),
-            Kind::None
-        );
-        assert_eq!(problem("{}").kind(), Kind::None);
-    }
 
     async fn judge(status: u16, headers: &[(&str, &str)], body: &str) -> Verdict {
         let mut b = http::Response::builder().status(status);
@@ -271,10 +178,19 @@ mod tests {
         assert_eq!(name(&v), "mismatch");
         let v = judge(409, &stripe, r#"{"error":{"type":"idempotency_error"}}"#).await;
         assert_eq!(name(&v), "retry");
-        // A 409 of the application's own (a JSON body with no code of ours) is kept, even
-        // with a Retry-After; one with no document but a Retry-After is taken as in progress.
+        // A 409 with a Retry-After asks to be tried again, whatever its body; without one, a
+        // 409 of the application's own is kept.
         let v = judge(409, &[json[0], ("retry-after", "1")], r#"{"code":"taken"}"#).await;
+        assert_eq!(name(&v), "retry");
+        let v = judge(409, &json, r#"{"code":"taken"}"#).await;
         assert_eq!(name(&v), "keep");
+        let v = judge(
+            409,
+            &[json[0], ("retry-after", "1")],
+            r#"{"code":"outcome_unknown"}"#,
+        )
+        .await;
+        assert_eq!(name(&v), "retry");
         let v = judge(409, &[("retry-after", "1")], "busy").await;
         assert_eq!(name(&v), "retry");
         let v = judge(409, &[], "busy").await;

@@ -9,12 +9,14 @@
 //! - a POST or PATCH gets an `Idempotency-Key` (a UUIDv7) unless it carries one, and keeps it on
 //!   every retry; a POST or PATCH without a key (with [`Retries::attach_keys`] off) is never
 //!   retried; GET, HEAD, OPTIONS, TRACE, PUT and DELETE are retried with or without one;
-//! - retried: connection failures and timeouts, 5xx (but 501 and 505), 408, 425, 429, and 409
-//!   "a request with this key is in progress"; with exponential backoff and full jitter,
-//!   bounded in attempts and in total time, and never sooner than a `Retry-After`;
+//! - retried: connection failures and timeouts, 5xx (but 501 and 505), 408, 425, 429, 409
+//!   "a request with this key is in progress", and any 409 with a `Retry-After`; with
+//!   exponential backoff and full jitter, bounded in attempts and in total time, and never
+//!   sooner than a `Retry-After` (the rules are `idem_wire::read`'s, which `idem relay` reads
+//!   answers by too);
 //! - never retried: a key used with a different request (422, or 400 under Stripe's rules:
-//!   [`Error::KeyMismatch`]) and an outcome the server does not know (409 `outcome_unknown`:
-//!   [`Error::OutcomeUnknown`]), nor any other answer;
+//!   [`Error::KeyMismatch`]) and an outcome the server does not know (409 `outcome_unknown`
+//!   without `Retry-After`: [`Error::OutcomeUnknown`]), nor any other answer;
 //! - every call says how it went ([`Report`]): its key, its attempts, and whether the answer
 //!   was a replay (`Idempotent-Replayed: true`).
 //!

@@ -1,8 +1,6 @@
 //! How many times, and how far apart, a call is tried.
 
-use std::time::{Duration, SystemTime};
-
-use reqwest::header::{HeaderMap, RETRY_AFTER};
+use std::time::Duration;
 
 /// How many attempts a call gets and how long the pauses between them are.
 ///
@@ -97,49 +95,11 @@ fn jitter(ceiling: Duration) -> Duration {
     Duration::from_nanos(rand::random_range(0..=nanos))
 }
 
-/// The `Retry-After` of an answer (RFC 9110 §10.2.3: seconds, or an HTTP date), from `now`.
-/// A date in the past is no wait; a value that is neither is ignored.
-pub(crate) fn retry_after(headers: &HeaderMap, now: SystemTime) -> Option<Duration> {
-    let value = headers.get(RETRY_AFTER)?.to_str().ok()?.trim();
-    if let Ok(seconds) = value.parse::<u64>() {
-        return Some(Duration::from_secs(seconds));
-    }
-    let at = httpdate::parse_http_date(value).ok()?;
-    Some(at.duration_since(now).unwrap_or(Duration::ZERO))
-}
-
 #[cfg(test)]
 mod tests {
     #![allow(clippy::unwrap_used)]
 
     use super::*;
-    use reqwest::header::HeaderValue;
-
-    fn headers(retry_after: &str) -> HeaderMap {
-        let mut h = HeaderMap::new();
-        h.insert(RETRY_AFTER, HeaderValue::from_str(retry_after).unwrap());
-        h
-    }
-
-    #[test]
-    fn retry_after_takes_seconds_and_dates_and_ignores_the_rest() {
-        let now = SystemTime::UNIX_EPOCH + Duration::from_secs(1_700_000_000);
-        assert_eq!(
-            retry_after(&headers("3"), now),
-            Some(Duration::from_secs(3))
-        );
-        assert_eq!(retry_after(&headers(" 0 "), now), Some(Duration::ZERO));
-        let later = httpdate::fmt_http_date(now + Duration::from_secs(7));
-        assert_eq!(
-            retry_after(&headers(&later), now),
-            Some(Duration::from_secs(7))
-        );
-        let past = httpdate::fmt_http_date(now - Duration::from_secs(7));
-        assert_eq!(retry_after(&headers(&past), now), Some(Duration::ZERO));
-        assert_eq!(retry_after(&headers("-1"), now), None);
-        assert_eq!(retry_after(&headers("soon"), now), None);
-        assert_eq!(retry_after(&HeaderMap::new(), now), None);
-    }
 
     #[test]
     fn backoff_grows_to_its_cap_with_full_jitter() {
@@ -180,7 +140,9 @@ mod tests {
         let p = RetryPolicy::default()
             .backoff(Duration::from_secs(5), Duration::from_secs(60))
             .max_retry_after(Duration::MAX);
-        let asked = retry_after(&headers("18446744073709551615"), SystemTime::now());
+        let mut headers = http::HeaderMap::new();
+        headers.insert(http::header::RETRY_AFTER, u64::MAX.into());
+        let asked = idem_wire::retry_after(&headers, std::time::SystemTime::now());
         assert_eq!(asked, Some(Duration::from_secs(u64::MAX)));
         for _ in 0..50 {
             assert!(p.pause(1, asked).is_some());

@@ -3,11 +3,10 @@
 //! it did); one whose effect did not happen, or may not have, is retried or dead-lettered,
 //! never dropped.
 
-use std::time::Duration;
+use std::time::{Duration, SystemTime};
 
-use axum::http::header::RETRY_AFTER;
 use axum::http::{HeaderMap, StatusCode};
-use idem_http::ProblemCode;
+use idem_wire::{Answer, Problem, retry_after};
 
 /// What becomes of a message after one POST.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -23,52 +22,37 @@ pub(crate) enum Verdict {
     DeadLetter(&'static str),
 }
 
-/// The problem codes by which `idem gateway` (and the `idem-http` layer) says that another
-/// request with the key is running.
-const IN_PROGRESS: [ProblemCode; 2] = [ProblemCode::RequestInProgress, ProblemCode::InProgress];
-
-/// The gateway's answers about the key itself: the relay sent it wrong, or another message
-/// carried the same key with another body. Never the target's business answer.
-const KEY_ERRORS: [ProblemCode; 3] = [
-    ProblemCode::IdempotencyKeyMissing,
-    ProblemCode::IdempotencyKeyInvalid,
-    ProblemCode::IdempotencyKeyMismatch,
-];
-
-/// Judges one answer: its status, headers, and problem `code` if the body had one.
-/// `ack_4xx` says the target's other 4xx answers are business answers (a refused order) to
-/// record and ack, rather than dead-letter.
+/// Judges one answer: its status, headers, and what its body says. Whether it is kept,
+/// retried or final is [`idem_wire::read`]'s call, the same as `idem-client`'s; this adds only
+/// what the relay does with a final answer. `ack_4xx` says the target's other 4xx answers are
+/// business answers (a refused order) to record and ack, rather than dead-letter.
 pub(crate) fn verdict(
     status: StatusCode,
     headers: &HeaderMap,
-    code: Option<&str>,
+    problem: &Problem,
     ack_4xx: bool,
 ) -> Verdict {
-    let is = |codes: &[ProblemCode]| code.is_some_and(|c| codes.iter().any(|p| p.as_str() == c));
-    let after = headers
-        .get(RETRY_AFTER)
-        .and_then(|v| v.to_str().ok()?.trim().parse::<u64>().ok())
-        .map(Duration::from_secs);
-    match status.as_u16() {
-        200..=299 => Verdict::Delivered,
-        // A 409 with `Retry-After` will be answered otherwise later: in progress, or an
-        // unknown outcome the gateway reopens once the first attempt's lease is over
-        // (`release_after_lease`).
-        409 if is(&IN_PROGRESS) || after.is_some() => Verdict::Retry(after),
-        409 if is(&[ProblemCode::OutcomeUnknown]) => Verdict::DeadLetter(
+    let after = retry_after(headers, SystemTime::now());
+    match idem_wire::read(status.as_u16(), problem, after) {
+        Answer::Done | Answer::NotReplayable => Verdict::Delivered,
+        Answer::Retry { after } => Verdict::Retry(after),
+        Answer::OutcomeUnknown => Verdict::DeadLetter(
             "an earlier POST with this key may or may not have taken effect; resolve the record \
              at the target (reopen it if the request did not take effect), then move this \
              message back to the queue",
         ),
-        // The request ran; only its answer was too large to keep.
-        409 if is(&[ProblemCode::ResponseNotReplayable]) => Verdict::Delivered,
-        400 | 422 if is(&KEY_ERRORS) => Verdict::DeadLetter(
+        Answer::KeyRefused { .. } => Verdict::DeadLetter(
             "the target refused the Idempotency-Key (sent wrong, or used before by another \
              message with another body)",
         ),
-        408 | 425 | 429 => Verdict::Retry(after),
+        _ => final_answer(status, ack_4xx),
+    }
+}
+
+/// What becomes of a message whose answer is final.
+fn final_answer(status: StatusCode, ack_4xx: bool) -> Verdict {
+    match status.as_u16() {
         501 | 505 => Verdict::DeadLetter("the target does not support the request"),
-        500..=599 => Verdict::Retry(after),
         401 | 403 | 407 => {
             Verdict::DeadLetter("the target refused the relay's credentials (check --header)")
         }
@@ -96,12 +80,15 @@ mod tests {
     fn judge(status: u16, code: Option<&str>, retry_after: bool, ack_4xx: bool) -> Verdict {
         let mut headers = HeaderMap::new();
         if retry_after {
-            headers.insert(RETRY_AFTER, "3".parse().unwrap());
+            headers.insert(axum::http::header::RETRY_AFTER, "3".parse().unwrap());
         }
+        let problem = code.map_or_else(Problem::default, |c| {
+            Problem::from_json(format!(r#"{{"code":"{c}"}}"#).as_bytes())
+        });
         verdict(
             StatusCode::from_u16(status).unwrap(),
             &headers,
-            code,
+            &problem,
             ack_4xx,
         )
     }

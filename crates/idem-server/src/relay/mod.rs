@@ -189,17 +189,17 @@ impl Relay {
         let status = head.status;
         metrics::counter!("idem_relay_requests_total", "result" => status_class(status))
             .increment(1);
-        let code = body
+        let problem = body
             .as_deref()
-            .and_then(|b| serde_json::from_slice::<serde_json::Value>(b).ok())
-            .and_then(|v| v.get("code")?.as_str().map(str::to_owned));
+            .map_or_else(idem_wire::Problem::default, idem_wire::Problem::from_json);
+        let code = problem.code.clone();
         // The answer, as the dead letter and the log carry it: the status and the problem
         // code, never the body.
         let answered = match &code {
             Some(code) => format!("the target answered {status} ({code})"),
             None => format!("the target answered {status}"),
         };
-        match answer::verdict(status, &head.headers, code.as_deref(), self.target.ack_4xx) {
+        match answer::verdict(status, &head.headers, &problem, self.target.ack_4xx) {
             answer::Verdict::Delivered => {
                 if status.is_client_error() {
                     tracing::info!(%status, code = code.as_deref(), "the target refused a message with a business answer; recorded and acked");
