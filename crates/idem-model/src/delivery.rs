@@ -28,7 +28,7 @@ use std::hash::{Hash, Hasher};
 use idem_core::{BeginOutcome, Bytes, Lease, LeaseId, Record, Status, Timestamp};
 use stateright::{Model, Property};
 
-use crate::record::{START_MS, request};
+use crate::record::{START_MS, hash_record, request};
 
 /// How the handler's effect is kept.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -204,11 +204,7 @@ pub struct DeliveryState {
 impl Hash for DeliveryState {
     fn hash<H: Hasher>(&self, h: &mut H) {
         self.now.hash(h);
-        if let Some(r) = &self.record {
-            (r.status, r.fence, r.lease_id).hash(h);
-            (r.lease_expires_at.as_millis(), r.expires_at.as_millis()).hash(h);
-            r.response.as_deref().hash(h);
-        }
+        hash_record(self.record.as_ref(), h);
         self.copies.hash(h);
         self.consumers.hash(h);
         self.used.hash(h);

@@ -161,15 +161,21 @@ pub struct State {
 impl Hash for State {
     fn hash<H: Hasher>(&self, h: &mut H) {
         self.now.hash(h);
-        if let Some(r) = &self.record {
-            (r.status, r.fence, r.lease_id).hash(h);
-            (r.lease_expires_at.as_millis(), r.expires_at.as_millis()).hash(h);
-            r.response.as_deref().hash(h);
-            r.steps.len().hash(h);
-        }
+        hash_record(self.record.as_ref(), h);
         self.clients.hash(h);
         self.used.hash(h);
         self.ghost.hash(h);
+    }
+}
+
+/// Hashes what of a record the models' states tell apart by (`Record` itself does not hash:
+/// its fingerprint and steps need not).
+pub(crate) fn hash_record<H: Hasher>(record: Option<&Record>, h: &mut H) {
+    if let Some(r) = record {
+        (r.status, r.fence, r.lease_id).hash(h);
+        (r.lease_expires_at.as_millis(), r.expires_at.as_millis()).hash(h);
+        r.response.as_deref().hash(h);
+        r.steps.len().hash(h);
     }
 }
 

@@ -86,8 +86,6 @@ pub struct Problem {
     pub detail: Option<String>,
     /// Stripe's `idempotency_error`: a key in use (409) or reused with other parameters (400).
     pub stripe_idempotency_error: bool,
-    /// Whether the body was a JSON document at all.
-    pub read: bool,
 }
 
 impl Problem {
@@ -112,7 +110,6 @@ impl Problem {
                     .error
                     .and_then(|e| e.kind)
                     .is_some_and(|k| k == "idempotency_error"),
-                read: true,
             },
             Err(_) => Self::default(),
         }
@@ -257,7 +254,8 @@ mod tests {
     fn a_body_that_is_not_json_says_nothing() {
         assert_eq!(Problem::from_json(b"<html>"), Problem::default());
         let p = Problem::from_json(br#"{"detail":"x"}"#);
-        assert!(p.read && p.code.is_none() && !p.stripe_idempotency_error);
+        assert!(p.code.is_none() && !p.stripe_idempotency_error);
+        assert_eq!(p.detail.as_deref(), Some("x"));
     }
 
     fn headers(retry_after: &str) -> HeaderMap {

@@ -25,6 +25,14 @@ pub(crate) fn can_step_clocks() -> bool {
     std::path::Path::new(FAKETIME).exists()
 }
 
+/// Makes the process `cmd` starts see its wall clock `ahead` of the others' (libfaketime);
+/// its monotonic clock, which times its own waits, is left alone.
+pub(crate) fn step_clock(cmd: &mut Command, ahead: Duration) {
+    cmd.env("LD_PRELOAD", FAKETIME)
+        .env("FAKETIME", format!("+{}s", ahead.as_secs()))
+        .env("FAKETIME_DONT_FAKE_MONOTONIC", "1");
+}
+
 /// Sends `signal` (`-STOP`, `-CONT`) to process `pid`.
 pub(crate) fn signal(signal: &str, pid: u32) {
     let ok = Command::new("kill")
@@ -251,9 +259,7 @@ impl Cluster {
             .env("IDEM_LOG", "info")
             .stderr(Stdio::piped());
         if let Some(ahead) = ahead {
-            cmd.env("LD_PRELOAD", FAKETIME)
-                .env("FAKETIME", format!("+{}s", ahead.as_secs()))
-                .env("FAKETIME_DONT_FAKE_MONOTONIC", "1");
+            step_clock(&mut cmd, ahead);
         }
         let mut child = cmd.spawn().unwrap();
         let mut lines = BufReader::new(child.stderr.take().unwrap()).lines();

@@ -40,9 +40,6 @@ const PER_SECOND: usize = 25;
 /// that never settles ends the run with a report instead of hanging it.
 const PATIENCE: Duration = Duration::from_secs(90);
 
-/// libfaketime, as `cluster.rs` preloads it.
-const FAKETIME: &str = "/usr/lib/x86_64-linux-gnu/faketime/libfaketimeMT.so.1";
-
 /// The delay queues the AMQP source requeues through (idem-mq's `DELAY_BUCKETS_MS`, up to
 /// the longest a requeue in this run can ask for): a message waiting in one is not settled.
 const AMQP_DELAY_BUCKETS_MS: &[u64] = &[100, 250, 500, 1_000, 2_000, 5_000, 10_000, 30_000];
@@ -447,9 +444,7 @@ impl Relays {
             .stdout(Stdio::null())
             .stderr(log);
         if let Some(ahead) = ahead {
-            cmd.env("LD_PRELOAD", FAKETIME)
-                .env("FAKETIME", format!("+{}s", ahead.as_secs()))
-                .env("FAKETIME_DONT_FAKE_MONOTONIC", "1");
+            cluster::step_clock(&mut cmd, ahead);
         }
         cmd.spawn().unwrap()
     }
