@@ -77,7 +77,7 @@ impl Store {
         matches!(self, Self::OwnRedis(_) | Self::OwnSql(_))
     }
 
-    fn url(&self) -> String {
+    pub(crate) fn url(&self) -> String {
         match self {
             Self::File(url) | Self::Shared(url) => url.clone(),
             Self::OwnRedis(server) => server.url(),

@@ -21,7 +21,7 @@
 //! kind of fault has struck), `IDEM_FAULTS_STORE` the store (default a Redis of the run's own;
 //! `own-postgres` or `own-mariadb` for one of those; `sqlite` for a file; or any store URL, a
 //! server the run never restarts),
-//! `IDEM_FAULTS_HISTORY` a file to keep the history in.
+//! `IDEM_FAULTS_HISTORY` a file to keep each run's history in (suffixed with the run's name).
 
 #![allow(clippy::unwrap_used)]
 // The run prints what it did and what it left out: its report is the point.
@@ -397,7 +397,7 @@ fn run(work: Work) {
         }
     }
     if let Ok(path) = std::env::var("IDEM_FAULTS_HISTORY") {
-        history.save(&path);
+        history.save(&format!("{path}.{work:?}"));
     }
     let report = check(&history, &ledger.entries());
     println!("{work:?}: {report}");

@@ -10,8 +10,8 @@
 //!
 //! Each backend runs when its broker answers (`IDEM_TEST_AMQP_URL`, `IDEM_TEST_NATS_URL`;
 //! under `CI=true` a missing one fails). `IDEM_FAULTS_SECS` sets how long the nemesis runs
-//! (half of it for each backend; the message count scales with it), `IDEM_FAULTS_STORE` the relays' store (default a SQLite
-//! file), `IDEM_FAULTS_HISTORY` a file to keep the history in (suffixed with the backend).
+//! (half of it for each backend; the message count scales with it), `IDEM_FAULTS_STORE` the relays' store (as for the other
+//! runs: by default a Redis of the run's own), `IDEM_FAULTS_HISTORY` a file to keep the history in (suffixed with the backend).
 
 use std::collections::HashSet;
 use std::process::{Child, Command, Stdio};
@@ -394,14 +394,15 @@ struct Relays {
     args: Vec<String>,
     dir: std::path::PathBuf,
     started: usize,
+    /// Kept for the run: a server of the run's own stops when dropped.
+    _store: cluster::Store,
 }
 
 impl Relays {
     fn start(broker: &Broker, ledger: &str, dir: &std::path::Path) -> Self {
-        let store = std::env::var("IDEM_FAULTS_STORE")
-            .ok()
-            .filter(|s| !s.is_empty())
-            .unwrap_or_else(|| format!("sqlite://{}", dir.join("relay.db").display()));
+        // The store the instances' runs would have (`IDEM_FAULTS_STORE`), never restarted here.
+        let store = cluster::Store::choose(dir);
+        let url = store.url();
         let mut args = vec!["relay".to_owned()];
         args.extend(broker.flags());
         args.extend(
@@ -409,7 +410,7 @@ impl Relays {
                 "--to",
                 &format!("http://{ledger}/pay"),
                 "--store",
-                &store,
+                &url,
                 "--prefetch",
                 "8",
                 "--lease",
@@ -424,6 +425,7 @@ impl Relays {
             args,
             dir: dir.to_owned(),
             started: 0,
+            _store: store,
         };
         for _ in 0..RELAYS {
             let child = relays.spawn(None);
