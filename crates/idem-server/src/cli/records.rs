@@ -322,7 +322,7 @@ fn print_table(records: &[Listed], now: Timestamp) -> Result<(), String> {
         return Ok(());
     }
     say!(
-        "{:<11} {:<10} {:>5} {:>6} {:>8}  {:<14} {:<16} KEY",
+        "{:<11} {:<10} {:>16} {:>6} {:>8}  {:<14} {:<16} KEY",
         "STATE",
         "HOLDS",
         "FENCE",
@@ -346,7 +346,8 @@ fn print_table(records: &[Listed], now: Timestamp) -> Result<(), String> {
             "-".to_owned()
         };
         say!(
-            "{:<11} {:<10} {:>5} {:>6} {:>8}  {:<14} {:<16} {}",
+            // Fences are a creation millisecond × 1000 and up: 16 digits.
+            "{:<11} {:<10} {:>16} {:>6} {:>8}  {:<14} {:<16} {}",
             l.state.as_str(),
             holds,
             l.fence,
