@@ -6,7 +6,7 @@ use std::future::Future;
 use std::sync::Arc;
 
 use crate::Key;
-use crate::store::{BoxFuture, StoreError};
+use crate::error::{BoxFuture, StoreError};
 
 /// The largest value a counter reaches (`i64::MAX`, what every backend can hold).
 pub const MAX_COUNTER: u64 = i64::MAX.unsigned_abs();

@@ -26,32 +26,33 @@
 pub mod admin;
 pub mod clock;
 pub mod counter;
+pub mod error;
 pub mod fingerprint;
 pub mod key;
 pub mod lock;
+pub mod page;
 pub mod record;
 pub mod step;
 pub mod store;
 pub mod token;
 
-pub use admin::{
-    Counts, Cursor, InvalidListing, Listed, Page, RecordAdmin, RecordFilter, RecordState, Repair,
-    Shown,
-};
+pub use admin::{Counts, Listed, Page, RecordAdmin, RecordFilter, RecordState, Repair, Shown};
 pub use clock::{Clock, ManualClock, SystemClock, Timestamp};
 pub use counter::{Counters, DynCounters, MAX_COUNTER, SharedCounters, counter_step};
+pub use error::{BoxFuture, LeaseError, StaleLease, StoreError};
 pub use fingerprint::{Fingerprint, FingerprintBuilder};
 pub use key::{ClientKey, Key, KeyError, KeyPart, Namespace, Scope};
 pub use lock::{
     Acquire, DynLockStore, Held, HeldLock, InvalidLock, LockError, LockName, LockOwner, LockState,
     LockStore, OwnerDigest, ReleaseListener, SharedLockStore,
 };
+pub use page::{Cursor, InvalidListing};
 pub use record::{
     BeginOutcome, BeginRequest, BeginStep, DEFAULT_LEASE, DEFAULT_TTL, Lease, LeaseId,
-    MIN_DURATION, Record, Replay, StaleLease, Status,
+    MIN_DURATION, Record, Replay, Status,
 };
 pub use step::{InvalidStep, Step, StepError, StepName, StepOutcome, StepRefused, step_key};
-pub use store::{BoxFuture, DynStore, LeaseError, SharedStore, Store, StoreError};
+pub use store::{DynStore, SharedStore, Store};
 pub use token::{IssuedToken, TokenError, Tokens};
 
 pub use bytes::Bytes;

@@ -27,7 +27,7 @@ use std::time::Duration;
 
 use sha2::{Digest, Sha256};
 
-use crate::store::{BoxFuture, StoreError};
+use crate::error::{BoxFuture, StoreError};
 use crate::{Timestamp, clock::duration_millis};
 
 /// The longest lock name, in bytes.

@@ -20,8 +20,8 @@ use std::fmt;
 use bytes::Bytes;
 use sha2::{Digest, Sha256};
 
-use crate::record::StaleLease;
-use crate::{Fingerprint, Key, StoreError};
+use crate::error::{StaleLease, StoreError};
+use crate::{Fingerprint, Key};
 
 /// The most steps one record keeps.
 pub const MAX_STEPS: usize = 64;

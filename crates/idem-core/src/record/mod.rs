@@ -18,6 +18,7 @@ use std::time::Duration;
 
 use bytes::Bytes;
 
+pub use crate::error::StaleLease;
 use crate::step::{self, Step, StepRefused};
 use crate::{Fingerprint, Key, Timestamp, clock::duration_millis};
 
@@ -294,14 +295,6 @@ pub struct BeginStep {
     /// The record to store in place of the existing one, if anything changes.
     pub write: Option<Record>,
 }
-
-/// Refusal of `complete` or `release` by the state machine.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
-#[error(
-    "the lease is no longer current: the record was taken over, released, forgotten after its \
-     retention, or already completed with a different response"
-)]
-pub struct StaleLease;
 
 impl Record {
     /// Whether the record still exists for `begin` and `get` at `now`.
