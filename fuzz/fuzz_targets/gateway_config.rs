@@ -6,9 +6,9 @@ use libfuzzer_sys::fuzz_target;
 
 fuzz_target!(|data: &[u8]| {
     let Ok(text) = std::str::from_utf8(data) else { return };
-    if let Ok(file) = idem_server::gateway::FileConfig::parse(text) {
+    if let Ok(file) = idem_gateway::gateway::FileConfig::parse(text) {
         let store: idem_core::SharedStore = std::sync::Arc::new(idem_store::MemoryStore::new());
-        let upstream = idem_server::gateway::Upstream::parse("http://127.0.0.1:1").unwrap();
-        let _ = idem_server::gateway::Gateway::new(upstream, store).configure(&file);
+        let upstream = idem_gateway::gateway::Upstream::parse("http://127.0.0.1:1").unwrap();
+        let _ = idem_gateway::gateway::Gateway::new(upstream, store).configure(&file);
     }
 });

@@ -3,8 +3,8 @@
 //! route pattern without panicking.
 #![no_main]
 
-use idem_server::gateway::PathPattern;
-use idem_server::gateway::path::normalize;
+use idem_gateway::gateway::PathPattern;
+use idem_gateway::gateway::path::normalize;
 use libfuzzer_sys::fuzz_target;
 
 fuzz_target!(|data: &[u8]| {

@@ -12,7 +12,8 @@ use http_body_util::combinators::UnsyncBoxBody;
 use http_body_util::{BodyExt, LengthLimitError, Limited};
 
 use crate::problem::Problem;
-use crate::problem_code::ProblemCode;
+use crate::problem::ToProblem;
+use idem_wire::ProblemCode;
 
 /// A boxed error.
 pub type BoxError = Box<dyn std::error::Error + Send + Sync>;

@@ -10,13 +10,13 @@ use idem_claim::begin_waiting;
 use idem_core::{BeginOutcome, BeginRequest, Lease, Store, Timestamp};
 
 use crate::body::{ResponseBody, boxed};
+use crate::config::Config;
 use crate::header::IDEMPOTENT_REPLAYED;
-use crate::layer::Config;
 use crate::metrics::count;
 use crate::problem::Problem;
-use crate::problem_code::ProblemCode;
-use crate::service::reject;
+use crate::problem::ToProblem;
 use crate::stored::Stored;
+use idem_wire::ProblemCode;
 
 /// The `Retry-After` of a request refused because another with its key is in progress: the
 /// first attempt may answer any moment, so a retry is worth making after a second rather than
@@ -162,4 +162,10 @@ fn replay(status: StatusCode, headers: HeaderMap, body: Bytes) -> Response<Respo
     res.headers_mut()
         .insert(IDEMPOTENT_REPLAYED, HeaderValue::from_static("true"));
     res
+}
+
+/// Answers with `problem`, counted by its code.
+pub(crate) fn reject(problem: Problem) -> Response<ResponseBody> {
+    count(problem.code());
+    problem.into_http::<Full<Bytes>>().map(boxed)
 }

@@ -26,8 +26,9 @@ use tower_service::Service;
 
 use crate::body::{BoxError, ResponseBody, boxed};
 use crate::problem::Problem;
-use crate::problem_code::ProblemCode;
+use crate::problem::ToProblem;
 use crate::scope::ScopeSource;
+use idem_wire::ProblemCode;
 
 /// The default header carrying the token.
 pub const FORM_TOKEN: HeaderName = HeaderName::from_static("form-token");

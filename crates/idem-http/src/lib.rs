@@ -22,15 +22,16 @@
 //!
 //! See `docs/design.md` in the repository for the reasoning behind each choice.
 //!
-//! Where things are: `layer.rs` (the [`IdempotencyLayer`] and its configuration),
-//! `service.rs` (the [`IdempotencyService`]: a request from its key to its answer),
+//! Where things are: `layer.rs` (the [`IdempotencyLayer`]), `config.rs` (what it hands each
+//! request), `service.rs` (the [`IdempotencyService`]: a request from its key to its answer),
 //! `fingerprint.rs`, `claim.rs` (run, replay or refuse), `settle.rs` (storing or releasing
-//! after the handler), `body.rs`, `stored.rs` (the stored answer's layout), `problem.rs` and
-//! `problem_code.rs` (errors and their catalogue), `operator.rs` (inspecting and reopening
+//! after the handler), `body.rs`, `stored.rs` (the stored answer's layout), `problem.rs`
+//! (errors; their catalogue is `idem-wire`'s), `operator.rs` (inspecting and reopening
 //! records), `metrics.rs`.
 
 mod body;
 mod claim;
+mod config;
 mod fingerprint;
 pub mod form_token;
 pub mod header;
@@ -39,7 +40,6 @@ mod metrics;
 pub mod operator;
 pub mod policy;
 mod problem;
-mod problem_code;
 pub mod scope;
 mod service;
 mod settle;
@@ -51,11 +51,11 @@ pub use header::{
     FENCE_HEADER, IDEMPOTENCY_KEY, IDEMPOTENT_REPLAYED, KeyHeaderError, encode_key,
     key_from_headers, parse_key,
 };
+pub use idem_wire::ProblemCode;
 pub use layer::IdempotencyLayer;
 pub use metrics::describe_metrics;
 pub use policy::{InFlight, KeyRequirement, OnUnknown, Policy, Preset, ReplayHeaders};
-pub use problem::Problem;
-pub use problem_code::ProblemCode;
+pub use problem::{Problem, ToProblem};
 pub use scope::{ScopeSecret, ScopeSource};
 pub use service::{IdempotencyService, LeaseFence};
 pub use settle::Settle;

@@ -11,7 +11,19 @@ use bytes::Bytes;
 use http::{HeaderValue, Response, StatusCode, header};
 use serde_json::{Map, Value, json};
 
-use crate::problem_code::ProblemCode;
+use idem_wire::ProblemCode;
+
+/// A [`Problem`] from a code of idem's catalogue: `ProblemCode::NotFound.problem("…")`.
+pub trait ToProblem {
+    /// A problem with this code, its status and title, and `detail` for people.
+    fn problem(self, detail: impl Into<String>) -> Problem;
+}
+
+impl ToProblem for ProblemCode {
+    fn problem(self, detail: impl Into<String>) -> Problem {
+        Problem::new(self.status(), self.as_str(), self.title(), detail)
+    }
+}
 
 /// An error answer.
 #[derive(Debug)]

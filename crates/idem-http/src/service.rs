@@ -7,20 +7,20 @@ use std::task::{Context, Poll};
 use bytes::Bytes;
 use http::{Request, Response};
 use http_body::Body;
-use http_body_util::Full;
 use idem_core::{BeginRequest, BoxFuture, ClientKey, Key};
 use tower_service::Service;
 
 use crate::body::{BoxError, ResponseBody, boxed, read_body};
-use crate::claim::{answer_from_memory, claim};
+use crate::claim::{answer_from_memory, claim, reject};
+use crate::config::Config;
 use crate::fingerprint::fingerprint;
 use crate::header::{KeyHeaderError, key_from_headers};
-use crate::layer::Config;
 use crate::metrics::count;
 use crate::policy::KeyRequirement;
 use crate::problem::Problem;
-use crate::problem_code::ProblemCode;
+use crate::problem::ToProblem;
 use crate::settle::run_and_settle;
+use idem_wire::ProblemCode;
 
 /// Put in the extensions of every guarded request that reaches the handler: the fence of
 /// its lease, strictly greater than that of any earlier attempt with the same key, for
@@ -90,13 +90,6 @@ where
     count("passed_through");
     Ok(inner.call(req).await?.map(boxed))
 }
-
-/// Answers with `problem`, counted by its code.
-pub(crate) fn reject(problem: Problem) -> Response<ResponseBody> {
-    count(problem.code());
-    problem.into_http::<Full<Bytes>>().map(boxed)
-}
-
 async fn guarded<S, ReqBody, ResBody>(
     cfg: Arc<Config>,
     inner: S,

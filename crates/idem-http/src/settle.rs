@@ -16,12 +16,13 @@ use idem_core::{Key, Lease, LeaseError, Store};
 use tower_service::Service;
 
 use crate::body::{BoxError, Collected, Prefixed, ResponseBody, boxed, collect_limited};
-use crate::layer::Config;
+use crate::claim::reject;
+use crate::config::Config;
 use crate::metrics::count_settled;
 use crate::policy::{OnUnknown, ReplayHeaders, remove_hop_by_hop};
-use crate::problem_code::ProblemCode;
-use crate::service::reject;
+use crate::problem::ToProblem;
 use crate::stored::Stored;
+use idem_wire::ProblemCode;
 
 /// How a handler's answer settles its record. By default the layer decides from the status
 /// and the [`Preset`](crate::Preset); a handler (or a proxy) that knows better puts one of

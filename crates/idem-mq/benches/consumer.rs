@@ -45,9 +45,9 @@ use bytes::Bytes;
 use idem::{PostgresOptions, PostgresStore, RedisOptions, RedisStore};
 use idem_core::Store;
 use idem_mq::amqp::AmqpSource;
+use idem_mq::bench::{BODY, Meter, Row, Timed, all_settled, bare, fill_amqp, hex};
 use idem_mq::nats::{DeadLetterTarget, NatsSource};
 use idem_mq::{Consumer, Delivery, Disposition, Failure, Message, Source};
-use idem_testkit::mq::{BODY, Meter, Row, Timed, all_settled, bare, fill_amqp, hex};
 use idem_testkit::services::{NATS, POSTGRES, RABBITMQ, REDIS, forget_redis_keys};
 use redis::aio::MultiplexedConnection;
 

@@ -27,6 +27,9 @@ mod text;
 pub use consumer::{
     Consumer, Counts, DEFAULT_SCOPE, Failure, Handler, Message, MissingKey, Outcome,
 };
+#[cfg(feature = "bench")]
+pub mod bench;
+
 pub use error::MqError;
 pub use key::KeyFrom;
 pub use source::{DeadLetter, Delivery, Disposition, Horizon, Reason, Source};

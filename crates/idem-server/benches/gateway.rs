@@ -28,7 +28,7 @@ use axum::http::{Request, StatusCode};
 use axum::routing::post;
 use http_body_util::{BodyExt, Full};
 use idem_core::SharedStore;
-use idem_server::gateway::{FileConfig, Gateway, Upstream};
+use idem_gateway::gateway::{FileConfig, Gateway, Upstream};
 use idem_store::{ReplayCache, ReplayCacheLimits};
 use idem_testkit::load;
 

@@ -4,7 +4,7 @@
 //!   request as the relay's (POST, `Content-Type: application/json`, the message id as
 //!   `Idempotency-Key`), the same HTTP client (hyper-util's pooled client, `TCP_NODELAY`), the
 //!   same prefetch and concurrency, the loop shaped like `Consumer::run`;
-//! - `relay-<store>`: `Consumer::new(store)` with [`idem_server::relay::Relay`] as the handler,
+//! - `relay-<store>`: `Consumer::new(store)` with [`idem_gateway::relay::Relay`] as the handler,
 //!   built as `idem relay` builds it (scope `relay`, concurrency = prefetch, connection named
 //!   `idem relay`), its records in the relay's default store (an SQLite file, here in a temp
 //!   dir) or in Redis.
@@ -43,10 +43,10 @@ use hyper_util::client::legacy::Client;
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::TokioExecutor;
 use idem_core::SharedStore;
+use idem_gateway::relay::{Relay, Target};
 use idem_mq::amqp::AmqpSource;
+use idem_mq::bench::{Meter, Row, Timed, all_settled, bare, fill_amqp, hex};
 use idem_mq::{Consumer, Delivery, Disposition, Source};
-use idem_server::relay::{Relay, Target};
-use idem_testkit::mq::{Meter, Row, Timed, all_settled, bare, fill_amqp, hex};
 use idem_testkit::services::{RABBITMQ, REDIS};
 
 struct Args {

@@ -23,23 +23,12 @@ use idem::claim::settle_retrying;
 
 use crate::AppState;
 use crate::auth::Caller;
-use crate::json::{JsonBody, PathParams};
-use idem_http::{Problem, ProblemCode};
+use idem_http::{Problem, ProblemCode, ToProblem};
+use idem_ops::json::{JsonBody, PathParams, rfc3339};
 
 /// The longest `fingerprint` string accepted.
 pub const MAX_FINGERPRINT_LEN: usize = 1024;
-/// The longest lease a caller may ask for: 24 hours.
-pub const MAX_LEASE: Duration = Duration::from_secs(24 * 60 * 60);
-/// The longest retention a caller may ask for: 365 days.
-pub const MAX_TTL: Duration = Duration::from_secs(365 * 24 * 60 * 60);
-
-/// The last instant RFC 3339 can write (9999-12-31T23:59:59.999Z); later ones, which only a
-/// library caller with an enormous TTL can make, are shown as that.
-const LAST_RFC3339: Timestamp = Timestamp::from_millis(253_402_300_799_999);
-
-pub(crate) fn rfc3339(t: Timestamp) -> String {
-    humantime::format_rfc3339_millis(t.min(LAST_RFC3339).to_system_time()).to_string()
-}
+pub use idem_core::record::{MAX_LEASE, MAX_TTL};
 
 pub(crate) fn key_problem(e: &KeyError) -> Problem {
     ProblemCode::InvalidKey.problem(format!("{e}."))
@@ -570,8 +559,8 @@ fn record_json(r: &Record) -> Value {
     body
 }
 
-/// `GET /healthz`: each component's health (see [`crate::health`]); 503 if the store fails.
+/// `GET /healthz`: each component's health (see [`idem_ops::health`]); 503 if the store fails.
 pub(crate) async fn health(State(state): State<AppState>) -> Response {
-    let components = crate::health::Components::of(&state);
+    let components = state.components();
     state.health.check(&components).await.into_response()
 }

@@ -16,11 +16,9 @@ use axum::http::request::Parts;
 use idem_core::{Fingerprint, Scope};
 
 use crate::AppState;
-use idem_http::{Problem, ProblemCode};
+use idem_http::{Problem, ProblemCode, ToProblem};
 
-/// The start of the scopes idem keeps its own records under (`idem.ids`, `idem.tokens`); no
-/// API key may have one.
-pub const RESERVED_SCOPE_PREFIX: &str = "idem.";
+pub use idem_ops::admin::{RESERVED_SCOPE_PREFIX, bearer};
 
 /// Why `scope` may not be an API key's, if it may not: idem's own records, and the scopes the
 /// other ways in give their callers (`idem gateway`'s `anonymous` and `cred-…`, `idem relay`'s
@@ -32,7 +30,7 @@ pub fn reserved(scope: &str) -> Option<&'static str> {
         Some("scopes starting with `idem.` hold idem's own records")
     } else if scope == ANONYMOUS || scope.starts_with(CREDENTIAL_PREFIX) {
         Some("`anonymous` and scopes starting with `cred-` are the gateway's callers")
-    } else if scope == crate::relay::SCOPE {
+    } else if scope == idem_gateway::relay::SCOPE {
         Some("`relay` is idem relay's")
     } else if scope == idem_mq::DEFAULT_SCOPE {
         Some("`mq` is the message consumers' default")
@@ -148,16 +146,6 @@ impl Auth {
             .cloned()
             .ok_or_else(|| unauthorized("The API key is not known."))
     }
-}
-
-/// The token of an `Authorization: Bearer <token>` header, if the request has one.
-pub(crate) fn bearer(parts: &Parts) -> Option<&str> {
-    let value = parts.headers.get(header::AUTHORIZATION)?.to_str().ok()?;
-    let (scheme, token) = value.split_once(' ')?;
-    // RFC 9110 §11.1: the scheme name is case-insensitive.
-    scheme
-        .eq_ignore_ascii_case("bearer")
-        .then_some(token.trim())
 }
 
 /// The authenticated caller of a request.

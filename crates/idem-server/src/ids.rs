@@ -24,13 +24,13 @@ use std::time::{Duration, Instant};
 
 use axum::Json;
 use axum::extract::{RawQuery, State};
-use idem_http::{Problem, ProblemCode};
+use idem_http::{Problem, ProblemCode, ToProblem};
 use idem_id::{Batch, IdError, ManagedSnowflake};
 use serde_json::{Value, json};
 
 use crate::AppState;
 use crate::auth::Caller;
-use crate::json::PathParams;
+use idem_ops::json::PathParams;
 
 /// The most ids one request may ask for.
 pub const MAX_COUNT: u32 = 1000;
@@ -168,6 +168,12 @@ pub struct SegmentView {
     pub runway: Option<Duration>,
     /// Why the last fetch failed, while fetches fail.
     pub failing: Option<String>,
+}
+
+impl idem_ops::health::FailingTags for SegmentTable {
+    fn failing(&self) -> (usize, Option<(std::time::SystemTime, String)>) {
+        SegmentTable::failing(self)
+    }
 }
 
 impl SegmentTable {

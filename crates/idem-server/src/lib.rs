@@ -20,21 +20,12 @@
 //! The admin page and the record tools are served by [`admin_router`], on a listener of their
 //! own.
 
-pub mod admin;
 pub mod api;
 pub mod auth;
-pub mod gateway;
-pub mod health;
 pub mod ids;
-pub mod json;
-pub mod listener;
 pub mod locks;
-pub mod metered;
-pub mod metrics;
 pub mod openapi;
-pub mod relay;
 pub mod tokens;
-pub mod trace;
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -44,7 +35,10 @@ use axum::routing::{get, post};
 use idem_core::{Clock, DEFAULT_LEASE, DEFAULT_TTL, SharedStore, SystemClock};
 
 use crate::auth::Auth;
-use idem_http::{Problem, ProblemCode};
+use idem_http::{Problem, ProblemCode, ToProblem};
+use idem_ops::health::Components;
+use idem_ops::json::BodyLimit;
+use idem_ops::{admin, health, metered, trace};
 
 /// The default limit on request bodies: 1 MiB.
 pub const DEFAULT_MAX_BODY: usize = 1024 * 1024;
@@ -98,6 +92,18 @@ impl AppState {
             admin_token: None,
             records_history: Arc::default(),
             metrics_require_token: false,
+        }
+    }
+
+    /// What this server's health reports on: the store, Snowflake ids, segment ids, locks
+    /// and (through its monitor) the purge loop.
+    pub fn components(&self) -> Components {
+        Components {
+            store: self.store.clone(),
+            clock: self.clock.clone(),
+            snowflake: self.snowflake.clone(),
+            segments: Some(Arc::new(self.segments.clone())),
+            locks: Some(self.locks.is_some()),
         }
     }
 
@@ -206,6 +212,12 @@ fn operator(state: AppState, tools: bool) -> Router {
         .merge(admin::router(tools))
 }
 
+impl BodyLimit for AppState {
+    fn max_body(&self) -> usize {
+        self.max_body
+    }
+}
+
 impl admin::AdminAccess for AppState {
     fn admin_token(&self) -> Option<&admin::AdminToken> {
         self.admin_token.as_ref()
@@ -262,7 +274,7 @@ async fn admin_locks(
             serde_json::json!({
                 "name": l.name.as_str(),
                 "fence": l.fence,
-                "expires_at": api::rfc3339(l.expires_at),
+                "expires_at": idem_ops::json::rfc3339(l.expires_at),
             })
         })
         .collect();

@@ -21,16 +21,17 @@ use axum::Json;
 use axum::extract::State;
 use idem::{LockError, LockOwner, Locks};
 use idem_core::{Held, Timestamp};
-use idem_http::{Problem, ProblemCode};
+use idem_http::{Problem, ProblemCode, ToProblem};
 use serde::Deserialize;
 use serde_json::{Value, json};
 use sha2::{Digest, Sha256};
 use utoipa::ToSchema;
 
 use crate::AppState;
-use crate::api::{MAX_LEASE, rfc3339};
+use crate::api::MAX_LEASE;
 use crate::auth::Caller;
-use crate::json::{JsonBody, PathParams};
+use idem_ops::json::rfc3339;
+use idem_ops::json::{JsonBody, PathParams};
 
 /// The longest a caller may wait for a lock in one request.
 pub const MAX_WAIT: Duration = Duration::from_secs(60);

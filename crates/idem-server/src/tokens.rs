@@ -20,9 +20,10 @@ use serde_json::json;
 use utoipa::ToSchema;
 
 use crate::AppState;
-use crate::api::{MAX_TTL, duration_ms, rfc3339};
+use crate::api::{MAX_TTL, duration_ms};
 use crate::auth::Caller;
-use crate::json::JsonBody;
+use idem_ops::json::JsonBody;
+use idem_ops::json::rfc3339;
 
 /// `POST /v1/tokens`.
 #[derive(Deserialize, ToSchema)]

@@ -23,8 +23,8 @@ use idem_core::{
     Timestamp,
 };
 use idem_http::{IdempotencyLayer, Policy, Settle};
+use idem_ops::admin::AdminToken;
 use idem_server::AppState;
-use idem_server::admin::AdminToken;
 use tower::ServiceExt;
 
 const TOKEN: &str = "page-test-token-0123456789";

@@ -8,7 +8,7 @@
 use std::net::SocketAddr;
 
 use axum::http::{Method, Request};
-use idem_server::gateway::{FileConfig, Gateway, Upstream as UpstreamUrl};
+use idem_gateway::gateway::{FileConfig, Gateway, Upstream as UpstreamUrl};
 use serde_json::Value;
 
 use idem_testkit::logs::Log;

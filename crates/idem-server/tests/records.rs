@@ -11,8 +11,8 @@ use std::time::Duration;
 use axum::http::StatusCode;
 use common::{BANK, SHOP, acquisition, get, post, with_callers};
 use idem_core::{ManualClock, Timestamp};
+use idem_ops::admin::AdminToken;
 use idem_server::AppState;
-use idem_server::admin::AdminToken;
 use serde_json::{Value, json};
 
 const TOKEN: &str = "operator-token-0123456789";
@@ -311,7 +311,7 @@ async fn a_repair_touches_only_records_still_as_shown() {
         let (status, body) = repair(&state, bad.clone()).await;
         assert_eq!(status, StatusCode::BAD_REQUEST, "{bad}: {body}");
     }
-    let too_many: Vec<Value> = (0..=idem_server::admin::records::MAX_BULK)
+    let too_many: Vec<Value> = (0..=idem_ops::admin::records::MAX_BULK)
         .map(|i| shown("shop", &format!("k{i}"), "stuck", 1))
         .collect();
     let (status, _) = repair(&state, json!({"action": "delete", "records": too_many})).await;
@@ -404,7 +404,7 @@ async fn metrics_text(state: &AppState) -> String {
 
 #[tokio::test]
 async fn the_metrics_page_counts_claims_ids_and_lock_acquisitions() {
-    idem_server::metrics::Registry::global();
+    idem_ops::metrics::Registry::global();
     let (state, _) = state();
     let state = state.with_locks(Arc::new(idem_store::MemoryStore::new()));
     let (status, _, _) = get(&state, SHOP, "/v1/ids/uuid7?count=3").await;

@@ -14,9 +14,9 @@ use axum::extract::State;
 use axum::http::{HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::routing::post;
+use idem_gateway::relay::{Relay, Target};
 use idem_mq::memory::Queue;
 use idem_mq::{Consumer, Reason};
-use idem_server::relay::{Relay, Target};
 use idem_store::MemoryStore;
 use tokio::net::TcpListener;
 

@@ -528,7 +528,7 @@ fn silent_service() -> String {
 #[test]
 fn an_unknown_outcome_at_the_gateway_goes_to_the_dead_letter_with_the_answer() {
     use idem_mq::amqp::{DETAIL_HEADER, REASON_HEADER};
-    use idem_testkit::mq::{get_one, header_text};
+    use idem_mq::bench::{get_one, header_text};
     let Some(url) = idem_testkit::services::RABBITMQ.url() else {
         return;
     };

@@ -7,8 +7,6 @@
 //!   after they take effect, to test that callers fail closed; or holds one at a [`Stall`]
 //!   until the test releases it, to test that a caller who gives up while the store is slow
 //!   leaves nothing behind.
-//! - [`mq`] (feature `mq`): what the message benches share: a timed source, the bare consume
-//!   loop, and filling a RabbitMQ queue.
 //! - [`load`] (feature `load`): keep-alive HTTP clients under load, for the HTTP benches.
 //! - [`chaos`] (feature `chaos`): a proxy that loses requests and answers, a ledger of what
 //!   ran, and storms of `idem-client` calls through both.
@@ -26,8 +24,6 @@ pub mod load;
 pub mod locks;
 #[cfg(feature = "logs")]
 pub mod logs;
-#[cfg(feature = "mq")]
-pub mod mq;
 pub mod services;
 
 pub use faulty::{Fault, FaultyStore, Op, Stall};

@@ -4,9 +4,9 @@
 //! messages to HTTP) read answers by these rules alone, so that the two never disagree about
 //! a status.
 //!
-//! The problem codes named here are the ones of idem's catalogue (`idem_http::ProblemCode`,
-//! whose tests hold the two equal) that change how an answer is read, and Stripe's
-//! `idempotency_error`.
+//! It also holds the catalogue of problem codes ([`ProblemCode`]) that idem's servers answer
+//! with: the codes named in [`codes`] are the ones of it that change how an answer is read
+//! (besides Stripe's `idempotency_error`).
 //!
 //! ```
 //! use std::time::Duration;
@@ -25,24 +25,31 @@ use std::time::{Duration, SystemTime};
 use http::HeaderMap;
 use http::header::RETRY_AFTER;
 
-/// The problem codes that change how an answer is read.
+mod catalogue;
+
+pub use catalogue::ProblemCode;
+
+/// The problem codes that change how an answer is read, as clients see them (each is the
+/// catalogue's [`ProblemCode::as_str`]).
 pub mod codes {
+    use crate::ProblemCode;
+
     /// The gateway's and the layer's: another request with the key is running.
-    pub const REQUEST_IN_PROGRESS: &str = "request_in_progress";
+    pub const REQUEST_IN_PROGRESS: &str = ProblemCode::RequestInProgress.as_str();
     /// `idem serve`'s record API: another attempt holds the key.
-    pub const IN_PROGRESS: &str = "in_progress";
+    pub const IN_PROGRESS: &str = ProblemCode::InProgress.as_str();
     /// An earlier request with the key may or may not have taken effect.
-    pub const OUTCOME_UNKNOWN: &str = "outcome_unknown";
+    pub const OUTCOME_UNKNOWN: &str = ProblemCode::OutcomeUnknown.as_str();
     /// The request ran; only its answer was too large to keep.
-    pub const RESPONSE_NOT_REPLAYABLE: &str = "response_not_replayable";
+    pub const RESPONSE_NOT_REPLAYABLE: &str = ProblemCode::ResponseNotReplayable.as_str();
     /// The route requires a key and the request has none.
-    pub const IDEMPOTENCY_KEY_MISSING: &str = "idempotency_key_missing";
+    pub const IDEMPOTENCY_KEY_MISSING: &str = ProblemCode::IdempotencyKeyMissing.as_str();
     /// The key is repeated, malformed or too long.
-    pub const IDEMPOTENCY_KEY_INVALID: &str = "idempotency_key_invalid";
+    pub const IDEMPOTENCY_KEY_INVALID: &str = ProblemCode::IdempotencyKeyInvalid.as_str();
     /// The key was used before with another request (the gateway and the layer).
-    pub const IDEMPOTENCY_KEY_MISMATCH: &str = "idempotency_key_mismatch";
+    pub const IDEMPOTENCY_KEY_MISMATCH: &str = ProblemCode::IdempotencyKeyMismatch.as_str();
     /// The key was used before with another request (`idem serve`'s record API).
-    pub const FINGERPRINT_MISMATCH: &str = "fingerprint_mismatch";
+    pub const FINGERPRINT_MISMATCH: &str = ProblemCode::FingerprintMismatch.as_str();
 }
 
 /// What an answer means for the request that got it.

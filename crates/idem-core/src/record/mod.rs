@@ -29,6 +29,11 @@ pub const DEFAULT_LEASE: Duration = Duration::from_secs(60);
 /// The shortest lease and TTL: shorter ones (zero, or under a millisecond) are raised to this,
 /// since a lease that has run out when it is granted would let two attempts in at once.
 pub const MIN_DURATION: Duration = Duration::from_millis(1);
+/// The longest lease a caller of idem's servers (`idem serve`, `idem gateway`) may ask for:
+/// 24 hours.
+pub const MAX_LEASE: Duration = Duration::from_secs(24 * 60 * 60);
+/// The longest retention a caller of idem's servers may ask for: 365 days.
+pub const MAX_TTL: Duration = Duration::from_secs(365 * 24 * 60 * 60);
 
 /// The lifecycle state of a record.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]

@@ -7,8 +7,8 @@ use std::sync::Arc;
 use lapin::options::{BasicAckOptions, BasicNackOptions};
 use lapin::types::{AMQPValue, FieldTable, ShortString};
 
+use super::link::Link;
 use super::publish::publish_confirmed;
-use super::source::Link;
 use super::topology::bucket_for;
 use super::{
     ATTEMPT_HEADER, Bounded, DELIVERY_COUNT_HEADER, DETAIL_HEADER, MAX_DETAIL_BYTES, PERSISTENT,

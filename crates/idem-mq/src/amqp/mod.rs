@@ -92,6 +92,7 @@ use lapin::{Channel, Connection};
 use crate::MqError;
 
 mod delivery;
+mod link;
 mod publish;
 mod source;
 mod topology;

@@ -89,7 +89,7 @@ async fn depth(url: &str, queue: &str) -> u32 {
     q.message_count()
 }
 
-use idem_testkit::mq::{get_one, header_text};
+use idem_mq::bench::{get_one, header_text};
 
 async fn setup(prefix: &str, queue_type: QueueType) -> Option<(String, String, Cleanup)> {
     let url = RABBITMQ.url()?;

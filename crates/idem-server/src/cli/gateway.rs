@@ -4,7 +4,7 @@ use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::time::Duration;
 
-use idem_server::gateway::{FileConfig, Gateway, Upstream};
+use idem_gateway::gateway::{FileConfig, Gateway, Upstream};
 use tracing::info;
 
 use super::listen::{AdminListener, GATEWAY_ADMIN_LISTEN, LimitArgs, limits, run};
@@ -131,13 +131,13 @@ pub(crate) async fn gateway(args: GatewayArgs) -> Result<(), String> {
     );
     let clock = gateway.clock.clone();
     let health = gateway.health.clone();
-    let components = idem_server::health::Components::store_only(store.clone(), clock.clone());
+    let components = idem_ops::health::Components::store_only(store.clone(), clock.clone());
     let watch = tokio::spawn(health.clone().watch(components));
-    let sampler = tokio::spawn(idem_server::admin::sampler::run(
+    let sampler = tokio::spawn(idem_ops::admin::sampler::run(
         store.clone(),
         clock.clone(),
         gateway.records_history.clone(),
-        idem_server::admin::sampler::SAMPLE_EVERY,
+        idem_ops::admin::sampler::SAMPLE_EVERY,
     ));
     let admin = AdminListener::new(
         listen,

@@ -7,8 +7,8 @@ use std::time::Duration;
 
 use idem::purge::purge_loop_reporting;
 use idem_core::{Clock, SharedStore};
-use idem_server::gateway::FileConfig;
-use idem_server::listener::{self, Limits};
+use idem_gateway::gateway::FileConfig;
+use idem_gateway::listener::{self, Limits};
 use tracing::{info, warn};
 
 use super::parse::{parse_header_timeout, parse_idle_or_body_timeout, parse_max_connections};

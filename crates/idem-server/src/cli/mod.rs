@@ -13,7 +13,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use idem_core::SharedStore;
-use idem_server::metered::Metered;
+use idem_ops::metered::Metered;
 use idem_store::StoreUrl;
 use tracing::info;
 
@@ -60,7 +60,7 @@ impl ReplayCacheArgs {
         if let Some(skip) = skip {
             cache = cache.skip(skip);
         }
-        tokio::spawn(idem_server::metrics::watch_replay_cache(cache.clone()));
+        tokio::spawn(idem_ops::metrics::watch_replay_cache(cache.clone()));
         Arc::new(cache)
     }
 }
@@ -74,11 +74,11 @@ pub(crate) async fn open_with_locks(
         .parse()
         .map_err(|e| format!("invalid store URL {:?}: {e}", idem_store::redact(url)))?;
     // Installed before the store is wrapped: metric handles taken earlier record nothing.
-    idem_server::metrics::Registry::global();
+    idem_ops::metrics::Registry::global();
     let metered = |store: SharedStore| -> SharedStore { Arc::new(Metered::new(store)) };
     if let StoreUrl::Memory(limits) = &parsed {
         let store = idem_store::MemoryStore::with_limits(*limits);
-        tokio::spawn(idem_server::metrics::watch_memory_store(store.clone()));
+        tokio::spawn(idem_ops::metrics::watch_memory_store(store.clone()));
         return Ok((metered(Arc::new(store.clone())), Some(Arc::new(store))));
     }
     let (store, locks) = parsed

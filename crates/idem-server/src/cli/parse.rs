@@ -2,7 +2,7 @@
 
 use std::time::Duration;
 
-use idem_server::listener;
+use idem_gateway::listener;
 
 pub(crate) fn parse_duration(s: &str) -> Result<Duration, String> {
     let d = humantime::parse_duration(s).map_err(|e| format!("{e} (try 30s, 5m, 24h)"))?;
@@ -32,7 +32,7 @@ pub(crate) fn parse_lease(s: &str) -> Result<Duration, String> {
 }
 
 pub(crate) fn parse_upstream_timeout(s: &str) -> Result<Duration, String> {
-    parse_bounded(s, idem_server::gateway::config::MAX_UPSTREAM_TIMEOUT)
+    parse_bounded(s, idem_gateway::gateway::config::MAX_UPSTREAM_TIMEOUT)
 }
 
 pub(crate) fn parse_purge_interval(s: &str) -> Result<Duration, String> {

@@ -8,8 +8,9 @@ use idem_core::{
     Key, Listed, RecordAdmin, RecordFilter, RecordState, SharedStore, Store, Timestamp,
 };
 use idem_http::operator;
-use idem_server::admin::http::{Action, apply, counts_json};
-use idem_server::admin::records::{self, Refused, Selector, Target, age, listed_json, steps_json};
+use idem_ops::admin::records::{
+    self, Action, Refused, Selector, Target, age, apply, counts_json, listed_json, steps_json,
+};
 
 /// Writes a line to standard output, or returns the error (a closed pipe ends the command
 /// instead of panicking).

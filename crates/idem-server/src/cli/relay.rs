@@ -5,7 +5,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use idem_core::SystemClock;
-use idem_server::listener::{self, Limits};
+use idem_gateway::listener::{self, Limits};
 use tracing::info;
 
 use super::listen::shutdown_signal;
@@ -116,7 +116,7 @@ fn parse_json_pointer(pointer: &str) -> Result<String, String> {
 }
 
 pub(crate) async fn relay(args: RelayArgs) -> Result<(), String> {
-    use idem_server::relay;
+    use idem_gateway::relay;
     let from = relay::Broker::parse(
         &args.from,
         args.queue.as_deref(),
@@ -136,7 +136,7 @@ pub(crate) async fn relay(args: RelayArgs) -> Result<(), String> {
     }
     let store = open_store(&args.store).await?;
     let mut consumer = idem_mq::Consumer::new(store.clone())
-        .scope(idem_server::relay::SCOPE)
+        .scope(idem_gateway::relay::SCOPE)
         .max_attempts(args.max_attempts)
         .lease(args.lease)
         .ttl(args.ttl);
@@ -151,7 +151,7 @@ pub(crate) async fn relay(args: RelayArgs) -> Result<(), String> {
     }
     if let Some(addr) = args.metrics_listen {
         // The recorder first: descriptions sent before it is installed are lost.
-        idem_server::metrics::Registry::global();
+        idem_ops::metrics::Registry::global();
         idem_mq::describe_metrics();
         metrics::describe_counter!(
             "idem_relay_requests_total",
@@ -161,7 +161,7 @@ pub(crate) async fn relay(args: RelayArgs) -> Result<(), String> {
             .await
             .map_err(|e| format!("cannot listen on {addr}: {e}"))?;
         let addr = listener.local_addr().unwrap_or(addr);
-        let registry = idem_server::metrics::Registry::global();
+        let registry = idem_ops::metrics::Registry::global();
         let app = axum::Router::new()
             .route(
                 "/metrics",

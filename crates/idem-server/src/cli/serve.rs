@@ -93,7 +93,7 @@ pub(crate) async fn serve(args: &ServeArgs) -> Result<(), String> {
     let admin_token = args
         .admin_token_file
         .as_deref()
-        .map(idem_server::admin::AdminToken::from_file)
+        .map(idem_ops::admin::AdminToken::from_file)
         .transpose()?;
     if auth.is_anonymous() && !args.listen.ip().is_loopback() && !args.allow_anonymous {
         return Err(format!(
@@ -130,7 +130,7 @@ pub(crate) async fn serve(args: &ServeArgs) -> Result<(), String> {
             args.id_space
         )
     })?;
-    let health = idem_server::health::Monitor::default();
+    let health = idem_ops::health::Monitor::default();
     let state = AppState {
         store: store.clone(),
         clock: clock.clone(),
@@ -146,16 +146,12 @@ pub(crate) async fn serve(args: &ServeArgs) -> Result<(), String> {
         records_history: Arc::default(),
         metrics_require_token: args.metrics_require_token,
     };
-    let watch = tokio::spawn(
-        health
-            .clone()
-            .watch(idem_server::health::Components::of(&state)),
-    );
-    let sampler = tokio::spawn(idem_server::admin::sampler::run(
+    let watch = tokio::spawn(health.clone().watch(state.components()));
+    let sampler = tokio::spawn(idem_ops::admin::sampler::run(
         store.clone(),
         clock.clone(),
         state.records_history.clone(),
-        idem_server::admin::sampler::SAMPLE_EVERY,
+        idem_ops::admin::sampler::SAMPLE_EVERY,
     ));
     let admin = AdminListener::new(args.listen, args.admin_listen, has_token, "/_idem", || {
         idem_server::admin_router(state.clone())

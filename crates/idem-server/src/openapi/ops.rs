@@ -3,10 +3,10 @@
 //! `Errors` their problem answers.
 #![allow(dead_code)]
 
-use crate::admin::http::{CountQuery, ListQuery, RepairBody, ShowQuery};
 use crate::api::{BeginBody, CompleteBody, ReleaseBody as RecordReleaseBody, StepBody};
 use crate::locks::{AcquireBody, ReleaseBody as LockReleaseBody, RenewBody};
 use crate::tokens::{ConsumeBody, IssueBody};
+use idem_ops::admin::http::{CountQuery, ListQuery, RepairBody, ShowQuery};
 
 use super::answers::*;
 

@@ -313,7 +313,7 @@ impl Broker {
                         .as_ref()
                         .map_or_else(String::new, |s| s.to_string());
                     let why = [idem_mq::amqp::REASON_HEADER, idem_mq::amqp::DETAIL_HEADER]
-                        .map(|h| idem_testkit::mq::header_text(props, h).unwrap_or_default())
+                        .map(|h| idem_mq::bench::header_text(props, h).unwrap_or_default())
                         .join(": ");
                     dead.push((id, why));
                     m.delivery

@@ -7,7 +7,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use axum::http::{Method, Request, StatusCode};
-use idem_server::gateway::{FileConfig, Gateway, Upstream as UpstreamUrl};
+use idem_gateway::gateway::{FileConfig, Gateway, Upstream as UpstreamUrl};
 use serde_json::Value;
 use tokio::net::TcpListener;
 

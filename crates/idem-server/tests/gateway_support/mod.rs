@@ -21,7 +21,7 @@ use hyper_util::client::legacy::Client;
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::TokioExecutor;
 use idem_core::SharedStore;
-use idem_server::gateway::{FileConfig, Gateway, Upstream as UpstreamUrl};
+use idem_gateway::gateway::{FileConfig, Gateway, Upstream as UpstreamUrl};
 use idem_store::MemoryStore;
 use serde_json::Value;
 use tokio::net::TcpListener;

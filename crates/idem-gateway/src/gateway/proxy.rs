@@ -19,7 +19,7 @@ use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::TokioExecutor;
 use idem_core::BoxFuture;
 use idem_http::policy::remove_hop_by_hop;
-use idem_http::{BoxError, FENCE_HEADER, LeaseFence, Problem, ProblemCode, Settle};
+use idem_http::{BoxError, FENCE_HEADER, LeaseFence, Problem, ProblemCode, Settle, ToProblem};
 use tower_service::Service;
 
 use super::resolve::BoundedResolver;

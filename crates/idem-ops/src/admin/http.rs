@@ -22,17 +22,14 @@ use axum::extract::{ConnectInfo, FromRequestParts, Query, State};
 use axum::http::request::Parts;
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
-use idem_core::{
-    Clock, Cursor, Key, RecordAdmin, RecordState, Repair, SharedStore, Shown, Store, Timestamp,
-};
-use idem_http::operator::{self, RecordState as HttpState};
-use idem_http::{Problem, ProblemCode};
+use idem_core::{Clock, Cursor, Key, RecordAdmin, RecordState, SharedStore, Shown, Store};
+use idem_http::operator;
+use idem_http::{Problem, ProblemCode, ToProblem};
 use serde::Deserialize;
 use serde_json::{Value, json};
-use tracing::info;
 use utoipa::{IntoParams, ToSchema};
 
-use super::records::{self, MAX_BULK, Refused, Selector, Target};
+use super::records::{self, Action, MAX_BULK, Refused, Selector, Target, apply, counts_json};
 use super::{AdminAccess, AdminToken, Operator};
 use crate::json::{BodyLimit, JsonBody};
 
@@ -101,7 +98,7 @@ pub fn router(tools: RecordTools) -> Router {
 #[derive(Deserialize, IntoParams)]
 #[serde(deny_unknown_fields)]
 #[into_params(parameter_in = Query)]
-pub(crate) struct ListQuery {
+pub struct ListQuery {
     /// Only records of this scope.
     #[param(pattern = "^[!-~]{1,255}$")]
     scope: Option<String>,
@@ -182,7 +179,7 @@ async fn list(
 #[derive(Deserialize, IntoParams)]
 #[serde(deny_unknown_fields)]
 #[into_params(parameter_in = Query)]
-pub(crate) struct CountQuery {
+pub struct CountQuery {
     /// Only records of this scope.
     #[param(pattern = "^[!-~]{1,255}$")]
     scope: Option<String>,
@@ -206,23 +203,6 @@ async fn counts(
     Ok(axum::Json(counts_json(&c, now)).into_response())
 }
 
-/// Counts as JSON: each state, the unknown outcomes, and the oldest attempt's age in seconds.
-pub fn counts_json(c: &operator::HttpCounts, now: Timestamp) -> Value {
-    let r = &c.records;
-    json!({
-        "in_progress": r.in_progress,
-        "stuck": r.stuck,
-        "completed": r.completed,
-        "unknown": c.unknown,
-        "released": r.released,
-        "expired": r.expired,
-        "total": r.total(),
-        "oldest_in_progress_seconds": r
-            .oldest_in_progress
-            .map(|t| now.saturating_since(t).as_secs_f64()),
-    })
-}
-
 async fn history(State(t): State<RecordTools>, _: Operator) -> Response {
     axum::Json(json!({"every_seconds": super::sampler::SAMPLE_EVERY.as_secs(), "samples": t.history.to_json()}))
         .into_response()
@@ -232,7 +212,7 @@ async fn history(State(t): State<RecordTools>, _: Operator) -> Response {
 #[derive(Deserialize, IntoParams)]
 #[serde(deny_unknown_fields)]
 #[into_params(parameter_in = Query)]
-pub(crate) struct ShowQuery {
+pub struct ShowQuery {
     /// The record's scope.
     #[param(pattern = "^[!-~]{1,255}$")]
     scope: String,
@@ -311,7 +291,7 @@ pub(crate) struct ShownRecord {
 /// `POST /records/repair`.
 #[derive(Deserialize, ToSchema)]
 #[serde(deny_unknown_fields)]
-pub(crate) struct RepairBody {
+pub struct RepairBody {
     /// `release`, `reopen` or `delete`.
     #[schema(pattern = "^(release|reopen|delete)$")]
     action: String,
@@ -322,103 +302,6 @@ pub(crate) struct RepairBody {
     /// working. Without it a repair naming one is refused (409 `force_required`).
     #[serde(default)]
     force: bool,
-}
-
-/// A repair an operator asks for by name.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Action {
-    /// Give the key back (an attempt that is gone, an answer that must not stand).
-    Release,
-    /// Give back the key of an unknown outcome, and of nothing else.
-    Reopen,
-    /// Forget the record.
-    Delete,
-}
-
-impl Action {
-    /// Reads `release`, `reopen` or `delete`.
-    pub fn parse(s: &str) -> Result<Self, String> {
-        match s {
-            "release" => Ok(Self::Release),
-            "reopen" => Ok(Self::Reopen),
-            "delete" => Ok(Self::Delete),
-            _ => Err("the action must be release, reopen or delete".to_owned()),
-        }
-    }
-
-    /// The action's name.
-    pub const fn as_str(self) -> &'static str {
-        match self {
-            Self::Release => "release",
-            Self::Reopen => "reopen",
-            Self::Delete => "delete",
-        }
-    }
-
-    /// The store's repair.
-    pub const fn repair(self) -> Repair {
-        match self {
-            Self::Release | Self::Reopen => Repair::Release,
-            Self::Delete => Repair::Delete,
-        }
-    }
-}
-
-/// Applies `action` to each target that is still as shown; `reopen` first checks that the
-/// record holds an unknown outcome (its fence and state then pin that very completion, so the
-/// check and the fenced repair cannot be split by a change). Logs and counts each repair.
-pub async fn apply(
-    store: &SharedStore,
-    admin: &dyn RecordAdmin,
-    targets: &[Target],
-    action: Action,
-    now: Timestamp,
-    who: &str,
-) -> Result<records::Repaired, (records::Repaired, idem_core::StoreError)> {
-    let mut done = records::Repaired::default();
-    for target in targets {
-        let eligible = match action {
-            Action::Reopen => match operator::inspect(&**store, &target.key, now).await {
-                Ok(Some(view)) => {
-                    target.shown.state == RecordState::Completed
-                        && view.fence == target.shown.fence
-                        && matches!(view.state, HttpState::Unknown { .. })
-                }
-                Ok(None) => false,
-                Err(e) => return Err((done, e)),
-            },
-            Action::Release | Action::Delete => true,
-        };
-        let applied = if eligible {
-            match admin
-                .repair(&target.key, target.shown, action.repair(), now)
-                .await
-            {
-                Ok(applied) => applied,
-                Err(e) => return Err((done, e)),
-            }
-        } else {
-            false
-        };
-        let result = if applied { "applied" } else { "skipped" };
-        metrics::counter!("idem_record_repairs_total", "action" => action.as_str(), "result" => result)
-            .increment(1);
-        if applied {
-            done.applied += 1;
-            info!(
-                action = action.as_str(),
-                key = %target.key.log_tag(),
-                namespace = %target.key.namespace(),
-                fence = target.shown.fence,
-                shown = %target.shown.state,
-                operator = who,
-                "an operator repaired a record"
-            );
-        } else {
-            done.skipped += 1;
-        }
-    }
-    Ok(done)
 }
 
 async fn repair(

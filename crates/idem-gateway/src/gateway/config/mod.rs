@@ -29,7 +29,7 @@ use std::time::Duration;
 use axum::http::{HeaderName, Method};
 use idem_core::Namespace;
 
-use crate::api::{MAX_LEASE, MAX_TTL};
+use idem_core::record::{MAX_LEASE, MAX_TTL};
 use idem_http::{InFlight, KeyRequirement, OnUnknown, Policy, Preset, ReplayHeaders};
 use serde::Deserialize;
 

@@ -14,10 +14,10 @@
 //!
 //! | path | what |
 //! | --- | --- |
-//! | `{prefix}/health` | 200 `{"status":"ok"\|"degraded","store":KIND,"components":{…}}`, 503 if the store fails (see [`crate::health`]) |
+//! | `{prefix}/health` | 200 `{"status":"ok"\|"degraded","store":KIND,"components":{…}}`, 503 if the store fails (see [`idem_ops::health`]) |
 //! | `{prefix}/metrics` | Prometheus text |
 //!
-//! The admin page and the record tools (see [`crate::admin::http`]), with
+//! The admin page and the record tools (see [`idem_ops::admin::http`]), with
 //! `POST {prefix}/records/inspect` (what a record holds) and `POST {prefix}/records/reopen` (run
 //! an unknown outcome again on the next retry), are served by [`Gateway::admin_router`], on a
 //! listener of its own: on the gateway's address they would share an origin with the
@@ -42,16 +42,16 @@ use axum::response::{IntoResponse, Response};
 use idem_core::{BoxFuture, Clock, SharedStore, SystemClock};
 use idem_http::{
     IDEMPOTENCY_KEY, IdempotencyLayer, IdempotencyService, KeyRequirement, Problem, ProblemCode,
-    ScopeSecret, ScopeSource,
+    ScopeSecret, ScopeSource, ToProblem,
 };
 use tower_layer::Layer;
 use tower_service::Service;
 use tracing::warn;
 
-pub use crate::admin::AdminToken;
-use crate::metrics::Registry;
 use admin::AdminState;
 pub use config::{Anonymous, FileConfig, PathPattern, Route, RouteSettings};
+pub use idem_ops::admin::AdminToken;
+use idem_ops::metrics::Registry;
 pub use path::AmbiguousPath;
 pub use proxy::{Proxy, TrustedProxies, Upstream};
 
@@ -82,9 +82,9 @@ pub struct Gateway {
     /// The operator's token for the record tools; `None` disables them.
     pub admin_token: Option<AdminToken>,
     /// Health (`{prefix}/health`), and the purge loop's status it reports.
-    pub health: crate::health::Monitor,
+    pub health: idem_ops::health::Monitor,
     /// Records counted in the background, for the admin page.
-    pub records_history: Arc<crate::admin::History>,
+    pub records_history: Arc<idem_ops::admin::History>,
     /// Whether `{prefix}/metrics` needs the admin token too.
     pub metrics_require_token: bool,
 }
@@ -103,7 +103,7 @@ impl Gateway {
             routes: Vec::new(),
             default_route: Route::default(),
             admin_token: None,
-            health: crate::health::Monitor::default(),
+            health: idem_ops::health::Monitor::default(),
             records_history: Arc::default(),
             metrics_require_token: false,
         }
@@ -252,7 +252,7 @@ impl Gateway {
                 admin: admin::router(self.admin_state(registry), false),
                 dispatch: Some(dispatch),
             })
-            .layer(crate::trace::RequestSpanLayer)
+            .layer(idem_ops::trace::RequestSpanLayer)
     }
 
     /// The admin listener's routes: under the reserved prefix the admin page, the record tools,
@@ -267,7 +267,7 @@ impl Gateway {
                 admin: admin::router(self.admin_state(registry), true),
                 dispatch: None,
             })
-            .layer(crate::trace::RequestSpanLayer)
+            .layer(idem_ops::trace::RequestSpanLayer)
     }
 
     fn admin_state(&self, registry: Registry) -> AdminState {

@@ -1,5 +1,5 @@
 //! Request bodies and path parameters: bodies bounded and JSON only, and every rejection a
-//! problem+json (axum's own extractors answer `text/plain`).
+//! problem+json (axum's own extractors answer `text/plain`); and instants as answers show them.
 
 use axum::body::Body;
 use axum::extract::rejection::PathRejection;
@@ -8,8 +8,8 @@ use axum::http::header;
 use axum::http::request::Parts;
 use serde::de::DeserializeOwned;
 
-use crate::AppState;
-use idem_http::{Problem, ProblemCode};
+use idem_core::Timestamp;
+use idem_http::{Problem, ProblemCode, ToProblem};
 
 /// A JSON request body of at most [`BodyLimit::max_body`] bytes.
 pub struct JsonBody<T>(pub T);
@@ -18,12 +18,6 @@ pub struct JsonBody<T>(pub T);
 pub trait BodyLimit {
     /// The largest request body accepted, in bytes.
     fn max_body(&self) -> usize;
-}
-
-impl BodyLimit for AppState {
-    fn max_body(&self) -> usize {
-        self.max_body
-    }
 }
 
 impl<T: DeserializeOwned, S: BodyLimit + Sync> FromRequest<S> for JsonBody<T> {
@@ -131,6 +125,15 @@ fn shape_error(e: &serde_json::Error) -> String {
         e.line(),
         e.column()
     )
+}
+
+/// The last instant RFC 3339 can write (9999-12-31T23:59:59.999Z); later ones, which only a
+/// library caller with an enormous TTL can make, are shown as that.
+const LAST_RFC3339: Timestamp = Timestamp::from_millis(253_402_300_799_999);
+
+/// `t` in RFC 3339 with milliseconds, as every answer shows an instant.
+pub fn rfc3339(t: Timestamp) -> String {
+    humantime::format_rfc3339_millis(t.min(LAST_RFC3339).to_system_time()).to_string()
 }
 
 #[cfg(test)]

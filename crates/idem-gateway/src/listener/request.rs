@@ -16,11 +16,11 @@ use axum::extract::ConnectInfo;
 use axum::http::{HeaderValue, Request, Response, header};
 use http_body::{Frame, SizeHint};
 use hyper::body::Incoming;
-use idem_http::ProblemCode;
+use idem_http::{ProblemCode, ToProblem};
 use tokio::time::Sleep;
 use tower_service::Service;
 
-use super::connection::Activity;
+use super::activity::Activity;
 use super::{Bite, Limits, Log};
 
 /// One connection's requests into the router.

@@ -8,9 +8,10 @@ pub mod records;
 pub mod sampler;
 
 use axum::extract::FromRequestParts;
+use axum::http::header;
 use axum::http::request::Parts;
 use idem_core::Fingerprint;
-use idem_http::{Problem, ProblemCode};
+use idem_http::{Problem, ProblemCode, ToProblem};
 
 pub use http::{RecordTools, router};
 pub use sampler::History;
@@ -108,9 +109,23 @@ pub fn authorize(s: &impl AdminAccess, parts: &Parts) -> Result<Operator, Proble
              `Authorization: Bearer <token>`.",
         ));
     };
-    match crate::auth::bearer(parts) {
+    match bearer(parts) {
         Some(p) if token.matches(p) => Ok(Operator),
         _ => Err(ProblemCode::Unauthorized
             .problem("Send the admin token as `Authorization: Bearer <token>`.")),
     }
+}
+
+/// The start of the scopes idem keeps its own records under (`idem.ids`, `idem.tokens`); no
+/// API key may have one, and the record tools do not repair them.
+pub const RESERVED_SCOPE_PREFIX: &str = "idem.";
+
+/// The token of an `Authorization: Bearer <token>` header, if the request has one.
+pub fn bearer(parts: &Parts) -> Option<&str> {
+    let value = parts.headers.get(header::AUTHORIZATION)?.to_str().ok()?;
+    let (scheme, token) = value.split_once(' ')?;
+    // RFC 9110 §11.1: the scheme name is case-insensitive.
+    scheme
+        .eq_ignore_ascii_case("bearer")
+        .then_some(token.trim())
 }

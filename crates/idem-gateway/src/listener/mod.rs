@@ -35,10 +35,12 @@ use tokio::net::TcpListener;
 use tokio::sync::{mpsc, watch};
 use tracing::{info, warn};
 
+mod activity;
 mod connection;
 mod request;
 
-use connection::{Activity, Connection};
+use activity::Activity;
+use connection::Connection;
 
 /// The default header timeout.
 pub const DEFAULT_HEADER_TIMEOUT: Duration = Duration::from_secs(10);

@@ -5,7 +5,7 @@
 use axum::extract::State;
 use axum::http::{HeaderValue, header};
 use axum::response::{IntoResponse, Response};
-use idem_http::ProblemCode;
+use idem_http::{ProblemCode, ToProblem};
 
 use super::RecordTools;
 

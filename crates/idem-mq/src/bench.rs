@@ -1,10 +1,15 @@
-//! What the message benches share (feature `mq`): a source wrapper that notes the first
+//! What the message benches share (feature `bench`): a source wrapper that notes the first
 //! delivery and the last settle of a timed consume, the bare consume loop the idempotent
 //! consumer is compared with, and filling a RabbitMQ queue. The consumer bench of `idem-mq`
 //! and the relay bench of `idem-server` both use it, so both time and fill the same way.
 
 // Bench support: a broker that does not answer as expected is meant to panic.
-#![allow(clippy::expect_used, clippy::print_stderr, clippy::cast_precision_loss)]
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    clippy::print_stderr,
+    clippy::cast_precision_loss
+)]
 
 use std::borrow::Cow;
 use std::future::Future;
@@ -12,14 +17,17 @@ use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, OnceLock};
 use std::time::{Duration, Instant};
 
-use idem_mq::amqp::lapin::options::{
+use crate::amqp::lapin::options::{
     BasicAckOptions, BasicGetOptions, BasicPublishOptions, ConfirmSelectOptions,
 };
-use idem_mq::amqp::lapin::types::ShortString;
-use idem_mq::amqp::lapin::{Connection, ConnectionProperties};
-use idem_mq::amqp::{AmqpSource, BasicProperties};
-use idem_mq::{Delivery, Disposition, Horizon, MqError, Source};
+use crate::amqp::lapin::types::ShortString;
+use crate::amqp::lapin::{Connection, ConnectionProperties};
+use crate::amqp::{AmqpSource, BasicProperties};
+use crate::{Delivery, Disposition, Horizon, MqError, Source};
 use tokio::sync::{Notify, Semaphore};
+
+/// How long a helper waits for a message that should arrive.
+const PATIENCE: Duration = Duration::from_secs(30);
 
 /// The body of every message: a small order, as a JSON API would carry it.
 pub const BODY: &[u8] =
@@ -309,14 +317,14 @@ pub async fn fill_amqp(url: &str, queue: &str, prefetch: u16, n: usize) {
     let _ = connection.close(200, "OK".into()).await;
 }
 
-/// Takes one message off `queue` (waiting up to [`PATIENCE`](crate::PATIENCE) for one) and
+/// Takes one message off `queue` (waiting up to [`PATIENCE`] for one) and
 /// acks it: how a test reads a dead letter.
-pub async fn get_one(url: &str, queue: &str) -> idem_mq::amqp::lapin::message::BasicGetMessage {
+pub async fn get_one(url: &str, queue: &str) -> crate::amqp::lapin::message::BasicGetMessage {
     let conn = Connection::connect(url, ConnectionProperties::default())
         .await
         .expect("connect");
     let ch = conn.create_channel().await.expect("channel");
-    let deadline = tokio::time::Instant::now() + crate::PATIENCE;
+    let deadline = tokio::time::Instant::now() + PATIENCE;
     loop {
         if let Some(m) = ch
             .basic_get(queue.into(), BasicGetOptions::default())
@@ -333,8 +341,7 @@ pub async fn get_one(url: &str, queue: &str) -> idem_mq::amqp::lapin::message::B
         }
         assert!(
             tokio::time::Instant::now() < deadline,
-            "no message on {queue} within {:?}",
-            crate::PATIENCE
+            "no message on {queue} within {PATIENCE:?}"
         );
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
@@ -342,7 +349,7 @@ pub async fn get_one(url: &str, queue: &str) -> idem_mq::amqp::lapin::message::B
 
 /// A header of a message, as text (a long string's bytes; anything else in its debug form).
 pub fn header_text(props: &BasicProperties, name: &str) -> Option<String> {
-    use idem_mq::amqp::lapin::types::AMQPValue;
+    use crate::amqp::lapin::types::AMQPValue;
     match props.headers().as_ref()?.inner().get(name)? {
         AMQPValue::LongString(s) => Some(String::from_utf8_lossy(s.as_bytes()).into_owned()),
         other => Some(format!("{other:?}")),

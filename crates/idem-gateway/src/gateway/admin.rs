@@ -15,16 +15,16 @@ use axum::response::{IntoResponse, Response};
 use axum::{Json, Router};
 use idem_core::{ClientKey, Clock, Key, Namespace, Scope, SharedStore};
 use idem_http::operator::{self, RecordState, RecordView, Reopened};
-use idem_http::{Problem, ProblemCode, ScopeSource};
+use idem_http::{Problem, ProblemCode, ScopeSource, ToProblem};
 use serde::Deserialize;
 use serde_json::{Value, json};
 use tracing::info;
 
 use super::PathPattern;
-use crate::admin::{AdminAccess, AdminToken, Operator};
-use crate::api::rfc3339;
-use crate::json::{BodyLimit, JsonBody};
-use crate::metrics::Registry;
+use idem_ops::admin::{AdminAccess, AdminToken, Operator};
+use idem_ops::json::rfc3339;
+use idem_ops::json::{BodyLimit, JsonBody};
+use idem_ops::metrics::Registry;
 
 /// The largest body the record tools accept.
 const MAX_ADMIN_BODY: usize = 16 * 1024;
@@ -37,8 +37,8 @@ pub(super) struct AdminState {
     pub(super) registry: Registry,
     pub(super) token: Option<AdminToken>,
     pub(super) metrics_require_token: bool,
-    pub(super) history: Arc<crate::admin::History>,
-    pub(super) health: crate::health::Monitor,
+    pub(super) history: Arc<idem_ops::admin::History>,
+    pub(super) health: idem_ops::health::Monitor,
     /// The reserved prefix, in normal form.
     pub(super) prefix: Arc<str>,
     pub(super) scope: ScopeSource,
@@ -66,7 +66,7 @@ pub(super) fn router(state: AdminState, tools: bool) -> Router {
         .route("/health", get(health))
         .route("/metrics", get(metrics));
     let routes = if tools {
-        let tools = crate::admin::RecordTools {
+        let tools = idem_ops::admin::RecordTools {
             store: state.store.clone(),
             clock: state.clock.clone(),
             token: state.token.clone(),
@@ -77,7 +77,7 @@ pub(super) fn router(state: AdminState, tools: bool) -> Router {
             .route("/records/inspect", post(inspect))
             .route("/records/reopen", post(reopen))
             .with_state(state)
-            .merge(crate::admin::router(tools))
+            .merge(idem_ops::admin::router(tools))
             .fallback(|| async { Problem::not_found("There is no such gateway endpoint.") })
     } else {
         routes.with_state(state).fallback(|| async {
@@ -98,13 +98,13 @@ pub(super) fn router(state: AdminState, tools: bool) -> Router {
 }
 
 async fn health(State(s): State<AdminState>) -> Response {
-    let components = crate::health::Components::store_only(s.store.clone(), s.clock.clone());
+    let components = idem_ops::health::Components::store_only(s.store.clone(), s.clock.clone());
     s.health.check(&components).await.into_response()
 }
 
 async fn metrics(State(s): State<AdminState>, req: axum::extract::Request) -> Response {
     if s.metrics_require_token {
-        return crate::admin::metrics_response(&s, true, &req.into_parts().0);
+        return idem_ops::admin::metrics_response(&s, true, &req.into_parts().0);
     }
     s.registry.response()
 }
@@ -148,7 +148,8 @@ impl AdminState {
                 ));
             }
         };
-        let client_key = ClientKey::new(r.key).map_err(|e| crate::api::key_problem(&e))?;
+        let client_key =
+            ClientKey::new(r.key).map_err(|e| ProblemCode::InvalidKey.problem(format!("{e}.")))?;
         let (routes, default) = &*self.namespaces;
         let namespace = routes
             .iter()

@@ -30,12 +30,11 @@ use axum::Json;
 use axum::response::{IntoResponse, Response};
 use idem::purge::PurgeStatus;
 use idem_core::{Clock, Key, SharedStore, Timestamp};
+use idem_http::ToProblem;
 use idem_id::{ManagedSnowflake, WorkerStatus};
 use serde_json::{Map, Value, json};
 
-use crate::AppState;
-use crate::api::rfc3339;
-use crate::ids::SegmentTable;
+use crate::json::rfc3339;
 
 /// How often [`Monitor::watch`] evaluates the components.
 pub const WATCH_EVERY: Duration = Duration::from_secs(5);
@@ -108,6 +107,13 @@ impl Component {
     }
 }
 
+/// Allocators by tag that may fail to fetch from the store (`idem serve`'s segment ids).
+pub trait FailingTags: Send + Sync {
+    /// How many tags fail to fetch from the store, with the reason and start of the longest
+    /// failing one (no store call).
+    fn failing(&self) -> (usize, Option<(std::time::SystemTime, String)>);
+}
+
 /// What a process reports on: the store always, the rest where it has them.
 #[derive(Clone)]
 pub struct Components {
@@ -118,23 +124,12 @@ pub struct Components {
     /// The Snowflake generator, if the process issues Snowflake ids.
     pub snowflake: Option<Arc<ManagedSnowflake>>,
     /// The segment allocators, if the process serves segment ids.
-    pub segments: Option<SegmentTable>,
+    pub segments: Option<Arc<dyn FailingTags>>,
     /// Whether the process serves locks (from the same store); `None` if it has no lock API.
     pub locks: Option<bool>,
 }
 
 impl Components {
-    /// What `idem serve` reports on.
-    pub fn of(state: &AppState) -> Self {
-        Self {
-            store: state.store.clone(),
-            clock: state.clock.clone(),
-            snowflake: state.snowflake.clone(),
-            segments: Some(state.segments.clone()),
-            locks: Some(state.locks.is_some()),
-        }
-    }
-
     /// Only the store (and the purge loop, which the [`Monitor`] knows): the gateway.
     pub fn store_only(store: SharedStore, clock: Arc<dyn Clock>) -> Self {
         Self {
@@ -255,7 +250,7 @@ impl Monitor {
             );
         }
         if let Some(segments) = &c.segments {
-            components.insert("segments", segments_health(segments));
+            components.insert("segments", segments_health(segments.as_ref()));
         }
         if c.locks == Some(true) {
             // Locks live in the record store: they answer when it does.
@@ -385,7 +380,7 @@ fn snowflake_health(status: &WorkerStatus, stopping: bool) -> Component {
     }
 }
 
-fn segments_health(segments: &SegmentTable) -> Component {
+fn segments_health(segments: &dyn FailingTags) -> Component {
     match segments.failing() {
         (0, _) | (_, None) => Component::ok(),
         (n, Some((since, reason))) => Component::not_ok(

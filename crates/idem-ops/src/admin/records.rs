@@ -1,17 +1,18 @@
 //! Records as operators see them, in the shapes the command line and the admin endpoints
-//! share: a filter read from text, a listed record as JSON, and bulk repairs that touch only
-//! what was shown.
+//! share: a filter read from text, a listed record and counts as JSON, and bulk repairs that
+//! touch only what was shown, applied here for both ([`apply`]).
 
 use std::time::Duration;
 
 use idem_core::{
-    Bytes, Key, Listed, Namespace, Record, RecordAdmin, RecordFilter, RecordState, Scope, Shown,
-    StoreError, Timestamp,
+    Bytes, Key, Listed, Namespace, Record, RecordAdmin, RecordFilter, RecordState, Repair, Scope,
+    SharedStore, Shown, StoreError, Timestamp,
 };
 use idem_http::operator::{self, RecordState as HttpState, UNKNOWN_PREFIX};
 use serde_json::{Value, json};
+use tracing::info;
 
-use crate::api::rfc3339;
+use crate::json::rfc3339;
 
 /// The most records one bulk repair may name.
 pub const MAX_BULK: usize = 1000;
@@ -123,7 +124,7 @@ pub fn steps_json(record: &Record) -> Value {
 pub fn is_internal(key: &Key) -> bool {
     key.scope()
         .as_str()
-        .starts_with(crate::auth::RESERVED_SCOPE_PREFIX)
+        .starts_with(super::RESERVED_SCOPE_PREFIX)
 }
 
 /// Why a repair is refused before it touches anything.
@@ -236,6 +237,120 @@ pub fn age(now: Timestamp, t: Timestamp) -> String {
         7200..172_800 => format!("{}h", secs / 3600),
         _ => format!("{}d", secs / 86_400),
     }
+}
+
+/// Counts as JSON: each state, the unknown outcomes, and the oldest attempt's age in seconds.
+pub fn counts_json(c: &operator::HttpCounts, now: Timestamp) -> Value {
+    let r = &c.records;
+    json!({
+        "in_progress": r.in_progress,
+        "stuck": r.stuck,
+        "completed": r.completed,
+        "unknown": c.unknown,
+        "released": r.released,
+        "expired": r.expired,
+        "total": r.total(),
+        "oldest_in_progress_seconds": r
+            .oldest_in_progress
+            .map(|t| now.saturating_since(t).as_secs_f64()),
+    })
+}
+
+/// A repair an operator asks for by name.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Action {
+    /// Give the key back (an attempt that is gone, an answer that must not stand).
+    Release,
+    /// Give back the key of an unknown outcome, and of nothing else.
+    Reopen,
+    /// Forget the record.
+    Delete,
+}
+
+impl Action {
+    /// Reads `release`, `reopen` or `delete`.
+    pub fn parse(s: &str) -> Result<Self, String> {
+        match s {
+            "release" => Ok(Self::Release),
+            "reopen" => Ok(Self::Reopen),
+            "delete" => Ok(Self::Delete),
+            _ => Err("the action must be release, reopen or delete".to_owned()),
+        }
+    }
+
+    /// The action's name.
+    pub const fn as_str(self) -> &'static str {
+        match self {
+            Self::Release => "release",
+            Self::Reopen => "reopen",
+            Self::Delete => "delete",
+        }
+    }
+
+    /// The store's repair.
+    pub const fn repair(self) -> Repair {
+        match self {
+            Self::Release | Self::Reopen => Repair::Release,
+            Self::Delete => Repair::Delete,
+        }
+    }
+}
+
+/// Applies `action` to each target that is still as shown; `reopen` first checks that the
+/// record holds an unknown outcome (its fence and state then pin that very completion, so the
+/// check and the fenced repair cannot be split by a change). Logs and counts each repair.
+pub async fn apply(
+    store: &SharedStore,
+    admin: &dyn RecordAdmin,
+    targets: &[Target],
+    action: Action,
+    now: Timestamp,
+    who: &str,
+) -> Result<Repaired, (Repaired, idem_core::StoreError)> {
+    let mut done = Repaired::default();
+    for target in targets {
+        let eligible = match action {
+            Action::Reopen => match operator::inspect(&**store, &target.key, now).await {
+                Ok(Some(view)) => {
+                    target.shown.state == RecordState::Completed
+                        && view.fence == target.shown.fence
+                        && matches!(view.state, HttpState::Unknown { .. })
+                }
+                Ok(None) => false,
+                Err(e) => return Err((done, e)),
+            },
+            Action::Release | Action::Delete => true,
+        };
+        let applied = if eligible {
+            match admin
+                .repair(&target.key, target.shown, action.repair(), now)
+                .await
+            {
+                Ok(applied) => applied,
+                Err(e) => return Err((done, e)),
+            }
+        } else {
+            false
+        };
+        let result = if applied { "applied" } else { "skipped" };
+        metrics::counter!("idem_record_repairs_total", "action" => action.as_str(), "result" => result)
+            .increment(1);
+        if applied {
+            done.applied += 1;
+            info!(
+                action = action.as_str(),
+                key = %target.key.log_tag(),
+                namespace = %target.key.namespace(),
+                fence = target.shown.fence,
+                shown = %target.shown.state,
+                operator = who,
+                "an operator repaired a record"
+            );
+        } else {
+            done.skipped += 1;
+        }
+    }
+    Ok(done)
 }
 
 #[cfg(test)]

@@ -2,11 +2,10 @@
 //! and `idem gateway`) carries, with its status, title, and when it happens.
 //!
 //! A code is a promise to clients: they branch on it, so it never changes meaning. The
-//! repository's README lists the same table (a test keeps the two equal).
+//! user guide lists the same table (a test keeps the two equal). `idem_http::Problem` builds
+//! an answer from a code; clients and relays read answers by the same codes ([`crate::read`]).
 
 use http::StatusCode;
-
-use crate::problem::Problem;
 
 /// Declares the catalogue once: each row gives the variant, status, code, title, and when it
 /// happens (which is also the variant's documentation).
@@ -203,13 +202,6 @@ catalogue! {
         "No ids could be issued for another reason; the detail says which.");
     IdsBusy = (SERVICE_UNAVAILABLE, "ids_busy", "Ids unavailable",
         "Ids are asked for faster than the server can issue them (with Retry-After).");
-}
-
-impl ProblemCode {
-    /// A problem with this code, its status and title, and `detail` for people.
-    pub fn problem(self, detail: impl Into<String>) -> Problem {
-        Problem::new(self.status(), self.as_str(), self.title(), detail)
-    }
 }
 
 #[cfg(test)]
