@@ -51,37 +51,3 @@ fn the_readme_lists_every_code_of_the_catalogue_and_no_other() {
     );
     assert_eq!(readme.len(), ProblemCode::ALL.len());
 }
-
-/// The codes by which clients and the relay read answers (`idem_wire::codes`) are the
-/// catalogue's, so that renaming one here cannot leave them reading the old name.
-#[test]
-fn the_codes_answers_are_read_by_are_the_catalogues() {
-    use idem_wire::codes;
-    for (wire, code) in [
-        (codes::REQUEST_IN_PROGRESS, ProblemCode::RequestInProgress),
-        (codes::IN_PROGRESS, ProblemCode::InProgress),
-        (codes::OUTCOME_UNKNOWN, ProblemCode::OutcomeUnknown),
-        (
-            codes::RESPONSE_NOT_REPLAYABLE,
-            ProblemCode::ResponseNotReplayable,
-        ),
-        (
-            codes::IDEMPOTENCY_KEY_MISSING,
-            ProblemCode::IdempotencyKeyMissing,
-        ),
-        (
-            codes::IDEMPOTENCY_KEY_INVALID,
-            ProblemCode::IdempotencyKeyInvalid,
-        ),
-        (
-            codes::IDEMPOTENCY_KEY_MISMATCH,
-            ProblemCode::IdempotencyKeyMismatch,
-        ),
-        (
-            codes::FINGERPRINT_MISMATCH,
-            ProblemCode::FingerprintMismatch,
-        ),
-    ] {
-        assert_eq!(wire, code.as_str());
-    }
-}

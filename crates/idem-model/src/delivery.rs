@@ -7,7 +7,7 @@
 //! 1. **Claim**: `begin` the message's key. A stored result is acked without running; a key
 //!    held by another attempt is requeued; an acquisition runs the handler.
 //! 2. **Handle**. In plain mode the handler's effect is outside the store: `idem relay`'s POST
-//!    (`idem-server/src/relay/mod.rs`) carries the attempt's fence in `Idem-Fence`, and the
+//!    (`idem-gateway/src/relay/mod.rs`) carries the attempt's fence in `Idem-Fence`, and the
 //!    model's downstream is a ledger that keeps the effect with the highest fence and refuses a
 //!    lower one. In inbox mode (`idem-mq/src/inbox.rs`) the handler writes in a transaction
 //!    that also completes the record (`complete_in`) and commits both at once, or neither.

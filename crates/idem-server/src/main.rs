@@ -35,7 +35,7 @@ enum Command {
     ///
     /// Services in any language claim a key with POST /v1/records/begin, run their work, and
     /// store its answer with /v1/records/complete (or give the key back with /release).
-    /// See the README for the endpoints and examples.
+    /// See docs/guide/serve.md for the endpoints and examples.
     Serve(cli::serve::ServeArgs),
 
     /// Run a reverse proxy that makes an existing HTTP API safe to retry.

@@ -1,7 +1,7 @@
-//! What the relay does with each answer of its target: the table in the README's relay
-//! section, as code. A message is acked only when its effect happened (or the target says
-//! it did); one whose effect did not happen, or may not have, is retried or dead-lettered,
-//! never dropped.
+//! What the relay does with each answer of its target: the table in the user guide's relay
+//! chapter (docs/guide/relay.md), as code. A message is acked only when its effect happened
+//! (or the target says it did); one whose effect did not happen, or may not have, is retried
+//! or dead-lettered, never dropped.
 
 use std::time::{Duration, SystemTime};
 

@@ -22,11 +22,11 @@ pub(crate) struct GatewayArgs {
     listen: Option<SocketAddr>,
 
     /// Where records live: sqlite://PATH, memory://, postgres://…, mysql://…, redis://… or
-    /// redis+cluster://… (see the README) [default: sqlite://idem.db].
+    /// redis+cluster://… (see docs/stores.md) [default: sqlite://idem.db].
     #[arg(long, env = "IDEM_STORE")]
     store: Option<String>,
 
-    /// A TOML file of gateway settings and per-route policies (see the README).
+    /// A TOML file of gateway settings and per-route policies (see docs/guide/gateway.md).
     #[arg(long, env = "IDEM_GATEWAY_CONFIG", value_name = "FILE")]
     config: Option<PathBuf>,
 

@@ -42,7 +42,7 @@ pub(crate) struct RelayArgs {
     to: String,
 
     /// Where the relay records which messages got an answer: sqlite://PATH (the embedded
-    /// default), postgres://…, mysql://…, redis://… (see the README's stores).
+    /// default), postgres://…, mysql://…, redis://… (see docs/stores.md).
     #[arg(long, env = "IDEM_STORE", default_value = "sqlite://idem-relay.db")]
     store: String,
 

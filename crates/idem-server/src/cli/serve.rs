@@ -18,7 +18,7 @@ use super::{ReplayCacheArgs, open_with_locks};
 #[derive(clap::Args)]
 pub(crate) struct ServeArgs {
     /// Where records live: sqlite://PATH (the embedded default), memory://, postgres://…,
-    /// mysql://…, redis://… or redis+cluster://host:port,host:port (see the README).
+    /// mysql://…, redis://… or redis+cluster://host:port,host:port (see docs/stores.md).
     #[arg(long, env = "IDEM_STORE", default_value = "sqlite://idem.db")]
     store: String,
 
