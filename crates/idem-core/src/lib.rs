@@ -30,6 +30,7 @@ pub mod fingerprint;
 pub mod key;
 pub mod lock;
 pub mod record;
+pub mod repair;
 pub mod step;
 pub mod store;
 pub mod token;
