@@ -32,6 +32,7 @@ pub mod key;
 pub mod lock;
 pub mod page;
 pub mod record;
+pub mod repair;
 pub mod step;
 pub mod store;
 pub mod token;

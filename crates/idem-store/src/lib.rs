@@ -19,9 +19,11 @@
 //! `records.rs`, its locks in `locks.rs` (PostgreSQL, Redis, SQLite), its schema in
 //! `migrate.rs` (PostgreSQL, MySQL; `schema.rs` for SQLite) and the classification of its
 //! errors in `error.rs` (PostgreSQL, MySQL, Redis); SQLite's writer thread is `sqlite/writer.rs`, Redis's
-//! Lua scripts `redis/scripts.rs` and its record layout `redis/format.rs`. What PostgreSQL and
-//! MySQL share is in `sql/`: the `Dialect` each implements, the migration steps, the
-//! classification of errors and the reading of rows (`row.rs`, also SQLite's). Group commit
+//! Lua scripts `redis/scripts.rs` and its record layout `redis/format.rs`. PostgreSQL and MySQL
+//! are one store written once in `sql/` (`SqlStore`, `sql/store.rs`; its records path
+//! `sql/records.rs`, over the hooks of the `Server` each implements in its `records.rs`), with
+//! the `Dialect` each implements, the migration steps, the classification of errors and the
+//! reading of rows (`row.rs`, also SQLite's); their folders keep what is each server's own. Group commit
 //! for the server stores is `batch/`, fenced writes [`fence`], the release feed of lock waiters
 //! `lock_feed.rs`, and URL parsing `url/`.
 
@@ -61,6 +63,8 @@ pub use postgres::{PostgresOptions, PostgresStore};
 pub use redis::lock_scripts;
 #[cfg(feature = "redis")]
 pub use redis::{EXPIRY_MARGIN, RedisOptions, RedisStore};
+#[cfg(any(feature = "postgres", feature = "mysql"))]
+pub use sql::{SqlOptions, SqlStore};
 #[cfg(feature = "sqlite")]
 pub use sqlite::{SqliteOptions, SqliteStore, Synchronous};
 pub use url::{OpenError, StoreUrl, StoreUrlError, open, redact};

@@ -8,9 +8,10 @@
 use std::collections::BinaryHeap;
 
 use idem_core::admin::key_listing;
+use idem_core::repair;
 use idem_core::{
-    BoxFuture, Counts, Cursor, Key, Listed, Page, RecordAdmin, RecordFilter, RecordState, Repair,
-    Shown, StoreError, Timestamp,
+    BoxFuture, Counts, Cursor, Key, Listed, Page, Record, RecordAdmin, RecordFilter, RecordState,
+    Repair, Shown, StoreError, Timestamp,
 };
 
 use super::{MemoryStore, lock, size};
@@ -23,27 +24,7 @@ impl RecordAdmin for MemoryStore {
         limit: usize,
         now: Timestamp,
     ) -> BoxFuture<'a, Result<Page, StoreError>> {
-        Box::pin(async move {
-            let after = key_listing(filter, after, limit)?;
-            // A max-heap of the smallest keys seen: its top is the largest of them.
-            let mut page: BinaryHeap<ByKey> = BinaryHeap::with_capacity(limit + 1);
-            for shard in &self.inner.shards {
-                for (key, record) in lock(shard).iter() {
-                    if after.is_some_and(|a| key <= a) || !filter.matches(record, now) {
-                        continue;
-                    }
-                    if page.len() == limit && page.peek().is_some_and(|top| &top.0.key <= key) {
-                        continue;
-                    }
-                    page.push(ByKey(Listed::of(record, now)));
-                    if page.len() > limit {
-                        page.pop();
-                    }
-                }
-            }
-            let records: Vec<Listed> = page.into_sorted_vec().into_iter().map(|l| l.0).collect();
-            Ok(Page::in_key_order(records, limit))
-        })
+        Box::pin(async move { self.page(filter, after, limit, now) })
     }
 
     fn count<'a>(
@@ -72,11 +53,9 @@ impl RecordAdmin for MemoryStore {
         now: Timestamp,
     ) -> BoxFuture<'a, Result<bool, StoreError>> {
         Box::pin(async move {
-            if !repair.applies_to(shown.state) {
-                return Ok(false);
-            }
             let mut shard = self.shard(key);
-            let Some(record) = shard.get_mut(key).filter(|r| shown.is(r, now)) else {
+            let still = |r: &&mut Box<Record>| repair::applies(repair, shown, r, now);
+            let Some(record) = shard.get_mut(key).filter(still) else {
                 return Ok(false);
             };
             match repair {
@@ -95,6 +74,37 @@ impl RecordAdmin for MemoryStore {
             }
             Ok(true)
         })
+    }
+}
+
+impl MemoryStore {
+    /// One page of the records matching `filter` at `now`, after `after`.
+    fn page(
+        &self,
+        filter: &RecordFilter,
+        after: Option<&Cursor>,
+        limit: usize,
+        now: Timestamp,
+    ) -> Result<Page, StoreError> {
+        let after = key_listing(filter, after, limit)?;
+        // A max-heap of the smallest keys seen: its top is the largest of them.
+        let mut page: BinaryHeap<ByKey> = BinaryHeap::with_capacity(limit + 1);
+        for shard in &self.inner.shards {
+            for (key, record) in lock(shard).iter() {
+                if after.is_some_and(|a| key <= a) || !filter.matches(record, now) {
+                    continue;
+                }
+                if page.len() == limit && page.peek().is_some_and(|top| &top.0.key <= key) {
+                    continue;
+                }
+                page.push(ByKey(Listed::of(record, now)));
+                if page.len() > limit {
+                    page.pop();
+                }
+            }
+        }
+        let records: Vec<Listed> = page.into_sorted_vec().into_iter().map(|l| l.0).collect();
+        Ok(Page::in_key_order(records, limit))
     }
 }
 

@@ -1,41 +1,29 @@
-//! The statements on the records and counters tables, one record at a time, and in batches
-//! (group commit: one multi-row statement per batch size, a batch padded up to the next).
+//! MySQL's hooks on the records path: the statements it spells its own way (`begin` an upsert
+//! that hands the fence back through `LAST_INSERT_ID(expr)`, the purge, the counters), the
+//! batched forms (group commit: one multi-row statement per batch size, a batch padded up to
+//! the next, and what it did read back in its transaction), and the session settings of its
+//! connections.
 
-use idem_core::{
-    BeginOutcome, BeginRequest, Bytes, Key, Lease, LeaseError, LeaseId, Record, Step, StepError,
-    StoreError, Timestamp,
-};
-use sqlx::{AssertSqlSafe, Connection, MySqlConnection, SqlSafeStr, SqlStr};
+use std::sync::Arc;
 
-use super::{MySqlStore, error};
-use crate::batch::{Acquired, BeginJob, CompleteJob, Fresh, GroupCommit, Many, ManyAtOnce};
-use crate::reread;
+use idem_core::{Bytes, Key, Lease, LeaseId, Record, StoreError, Timestamp};
+use sqlx::mysql::{MySqlConnectOptions, MySqlDatabaseError};
+use sqlx::pool::PoolOptions;
+use sqlx::{AssertSqlSafe, Connection, Executor, MySql, MySqlConnection, SqlSafeStr, SqlStr};
+
+use super::{MySqlStore, Own, error, migrate, session_settings};
+use crate::batch::{Acquired, BeginJob, CompleteJob, Fresh, Many};
 use crate::row::sql_int;
-use crate::sql::{self, COLUMNS, TableName};
+use crate::sql::{self, COLUMNS, Spelling, SqlOptions, TableName};
 
 /// The statements for batches of one size.
 #[derive(Debug)]
 pub(super) struct BatchSql {
     rows: usize,
-    pub(super) begin: SqlStr,
-    acquired: SqlStr,
-    pub(super) complete: SqlStr,
-    completed: SqlStr,
-}
-
-#[derive(Clone, Debug)]
-pub(super) struct Statements {
     begin: SqlStr,
-    pub(super) load: SqlStr,
+    acquired: SqlStr,
     complete: SqlStr,
-    pub(super) release: SqlStr,
-    pub(super) renew: SqlStr,
-    step: SqlStr,
-    pub(super) reopen: SqlStr,
-    pub(super) get: SqlStr,
-    pub(super) purge: SqlStr,
-    pub(super) advance: SqlStr,
-    pub(super) raise: SqlStr,
+    completed: SqlStr,
 }
 
 /// The rest of a row `begin` took over: set once `lease_id` holds the new lease's id (the
@@ -57,229 +45,77 @@ const TAKEN_OVER: &str =
 /// The fence of a takeover: `Lease::next_fence` of the row's.
 const NEXT_FENCE: &str = "fence + IF((fence + 1) % 1000 = 0, 2, 1)";
 
-/// `expires_at` for a record settled at `?` (bound twice): `now + ttl_ms`, capped.
-const SETTLED_EXPIRY: &str = "LEAST(ttl_ms, 9223372036854775807 - ?) + ?";
-
-impl Statements {
-    pub(super) fn new(t: &TableName) -> Self {
-        let s = |sql: String| AssertSqlSafe(sql).into_sql_str();
-        let key = "scope = ? AND namespace = ? AND client_key = ?";
-        // Set first, to our new lease id only if the key may be acquired; every later
-        // assignment checks it, so they all see one decision (MySQL applies the assignments
-        // left to right, each seeing the ones before).
-        let ours = "lease_id = VALUES(lease_id)";
-        Self {
-            begin: s(format!(
-                "INSERT INTO {t} (scope, namespace, client_key, fingerprint, status, fence,
-                     lease_id, lease_expires_at, response, ttl_ms, created_at, updated_at,
-                     expires_at, purge_after)
-                 VALUES (?, ?, ?, ?, 'in_progress', LAST_INSERT_ID(?), ?, ?, NULL, ?, ?, ?, ?,
-                     ?)
-                 ON DUPLICATE KEY UPDATE
-                     lease_id = IF(expires_at <= ? OR (status = 'released'
-                             AND (steps IS NULL OR fingerprint = VALUES(fingerprint)))
-                         OR (status = 'in_progress' AND fingerprint = VALUES(fingerprint)
-                             AND lease_expires_at <= ?),
-                         VALUES(lease_id), lease_id),
-                     fence = IF({ours}, LAST_INSERT_ID({NEXT_FENCE}), fence + LAST_INSERT_ID(0)),
-                     {TAKEN_OVER}"
-            )),
-            // A locking read: inside a caller's transaction (same-transaction mode) a plain
-            // read would see the transaction's old snapshot, not the row the update just saw.
-            load: s(format!(
-                "SELECT {COLUMNS} FROM {t} WHERE {key} LOCK IN SHARE MODE"
-            )),
-            complete: s(format!(
-                "UPDATE {t} SET status = 'completed', response = ?, updated_at = ?,
-                     expires_at = {SETTLED_EXPIRY}
-                 WHERE {key} AND lease_id = ? AND fence = ? AND status = 'in_progress'
-                   AND expires_at > ?"
-            )),
-            release: s(format!(
-                "UPDATE {t} SET status = 'released', response = NULL, updated_at = ?,
-                     expires_at = {SETTLED_EXPIRY}
-                 WHERE {key} AND lease_id = ? AND fence = ? AND status = 'in_progress'
-                   AND expires_at > ?"
-            )),
-            renew: s(format!(
-                "UPDATE {t} SET updated_at = ?, lease_expires_at = ?,
-                     expires_at = LEAST(ttl_ms, 9223372036854775807 - lease_expires_at)
-                         + lease_expires_at,
-                     purge_after = GREATEST(purge_after, expires_at)
-                 WHERE {key} AND lease_id = ? AND fence = ? AND status = 'in_progress'
-                   AND expires_at > ?"
-            )),
-            step: s(format!(
-                "UPDATE {t} SET steps = ?, updated_at = ?
-                 WHERE {key} AND lease_id = ? AND fence = ? AND status = 'in_progress'
-                   AND expires_at > ? AND COALESCE(LENGTH(steps), 0) = ?"
-            )),
-            reopen: s(format!(
-                "UPDATE {t} SET status = 'released', response = NULL, steps = NULL, updated_at = ?,
-                     expires_at = {SETTLED_EXPIRY}
-                 WHERE {key} AND fence = ? AND status = 'completed' AND expires_at > ?"
-            )),
-            get: s(format!(
-                "SELECT {COLUMNS} FROM {t} WHERE {key} AND expires_at > ?"
-            )),
-            // The new value comes back through LAST_INSERT_ID(expr), as in `begin`; a sum
-            // past i64::MAX fails with an out-of-range error (1690).
-            advance: s(format!(
-                "INSERT INTO {t}_counters (scope, namespace, client_key, value)
-                 VALUES (?, ?, ?, LAST_INSERT_ID(?))
-                 ON DUPLICATE KEY UPDATE value = LAST_INSERT_ID(value + VALUES(value))"
-            )),
-            raise: s(format!(
-                "INSERT INTO {t}_counters (scope, namespace, client_key, value)
-                 VALUES (?, ?, ?, LAST_INSERT_ID(?))
-                 ON DUPLICATE KEY UPDATE
-                     value = LAST_INSERT_ID(GREATEST(value, VALUES(value)))"
-            )),
-            purge: s(format!(
-                "DELETE FROM {t} WHERE purge_after <= ? AND expires_at <= ?
-                 ORDER BY purge_after LIMIT ?"
-            )),
-        }
+/// The statements MySQL spells its own way.
+fn spelling(t: &TableName) -> Spelling {
+    let key = "scope = ? AND namespace = ? AND client_key = ?";
+    // Set first, to our new lease id only if the key may be acquired; every later assignment
+    // checks it, so they all see one decision (MySQL applies the assignments left to right,
+    // each seeing the ones before).
+    let ours = "lease_id = VALUES(lease_id)";
+    Spelling {
+        begin: format!(
+            "INSERT INTO {t} (scope, namespace, client_key, fingerprint, status, fence,
+                 lease_id, lease_expires_at, response, ttl_ms, created_at, updated_at,
+                 expires_at, purge_after)
+             VALUES (?, ?, ?, ?, 'in_progress', LAST_INSERT_ID(?), ?, ?, NULL, ?, ?, ?, ?,
+                 ?)
+             ON DUPLICATE KEY UPDATE
+                 lease_id = IF(expires_at <= ? OR (status = 'released'
+                         AND (steps IS NULL OR fingerprint = VALUES(fingerprint)))
+                     OR (status = 'in_progress' AND fingerprint = VALUES(fingerprint)
+                         AND lease_expires_at <= ?),
+                     VALUES(lease_id), lease_id),
+                 fence = IF({ours}, LAST_INSERT_ID({NEXT_FENCE}), fence + LAST_INSERT_ID(0)),
+                 {TAKEN_OVER}"
+        ),
+        // MySQL applies the assignments left to right: `expires_at` sees the new lease end, and
+        // `purge_after` the new `expires_at`.
+        renew: format!(
+            "UPDATE {t} SET updated_at = ?, lease_expires_at = ?,
+                 expires_at = LEAST(ttl_ms, 9223372036854775807 - lease_expires_at)
+                     + lease_expires_at,
+                 purge_after = GREATEST(purge_after, expires_at)
+             WHERE {key} AND lease_id = ? AND fence = ? AND status = 'in_progress'
+               AND expires_at > ?"
+        ),
+        purge: format!(
+            "DELETE FROM {t} WHERE purge_after <= ? AND expires_at <= ?
+             ORDER BY purge_after LIMIT ?"
+        ),
+        // The new value comes back through LAST_INSERT_ID(expr), as in `begin`; a sum
+        // past i64::MAX fails with an out-of-range error (1690).
+        advance: format!(
+            "INSERT INTO {t}_counters (scope, namespace, client_key, value)
+             VALUES (?, ?, ?, LAST_INSERT_ID(?))
+             ON DUPLICATE KEY UPDATE value = LAST_INSERT_ID(value + VALUES(value))"
+        ),
+        raise: format!(
+            "INSERT INTO {t}_counters (scope, namespace, client_key, value)
+             VALUES (?, ?, ?, LAST_INSERT_ID(?))
+             ON DUPLICATE KEY UPDATE
+                 value = LAST_INSERT_ID(GREATEST(value, VALUES(value)))"
+        ),
     }
 }
 
-pub(super) type Query<'q> = sqlx::query::Query<'q, sqlx::MySql, sqlx::mysql::MySqlArguments>;
+type Query<'q> = sqlx::query::Query<'q, sqlx::MySql, sqlx::mysql::MySqlArguments>;
 
 /// Binds a record's key (the three `?` of `scope = ? AND namespace = ? AND client_key = ?`).
-pub(super) fn keyed<'q>(q: Query<'q>, key: &'q Key) -> Query<'q> {
+fn keyed<'q>(q: Query<'q>, key: &'q Key) -> Query<'q> {
     q.bind(key.scope().as_str().as_bytes())
         .bind(key.namespace().as_str().as_bytes())
         .bind(key.client_key().as_str().as_bytes())
 }
 
-impl MySqlStore {
-    pub(super) async fn load(
-        &self,
-        c: &mut MySqlConnection,
-        key: &Key,
-    ) -> Result<Option<Record>, StoreError> {
-        let row = keyed(sqlx::query(self.sql.load.clone()), key)
-            .fetch_optional(c)
-            .await
-            .map_err(|e| error("cannot read the record", e))?;
-        row.map(|r| sql::raw(&r)?.into_record(key)).transpose()
-    }
-
-    /// `begin` on one connection (of the pool, or a caller's transaction).
-    pub(super) async fn begin_on(
-        &self,
-        c: &mut MySqlConnection,
-        req: &BeginRequest,
-        now: Timestamp,
-    ) -> Result<BeginOutcome, StoreError> {
-        let (lease, fresh) = Record::acquired(
-            req,
-            now,
-            Lease::first_fence(now),
-            idem_core::LeaseId::generate(),
-        );
-        let now_ms = sql_int(now.as_millis());
-        for _ in 0..reread::ROUNDS {
-            let done = keyed(sqlx::query(self.sql.begin.clone()), &req.key)
-                .bind(&fresh.fingerprint.as_bytes()[..])
-                .bind(sql_int(fresh.fence))
-                .bind(&lease.id.to_bytes()[..])
-                .bind(sql_int(lease.expires_at.as_millis()))
-                .bind(sql_int(fresh.ttl_ms))
-                .bind(now_ms)
-                .bind(now_ms)
-                .bind(sql_int(fresh.expires_at.as_millis()))
-                .bind(sql_int(fresh.expires_at.as_millis()))
-                .bind(now_ms)
-                .bind(now_ms)
-                .execute(&mut *c)
-                .await
-                .map_err(|e| error("cannot begin the record", e))?;
-            let fence = done.last_insert_id();
-            if fence > 0 {
-                return Ok(BeginOutcome::Acquired(Lease { fence, ..lease }));
-            }
-            let existing = self.load(c, &req.key).await?;
-            if let Some(outcome) = sql::refused_begin(existing.as_ref(), req, now) {
-                return Ok(outcome);
-            }
-        }
-        Err(reread::kept_changing())
-    }
-
-    /// Runs a lease-conditioned update; if it changed nothing, reads the row to tell a
-    /// repeated call by the same lease (`Ok`) from a stale lease.
-    pub(super) async fn settle_on(
-        &self,
-        c: &mut MySqlConnection,
-        key: &Key,
-        lease: &Lease,
-        response: Option<Bytes>,
-        now: Timestamp,
-    ) -> Result<(), LeaseError> {
-        let now_ms = sql_int(now.as_millis());
-        let q = match &response {
-            Some(r) => sqlx::query(self.sql.complete.clone()).bind(&r[..]),
-            None => sqlx::query(self.sql.release.clone()),
-        };
-        let q = q.bind(now_ms).bind(now_ms).bind(now_ms);
-        let done = keyed(q, key)
-            .bind(&lease.id.to_bytes()[..])
-            .bind(sql_int(lease.fence))
-            .bind(now_ms)
-            .execute(&mut *c)
-            .await
-            .map_err(|e| error("cannot settle the record", e))?;
-        if done.rows_affected() == 1 {
-            return Ok(());
-        }
-        sql::repeated_settle(self.load(c, key).await?, lease, response, now)
-    }
-
-    /// `record_step` on one connection (of the pool, or a caller's transaction): read the
-    /// row, decide, write if the steps are still as read.
-    pub(super) async fn record_step_on(
-        &self,
-        c: &mut MySqlConnection,
-        key: &Key,
-        lease: &Lease,
-        step: &Step,
-        now: Timestamp,
-    ) -> Result<(), StepError> {
-        let now_ms = sql_int(now.as_millis());
-        for _ in 0..reread::ROUNDS {
-            let Some(write) = reread::step_write(self.load(c, key).await?, lease, step, now)?
-            else {
-                return Ok(());
-            };
-            let q = sqlx::query(self.sql.step.clone())
-                .bind(write.steps)
-                .bind(now_ms);
-            let done = keyed(q, key)
-                .bind(&lease.id.to_bytes()[..])
-                .bind(sql_int(lease.fence))
-                .bind(now_ms)
-                .bind(i64::try_from(write.read_len).unwrap_or(i64::MAX))
-                .execute(&mut *c)
-                .await
-                .map_err(|e| error("cannot record the step", e))?;
-            if done.rows_affected() == 1 {
-                return Ok(());
-            }
-        }
-        Err(reread::kept_changing().into())
-    }
-}
-
 /// The batch sizes for batches of up to `max` rows: 2, 4, 8, … up to the first at least `max`.
-pub(super) fn batch_sizes(max: usize) -> impl Iterator<Item = usize> {
+fn batch_sizes(max: usize) -> impl Iterator<Item = usize> {
     std::iter::successors(Some(2usize), move |n| {
         (*n < max).then(|| n.saturating_mul(2))
     })
 }
 
 impl BatchSql {
-    pub(super) fn new(t: &TableName, rows: usize) -> Self {
+    fn new(t: &TableName, rows: usize) -> Self {
         let s = |sql: String| AssertSqlSafe(sql).into_sql_str();
         let list = |one: &str, sep: &str| vec![one; rows].join(sep);
         let ours = "lease_id = VALUES(lease_id)";
@@ -341,40 +177,127 @@ impl BatchSql {
     }
 }
 
-impl MySqlStore {
-    /// The statements for a batch of `n` rows, and how many rows they take.
-    fn sized(&self, n: usize) -> Option<&BatchSql> {
-        self.batch_sql.iter().find(|s| s.rows >= n)
-    }
+/// The statements for a batch of `n` rows, and how many rows they take.
+fn sized(store: &MySqlStore, n: usize) -> Option<&BatchSql> {
+    store.own.batch_sql.iter().find(|s| s.rows >= n)
 }
 
-impl ManyAtOnce for MySqlStore {
-    fn group_commit(&self) -> Option<&GroupCommit> {
-        self.batches.as_ref()
+impl sql::Server for MySql {
+    const KIND: &'static str = "mysql";
+    // A locking read: inside a caller's transaction (same-transaction mode) a plain read would
+    // see the transaction's old snapshot, not the row the update just saw.
+    const LOCKING_READ: &'static str = " LOCK IN SHARE MODE";
+    type Own = Own;
+
+    fn spelling(t: &TableName) -> Spelling {
+        spelling(t)
     }
 
-    async fn begin_alone(
-        &self,
-        req: &BeginRequest,
-        now: Timestamp,
-    ) -> Result<BeginOutcome, StoreError> {
-        let mut c = self.conn().await?;
-        self.begin_on(&mut c, req, now).await
+    fn session(connect: MySqlConnectOptions, _: &SqlOptions) -> MySqlConnectOptions {
+        connect
     }
 
-    async fn complete_alone(&self, job: CompleteJob) -> Result<(), LeaseError> {
-        let mut c = self.conn().await?;
-        self.settle_on(&mut c, &job.key, &job.lease, Some(job.response), job.now)
+    async fn first(c: &mut MySqlConnection, options: &SqlOptions) -> Result<(), StoreError> {
+        c.execute(AssertSqlSafe(session_settings(options)))
             .await
+            .map_err(|e| error("cannot set up the MySQL session", e))?;
+        Ok(())
+    }
+
+    fn pooled(pool: PoolOptions<Self>, options: &SqlOptions) -> PoolOptions<Self> {
+        let session = Arc::new(session_settings(options));
+        pool.after_connect(move |c, _| {
+            let session = session.clone();
+            Box::pin(async move {
+                c.execute(AssertSqlSafe(session.as_str().to_owned()))
+                    .await?;
+                Ok(())
+            })
+        })
+    }
+
+    async fn migrate(c: &mut MySqlConnection, table: &TableName) -> Result<(), StoreError> {
+        migrate::migrate(c, table).await
+    }
+
+    fn own(table: &TableName, options: &SqlOptions, batching: bool) -> Own {
+        let batch_sql = if batching {
+            batch_sizes(options.max_batch.min(crate::batch::MAX_JOBS))
+                .map(|rows| BatchSql::new(table, rows))
+                .collect()
+        } else {
+            Arc::from(Vec::new())
+        };
+        Own { batch_sql }
+    }
+
+    /// The fence comes back through `LAST_INSERT_ID(expr)`, with the statement's result: 0
+    /// means nothing was acquired.
+    async fn acquire(
+        c: &mut MySqlConnection,
+        statement: &SqlStr,
+        lease: &Lease,
+        fresh: &Record,
+        now: Timestamp,
+    ) -> Result<Option<u64>, StoreError> {
+        let now_ms = sql_int(now.as_millis());
+        let done = keyed(sqlx::query(statement.clone()), &fresh.key)
+            .bind(&fresh.fingerprint.as_bytes()[..])
+            .bind(sql_int(fresh.fence))
+            .bind(&lease.id.to_bytes()[..])
+            .bind(sql_int(lease.expires_at.as_millis()))
+            .bind(sql_int(fresh.ttl_ms))
+            .bind(now_ms)
+            .bind(now_ms)
+            .bind(sql_int(fresh.expires_at.as_millis()))
+            .bind(sql_int(fresh.expires_at.as_millis()))
+            .bind(now_ms)
+            .bind(now_ms)
+            .execute(c)
+            .await
+            .map_err(|e| error("cannot begin the record", e))?;
+        let fence = done.last_insert_id();
+        Ok((fence > 0).then_some(fence))
+    }
+
+    async fn advance(store: &MySqlStore, key: &Key, by: u64) -> Result<u64, StoreError> {
+        let done = keyed(sqlx::query(store.sql.advance.clone()), key)
+            .bind(sql_int(by))
+            .execute(&store.pool)
+            .await
+            .map_err(|e| {
+                let exhausted = matches!(&e, sqlx::Error::Database(db)
+                    if db.try_downcast_ref::<MySqlDatabaseError>().is_some_and(|m| m.number() == 1690));
+                if exhausted {
+                    StoreError::CounterExhausted
+                } else {
+                    error("cannot advance the counter", e)
+                }
+            })?;
+        Ok(done.last_insert_id())
+    }
+
+    async fn raise(store: &MySqlStore, key: &Key, to: u64) -> Result<u64, StoreError> {
+        let done = keyed(sqlx::query(store.sql.raise.clone()), key)
+            .bind(sql_int(to))
+            .execute(&store.pool)
+            .await
+            .map_err(|e| error("cannot raise the counter", e))?;
+        Ok(done.last_insert_id())
+    }
+
+    /// The records are all a purge deletes.
+    async fn purge_more(_: &MySqlStore, _: u64) -> Result<u64, StoreError> {
+        Ok(0)
     }
 
     /// One multi-row upsert, in key order (the primary key compares bytes) so that batches
     /// lock rows in one order, then one read of which rows hold our lease ids, in one
     /// transaction.
-    async fn begin_many(&self, jobs: &[BeginJob], fresh: &[Fresh]) -> Many<Acquired> {
+    async fn begin_many(store: &MySqlStore, jobs: &[BeginJob], fresh: &[Fresh]) -> Many<Acquired> {
         let mut order: Vec<usize> = (0..jobs.len()).collect();
         order.sort_by(|a, b| jobs[*a].req.key.cmp(&jobs[*b].req.key));
-        let (Some(sized), Some(&last)) = (self.sized(jobs.len()), order.last()) else {
+        let (Some(sized), Some(&last)) = (sized(store, jobs.len()), order.last()) else {
             return Ok(None);
         };
         // Padded with the last row again, under a lease id no lease has (zero): its second
@@ -415,7 +338,7 @@ impl ManyAtOnce for MySqlStore {
         // `begin` of another caller could take a row over between them (its clock past the
         // lease just given), and the read would then miss a row this batch did take: its caller
         // would be left to a second `begin` of its own, having acquired with the first.
-        let mut c = self.conn().await?;
+        let mut c = store.conn().await?;
         let Ok(mut tx) = c.begin().await else {
             return Ok(None);
         };
@@ -454,8 +377,8 @@ impl ManyAtOnce for MySqlStore {
     /// (`complete` would answer it `Ok`). Read later, on its own, a row this statement did
     /// complete could have moved on (reopened, or expired and taken over): its caller would be
     /// told its lease is stale after completing the record.
-    async fn complete_many(&self, jobs: &[CompleteJob]) -> Many<bool> {
-        let (Some(sized), Some(last)) = (self.sized(jobs.len()), jobs.last()) else {
+    async fn complete_many(store: &MySqlStore, jobs: &[CompleteJob]) -> Many<bool> {
+        let (Some(sized), Some(last)) = (sized(store, jobs.len()), jobs.last()) else {
             return Ok(None);
         };
         // Padded with a row that matches none: the last key under lease id zero and fence 0
@@ -490,7 +413,7 @@ impl ManyAtOnce for MySqlStore {
                 .bind(&job.lease.id.to_bytes()[..])
                 .bind(sql_int(job.now.as_millis()));
         }
-        let mut c = self.conn().await?;
+        let mut c = store.conn().await?;
         let Ok(mut tx) = c.begin().await else {
             return Ok(None);
         };

@@ -1,33 +1,65 @@
-//! The statements on the records and counters tables, one record at a time and in batches
-//! (group commit: many rows in one statement, through arrays bound as `unnest` columns).
+//! PostgreSQL's hooks on the records path: the statements it spells its own way (`begin` an
+//! upsert whose `RETURNING` hands the fence back, the purge by `ctid`, the counters), the batched
+//! forms (group commit: many rows in one statement, through arrays bound as `unnest` columns),
+//! and the session settings of its connections.
 
-use idem_core::{
-    BeginOutcome, BeginRequest, Bytes, Key, Lease, LeaseError, Record, Step, StepError, StoreError,
-    Timestamp,
-};
-use sqlx::{AssertSqlSafe, PgConnection, SqlSafeStr, SqlStr};
+use idem_core::{Key, Lease, Record, StoreError, Timestamp};
+use sqlx::pool::PoolOptions;
+use sqlx::postgres::PgConnectOptions;
+use sqlx::{AssertSqlSafe, PgConnection, Postgres, SqlSafeStr, SqlStr};
 
-use super::{PostgresStore, error};
-use crate::batch::{Acquired, BeginJob, CompleteJob, Fresh, GroupCommit, Many, ManyAtOnce};
-use crate::reread;
+use super::{Own, PostgresStore, error, locks, migrate};
+use crate::batch::{Acquired, BeginJob, CompleteJob, Fresh, Many};
 use crate::row::sql_int;
-use crate::sql::{self, COLUMNS, TableName};
+use crate::sql::{self, Spelling, SqlOptions, TableName};
 
-#[derive(Clone, Debug)]
-pub(super) struct Statements {
-    pub(super) begin: SqlStr,
-    pub(super) begin_many: SqlStr,
-    pub(super) complete_many: SqlStr,
-    pub(super) load: SqlStr,
-    pub(super) complete: SqlStr,
-    pub(super) release: SqlStr,
-    pub(super) renew: SqlStr,
-    pub(super) step: SqlStr,
-    pub(super) reopen: SqlStr,
-    pub(super) get: SqlStr,
-    pub(super) purge: SqlStr,
-    pub(super) advance: SqlStr,
-    pub(super) raise: SqlStr,
+/// The statements PostgreSQL spells its own way.
+fn spelling(t: &TableName) -> Spelling {
+    Spelling {
+        // A fresh row has the first fence ($10); an existing one is taken over only when it
+        // may be acquired: expired, released, or in progress for the same request with its
+        // lease run out (`Record::begin`).
+        begin: format!(
+            "INSERT INTO {t} AS r (scope, namespace, client_key, fingerprint, status, fence,
+                 lease_id, lease_expires_at, response, ttl_ms, created_at, updated_at,
+                 expires_at, purge_after)
+             VALUES ($1, $2, $3, $5, 'in_progress', $10, $6, $7, NULL, $8, $4, $4, $9, $9)
+             {TAKE_OVER}
+             RETURNING fence"
+        ),
+        // $2: the new lease end. Retention runs on from it, and the purge index follows if it
+        // must move later.
+        renew: format!(
+            "UPDATE {t} SET updated_at = $1, lease_expires_at = $2,
+                 expires_at = LEAST(ttl_ms, 9223372036854775807 - $2) + $2,
+                 purge_after = GREATEST(purge_after, LEAST(ttl_ms, 9223372036854775807 - $2) + $2)
+             WHERE scope = $3 AND namespace = $4 AND client_key = $5 AND lease_id = $6
+               AND fence = $7 AND status = 'in_progress' AND expires_at > $8"
+        ),
+        // The condition is repeated outside: a row a concurrent `begin` took over while this
+        // waited for its lock is rechecked against it and kept.
+        purge: format!(
+            "DELETE FROM {t} WHERE ctid = ANY(ARRAY(
+                 SELECT ctid FROM {t} WHERE purge_after <= $1 AND expires_at <= $2 LIMIT $3))
+               AND purge_after <= $1 AND expires_at <= $2"
+        ),
+        // No row back: the sum would pass i64::MAX.
+        advance: format!(
+            "INSERT INTO {t}_counters AS c (scope, namespace, client_key, value)
+             VALUES ($1, $2, $3, $4)
+             ON CONFLICT (scope, namespace, client_key) DO UPDATE
+                 SET value = c.value + EXCLUDED.value
+                 WHERE c.value <= 9223372036854775807 - EXCLUDED.value
+             RETURNING value"
+        ),
+        raise: format!(
+            "INSERT INTO {t}_counters AS c (scope, namespace, client_key, value)
+             VALUES ($1, $2, $3, $4)
+             ON CONFLICT (scope, namespace, client_key) DO UPDATE
+                 SET value = GREATEST(c.value, EXCLUDED.value)
+             RETURNING value"
+        ),
+    }
 }
 
 /// How `begin` takes an existing row over: only when it may be acquired (expired, released
@@ -49,29 +81,18 @@ const TAKE_OVER: &str = "ON CONFLICT (scope, namespace, client_key) DO UPDATE SE
        OR (r.status = 'in_progress' AND r.fingerprint = EXCLUDED.fingerprint
            AND r.lease_expires_at <= EXCLUDED.created_at)";
 
-/// `expires_at` for a record settled at `$now`: `now + ttl_ms`, capped at `i64::MAX`.
-const SETTLED_EXPIRY: &str = "LEAST(ttl_ms, 9223372036854775807 - $4) + $4";
+/// The batched statements (group commit).
+#[derive(Clone, Debug)]
+pub(super) struct Batches {
+    begin: SqlStr,
+    complete: SqlStr,
+}
 
-impl Statements {
+impl Batches {
     pub(super) fn new(t: &TableName) -> Self {
         let s = |sql: String| AssertSqlSafe(sql).into_sql_str();
-        let key = "scope = $1 AND namespace = $2 AND client_key = $3";
         Self {
-            // A fresh row has the first fence ($10); an existing one is taken over only when it may be
-            // acquired: expired, released, or in progress for the same request with its lease
-            // run out (`Record::begin`).
             begin: s(format!(
-                "INSERT INTO {t} AS r (scope, namespace, client_key, fingerprint, status, fence,
-                     lease_id, lease_expires_at, response, ttl_ms, created_at, updated_at,
-                     expires_at, purge_after)
-                 VALUES ($1, $2, $3, $5, 'in_progress', $10, $6, $7, NULL, $8, $4, $4, $9, $9)
-                 {TAKE_OVER}
-                 RETURNING fence"
-            )),
-            // `begin` for many records: the same decision per row, `now` being each row's
-            // `created_at`. Rows go in key order, so two batches lock shared keys in the same
-            // order and cannot deadlock; each acquired row comes back with its (unique) lease id.
-            begin_many: s(format!(
                 "INSERT INTO {t} AS r (scope, namespace, client_key, fingerprint, status, fence,
                      lease_id, lease_expires_at, response, ttl_ms, created_at, updated_at,
                      expires_at, purge_after)
@@ -86,8 +107,8 @@ impl Statements {
                  {TAKE_OVER}
                  RETURNING lease_id, fence"
             )),
-            // `complete` for many records; each completed row comes back with its lease id.
-            complete_many: s(format!(
+
+            complete: s(format!(
                 "UPDATE {t} AS r SET status = 'completed', response = i.response,
                      updated_at = i.now,
                      expires_at = LEAST(r.ttl_ms, 9223372036854775807 - i.now) + i.now
@@ -99,228 +120,127 @@ impl Statements {
                    AND r.fence = i.fence AND r.status = 'in_progress' AND r.expires_at > i.now
                  RETURNING r.lease_id"
             )),
-            load: s(format!("SELECT {COLUMNS} FROM {t} WHERE {key}")),
-            complete: s(format!(
-                "UPDATE {t} SET status = 'completed', response = $7, updated_at = $4,
-                     expires_at = {SETTLED_EXPIRY}
-                 WHERE {key} AND lease_id = $5 AND fence = $6 AND status = 'in_progress'
-                   AND expires_at > $4"
-            )),
-            release: s(format!(
-                "UPDATE {t} SET status = 'released', response = NULL, updated_at = $4,
-                     expires_at = {SETTLED_EXPIRY}
-                 WHERE {key} AND lease_id = $5 AND fence = $6 AND status = 'in_progress'
-                   AND expires_at > $4"
-            )),
-            // $6: the new lease end. Retention runs on from it, and the purge index follows
-            // if it must move later.
-            renew: s(format!(
-                "UPDATE {t} SET lease_expires_at = $6, updated_at = $4,
-                     expires_at = LEAST(ttl_ms, 9223372036854775807 - $6) + $6,
-                     purge_after = GREATEST(purge_after, LEAST(ttl_ms, 9223372036854775807 - $6) + $6)
-                 WHERE {key} AND lease_id = $5 AND fence = $7 AND status = 'in_progress'
-                   AND expires_at > $4"
-            )),
-            // $7 the steps after it, $8 how long they were as read (`reread::StepWrite`).
-            step: s(format!(
-                "UPDATE {t} SET steps = $7, updated_at = $4
-                 WHERE {key} AND lease_id = $5 AND fence = $6 AND status = 'in_progress'
-                   AND expires_at > $4 AND COALESCE(octet_length(steps), 0) = $8"
-            )),
-            reopen: s(format!(
-                "UPDATE {t} SET status = 'released', response = NULL, steps = NULL, updated_at = $4,
-                     expires_at = {SETTLED_EXPIRY}
-                 WHERE {key} AND fence = $5 AND status = 'completed' AND expires_at > $4"
-            )),
-            get: s(format!(
-                "SELECT {COLUMNS} FROM {t} WHERE {key} AND expires_at > $4"
-            )),
-            // No row back: the sum would pass i64::MAX.
-            advance: s(format!(
-                "INSERT INTO {t}_counters AS c (scope, namespace, client_key, value)
-                 VALUES ($1, $2, $3, $4)
-                 ON CONFLICT (scope, namespace, client_key) DO UPDATE
-                     SET value = c.value + EXCLUDED.value
-                     WHERE c.value <= 9223372036854775807 - EXCLUDED.value
-                 RETURNING value"
-            )),
-            raise: s(format!(
-                "INSERT INTO {t}_counters AS c (scope, namespace, client_key, value)
-                 VALUES ($1, $2, $3, $4)
-                 ON CONFLICT (scope, namespace, client_key) DO UPDATE
-                     SET value = GREATEST(c.value, EXCLUDED.value)
-                 RETURNING value"
-            )),
-            purge: s(format!(
-                // The condition is repeated outside: a row a concurrent `begin` took over
-                // while this waited for its lock is rechecked against it and kept.
-                "DELETE FROM {t} WHERE ctid = ANY(ARRAY(
-                     SELECT ctid FROM {t} WHERE purge_after <= $1 AND expires_at <= $1
-                     LIMIT $2))
-                   AND purge_after <= $1 AND expires_at <= $1"
-            )),
         }
     }
 }
 
-impl PostgresStore {
-    pub(super) async fn load(
-        &self,
-        c: &mut PgConnection,
-        key: &Key,
-    ) -> Result<Option<Record>, StoreError> {
-        let row = sqlx::query(self.sql.load.clone())
-            .bind(key.scope().as_str())
-            .bind(key.namespace().as_str())
-            .bind(key.client_key().as_str())
-            .fetch_optional(c)
-            .await
-            .map_err(|e| error("cannot read the record", e))?;
-        row.map(|r| sql::raw(&r)?.into_record(key)).transpose()
+impl sql::Server for Postgres {
+    const KIND: &'static str = "postgres";
+    const LOCKING_READ: &'static str = "";
+    type Own = Own;
+
+    fn spelling(t: &TableName) -> Spelling {
+        spelling(t)
     }
 
-    /// `begin` on one connection (of the pool, or a caller's transaction).
-    pub(super) async fn begin_on(
-        &self,
-        c: &mut PgConnection,
-        req: &BeginRequest,
-        now: Timestamp,
-    ) -> Result<BeginOutcome, StoreError> {
-        // The record a fresh acquisition writes; its fence comes from the database.
-        let (lease, fresh) = Record::acquired(
-            req,
-            now,
-            Lease::first_fence(now),
-            idem_core::LeaseId::generate(),
-        );
-        for _ in 0..reread::ROUNDS {
-            let fence: Option<i64> = sqlx::query_scalar(self.sql.begin.clone())
-                .bind(req.key.scope().as_str())
-                .bind(req.key.namespace().as_str())
-                .bind(req.key.client_key().as_str())
-                .bind(sql_int(now.as_millis()))
-                .bind(&fresh.fingerprint.as_bytes()[..])
-                .bind(&lease.id.to_bytes()[..])
-                .bind(sql_int(lease.expires_at.as_millis()))
-                .bind(sql_int(fresh.ttl_ms))
-                .bind(sql_int(fresh.expires_at.as_millis()))
-                .bind(sql_int(fresh.fence))
-                .fetch_optional(&mut *c)
-                .await
-                .map_err(|e| error("cannot begin the record", e))?;
-            if let Some(fence) = fence {
-                let fence = u64::try_from(fence)
-                    .map_err(|_| StoreError::Corrupt("the stored fence is negative".into()))?;
-                return Ok(BeginOutcome::Acquired(Lease { fence, ..lease }));
-            }
-            let existing = self.load(c, &req.key).await?;
-            if let Some(outcome) = sql::refused_begin(existing.as_ref(), req, now) {
-                return Ok(outcome);
-            }
+    // Read committed whatever the server's default: under repeatable read a contended upsert
+    // fails with a serialization error instead of waiting and deciding.
+    fn session(connect: PgConnectOptions, options: &SqlOptions) -> PgConnectOptions {
+        connect.options([
+            (
+                "lock_timeout",
+                format!("{}ms", options.lock_timeout.as_millis().max(1)),
+            ),
+            ("default_transaction_isolation", "read committed".to_owned()),
+        ])
+    }
+
+    async fn first(_: &mut PgConnection, _: &SqlOptions) -> Result<(), StoreError> {
+        Ok(())
+    }
+
+    fn pooled(pool: PoolOptions<Self>, _: &SqlOptions) -> PoolOptions<Self> {
+        pool
+    }
+
+    async fn migrate(c: &mut PgConnection, table: &TableName) -> Result<(), StoreError> {
+        migrate::migrate(c, table).await
+    }
+
+    fn own(table: &TableName, _: &SqlOptions, _: bool) -> Own {
+        Own {
+            locks: locks::PgLocks::new(table),
+            batches: Batches::new(table),
         }
-        Err(reread::kept_changing())
     }
 
-    /// Runs a lease-conditioned update; if it changed nothing, reads the row to tell a
-    /// repeated call by the same lease (`Ok`) from a stale lease.
-    pub(super) async fn settle_on(
-        &self,
+    /// The fence comes back with the row the upsert wrote (`RETURNING`); no row, nothing
+    /// acquired.
+    async fn acquire(
         c: &mut PgConnection,
         statement: &SqlStr,
-        key: &Key,
         lease: &Lease,
-        response: Option<Bytes>,
+        fresh: &Record,
         now: Timestamp,
-    ) -> Result<(), LeaseError> {
-        let mut q = sqlx::query(statement.clone())
+    ) -> Result<Option<u64>, StoreError> {
+        let key = &fresh.key;
+        let fence: Option<i64> = sqlx::query_scalar(statement.clone())
             .bind(key.scope().as_str())
             .bind(key.namespace().as_str())
             .bind(key.client_key().as_str())
             .bind(sql_int(now.as_millis()))
+            .bind(&fresh.fingerprint.as_bytes()[..])
             .bind(&lease.id.to_bytes()[..])
-            .bind(sql_int(lease.fence));
-        if let Some(r) = &response {
-            q = q.bind(&r[..]);
-        }
-        let done = q
-            .execute(&mut *c)
+            .bind(sql_int(lease.expires_at.as_millis()))
+            .bind(sql_int(fresh.ttl_ms))
+            .bind(sql_int(fresh.expires_at.as_millis()))
+            .bind(sql_int(fresh.fence))
+            .fetch_optional(c)
             .await
-            .map_err(|e| error("cannot settle the record", e))?;
-        if done.rows_affected() == 1 {
-            return Ok(());
-        }
-        sql::repeated_settle(self.load(c, key).await?, lease, response, now)
+            .map_err(|e| error("cannot begin the record", e))?;
+        fence
+            .map(|f| {
+                u64::try_from(f)
+                    .map_err(|_| StoreError::Corrupt("the stored fence is negative".into()))
+            })
+            .transpose()
     }
 
-    /// `record_step` on one connection (of the pool, or a caller's transaction): read the
-    /// row, decide, write if the steps are still as read.
-    pub(super) async fn record_step_on(
-        &self,
-        c: &mut PgConnection,
-        key: &Key,
-        lease: &Lease,
-        step: &Step,
-        now: Timestamp,
-    ) -> Result<(), StepError> {
-        for _ in 0..reread::ROUNDS {
-            let Some(write) = reread::step_write(self.load(c, key).await?, lease, step, now)?
-            else {
-                return Ok(());
-            };
-            let done = sqlx::query(self.sql.step.clone())
-                .bind(key.scope().as_str())
-                .bind(key.namespace().as_str())
-                .bind(key.client_key().as_str())
-                .bind(sql_int(now.as_millis()))
-                .bind(&lease.id.to_bytes()[..])
-                .bind(sql_int(lease.fence))
-                .bind(write.steps)
-                .bind(i64::try_from(write.read_len).unwrap_or(i64::MAX))
-                .execute(&mut *c)
-                .await
-                .map_err(|e| error("cannot record the step", e))?;
-            if done.rows_affected() == 1 {
-                return Ok(());
-            }
-        }
-        Err(reread::kept_changing().into())
-    }
-}
-
-impl ManyAtOnce for PostgresStore {
-    fn group_commit(&self) -> Option<&GroupCommit> {
-        self.batches.as_ref()
+    async fn advance(store: &PostgresStore, key: &Key, by: u64) -> Result<u64, StoreError> {
+        let value: Option<i64> = sqlx::query_scalar(store.sql.advance.clone())
+            .bind(key.scope().as_str())
+            .bind(key.namespace().as_str())
+            .bind(key.client_key().as_str())
+            .bind(sql_int(by))
+            .fetch_optional(&store.pool)
+            .await
+            .map_err(|e| error("cannot advance the counter", e))?;
+        value
+            .and_then(|v| u64::try_from(v).ok())
+            .ok_or(StoreError::CounterExhausted)
     }
 
-    async fn begin_alone(
-        &self,
-        req: &BeginRequest,
-        now: Timestamp,
-    ) -> Result<BeginOutcome, StoreError> {
-        let mut c = self.conn().await?;
-        self.begin_on(&mut c, req, now).await
+    async fn raise(store: &PostgresStore, key: &Key, to: u64) -> Result<u64, StoreError> {
+        let value: i64 = sqlx::query_scalar(store.sql.raise.clone())
+            .bind(key.scope().as_str())
+            .bind(key.namespace().as_str())
+            .bind(key.client_key().as_str())
+            .bind(sql_int(to))
+            .fetch_one(&store.pool)
+            .await
+            .map_err(|e| error("cannot raise the counter", e))?;
+        u64::try_from(value).map_err(|_| StoreError::Corrupt("a negative counter".into()))
     }
 
-    async fn complete_alone(&self, job: CompleteJob) -> Result<(), LeaseError> {
-        let mut c = self.conn().await?;
-        let (key, lease) = (&job.key, &job.lease);
-        self.settle_on(
-            &mut c,
-            &self.sql.complete,
-            key,
-            lease,
-            Some(job.response),
-            job.now,
-        )
-        .await
+    /// Lock rows unused for an hour go with the same budget.
+    async fn purge_more(store: &PostgresStore, rest: u64) -> Result<u64, StoreError> {
+        let mut c = store.conn().await?;
+        store
+            .locks()
+            .purge(&mut c, i64::try_from(rest).unwrap_or(i64::MAX))
+            .await
     }
 
-    async fn begin_many(&self, jobs: &[BeginJob], fresh: &[Fresh]) -> Many<Acquired> {
+    async fn begin_many(
+        store: &PostgresStore,
+        jobs: &[BeginJob],
+        fresh: &[Fresh],
+    ) -> Many<Acquired> {
         let column = |f: fn(&BeginJob, &Fresh) -> i64| -> Vec<i64> {
             jobs.iter().zip(fresh).map(|(j, r)| f(j, r)).collect()
         };
-        let mut c = self.conn().await?;
-        Ok(sqlx::query_as(self.sql.begin_many.clone())
+        let mut c = store.conn().await?;
+        Ok(sqlx::query_as(store.own.batches.begin.clone())
             .bind(key_column(jobs.iter().map(|j| &j.req.key), |k| {
                 k.scope().as_str()
             }))
@@ -354,13 +274,13 @@ impl ManyAtOnce for PostgresStore {
 
     /// The rows go in key order, as the batched `begin` takes them, so that batches meeting
     /// on keys lock them in one order.
-    async fn complete_many(&self, jobs: &[CompleteJob]) -> Many<bool> {
+    async fn complete_many(store: &PostgresStore, jobs: &[CompleteJob]) -> Many<bool> {
         let asked = jobs;
         let mut sorted: Vec<&CompleteJob> = jobs.iter().collect();
         sorted.sort_by(|a, b| a.key.cmp(&b.key));
         let jobs = &sorted[..];
-        let mut c = self.conn().await?;
-        let done: Option<Vec<Vec<u8>>> = sqlx::query_scalar(self.sql.complete_many.clone())
+        let mut c = store.conn().await?;
+        let done: Option<Vec<Vec<u8>>> = sqlx::query_scalar(store.own.batches.complete.clone())
             .bind(key_column(jobs.iter().map(|j| &j.key), |k| {
                 k.scope().as_str()
             }))

@@ -175,7 +175,7 @@ impl RecordAdmin for RedisStore {
         now: Timestamp,
     ) -> BoxFuture<'a, Result<bool, StoreError>> {
         Box::pin(async move {
-            if !repair.applies_to(shown.state) {
+            if !idem_core::repair::may_apply(repair, shown) {
                 return Ok(false);
             }
             let done: i64 = self

@@ -16,22 +16,15 @@
 use std::marker::PhantomData;
 
 use idem_core::{
-    BoxFuture, Bytes, Counts, Cursor, Key, Listed, Page, RecordFilter, RecordState, Repair, Shown,
-    StoreError, Timestamp,
+    BoxFuture, Bytes, Counts, Cursor, Key, Listed, Page, RecordAdmin, RecordFilter, RecordState,
+    Repair, Shown, StoreError, Timestamp,
     admin::{RESPONSE_HEAD, key_listing},
 };
-use sqlx::{AssertSqlSafe, ColumnIndex, Decode, Encode, Executor, IntoArguments, Pool, Row, Type};
+use sqlx::Pool;
 
-use super::{Dialect, TableName};
+use super::driver::{Driver, Value};
+use super::{Dialect, Server, SqlStore, TableName};
 use crate::row::sql_int;
-
-/// A value bound to a statement.
-pub(crate) enum Value {
-    Int(i64),
-    /// A part of a key: text or bytes, as the dialect stores keys.
-    Key(String),
-    Bytes(Vec<u8>),
-}
 
 /// A statement being written: the values its placeholders take so far, in order (the text is
 /// put together by the caller from the placeholders and conditions this hands back).
@@ -169,112 +162,6 @@ fn conjunction(conditions: &[String]) -> String {
     }
 }
 
-/// What the operator's view needs of a dialect's driver: running a statement on the pool and
-/// reading a row's values. Every dialect whose driver can do these has it.
-pub(crate) trait Driver: Dialect {
-    /// The rows `text` answers, with `values` bound.
-    fn fetch(
-        pool: &Pool<Self>,
-        text: String,
-        values: Vec<Value>,
-    ) -> BoxFuture<'_, Result<Vec<Self::Row>, sqlx::Error>>;
-
-    /// How many rows `text` changed, with `values` bound.
-    fn execute(
-        pool: &Pool<Self>,
-        text: String,
-        values: Vec<Value>,
-    ) -> BoxFuture<'_, Result<u64, sqlx::Error>>;
-
-    /// Column `i` of `row` as an integer.
-    fn int(row: &Self::Row, i: usize) -> Result<Option<i64>, sqlx::Error>;
-
-    /// Column `i` of `row` as bytes.
-    fn bytes(row: &Self::Row, i: usize) -> Result<Option<Vec<u8>>, sqlx::Error>;
-
-    /// Column `i` of `row` as text (or a key part, stored as the dialect stores keys).
-    fn text(row: &Self::Row, i: usize, key: bool) -> Result<String, sqlx::Error>;
-}
-
-impl<D: Dialect> Driver for D
-where
-    for<'c> &'c mut D::Connection: Executor<'c, Database = D>,
-    D::Arguments: IntoArguments<D>,
-    for<'q> i64: Encode<'q, D>,
-    for<'q> String: Encode<'q, D>,
-    for<'q> Vec<u8>: Encode<'q, D>,
-    i64: Type<D>,
-    String: Type<D>,
-    Vec<u8>: Type<D>,
-    for<'r> i64: Decode<'r, D>,
-    for<'r> String: Decode<'r, D>,
-    for<'r> Vec<u8>: Decode<'r, D>,
-    usize: ColumnIndex<D::Row>,
-{
-    fn fetch(
-        pool: &Pool<Self>,
-        text: String,
-        values: Vec<Value>,
-    ) -> BoxFuture<'_, Result<Vec<Self::Row>, sqlx::Error>> {
-        let query = bound::<D>(text, values);
-        Box::pin(async move { query.fetch_all(pool).await })
-    }
-
-    fn execute(
-        pool: &Pool<Self>,
-        text: String,
-        values: Vec<Value>,
-    ) -> BoxFuture<'_, Result<u64, sqlx::Error>> {
-        let query = bound::<D>(text, values);
-        Box::pin(async move { Ok(D::rows_affected(&query.execute(pool).await?)) })
-    }
-
-    fn int(row: &Self::Row, i: usize) -> Result<Option<i64>, sqlx::Error> {
-        row.try_get(i)
-    }
-
-    fn bytes(row: &Self::Row, i: usize) -> Result<Option<Vec<u8>>, sqlx::Error> {
-        row.try_get(i)
-    }
-
-    fn text(row: &Self::Row, i: usize, key: bool) -> Result<String, sqlx::Error> {
-        if key && D::BINARY_KEYS {
-            let bytes: Vec<u8> = row.try_get(i)?;
-            String::from_utf8(bytes).map_err(|e| sqlx::Error::ColumnDecode {
-                index: i.to_string(),
-                source: e.into(),
-            })
-        } else {
-            row.try_get(i)
-        }
-    }
-}
-
-/// A query of `text` with `values` bound, keys as the dialect stores them.
-fn bound<D: Dialect>(
-    text: String,
-    values: Vec<Value>,
-) -> sqlx::query::Query<'static, D, D::Arguments>
-where
-    for<'q> i64: Encode<'q, D>,
-    for<'q> String: Encode<'q, D>,
-    for<'q> Vec<u8>: Encode<'q, D>,
-    i64: Type<D>,
-    String: Type<D>,
-    Vec<u8>: Type<D>,
-{
-    let mut q = sqlx::query::<D>(AssertSqlSafe(text));
-    for v in values {
-        q = match v {
-            Value::Int(i) => q.bind(i),
-            Value::Key(k) if D::BINARY_KEYS => q.bind(k.into_bytes()),
-            Value::Key(k) => q.bind(k),
-            Value::Bytes(b) => q.bind(b),
-        };
-    }
-    q
-}
-
 /// The columns a listing reads, in [`listed`]'s order: the state is computed by the server,
 /// and of the response only its length and head travel.
 fn listed_columns<D: Dialect>(s: &mut Statement<D>, now: Timestamp) -> String {
@@ -324,7 +211,7 @@ fn listed<D: Driver>(row: &D::Row) -> Result<Listed, StoreError> {
 }
 
 /// One page of the records in `table` matching `filter` at `now`, after `after`.
-pub(crate) async fn list<D: Driver>(
+async fn list<D: Driver>(
     pool: &Pool<D>,
     table: &TableName,
     filter: &RecordFilter,
@@ -371,7 +258,7 @@ pub(crate) async fn list<D: Driver>(
 
 /// The records in `table` passing `filter` (its state ignored) at `now`, by state: one pass
 /// that counts each state and finds the oldest attempt.
-pub(crate) async fn count<D: Driver>(
+async fn count<D: Driver>(
     pool: &Pool<D>,
     table: &TableName,
     filter: &RecordFilter,
@@ -423,7 +310,7 @@ pub(crate) async fn count<D: Driver>(
 /// `shown`: one statement conditioned on the key, the fence and the state, so it lands on that
 /// record or on none. A release leaves `purge_after` as it is, as a settle does: `expires_at`
 /// moves past it, and a purge waits for both.
-pub(crate) async fn repair<D: Driver>(
+async fn repair<D: Driver>(
     pool: &Pool<D>,
     table: &TableName,
     key: &Key,
@@ -431,7 +318,7 @@ pub(crate) async fn repair<D: Driver>(
     repair: Repair,
     now: Timestamp,
 ) -> Result<bool, StoreError> {
-    if !repair.applies_to(shown.state) {
+    if !idem_core::repair::may_apply(repair, shown) {
         return Ok(false);
     }
     let mut s = Statement::<D>::new();
@@ -462,62 +349,42 @@ pub(crate) async fn repair<D: Driver>(
     Ok(changed == 1)
 }
 
-/// Implements [`RecordAdmin`](idem_core::RecordAdmin) for a SQL store of dialect `$dialect`
-/// with fields `pool` and `table`, by this module's functions.
-macro_rules! record_admin {
-    ($store:ty, $dialect:ty) => {
-        impl idem_core::RecordAdmin for $store {
-            fn list<'a>(
-                &'a self,
-                filter: &'a idem_core::RecordFilter,
-                after: Option<&'a idem_core::Cursor>,
-                limit: usize,
-                now: idem_core::Timestamp,
-            ) -> idem_core::BoxFuture<'a, Result<idem_core::Page, idem_core::StoreError>> {
-                Box::pin($crate::sql::admin::list::<$dialect>(
-                    &self.pool,
-                    &self.table,
-                    filter,
-                    after,
-                    limit,
-                    now,
-                ))
-            }
+impl<S: Server> RecordAdmin for SqlStore<S> {
+    fn list<'a>(
+        &'a self,
+        filter: &'a RecordFilter,
+        after: Option<&'a Cursor>,
+        limit: usize,
+        now: Timestamp,
+    ) -> BoxFuture<'a, Result<Page, StoreError>> {
+        Box::pin(list(&self.pool, &self.table, filter, after, limit, now))
+    }
 
-            fn count<'a>(
-                &'a self,
-                filter: &'a idem_core::RecordFilter,
-                now: idem_core::Timestamp,
-            ) -> idem_core::BoxFuture<'a, Result<idem_core::Counts, idem_core::StoreError>> {
-                Box::pin($crate::sql::admin::count::<$dialect>(
-                    &self.pool,
-                    &self.table,
-                    filter,
-                    now,
-                ))
-            }
+    fn count<'a>(
+        &'a self,
+        filter: &'a RecordFilter,
+        now: Timestamp,
+    ) -> BoxFuture<'a, Result<Counts, StoreError>> {
+        Box::pin(count(&self.pool, &self.table, filter, now))
+    }
 
-            fn repair<'a>(
-                &'a self,
-                key: &'a idem_core::Key,
-                shown: idem_core::Shown,
-                repair: idem_core::Repair,
-                now: idem_core::Timestamp,
-            ) -> idem_core::BoxFuture<'a, Result<bool, idem_core::StoreError>> {
-                Box::pin($crate::sql::admin::repair::<$dialect>(
-                    &self.pool,
-                    &self.table,
-                    key,
-                    shown,
-                    repair,
-                    now,
-                ))
-            }
-        }
-    };
+    fn repair<'a>(
+        &'a self,
+        key: &'a Key,
+        shown: Shown,
+        repair: Repair,
+        now: Timestamp,
+    ) -> BoxFuture<'a, Result<bool, StoreError>> {
+        Box::pin(self::repair(
+            &self.pool,
+            &self.table,
+            key,
+            shown,
+            repair,
+            now,
+        ))
+    }
 }
-
-pub(crate) use record_admin;
 
 #[cfg(test)]
 mod tests {

@@ -1,7 +1,10 @@
-//! What the server-based SQL stores (PostgreSQL, MySQL/MariaDB) share: table names, versioned
-//! migrations (`migrate`), the [`Dialect`] each server is spoken in and the classification of
-//! its errors (`error`), the columns of a row and reading them, the decisions `begin` and a
-//! settle make from a row as read, and the operator's view of the records (`admin`).
+//! The server-based SQL stores (PostgreSQL, MySQL/MariaDB), written once: the store and its
+//! options (`store`), its records path over the hooks of each [`Server`] (`records`), what it
+//! needs of sqlx's driver (`driver`), table names, versioned migrations (`migrate`), the
+//! [`Dialect`] each server is spoken in and the classification of its errors (`error`), the
+//! columns of a row and reading them, the decisions `begin` and a settle make from a row as
+//! read, and the operator's view of the records (`admin`). The backend folders keep what is
+//! each server's own: its statements, connecting, migrations, batches and errors.
 
 use std::fmt;
 
@@ -12,12 +15,17 @@ use idem_core::{
 
 use crate::row::RawRow;
 
-pub(crate) mod admin;
+mod admin;
+pub(crate) mod driver;
 mod error;
 pub(crate) mod migrate;
+pub(crate) mod records;
+mod store;
 
 pub(crate) use error::error;
 pub(crate) use migrate::Dialect;
+pub(crate) use records::{Server, Spelling};
+pub use store::{SqlOptions, SqlStore};
 
 /// The columns [`RawRow`] is read from, in its order.
 pub(crate) const COLUMNS: &str = "fingerprint, status, fence, lease_id, lease_expires_at, response,

@@ -21,7 +21,6 @@ use crate::row::sql_int;
 
 use super::SqliteStore;
 use super::records::{load, save};
-use super::writer::{Request, Responder};
 
 /// A record's state at `:now` in SQL, as its place in `RecordState::ALL` (0 in progress,
 /// 1 stuck, 2 completed, 3 released, 4 expired; a number, which a count compares faster than a
@@ -296,12 +295,12 @@ pub(super) fn apply_repair(
     repair: Repair,
     now: Timestamp,
 ) -> rusqlite::Result<Result<bool, StoreError>> {
-    if !repair.applies_to(shown.state) {
+    if !idem_core::repair::may_apply(repair, shown) {
         return Ok(Ok(false));
     }
     match repair {
         Repair::Release => match load(tx, key)? {
-            Ok(Some(record)) if shown.is(&record, now) => {
+            Ok(Some(record)) if idem_core::repair::applies(repair, shown, &record, now) => {
                 save(tx, &Repair::released(record, now))?;
                 Ok(Ok(true))
             }
@@ -375,10 +374,7 @@ impl RecordAdmin for SqliteStore {
         repair: Repair,
         now: Timestamp,
     ) -> BoxFuture<'a, Result<bool, StoreError>> {
-        Box::pin(async move {
-            let request = Request::Repair(key.clone(), shown, repair, now);
-            self.call(request, Responder::Reopen, Err).await
-        })
+        Box::pin(self.repair_record(key, shown, repair, now))
     }
 }
 

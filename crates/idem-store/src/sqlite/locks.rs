@@ -11,7 +11,6 @@ use rusqlite::{OptionalExtension, params};
 use crate::row::{held_lock, sql_int};
 
 use super::SqliteStore;
-use super::writer::{Request, Responder};
 
 /// A lock operation; it runs by the writer's clock.
 pub(super) enum LockOp {
@@ -124,15 +123,6 @@ fn save_lock(
         sql_int(s.expires_at.as_millis())
     ])?;
     Ok(())
-}
-
-impl SqliteStore {
-    async fn lock_op(&self, name: &LockName, op: LockOp) -> Result<LockAnswer, LockError> {
-        self.call(Request::Lock(name.clone(), op), Responder::Lock, |e| {
-            Err(e.into())
-        })
-        .await
-    }
 }
 
 /// Locks by this machine's wall clock, in the database file: processes sharing the file share

@@ -30,10 +30,13 @@
 //! key it wrongly calls absent (written by another process since the load) is decided by the
 //! writer, correctly, and learnt.
 //!
-//! The writer thread and its batches are in `writer`, what one operation does inside the
-//! transaction in `records`, the read connections in `reader`, the key filter in `known`, the
-//! locks in `locks`, the operator's view (listing, counting, repairs) in `admin`, and the
-//! schema and connection settings in `schema`.
+//! The operations the writer runs are listed once in `ops` (what each asks, where its answer
+//! goes, and which function runs it); the writer thread and its batches are in `writer`, what
+//! an operation on records does inside the transaction in `records`, the read connections in
+//! `reader`, the key filter in `known`, the locks in `locks`, the operator's view (listing,
+//! counting, repairs) in `admin`, and the schema, connection settings and errors in `schema`.
+//! The imports point one way: this module sends operations to `ops`, the writer runs them
+//! through `ops`, and `ops` calls `records`, `admin` and `locks`, which import neither.
 
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, mpsc};
@@ -41,8 +44,8 @@ use std::thread;
 use std::time::Duration;
 
 use idem_core::{
-    BeginOutcome, BeginRequest, Bytes, Counters, Key, Lease, LeaseError, Record, RecordAdmin, Step,
-    StepError, Store, StoreError, Timestamp,
+    BeginOutcome, BeginRequest, Bytes, Counters, Key, Lease, LeaseError, LockError, LockName,
+    Record, RecordAdmin, Repair, Shown, Step, StepError, Store, StoreError, Timestamp,
 };
 use tokio::sync::oneshot;
 
@@ -51,6 +54,7 @@ use crate::lock_feed::ReleaseFeed;
 mod admin;
 mod known;
 mod locks;
+mod ops;
 mod reader;
 mod records;
 mod schema;
@@ -59,8 +63,10 @@ mod writer;
 use known::KnownKeys;
 use reader::Readers;
 
+use locks::{LockAnswer, LockOp};
+use ops::{Op, Request, Responder};
 use schema::connect;
-use writer::{Op, Request, Responder, Writer, writer_stopped};
+use writer::Writer;
 
 /// How much each `COMMIT` waits for the disk.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -221,6 +227,27 @@ impl SqliteStore {
         step.write.is_none().then_some(step.outcome)
     }
 
+    /// A lock operation, run by the writer.
+    async fn lock_op(&self, name: &LockName, op: LockOp) -> Result<LockAnswer, LockError> {
+        self.call(Request::Lock(name.clone(), op), Responder::Lock, |e| {
+            Err(e.into())
+        })
+        .await
+    }
+
+    /// An operator's repair, run by the writer: whether it changed the record.
+    async fn repair_record(
+        &self,
+        key: &Key,
+        shown: Shown,
+        repair: Repair,
+        now: Timestamp,
+    ) -> Result<bool, StoreError> {
+        let request = Request::Repair(key.clone(), shown, repair, now);
+        self.call(request, Responder::Reopen, Err).await
+    }
+
+    /// Sends `request` to the writer and waits for its answer.
     async fn call<T>(
         &self,
         request: Request,
@@ -339,5 +366,12 @@ impl Counters for SqliteStore {
     async fn raise(&self, key: &Key, to: u64) -> Result<u64, StoreError> {
         self.call(Request::Raise(key.clone(), to), Responder::Advance, Err)
             .await
+    }
+}
+
+fn writer_stopped() -> StoreError {
+    StoreError::Unavailable {
+        message: "the SQLite writer thread has stopped".into(),
+        source: None,
     }
 }

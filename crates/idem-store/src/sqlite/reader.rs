@@ -17,7 +17,7 @@ use rusqlite::{Connection, OpenFlags};
 use tokio::sync::oneshot;
 
 use super::schema::open_error;
-use super::writer::store_error;
+use super::schema::store_error;
 
 type ReadJob = Box<dyn FnOnce(&Connection) + Send>;
 

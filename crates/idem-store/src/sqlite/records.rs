@@ -1,142 +1,197 @@
-//! What one operation does inside the writer's transaction: read the record, apply the pure
-//! transition from `idem-core`, write the result.
+//! What each operation on records does inside the writer's transaction: read the record, apply
+//! the pure transition from `idem-core`, write the result. `Err` is a SQL failure that aborts
+//! the whole batch; refusals and corrupt rows are part of the answer.
 
-use idem_core::{Key, Record, StaleLease, StoreError};
+use std::time::Duration;
+
+use idem_core::{
+    BeginOutcome, BeginRequest, Bytes, Key, Lease, LeaseError, Record, StaleLease, Step, StepError,
+    StoreError, Timestamp,
+};
 use rusqlite::{OptionalExtension, params};
 
 use crate::row::{RawRow, sql_int};
 
-use super::admin::apply_repair;
-use super::locks::apply_lock;
-use super::writer::{Answer, Request};
+/// The transaction a batch of operations runs in.
+type Tx<'c> = rusqlite::Transaction<'c>;
 
-/// Runs one operation inside the batch's transaction. `Err` is a SQL failure that aborts the
-/// whole batch; refusals and corrupt rows are part of the answer.
-pub(super) fn apply(tx: &rusqlite::Transaction<'_>, request: &Request) -> rusqlite::Result<Answer> {
-    Ok(match request {
-        Request::Begin(req, now) => Answer::Begin(match load(tx, &req.key)? {
-            Ok(existing) => {
-                let step =
-                    Record::begin(existing.as_ref(), req, *now, idem_core::LeaseId::generate());
-                if let Some(new) = &step.write {
-                    save(tx, new)?;
-                }
-                Ok(step.outcome)
+pub(super) fn begin(
+    tx: &Tx<'_>,
+    req: &BeginRequest,
+    now: Timestamp,
+) -> rusqlite::Result<Result<BeginOutcome, StoreError>> {
+    Ok(match load(tx, &req.key)? {
+        Ok(existing) => {
+            let step = Record::begin(existing.as_ref(), req, now, idem_core::LeaseId::generate());
+            if let Some(new) = &step.write {
+                save(tx, new)?;
             }
-            Err(e) => Err(e),
-        }),
-        Request::Complete(key, lease, response, now) => Answer::Lease(transition(tx, key, |r| {
-            Ok(Record::complete(r, lease, response.clone(), *now)?)
-        })?),
-        Request::Release(key, lease, now) => Answer::Lease(transition(tx, key, |r| {
-            Ok(Record::release(r, lease, *now)?)
-        })?),
-        Request::Step(key, lease, step, now) => Answer::Step(transition(tx, key, |r| {
-            let mut r = r.ok_or(StaleLease)?.clone();
-            Ok(r.record_step_in_place(lease, step, *now)?.then_some(r))
-        })?),
-        Request::Renew(key, lease, length, now) => Answer::Renew(match load(tx, key)? {
-            Ok(Some(mut r)) => match r.renew_in_place(lease, *length, *now) {
-                Ok(renewed) => {
-                    save(tx, &r)?;
-                    Ok(renewed)
-                }
-                Err(stale) => Err(stale.into()),
-            },
-            Ok(None) => Err(StaleLease.into()),
-            Err(e) => Err(e.into()),
-        }),
-        Request::Advance(key, by) => {
-            // Guarded so the sum never leaves SQLite's integers (it would turn into a float).
-            let by = sql_int(*by);
-            let value: Option<i64> = tx
-                .prepare_cached(
-                    "INSERT INTO idem_counters (scope, namespace, client_key, value)
-                     VALUES (?1, ?2, ?3, ?4)
-                     ON CONFLICT (scope, namespace, client_key) DO UPDATE
-                         SET value = value + excluded.value
-                         WHERE value <= 9223372036854775807 - excluded.value
-                     RETURNING value",
-                )?
-                .query_row(
-                    params![
-                        key.scope().as_str(),
-                        key.namespace().as_str(),
-                        key.client_key().as_str(),
-                        by
-                    ],
-                    |row| row.get(0),
-                )
-                .optional()?;
-            Answer::Advance(
-                value
-                    .and_then(|v| u64::try_from(v).ok())
-                    .ok_or(StoreError::CounterExhausted),
-            )
+            Ok(step.outcome)
         }
-        Request::Raise(key, to) => {
-            let value: i64 = tx
-                .prepare_cached(
-                    "INSERT INTO idem_counters (scope, namespace, client_key, value)
-                     VALUES (?1, ?2, ?3, ?4)
-                     ON CONFLICT (scope, namespace, client_key) DO UPDATE
-                         SET value = max(value, excluded.value)
-                     RETURNING value",
-                )?
-                .query_row(
-                    params![
-                        key.scope().as_str(),
-                        key.namespace().as_str(),
-                        key.client_key().as_str(),
-                        sql_int(*to)
-                    ],
-                    |row| row.get(0),
-                )?;
-            Answer::Advance(u64::try_from(value).map_err(|_| StoreError::CounterExhausted))
-        }
-        Request::Reopen(key, fence, now) => Answer::Reopen(match load(tx, key)? {
-            Ok(Some(mut r)) => {
-                let changed = r.reopen_in_place(*fence, *now);
-                if changed {
-                    save(tx, &r)?;
-                }
-                Ok(changed)
-            }
-            Ok(None) => Ok(false),
-            Err(e) => Err(e),
-        }),
-        Request::Get(key, now) => {
-            Answer::Get(load(tx, key)?.map(|r| r.filter(|r| r.is_live(*now))))
-        }
-        Request::Purge(now, limit) => {
-            let now = sql_int(now.as_millis());
-            let limit = i64::try_from(*limit).unwrap_or(i64::MAX);
-            let n = tx
-                .prepare_cached(
-                    "DELETE FROM idem_records WHERE rowid IN (
-                        SELECT rowid FROM idem_records
-                        WHERE expires_at <= ?1 AND (status <> 'in_progress' OR lease_expires_at <= ?1)
-                        LIMIT ?2)",
-                )?
-                .execute(params![now, limit])?;
-            // Lock rows unused for an hour go with the same budget.
-            let rest = limit.saturating_sub(i64::try_from(n).unwrap_or(i64::MAX));
-            let before = now.saturating_sub(sql_int(idem_core::lock::lease_millis(
-                idem_core::lock::LOCK_STATE_RETENTION,
-            )));
-            let locks = tx
-                .prepare_cached(
-                    "DELETE FROM idem_locks WHERE name IN (
-                        SELECT name FROM idem_locks WHERE expires_at < ?1 LIMIT ?2)",
-                )?
-                .execute(params![before, rest])?;
-            Answer::Purge(Ok((n + locks) as u64))
-        }
-        Request::Lock(name, op) => Answer::Lock(apply_lock(tx, name, op)?),
-        Request::Repair(key, shown, repair, now) => {
-            Answer::Reopen(apply_repair(tx, key, *shown, *repair, *now)?)
-        }
+        Err(e) => Err(e),
     })
+}
+
+pub(super) fn complete(
+    tx: &Tx<'_>,
+    key: &Key,
+    lease: &Lease,
+    response: &Bytes,
+    now: Timestamp,
+) -> rusqlite::Result<Result<(), LeaseError>> {
+    transition(tx, key, |r| {
+        Ok(Record::complete(r, lease, response.clone(), now)?)
+    })
+}
+
+pub(super) fn release(
+    tx: &Tx<'_>,
+    key: &Key,
+    lease: &Lease,
+    now: Timestamp,
+) -> rusqlite::Result<Result<(), LeaseError>> {
+    transition(tx, key, |r| Ok(Record::release(r, lease, now)?))
+}
+
+pub(super) fn record_step(
+    tx: &Tx<'_>,
+    key: &Key,
+    lease: &Lease,
+    step: &Step,
+    now: Timestamp,
+) -> rusqlite::Result<Result<(), StepError>> {
+    transition(tx, key, |r| {
+        let mut r = r.ok_or(StaleLease)?.clone();
+        Ok(r.record_step_in_place(lease, step, now)?.then_some(r))
+    })
+}
+
+pub(super) fn renew(
+    tx: &Tx<'_>,
+    key: &Key,
+    lease: &Lease,
+    length: Duration,
+    now: Timestamp,
+) -> rusqlite::Result<Result<Lease, LeaseError>> {
+    Ok(match load(tx, key)? {
+        Ok(Some(mut r)) => match r.renew_in_place(lease, length, now) {
+            Ok(renewed) => {
+                save(tx, &r)?;
+                Ok(renewed)
+            }
+            Err(stale) => Err(stale.into()),
+        },
+        Ok(None) => Err(StaleLease.into()),
+        Err(e) => Err(e.into()),
+    })
+}
+
+pub(super) fn advance(
+    tx: &Tx<'_>,
+    key: &Key,
+    by: u64,
+) -> rusqlite::Result<Result<u64, StoreError>> {
+    // Guarded so the sum never leaves SQLite's integers (it would turn into a float).
+    let by = sql_int(by);
+    let value: Option<i64> = tx
+        .prepare_cached(
+            "INSERT INTO idem_counters (scope, namespace, client_key, value)
+             VALUES (?1, ?2, ?3, ?4)
+             ON CONFLICT (scope, namespace, client_key) DO UPDATE
+                 SET value = value + excluded.value
+                 WHERE value <= 9223372036854775807 - excluded.value
+             RETURNING value",
+        )?
+        .query_row(
+            params![
+                key.scope().as_str(),
+                key.namespace().as_str(),
+                key.client_key().as_str(),
+                by
+            ],
+            |row| row.get(0),
+        )
+        .optional()?;
+    Ok(value
+        .and_then(|v| u64::try_from(v).ok())
+        .ok_or(StoreError::CounterExhausted))
+}
+
+pub(super) fn raise(tx: &Tx<'_>, key: &Key, to: u64) -> rusqlite::Result<Result<u64, StoreError>> {
+    let value: i64 = tx
+        .prepare_cached(
+            "INSERT INTO idem_counters (scope, namespace, client_key, value)
+             VALUES (?1, ?2, ?3, ?4)
+             ON CONFLICT (scope, namespace, client_key) DO UPDATE
+                 SET value = max(value, excluded.value)
+             RETURNING value",
+        )?
+        .query_row(
+            params![
+                key.scope().as_str(),
+                key.namespace().as_str(),
+                key.client_key().as_str(),
+                sql_int(to)
+            ],
+            |row| row.get(0),
+        )?;
+    Ok(u64::try_from(value).map_err(|_| StoreError::CounterExhausted))
+}
+
+pub(super) fn reopen(
+    tx: &Tx<'_>,
+    key: &Key,
+    fence: u64,
+    now: Timestamp,
+) -> rusqlite::Result<Result<bool, StoreError>> {
+    Ok(match load(tx, key)? {
+        Ok(Some(mut r)) => {
+            let changed = r.reopen_in_place(fence, now);
+            if changed {
+                save(tx, &r)?;
+            }
+            Ok(changed)
+        }
+        Ok(None) => Ok(false),
+        Err(e) => Err(e),
+    })
+}
+
+pub(super) fn get(
+    tx: &Tx<'_>,
+    key: &Key,
+    now: Timestamp,
+) -> rusqlite::Result<Result<Option<Record>, StoreError>> {
+    Ok(load(tx, key)?.map(|r| r.filter(|r| r.is_live(now))))
+}
+
+pub(super) fn purge(
+    tx: &Tx<'_>,
+    now: Timestamp,
+    limit: usize,
+) -> rusqlite::Result<Result<u64, StoreError>> {
+    let now = sql_int(now.as_millis());
+    let limit = i64::try_from(limit).unwrap_or(i64::MAX);
+    let n = tx
+        .prepare_cached(
+            "DELETE FROM idem_records WHERE rowid IN (
+                SELECT rowid FROM idem_records
+                WHERE expires_at <= ?1 AND (status <> 'in_progress' OR lease_expires_at <= ?1)
+                LIMIT ?2)",
+        )?
+        .execute(params![now, limit])?;
+    // Lock rows unused for an hour go with the same budget.
+    let rest = limit.saturating_sub(i64::try_from(n).unwrap_or(i64::MAX));
+    let before = now.saturating_sub(sql_int(idem_core::lock::lease_millis(
+        idem_core::lock::LOCK_STATE_RETENTION,
+    )));
+    let locks = tx
+        .prepare_cached(
+            "DELETE FROM idem_locks WHERE name IN (
+                SELECT name FROM idem_locks WHERE expires_at < ?1 LIMIT ?2)",
+        )?
+        .execute(params![before, rest])?;
+    Ok(Ok((n + locks) as u64))
 }
 
 /// Reads the record, applies `f`, writes what it returns: `Ok(None)` is a repeat that changes

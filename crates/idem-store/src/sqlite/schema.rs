@@ -47,6 +47,21 @@ pub(super) const MIGRATIONS: &[&str] = &[
     "ALTER TABLE idem_records ADD COLUMN steps BLOB;",
 ];
 
+/// A failure of a statement: busy or locked may pass, the rest is a backend error.
+pub(super) fn store_error(e: &rusqlite::Error) -> StoreError {
+    let message = format!("SQLite: {e}");
+    match e.sqlite_error_code() {
+        Some(ErrorCode::DatabaseBusy | ErrorCode::DatabaseLocked) => StoreError::Unavailable {
+            message,
+            source: None,
+        },
+        _ => StoreError::Backend {
+            message,
+            source: None,
+        },
+    }
+}
+
 pub(super) fn open_error(path: &Path, e: rusqlite::Error) -> StoreError {
     let what = match e.sqlite_error_code() {
         Some(ErrorCode::NotADatabase) => "the file is not a SQLite database".to_owned(),

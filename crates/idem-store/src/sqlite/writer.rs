@@ -4,140 +4,18 @@
 use std::sync::{Arc, mpsc};
 use std::time::Duration;
 
-use idem_core::{
-    BeginOutcome, BeginRequest, Bytes, Key, Lease, LeaseError, LockError, LockName, Record, Repair,
-    Shown, Step, StepError, StoreError, Timestamp,
-};
-use rusqlite::{Connection, ErrorCode, TransactionBehavior};
+use idem_core::{BeginOutcome, Key, Lease, LeaseError, Timestamp};
+use rusqlite::{Connection, TransactionBehavior};
 use tokio::sync::oneshot;
 
 use super::known::KnownKeys;
-use super::locks::{LockAnswer, LockOp};
-use super::records::apply;
-
-/// One operation for the writer thread: what to do, and where to send the answer.
-pub(super) struct Op {
-    pub(super) request: Request,
-    pub(super) responder: Responder,
-}
-
-pub(super) enum Request {
-    Begin(BeginRequest, Timestamp),
-    Complete(Key, Lease, Bytes, Timestamp),
-    Release(Key, Lease, Timestamp),
-    Renew(Key, Lease, Duration, Timestamp),
-    Step(Key, Lease, Step, Timestamp),
-    Advance(Key, u64),
-    Raise(Key, u64),
-    Reopen(Key, u64, Timestamp),
-    Get(Key, Timestamp),
-    Purge(Timestamp, usize),
-    Lock(LockName, LockOp),
-    /// An operator's repair, fenced by what was shown; answered as `Reopen` is (whether it
-    /// changed the record).
-    Repair(Key, Shown, Repair, Timestamp),
-}
-
-pub(super) enum Responder {
-    Begin(oneshot::Sender<Result<BeginOutcome, StoreError>>),
-    Lease(oneshot::Sender<Result<(), LeaseError>>),
-    Renew(oneshot::Sender<Result<Lease, LeaseError>>),
-    Step(oneshot::Sender<Result<(), StepError>>),
-    Advance(oneshot::Sender<Result<u64, StoreError>>),
-    Reopen(oneshot::Sender<Result<bool, StoreError>>),
-    Get(oneshot::Sender<Result<Option<Record>, StoreError>>),
-    Purge(oneshot::Sender<Result<u64, StoreError>>),
-    Lock(oneshot::Sender<Result<LockAnswer, LockError>>),
-}
-
-pub(super) enum Answer {
-    Begin(Result<BeginOutcome, StoreError>),
-    Lease(Result<(), LeaseError>),
-    Renew(Result<Lease, LeaseError>),
-    Step(Result<(), StepError>),
-    Advance(Result<u64, StoreError>),
-    Reopen(Result<bool, StoreError>),
-    Get(Result<Option<Record>, StoreError>),
-    Purge(Result<u64, StoreError>),
-    Lock(Result<LockAnswer, LockError>),
-}
-
-pub(super) fn writer_stopped() -> StoreError {
-    StoreError::Unavailable {
-        message: "the SQLite writer thread has stopped".into(),
-        source: None,
-    }
-}
+use super::ops::{Answer, Op, Request, Responder, apply};
 
 pub(super) struct Writer {
     pub(super) conn: Connection,
     pub(super) max_batch: usize,
     /// Taught the key of every `begin` this thread commits (none: no key filter).
     pub(super) known: Option<Arc<KnownKeys>>,
-}
-
-pub(super) fn store_error(e: &rusqlite::Error) -> StoreError {
-    let message = format!("SQLite: {e}");
-    match e.sqlite_error_code() {
-        Some(ErrorCode::DatabaseBusy | ErrorCode::DatabaseLocked) => StoreError::Unavailable {
-            message,
-            source: None,
-        },
-        _ => StoreError::Backend {
-            message,
-            source: None,
-        },
-    }
-}
-
-impl Responder {
-    /// Whether the caller has stopped waiting.
-    fn is_closed(&self) -> bool {
-        match self {
-            Responder::Begin(tx) => tx.is_closed(),
-            Responder::Lease(tx) => tx.is_closed(),
-            Responder::Renew(tx) => tx.is_closed(),
-            Responder::Step(tx) => tx.is_closed(),
-            Responder::Advance(tx) => tx.is_closed(),
-            Responder::Reopen(tx) => tx.is_closed(),
-            Responder::Get(tx) => tx.is_closed(),
-            Responder::Purge(tx) => tx.is_closed(),
-            Responder::Lock(tx) => tx.is_closed(),
-        }
-    }
-
-    /// Sends the answer; gives it back if the caller has gone.
-    fn send(self, answer: Answer) -> Option<Answer> {
-        match (self, answer) {
-            (Responder::Begin(tx), Answer::Begin(a)) => tx.send(a).err().map(Answer::Begin),
-            (Responder::Lease(tx), Answer::Lease(a)) => tx.send(a).err().map(Answer::Lease),
-            (Responder::Renew(tx), Answer::Renew(a)) => tx.send(a).err().map(Answer::Renew),
-            (Responder::Step(tx), Answer::Step(a)) => tx.send(a).err().map(Answer::Step),
-            (Responder::Advance(tx), Answer::Advance(a)) => tx.send(a).err().map(Answer::Advance),
-            (Responder::Reopen(tx), Answer::Reopen(a)) => tx.send(a).err().map(Answer::Reopen),
-            (Responder::Get(tx), Answer::Get(a)) => tx.send(a).err().map(Answer::Get),
-            (Responder::Purge(tx), Answer::Purge(a)) => tx.send(a).err().map(Answer::Purge),
-            (Responder::Lock(tx), Answer::Lock(a)) => tx.send(a).err().map(Answer::Lock),
-            // `apply` answers each request with its own kind; nothing else reaches here.
-            (_, answer) => Some(answer),
-        }
-    }
-
-    /// Tells the caller that its batch failed.
-    fn fail(self, e: &rusqlite::Error) {
-        let e = store_error(e);
-        let _ = match self {
-            Responder::Begin(tx) => tx.send(Err(e)).map_err(drop),
-            Responder::Lease(tx) => tx.send(Err(e.into())).map_err(drop),
-            Responder::Renew(tx) => tx.send(Err(e.into())).map_err(drop),
-            Responder::Step(tx) => tx.send(Err(e.into())).map_err(drop),
-            Responder::Advance(tx) => tx.send(Err(e)).map_err(drop),
-            Responder::Reopen(tx) => tx.send(Err(e)).map_err(drop),
-            Responder::Get(tx) => tx.send(Err(e)).map_err(drop),
-            Responder::Purge(tx) => tx.send(Err(e)).map_err(drop),
-            Responder::Lock(tx) => tx.send(Err(e.into())).map_err(drop),
-        };
-    }
 }
 
 /// How long a key claimed for a caller that left waits before it is given back again, when
@@ -226,16 +104,7 @@ impl Writer {
         // writes of a result (complete, release) are made regardless: the work is done.
         let batch: Vec<Op> = batch
             .into_iter()
-            .filter(|op| {
-                !(op.responder.is_closed()
-                    && matches!(
-                        op.request,
-                        Request::Begin(..)
-                            | Request::Get(..)
-                            | Request::Purge(..)
-                            | Request::Lock(_, LockOp::Acquire(..))
-                    ))
-            })
+            .filter(|op| !(op.responder.is_closed() && op.request.only_for_its_caller()))
             .collect();
         let mut answers = Vec::with_capacity(batch.len());
         let result = (|| {
