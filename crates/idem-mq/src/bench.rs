@@ -26,8 +26,8 @@ use crate::amqp::{AmqpSource, BasicProperties};
 use crate::{Delivery, Disposition, Horizon, MqError, Source};
 use tokio::sync::{Notify, Semaphore};
 
-/// How long a helper waits for a message that should arrive.
-const PATIENCE: Duration = Duration::from_secs(30);
+/// How long [`get_one`] waits for a message that should arrive.
+pub const PATIENCE: Duration = Duration::from_secs(30);
 
 /// The body of every message: a small order, as a JSON API would carry it.
 pub const BODY: &[u8] =
