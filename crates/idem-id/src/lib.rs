@@ -11,7 +11,7 @@
 //!   [`ManagedSnowflake`]: a generator that keeps its worker id (renews it, and replaces a
 //!   lost one where no id can repeat) and reports a [`WorkerStatus`] for health checks.
 //! - [`Segments`]: Leaf-style ranges of a per-tag counter in the store, with a segment buffer
-//!   (the current range and a spare) so the next range is fetched ahead.
+//!   (the current range and the one fetched ahead) so the store is asked before ids run out.
 //! - [`uuid7`] / [`Uuid7`]: RFC 9562 version 7 UUIDs that strictly increase within the
 //!   process, and [`token`]: 128 random bits for ids that must not be guessable.
 //!

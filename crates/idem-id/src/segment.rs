@@ -54,10 +54,12 @@ impl Range {
     }
 }
 
+/// The segment buffer (Leaf's double buffer): the range ids are taken from, and the one
+/// fetched ahead that replaces it when it is used up, so the store is asked before ids run out.
 #[derive(Debug)]
-struct State {
+struct Buffer {
     current: Option<Range>,
-    spare: Option<Range>,
+    ahead: Option<Range>,
     fetching: bool,
     /// After a failed fetch, background fetches wait until then.
     retry_at: Option<Instant>,
@@ -77,7 +79,7 @@ pub struct Segments {
     store: SharedCounters,
     key: Key,
     options: SegmentOptions,
-    state: Mutex<State>,
+    buffer: Mutex<Buffer>,
     /// Woken when a fetch ends.
     fetched: tokio::sync::Notify,
 }
@@ -120,9 +122,9 @@ impl Segments {
             store,
             key,
             options,
-            state: Mutex::new(State {
+            buffer: Mutex::new(Buffer {
                 current: None,
-                spare: None,
+                ahead: None,
                 fetching: false,
                 retry_at: None,
                 step,
@@ -135,8 +137,8 @@ impl Segments {
         }))
     }
 
-    fn lock(&self) -> std::sync::MutexGuard<'_, State> {
-        self.state
+    fn lock(&self) -> std::sync::MutexGuard<'_, Buffer> {
+        self.buffer
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner)
     }
@@ -153,8 +155,8 @@ impl Segments {
                     r.next += 1;
                     break Some(id);
                 }
-                _ => match s.spare.take() {
-                    Some(spare) => s.current = Some(spare),
+                _ => match s.ahead.take() {
+                    Some(ahead) => s.current = Some(ahead),
                     None => break None,
                 },
             }
@@ -162,14 +164,14 @@ impl Segments {
         if id.is_some() {
             s.rate_ids += 1;
         }
-        let want_spare = s.spare.is_none()
+        let want_ahead = s.ahead.is_none()
             && !s.fetching
             && s.retry_at.is_none_or(|at| Instant::now() >= at)
             && s.current.is_some_and(|r| {
                 let used = r.size - r.left();
                 used as f64 >= r.size as f64 * self.options.prefetch_at
             });
-        if want_spare
+        if want_ahead
             && let Ok(rt) = tokio::runtime::Handle::try_current()
             && let Some(slot) = self.start_fetch(&mut s)
         {
@@ -203,7 +205,7 @@ impl Segments {
     async fn fetch(self: &Arc<Self>) -> Result<(), IdError> {
         let (waiting, slot) = {
             let mut s = self.lock();
-            if s.spare.is_some() {
+            if s.ahead.is_some() {
                 return Ok(());
             }
             let slot = self.start_fetch(&mut s);
@@ -222,7 +224,7 @@ impl Segments {
         waiting.await;
         let s = self.lock();
         match &s.last_error {
-            Some(e) if s.spare.is_none() && s.current.is_none_or(|r| r.left() == 0) => {
+            Some(e) if s.ahead.is_none() && s.current.is_none_or(|r| r.left() == 0) => {
                 Err(IdError::Store(e.clone()))
             }
             _ => Ok(()),
@@ -230,8 +232,8 @@ impl Segments {
     }
 
     /// Claims the one fetch slot: the fetch to run, or `None` if one is already running.
-    fn start_fetch(self: &Arc<Self>, s: &mut State) -> Option<FetchSlot> {
-        if s.fetching || s.spare.is_some() {
+    fn start_fetch(self: &Arc<Self>, s: &mut Buffer) -> Option<FetchSlot> {
+        if s.fetching || s.ahead.is_some() {
             return None;
         }
         s.fetching = true;
@@ -243,7 +245,7 @@ impl Segments {
     }
 
     /// Records a fetch's outcome: puts the range where it is needed (the current slot if that
-    /// is used up, else the spare one, which only this fetch fills) and adapts the step to how
+    /// is used up, else the one ahead, which only this fetch fills) and adapts the step to how
     /// fast the last range went; or keeps the error for waiters and for health reports.
     fn end_fetch(&self, step: u64, result: Result<u64, String>) {
         let mut s = self.lock();
@@ -276,7 +278,7 @@ impl Segments {
                 if s.current.is_none_or(|r| r.left() == 0) {
                     s.current = Some(range);
                 } else {
-                    s.spare = Some(range);
+                    s.ahead = Some(range);
                 }
                 s.last_error = None;
                 s.failing_since = None;
@@ -293,17 +295,17 @@ impl Segments {
         self.fetched.notify_waiters();
     }
 
-    /// Ids left in memory (current and spare ranges).
+    /// Ids left in memory (the current range and the one ahead).
     pub fn remaining(&self) -> u64 {
         let s = self.lock();
-        s.current.map_or(0, |r| r.left()) + s.spare.map_or(0, |r| r.left())
+        s.current.map_or(0, |r| r.left()) + s.ahead.map_or(0, |r| r.left())
     }
 
     /// How long the ids in memory last at the average rate served so far, if the store went
     /// away now (`None` before any id was served).
     pub fn runway(&self) -> Option<Duration> {
         let s = self.lock();
-        let left = s.current.map_or(0, |r| r.left()) + s.spare.map_or(0, |r| r.left());
+        let left = s.current.map_or(0, |r| r.left()) + s.ahead.map_or(0, |r| r.left());
         let secs = s.rate_since.elapsed().as_secs_f64();
         if s.rate_ids == 0 || secs <= 0.0 {
             return None;
@@ -325,7 +327,7 @@ impl Segments {
     /// How the allocator stands, for health reports: cheap (no store call).
     pub fn status(&self) -> SegmentStatus {
         let s = self.lock();
-        let remaining = s.current.map_or(0, |r| r.left()) + s.spare.map_or(0, |r| r.left());
+        let remaining = s.current.map_or(0, |r| r.left()) + s.ahead.map_or(0, |r| r.left());
         match (&s.last_error, s.failing_since) {
             (Some(reason), Some(since)) => SegmentStatus::Failing {
                 since,

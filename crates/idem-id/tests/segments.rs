@@ -70,7 +70,7 @@ async fn the_next_range_is_fetched_before_the_current_one_runs_out() {
     for _ in 0..20 {
         segments.try_next().unwrap();
     }
-    // A tenth used: the spare range arrives in the background.
+    // A tenth used: the range ahead arrives in the background.
     for _ in 0..100 {
         if segments.remaining() > 100 {
             break;
@@ -91,7 +91,7 @@ async fn a_store_outage_is_served_from_memory_until_it_runs_dry() {
     let store: SharedStore = faulty.clone();
     let segments = Segments::new(store, "orders", options(100)).unwrap();
     let first = segments.next().await.unwrap();
-    // Let the spare range arrive, then lose the store.
+    // Let the range ahead arrive, then lose the store.
     for _ in 0..30 {
         segments.try_next().unwrap();
     }
@@ -119,7 +119,7 @@ async fn a_store_outage_is_served_from_memory_until_it_runs_dry() {
 }
 
 /// Many callers finding memory empty at once share one fetch: ranges are neither taken twice
-/// nor dropped (the store's counter moves by at most the range in use and one spare).
+/// nor dropped (the store's counter moves by at most the range in use and the one ahead).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn callers_that_find_memory_empty_together_share_one_fetch() {
     // SQLite answers from its writer thread, so callers really wait for it together.

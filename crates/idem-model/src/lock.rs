@@ -386,7 +386,7 @@ impl LockModel {
     }
 }
 
-/// A write to the fenced resource (`idem_store::fence`): accepted when its fence is at least the
+/// A write to the fenced resource (`idem_store::fenced`): accepted when its fence is at least the
 /// highest seen.
 fn write(s: &mut LockModelState, c: u8) -> Option<()> {
     let h = s.clients[usize::from(c)].holding.as_mut()?;

@@ -24,14 +24,13 @@
 //! `sql/records.rs`, over the hooks of the `Server` each implements in its `records.rs`), with
 //! the `Dialect` each implements, the migration steps, the classification of errors and the
 //! reading of rows (`row.rs`, also SQLite's); their folders keep what is each server's own. Group commit
-//! for the server stores is `batch/`, fenced writes [`fence`], the release feed of lock waiters
-//! `lock_feed.rs`, and URL parsing `url/`.
+//! for the server stores is `group_commit/`, fenced writes [`fence`], the release feed of lock waiters
+//! `lock_wakeup.rs`, and URL parsing `url/`.
 
+pub mod fenced;
 #[cfg(any(feature = "postgres", feature = "mysql", feature = "redis"))]
-mod batch;
-mod cache;
-pub mod fence;
-mod lock_feed;
+mod group_commit;
+mod lock_wakeup;
 mod memory;
 #[cfg(feature = "mysql")]
 mod mysql;
@@ -39,6 +38,7 @@ mod mysql;
 mod postgres;
 #[cfg(feature = "redis")]
 mod redis;
+mod replay_cache;
 #[cfg(any(feature = "postgres", feature = "mysql", feature = "redis"))]
 mod reread;
 #[cfg(any(feature = "sqlite", feature = "postgres", feature = "mysql"))]
@@ -49,10 +49,9 @@ mod sql;
 mod sqlite;
 mod url;
 
-pub use cache::{ReplayCache, ReplayCacheLimits};
-pub use fence::Fenced;
+pub use fenced::Fenced;
 #[cfg(any(feature = "postgres", feature = "sqlite"))]
-pub use fence::SqlFences;
+pub use fenced::SqlFences;
 pub use memory::{MemoryLimits, MemoryStore, RECORD_OVERHEAD};
 #[cfg(feature = "mysql")]
 pub use mysql::{MySqlOptions, MySqlStore};
@@ -63,6 +62,7 @@ pub use postgres::{PostgresOptions, PostgresStore};
 pub use redis::lock_scripts;
 #[cfg(feature = "redis")]
 pub use redis::{EXPIRY_MARGIN, RedisOptions, RedisStore};
+pub use replay_cache::{ReplayCache, ReplayCacheLimits};
 #[cfg(any(feature = "postgres", feature = "mysql"))]
 pub use sql::{SqlOptions, SqlStore};
 #[cfg(feature = "sqlite")]

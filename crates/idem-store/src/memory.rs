@@ -11,7 +11,7 @@ use idem_core::{
     Status, Step, StepError, Store, StoreError, Timestamp,
 };
 
-use crate::lock_feed::ReleaseFeed;
+use crate::lock_wakeup::ReleaseFeed;
 
 mod admin;
 

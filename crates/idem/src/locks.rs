@@ -12,7 +12,7 @@
 //!     .await?
 //!     .auto_renew();
 //! // Pass the fence along with every write, and let the resource refuse lower fences
-//! // (see `idem_store::fence`).
+//! // (see `idem_store::fenced`).
 //! let fence = guard.fence();
 //! # let _ = fence;
 //! tokio::select! {
@@ -33,7 +33,7 @@
 //!
 //! - **The fence.** Each holding gets a number higher than every earlier one for the name. A
 //!   resource that keeps the highest fence it has accepted and refuses lower ones turns away
-//!   the paused holder's writes (`idem_store::fence`).
+//!   the paused holder's writes (`idem_store::fenced`).
 //! - **The lost signal.** A guard knows its lease end by its own monotonic clock, counted from
 //!   before it asked (so it ends no later than the backend's). Once that time passes without a
 //!   renewal, or a renewal is refused, the guard is lost, for good: [`LockGuard::is_lost`],

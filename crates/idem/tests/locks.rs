@@ -282,7 +282,7 @@ fn a_stopped_holder_is_fenced_out_on_sqlite() {
 /// compare equal) is refused, not rounded: a lower one never passes for a higher.
 #[tokio::test]
 async fn a_fence_past_the_exact_range_is_refused() {
-    let max = idem_store::fence::MAX_FENCE;
+    let max = idem_store::fenced::MAX_FENCE;
     let conn = rusqlite::Connection::open_in_memory().unwrap();
     let fences = SqlFences::new("fences").unwrap();
     conn.execute(&fences.create_table_sql(), []).unwrap();

@@ -12,7 +12,7 @@ use sqlx::pool::PoolOptions;
 use sqlx::{AssertSqlSafe, Connection, Executor, MySql, MySqlConnection, SqlSafeStr, SqlStr};
 
 use super::{MySqlStore, Own, error, migrate, session_settings};
-use crate::batch::{Acquired, BeginJob, CompleteJob, Fresh, Many};
+use crate::group_commit::{Acquired, BeginJob, CompleteJob, Fresh, Many};
 use crate::row::sql_int;
 use crate::sql::{self, COLUMNS, Spelling, SqlOptions, TableName};
 
@@ -222,7 +222,7 @@ impl sql::Server for MySql {
 
     fn own(table: &TableName, options: &SqlOptions, batching: bool) -> Own {
         let batch_sql = if batching {
-            batch_sizes(options.max_batch.min(crate::batch::MAX_JOBS))
+            batch_sizes(options.max_batch.min(crate::group_commit::MAX_JOBS))
                 .map(|rows| BatchSql::new(table, rows))
                 .collect()
         } else {

@@ -28,7 +28,7 @@ use sqlx::postgres::PgListener;
 use sqlx::{AssertSqlSafe, PgConnection, PgPool, SqlSafeStr, SqlStr};
 
 use super::{PostgresStore, error};
-use crate::lock_feed::{FeedTask, ReleaseFeed};
+use crate::lock_wakeup::{FeedTask, ReleaseFeed};
 use crate::row::{held_lock, sql_int};
 use crate::sql::TableName;
 
@@ -254,7 +254,7 @@ impl LockStore for PostgresStore {
 }
 
 /// Forwards the server's notifications to this process's waiters, reconnecting after failures,
-/// until nobody has listened for [`FEED_IDLE`](crate::lock_feed::FEED_IDLE).
+/// until nobody has listened for [`FEED_IDLE`](crate::lock_wakeup::FEED_IDLE).
 async fn run_feed(pool: PgPool, locks: PgLocks, mut task: FeedTask) {
     let feed = &locks.feed;
     let mut listener: Option<PgListener> = None;

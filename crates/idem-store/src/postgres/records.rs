@@ -9,7 +9,7 @@ use sqlx::postgres::PgConnectOptions;
 use sqlx::{AssertSqlSafe, PgConnection, Postgres, SqlSafeStr, SqlStr};
 
 use super::{Own, PostgresStore, error, locks, migrate};
-use crate::batch::{Acquired, BeginJob, CompleteJob, Fresh, Many};
+use crate::group_commit::{Acquired, BeginJob, CompleteJob, Fresh, Many};
 use crate::row::sql_int;
 use crate::sql::{self, Spelling, SqlOptions, TableName};
 

@@ -32,8 +32,8 @@ use super::admin::{BATCH, Node};
 use super::conn::Lua;
 use super::error::{corrupt, error};
 use super::scripts::{CLOCK, FENCED_SET, LOCK_ACQUIRE, LOCK_RELEASE, LOCK_RENEW};
-use crate::fence::Fenced;
-use crate::lock_feed::{FeedTask, ReleaseFeed};
+use crate::fenced::Fenced;
+use crate::lock_wakeup::{FeedTask, ReleaseFeed};
 
 /// The lock scripts and the release feed, shared by a store's clones.
 pub(crate) struct LockScripts {
@@ -89,7 +89,7 @@ impl RedisStore {
             .locks
             .fenced_set
             .key(key)
-            .arg(crate::fence::checked_fence(fence)?)
+            .arg(crate::fenced::checked_fence(fence)?)
             .arg(value)
             .invoke_async(&mut self.conn.clone())
             .await
@@ -296,7 +296,7 @@ impl LockStore for RedisStore {
 }
 
 /// Forwards the server's release messages to this process's waiters, reconnecting after
-/// failures, until nobody has listened for [`FEED_IDLE`](crate::lock_feed::FEED_IDLE).
+/// failures, until nobody has listened for [`FEED_IDLE`](crate::lock_wakeup::FEED_IDLE).
 async fn run_feed(client: redis::Client, channel: String, feed: ReleaseFeed, mut task: FeedTask) {
     use futures_core::Stream;
     use std::pin::Pin;

@@ -52,7 +52,7 @@ use std::time::Duration;
 use idem_core::{Key, StoreError};
 use redis::aio::ConnectionManagerConfig;
 
-use crate::batch::GroupCommit;
+use crate::group_commit::GroupCommit;
 
 mod admin;
 mod conn;

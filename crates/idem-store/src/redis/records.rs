@@ -12,7 +12,7 @@ use redis::Value;
 use super::error::{corrupt, error, may_have_run, transient};
 use super::format::{bytes, exact, int, millis, native_ttl, pack, status_byte, text, unpack};
 use super::{Conn, EXPIRY_MARGIN, RedisStore};
-use crate::batch::{Acquired, BeginJob, CompleteJob, Fresh, GroupCommit, Many, ManyAtOnce};
+use crate::group_commit::{Acquired, BeginJob, CompleteJob, Fresh, GroupCommit, Many, ManyAtOnce};
 use crate::reread;
 
 impl Store for RedisStore {
@@ -24,7 +24,7 @@ impl Store for RedisStore {
     }
 
     async fn begin(&self, req: &BeginRequest, now: Timestamp) -> Result<BeginOutcome, StoreError> {
-        crate::batch::begin(self, req, now).await
+        crate::group_commit::begin(self, req, now).await
     }
 
     async fn complete(
@@ -34,7 +34,7 @@ impl Store for RedisStore {
         response: Bytes,
         now: Timestamp,
     ) -> Result<(), LeaseError> {
-        crate::batch::complete(self, key, lease, response, now).await
+        crate::group_commit::complete(self, key, lease, response, now).await
     }
 
     async fn release(&self, key: &Key, lease: &Lease, now: Timestamp) -> Result<(), LeaseError> {

@@ -261,7 +261,7 @@ fn the_server_version_is_read_from_info() {
 /// script.
 #[test]
 fn every_script_is_sent_again_to_a_server_that_lost_it() {
-    use crate::batch::{BeginJob, CompleteJob, ManyAtOnce};
+    use crate::group_commit::{BeginJob, CompleteJob, ManyAtOnce};
 
     idem_testkit::block_on(async {
         let Some(server) = idem_testkit::services::RedisServer::start() else {

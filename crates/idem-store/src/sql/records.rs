@@ -17,7 +17,7 @@ use sqlx::{AssertSqlSafe, SqlSafeStr, SqlStr};
 
 use super::driver::{Arg, Driver, On};
 use super::{COLUMNS, SqlOptions, SqlStore, TableName, error, refused_begin, repeated_settle};
-use crate::batch::{Acquired, BeginJob, CompleteJob, Fresh, GroupCommit, Many, ManyAtOnce};
+use crate::group_commit::{Acquired, BeginJob, CompleteJob, Fresh, GroupCommit, Many, ManyAtOnce};
 use crate::reread;
 use crate::row::sql_int;
 

@@ -15,7 +15,7 @@ use sqlx::{ConnectOptions, Connection, Pool};
 use super::driver::{Arg, On};
 use super::records::{OptionsOf, Server, Statements, int};
 use super::{TableName, error};
-use crate::batch::GroupCommit;
+use crate::group_commit::GroupCommit;
 
 /// How a SQL store ([`PostgresStore`](crate::PostgresStore) or
 /// [`MySqlStore`](crate::MySqlStore)) connects.
@@ -227,7 +227,7 @@ impl<S: Server> Store for SqlStore<S> {
     }
 
     async fn begin(&self, req: &BeginRequest, now: Timestamp) -> Result<BeginOutcome, StoreError> {
-        crate::batch::begin(self, req, now).await
+        crate::group_commit::begin(self, req, now).await
     }
 
     async fn complete(
@@ -237,7 +237,7 @@ impl<S: Server> Store for SqlStore<S> {
         response: Bytes,
         now: Timestamp,
     ) -> Result<(), LeaseError> {
-        crate::batch::complete(self, key, lease, response, now).await
+        crate::group_commit::complete(self, key, lease, response, now).await
     }
 
     async fn release(&self, key: &Key, lease: &Lease, now: Timestamp) -> Result<(), LeaseError> {

@@ -49,7 +49,7 @@ use idem_core::{
 };
 use tokio::sync::oneshot;
 
-use crate::lock_feed::ReleaseFeed;
+use crate::lock_wakeup::ReleaseFeed;
 
 mod admin;
 mod known;

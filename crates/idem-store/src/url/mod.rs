@@ -401,10 +401,10 @@ fn positive<N: FromStr + PartialOrd + Default>(
 #[cfg(any(feature = "postgres", feature = "mysql", feature = "redis"))]
 fn batch_size(name: &str, value: &str) -> Result<usize, StoreUrlError> {
     let n: usize = positive(name, value)?;
-    if n > crate::batch::MAX_JOBS {
+    if n > crate::group_commit::MAX_JOBS {
         return Err(err(format!(
             "{name}={n} is more than {}",
-            crate::batch::MAX_JOBS
+            crate::group_commit::MAX_JOBS
         )));
     }
     Ok(n)
