@@ -32,7 +32,9 @@ use idem::purge::PurgeStatus;
 use idem_core::{Clock, Key, SharedStore, Timestamp};
 use idem_http::ToProblem;
 use idem_id::{ManagedSnowflake, WorkerStatus};
+use serde::Serialize;
 use serde_json::{Map, Value, json};
+use utoipa::ToSchema;
 
 use crate::json::rfc3339;
 
@@ -40,7 +42,8 @@ use crate::json::rfc3339;
 pub const WATCH_EVERY: Duration = Duration::from_secs(5);
 
 /// A component's state.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Serialize, ToSchema)]
+#[serde(rename_all = "snake_case")]
 pub enum Level {
     /// Working.
     Ok,
@@ -92,19 +95,47 @@ impl Component {
             extra: Map::new(),
         }
     }
+}
 
-    fn to_json(&self) -> Value {
-        let mut body = Map::new();
-        body.insert("status".into(), self.level.as_str().into());
-        if let Some(reason) = &self.reason {
-            body.insert("reason".into(), reason.clone().into());
+/// One component's health as a report shows it.
+#[derive(Serialize, ToSchema)]
+#[schema(description = "One component's health; components may add members of their own.")]
+pub struct ComponentHealth {
+    status: Level,
+    /// Why it is not `ok`.
+    #[schema(nullable = false)]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    reason: Option<String>,
+    /// Since when it is in this state.
+    #[schema(format = DateTime, nullable = false)]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    since: Option<String>,
+    /// More facts, as the component reports them (such as the purge loop's last run).
+    #[schema(ignore)]
+    #[serde(flatten)]
+    extra: Map<String, Value>,
+}
+
+impl From<&Component> for ComponentHealth {
+    fn from(c: &Component) -> Self {
+        Self {
+            status: c.level,
+            reason: c.reason.clone(),
+            since: c.since.map(rfc3339),
+            extra: c.extra.clone(),
         }
-        if let Some(since) = self.since {
-            body.insert("since".into(), rfc3339(since).into());
-        }
-        body.extend(self.extra.clone());
-        Value::Object(body)
     }
+}
+
+/// The health report as `GET /healthz` and `{prefix}/health` answer it.
+#[derive(Serialize, ToSchema)]
+pub struct Health {
+    /// `ok`, or `degraded` if a component other than the store is not `ok`.
+    status: Level,
+    /// The store's kind (`memory`, `sqlite`, …).
+    store: String,
+    /// Each component by name (`store` always).
+    components: BTreeMap<String, ComponentHealth>,
 }
 
 /// Allocators by tag that may fail to fetch from the store (`idem serve`'s segment ids).
@@ -169,18 +200,22 @@ impl Report {
         }
     }
 
+    /// The report as it is answered.
+    pub fn view(&self) -> Health {
+        Health {
+            status: self.level(),
+            store: self.store.to_owned(),
+            components: self
+                .components
+                .iter()
+                .map(|(name, c)| ((*name).to_owned(), c.into()))
+                .collect(),
+        }
+    }
+
     /// The report's JSON body.
     pub fn to_json(&self) -> Value {
-        let components: Map<String, Value> = self
-            .components
-            .iter()
-            .map(|(name, c)| ((*name).to_owned(), c.to_json()))
-            .collect();
-        json!({
-            "status": self.level().as_str(),
-            "store": self.store,
-            "components": components,
-        })
+        json!(self.view())
     }
 }
 

@@ -9,11 +9,11 @@ use axum::response::{IntoResponse, Response};
 use idem_core::step::{MAX_STEPS, step_key};
 use idem_core::{
     BeginOutcome, BeginRequest, Bytes, ClientKey, Clock, Fingerprint, InvalidStep, Key, KeyError,
-    Lease, LeaseError, LeaseId, Namespace, Record, Status, Step, StepError, StepName, StepRefused,
-    Store, Timestamp,
+    Lease, LeaseError, LeaseId, Namespace, Step, StepError, StepName, StepRefused, Store,
+    Timestamp,
 };
 use serde::Deserialize;
-use serde_json::{Value, json};
+use serde_json::Value;
 use tracing::{debug, warn};
 use utoipa::ToSchema;
 
@@ -22,9 +22,10 @@ use idem::claim::cancel::finishing;
 use idem::claim::settle_retrying;
 
 use crate::AppState;
+use crate::answers::{self, Acquired, RecordView, Settled, StepRecorded};
 use crate::auth::Caller;
 use idem_http::{Problem, ProblemCode, ToProblem};
-use idem_ops::json::{JsonBody, PathParams, rfc3339};
+use idem_ops::json::{JsonBody, PathParams};
 
 /// The longest `fingerprint` string accepted.
 pub const MAX_FINGERPRINT_LEN: usize = 1024;
@@ -173,41 +174,23 @@ pub(crate) async fn begin(
             // Counted once the caller is told: a lease given back is not an acquisition.
             let steps = resumed(&state, &req, lease).await?;
             count();
-            let mut body = json!({
-                "outcome": "acquired",
-                "lease": {
-                    "id": lease_token(&lease),
-                    "fence": lease.fence,
-                    "expires_at": rfc3339(lease.expires_at),
-                },
-                "steps": steps
+            let step_keys = (!step_names.is_empty()).then(|| {
+                step_names
                     .iter()
-                    .map(|s| step_json(s, &req.key, &req.fingerprint))
-                    .collect::<Vec<_>>(),
+                    .map(|n| (n.to_string(), step_key(&req.key, &req.fingerprint, n)))
+                    .collect()
             });
-            if !step_names.is_empty() {
-                let keys: serde_json::Map<String, Value> = step_names
-                    .iter()
-                    .map(|n| {
-                        (
-                            n.to_string(),
-                            step_key(&req.key, &req.fingerprint, n).into(),
-                        )
-                    })
-                    .collect();
-                body["step_keys"] = keys.into();
-            }
+            let body = Acquired::new(
+                &lease,
+                lease_token(&lease),
+                &steps,
+                &req.key,
+                &req.fingerprint,
+                step_keys,
+            );
             Ok(Json(body).into_response())
         }
-        BeginOutcome::Replay(replay) => {
-            let mut body = json!({
-                "outcome": "replay",
-                "fence": replay.fence,
-                "completed_at": rfc3339(replay.completed_at),
-            });
-            insert_json(&mut body, "response", &replay.response);
-            Ok(Json(body).into_response())
-        }
+        BeginOutcome::Replay(replay) => Ok(Json(answers::Replay::from(&replay)).into_response()),
         BeginOutcome::InProgress { lease_expires_at } => Err(in_progress(lease_expires_at, now)),
         BeginOutcome::Mismatch => Err(ProblemCode::FingerprintMismatch.problem(
             "This key was used with a different request; use a new key for a new request.",
@@ -278,20 +261,6 @@ async fn resumed(state: &AppState, req: &BeginRequest, lease: Lease) -> Result<V
     }
 }
 
-/// A recorded step as the API shows it: its name, outcome, output (for a finished step) and
-/// step key.
-fn step_json(step: &Step, key: &Key, fingerprint: &Fingerprint) -> Value {
-    let mut body = json!({
-        "step": step.name.as_str(),
-        "outcome": step.outcome.as_str(),
-        "step_key": step_key(key, fingerprint, &step.name),
-    });
-    if let Some(output) = step.output() {
-        insert_json(&mut body, "output", output);
-    }
-    body
-}
-
 /// Describes the record API's metrics.
 pub fn describe_metrics() {
     metrics::describe_counter!(
@@ -308,23 +277,6 @@ fn outcome_name(o: &BeginOutcome) -> &'static str {
         BeginOutcome::Mismatch => "mismatch",
     }
 }
-
-/// Stored responses and step outputs are JSON written by this API; a record written by
-/// another client of the same store (the Rust API, the gateway) may hold other bytes, which are
-/// shown as text under `<field>_text` rather than refused.
-fn insert_json(body: &mut Value, field: &str, stored: &Bytes) {
-    let Some(obj) = body.as_object_mut() else {
-        return;
-    };
-    match serde_json::from_slice::<Value>(stored) {
-        Ok(v) => obj.insert(field.into(), v),
-        Err(_) => obj.insert(
-            format!("{field}_text"),
-            String::from_utf8_lossy(stored).into_owned().into(),
-        ),
-    };
-}
-
 /// `POST /v1/records/complete`.
 #[derive(Deserialize, ToSchema)]
 #[serde(deny_unknown_fields)]
@@ -411,11 +363,7 @@ pub(crate) async fn step(
         .await
         .map_err(|e| step_problem(&e, &key))?;
     debug!(key = %key.log_tag(), step = %step.name, "step recorded");
-    let outcome = step.outcome.as_str();
-    Ok(
-        Json(json!({"step": step.name.as_str(), "outcome": outcome, "fence": lease.fence}))
-            .into_response(),
-    )
+    Ok(Json(StepRecorded::new(&step, lease.fence)).into_response())
 }
 
 fn step_problem(e: &StepError, key: &Key) -> Problem {
@@ -503,16 +451,21 @@ async fn settle(
     let key = record_key(caller, namespace, client_key)?;
     let lease = parse_lease(lease)?;
     let now = state.clock.now();
-    let (op, result) = match response {
+    let (op, result, answer) = match response {
         Some(response) => (
             "completed",
             state.store.complete(&key, &lease, response, now).await,
+            Settled::completed(lease.fence),
         ),
-        None => ("released", state.store.release(&key, &lease, now).await),
+        None => (
+            "released",
+            state.store.release(&key, &lease, now).await,
+            Settled::released(lease.fence),
+        ),
     };
     result.map_err(|e| lease_problem(&e, &key, op))?;
     debug!(key = %key.log_tag(), "{op}");
-    Ok(Json(json!({"status": op, "fence": lease.fence})).into_response())
+    Ok(Json(answer).into_response())
 }
 
 pub(crate) async fn get(
@@ -527,36 +480,7 @@ pub(crate) async fn get(
         .await
         .map_err(|e| Problem::store(&e))?
         .ok_or_else(|| Problem::not_found("There is no live record with this key."))?;
-    Ok(Json(record_json(&record)).into_response())
-}
-
-fn record_json(r: &Record) -> Value {
-    let mut body = json!({
-        "namespace": r.key.namespace().as_str(),
-        "key": r.key.client_key().as_str(),
-        "status": r.status.as_str(),
-        "fence": r.fence,
-        "fingerprint": r.fingerprint.to_hex(),
-        "created_at": rfc3339(r.created_at),
-        "updated_at": rfc3339(r.updated_at),
-        "expires_at": rfc3339(r.expires_at),
-    });
-    if let (Some(obj), Status::InProgress) = (body.as_object_mut(), r.status) {
-        obj.insert(
-            "lease_expires_at".into(),
-            rfc3339(r.lease_expires_at).into(),
-        );
-    }
-    if let Some(response) = &r.response {
-        insert_json(&mut body, "response", response);
-    }
-    body["steps"] = r
-        .steps
-        .iter()
-        .map(|s| step_json(s, &r.key, &r.fingerprint))
-        .collect::<Vec<_>>()
-        .into();
-    body
+    Ok(Json(RecordView::from(&record)).into_response())
 }
 
 /// `GET /healthz`: each component's health (see [`idem_ops::health`]); 503 if the store fails.

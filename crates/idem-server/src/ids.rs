@@ -26,9 +26,9 @@ use axum::Json;
 use axum::extract::{RawQuery, State};
 use idem_http::{Problem, ProblemCode, ToProblem};
 use idem_id::{Batch, IdError, ManagedSnowflake};
-use serde_json::{Value, json};
 
 use crate::AppState;
+use crate::answers::{SegmentIds, SnowflakeIds, Uuid7Ids};
 use crate::auth::Caller;
 use idem_ops::json::PathParams;
 
@@ -160,7 +160,7 @@ pub struct SegmentView {
     pub scope: String,
     /// The tag.
     pub tag: String,
-    /// Ids in memory (current and spare ranges).
+    /// Ids in memory (the current range and the one ahead).
     pub remaining: u64,
     /// The size of the next range fetched.
     pub step: u64,
@@ -346,11 +346,11 @@ fn count(query: Option<&str>) -> Result<u32, Problem> {
 }
 
 /// `GET /v1/ids/uuid7`.
-pub async fn uuid7(_: Caller, RawQuery(q): RawQuery) -> Result<Json<Value>, Problem> {
+pub async fn uuid7(_: Caller, RawQuery(q): RawQuery) -> Result<Json<Uuid7Ids>, Problem> {
     let n = count(q.as_deref())?;
     let ids: Vec<String> = (0..n).map(|_| idem_id::uuid7().to_string()).collect();
     issued("uuid7", ids.len());
-    Ok(Json(json!({ "ids": ids })))
+    Ok(Json(Uuid7Ids { ids }))
 }
 
 /// `GET /v1/ids/snowflake`.
@@ -358,7 +358,7 @@ pub async fn snowflake(
     State(state): State<AppState>,
     _: Caller,
     RawQuery(q): RawQuery,
-) -> Result<Json<Value>, Problem> {
+) -> Result<Json<SnowflakeIds>, Problem> {
     let n = count(q.as_deref())?;
     let Some(generator) = &state.snowflake else {
         return Err(unavailable(
@@ -370,12 +370,7 @@ pub async fn snowflake(
     let worker = batch.worker();
     let ids: Vec<u64> = batch.collect();
     issued("snowflake", ids.len());
-    let strings: Vec<String> = ids.iter().map(u64::to_string).collect();
-    Ok(Json(json!({
-        "ids": ids,
-        "id_strings": strings,
-        "worker": worker,
-    })))
+    Ok(Json(SnowflakeIds::new(ids, worker)))
 }
 
 /// `GET /v1/ids/segment/{tag}`.
@@ -384,7 +379,7 @@ pub async fn segment(
     caller: Caller,
     PathParams(tag): PathParams<String>,
     RawQuery(q): RawQuery,
-) -> Result<Json<Value>, Problem> {
+) -> Result<Json<SegmentIds>, Problem> {
     let n = count(q.as_deref())?;
     let segments =
         state
@@ -407,8 +402,7 @@ pub async fn segment(
         ids.push(id);
     }
     issued("segment", ids.len());
-    let strings: Vec<String> = ids.iter().map(u64::to_string).collect();
-    Ok(Json(json!({ "ids": ids, "id_strings": strings })))
+    Ok(Json(SegmentIds::from(ids)))
 }
 
 /// Describes the id endpoints' metrics.

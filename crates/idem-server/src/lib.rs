@@ -20,6 +20,7 @@
 //! The admin page and the record tools are served by [`admin_router`], on a listener of their
 //! own.
 
+pub mod answers;
 pub mod api;
 pub mod auth;
 pub mod ids;
@@ -229,23 +230,14 @@ impl admin::AdminAccess for AppState {
 async fn admin_segments(
     axum::extract::State(state): axum::extract::State<AppState>,
     _: admin::Operator,
-) -> axum::Json<serde_json::Value> {
-    let tags: Vec<serde_json::Value> = state
+) -> axum::Json<answers::SegmentTags> {
+    let segments = state
         .segments
         .views()
         .into_iter()
-        .map(|v| {
-            serde_json::json!({
-                "scope": v.scope,
-                "tag": v.tag,
-                "remaining": v.remaining,
-                "step": v.step,
-                "runway_seconds": v.runway.map(|d| d.as_secs_f64()),
-                "failing": v.failing,
-            })
-        })
+        .map(|v| answers::SegmentTag::new(v.scope, v.tag, v.remaining, v.step, v.runway, v.failing))
         .collect();
-    axum::Json(serde_json::json!({ "segments": tags }))
+    axum::Json(answers::SegmentTags { segments })
 }
 
 /// The most locks `GET /_idem/locks` lists.
@@ -256,7 +248,7 @@ const MAX_LOCKS_LISTED: usize = 1000;
 async fn admin_locks(
     axum::extract::State(state): axum::extract::State<AppState>,
     _: admin::Operator,
-) -> Result<axum::Json<serde_json::Value>, Problem> {
+) -> Result<axum::Json<answers::LocksHeld>, Problem> {
     let unsupported = || {
         ProblemCode::LocksUnsupported
             .problem("This server's store keeps no locks, or cannot list them.")
@@ -268,17 +260,8 @@ async fn admin_locks(
         .await
         .map_err(|e| Problem::store(&e))?
         .ok_or_else(unsupported)?;
-    let held: Vec<serde_json::Value> = held
-        .iter()
-        .map(|l| {
-            serde_json::json!({
-                "name": l.name.as_str(),
-                "fence": l.fence,
-                "expires_at": idem_ops::json::rfc3339(l.expires_at),
-            })
-        })
-        .collect();
-    Ok(axum::Json(serde_json::json!({ "locks": held })))
+    let locks = held.iter().map(Into::into).collect();
+    Ok(axum::Json(answers::LocksHeld { locks }))
 }
 
 pub use idem::purge::purge_loop;

@@ -8,7 +8,7 @@
 //!
 //! `lock` is the holding's secret handle (`<owner>.<fence>`): whoever has it may renew and
 //! release. `fence` goes with every write the lock protects, so the resource can refuse a
-//! holder that lost its lock (see `idem_store::fence`). A caller that may lose the answer of an
+//! holder that lost its lock (see `idem_store::fenced`). A caller that may lose the answer of an
 //! acquire sends its own `owner` id (16 to 64 characters of `A-Z a-z 0-9 - _`): repeating the
 //! acquire with it returns the same holding instead of `lock_held`.
 //!
@@ -23,11 +23,11 @@ use idem::{LockError, LockOwner, Locks};
 use idem_core::{Held, Timestamp};
 use idem_http::{Problem, ProblemCode, ToProblem};
 use serde::Deserialize;
-use serde_json::{Value, json};
 use sha2::{Digest, Sha256};
 use utoipa::ToSchema;
 
 use crate::AppState;
+use crate::answers::{Holding, LockReleased};
 use crate::api::MAX_LEASE;
 use crate::auth::Caller;
 use idem_ops::json::rfc3339;
@@ -115,12 +115,8 @@ fn handle(lock: &str) -> Result<(LockOwner, u64), Problem> {
     Ok((owner, fence))
 }
 
-fn held(owner: &LockOwner, held: Held) -> Json<Value> {
-    Json(json!({
-        "lock": format!("{}.{}", owner.as_str(), held.fence),
-        "fence": held.fence,
-        "expires_at": rfc3339(held.expires_at),
-    }))
+fn held(owner: &LockOwner, held: Held) -> Json<Holding> {
+    Json(Holding::new(owner.as_str(), held.fence, held.expires_at))
 }
 
 fn problem(e: &LockError) -> Problem {
@@ -156,7 +152,7 @@ pub async fn acquire(
     caller: Caller,
     PathParams(name): PathParams<String>,
     JsonBody(body): JsonBody<AcquireBody>,
-) -> Result<Json<Value>, Problem> {
+) -> Result<Json<Holding>, Problem> {
     let locks = locks(&state)?;
     let name = scoped(&caller, &name)?;
     let lease = lease(body.lease_ms)?;
@@ -198,7 +194,7 @@ pub async fn renew(
     caller: Caller,
     PathParams(name): PathParams<String>,
     JsonBody(body): JsonBody<RenewBody>,
-) -> Result<Json<Value>, Problem> {
+) -> Result<Json<Holding>, Problem> {
     let locks = locks(&state)?;
     let name = scoped(&caller, &name)?;
     let lease = lease(body.lease_ms)?;
@@ -216,7 +212,7 @@ pub async fn release(
     caller: Caller,
     PathParams(name): PathParams<String>,
     JsonBody(body): JsonBody<ReleaseBody>,
-) -> Result<Json<Value>, Problem> {
+) -> Result<Json<LockReleased>, Problem> {
     let locks = locks(&state)?;
     let name = scoped(&caller, &name)?;
     let (owner, fence) = handle(&body.lock)?;
@@ -224,5 +220,5 @@ pub async fn release(
         .release(&name, &owner, fence)
         .await
         .map_err(|e| problem(&e))?;
-    Ok(Json(json!({"released": true})))
+    Ok(Json(LockReleased::YES))
 }

@@ -16,14 +16,13 @@ use axum::response::{IntoResponse, Response};
 use idem::Tokens;
 use idem_http::{Problem, token_problem};
 use serde::Deserialize;
-use serde_json::json;
 use utoipa::ToSchema;
 
 use crate::AppState;
+use crate::answers::{Consumed, IssuedToken};
 use crate::api::{MAX_TTL, duration_ms};
 use crate::auth::Caller;
 use idem_ops::json::JsonBody;
-use idem_ops::json::rfc3339;
 
 /// `POST /v1/tokens`.
 #[derive(Deserialize, ToSchema)]
@@ -63,8 +62,7 @@ pub async fn issue(
         .issue(caller.scope.as_str(), &body.purpose, ttl)
         .await
         .map_err(|e| token_problem(&e))?;
-    let body = json!({"token": issued.token, "expires_at": rfc3339(issued.expires_at)});
-    Ok((StatusCode::CREATED, Json(body)).into_response())
+    Ok((StatusCode::CREATED, Json(IssuedToken::from(issued))).into_response())
 }
 
 /// Consumes a token.
@@ -72,10 +70,10 @@ pub async fn consume(
     State(state): State<AppState>,
     caller: Caller,
     JsonBody(body): JsonBody<ConsumeBody>,
-) -> Result<Json<serde_json::Value>, Problem> {
+) -> Result<Json<Consumed>, Problem> {
     tokens(&state)
         .consume(caller.scope.as_str(), &body.token, &body.purpose)
         .await
         .map_err(|e| token_problem(&e))?;
-    Ok(Json(json!({"consumed": true})))
+    Ok(Json(Consumed::YES))
 }

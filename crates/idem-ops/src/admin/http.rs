@@ -26,18 +26,15 @@ use idem_core::{Clock, Cursor, Key, RecordAdmin, RecordState, SharedStore, Shown
 use idem_http::operator;
 use idem_http::{Problem, ProblemCode, ToProblem};
 use serde::Deserialize;
-use serde_json::{Value, json};
 use utoipa::{IntoParams, ToSchema};
 
-use super::records::{self, Action, MAX_BULK, Refused, Selector, Target, apply, counts_json};
+use super::answers::{Counts, CountsHistory, RecordPage, ShownRecordView};
+use super::records::{self, Action, MAX_BULK, Refused, Selector, Target, apply};
 use super::{AdminAccess, AdminToken, Operator};
 use crate::json::{BodyLimit, JsonBody};
 
 /// The records shown on a page when the request does not say.
 pub const DEFAULT_PAGE: usize = 50;
-
-/// The most body bytes `show` returns of a stored answer.
-const SHOWN_BODY: usize = 64 * 1024;
 
 /// What the record tools need: the store, the clock its records are judged by, and the token.
 #[derive(Clone)]
@@ -167,11 +164,10 @@ async fn list(
         .list(&filter, after.as_ref(), limit, now)
         .await
         .map_err(|e| Problem::store(&e))?;
-    let records: Vec<Value> = page.records.iter().map(records::listed_json).collect();
-    Ok(axum::Json(json!({
-        "records": records,
-        "next": page.next.map(|c| c.to_string()),
-    }))
+    Ok(axum::Json(RecordPage {
+        records: page.records.iter().map(Into::into).collect(),
+        next: page.next.map(|c| c.to_string()),
+    })
     .into_response())
 }
 
@@ -200,12 +196,15 @@ async fn counts(
     let c = operator::counts(t.admin()?, &filter, now)
         .await
         .map_err(|e| Problem::store(&e))?;
-    Ok(axum::Json(counts_json(&c, now)).into_response())
+    Ok(axum::Json(Counts::new(&c, now)).into_response())
 }
 
 async fn history(State(t): State<RecordTools>, _: Operator) -> Response {
-    axum::Json(json!({"every_seconds": super::sampler::SAMPLE_EVERY.as_secs(), "samples": t.history.to_json()}))
-        .into_response()
+    axum::Json(CountsHistory {
+        every_seconds: super::sampler::SAMPLE_EVERY.as_secs(),
+        samples: t.history.samples(),
+    })
+    .into_response()
 }
 
 /// The key of the record to show.
@@ -240,32 +239,7 @@ async fn show(
         .ok_or_else(|| {
             ProblemCode::RecordNotFound.problem("There is no live record under this key.")
         })?;
-    let listed = idem_core::Listed::of(&record, now);
-    let mut v = records::listed_json(&listed);
-    v["steps"] = records::steps_json(&record);
-    if let Some(answer) = operator::stored_answer(&record) {
-        let headers: Vec<Value> = answer
-            .headers
-            .iter()
-            .map(|(name, value)| json!([name.as_str(), String::from_utf8_lossy(value.as_bytes())]))
-            .collect();
-        let mut shown = &answer.body[..answer.body.len().min(SHOWN_BODY)];
-        // Cut at a character's end: a text body longer than the limit is still text.
-        if let Err(e) = std::str::from_utf8(shown)
-            && e.error_len().is_none()
-        {
-            shown = &shown[..e.valid_up_to()];
-        }
-        v["answer"] = json!({
-            "status": answer.status.as_u16(),
-            "headers": headers,
-            "body_bytes": answer.body.len(),
-            // Text is shown as it is; other bodies by their size only.
-            "body": std::str::from_utf8(shown).ok(),
-            "body_truncated": answer.body.len() > SHOWN_BODY,
-        });
-    }
-    Ok(axum::Json(v).into_response())
+    Ok(axum::Json(ShownRecordView::new(&record, now)).into_response())
 }
 
 /// One record a repair names, as it was shown.
@@ -335,9 +309,7 @@ async fn repair(
     let admin = t.admin()?;
     let who = peer.map_or_else(|| "http".to_owned(), |a| format!("http {}", a.ip()));
     match apply(&t.store, admin, &targets, action, t.clock.now(), &who).await {
-        Ok(done) => Ok(
-            axum::Json(json!({"applied": done.applied, "skipped": done.skipped})).into_response(),
-        ),
+        Ok(done) => Ok(axum::Json(done).into_response()),
         Err((done, e)) => Err(Problem::store(&e)
             .with("applied", done.applied)
             .with("skipped", done.skipped)),

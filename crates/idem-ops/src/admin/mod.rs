@@ -2,6 +2,7 @@
 //! and the record tools over any store that offers [`idem_core::RecordAdmin`] (list, count,
 //! show, repair).
 
+pub mod answers;
 pub mod http;
 mod page;
 pub mod records;

@@ -5,14 +5,11 @@
 use std::time::Duration;
 
 use idem_core::{
-    Bytes, Key, Listed, Namespace, Record, RecordAdmin, RecordFilter, RecordState, Repair, Scope,
+    Bytes, Key, Listed, Namespace, RecordAdmin, RecordFilter, RecordState, Repair, Scope,
     SharedStore, Shown, StoreError, Timestamp,
 };
 use idem_http::operator::{self, RecordState as HttpState, UNKNOWN_PREFIX};
-use serde_json::{Value, json};
 use tracing::info;
-
-use crate::json::rfc3339;
 
 /// The most records one bulk repair may name.
 pub const MAX_BULK: usize = 1000;
@@ -70,51 +67,6 @@ pub fn filter(
         created_before: older_than.map(|d| now.saturating_sub(d)),
         response_prefix,
     })
-}
-
-/// A listed record as JSON: its key, its state in the store and in HTTP terms, its fence, its
-/// times, its stored answer's size, and whether it is idem's own ([`is_internal`]).
-pub fn listed_json(l: &Listed) -> Value {
-    let http = operator::listed_state(l);
-    let mut v = json!({
-        "scope": l.key.scope().as_str(),
-        "namespace": l.key.namespace().as_str(),
-        "key": l.key.client_key().as_str(),
-        "state": l.state.as_str(),
-        "kind": http.name(),
-        "fence": l.fence,
-        "created_at": rfc3339(l.created_at),
-        "updated_at": rfc3339(l.updated_at),
-        "lease_expires_at": rfc3339(l.lease_expires_at),
-        "expires_at": rfc3339(l.expires_at),
-        "response_bytes": l.response_len,
-        "internal": is_internal(&l.key),
-    });
-    match http {
-        HttpState::Stored { status } | HttpState::TooLarge { status } => {
-            v["status"] = status.as_u16().into();
-        }
-        HttpState::Unknown { until } => v["until"] = until.map(rfc3339).into(),
-        _ => {}
-    }
-    v
-}
-
-/// A record's steps as an operator sees them: name, outcome, and a finished step's output by
-/// its size only (outputs are the work's data).
-pub fn steps_json(record: &Record) -> Value {
-    record
-        .steps
-        .iter()
-        .map(|s| {
-            let mut v = json!({"step": s.name.as_str(), "outcome": s.outcome.as_str()});
-            if let Some(output) = s.output() {
-                v["output_bytes"] = output.len().into();
-            }
-            v
-        })
-        .collect::<Vec<_>>()
-        .into()
 }
 
 /// Whether `key` is one of idem's own records (scope `idem.…`: each server's Snowflake worker
@@ -177,7 +129,7 @@ impl Target {
 }
 
 /// What a bulk repair did.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize, utoipa::ToSchema)]
 pub struct Repaired {
     /// Records repaired.
     pub applied: u64,
@@ -237,23 +189,6 @@ pub fn age(now: Timestamp, t: Timestamp) -> String {
         7200..172_800 => format!("{}h", secs / 3600),
         _ => format!("{}d", secs / 86_400),
     }
-}
-
-/// Counts as JSON: each state, the unknown outcomes, and the oldest attempt's age in seconds.
-pub fn counts_json(c: &operator::HttpCounts, now: Timestamp) -> Value {
-    let r = &c.records;
-    json!({
-        "in_progress": r.in_progress,
-        "stuck": r.stuck,
-        "completed": r.completed,
-        "unknown": c.unknown,
-        "released": r.released,
-        "expired": r.expired,
-        "total": r.total(),
-        "oldest_in_progress_seconds": r
-            .oldest_in_progress
-            .map(|t| now.saturating_since(t).as_secs_f64()),
-    })
 }
 
 /// A repair an operator asks for by name.

@@ -12,7 +12,8 @@ use std::time::Duration;
 
 use idem_core::{Clock, RecordFilter, RecordState, SharedStore, Store, Timestamp};
 use idem_http::operator::{self, HttpCounts};
-use serde_json::{Value, json};
+
+use super::answers::Sample;
 use tracing::warn;
 
 /// How often records are counted.
@@ -35,23 +36,10 @@ impl History {
         samples.push_back((at, counts));
     }
 
-    /// The samples as JSON, oldest first: `[{"at": ms, "in_progress": n, …}]`.
-    pub fn to_json(&self) -> Value {
+    /// The samples, oldest first.
+    pub fn samples(&self) -> Vec<Sample> {
         let samples = self.0.lock().unwrap_or_else(PoisonError::into_inner);
-        samples
-            .iter()
-            .map(|(at, c)| {
-                json!({
-                    "at": at.as_millis(),
-                    "in_progress": c.records.in_progress,
-                    "stuck": c.records.stuck,
-                    "completed": c.records.completed,
-                    "unknown": c.unknown,
-                    "released": c.records.released,
-                    "expired": c.records.expired,
-                })
-            })
-            .collect()
+        samples.iter().map(|(at, c)| Sample::new(*at, c)).collect()
     }
 }
 

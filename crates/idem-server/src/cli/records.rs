@@ -8,9 +8,8 @@ use idem_core::{
     Key, Listed, RecordAdmin, RecordFilter, RecordState, SharedStore, Store, Timestamp,
 };
 use idem_http::operator;
-use idem_ops::admin::records::{
-    self, Action, Refused, Selector, Target, age, apply, counts_json, listed_json, steps_json,
-};
+use idem_ops::admin::answers::{counts_json, listed_json, steps_json};
+use idem_ops::admin::records::{self, Action, Refused, Selector, Target, age, apply};
 
 /// Writes a line to standard output, or returns the error (a closed pipe ends the command
 /// instead of panicking).

@@ -1,8 +1,8 @@
 //! The API's OpenAPI 3.1 document, served at `GET /openapi.json`.
 //!
-//! Request bodies and query parameters are the handlers' own types; the answers, which the
-//! handlers write with `json!`, are described by the schema types in `answers`; the
-//! operations are in `ops`. Each operation's errors come from one table (`ERRORS`, in
+//! Request bodies and query parameters are the handlers' own types, and so are the record
+//! API's answers ([`crate::answers`]); the problem body and the answers `idem-ops` writes are
+//! described in `answers`; the operations are in `ops`. Each operation's errors come from one table (`ERRORS`, in
 //! `errors`): for every status an operation may answer with a
 //! problem, the document lists the `code`s it may carry, so a client (or a test) can tell an
 //! undocumented error from a documented one. `crates/idem-server/openapi.json` is this

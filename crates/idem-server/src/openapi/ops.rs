@@ -8,7 +8,10 @@ use crate::locks::{AcquireBody, ReleaseBody as LockReleaseBody, RenewBody};
 use crate::tokens::{ConsumeBody, IssueBody};
 use idem_ops::admin::http::{CountQuery, ListQuery, RepairBody, ShowQuery};
 
-use super::answers::*;
+use crate::answers::*;
+use idem_ops::admin::answers::*;
+use idem_ops::admin::records::Repaired;
+use idem_ops::health::Health;
 
 /// Each component's health.
 #[utoipa::path(get, path = "/healthz", tag = "health",
