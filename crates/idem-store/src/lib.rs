@@ -23,9 +23,9 @@
 //! are one store written once in `sql/` (`SqlStore`, `sql/store.rs`; its records path
 //! `sql/records.rs`, over the hooks of the `Server` each implements in its `records.rs`), with
 //! the `Dialect` each implements, the migration steps, the classification of errors and the
-//! reading of rows (`row.rs`, also SQLite's); their folders keep what is each server's own. Group commit
-//! for the server stores is `group_commit/`, fenced writes [`fence`], the release feed of lock waiters
-//! `lock_wakeup.rs`, and URL parsing `url/`.
+//! reading of rows (`row.rs`, also SQLite's); their folders keep what is each server's own.
+//! Group commit for the server stores is `group_commit/`, fenced writes [`fenced`], the
+//! release feed that wakes lock waiters `lock_wakeup.rs`, and URL parsing `url/`.
 
 pub mod fenced;
 #[cfg(any(feature = "postgres", feature = "mysql", feature = "redis"))]

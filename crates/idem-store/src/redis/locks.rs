@@ -78,7 +78,7 @@ impl RedisStore {
 
     /// Stores `value` at `key` (a hash of `fence` and `value`, the key exactly as given) unless
     /// a higher fence was stored there before: a resource that refuses a lock holder which
-    /// lost its lock. See [`crate::fence`].
+    /// lost its lock. See [`crate::fenced`].
     pub async fn fenced_set(
         &self,
         key: &str,

@@ -11,7 +11,7 @@
 //! operation and is left alone.
 //!
 //! **Group commit** (one server): `begin`s and `complete`s that arrive while others are in
-//! flight go together, as one script call over many keys (`crate::batch`): the batched
+//! flight go together, as one script call over many keys (`crate::group_commit`): the batched
 //! `begin` writes each fresh record as the plain `SET … NX PX` would, the batched `complete`
 //! runs the one-record settle logic per key; anything else is decided by the one-record call.
 //!
