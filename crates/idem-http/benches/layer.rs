@@ -1,13 +1,17 @@
 //! Load bench of the `Idempotency-Key` layer beside the same axum route without it, in one run.
 //!
-//! One axum route (`POST /v1/charges`, a small JSON answer, no work) is served four ways on
-//! one one-thread runtime: bare, and behind the layer on Redis, with and without a
-//! [`ReplayCache`]. Keep-alive clients on another one-thread runtime send, in each round:
+//! One axum route (`POST /v1/charges`, a small JSON answer, no work) is served on one
+//! one-thread runtime: bare, behind the layer on Redis with and without a [`ReplayCache`],
+//! and behind the dedupe of the reference articles written by hand on the same Redis (`SET key
+//! running NX GET PX`, the handler, `SET key answer XX PX`: two plain commands, no fence, no
+//! lease renewal, no fingerprint), the peer the layer is held against. Keep-alive clients on
+//! another one-thread runtime send, in each round:
 //!
 //! - `plain`: the bare route (with an `Idempotency-Key` header it ignores);
 //! - `layer, new keys`: a fresh key per request (claim, run, store the answer);
 //! - `layer, replays`: keys answered before (the store replays them);
-//! - `layer + cache, replays`: the same through the replay cache (answered from memory).
+//! - `layer + cache, replays`: the same through the replay cache (answered from memory);
+//! - `by hand, new keys` and `by hand, replays`: the hand-written dedupe (Redis only).
 //!
 //! Rounds are interleaved (every way once per round), and each way runs right after a run of
 //! `plain`, its row giving the ratio to that run.
@@ -23,8 +27,11 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use axum::Router;
-use axum::body::Bytes;
+use axum::body::{Body, Bytes};
+use axum::extract::{Request, State};
 use axum::http::StatusCode;
+use axum::middleware::{self, Next};
+use axum::response::{IntoResponse, Response};
 use axum::routing::post;
 use http_body_util::Full;
 use idem_core::SharedStore;
@@ -81,11 +88,91 @@ async fn serve(layer: Option<IdempotencyLayer>) -> SocketAddr {
         Some(layer) => post(charge).layer(layer),
         None => post(charge),
     };
-    let app = Router::new().route("/v1/charges", route);
+    listen(Router::new().route("/v1/charges", route)).await
+}
+
+/// Serves `app` on a free loopback port.
+async fn listen(app: Router) -> SocketAddr {
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();
     tokio::spawn(async move { axum::serve(listener, app).await.unwrap() });
     addr
+}
+
+/// The dedupe written by hand: claim the key with `SET … NX GET`, run the handler, keep its
+/// status and body with `SET … XX`; a key found taken answers what it holds (409 while the
+/// first request runs).
+async fn by_hand(
+    State((conn, prefix)): State<(redis::aio::MultiplexedConnection, Arc<str>)>,
+    req: Request,
+    next: Next,
+) -> Response {
+    let key = req
+        .headers()
+        .get("idempotency-key")
+        .and_then(|k| k.to_str().ok())
+        .map(|k| format!("{prefix}{k}"));
+    let Some(key) = key else {
+        return next.run(req).await;
+    };
+    let held: Option<Vec<u8>> = redis::cmd("SET")
+        .arg(&key)
+        .arg("running")
+        .arg("NX")
+        .arg("GET")
+        .arg("PX")
+        .arg(600_000)
+        .query_async(&mut conn.clone())
+        .await
+        .unwrap();
+    match held.as_deref() {
+        None => {
+            let (parts, body) = next.run(req).await.into_parts();
+            let body = axum::body::to_bytes(body, 1 << 20).await.unwrap();
+            let mut kept = parts.status.as_u16().to_string().into_bytes();
+            kept.push(b' ');
+            kept.extend_from_slice(&body);
+            let _: () = redis::cmd("SET")
+                .arg(&key)
+                .arg(kept)
+                .arg("XX")
+                .arg("PX")
+                .arg(600_000)
+                .query_async(&mut conn.clone())
+                .await
+                .unwrap();
+            Response::from_parts(parts, Body::from(body))
+        }
+        Some(b"running") => StatusCode::CONFLICT.into_response(),
+        Some(kept) => {
+            let (status, body) = kept.split_at(3);
+            let status = std::str::from_utf8(status).unwrap().parse().unwrap();
+            (
+                StatusCode::from_u16(status).unwrap(),
+                [
+                    ("content-type", "application/json"),
+                    ("idempotent-replayed", "true"),
+                ],
+                Bytes::copy_from_slice(&body[1..]),
+            )
+                .into_response()
+        }
+    }
+}
+
+async fn serve_by_hand(run: &str) -> SocketAddr {
+    let url = std::env::var("REDIS_URL").unwrap_or_else(|_| "redis://127.0.0.1:6379".into());
+    let conn = redis::Client::open(url)
+        .unwrap()
+        .get_multiplexed_async_connection()
+        .await
+        .unwrap();
+    let prefix: Arc<str> = format!("bench-by-hand:{run}:").into();
+    listen(Router::new().route(
+        "/v1/charges",
+        post(charge).layer(middleware::from_fn_with_state((conn, prefix), by_hand)),
+    ))
+    .await
 }
 
 async fn store(kind: &str, run: &str) -> SharedStore {
@@ -165,7 +252,7 @@ fn main() {
         std::process::id(),
         idem_core::Timestamp::now().as_millis()
     );
-    let (plain, layered, cached) = server_rt.block_on(async {
+    let (plain, layered, cached, hand) = server_rt.block_on(async {
         let shared = store(&args.store, &run_id).await;
         // Short-lived records (the bench writes many keys to a shared server), but the keys
         // warmed once must still be there for the last round's replays: every way and its
@@ -176,14 +263,22 @@ fn main() {
             shared.clone(),
             ReplayCacheLimits::default(),
         ));
+        let hand = match args.store.as_str() {
+            "memory" => None,
+            _ => Some(serve_by_hand(&run_id).await),
+        };
         (
             serve(None).await,
             serve(Some(IdempotencyLayer::new(shared, policy.clone()))).await,
             serve(Some(IdempotencyLayer::new(cache, policy))).await,
+            hand,
         )
     });
     load_rt.block_on(async {
         warm(layered).await;
+        if let Some(hand) = hand {
+            warm(hand).await;
+        }
     });
     println!(
         "layer bench: store {}, {} keep-alive clients, {} s per row, {} rounds\n",
@@ -193,12 +288,16 @@ fn main() {
     println!("|---|---|---:|---:|---:|");
     for round in 1..=args.rounds {
         load_rt.block_on(async {
-            let ways = [
+            let mut ways = vec![
                 ("layer, new keys", layered, Keys::Fresh, false),
                 ("layer, replays", layered, Keys::Replayed, true),
                 ("layer + cache, new keys", cached, Keys::Fresh, false),
                 ("layer + cache, replays", cached, Keys::Replayed, true),
             ];
+            if let Some(hand) = hand {
+                ways.push(("by hand, new keys", hand, Keys::Fresh, false));
+                ways.push(("by hand, replays", hand, Keys::Replayed, true));
+            }
             let wanted = |way: &str| {
                 args.only
                     .as_ref()

@@ -116,6 +116,7 @@ macro_rules! conformance_tests {
             storm_over_many_keys,
             concurrent_repeated_completes,
             steps_survive_a_takeover,
+            a_step_always_moves_the_record_forward,
             steps_repeat_conflict_and_unknown,
             released_steps_resume_for_the_same_request_only,
             reopen_and_expiry_drop_steps,

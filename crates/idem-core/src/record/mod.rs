@@ -374,8 +374,9 @@ impl Record {
     }
 
     /// The `record_step` transition: the holder of an in-progress record's lease records a
-    /// step ([`crate::step`]). `Ok(true)` if the record changed; `Ok(false)` for a repeat of a
-    /// step recorded with the same outcome. Refused as stale unless the live record is in
+    /// step ([`crate::step`]), and `updated_at` moves to `now`, or a millisecond past its last
+    /// value if that is not earlier. `Ok(true)` if the record changed; `Ok(false)` for a repeat
+    /// of a step recorded with the same outcome. Refused as stale unless the live record is in
     /// progress under exactly this lease (a lease that ran out but was not taken over may still
     /// record, as it may still complete).
     pub fn record_step_in_place(
@@ -389,7 +390,11 @@ impl Record {
         }
         let changed = step::record(&mut self.steps, step)?;
         if changed {
-            self.updated_at = now;
+            // Forward even within the millisecond of the last write (or behind it, on a caller
+            // whose clock is behind): every write past a claim changes the record, so a store
+            // that settles by comparing the record with the one it claimed (Redis `SET … IFEQ`)
+            // cannot miss a step.
+            self.updated_at = now.max(self.updated_at.saturating_add(Duration::from_millis(1)));
         }
         Ok(changed)
     }

@@ -43,8 +43,14 @@
 //! record's key name is a digest, so the record keeps its key in its value for the listing to
 //! show; scope and namespace filters are applied to what is read, not to key names.
 //!
+//! **Plain settles.** On a server that compares and sets a value (`SET … IFEQ`: Valkey 8.1
+//! and later, Redis 8.4 and later), a record this instance claimed with the plain `SET … NX`
+//! is completed, released or renewed with one plain `SET … IFEQ` against the value it wrote,
+//! and by the script only when the record has moved on since (see `plain`).
+//!
 //! The Lua scripts are in `scripts`, the record's layout in `format`, the record operations in
-//! `records`, the operator's view in `admin`, the locks in `locks`.
+//! `records`, the plain settles in `plain`, the operator's view in `admin`, the locks in
+//! `locks`.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -59,6 +65,7 @@ mod conn;
 mod error;
 mod format;
 mod locks;
+mod plain;
 mod records;
 mod scripts;
 #[cfg(test)]
@@ -132,6 +139,8 @@ pub struct RedisStore {
     /// Why counters are refused: the server keeps nothing on disk (see
     /// [`RedisOptions::allow_volatile_counters`]).
     pub(super) volatile_counters: Option<Arc<str>>,
+    /// Settles as plain `SET … IFEQ` commands, where the server takes them.
+    pub(super) plain: Arc<plain::Plain>,
 }
 
 /// The record scripts, loaded once per store.
@@ -218,6 +227,7 @@ impl RedisStore {
             prefix: options.prefix.into(),
             client: None,
             volatile_counters: None,
+            plain: Arc::new(plain::Plain::new(false)),
             locks: Arc::new(locks::LockScripts::new()),
             scripts: Arc::new(RecordScripts {
                 begin: record_script(BEGIN),
@@ -262,6 +272,7 @@ impl RedisStore {
                 source: None,
             });
         }
+        self.plain = Arc::new(plain::Plain::new(self.compares_values().await));
         if !options.allow_eviction {
             let config = self.config("maxmemory*").await;
             if let Some(get) = config.as_ref() {
@@ -292,6 +303,20 @@ impl RedisStore {
             }
         }
         Ok(self)
+    }
+
+    /// Whether the server takes `SET … IFEQ` (see `plain`): asked with one on a key no
+    /// record uses, which sets nothing where the option is known and is refused where not.
+    async fn compares_values(&self) -> bool {
+        let probe = format!("{}{{ifeq-probe}}", self.prefix);
+        redis::cmd("SET")
+            .arg(probe)
+            .arg("")
+            .arg("IFEQ")
+            .arg("")
+            .query_async::<redis::Value>(&mut self.conn.clone())
+            .await
+            .is_ok()
     }
 
     /// The server's settings matching `pattern` (`CONFIG GET`), or `None` where it cannot be

@@ -11,6 +11,7 @@ use redis::Value;
 
 use super::error::{corrupt, error, may_have_run, transient};
 use super::format::{bytes, exact, int, millis, native_ttl, pack, status_byte, text, unpack};
+use super::plain::refused_ifeq;
 use super::{Conn, EXPIRY_MARGIN, RedisStore};
 use crate::group_commit::{Acquired, BeginJob, CompleteJob, Fresh, GroupCommit, Many, ManyAtOnce};
 use crate::reread;
@@ -49,6 +50,15 @@ impl Store for RedisStore {
         length: Duration,
         now: Timestamp,
     ) -> Result<Lease, LeaseError> {
+        if let Some(claimed) = self.plain.take(key, lease, now) {
+            let mut next = claimed.clone();
+            if let Ok(renewed) = next.renew_in_place(lease, length, now)
+                && self.set_if_claimed(key, &claimed, &next, now).await?
+            {
+                self.plain.claimed(&next);
+                return Ok(renewed);
+            }
+        }
         let renewed = lease.renewed(length, now);
         let ends = renewed.expires_at;
         let done: i64 = self
@@ -89,6 +99,8 @@ impl Store for RedisStore {
         step: &Step,
         now: Timestamp,
     ) -> Result<(), StepError> {
+        // The record changes: a settle of this lease goes by the script.
+        self.plain.forget(lease);
         // Read, decide by the pure rules, then write only if the record and its steps are
         // still as read (the script checks): the rules stay in one place, not in Lua.
         for _ in 0..reread::ROUNDS {
@@ -249,7 +261,8 @@ impl ManyAtOnce for RedisStore {
                 .iter()
                 .zip(got)
                 .filter(|(_, got)| *got == 1)
-                .map(|((lease, _), _)| {
+                .map(|((lease, record), _)| {
+                    self.plain.claimed(record);
                     (
                         lease.id.to_bytes().to_vec(),
                         i64::try_from(lease.fence).unwrap_or(i64::MAX),
@@ -259,29 +272,83 @@ impl ManyAtOnce for RedisStore {
         ))
     }
 
-    /// Completes every job's record its lease still holds, in one script call. A script that
-    /// failed part way (a key holding a value this store did not write) leaves every job to
-    /// `complete_alone`, which finds those it completed done; without the server every job
-    /// fails with the error.
+    /// Completes every job's record its lease still holds: those this instance claimed and
+    /// that are still as claimed with one pipelined `SET … IFEQ` each (see `super::plain`),
+    /// the others in one script call. A script that failed part way (a key holding a value
+    /// this store did not write) leaves its jobs to `complete_alone`, which finds those it
+    /// completed done; without the server every job fails with the error.
     async fn complete_many(&self, jobs: &[CompleteJob]) -> Many<bool> {
-        let mut call = self.scripts.complete_many.call(jobs.len());
-        for job in jobs {
+        let mut done = vec![false; jobs.len()];
+        let mut pipe = redis::pipe();
+        let mut plain = Vec::new();
+        for (i, job) in jobs.iter().enumerate() {
+            let Some(claimed) = self.plain.take(&job.key, &job.lease, job.now) else {
+                continue;
+            };
+            let Ok(Some(next)) =
+                Record::complete(Some(&claimed), &job.lease, job.response.clone(), job.now)
+            else {
+                continue;
+            };
+            pipe.cmd("SET")
+                .arg(self.redis_key(&job.key))
+                .arg(pack(&next))
+                .arg("IFEQ")
+                .arg(pack(&claimed))
+                .arg("PX")
+                .arg(native_ttl(next.expires_at, job.now));
+            plain.push(i);
+        }
+        if !plain.is_empty() {
+            let answers: Vec<redis::RedisResult<Value>> = pipe
+                .ignore_errors()
+                .query_async(&mut self.conn.clone())
+                .await
+                .map_err(|e| error("cannot complete the records", e))?;
+            for (i, answer) in plain.iter().zip(answers) {
+                match answer {
+                    Ok(Value::Okay) => done[*i] = true,
+                    Err(e) if refused_ifeq(&e) => self.plain.disable(),
+                    // Moved on, or refused: `complete_alone` decides.
+                    _ => {}
+                }
+            }
+        }
+        let rest: Vec<&CompleteJob> = jobs
+            .iter()
+            .enumerate()
+            .filter(|(i, _)| !plain.contains(i))
+            .map(|(_, job)| job)
+            .collect();
+        if rest.is_empty() {
+            return Ok(Some(done));
+        }
+        let mut call = self.scripts.complete_many.call(rest.len());
+        for job in &rest {
             call.arg(self.redis_key(&job.key));
         }
         call.arg(millis(EXPIRY_MARGIN));
-        for job in jobs {
+        for job in &rest {
             call.arg(exact(job.now.as_millis()))
                 .arg(&job.lease.id.to_bytes()[..])
                 .arg(job.lease.fence)
                 .arg(&job.response[..]);
         }
         match call.invoke_async::<Vec<i64>>(&mut self.conn.clone()).await {
-            Ok(done) if done.len() == jobs.len() => {
-                Ok(Some(done.iter().map(|d| *d == 1).collect()))
+            Ok(by_script) if by_script.len() == rest.len() => {
+                let unsettled = done
+                    .iter_mut()
+                    .enumerate()
+                    .filter(|(i, _)| !plain.contains(i));
+                for ((_, d), s) in unsettled.zip(by_script) {
+                    *d = s == 1;
+                }
+                Ok(Some(done))
             }
-            Ok(_) => Ok(None),
+            // Those the plain path completed are done; `complete_alone` decides the others.
+            Ok(_) => Ok(Some(done)),
             Err(e) if transient(&e) => Err(error("cannot complete the records", e)),
-            Err(_) => Ok(None),
+            Err(_) => Ok(Some(done)),
         }
     }
 }
@@ -322,7 +389,10 @@ impl RedisStore {
             .await
             .map_err(failed)?;
         match set {
-            Value::Nil => return Ok(BeginOutcome::Acquired(lease)),
+            Value::Nil => {
+                self.plain.claimed(fresh);
+                return Ok(BeginOutcome::Acquired(lease));
+            }
             Value::BulkString(held) => {
                 if let Some(outcome) = decided_without_writing(fresh, &lease, &held, now) {
                     return Ok(outcome);
@@ -434,6 +504,22 @@ impl RedisStore {
         response: Option<Bytes>,
         now: Timestamp,
     ) -> Result<(), LeaseError> {
+        if let Some(claimed) = self.plain.take(key, lease, now) {
+            let next = match to {
+                Status::Completed => Record::complete(
+                    Some(&claimed),
+                    lease,
+                    response.clone().unwrap_or_default(),
+                    now,
+                ),
+                _ => Record::release(Some(&claimed), lease, now),
+            };
+            if let Ok(Some(next)) = next
+                && self.set_if_claimed(key, &claimed, &next, now).await?
+            {
+                return Ok(());
+            }
+        }
         let mut call = self.scripts.settle.key(self.redis_key(key));
         call.arg(exact(now.as_millis()))
             .arg(&lease.id.to_bytes()[..])
@@ -451,6 +537,39 @@ impl RedisStore {
             "ok" => Ok(()),
             "stale" => Err(StaleLease.into()),
             _ => Err(corrupt("settle answer").into()),
+        }
+    }
+}
+
+impl RedisStore {
+    /// Writes `next` over the record at `key` if it still holds exactly `claimed`, with one
+    /// `SET … IFEQ` (see `super::plain`): `true` if it did; `false` if the record moved on or
+    /// the server refused the option (then the script decides).
+    async fn set_if_claimed(
+        &self,
+        key: &Key,
+        claimed: &Record,
+        next: &Record,
+        now: Timestamp,
+    ) -> Result<bool, StoreError> {
+        let answer = redis::cmd("SET")
+            .arg(self.redis_key(key))
+            .arg(pack(next))
+            .arg("IFEQ")
+            .arg(pack(claimed))
+            .arg("PX")
+            .arg(native_ttl(next.expires_at, now))
+            .query_async::<Value>(&mut self.conn.clone())
+            .await;
+        match answer {
+            Ok(Value::Okay) => Ok(true),
+            Ok(Value::Nil) => Ok(false),
+            Ok(_) => Err(corrupt("SET IFEQ answer")),
+            Err(e) if refused_ifeq(&e) => {
+                self.plain.disable();
+                Ok(false)
+            }
+            Err(e) => Err(error("cannot settle the record", e)),
         }
     }
 }

@@ -189,7 +189,8 @@ if not v or st ~= 'p' or exp <= now or string.sub(v, 35, 50) ~= ARGV[2]
 end
 local steps = KEYS[1] .. ':s'
 if redis.call('STRLEN', steps) ~= tonumber(ARGV[4]) then return 0 end
-redis.call('SET', KEYS[1], string.sub(v, 1, 118) .. string.format('%016d', now)
+local updated = math.max(now, tonumber(string.sub(v, 119, 134)) + 1)
+redis.call('SET', KEYS[1], string.sub(v, 1, 118) .. string.format('%016d', updated)
   .. string.sub(v, 135), 'KEEPTTL')
 local left = redis.call('PTTL', KEYS[1])
 if left > 0 then

@@ -174,7 +174,7 @@ impl Statements {
             // The steps after it, `now`, the key, the lease id, the fence, `now`, how long the
             // steps were as read (`reread::StepWrite`).
             step: alike(format!(
-                "UPDATE {t} SET steps = ?, updated_at = ?
+                "UPDATE {t} SET steps = ?, updated_at = GREATEST(?, updated_at + 1)
                  WHERE {KEY} AND {lease_held} AND COALESCE(octet_length(steps), 0) = ?"
             )),
             // `now` three times, the key, the fence, `now`.

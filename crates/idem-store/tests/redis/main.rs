@@ -88,3 +88,4 @@ mod cluster {
 mod batching;
 mod failures;
 mod listing;
+mod valkey;

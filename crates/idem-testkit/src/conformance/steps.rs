@@ -40,6 +40,44 @@ fn stale() -> StepRefused {
     StepRefused::Stale(idem_core::StaleLease)
 }
 
+/// A step moves the record's `updated_at` forward even within the millisecond of the claim
+/// (or behind it): every write past a claim changes the record, which stores that settle by
+/// comparing values rely on.
+pub async fn a_step_always_moves_the_record_forward<S: Store>(store: &S) {
+    let c = Case::new();
+    let req = c.req("k", "a");
+    let lease = acquire(store, &req, c.at(0)).await;
+    let claimed = store.get(&req.key, c.at(0)).await.unwrap().unwrap();
+    store
+        .record_step(&req.key, &lease, &done("debit", b"1"), c.at(0))
+        .await
+        .unwrap();
+    let first = store.get(&req.key, c.at(0)).await.unwrap().unwrap();
+    assert!(
+        first.updated_at > claimed.updated_at,
+        "a step in the claim's millisecond still moves the record forward"
+    );
+    store
+        .record_step(&req.key, &lease, &done("bank", b"2"), c.at(0))
+        .await
+        .unwrap();
+    let second = store.get(&req.key, c.at(0)).await.unwrap().unwrap();
+    assert!(second.updated_at > first.updated_at, "and so does the next");
+    // A repeat changes nothing, and a later step is stamped with its own time.
+    store
+        .record_step(&req.key, &lease, &done("bank", b"2"), c.at(0))
+        .await
+        .unwrap();
+    let repeated = store.get(&req.key, c.at(0)).await.unwrap().unwrap();
+    assert_eq!(repeated.updated_at, second.updated_at);
+    store
+        .record_step(&req.key, &lease, &done("ship", b"3"), c.at(5))
+        .await
+        .unwrap();
+    let later = store.get(&req.key, c.at(5)).await.unwrap().unwrap();
+    assert_eq!(later.updated_at, c.at(5));
+}
+
 /// Steps are kept in order under the lease; an attempt that takes an expired lease over finds
 /// them, the overtaken one can record no more, and completion keeps them.
 pub async fn steps_survive_a_takeover<S: Store>(store: &S) {
