@@ -22,7 +22,7 @@ use idem::claim::cancel::finishing;
 use idem::claim::settle_retrying;
 
 use crate::AppState;
-use crate::answers::{self, Acquired, RecordView, Settled, StepRecorded};
+use crate::answers::{Acquired, BeginAnswer, RecordView, Settled, StepRecorded};
 use crate::auth::Caller;
 use idem_http::{Problem, ProblemCode, ToProblem};
 use idem_ops::json::{JsonBody, PathParams};
@@ -188,9 +188,11 @@ pub(crate) async fn begin(
                 &req.fingerprint,
                 step_keys,
             );
-            Ok(Json(body).into_response())
+            Ok(Json(BeginAnswer::Acquired(body)).into_response())
         }
-        BeginOutcome::Replay(replay) => Ok(Json(answers::Replay::from(&replay)).into_response()),
+        BeginOutcome::Replay(replay) => {
+            Ok(Json(BeginAnswer::Replay((&replay).into())).into_response())
+        }
         BeginOutcome::InProgress { lease_expires_at } => Err(in_progress(lease_expires_at, now)),
         BeginOutcome::Mismatch => Err(ProblemCode::FingerprintMismatch.problem(
             "This key was used with a different request; use a new key for a new request.",

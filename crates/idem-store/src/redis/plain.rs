@@ -28,7 +28,7 @@ const MAX_CLAIMS: usize = 16_384;
 
 /// The records this instance claimed and has not settled, and whether the server takes
 /// `SET … IFEQ`.
-#[derive(Debug, Default)]
+#[derive(Debug)]
 pub(crate) struct Plain {
     enabled: AtomicBool,
     claims: Mutex<HashMap<LeaseId, Record>>,

@@ -302,7 +302,8 @@ impl ManyAtOnce for RedisStore {
     async fn complete_many(&self, jobs: &[CompleteJob]) -> Many<bool> {
         let mut done = vec![false; jobs.len()];
         let mut pipe = redis::pipe();
-        let mut plain = Vec::new();
+        // Which jobs went as plain commands.
+        let mut plain = vec![false; jobs.len()];
         for (i, job) in jobs.iter().enumerate() {
             let Some(claimed) = self.plain.take(&job.key, &job.lease, job.now) else {
                 continue;
@@ -312,24 +313,23 @@ impl ManyAtOnce for RedisStore {
             else {
                 continue;
             };
-            pipe.cmd("SET")
-                .arg(self.redis_key(&job.key))
-                .arg(pack(&next))
-                .arg("IFEQ")
-                .arg(pack(&claimed))
-                .arg("PX")
-                .arg(native_ttl(next.expires_at, job.now));
-            plain.push(i);
+            pipe.add_command(self.set_if_claimed_command(&job.key, &claimed, &next, job.now));
+            plain[i] = true;
         }
-        if !plain.is_empty() {
+        if plain.contains(&true) {
             let answers: Vec<redis::RedisResult<Value>> = pipe
                 .ignore_errors()
                 .query_async(&mut self.conn.clone())
                 .await
                 .map_err(|e| error("cannot complete the records", e))?;
-            for (i, answer) in plain.iter().zip(answers) {
+            let sent = plain
+                .iter()
+                .enumerate()
+                .filter(|(_, p)| **p)
+                .map(|(i, _)| i);
+            for (i, answer) in sent.zip(answers) {
                 match answer {
-                    Ok(Value::Okay) => done[*i] = true,
+                    Ok(Value::Okay) => done[i] = true,
                     Err(e) if refused_ifeq(&e) => self.plain.disable(),
                     // Moved on, or refused: `complete_alone` decides.
                     _ => {}
@@ -338,9 +338,9 @@ impl ManyAtOnce for RedisStore {
         }
         let rest: Vec<&CompleteJob> = jobs
             .iter()
-            .enumerate()
-            .filter(|(i, _)| !plain.contains(i))
-            .map(|(_, job)| job)
+            .zip(&plain)
+            .filter(|(_, p)| !**p)
+            .map(|(j, _)| j)
             .collect();
         if rest.is_empty() {
             return Ok(Some(done));
@@ -358,11 +358,8 @@ impl ManyAtOnce for RedisStore {
         }
         match call.invoke_async::<Vec<i64>>(&mut self.conn.clone()).await {
             Ok(by_script) if by_script.len() == rest.len() => {
-                let unsettled = done
-                    .iter_mut()
-                    .enumerate()
-                    .filter(|(i, _)| !plain.contains(i));
-                for ((_, d), s) in unsettled.zip(by_script) {
+                let unsettled = done.iter_mut().zip(&plain).filter(|(_, p)| !**p);
+                for ((d, _), s) in unsettled.zip(by_script) {
                     *d = s == 1;
                 }
                 Ok(Some(done))
@@ -574,13 +571,8 @@ impl RedisStore {
         next: &Record,
         now: Timestamp,
     ) -> Result<bool, StoreError> {
-        let answer = redis::cmd("SET")
-            .arg(self.redis_key(key))
-            .arg(pack(next))
-            .arg("IFEQ")
-            .arg(pack(claimed))
-            .arg("PX")
-            .arg(native_ttl(next.expires_at, now))
+        let answer = self
+            .set_if_claimed_command(key, claimed, next, now)
             .query_async::<Value>(&mut self.conn.clone())
             .await;
         match answer {
@@ -593,6 +585,25 @@ impl RedisStore {
             }
             Err(e) => Err(error("cannot settle the record", e)),
         }
+    }
+
+    /// `SET key next IFEQ claimed PX ttl`: `next` over the record at `key` if it holds
+    /// exactly `claimed`, kept by Redis as long as `next` lives by `now`.
+    fn set_if_claimed_command(
+        &self,
+        key: &Key,
+        claimed: &Record,
+        next: &Record,
+        now: Timestamp,
+    ) -> redis::Cmd {
+        let mut cmd = redis::cmd("SET");
+        cmd.arg(self.redis_key(key))
+            .arg(pack(next))
+            .arg("IFEQ")
+            .arg(pack(claimed))
+            .arg("PX")
+            .arg(native_ttl(next.expires_at, now));
+        cmd
     }
 }
 

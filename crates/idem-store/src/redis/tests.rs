@@ -357,3 +357,32 @@ fn every_script_is_sent_again_to_a_server_that_lost_it() {
         assert!(matches!(held, idem_core::Acquire::Acquired(_)), "{held:?}");
     });
 }
+
+/// A server without `SET … IFEQ` (the project's Redis 7) refuses it with the error that turns
+/// the plain settles off; a server that takes it would answer instead.
+#[test]
+fn a_refused_ifeq_is_told_apart() {
+    idem_testkit::block_on(async {
+        let Some(store) = shared_store().await else {
+            return;
+        };
+        assert!(!store.plain.enabled(), "Redis 7 has no SET … IFEQ");
+        let refused = redis::cmd("SET")
+            .arg("idem-test:{ifeq-refused}")
+            .arg("")
+            .arg("IFEQ")
+            .arg("")
+            .query_async::<redis::Value>(&mut store.conn.clone())
+            .await
+            .unwrap_err();
+        assert!(super::plain::refused_ifeq(&refused), "{refused}");
+        // Other refusals are not taken for it.
+        let wrong_type = redis::cmd("INCR")
+            .arg("idem-test:{ifeq-refused}")
+            .arg("extra")
+            .query_async::<redis::Value>(&mut store.conn.clone())
+            .await
+            .unwrap_err();
+        assert!(!super::plain::refused_ifeq(&wrong_type), "{wrong_type}");
+    });
+}
