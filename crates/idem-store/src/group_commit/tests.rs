@@ -340,7 +340,7 @@ fn a_failed_batch_tries_its_jobs_on_their_own_all_at_once() {
 fn a_lone_call_runs_in_the_callers_task() {
     runtime().block_on(async {
         let store = Failing {
-            batches: GroupCommit::new(16, 64),
+            batches: GroupCommit::with_lanes(2, 64),
             ..Failing::new(false, 1)
         };
         let (caller, job, key) = {

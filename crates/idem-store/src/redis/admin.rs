@@ -268,21 +268,24 @@ impl RedisStore {
             .arg(pattern)
             .arg("COUNT")
             .arg(count);
-        let failed = |e| error("cannot scan the keys", e);
-        let answer = match (&self.conn, node) {
+        let answer = self
+            .on_node(node, cmd)
+            .await
+            .map_err(|e| error("cannot scan the keys", e))?;
+        redis::from_redis_value(answer).map_err(|_| corrupt("answer to SCAN"))
+    }
+
+    /// `cmd` (one that names no key) sent to `node`.
+    pub(super) async fn on_node(&self, node: Node, cmd: redis::Cmd) -> redis::RedisResult<Value> {
+        match (&self.conn, node) {
             (Conn::Cluster(conn), Some(route)) => {
                 let routing = SingleNodeRoutingInfo::SpecificNode(route);
                 conn.clone()
                     .route_command(cmd, RoutingInfo::SingleNode(routing))
                     .await
-                    .map_err(failed)?
             }
-            _ => cmd
-                .query_async(&mut self.conn.clone())
-                .await
-                .map_err(failed)?,
-        };
-        redis::from_redis_value(answer).map_err(|_| corrupt("answer to SCAN"))
+            _ => cmd.query_async(&mut self.conn.clone()).await,
+        }
     }
 
     /// One stretch of a listing's scan on `node` from `at`, of about `count` keys: the next

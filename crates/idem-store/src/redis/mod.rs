@@ -305,9 +305,28 @@ impl RedisStore {
         Ok(self)
     }
 
-    /// Whether the server takes `SET … IFEQ` (see `plain`): asked with one on a key no
-    /// record uses, which sets nothing where the option is known and is refused where not.
+    /// Whether the server takes `SET … IFEQ` (see `plain`).
+    ///
+    /// One server is asked with one on a key no record uses, which sets nothing where the
+    /// option is known and is refused where not. On a Cluster a keyed command reaches only
+    /// the node of its slot, so each primary is asked what it takes (`COMMAND DOCS SET`
+    /// lists the option's token): a Cluster part way through an upgrade, or one whose nodes
+    /// hide that command, settles by script.
     async fn compares_values(&self) -> bool {
+        if let Conn::Cluster(_) = self.conn {
+            let Ok(nodes) = self.nodes().await else {
+                return false;
+            };
+            for node in nodes {
+                let mut docs = redis::cmd("COMMAND");
+                docs.arg("DOCS").arg("SET");
+                match self.on_node(node, docs).await {
+                    Ok(docs) if names(&docs, "IFEQ") => {}
+                    _ => return false,
+                }
+            }
+            return true;
+        }
         let probe = format!("{}{{ifeq-probe}}", self.prefix);
         redis::cmd("SET")
             .arg(probe)
@@ -344,6 +363,18 @@ impl RedisStore {
         key.sha256().write_hex(16, &mut name);
         name.push('}');
         name
+    }
+}
+
+/// Whether `value` holds, anywhere in it, a string that is exactly `word` (any case).
+fn names(value: &redis::Value, word: &str) -> bool {
+    use redis::Value;
+    match value {
+        Value::BulkString(b) => b.eq_ignore_ascii_case(word.as_bytes()),
+        Value::SimpleString(s) => s.eq_ignore_ascii_case(word),
+        Value::Array(items) | Value::Set(items) => items.iter().any(|v| names(v, word)),
+        Value::Map(pairs) => pairs.iter().any(|(k, v)| names(k, word) || names(v, word)),
+        _ => false,
     }
 }
 

@@ -13,8 +13,10 @@
 //! attempts before, whose key must follow the record's deadline.
 //!
 //! What the server can do is asked once at connect, by a `SET … IFEQ` on a key no record uses
-//! (it sets nothing); a server that refuses the option later (a failover to an older replica)
-//! turns the plain path off for good, and every call goes by the script again. The record's
+//! (it sets nothing), or on a Cluster by asking every primary (the path is on only when all of
+//! them take the option); a server that refuses the option later (a failover to an older
+//! replica, a node replaced) turns the plain path off for good, and every call goes by the
+//! script again. The record's
 //! layout is the same either way, so instances of both kinds share a server.
 
 use std::collections::HashMap;
@@ -66,9 +68,11 @@ impl Plain {
         }
         let mut claims = self.lock();
         if claims.len() >= MAX_CLAIMS {
-            // Leases given up on (their caller went away) are dead by now: drop them first.
+            // Claims whose lease has ended were most likely given up on (their caller went
+            // away): drop them first. One settled late goes by the script, which decides it
+            // the same.
             let now = record.updated_at;
-            claims.retain(|_, r| r.is_live(now));
+            claims.retain(|_, r| r.lease_expires_at > now);
             if claims.len() >= MAX_CLAIMS {
                 return;
             }
@@ -104,4 +108,93 @@ impl Plain {
 /// answers a syntax error).
 pub(super) fn refused_ifeq(e: &redis::RedisError) -> bool {
     e.code() == Some("ERR") && e.to_string().to_ascii_lowercase().contains("syntax")
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use idem_core::{BeginRequest, Fingerprint, Key, Lease, LeaseId, Record, Timestamp};
+
+    use super::{MAX_CLAIMS, Plain};
+
+    /// A record claimed at `now` for `lease`, and its lease.
+    fn claim(n: usize, now: Timestamp, lease: Duration) -> (Record, Lease) {
+        let key = Key::parse("plain", "claims", &format!("k{n}")).unwrap();
+        let req = BeginRequest::new(key, Fingerprint::of_bytes(b"r")).with_lease(lease);
+        let (lease, record) =
+            Record::acquired(&req, now, Lease::first_fence(now), LeaseId::generate());
+        (record, lease)
+    }
+
+    /// Full of claims whose leases have died, the map drops them for a new claim; full of
+    /// live ones, it keeps them and the new claim is left to the script.
+    #[test]
+    fn a_full_map_drops_dead_leases_first_and_otherwise_keeps_what_it_has() {
+        let plain = Plain::new(true);
+        let t0 = Timestamp::from_millis(1_000_000);
+        let dead: Vec<_> = (0..MAX_CLAIMS)
+            .map(|n| claim(n, t0, Duration::from_millis(10)))
+            .collect();
+        for (record, _) in &dead {
+            plain.claimed(record);
+        }
+        // A claim a minute later: every lease before it has ended (and its record with it).
+        let later = t0.saturating_add(Duration::from_secs(60));
+        let (record, lease) = claim(MAX_CLAIMS, later, Duration::from_secs(30));
+        plain.claimed(&record);
+        assert_eq!(plain.lock().len(), 1, "the dead claims were dropped");
+        assert!(plain.take(&record.key, &lease, later).is_some());
+
+        let plain = Plain::new(true);
+        let live: Vec<_> = (0..MAX_CLAIMS)
+            .map(|n| claim(n, t0, Duration::from_secs(30)))
+            .collect();
+        for (record, _) in &live {
+            plain.claimed(record);
+        }
+        let (extra, extra_lease) = claim(MAX_CLAIMS, t0, Duration::from_secs(30));
+        plain.claimed(&extra);
+        assert_eq!(plain.lock().len(), MAX_CLAIMS, "the map holds no more");
+        assert!(plain.take(&extra.key, &extra_lease, t0).is_none());
+        let (first, first_lease) = &live[0];
+        assert!(plain.take(&first.key, first_lease, t0).is_some());
+    }
+
+    /// A claim is settled plainly only under its own lease, at its own key, while it lives;
+    /// once taken it is gone, and a refusal by the server turns the path off for good.
+    #[test]
+    fn a_claim_is_taken_once_by_its_own_lease_and_never_after_a_refusal() {
+        let plain = Plain::new(true);
+        let now = Timestamp::from_millis(1_000_000);
+        let (record, lease) = claim(1, now, Duration::from_secs(30));
+        let (other, other_lease) = claim(2, now, Duration::from_secs(30));
+        plain.claimed(&record);
+        plain.claimed(&other);
+        // Another key under this lease: not this claim (and the claim is dropped).
+        assert!(plain.take(&other.key, &lease, now).is_none());
+        plain.claimed(&record);
+        let stale = Lease {
+            fence: lease.fence + 1,
+            ..lease
+        };
+        assert!(plain.take(&record.key, &stale, now).is_none());
+        plain.claimed(&record);
+        // Past its lease but not taken over, the record is still the claim's to settle;
+        // past its retention, it is the script's to refuse.
+        let ended = lease.expires_at.saturating_add(Duration::from_secs(1));
+        assert!(plain.take(&record.key, &lease, ended).is_some());
+        plain.claimed(&record);
+        let gone = record.expires_at.saturating_add(Duration::from_secs(1));
+        assert!(plain.take(&record.key, &lease, gone).is_none());
+        plain.claimed(&record);
+        assert!(plain.take(&record.key, &lease, now).is_some());
+        assert!(plain.take(&record.key, &lease, now).is_none(), "taken once");
+
+        plain.disable();
+        assert!(!plain.enabled());
+        assert!(plain.take(&other.key, &other_lease, now).is_none());
+        plain.claimed(&record);
+        assert!(plain.lock().is_empty(), "nothing is kept once off");
+    }
 }

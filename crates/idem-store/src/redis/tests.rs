@@ -386,3 +386,79 @@ fn a_refused_ifeq_is_told_apart() {
         assert!(!super::plain::refused_ifeq(&wrong_type), "{wrong_type}");
     });
 }
+
+/// A server replaced under a running store keeps it working: on Valkey 9 it settles plainly;
+/// replaced by a Redis 7 (no `SET … IFEQ`), the first plain settle is refused, the store
+/// turns plain settles off and decides by script from then on, also once a Valkey is back.
+#[test]
+fn a_server_replaced_under_the_store_keeps_it_working() {
+    use idem_testkit::services::RedisServer;
+
+    idem_testkit::block_on(async {
+        let (Some(mut server), Some(redis)) = (RedisServer::start_valkey(), RedisServer::start())
+        else {
+            return;
+        };
+        let valkey = RedisServer::start_valkey().expect("a second Valkey");
+        let store = RedisStore::connect(&server.url(), RedisOptions::default())
+            .await
+            .unwrap();
+        assert!(store.plain.enabled(), "Valkey 9 takes SET … IFEQ");
+        let now = Timestamp::now();
+        let req = |k: &str| {
+            BeginRequest::new(
+                Key::parse("swap", "plain", k).unwrap(),
+                Fingerprint::of_bytes(b"r"),
+            )
+        };
+        let acquire = async |r: &BeginRequest| match store.begin(r, now).await.unwrap() {
+            BeginOutcome::Acquired(lease) => lease,
+            other => panic!("expected Acquired, got {other:?}"),
+        };
+        let completed = async |r: &BeginRequest| {
+            let record = store.get(&r.key, now).await.unwrap().unwrap();
+            assert_eq!(record.status, Status::Completed);
+        };
+
+        // Until the store has its connection to the new server back.
+        let reconnected = async || {
+            for _ in 0..100 {
+                if store.get(&req("probe").key, now).await.is_ok() {
+                    return;
+                }
+                tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+            }
+            panic!("the store did not reconnect");
+        };
+
+        let before = req("before");
+        let lease = acquire(&before).await;
+        server.replace_with_program_of(&redis);
+        reconnected().await;
+        // The claim's record went with the old server; the refused plain settle hands the
+        // call to the script, which finds no record.
+        let lost = store
+            .complete(&before.key, &lease, Bytes::from_static(b"1"), now)
+            .await;
+        assert!(lost.is_err(), "{lost:?}");
+        assert!(!store.plain.enabled(), "turned off by the refusal");
+        let after = req("after");
+        let lease = acquire(&after).await;
+        store
+            .complete(&after.key, &lease, Bytes::from_static(b"2"), now)
+            .await
+            .unwrap();
+        completed(&after).await;
+
+        server.replace_with_program_of(&valkey);
+        reconnected().await;
+        let back = req("back");
+        let lease = acquire(&back).await;
+        store
+            .complete(&back.key, &lease, Bytes::from_static(b"3"), now)
+            .await
+            .unwrap();
+        completed(&back).await;
+        assert!(!store.plain.enabled(), "off for good");
+    });
+}

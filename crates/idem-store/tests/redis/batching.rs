@@ -17,46 +17,18 @@ fn calls_sent_together_each_get_their_own_answer() {
         Timestamp,
     };
 
-    /// The record commands clients sent since the last call (the server's slow log, set to
-    /// log every command, cleared): how many, and the most keys one script call named.
-    /// Commands a script runs are logged too, from no client address, and not counted.
+    /// The record commands clients sent since the last call (see [`commands_sent`]): how
+    /// many, and the most keys one script call named.
     async fn sent(c: &mut redis::aio::MultiplexedConnection) -> (usize, usize) {
-        let log: Vec<redis::Value> = redis::cmd("SLOWLOG")
-            .arg("GET")
-            .arg(-1)
-            .query_async(c)
-            .await
-            .unwrap();
-        let _: () = redis::cmd("SLOWLOG")
-            .arg("RESET")
-            .query_async(c)
-            .await
-            .unwrap();
-        let text = |v: &redis::Value| match v {
-            redis::Value::BulkString(b) => String::from_utf8_lossy(b).into_owned(),
-            redis::Value::SimpleString(s) => s.clone(),
-            _ => String::new(),
-        };
         let (mut commands, mut widest) = (0, 0);
-        for entry in log {
-            let redis::Value::Array(fields) = entry else {
-                continue;
-            };
-            let (Some(redis::Value::Array(args)), Some(client)) = (fields.get(3), fields.get(4))
-            else {
-                continue;
-            };
-            let name = args.first().map(text).unwrap_or_default().to_uppercase();
-            if text(client).starts_with("?:") || !["SET", "EVALSHA", "EVAL"].contains(&&*name) {
+        for args in commands_sent(c).await {
+            let name = args.first().cloned().unwrap_or_default();
+            if !["SET", "EVALSHA", "EVAL"].contains(&&*name) {
                 continue;
             }
             commands += 1;
             if name != "SET" {
-                let keys = args
-                    .get(2)
-                    .map(text)
-                    .and_then(|n| n.parse().ok())
-                    .unwrap_or(0);
+                let keys = args.get(2).and_then(|n| n.parse().ok()).unwrap_or(0);
                 widest = widest.max(keys);
             }
         }
@@ -75,18 +47,7 @@ fn calls_sent_together_each_get_their_own_answer() {
             .get_multiplexed_async_connection()
             .await
             .unwrap();
-        for (name, value) in [
-            ("slowlog-log-slower-than", "0"),
-            ("slowlog-max-len", "10000"),
-        ] {
-            let _: () = redis::cmd("CONFIG")
-                .arg("SET")
-                .arg(name)
-                .arg(value)
-                .query_async(&mut c)
-                .await
-                .unwrap();
-        }
+        log_every_command(&mut c).await;
         let now = Timestamp::now();
         // 'static, so that the closures below are `Copy` and go into every task.
         let scope: &'static str =
@@ -94,23 +55,6 @@ fn calls_sent_together_each_get_their_own_answer() {
         let key = move |i: usize| Key::parse(scope, "pay", &format!("k{i}")).unwrap();
         let req = move |i| BeginRequest::new(key(i), Fingerprint::of_bytes(b"same"));
         let body = |i: usize| Bytes::from(format!("body {i}").into_bytes());
-        // Holds every write command for a moment: the calls sent meanwhile queue, and go
-        // together once it ends.
-        let pause = {
-            let c = c.clone();
-            move || {
-                let mut c = c.clone();
-                async move {
-                    let _: () = redis::cmd("CLIENT")
-                        .arg("PAUSE")
-                        .arg(300)
-                        .arg("WRITE")
-                        .query_async(&mut c)
-                        .await
-                        .unwrap();
-                }
-            }
-        };
         let l0 = match store.begin(&req(0), now).await.unwrap() {
             BeginOutcome::Acquired(lease) => lease,
             other => panic!("{other:?}"),
@@ -126,7 +70,7 @@ fn calls_sent_together_each_get_their_own_answer() {
             .await
             .unwrap();
 
-        pause().await;
+        pause_writes(&mut c).await;
         sent(&mut c).await;
         let begins: Vec<_> = (0..40)
             .map(|i| {
@@ -166,7 +110,7 @@ fn calls_sent_together_each_get_their_own_answer() {
             .query_async(&mut c)
             .await
             .unwrap();
-        pause().await;
+        pause_writes(&mut c).await;
         sent(&mut c).await;
         let completes: Vec<_> = leases
             .iter()

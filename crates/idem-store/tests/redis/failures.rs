@@ -72,15 +72,11 @@ fn an_evicting_server_and_a_braced_prefix_are_refused() {
         };
         let client = redis::Client::open(server.url()).unwrap();
         let mut c = client.get_multiplexed_async_connection().await.unwrap();
-        for (name, value) in [("maxmemory", "100mb"), ("maxmemory-policy", "allkeys-lru")] {
-            let _: () = redis::cmd("CONFIG")
-                .arg("SET")
-                .arg(name)
-                .arg(value)
-                .query_async(&mut c)
-                .await
-                .unwrap();
-        }
+        configure(
+            &mut c,
+            &[("maxmemory", "100mb"), ("maxmemory-policy", "allkeys-lru")],
+        )
+        .await;
         let e = RedisStore::connect(&server.url(), options())
             .await
             .unwrap_err();

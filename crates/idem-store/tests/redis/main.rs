@@ -85,6 +85,74 @@ mod cluster {
     }
 }
 
+/// Sets the server's settings `pairs` (`CONFIG SET`).
+async fn configure(c: &mut redis::aio::MultiplexedConnection, pairs: &[(&str, &str)]) {
+    for (name, value) in pairs {
+        let _: () = redis::cmd("CONFIG")
+            .arg("SET")
+            .arg(name)
+            .arg(value)
+            .query_async(c)
+            .await
+            .unwrap();
+    }
+}
+
+/// Has the server log every command from now on (its slow log, for [`commands_sent`]).
+async fn log_every_command(c: &mut redis::aio::MultiplexedConnection) {
+    let every = [
+        ("slowlog-log-slower-than", "0"),
+        ("slowlog-max-len", "10000"),
+    ];
+    configure(c, &every).await;
+}
+
+/// Holds every write command for 300 ms: the calls a store sends meanwhile queue, and go
+/// together once it ends (group commit).
+async fn pause_writes(c: &mut redis::aio::MultiplexedConnection) {
+    let _: () = redis::cmd("CLIENT")
+        .arg("PAUSE")
+        .arg(300)
+        .arg("WRITE")
+        .query_async(c)
+        .await
+        .unwrap();
+}
+
+/// The commands clients sent since the last call, each as its arguments in upper case, and
+/// then forgotten (`SLOWLOG RESET`). Commands a script runs are logged with no client
+/// address, and left out.
+async fn commands_sent(c: &mut redis::aio::MultiplexedConnection) -> Vec<Vec<String>> {
+    let log: Vec<redis::Value> = redis::cmd("SLOWLOG")
+        .arg("GET")
+        .arg(-1)
+        .query_async(c)
+        .await
+        .unwrap();
+    let _: () = redis::cmd("SLOWLOG")
+        .arg("RESET")
+        .query_async(c)
+        .await
+        .unwrap();
+    let text = |v: &redis::Value| match v {
+        redis::Value::BulkString(b) => String::from_utf8_lossy(b).to_uppercase(),
+        redis::Value::SimpleString(s) => s.to_uppercase(),
+        _ => String::new(),
+    };
+    log.iter()
+        .filter_map(|entry| {
+            let redis::Value::Array(fields) = entry else {
+                return None;
+            };
+            let (Some(redis::Value::Array(args)), Some(client)) = (fields.get(3), fields.get(4))
+            else {
+                return None;
+            };
+            (!text(client).starts_with("?:")).then(|| args.iter().map(text).collect())
+        })
+        .collect()
+}
+
 mod batching;
 mod failures;
 mod listing;

@@ -142,3 +142,136 @@ async fn a_server_without_ifeq_settles_by_script() {
     let record = store.get(&req.key, now).await.unwrap().unwrap();
     assert_eq!(record.response.as_deref(), Some(&b"done"[..]));
 }
+
+/// How many of the commands clients sent since the last call (see [`commands_sent`]) are
+/// claims as a batch sends them (`SET … NX PX`, without the `GET` of a claim sent alone).
+async fn batched_claims(c: &mut redis::aio::MultiplexedConnection) -> usize {
+    let batched = |args: &Vec<String>| {
+        let has = |word: &str| args.iter().skip(3).any(|a| a == word);
+        args.first().is_some_and(|a| a == "SET") && has("NX") && !has("GET")
+    };
+    commands_sent(c).await.iter().filter(|a| batched(a)).count()
+}
+
+/// Claims sent together go as one pipeline of plain `SET … NX PX`, not a script; each still
+/// gets its own answer (a replay, an attempt in flight, fresh keys acquired), and the batch
+/// of completions that follows goes without a script too.
+#[tokio::test]
+async fn claims_sent_together_go_as_a_pipeline_of_plain_commands() {
+    let Some(server) = RedisServer::start_valkey() else {
+        return;
+    };
+    let url = server.url();
+    let store = std::sync::Arc::new(RedisStore::connect(&url, options()).await.unwrap());
+    let mut c = redis::Client::open(url)
+        .unwrap()
+        .get_multiplexed_async_connection()
+        .await
+        .unwrap();
+    log_every_command(&mut c).await;
+    let now = idem_core::Timestamp::now();
+    let req = |i: usize| request(&format!("batch-{i}"));
+    let done = acquire(&store, &req(0), now).await;
+    store
+        .complete(&req(0).key, &done, "0".into(), now)
+        .await
+        .unwrap();
+    acquire(&store, &req(1), now).await;
+
+    // Every write waits a moment: the begins sent meanwhile queue, and go together.
+    pause_writes(&mut c).await;
+    batched_claims(&mut c).await;
+    let before = scripts(&server);
+    let begins: Vec<_> = (0..40)
+        .map(|i| {
+            let store = store.clone();
+            tokio::spawn(async move { store.begin(&req(i), now).await })
+        })
+        .collect();
+    let mut leases = Vec::new();
+    for (i, begin) in begins.into_iter().enumerate() {
+        match (i, begin.await.unwrap().unwrap()) {
+            (0, BeginOutcome::Replay(r)) => assert_eq!(&r.response[..], b"0"),
+            (1, BeginOutcome::InProgress { .. }) => {}
+            (i, BeginOutcome::Acquired(lease)) if i >= 2 => leases.push((i, lease)),
+            (i, other) => panic!("k{i}: {other:?}"),
+        }
+    }
+    let batched = batched_claims(&mut c).await;
+    assert!(
+        batched >= 38,
+        "{batched} claims went as a batch's SET … NX PX"
+    );
+    assert_eq!(scripts(&server), before, "no script claimed");
+
+    let completes: Vec<_> = leases
+        .into_iter()
+        .map(|(i, lease)| {
+            let store = store.clone();
+            tokio::spawn(async move {
+                let body = idem_core::Bytes::from(i.to_string());
+                store.complete(&req(i).key, &lease, body, now).await
+            })
+        })
+        .collect();
+    for complete in completes {
+        complete.await.unwrap().unwrap();
+    }
+    assert_eq!(scripts(&server), before, "no script completed");
+    for i in 2..40 {
+        let record = store.get(&req(i).key, now).await.unwrap().unwrap();
+        assert_eq!(record.status, Status::Completed);
+        assert_eq!(record.response.as_deref(), Some(i.to_string().as_bytes()));
+    }
+}
+
+/// A Cluster settles plainly only when every primary takes `SET … IFEQ`: on three Valkey 9
+/// primaries, records on every node complete without a script; with one Redis 7 among them,
+/// by script on every node.
+#[tokio::test]
+async fn a_cluster_settles_plainly_only_when_every_primary_can() {
+    use idem_testkit::services::RedisCluster;
+
+    for valkeys in [3, 2] {
+        let Some(cluster) = RedisCluster::start_with_valkeys(valkeys) else {
+            return;
+        };
+        let store = RedisStore::connect_cluster(&cluster.urls(), options())
+            .await
+            .unwrap();
+        let scripts = || cluster.nodes().iter().map(scripts).sum::<u64>();
+        let now = idem_core::Timestamp::now();
+        let before = scripts();
+        // Thirty keys: each primary holds some.
+        for i in 0..30 {
+            let req = request(&format!("cluster-{i}"));
+            let lease = acquire(&store, &req, now).await;
+            store
+                .complete(&req.key, &lease, "done".into(), now)
+                .await
+                .unwrap();
+            let record = store.get(&req.key, now).await.unwrap().unwrap();
+            assert_eq!(record.status, Status::Completed);
+        }
+        let ran = scripts() - before;
+        if valkeys == 3 {
+            assert_eq!(ran, 0, "every primary takes SET … IFEQ");
+        } else {
+            assert!(ran >= 30, "a Redis 7 primary: {ran} scripts for 30 settles");
+        }
+        // Known before the first settle: no node was ever sent a SET it refused.
+        let refused: u64 = cluster
+            .nodes()
+            .iter()
+            .map(|n| {
+                n.info("commandstats")
+                    .lines()
+                    .find(|l| l.starts_with("cmdstat_set:"))
+                    .and_then(|l| l.split(',').find_map(|f| f.strip_prefix("rejected_calls=")))
+                    .and_then(|c| c.trim().parse::<u64>().ok())
+                    .unwrap_or(0)
+            })
+            .sum();
+        assert_eq!(refused, 0, "a SET … IFEQ was refused");
+    }
+}
