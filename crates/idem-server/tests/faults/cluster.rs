@@ -46,8 +46,9 @@ pub(crate) fn signal(signal: &str, pid: u32) {
 pub(crate) enum Store {
     /// A SQLite file: no network between the instances and their store.
     File(String),
-    /// A Redis of the run's own, which the nemesis may crash and restart.
-    OwnRedis(RedisServer),
+    /// A Redis (or, named `valkey`, a Valkey 9, whose records settle by plain `SET … IFEQ`)
+    /// of the run's own, which the nemesis may crash and restart.
+    OwnRedis(RedisServer, &'static str),
     /// A PostgreSQL or MariaDB of the run's own, the same.
     OwnSql(SqlServer),
     /// A server shared with others (`IDEM_FAULTS_STORE`): never restarted.
@@ -55,16 +56,24 @@ pub(crate) enum Store {
 }
 
 impl Store {
-    /// `IDEM_FAULTS_STORE`: `sqlite` for a file in `dir`, `own-postgres` or `own-mariadb` for
-    /// a server of the run's own, a URL for a server of someone else's; or (unset) a durable
+    /// The store `IDEM_FAULTS_STORE` names (see [`Store::named`]).
+    pub(crate) fn choose(dir: &std::path::Path) -> Self {
+        Self::named(&std::env::var("IDEM_FAULTS_STORE").unwrap_or_default(), dir)
+    }
+
+    /// `sqlite` for a file in `dir`; `own-postgres`, `own-mariadb` or `own-valkey` for a
+    /// server of the run's own; a URL for a server of someone else's; or (empty) a durable
     /// Redis of the run's own if `redis-server` runs here, else a file. A server that cannot
     /// be run here is a note, and a failure under `CI=true`.
-    pub(crate) fn choose(dir: &std::path::Path) -> Self {
+    pub(crate) fn named(chosen: &str, dir: &std::path::Path) -> Self {
         let file = || Self::File(format!("sqlite://{}", dir.join("idem.db").display()));
         let sql = |kind| SqlServer::start(kind).map_or_else(file, Self::OwnSql);
-        let chosen = std::env::var("IDEM_FAULTS_STORE").unwrap_or_default();
-        match chosen.as_str() {
-            "" => RedisServer::start_durable().map_or_else(file, Self::OwnRedis),
+        let redis = |server: Option<RedisServer>, name| {
+            server.map_or_else(file, |server| Self::OwnRedis(server, name))
+        };
+        match chosen {
+            "" => redis(RedisServer::start_durable(), "redis"),
+            "own-valkey" => redis(RedisServer::start_valkey_durable(), "valkey"),
             "sqlite" => file(),
             "own-postgres" => sql(SqlKind::Postgres),
             "own-mariadb" => sql(SqlKind::MariaDb),
@@ -74,20 +83,23 @@ impl Store {
 
     /// Whether the store is the run's own, which the nemesis may restart.
     pub(crate) fn own(&self) -> bool {
-        matches!(self, Self::OwnRedis(_) | Self::OwnSql(_))
+        matches!(self, Self::OwnRedis(..) | Self::OwnSql(_))
     }
 
     pub(crate) fn url(&self) -> String {
         match self {
             Self::File(url) | Self::Shared(url) => url.clone(),
-            Self::OwnRedis(server) => server.url(),
+            Self::OwnRedis(server, _) => server.url(),
             Self::OwnSql(server) => server.url(),
         }
     }
 
     pub(crate) fn describe(&self) -> String {
         let url = self.url();
-        let scheme = url.split("://").next().unwrap_or_default().to_owned();
+        let scheme = match self {
+            Self::OwnRedis(_, name) => (*name).to_owned(),
+            _ => url.split("://").next().unwrap_or_default().to_owned(),
+        };
         if self.own() {
             format!("{scheme} of the run's own")
         } else {
@@ -99,7 +111,7 @@ impl Store {
     /// run's own.
     pub(crate) fn crash_and_restart(&mut self, down: Duration) -> bool {
         match self {
-            Self::OwnRedis(server) => {
+            Self::OwnRedis(server, _) => {
                 server.stop();
                 std::thread::sleep(down);
                 server.restart();
@@ -170,11 +182,11 @@ pub(crate) struct Cluster {
 }
 
 impl Cluster {
-    /// `n` instances (gateways in front of `ledger`, or API servers), on the store
-    /// [`Store::choose`] picks.
-    pub(crate) fn start(role: Role, n: usize, ledger: &Ledger) -> Self {
+    /// `n` instances (gateways in front of `ledger`, or API servers), on the store `chosen`
+    /// names (see [`Store::named`]).
+    pub(crate) fn start(role: Role, n: usize, ledger: &Ledger, chosen: &str) -> Self {
         let dir = tempfile::tempdir().unwrap();
-        let store = Store::choose(dir.path());
+        let store = Store::named(chosen, dir.path());
         let config = dir.path().join("gateway.toml");
         std::fs::write(
             &config,
