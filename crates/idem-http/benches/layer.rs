@@ -14,13 +14,20 @@
 //! - `by hand, new keys` and `by hand, replays`: the hand-written dedupe (Redis only).
 //!
 //! Rounds are interleaved (every way once per round), and each way runs right after a run of
-//! `plain`, its row giving the ratio to that run.
+//! `plain`, its row giving the ratio to that run, and the CPU time per request the server's
+//! thread and the Redis server spent on it (where the machine's two cores go).
 //!
 //! `cargo bench -p idem-http --bench layer -- [--seconds N] [--concurrency N] [--rounds N]`
 //! (`REDIS_URL`, default `redis://127.0.0.1:6379`; `--store memory` for no Redis; `--only TEXT`
-//! for only the ways whose name holds TEXT, as when profiling one).
+//! for only the ways whose name holds TEXT, as when profiling one; `--max-batch N` bounds the
+//! Redis store's group commit, 1 turning it off).
 
-#![allow(clippy::unwrap_used, clippy::print_stdout, clippy::expect_used)]
+#![allow(
+    clippy::unwrap_used,
+    clippy::print_stdout,
+    clippy::expect_used,
+    clippy::cast_precision_loss
+)]
 
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -46,6 +53,8 @@ struct Args {
     store: String,
     /// Only the ways whose name holds this text (for profiling one of them).
     only: Option<String>,
+    /// The Redis store's group commit bound (`RedisOptions::max_batch`; 1 turns it off).
+    max_batch: Option<usize>,
 }
 
 fn args() -> Args {
@@ -55,6 +64,7 @@ fn args() -> Args {
         rounds: 3,
         store: "redis".into(),
         only: None,
+        max_batch: None,
     };
     let mut it = std::env::args().skip(1);
     while let Some(flag) = it.next() {
@@ -65,6 +75,7 @@ fn args() -> Args {
             "--rounds" => a.rounds = value().parse().unwrap(),
             "--store" => a.store = value(),
             "--only" => a.only = Some(value()),
+            "--max-batch" => a.max_batch = Some(value().parse().unwrap()),
             "--quick" => (a.seconds, a.rounds) = (1, 1),
             _ => {} // cargo bench passes --bench
         }
@@ -175,7 +186,7 @@ async fn serve_by_hand(run: &str) -> SocketAddr {
     .await
 }
 
-async fn store(kind: &str, run: &str) -> SharedStore {
+async fn store(kind: &str, run: &str, max_batch: Option<usize>) -> SharedStore {
     match kind {
         "memory" => Arc::new(idem_store::MemoryStore::with_limits(
             idem_store::MemoryLimits::new(usize::MAX, usize::MAX),
@@ -183,9 +194,11 @@ async fn store(kind: &str, run: &str) -> SharedStore {
         _ => {
             let url =
                 std::env::var("REDIS_URL").unwrap_or_else(|_| "redis://127.0.0.1:6379".into());
+            let defaults = idem_store::RedisOptions::default();
             let options = idem_store::RedisOptions {
                 prefix: format!("idem-bench-layer:{run}:"),
-                ..Default::default()
+                max_batch: max_batch.unwrap_or(defaults.max_batch),
+                ..defaults
             };
             Arc::new(
                 idem_store::RedisStore::connect(&url, options)
@@ -214,7 +227,14 @@ fn request(target: SocketAddr, key: String) -> http::Request<Full<Bytes>> {
         .unwrap()
 }
 
-async fn run(target: SocketAddr, keys: Keys, replayed: bool, args: &Args, tag: String) -> f64 {
+/// Requests answered and requests per second.
+async fn run(
+    target: SocketAddr,
+    keys: Keys,
+    replayed: bool,
+    args: &Args,
+    tag: String,
+) -> (usize, f64) {
     let out = load::run(
         args.concurrency,
         Duration::from_secs(args.seconds),
@@ -231,7 +251,44 @@ async fn run(target: SocketAddr, keys: Keys, replayed: bool, args: &Args, tag: S
         },
     )
     .await;
-    out.rps
+    (out.requests, out.rps)
+}
+
+/// The CPU time the server's runtime thread has used, in ns, read on that thread (its
+/// scheduler statistics): what the server spends on each way, apart from the load's clients.
+async fn server_cpu(server: &tokio::runtime::Handle) -> u64 {
+    server
+        .spawn(async {
+            let stats = std::fs::read_to_string("/proc/thread-self/schedstat").unwrap_or_default();
+            stats
+                .split_whitespace()
+                .next()
+                .and_then(|ns| ns.parse().ok())
+                .unwrap_or(0)
+        })
+        .await
+        .unwrap()
+}
+
+/// The CPU time the Redis server has used, in ns (`INFO cpu`), or 0 without one.
+async fn redis_cpu(conn: Option<&redis::aio::MultiplexedConnection>) -> u64 {
+    let Some(conn) = conn else { return 0 };
+    let info: String = redis::cmd("INFO")
+        .arg("cpu")
+        .query_async(&mut conn.clone())
+        .await
+        .unwrap();
+    let seconds = |field: &str| {
+        info.lines()
+            .find_map(|l| l.strip_prefix(field))
+            .and_then(|v| v.trim().parse::<f64>().ok())
+            .unwrap_or(0.0)
+    };
+    let total = seconds("used_cpu_user:") + seconds("used_cpu_sys:");
+    // Whole nanoseconds, from a figure given to the microsecond.
+    #[allow(clippy::cast_possible_truncation, clippy::cast_sign_loss)]
+    let ns = (total * 1e9) as u64;
+    ns
 }
 
 async fn warm(target: SocketAddr) {
@@ -253,7 +310,7 @@ fn main() {
         idem_core::Timestamp::now().as_millis()
     );
     let (plain, layered, cached, hand) = server_rt.block_on(async {
-        let shared = store(&args.store, &run_id).await;
+        let shared = store(&args.store, &run_id, args.max_batch).await;
         // Short-lived records (the bench writes many keys to a shared server), but the keys
         // warmed once must still be there for the last round's replays: every way and its
         // plain run, every round, and a minute to spare.
@@ -284,8 +341,21 @@ fn main() {
         "layer bench: store {}, {} keep-alive clients, {} s per row, {} rounds\n",
         args.store, args.concurrency, args.seconds, args.rounds
     );
-    println!("| round | way | req/s | plain req/s | × plain |");
-    println!("|---|---|---:|---:|---:|");
+    let redis = (args.store != "memory").then(|| {
+        let url = std::env::var("REDIS_URL").unwrap_or_else(|_| "redis://127.0.0.1:6379".into());
+        load_rt.block_on(async {
+            redis::Client::open(url)
+                .unwrap()
+                .get_multiplexed_async_connection()
+                .await
+                .unwrap()
+        })
+    });
+    let server = server_rt.handle().clone();
+    println!(
+        "| round | way | req/s | plain req/s | × plain | server CPU µs/req | Redis CPU µs/req |"
+    );
+    println!("|---|---|---:|---:|---:|---:|---:|");
     for round in 1..=args.rounds {
         load_rt.block_on(async {
             let mut ways = vec![
@@ -309,10 +379,15 @@ fn main() {
                 }
                 // The bare route right before each way: the machine's load drifts, and a
                 // ratio to a run minutes away would measure the drift.
-                let base = run(plain, Keys::Fresh, false, &args, format!("p{round}w{i}")).await;
-                let rps = run(target, keys, replayed, &args, format!("r{round}w{i}")).await;
+                let (_, base) =
+                    run(plain, Keys::Fresh, false, &args, format!("p{round}w{i}")).await;
+                let (cpu, redis_before) = (server_cpu(&server).await, redis_cpu(redis.as_ref()).await);
+                let (n, rps) = run(target, keys, replayed, &args, format!("r{round}w{i}")).await;
+                let per_request = |ns: u64| ns as f64 / 1000.0 / n.max(1) as f64;
+                let cpu = per_request(server_cpu(&server).await - cpu);
+                let redis_cpu = per_request(redis_cpu(redis.as_ref()).await - redis_before);
                 println!(
-                    "| {round} | {way} | {rps:.0} | {base:.0} | {:.2} |",
+                    "| {round} | {way} | {rps:.0} | {base:.0} | {:.2} | {cpu:.1} | {redis_cpu:.1} |",
                     rps / base
                 );
             }
