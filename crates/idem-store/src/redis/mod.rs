@@ -11,9 +11,10 @@
 //! operation and is left alone.
 //!
 //! **Group commit** (one server): `begin`s and `complete`s that arrive while others are in
-//! flight go together, as one script call over many keys (`crate::group_commit`): the batched
-//! `begin` writes each fresh record as the plain `SET … NX PX` would, the batched `complete`
-//! runs the one-record settle logic per key; anything else is decided by the one-record call.
+//! flight go together (`crate::group_commit`): the batched `begin` is one pipeline of plain
+//! `SET … NX PX`, one per fresh record; the batched `complete` is one script call over many
+//! keys running the one-record settle logic per key (or, with plain settles, a pipeline);
+//! anything else is decided by the one-record call.
 //!
 //! **Keys.** A record's Redis key is `<prefix>{<digest>}`, the digest being 128 bits of SHA-256
 //! over scope, namespace and client key. Each record is a single key, and the braces make it
@@ -75,8 +76,8 @@ pub(crate) use conn::{Conn, Lua};
 use error::error;
 pub use locks::lock_scripts;
 use scripts::{
-    BEGIN, BEGIN_NEW, COMPLETE_MANY, GIVE_BACK, RAISE, RECORD, RENEW, REOPEN, REPAIR, SETTLE,
-    SETTLE_FN, STEP, record_script,
+    BEGIN, COMPLETE_MANY, GIVE_BACK, RAISE, RECORD, RENEW, REOPEN, REPAIR, SETTLE, SETTLE_FN, STEP,
+    record_script,
 };
 
 /// Added to every native TTL, so that a record outlives its logical expiry by this much.
@@ -99,9 +100,9 @@ pub struct RedisOptions {
     /// Default false: such a server refuses `advance` with a message saying why, and says so
     /// once at connect.
     pub allow_volatile_counters: bool,
-    /// The most records one script call begins or completes (group commit, one server only):
-    /// calls that arrive while one is in flight wait and then go together, up to this many
-    /// per call; 1 sends every call on its own; at most 1024. A Cluster sends every call on its
+    /// The most records one batch begins or completes (group commit, one server only): calls
+    /// that arrive while one is in flight wait and then go together, up to this many per
+    /// batch; 1 sends every call on its own; at most 1024. A Cluster sends every call on its
     /// own (a script may only touch keys of one slot). Default 64.
     pub max_batch: usize,
 }
@@ -147,7 +148,6 @@ pub struct RedisStore {
 pub(super) struct RecordScripts {
     pub(super) begin: Lua,
     pub(super) settle: Lua,
-    pub(super) begin_new: Lua,
     pub(super) complete_many: Lua,
     pub(super) renew: Lua,
     pub(super) reopen: Lua,
@@ -216,7 +216,7 @@ impl RedisStore {
     }
 
     fn with(conn: Conn, options: RedisOptions) -> Self {
-        // Two lanes: one batch's script call on the wire while the next one gathers.
+        // Two lanes: one batch on the wire while the next one gathers.
         let batches = match conn {
             Conn::Single(_) => GroupCommit::with_lanes(2, options.max_batch),
             Conn::Cluster(_) => None,
@@ -232,7 +232,6 @@ impl RedisStore {
             scripts: Arc::new(RecordScripts {
                 begin: record_script(BEGIN),
                 settle: Lua::new(&format!("{RECORD}{SETTLE_FN}{SETTLE}")),
-                begin_new: Lua::new(BEGIN_NEW),
                 complete_many: Lua::new(&format!("{RECORD}{SETTLE_FN}{COMPLETE_MANY}")),
                 renew: record_script(RENEW),
                 reopen: record_script(REOPEN),

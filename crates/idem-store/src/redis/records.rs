@@ -229,41 +229,29 @@ impl ManyAtOnce for RedisStore {
             .await
     }
 
-    /// Writes the fresh record of every key Redis does not have, in one script call (or, where
-    /// settles are plain commands, one pipeline of `SET … NX PX`); the others are left to
-    /// `begin_alone`. A call that fails may still run (as `begin_as`
-    /// says), so every lease it carried is given back, and every job fails with its error.
+    /// Writes the fresh record of every key Redis does not have, with one pipeline of plain
+    /// `SET … NX PX` (measured as fast as one script over every key on Redis 7, and faster
+    /// on Valkey 9, whose scripts cost more); the others are left to `begin_alone`. A call
+    /// that fails may still run (as `begin_as` says), so every lease it carried is given
+    /// back, and every job fails with its error.
     async fn begin_many(&self, jobs: &[BeginJob], fresh: &[Fresh]) -> Many<Acquired> {
         let keys: Vec<String> = fresh.iter().map(|(_, r)| self.redis_key(&r.key)).collect();
-        let sent = if self.plain.enabled() {
-            // Where settles go without scripts, so do the batch's claims: one pipelined
-            // `SET … NX PX` each, which the server runs for a fraction of a script's cost.
-            let mut pipe = redis::pipe();
-            for ((job, (_, record)), key) in jobs.iter().zip(fresh).zip(&keys) {
-                pipe.cmd("SET")
-                    .arg(key)
-                    .arg(pack(record))
-                    .arg("NX")
-                    .arg("PX")
-                    .arg(native_ttl(record.expires_at, job.now));
-            }
-            pipe.query_async::<Vec<Value>>(&mut self.conn.clone())
-                .await
-                .map(|answers| {
-                    let set = |a: &Value| i64::from(matches!(a, Value::Okay));
-                    answers.iter().map(set).collect()
-                })
-        } else {
-            let mut call = self.scripts.begin_new.call(keys.len());
-            for key in &keys {
-                call.arg(key);
-            }
-            for (job, (_, record)) in jobs.iter().zip(fresh) {
-                call.arg(pack(record))
-                    .arg(native_ttl(record.expires_at, job.now));
-            }
-            call.invoke_async::<Vec<i64>>(&mut self.conn.clone()).await
-        };
+        let mut pipe = redis::pipe();
+        for ((job, (_, record)), key) in jobs.iter().zip(fresh).zip(&keys) {
+            pipe.cmd("SET")
+                .arg(key)
+                .arg(pack(record))
+                .arg("NX")
+                .arg("PX")
+                .arg(native_ttl(record.expires_at, job.now));
+        }
+        let sent = pipe
+            .query_async::<Vec<Value>>(&mut self.conn.clone())
+            .await
+            .map(|answers| {
+                let set = |a: &Value| i64::from(matches!(a, Value::Okay));
+                answers.iter().map(set).collect()
+            });
         let got: Vec<i64> = match sent {
             Ok(got) => got,
             Err(e) => {

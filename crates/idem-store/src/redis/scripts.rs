@@ -133,17 +133,6 @@ end
 return done
 ";
 
-/// Begin every record of `KEYS` that Redis does not have (group commit): ARGV = the fresh
-/// record and its native TTL of each key in turn. Answers, per key, 1 if it wrote the fresh
-/// record (as the plain `SET … NX PX` would), else 0 (the one-record call then decides it).
-pub(super) const BEGIN_NEW: &str = r"
-local got = {}
-for i, key in ipairs(KEYS) do
-  got[i] = redis.call('SET', key, ARGV[2 * i - 1], 'NX', 'PX', ARGV[2 * i]) and 1 or 0
-end
-return got
-";
-
 /// Gives back what a `begin` may have taken though its caller was told it failed (it timed
 /// out, or its connection broke): ARGV = now, lease id, margin. Releases the record if it is
 /// in progress under that lease id, whatever its fence (a takeover's fence is not known to

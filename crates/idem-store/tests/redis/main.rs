@@ -153,6 +153,16 @@ async fn commands_sent(c: &mut redis::aio::MultiplexedConnection) -> Vec<Vec<Str
         .collect()
 }
 
+/// How many of the commands clients sent since the last call (see [`commands_sent`]) are
+/// claims as a batch sends them (`SET … NX PX`, without the `GET` of a claim sent alone).
+async fn batched_claims(c: &mut redis::aio::MultiplexedConnection) -> usize {
+    let batched = |args: &Vec<String>| {
+        let has = |word: &str| args.iter().skip(3).any(|a| a == word);
+        args.first().is_some_and(|a| a == "SET") && has("NX") && !has("GET")
+    };
+    commands_sent(c).await.iter().filter(|a| batched(a)).count()
+}
+
 mod batching;
 mod failures;
 mod listing;

@@ -143,16 +143,6 @@ async fn a_server_without_ifeq_settles_by_script() {
     assert_eq!(record.response.as_deref(), Some(&b"done"[..]));
 }
 
-/// How many of the commands clients sent since the last call (see [`commands_sent`]) are
-/// claims as a batch sends them (`SET … NX PX`, without the `GET` of a claim sent alone).
-async fn batched_claims(c: &mut redis::aio::MultiplexedConnection) -> usize {
-    let batched = |args: &Vec<String>| {
-        let has = |word: &str| args.iter().skip(3).any(|a| a == word);
-        args.first().is_some_and(|a| a == "SET") && has("NX") && !has("GET")
-    };
-    commands_sent(c).await.iter().filter(|a| batched(a)).count()
-}
-
 /// Claims sent together go as one pipeline of plain `SET … NX PX`, not a script; each still
 /// gets its own answer (a replay, an attempt in flight, fresh keys acquired), and the batch
 /// of completions that follows goes without a script too.
