@@ -8,21 +8,28 @@
 #   bench/headline.sh store ids  # only the headlines whose name contains one of the words
 #
 # ROUNDS (default 3) and DURATION (seconds per scenario, default 5) go to the benches that
-# take them. Output: a `### <headline>` line, then the bench's own output, for each.
+# take them. The Valkey 9 headlines run against VALKEY_URL (a server of `.ci/valkey` started
+# by hand, e.g. redis://127.0.0.1:6390), and are skipped with a note without it. Output: a
+# `### <headline>` line, then the bench's own output, for each.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ROUNDS="${ROUNDS:-3}"
 DURATION="${DURATION:-5}"
+VALKEY_URL="${VALKEY_URL:-}"
 
 # name | command (run with bash -c, from the repository's root)
 headlines=(
   "store (memory, SQLite, PostgreSQL, MariaDB, Redis)|cargo bench -q -p idem-store --all-features --bench store"
   "gateway on SQLite|cargo bench -q -p idem-server --bench gateway -- --seconds $DURATION --rounds $ROUNDS"
   "layer on Redis|cargo bench -q -p idem-http --bench layer -- --seconds $DURATION --rounds $ROUNDS"
+  "layer on Valkey 9|REDIS_URL=$VALKEY_URL cargo bench -q -p idem-http --bench layer -- --seconds $DURATION --rounds $ROUNDS --only 'new keys'"
   "run-once against Powertools|ROUNDS=$ROUNDS DURATION=$DURATION bench/run-once-vs-powertools.sh"
+  "run-once against two round trips, Valkey 9|REDIS_URL=$VALKEY_URL ROUNDS=$ROUNDS DURATION=$DURATION bench/run-once-vs-cap.sh"
   "locks against redlock|ROUNDS=$ROUNDS DURATION=$DURATION bench/locks-vs-redlock.sh"
   "consumer on RabbitMQ|cargo bench -q -p idem-mq --bench consumer -- --rounds $ROUNDS --only idem-redis --broker rabbitmq"
   "consumer on NATS|cargo bench -q -p idem-mq --bench consumer -- --prefetch 256 --only idem-redis --broker nats --messages 40000 --rounds $ROUNDS"
+  "consumers on Valkey 9, RabbitMQ|IDEM_TEST_REDIS_URL=$VALKEY_URL cargo bench -q -p idem-mq --bench consumer -- --rounds $ROUNDS --only idem-redis --broker rabbitmq"
+  "consumers on Valkey 9, NATS|IDEM_TEST_REDIS_URL=$VALKEY_URL cargo bench -q -p idem-mq --bench consumer -- --prefetch 256 --only idem-redis --broker nats --messages 40000 --rounds $ROUNDS"
   "relay|cargo bench -q -p idem-server --bench relay"
   "ids|cargo bench -q -p idem-id --bench ids"
   "listing records on SQLite|cargo bench -q -p idem-store --bench listing_sqlite"
@@ -44,6 +51,11 @@ for entry in "${headlines[@]}"; do
   command=${entry#*|}
   wanted "$name" "$@" || continue
   echo "### $name"
+  if [[ $name == *"Valkey 9"* && -z $VALKEY_URL ]]; then
+    echo "skipped: set VALKEY_URL to a Valkey 9 server's URL (see .ci/valkey)"
+    echo
+    continue
+  fi
   echo "\$ $command"
   bash -c "$command"
   echo
