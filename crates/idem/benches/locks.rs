@@ -225,7 +225,7 @@ fn redis_limits(url: &str, clients: usize) -> Option<(f64, f64)> {
             "n",
         ],
     )?;
-    // Keys of their own: the scripts' keys are hashes.
+    // Keys of their own, apart from the lock states.
     let key = "idem-bench:set:{__rand_int__}";
     let set = redis_benchmark(url, clients, &["SET", key, &owner, "NX", "PX", "10000"])?;
     let del = redis_benchmark(url, clients, &["DEL", key])?;

@@ -19,7 +19,7 @@
 //!
 //! `IDEM_FAULTS_SECS` sets how long the run lasts at least (default 20; it lasts until every
 //! kind of fault has struck), `IDEM_FAULTS_STORE` the store (default a Redis of the run's own,
-//! and for gateways and API servers a Valkey 9 of the run's own too; `own-postgres`,
+//! and for gateways, API servers and locks a Valkey 9 of the run's own too; `own-postgres`,
 //! `own-mariadb` or `own-valkey` for one of those; `sqlite` for a file; or any store URL, a
 //! server the run never restarts),
 //! `IDEM_FAULTS_HISTORY` a file to keep each run's history in (suffixed with the run's name).
@@ -266,9 +266,9 @@ fn locks_through_api_servers_under_the_nemesis_keep_their_fences() {
     run(Work::Locks, &chosen_store());
 }
 
-/// On a Valkey 9 the records a client claimed settle by plain `SET … IFEQ` commands rather
-/// than scripts, and fall back to the script when the record moved on (a takeover after a
-/// pause, a store crash): the same guarantees, on that path.
+/// On a Valkey 9 the records a client claimed settle, and the locks it holds are released, by
+/// plain `SET … IFEQ` commands rather than scripts, falling back to the script when the state
+/// moved on (a takeover after a pause, a store crash): the same guarantees, on that path.
 #[test]
 fn gateways_on_valkey_under_the_nemesis_keep_every_guarantee() {
     on_valkey(Work::Gateway);
@@ -277,6 +277,11 @@ fn gateways_on_valkey_under_the_nemesis_keep_every_guarantee() {
 #[test]
 fn api_servers_on_valkey_under_the_nemesis_keep_every_guarantee() {
     on_valkey(Work::Records);
+}
+
+#[test]
+fn locks_on_valkey_under_the_nemesis_keep_their_fences() {
+    on_valkey(Work::Locks);
 }
 
 /// The store `IDEM_FAULTS_STORE` names (see `cluster::Store::named`).

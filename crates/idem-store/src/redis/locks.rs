@@ -1,11 +1,24 @@
 //! Locks in Redis, single node or Cluster.
 //!
-//! A lock is one hash, `<prefix>lock:{<digest>}` (the digest being 128 bits of SHA-256 of the
-//! name, its own hash tag), holding the last owner's digest, its fence, its lease end and the
-//! name (for listings of held locks). Each operation is one Lua script applying
-//! [`LockState`](idem_core::LockState)'s rules with the server's clock (`TIME`), so clients'
-//! clocks never decide who holds a lock, and the fence is computed in the same step as the lock
-//! is taken: `max(fence + 1, TIME in µs)`.
+//! A lock is one string, `<prefix>lock:{<digest>}` (the digest being 128 bits of SHA-256 of
+//! the name, its own hash tag), holding `<fence> <lease end> <owner> <name>`: the last owner's
+//! fence, its lease end (ms, by the server's clock), its digest and the name (for listings of
+//! held locks). Each operation is one Lua script applying [`LockState`](idem_core::LockState)'s
+//! rules with the server's clock (`TIME`), so clients' clocks never decide who holds a lock,
+//! and the fence is computed in the same step as the lock is taken: `max(fence + 1, TIME in
+//! µs)`. A state written as a hash (fields `o`, `f`, `e`, `n`: the layout before) is read by
+//! every script and the listing, and becomes a string at its next write; an instance of the
+//! hash layout refuses a string state (`WRONGTYPE`), so while both run, its lock calls fail
+//! rather than take a lock held by the other kind.
+//!
+//! **Plain releases.** Where the server compares and sets a value (`SET … IFEQ`, the same
+//! servers as the records' plain settles), the holder knows the exact state its acquire or
+//! renewal wrote (the answer carries the fence and lease end), so a release is one pipeline
+//! of `SET key released IFEQ held PX retention` and the `PUBLISH` that wakes waiters: the
+//! server writes the released state (lease end 0, the fence kept) exactly when the lock is
+//! still as this holder left it, when the script would have released it too. Anything else
+//! (`nil`: renewed elsewhere, taken over, already released) goes to the script, which
+//! decides. A renewal stays a script: its lease end is read from the server's clock.
 //!
 //! The hash outlives the lease by [`LOCK_STATE_RETENTION`] (native TTL), so a late release by
 //! the last owner is recognised; after that, or when the server lost its data (a restart
@@ -17,7 +30,8 @@
 //! while) and wakes its waiters. A Cluster delivers every `PUBLISH` to every node, so there
 //! the store subscribes on the first node it was given; while that node is down, waiters poll.
 
-use std::sync::Arc;
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
 use idem_core::lock::{LOCK_STATE_RETENTION, lease_millis};
@@ -31,30 +45,84 @@ use super::RedisStore;
 use super::admin::{BATCH, Node};
 use super::conn::Lua;
 use super::error::{corrupt, error};
-use super::scripts::{CLOCK, FENCED_SET, LOCK_ACQUIRE, LOCK_RELEASE, LOCK_RENEW};
+use super::plain::refused_ifeq;
+use super::scripts::{CLOCK, FENCED_SET, LOCK_ACQUIRE, LOCK_RELEASE, LOCK_RENEW, LOCK_STATE};
 use crate::fenced::Fenced;
 use crate::lock_wakeup::{FeedTask, ReleaseFeed};
 
-/// The lock scripts and the release feed, shared by a store's clones.
+/// The most holdings whose state is kept for plain releases; past it, a release goes by
+/// the script.
+const MAX_HELD: usize = 16_384;
+
+/// The lock scripts, the release feed, and the states this instance's holdings wrote, shared
+/// by a store's clones.
 pub(crate) struct LockScripts {
     acquire: Lua,
     renew: Lua,
     release: Lua,
     fenced_set: Lua,
     feed: ReleaseFeed,
+    /// By lock key and fence: the holder (its digest in hex) and lease end the holding's
+    /// acquire or renewal wrote (for a plain release; see the module's notes).
+    held: Mutex<HashMap<(String, u64), (String, u64)>>,
 }
 
 impl LockScripts {
     pub(crate) fn new() -> Self {
-        let script = |body: &str| Lua::new(&format!("{CLOCK}{body}"));
+        let script = |body: &str| Lua::new(&format!("{CLOCK}{LOCK_STATE}{body}"));
         Self {
             acquire: script(LOCK_ACQUIRE),
             renew: script(LOCK_RENEW),
             release: script(LOCK_RELEASE),
             fenced_set: Lua::new(FENCED_SET),
             feed: ReleaseFeed::new(),
+            held: Mutex::default(),
         }
     }
+
+    /// Notes that the holding of `key` under `fence` by `owner` wrote a state whose lease
+    /// ends at `expires`. Full, the map drops holdings whose lease has ended by this process's
+    /// clock (a hint only: a holding dropped is released by the script).
+    fn note(&self, key: &str, fence: u64, owner: &str, expires: Timestamp) {
+        let mut held = self.held.lock().unwrap_or_else(PoisonError::into_inner);
+        if held.len() >= MAX_HELD {
+            let now = Timestamp::now().as_millis();
+            held.retain(|_, (_, ends)| *ends > now);
+            if held.len() >= MAX_HELD {
+                return;
+            }
+        }
+        held.insert(
+            (key.to_owned(), fence),
+            (owner.to_owned(), expires.as_millis()),
+        );
+    }
+
+    /// The lease end the holding of `key` under `fence` by `owner` wrote, taken out; `None`
+    /// (and the note kept) if another owner asks.
+    fn take(&self, key: &str, fence: u64, owner: &str) -> Option<u64> {
+        let mut held = self.held.lock().unwrap_or_else(PoisonError::into_inner);
+        let at = (key.to_owned(), fence);
+        if held.get(&at)?.0 != owner {
+            return None;
+        }
+        held.remove(&at).map(|(_, expires)| expires)
+    }
+}
+
+/// A lock's state as the scripts write it: `<fence> <lease end ms> <owner> <name>`.
+fn state(fence: u64, expires: u64, owner: &str, name: &str) -> String {
+    format!("{fence} {expires} {owner} {name}")
+}
+
+/// The name, fence and lease end of a lock state, if `value` is one.
+fn parse_state(value: &[u8]) -> Option<(String, u64, u64)> {
+    let text = std::str::from_utf8(value).ok()?;
+    let mut parts = text.splitn(4, ' ');
+    let fence = parts.next()?.parse().ok()?;
+    let expires = parts.next()?.parse().ok()?;
+    let _owner = parts.next()?;
+    Some((parts.next()?.to_owned(), fence, expires))
 }
 
 /// The full source of the acquire and release scripts, for measuring them on their own
@@ -62,14 +130,66 @@ impl LockScripts {
 #[doc(hidden)]
 pub fn lock_scripts() -> (String, String) {
     (
-        format!("{CLOCK}{LOCK_ACQUIRE}"),
-        format!("{CLOCK}{LOCK_RELEASE}"),
+        format!("{CLOCK}{LOCK_STATE}{LOCK_ACQUIRE}"),
+        format!("{CLOCK}{LOCK_STATE}{LOCK_RELEASE}"),
     )
 }
 
 impl RedisStore {
     fn lock_key(&self, name: &LockName) -> String {
         format!("{}lock:{{{}}}", self.prefix, name.digest_hex())
+    }
+
+    /// Notes the state a holding wrote, where releases may go as plain commands.
+    fn note_held(&self, key: &str, owner: &str, held: Held) {
+        if self.plain.enabled() {
+            self.locks.note(key, held.fence, owner, held.expires_at);
+        }
+    }
+
+    /// Releases the holding with one `SET … IFEQ` of the state it wrote, and wakes waiters
+    /// (see the module's notes): `true` if it did; `false` if it is the script's to decide.
+    async fn released_plainly(
+        &self,
+        key: &str,
+        owner: &str,
+        name: &LockName,
+        fence: u64,
+    ) -> Result<bool, StoreError> {
+        if !self.plain.enabled() {
+            return Ok(false);
+        }
+        let Some(expires) = self.locks.take(key, fence, owner) else {
+            return Ok(false);
+        };
+        let written = state(fence, expires, owner, name.as_str());
+        let released = state(fence, 0, owner, name.as_str());
+        let mut pipe = redis::pipe();
+        pipe.ignore_errors();
+        pipe.cmd("SET")
+            .arg(key)
+            .arg(released)
+            .arg("IFEQ")
+            .arg(written)
+            .arg("PX")
+            .arg(retention());
+        pipe.cmd("PUBLISH")
+            .arg(self.release_channel())
+            .arg(name.as_str());
+        let answers: Vec<redis::RedisResult<Value>> = pipe
+            .query_async(&mut self.conn.clone())
+            .await
+            .map_err(|e| error("cannot release the lock", e))?;
+        match answers.into_iter().next() {
+            Some(Ok(Value::Okay)) => Ok(true),
+            Some(Err(e)) if refused_ifeq(&e) => {
+                self.plain.disable();
+                Ok(false)
+            }
+            Some(Err(e)) => Err(error("cannot release the lock", e)),
+            // Changed since (renewed elsewhere, taken over, released): the script decides.
+            _ => Ok(false),
+        }
     }
 
     fn release_channel(&self) -> String {
@@ -124,7 +244,7 @@ impl RedisStore {
         let mut pipe = redis::pipe();
         pipe.ignore_errors();
         for key in keys {
-            pipe.cmd("HMGET").arg(key).arg("n").arg("f").arg("e");
+            pipe.cmd("GET").arg(key);
         }
         pipe.cmd("TIME");
         let mut values = self
@@ -136,10 +256,35 @@ impl RedisStore {
             .and_then(|t| redis::from_redis_value(t).ok())
             .ok_or_else(|| corrupt("answer to TIME"))?;
         let now = secs.saturating_mul(1000).saturating_add(micros / 1000);
-        Ok(values
+        let mut states = Vec::new();
+        // States still in the hash layout (GET refuses them), read as hashes.
+        let mut hashes = Vec::new();
+        for (key, value) in keys.iter().zip(values) {
+            match value {
+                Value::BulkString(v) => states.extend(parse_state(&v)),
+                Value::ServerError(_) => hashes.push(key),
+                _ => {}
+            }
+        }
+        if !hashes.is_empty() {
+            let mut pipe = redis::pipe();
+            pipe.ignore_errors();
+            for key in &hashes {
+                pipe.cmd("HMGET").arg(key).arg("n").arg("f").arg("e");
+            }
+            let values = self
+                .pipeline(node, pipe, hashes.len())
+                .await
+                .map_err(|e| error("cannot read the locks", e))?;
+            states.extend(
+                values
+                    .into_iter()
+                    .filter_map(|v| redis::from_redis_value(v).ok()),
+            );
+        }
+        Ok(states
             .into_iter()
-            .filter_map(|v| {
-                let (name, fence, expires): (String, u64, u64) = redis::from_redis_value(v).ok()?;
+            .filter_map(|(name, fence, expires): (String, u64, u64)| {
                 if expires <= now {
                     return None;
                 }
@@ -180,11 +325,12 @@ impl LockStore for RedisStore {
         owner: OwnerDigest,
         lease: Duration,
     ) -> Result<Acquire, StoreError> {
+        let (key, owner) = (self.lock_key(name), owner.to_hex());
         let answer: Vec<Value> = self
             .locks
             .acquire
-            .key(self.lock_key(name))
-            .arg(owner.to_hex())
+            .key(&key)
+            .arg(&owner)
             .arg(lease_millis(lease))
             .arg(retention())
             .arg(name.as_str())
@@ -192,11 +338,15 @@ impl LockStore for RedisStore {
             .await
             .map_err(|e| error("cannot acquire the lock", e))?;
         match answer.as_slice() {
-            [Value::Int(1), fence, expires] => Ok(Acquire::Acquired(Held {
-                fence: u64::try_from(number(fence, "lock fence")?)
-                    .map_err(|_| corrupt("lock fence"))?,
-                expires_at: timestamp(expires, "lock expiry")?,
-            })),
+            [Value::Int(1), fence, expires] => {
+                let held = Held {
+                    fence: u64::try_from(number(fence, "lock fence")?)
+                        .map_err(|_| corrupt("lock fence"))?,
+                    expires_at: timestamp(expires, "lock expiry")?,
+                };
+                self.note_held(&key, &owner, held);
+                Ok(Acquire::Acquired(held))
+            }
             [Value::Int(0), until] => Ok(Acquire::Busy {
                 until: timestamp(until, "lock expiry")?,
             }),
@@ -211,11 +361,15 @@ impl LockStore for RedisStore {
         fence: u64,
         lease: Duration,
     ) -> Result<Held, LockError> {
+        let (key, owner) = (self.lock_key(name), owner.to_hex());
+        // The state changes whatever the answer: a release goes by the script unless this
+        // renewal says what it wrote.
+        self.locks.take(&key, fence, &owner);
         let answer: i64 = self
             .locks
             .renew
-            .key(self.lock_key(name))
-            .arg(owner.to_hex())
+            .key(&key)
+            .arg(&owner)
             .arg(fence)
             .arg(lease_millis(lease))
             .arg(retention())
@@ -223,10 +377,12 @@ impl LockStore for RedisStore {
             .await
             .map_err(|e| error("cannot renew the lock", e))?;
         let expires = u64::try_from(answer).map_err(|_| LockError::NotOwner)?;
-        Ok(Held {
+        let held = Held {
             fence,
             expires_at: Timestamp::from_millis(expires),
-        })
+        };
+        self.note_held(&key, &owner, held);
+        Ok(held)
     }
 
     async fn release(
@@ -235,11 +391,15 @@ impl LockStore for RedisStore {
         owner: OwnerDigest,
         fence: u64,
     ) -> Result<(), LockError> {
+        let (key, owner) = (self.lock_key(name), owner.to_hex());
+        if self.released_plainly(&key, &owner, name, fence).await? {
+            return Ok(());
+        }
         let answer: i64 = self
             .locks
             .release
-            .key(self.lock_key(name))
-            .arg(owner.to_hex())
+            .key(&key)
+            .arg(&owner)
             .arg(fence)
             .arg(retention())
             .arg(self.release_channel())

@@ -247,40 +247,57 @@ local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 local nowus = tonumber(t[1]) * 1000000 + tonumber(t[2])
 ";
 
+/// The lock state at a key, one string `<fence> <lease end ms> <owner> <name>` (see
+/// `super::locks`): `state(key)` answers the owner, the fence as its decimal text, the lease
+/// end and the name, or nothing; a hash (the layout before states were strings, fields `o`,
+/// `f`, `e`, `n`) is read too, and rewritten as a string by the next write. `put` writes one
+/// with its native TTL.
+pub(super) const LOCK_STATE: &str = r"
+local function state(k)
+  local v = redis.pcall('GET', k)
+  if type(v) == 'table' and v.err then
+    local r = redis.call('HMGET', k, 'o', 'f', 'e', 'n')
+    return r[1], r[2], tonumber(r[3]), r[4] or ''
+  end
+  if not v then return nil end
+  local f, e, o, n = string.match(v, '^(%d+) (%d+) (%x+) (.*)$')
+  return o, f, tonumber(e), n
+end
+local function put(k, o, f, e, n, px)
+  redis.call('SET', k, string.format('%d %d %s %s', tonumber(f), e, o, n), 'PX', px)
+end
+";
+
 /// ARGV = owner, lease ms, retention ms, name. Answers {1, fence, expires} or {0, until}. The
-/// name is kept beside the state (`n`) for listings of held locks.
+/// name is kept in the state for listings of held locks.
 pub(super) const LOCK_ACQUIRE: &str = r"
-local r = redis.call('HMGET', KEYS[1], 'o', 'f', 'e')
-local f, e = tonumber(r[2]), tonumber(r[3])
+local o, f, e = state(KEYS[1])
 if e and e > now then
-  if r[1] ~= ARGV[1] then return {0, e} end
+  if o ~= ARGV[1] then return {0, e} end
 else
-  f = math.max((f or 0) + 1, nowus)
+  f = math.max((tonumber(f) or 0) + 1, nowus)
 end
 local exp = now + tonumber(ARGV[2])
-redis.call('HSET', KEYS[1], 'o', ARGV[1], 'f', string.format('%d', f), 'e', string.format('%d', exp), 'n', ARGV[4])
-redis.call('PEXPIRE', KEYS[1], tonumber(ARGV[2]) + tonumber(ARGV[3]))
-return {1, f, exp}
+put(KEYS[1], ARGV[1], f, exp, ARGV[4], tonumber(ARGV[2]) + tonumber(ARGV[3]))
+return {1, tonumber(f), exp}
 ";
 
 /// ARGV = owner, fence, lease ms, retention ms. Answers the new lease end, or -1.
 pub(super) const LOCK_RENEW: &str = r"
-local r = redis.call('HMGET', KEYS[1], 'o', 'f', 'e')
-if r[1] ~= ARGV[1] or r[2] ~= ARGV[2] or not r[3] or tonumber(r[3]) <= now then return -1 end
+local o, f, e, n = state(KEYS[1])
+if o ~= ARGV[1] or f ~= ARGV[2] or not e or e <= now then return -1 end
 local exp = now + tonumber(ARGV[3])
-redis.call('HSET', KEYS[1], 'e', string.format('%d', exp))
-redis.call('PEXPIRE', KEYS[1], tonumber(ARGV[3]) + tonumber(ARGV[4]))
+put(KEYS[1], o, f, exp, n, tonumber(ARGV[3]) + tonumber(ARGV[4]))
 return exp
 ";
 
 /// ARGV = owner, fence, retention ms, channel, name. Answers 1 (released), 0 (already was),
 /// or -1 (not the owner).
 pub(super) const LOCK_RELEASE: &str = r"
-local r = redis.call('HMGET', KEYS[1], 'o', 'f', 'e')
-if r[1] ~= ARGV[1] or r[2] ~= ARGV[2] then return -1 end
-if tonumber(r[3]) <= now then return 0 end
-redis.call('HSET', KEYS[1], 'e', string.format('%d', now))
-redis.call('PEXPIRE', KEYS[1], tonumber(ARGV[3]))
+local o, f, e, n = state(KEYS[1])
+if o ~= ARGV[1] or f ~= ARGV[2] then return -1 end
+if e <= now then return 0 end
+put(KEYS[1], o, f, now, n, tonumber(ARGV[3]))
 redis.call('PUBLISH', ARGV[4], ARGV[5])
 return 1
 ";

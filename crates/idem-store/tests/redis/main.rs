@@ -7,7 +7,7 @@
 
 use idem_store::{RedisOptions, RedisStore};
 use idem_testkit::conformance::Fixture;
-use idem_testkit::services::REDIS;
+use idem_testkit::services::{REDIS, RedisServer};
 
 fn options() -> RedisOptions {
     RedisOptions {
@@ -83,6 +83,21 @@ mod cluster {
             Some(Arc::new(super::fixture().await?.store) as SharedLockStore)
         });
     }
+}
+
+/// How many times the server ran each command since it started (`INFO commandstats`).
+pub(crate) fn calls(server: &RedisServer, command: &str) -> u64 {
+    server
+        .info("commandstats")
+        .lines()
+        .find_map(|l| l.strip_prefix(&format!("cmdstat_{command}:calls=")))
+        .and_then(|rest| rest.split(',').next())
+        .and_then(|n| n.parse().ok())
+        .unwrap_or(0)
+}
+
+pub(crate) fn scripts(server: &RedisServer) -> u64 {
+    calls(server, "evalsha") + calls(server, "eval")
 }
 
 /// Sets the server's settings `pairs` (`CONFIG SET`).
@@ -166,4 +181,5 @@ async fn batched_claims(c: &mut redis::aio::MultiplexedConnection) -> usize {
 mod batching;
 mod failures;
 mod listing;
+mod locks;
 mod valkey;

@@ -17,19 +17,14 @@ async fn fixture() -> Option<Fixture<RedisStore>> {
 
 idem_testkit::conformance_tests!(fixture());
 
-/// How many times the server ran each command since it started (`INFO commandstats`).
-fn calls(server: &RedisServer, command: &str) -> u64 {
-    server
-        .info("commandstats")
-        .lines()
-        .find_map(|l| l.strip_prefix(&format!("cmdstat_{command}:calls=")))
-        .and_then(|rest| rest.split(',').next())
-        .and_then(|n| n.parse().ok())
-        .unwrap_or(0)
-}
+mod locks {
+    use std::sync::Arc;
 
-fn scripts(server: &RedisServer) -> u64 {
-    calls(server, "evalsha") + calls(server, "eval")
+    use idem_core::SharedLockStore;
+
+    idem_testkit::lock_conformance_tests!(async {
+        Some(Arc::new(super::fixture().await?.store) as SharedLockStore)
+    });
 }
 
 fn request(key: &str) -> BeginRequest {
