@@ -26,6 +26,7 @@ headlines=(
   "run-once against Powertools|ROUNDS=$ROUNDS DURATION=$DURATION bench/run-once-vs-powertools.sh"
   "run-once against two round trips, Valkey 9|REDIS_URL=$VALKEY_URL ROUNDS=$ROUNDS DURATION=$DURATION bench/run-once-vs-cap.sh"
   "locks against redlock|ROUNDS=$ROUNDS DURATION=$DURATION bench/locks-vs-redlock.sh"
+  "locks on Valkey 9|IDEM_BENCH_ROUNDS=$ROUNDS IDEM_BENCH_BACKENDS=redis IDEM_BENCH_SECONDS=$DURATION IDEM_TEST_REDIS_URL=$VALKEY_URL cargo bench -q -p idem --bench locks"
   "consumer on RabbitMQ|cargo bench -q -p idem-mq --bench consumer -- --rounds $ROUNDS --only idem-redis --broker rabbitmq"
   "consumer on NATS|cargo bench -q -p idem-mq --bench consumer -- --prefetch 256 --only idem-redis --broker nats --messages 40000 --rounds $ROUNDS"
   "consumers on Valkey 9, RabbitMQ|IDEM_TEST_REDIS_URL=$VALKEY_URL cargo bench -q -p idem-mq --bench consumer -- --rounds $ROUNDS --only idem-redis --broker rabbitmq"
