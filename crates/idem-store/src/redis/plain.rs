@@ -23,17 +23,26 @@ use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Mutex, PoisonError};
 
-use idem_core::{Key, Lease, LeaseId, Record, Timestamp};
+use idem_core::{Bytes, Key, Lease, LeaseId, Record, Timestamp};
 
 /// The most claims kept at once; past it, a claim is settled by the script.
 const MAX_CLAIMS: usize = 16_384;
+
+/// A record this instance claimed: the record, its Redis key, and the exact value written
+/// there (kept, so that a settle neither names the key nor packs the value again).
+#[derive(Debug, Clone)]
+pub(super) struct Claim {
+    pub(super) record: Record,
+    pub(super) key: String,
+    pub(super) value: Bytes,
+}
 
 /// The records this instance claimed and has not settled, and whether the server takes
 /// `SET … IFEQ`.
 #[derive(Debug)]
 pub(crate) struct Plain {
     enabled: AtomicBool,
-    claims: Mutex<HashMap<LeaseId, Record>>,
+    claims: Mutex<HashMap<LeaseId, Claim>>,
 }
 
 impl Plain {
@@ -60,9 +69,9 @@ impl Plain {
         self.lock().clear();
     }
 
-    /// Notes `record`, which this instance has just written with a plain `SET … NX`: Redis
-    /// holds exactly `pack(record)` under it until something else writes it.
-    pub(super) fn claimed(&self, record: &Record) {
+    /// Notes `claim`, whose record this instance has just written with a plain `SET … NX`
+    /// (or `SET … IFEQ`): Redis holds exactly its value until something else writes it.
+    pub(super) fn claimed(&self, claim: Claim) {
         if !self.enabled() {
             return;
         }
@@ -71,25 +80,25 @@ impl Plain {
             // Claims whose lease has ended were most likely given up on (their caller went
             // away): drop them first. One settled late goes by the script, which decides it
             // the same.
-            let now = record.updated_at;
-            claims.retain(|_, r| r.lease_expires_at > now);
+            let now = claim.record.updated_at;
+            claims.retain(|_, c| c.record.lease_expires_at > now);
             if claims.len() >= MAX_CLAIMS {
                 return;
             }
         }
-        claims.insert(record.lease_id, record.clone());
+        claims.insert(claim.record.lease_id, claim);
     }
 
     /// The record claimed under `lease` at `key`, taken out, if the plain path may settle it
     /// at `now`: the lease and key are the claim's, and the record is still live by `now` (a
     /// record past its retention is the script's to refuse).
-    pub(super) fn take(&self, key: &Key, lease: &Lease, now: Timestamp) -> Option<Record> {
+    pub(super) fn take(&self, key: &Key, lease: &Lease, now: Timestamp) -> Option<Claim> {
         if !self.enabled() {
             return None;
         }
-        let claimed = self.lock().remove(&lease.id)?;
-        (claimed.fence == lease.fence && claimed.key == *key && claimed.is_live(now))
-            .then_some(claimed)
+        let claim = self.lock().remove(&lease.id)?;
+        let r = &claim.record;
+        (r.fence == lease.fence && r.key == *key && r.is_live(now)).then_some(claim)
     }
 
     /// Forgets the claim under `lease` (its record is about to change).
@@ -99,7 +108,7 @@ impl Plain {
         }
     }
 
-    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<LeaseId, Record>> {
+    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<LeaseId, Claim>> {
         self.claims.lock().unwrap_or_else(PoisonError::into_inner)
     }
 }
@@ -116,7 +125,7 @@ mod tests {
 
     use idem_core::{BeginRequest, Fingerprint, Key, Lease, LeaseId, Record, Timestamp};
 
-    use super::{MAX_CLAIMS, Plain};
+    use super::{Claim, MAX_CLAIMS, Plain};
 
     /// A record claimed at `now` for `lease`, and its lease.
     fn claim(n: usize, now: Timestamp, lease: Duration) -> (Record, Lease) {
@@ -125,6 +134,17 @@ mod tests {
         let (lease, record) =
             Record::acquired(&req, now, Lease::first_fence(now), LeaseId::generate());
         (record, lease)
+    }
+
+    impl Plain {
+        /// Notes `record` as claimed (its key and value are not needed here).
+        fn note(&self, record: &Record) {
+            self.claimed(Claim {
+                record: record.clone(),
+                key: String::new(),
+                value: idem_core::Bytes::new(),
+            });
+        }
     }
 
     /// Full of claims whose leases have died, the map drops them for a new claim; full of
@@ -137,12 +157,12 @@ mod tests {
             .map(|n| claim(n, t0, Duration::from_millis(10)))
             .collect();
         for (record, _) in &dead {
-            plain.claimed(record);
+            plain.note(record);
         }
         // A claim a minute later: every lease before it has ended (and its record with it).
         let later = t0.saturating_add(Duration::from_secs(60));
         let (record, lease) = claim(MAX_CLAIMS, later, Duration::from_secs(30));
-        plain.claimed(&record);
+        plain.note(&record);
         assert_eq!(plain.lock().len(), 1, "the dead claims were dropped");
         assert!(plain.take(&record.key, &lease, later).is_some());
 
@@ -151,10 +171,10 @@ mod tests {
             .map(|n| claim(n, t0, Duration::from_secs(30)))
             .collect();
         for (record, _) in &live {
-            plain.claimed(record);
+            plain.note(record);
         }
         let (extra, extra_lease) = claim(MAX_CLAIMS, t0, Duration::from_secs(30));
-        plain.claimed(&extra);
+        plain.note(&extra);
         assert_eq!(plain.lock().len(), MAX_CLAIMS, "the map holds no more");
         assert!(plain.take(&extra.key, &extra_lease, t0).is_none());
         let (first, first_lease) = &live[0];
@@ -169,32 +189,32 @@ mod tests {
         let now = Timestamp::from_millis(1_000_000);
         let (record, lease) = claim(1, now, Duration::from_secs(30));
         let (other, other_lease) = claim(2, now, Duration::from_secs(30));
-        plain.claimed(&record);
-        plain.claimed(&other);
+        plain.note(&record);
+        plain.note(&other);
         // Another key under this lease: not this claim (and the claim is dropped).
         assert!(plain.take(&other.key, &lease, now).is_none());
-        plain.claimed(&record);
+        plain.note(&record);
         let stale = Lease {
             fence: lease.fence + 1,
             ..lease
         };
         assert!(plain.take(&record.key, &stale, now).is_none());
-        plain.claimed(&record);
+        plain.note(&record);
         // Past its lease but not taken over, the record is still the claim's to settle;
         // past its retention, it is the script's to refuse.
         let ended = lease.expires_at.saturating_add(Duration::from_secs(1));
         assert!(plain.take(&record.key, &lease, ended).is_some());
-        plain.claimed(&record);
+        plain.note(&record);
         let gone = record.expires_at.saturating_add(Duration::from_secs(1));
         assert!(plain.take(&record.key, &lease, gone).is_none());
-        plain.claimed(&record);
+        plain.note(&record);
         assert!(plain.take(&record.key, &lease, now).is_some());
         assert!(plain.take(&record.key, &lease, now).is_none(), "taken once");
 
         plain.disable();
         assert!(!plain.enabled());
         assert!(plain.take(&other.key, &other_lease, now).is_none());
-        plain.claimed(&record);
+        plain.note(&record);
         assert!(plain.lock().is_empty(), "nothing is kept once off");
     }
 }

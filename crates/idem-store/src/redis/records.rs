@@ -11,7 +11,7 @@ use redis::Value;
 
 use super::error::{corrupt, error, may_have_run, transient};
 use super::format::{bytes, exact, int, millis, native_ttl, pack, status_byte, text, unpack};
-use super::plain::refused_ifeq;
+use super::plain::{Claim, refused_ifeq};
 use super::{Conn, EXPIRY_MARGIN, RedisStore};
 use crate::group_commit::{Acquired, BeginJob, CompleteJob, Fresh, GroupCommit, Many, ManyAtOnce};
 use crate::reread;
@@ -50,13 +50,19 @@ impl Store for RedisStore {
         length: Duration,
         now: Timestamp,
     ) -> Result<Lease, LeaseError> {
-        if let Some(claimed) = self.plain.take(key, lease, now) {
-            let mut next = claimed.clone();
-            if let Ok(renewed) = next.renew_in_place(lease, length, now)
-                && self.set_if_claimed(key, &claimed, &next, now).await?
-            {
-                self.plain.claimed(&next);
-                return Ok(renewed);
+        if let Some(claim) = self.plain.take(key, lease, now) {
+            let mut next = claim.record.clone();
+            if let Ok(renewed) = next.renew_in_place(lease, length, now) {
+                let value = Bytes::from(pack(&next));
+                if self.set_if_claimed(&claim, &next, &value, now).await? {
+                    let key = claim.key;
+                    self.plain.claimed(Claim {
+                        record: next,
+                        key,
+                        value,
+                    });
+                    return Ok(renewed);
+                }
             }
         }
         let renewed = lease.renewed(length, now);
@@ -236,11 +242,12 @@ impl ManyAtOnce for RedisStore {
     /// back, and every job fails with its error.
     async fn begin_many(&self, jobs: &[BeginJob], fresh: &[Fresh]) -> Many<Acquired> {
         let keys: Vec<String> = fresh.iter().map(|(_, r)| self.redis_key(&r.key)).collect();
+        let values: Vec<Vec<u8>> = fresh.iter().map(|(_, r)| pack(r)).collect();
         let mut pipe = redis::pipe();
-        for ((job, (_, record)), key) in jobs.iter().zip(fresh).zip(&keys) {
+        for (((job, (_, record)), key), value) in jobs.iter().zip(fresh).zip(&keys).zip(&values) {
             pipe.cmd("SET")
                 .arg(key)
-                .arg(pack(record))
+                .arg(value)
                 .arg("NX")
                 .arg("PX")
                 .arg(native_ttl(record.expires_at, job.now));
@@ -270,9 +277,16 @@ impl ManyAtOnce for RedisStore {
             fresh
                 .iter()
                 .zip(got)
-                .filter(|(_, got)| *got == 1)
-                .map(|((lease, record), _)| {
-                    self.plain.claimed(record);
+                .zip(keys.into_iter().zip(values))
+                .filter(|((_, got), _)| *got == 1)
+                .map(|(((lease, record), _), (key, value))| {
+                    if self.plain.enabled() {
+                        self.plain.claimed(Claim {
+                            record: record.clone(),
+                            key,
+                            value: Bytes::from(value),
+                        });
+                    }
                     (
                         lease.id.to_bytes().to_vec(),
                         i64::try_from(lease.fence).unwrap_or(i64::MAX),
@@ -293,15 +307,19 @@ impl ManyAtOnce for RedisStore {
         // Which jobs went as plain commands.
         let mut plain = vec![false; jobs.len()];
         for (i, job) in jobs.iter().enumerate() {
-            let Some(claimed) = self.plain.take(&job.key, &job.lease, job.now) else {
+            let Some(claim) = self.plain.take(&job.key, &job.lease, job.now) else {
                 continue;
             };
-            let Ok(Some(next)) =
-                Record::complete(Some(&claimed), &job.lease, job.response.clone(), job.now)
-            else {
+            let Ok(Some(next)) = Record::complete(
+                Some(&claim.record),
+                &job.lease,
+                job.response.clone(),
+                job.now,
+            ) else {
                 continue;
             };
-            pipe.add_command(self.set_if_claimed_command(&job.key, &claimed, &next, job.now));
+            let value = pack(&next);
+            pipe.add_command(set_if_claimed_command(&claim, &next, &value, job.now));
             plain[i] = true;
         }
         if plain.contains(&true) {
@@ -397,7 +415,13 @@ impl RedisStore {
             .map_err(failed)?;
         match set {
             Value::Nil => {
-                self.plain.claimed(fresh);
+                if self.plain.enabled() {
+                    self.plain.claimed(Claim {
+                        record: fresh.clone(),
+                        key,
+                        value: Bytes::from(packed),
+                    });
+                }
                 return Ok(BeginOutcome::Acquired(lease));
             }
             Value::BulkString(held) => {
@@ -511,18 +535,20 @@ impl RedisStore {
         response: Option<Bytes>,
         now: Timestamp,
     ) -> Result<(), LeaseError> {
-        if let Some(claimed) = self.plain.take(key, lease, now) {
+        if let Some(claim) = self.plain.take(key, lease, now) {
             let next = match to {
                 Status::Completed => Record::complete(
-                    Some(&claimed),
+                    Some(&claim.record),
                     lease,
                     response.clone().unwrap_or_default(),
                     now,
                 ),
-                _ => Record::release(Some(&claimed), lease, now),
+                _ => Record::release(Some(&claim.record), lease, now),
             };
             if let Ok(Some(next)) = next
-                && self.set_if_claimed(key, &claimed, &next, now).await?
+                && self
+                    .set_if_claimed(&claim, &next, &pack(&next), now)
+                    .await?
             {
                 return Ok(());
             }
@@ -549,18 +575,18 @@ impl RedisStore {
 }
 
 impl RedisStore {
-    /// Writes `next` over the record at `key` if it still holds exactly `claimed`, with one
-    /// `SET … IFEQ` (see `super::plain`): `true` if it did; `false` if the record moved on or
-    /// the server refused the option (then the script decides).
+    /// Writes `next` (packed as `value`) over the record of `claim` if it still holds exactly
+    /// the claimed value, with one `SET … IFEQ` (see `super::plain`): `true` if it did;
+    /// `false` if the record moved on or the server refused the option (then the script
+    /// decides).
     async fn set_if_claimed(
         &self,
-        key: &Key,
-        claimed: &Record,
+        claim: &Claim,
         next: &Record,
+        value: &[u8],
         now: Timestamp,
     ) -> Result<bool, StoreError> {
-        let answer = self
-            .set_if_claimed_command(key, claimed, next, now)
+        let answer = set_if_claimed_command(claim, next, value, now)
             .query_async::<Value>(&mut self.conn.clone())
             .await;
         match answer {
@@ -574,25 +600,26 @@ impl RedisStore {
             Err(e) => Err(error("cannot settle the record", e)),
         }
     }
+}
 
-    /// `SET key next IFEQ claimed PX ttl`: `next` over the record at `key` if it holds
-    /// exactly `claimed`, kept by Redis as long as `next` lives by `now`.
-    fn set_if_claimed_command(
-        &self,
-        key: &Key,
-        claimed: &Record,
-        next: &Record,
-        now: Timestamp,
-    ) -> redis::Cmd {
-        let mut cmd = redis::cmd("SET");
-        cmd.arg(self.redis_key(key))
-            .arg(pack(next))
-            .arg("IFEQ")
-            .arg(pack(claimed))
-            .arg("PX")
-            .arg(native_ttl(next.expires_at, now));
-        cmd
-    }
+/// `SET key value IFEQ claimed PX ttl`: `next`, packed as `value`, over the record of `claim`
+/// if it holds exactly the claimed value, kept by Redis as long as `next` lives by `now`.
+fn set_if_claimed_command(
+    claim: &Claim,
+    next: &Record,
+    value: &[u8],
+    now: Timestamp,
+) -> redis::Cmd {
+    let mut cmd =
+        redis::Cmd::with_capacity(7, claim.key.len() + value.len() + claim.value.len() + 32);
+    cmd.arg("SET")
+        .arg(&claim.key)
+        .arg(value)
+        .arg("IFEQ")
+        .arg(&claim.value[..])
+        .arg("PX")
+        .arg(native_ttl(next.expires_at, now));
+    cmd
 }
 
 /// The answer to a `begin` of `fresh` under `lease` on a key found holding `held`, when it
