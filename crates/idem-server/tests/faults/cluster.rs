@@ -56,11 +56,6 @@ pub(crate) enum Store {
 }
 
 impl Store {
-    /// The store `IDEM_FAULTS_STORE` names (see [`Store::named`]).
-    pub(crate) fn choose(dir: &std::path::Path) -> Self {
-        Self::named(&std::env::var("IDEM_FAULTS_STORE").unwrap_or_default(), dir)
-    }
-
     /// `sqlite` for a file in `dir`; `own-postgres`, `own-mariadb` or `own-valkey` for a
     /// server of the run's own; a URL for a server of someone else's; or (empty) a durable
     /// Redis of the run's own if `redis-server` runs here, else a file. A server that cannot

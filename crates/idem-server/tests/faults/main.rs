@@ -19,10 +19,10 @@
 //!
 //! `IDEM_FAULTS_SECS` sets how long the run lasts at least (default 20; it lasts until every
 //! kind of fault has struck), `IDEM_FAULTS_STORE` the store (default a Redis of the run's own,
-//! and for gateways, API servers and locks a Valkey 9 of the run's own too; `own-postgres`,
-//! `own-mariadb` or `own-valkey` for one of those; `sqlite` for a file; or any store URL, a
-//! server the run never restarts),
-//! `IDEM_FAULTS_HISTORY` a file to keep each run's history in (suffixed with the run's name).
+//! and for gateways, API servers, locks and the relays on RabbitMQ a Valkey 9 of the run's own
+//! too; `own-postgres`, `own-mariadb` or `own-valkey` for one of those; `sqlite` for a file; or
+//! any store URL, a server the run never restarts), `IDEM_FAULTS_HISTORY` a file to keep each
+//! run's history in (suffixed with the run's name).
 
 #![allow(clippy::unwrap_used)]
 // The run prints what it did and what it left out: its report is the point.

@@ -50,10 +50,32 @@ fn relays_stopped_killed_and_restarted_deliver_each_amqp_message_once() {
         return;
     };
     let run = run_id();
-    let ran = relay_under_faults(&Broker::Amqp {
+    let broker = Broker::Amqp {
         url,
         queue: format!("faults-relay-{run}"),
-    });
+    };
+    let ran = relay_under_faults(&broker, &super::chosen_store());
+    println!("{ran}");
+    ran.assert_clean();
+}
+
+/// The same on a Valkey 9, where the relays' records settle by plain `SET … IFEQ` (unless
+/// `IDEM_FAULTS_STORE` chose the runs' store).
+#[test]
+fn relays_on_valkey_deliver_each_amqp_message_once() {
+    let Some(url) = idem_testkit::services::RABBITMQ.url() else {
+        return;
+    };
+    if std::env::var_os("IDEM_FAULTS_STORE").is_some() {
+        println!("IDEM_FAULTS_STORE chose the store: the Valkey runs are left to it");
+        return;
+    }
+    let run = run_id();
+    let broker = Broker::Amqp {
+        url,
+        queue: format!("faults-relay-valkey-{run}"),
+    };
+    let ran = relay_under_faults(&broker, "own-valkey");
     println!("{ran}");
     ran.assert_clean();
 }
@@ -64,10 +86,11 @@ fn relays_stopped_killed_and_restarted_deliver_each_jetstream_message_once() {
         return;
     };
     let run = run_id();
-    let ran = relay_under_faults(&Broker::Nats {
+    let broker = Broker::Nats {
         url,
         stream: format!("FAULTS_RELAY_{run}"),
-    });
+    };
+    let ran = relay_under_faults(&broker, &super::chosen_store());
     println!("{ran}");
     ran.assert_clean();
 }
@@ -399,9 +422,9 @@ struct Relays {
 }
 
 impl Relays {
-    fn start(broker: &Broker, ledger: &str, dir: &std::path::Path) -> Self {
-        // The store the instances' runs would have (`IDEM_FAULTS_STORE`), never restarted here.
-        let store = cluster::Store::choose(dir);
+    fn start(broker: &Broker, ledger: &str, dir: &std::path::Path, chosen: &str) -> Self {
+        // The store `chosen` names (see `cluster::Store::named`), never restarted here.
+        let store = cluster::Store::named(chosen, dir);
         let url = store.url();
         let mut args = vec!["relay".to_owned()];
         args.extend(broker.flags());
@@ -493,7 +516,7 @@ fn by_message_id(e: Entries) -> Entries {
     }
 }
 
-fn relay_under_faults(broker: &Broker) -> Ran {
+fn relay_under_faults(broker: &Broker, chosen: &str) -> Ran {
     let mut notes = Vec::new();
     let rt = tokio::runtime::Runtime::new().unwrap();
     let dir = tempfile::tempdir().unwrap();
@@ -502,7 +525,7 @@ fn relay_under_faults(broker: &Broker) -> Ran {
     let secs = seconds();
     let length = Duration::from_secs(secs) / 2;
     let publisher = rt.block_on(broker.prepare());
-    let mut relays = Relays::start(broker, &ledger.addr, dir.path());
+    let mut relays = Relays::start(broker, &ledger.addr, dir.path(), chosen);
 
     // The publisher: every id once, spread over most of the run, and three in ten again some
     // thirty messages later (a publisher's retry, or a copy the broker delivered twice).
