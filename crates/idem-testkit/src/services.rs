@@ -499,6 +499,13 @@ impl RedisCluster {
         CLUSTER.get_or_init(Self::start).as_ref()
     }
 
+    /// One cluster of three Valkey 9 primaries shared by every test of the process, or
+    /// `None`, as [`start_with_valkeys`](Self::start_with_valkeys).
+    pub fn shared_valkey() -> Option<&'static Self> {
+        static CLUSTER: std::sync::OnceLock<Option<RedisCluster>> = std::sync::OnceLock::new();
+        CLUSTER.get_or_init(|| Self::start_with_valkeys(3)).as_ref()
+    }
+
     fn start() -> Option<Self> {
         Self::start_with_valkeys(0)
     }

@@ -41,12 +41,12 @@ use idem_core::{
 };
 use redis::Value;
 
-use super::RedisStore;
 use super::admin::{BATCH, Node};
 use super::conn::Lua;
 use super::error::{corrupt, error};
 use super::plain::refused_ifeq;
 use super::scripts::{CLOCK, FENCED_SET, LOCK_ACQUIRE, LOCK_RELEASE, LOCK_RENEW, LOCK_STATE};
+use super::{Conn, RedisStore};
 use crate::fenced::Fenced;
 use crate::lock_wakeup::{FeedTask, ReleaseFeed};
 
@@ -163,30 +163,48 @@ impl RedisStore {
             return Ok(false);
         };
         let written = state(fence, expires, owner, name.as_str());
-        let released = state(fence, 0, owner, name.as_str());
-        let mut pipe = redis::pipe();
-        pipe.ignore_errors();
-        pipe.cmd("SET")
-            .arg(key)
-            .arg(released)
+        let mut set = redis::cmd("SET");
+        set.arg(key)
+            .arg(state(fence, 0, owner, name.as_str()))
             .arg("IFEQ")
             .arg(written)
             .arg("PX")
             .arg(retention());
-        pipe.cmd("PUBLISH")
-            .arg(self.release_channel())
-            .arg(name.as_str());
-        let answers: Vec<redis::RedisResult<Value>> = pipe
-            .query_async(&mut self.conn.clone())
-            .await
-            .map_err(|e| error("cannot release the lock", e))?;
-        match answers.into_iter().next() {
-            Some(Ok(Value::Okay)) => Ok(true),
-            Some(Err(e)) if refused_ifeq(&e) => {
+        let mut publish = redis::cmd("PUBLISH");
+        publish.arg(self.release_channel()).arg(name.as_str());
+        let failed = |e| error("cannot release the lock", e);
+        let answer = match self.conn {
+            // One round trip (the `PUBLISH` wakes waiters for nothing when the state had
+            // moved on; the script then releases it and publishes again).
+            Conn::Single(_) => {
+                let mut pipe = redis::pipe();
+                pipe.ignore_errors().add_command(set).add_command(publish);
+                let answers: Vec<redis::RedisResult<Value>> = pipe
+                    .query_async(&mut self.conn.clone())
+                    .await
+                    .map_err(failed)?;
+                answers.into_iter().next().unwrap_or(Ok(Value::Nil))
+            }
+            // A Cluster routes the channel as a key, to another slot than the lock's: the
+            // `PUBLISH` follows once the `SET` is done.
+            Conn::Cluster(_) => {
+                let answer = set.query_async(&mut self.conn.clone()).await;
+                if matches!(answer, Ok(Value::Okay)) {
+                    publish
+                        .query_async::<Value>(&mut self.conn.clone())
+                        .await
+                        .map_err(failed)?;
+                }
+                answer
+            }
+        };
+        match answer {
+            Ok(Value::Okay) => Ok(true),
+            Err(e) if refused_ifeq(&e) => {
                 self.plain.disable();
                 Ok(false)
             }
-            Some(Err(e)) => Err(error("cannot release the lock", e)),
+            Err(e) => Err(failed(e)),
             // Changed since (renewed elsewhere, taken over, released): the script decides.
             _ => Ok(false),
         }

@@ -147,24 +147,34 @@ mod tests {
         }
     }
 
-    /// Full of claims whose leases have died, the map drops them for a new claim; full of
-    /// live ones, it keeps them and the new claim is left to the script.
+    /// Full, the map drops the claims whose lease has ended (and only those) for a new claim;
+    /// full of live ones, it keeps them and the new claim is left to the script.
     #[test]
     fn a_full_map_drops_dead_leases_first_and_otherwise_keeps_what_it_has() {
         let plain = Plain::new(true);
         let t0 = Timestamp::from_millis(1_000_000);
-        let dead: Vec<_> = (0..MAX_CLAIMS)
-            .map(|n| claim(n, t0, Duration::from_millis(10)))
+        // Every other claim's lease ends within 10 ms, the others' in an hour.
+        let mixed: Vec<_> = (0..MAX_CLAIMS)
+            .map(|n| {
+                let lease = if n % 2 == 0 { 10 } else { 3_600_000 };
+                claim(n, t0, Duration::from_millis(lease))
+            })
             .collect();
-        for (record, _) in &dead {
+        for (record, _) in &mixed {
             plain.note(record);
         }
-        // A claim a minute later: every lease before it has ended (and its record with it).
+        // A claim a minute later: half the leases before it have ended.
         let later = t0.saturating_add(Duration::from_secs(60));
         let (record, lease) = claim(MAX_CLAIMS, later, Duration::from_secs(30));
         plain.note(&record);
-        assert_eq!(plain.lock().len(), 1, "the dead claims were dropped");
+        assert_eq!(
+            plain.lock().len(),
+            MAX_CLAIMS / 2 + 1,
+            "the ended claims, and only those, were dropped"
+        );
         assert!(plain.take(&record.key, &lease, later).is_some());
+        let (live, live_lease) = &mixed[1];
+        assert!(plain.take(&live.key, live_lease, later).is_some());
 
         let plain = Plain::new(true);
         let live: Vec<_> = (0..MAX_CLAIMS)

@@ -252,7 +252,10 @@ impl ManyAtOnce for RedisStore {
                 .arg("PX")
                 .arg(native_ttl(record.expires_at, job.now));
         }
+        // Each answer on its own: a server that refuses some writes (out of memory, say)
+        // still wrote the others, which are acquired; a refused one goes to `begin_alone`.
         let sent = pipe
+            .ignore_errors()
             .query_async::<Vec<Value>>(&mut self.conn.clone())
             .await
             .map(|answers| {

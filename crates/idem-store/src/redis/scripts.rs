@@ -250,8 +250,8 @@ local nowus = tonumber(t[1]) * 1000000 + tonumber(t[2])
 /// The lock state at a key, one string `<fence> <lease end ms> <owner> <name>` (see
 /// `super::locks`): `state(key)` answers the owner, the fence as its decimal text, the lease
 /// end and the name, or nothing; a hash (the layout before states were strings, fields `o`,
-/// `f`, `e`, `n`) is read too, and rewritten as a string by the next write. `put` writes one
-/// with its native TTL.
+/// `f`, `e`, `n`) is read too, and rewritten as a string by the next write; any other value
+/// fails the call, and is left alone. `put` writes one with its native TTL.
 pub(super) const LOCK_STATE: &str = r"
 local function state(k)
   local v = redis.pcall('GET', k)
@@ -261,6 +261,7 @@ local function state(k)
   end
   if not v then return nil end
   local f, e, o, n = string.match(v, '^(%d+) (%d+) (%x+) (.*)$')
+  if not f then error('idem: the lock key holds a value this store did not write') end
   return o, f, tonumber(e), n
 end
 local function put(k, o, f, e, n, px)

@@ -151,3 +151,68 @@ fn calls_sent_together_each_get_their_own_answer() {
         assert_eq!(r.status, Status::InProgress);
     });
 }
+
+/// A batch of claims that the server refuses in part (here an ACL that lets the store write
+/// only about half of the record keys) still acquires every key it wrote, and each refused
+/// one fails on its own: no record is left claimed under a lease nobody was given.
+#[test]
+fn a_batch_refused_in_part_acquires_what_it_wrote() {
+    use std::sync::Arc;
+
+    use idem_core::{BeginOutcome, BeginRequest, Fingerprint, Key, Store, Timestamp};
+
+    idem_testkit::block_on(async {
+        let Some(server) = idem_testkit::services::RedisServer::start() else {
+            return;
+        };
+        let url = server.url();
+        let mut c = redis::Client::open(url.clone())
+            .unwrap()
+            .get_multiplexed_async_connection()
+            .await
+            .unwrap();
+        // Record keys are `idem-test:{<hex digest>}`: those whose digest begins with 0 to 7.
+        let mut acl = redis::cmd("ACL");
+        acl.arg("SETUSER").arg("half").arg("on").arg(">secret");
+        for d in '0'..='7' {
+            acl.arg(format!("~idem-test:{{{d}*"));
+        }
+        acl.arg("+@all");
+        let _: () = acl.query_async(&mut c).await.unwrap();
+        let limited = url.replacen("redis://", "redis://half:secret@", 1);
+        let store = Arc::new(RedisStore::connect(&limited, options()).await.unwrap());
+        let now = Timestamp::now();
+        let scope: &'static str = format!("half-{}", now.as_millis()).leak();
+        let key = move |i: usize| Key::parse(scope, "pay", &format!("k{i}")).unwrap();
+        let allowed = |i: usize| {
+            let name = store.redis_key(&key(i));
+            name.as_bytes()[name.find('{').unwrap() + 1] < b'8'
+        };
+
+        log_every_command(&mut c).await;
+        pause_writes(&mut c).await;
+        commands_sent(&mut c).await;
+        let begins: Vec<_> = (0..80)
+            .map(|i| {
+                let store = store.clone();
+                let req = BeginRequest::new(key(i), Fingerprint::of_bytes(b"r"));
+                tokio::spawn(async move { store.begin(&req, now).await })
+            })
+            .collect();
+        let mut refused = 0;
+        for (i, begin) in begins.into_iter().enumerate() {
+            match begin.await.unwrap() {
+                Ok(BeginOutcome::Acquired(_)) => assert!(allowed(i), "k{i} was refused"),
+                Err(e) => {
+                    assert!(!allowed(i), "k{i} could be written: {e}");
+                    refused += 1;
+                }
+                other => panic!("k{i}: {other:?}"),
+            }
+        }
+        assert!(refused > 0 && refused < 80, "{refused} of 80 refused");
+        // The keys it could write went as a batch's claims (about forty).
+        let batched = batched_claims(&mut c).await;
+        assert!(batched >= 20, "{batched} claims went as a batch");
+    });
+}

@@ -68,44 +68,47 @@ async fn a_holder_releases_with_a_plain_command_where_the_server_compares() {
 }
 
 /// A lock state written in the hash layout of before is read by every call: held, it keeps
-/// others out and is listed; its holder renews and releases it; the next fence is higher.
+/// others out and is listed; its holder renews it, releases it or acquires it again (keeping
+/// its fence); the next holder's fence is higher.
 #[tokio::test]
 async fn a_state_in_the_hash_layout_is_still_honoured() {
     let Some(url) = REDIS.url() else {
         return;
     };
     let store = RedisStore::connect(&url, options()).await.unwrap();
-    let mut c = redis::Client::open(url)
+    let c = redis::Client::open(url)
         .unwrap()
         .get_multiplexed_async_connection()
         .await
         .unwrap();
-    let lock = name("hash");
     let (a, b) = (OwnerDigest([3; 32]), OwnerDigest([4; 32]));
-    let key = format!("idem-test:lock:{{{}}}", lock.digest_hex());
     let now = idem_core::Timestamp::now().as_millis();
     let fence = now * 1000;
-    let _: () = redis::cmd("HSET")
-        .arg(&key)
-        .arg("o")
-        .arg(a.to_hex())
-        .arg("f")
-        .arg(fence)
-        .arg("e")
-        .arg(now + 30_000)
-        .arg("n")
-        .arg(lock.as_str())
-        .query_async(&mut c)
-        .await
-        .unwrap();
-    let _: () = redis::cmd("PEXPIRE")
-        .arg(&key)
-        .arg(60_000)
-        .query_async(&mut c)
-        .await
-        .unwrap();
+    // The state of `lock`, held by `a` under `fence` for 30 s more, as a hash.
+    let as_hash = async |lock: &LockName| {
+        let key = format!("idem-test:lock:{{{}}}", lock.digest_hex());
+        let mut write = redis::pipe();
+        write
+            .cmd("HSET")
+            .arg(&key)
+            .arg("o")
+            .arg(a.to_hex())
+            .arg("f")
+            .arg(fence)
+            .arg("e")
+            .arg(now + 30_000)
+            .arg("n")
+            .arg(lock.as_str())
+            .cmd("PEXPIRE")
+            .arg(&key)
+            .arg(60_000);
+        let _: () = write.query_async(&mut c.clone()).await.unwrap();
+    };
     let lease = Duration::from_secs(30);
 
+    // Held: others are kept out, it is listed, its holder renews and releases it.
+    let lock = name("hash");
+    as_hash(&lock).await;
     let busy = store.acquire(&lock, b, lease).await.unwrap();
     assert!(matches!(busy, Acquire::Busy { .. }), "{busy:?}");
     let listed = store.held(100_000).await.unwrap().unwrap();
@@ -118,4 +121,16 @@ async fn a_state_in_the_hash_layout_is_still_honoured() {
     let next = held(store.acquire(&lock, b, lease).await.unwrap());
     assert!(next.fence > fence);
     store.release(&lock, b, next.fence).await.unwrap();
+
+    // Released as it is, and acquired again by its holder (the same fence).
+    let lock = name("hash-released");
+    as_hash(&lock).await;
+    store.release(&lock, a, fence).await.unwrap();
+    let next = held(store.acquire(&lock, b, lease).await.unwrap());
+    assert!(next.fence > fence);
+    let lock = name("hash-again");
+    as_hash(&lock).await;
+    let again = held(store.acquire(&lock, a, lease).await.unwrap());
+    assert_eq!(again.fence, fence, "a repeated acquire keeps the fence");
+    store.release(&lock, a, fence).await.unwrap();
 }
