@@ -134,3 +134,39 @@ async fn a_state_in_the_hash_layout_is_still_honoured() {
     assert_eq!(again.fence, fence, "a repeated acquire keeps the fence");
     store.release(&lock, a, fence).await.unwrap();
 }
+
+/// A lock key holding a value this store did not write fails every call on it, and keeps its
+/// value.
+#[tokio::test]
+async fn a_foreign_value_at_a_lock_key_is_left_alone() {
+    let Some(url) = REDIS.url() else {
+        return;
+    };
+    let store = RedisStore::connect(&url, options()).await.unwrap();
+    let mut c = redis::Client::open(url)
+        .unwrap()
+        .get_multiplexed_async_connection()
+        .await
+        .unwrap();
+    let lock = name("foreign");
+    let key = format!("idem-test:lock:{{{}}}", lock.digest_hex());
+    let _: () = redis::cmd("SET")
+        .arg(&key)
+        .arg("not a lock")
+        .arg("PX")
+        .arg(60_000)
+        .query_async(&mut c)
+        .await
+        .unwrap();
+    let owner = OwnerDigest([5; 32]);
+    let lease = Duration::from_secs(30);
+    assert!(store.acquire(&lock, owner, lease).await.is_err());
+    assert!(store.renew(&lock, owner, 1, lease).await.is_err());
+    assert!(store.release(&lock, owner, 1).await.is_err());
+    let kept: String = redis::cmd("GET")
+        .arg(&key)
+        .query_async(&mut c)
+        .await
+        .unwrap();
+    assert_eq!(kept, "not a lock");
+}
