@@ -397,3 +397,27 @@ async fn only_one_corrupt<T: std::fmt::Debug + 'static>(
         }
     }
 }
+
+/// Many openers of one new file at once (processes starting together on the same store) each
+/// get a store: SQLite answers a switch to WAL that collides with another's at once with
+/// "database is locked", without waiting, and the open tries again within `busy_timeout`.
+#[test]
+fn a_new_file_opened_by_many_at_once_opens_for_each() {
+    for _ in 0..20 {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("idem.db");
+        let start = Arc::new(std::sync::Barrier::new(8));
+        let openers: Vec<_> = (0..8)
+            .map(|_| {
+                let (path, start) = (path.clone(), start.clone());
+                std::thread::spawn(move || {
+                    start.wait();
+                    SqliteStore::open(&path).map(drop)
+                })
+            })
+            .collect();
+        for opener in openers {
+            opener.join().unwrap().unwrap();
+        }
+    }
+}

@@ -86,7 +86,8 @@ pub struct SqliteOptions {
     /// Durability of each commit.
     pub synchronous: Synchronous,
     /// How long to wait for another connection's write lock before failing with
-    /// `StoreError::Unavailable`.
+    /// `StoreError::Unavailable`; opening the file (switching it to WAL, migrating it) waits
+    /// as long for other openers.
     pub busy_timeout: Duration,
     /// The most operations committed in one transaction.
     pub max_batch: usize,

@@ -79,7 +79,41 @@ pub(super) fn open_error(path: &Path, e: rusqlite::Error) -> StoreError {
     )
 }
 
+/// Opens the file as [`connect_once`] does, trying again while SQLite answers that another
+/// connection holds the lock, until `busy_timeout` has passed. The busy handler that
+/// `busy_timeout` sets does not cover every case: where two connections each hold a shared
+/// lock and want the exclusive one (two openers switching a new file to WAL at once), SQLite
+/// answers one of them "database is locked" at once rather than let both wait on each other.
 pub(super) fn connect(path: &Path, options: &SqliteOptions) -> Result<Connection, StoreError> {
+    let until = std::time::Instant::now() + options.busy_timeout;
+    let mut pause = std::time::Duration::from_millis(2);
+    loop {
+        match connect_once(path, options) {
+            Err(e) if busy(&e) && std::time::Instant::now() + pause < until => {
+                std::thread::sleep(pause);
+                pause = (pause * 2).min(std::time::Duration::from_millis(100));
+            }
+            opened => return opened,
+        }
+    }
+}
+
+/// Whether `e` is SQLite's "database is locked" (or "table is locked").
+fn busy(e: &StoreError) -> bool {
+    let StoreError::Backend {
+        source: Some(source),
+        ..
+    } = e
+    else {
+        return false;
+    };
+    source
+        .downcast_ref::<rusqlite::Error>()
+        .and_then(rusqlite::Error::sqlite_error_code)
+        .is_some_and(|code| matches!(code, ErrorCode::DatabaseBusy | ErrorCode::DatabaseLocked))
+}
+
+fn connect_once(path: &Path, options: &SqliteOptions) -> Result<Connection, StoreError> {
     let fail = |what: String| StoreError::Backend {
         message: format!("cannot open SQLite database {}: {what}", path.display()),
         source: None,
