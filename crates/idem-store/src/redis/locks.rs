@@ -30,8 +30,7 @@
 //! while) and wakes its waiters. A Cluster delivers every `PUBLISH` to every node, so there
 //! the store subscribes on the first node it was given; while that node is down, waiters poll.
 
-use std::collections::HashMap;
-use std::sync::{Arc, Mutex, PoisonError};
+use std::sync::Arc;
 use std::time::Duration;
 
 use idem_core::lock::{LOCK_STATE_RETENTION, lease_millis};
@@ -50,21 +49,13 @@ use super::{Conn, RedisStore};
 use crate::fenced::Fenced;
 use crate::lock_wakeup::{FeedTask, ReleaseFeed};
 
-/// The most holdings whose state is kept for plain releases; past it, a release goes by
-/// the script.
-const MAX_HELD: usize = 16_384;
-
-/// The lock scripts, the release feed, and the states this instance's holdings wrote, shared
-/// by a store's clones.
+/// The lock scripts and the release feed, shared by a store's clones.
 pub(crate) struct LockScripts {
     acquire: Lua,
     renew: Lua,
     release: Lua,
     fenced_set: Lua,
     feed: ReleaseFeed,
-    /// By lock key and fence: the holder (its digest in hex) and lease end the holding's
-    /// acquire or renewal wrote (for a plain release; see the module's notes).
-    held: Mutex<HashMap<(String, u64), (String, u64)>>,
 }
 
 impl LockScripts {
@@ -76,37 +67,7 @@ impl LockScripts {
             release: script(LOCK_RELEASE),
             fenced_set: Lua::new(FENCED_SET),
             feed: ReleaseFeed::new(),
-            held: Mutex::default(),
         }
-    }
-
-    /// Notes that the holding of `key` under `fence` by `owner` wrote a state whose lease
-    /// ends at `expires`. Full, the map drops holdings whose lease has ended by this process's
-    /// clock (a hint only: a holding dropped is released by the script).
-    fn note(&self, key: &str, fence: u64, owner: &str, expires: Timestamp) {
-        let mut held = self.held.lock().unwrap_or_else(PoisonError::into_inner);
-        if held.len() >= MAX_HELD {
-            let now = Timestamp::now().as_millis();
-            held.retain(|_, (_, ends)| *ends > now);
-            if held.len() >= MAX_HELD {
-                return;
-            }
-        }
-        held.insert(
-            (key.to_owned(), fence),
-            (owner.to_owned(), expires.as_millis()),
-        );
-    }
-
-    /// The lease end the holding of `key` under `fence` by `owner` wrote, taken out; `None`
-    /// (and the note kept) if another owner asks.
-    fn take(&self, key: &str, fence: u64, owner: &str) -> Option<u64> {
-        let mut held = self.held.lock().unwrap_or_else(PoisonError::into_inner);
-        let at = (key.to_owned(), fence);
-        if held.get(&at)?.0 != owner {
-            return None;
-        }
-        held.remove(&at).map(|(_, expires)| expires)
     }
 }
 
@@ -142,9 +103,8 @@ impl RedisStore {
 
     /// Notes the state a holding wrote, where releases may go as plain commands.
     fn note_held(&self, key: &str, owner: &str, held: Held) {
-        if self.plain.enabled() {
-            self.locks.note(key, held.fence, owner, held.expires_at);
-        }
+        self.plain
+            .note_holding(key, held.fence, owner, held.expires_at);
     }
 
     /// Releases the holding with one `SET … IFEQ` of the state it wrote, and wakes waiters
@@ -156,10 +116,7 @@ impl RedisStore {
         name: &LockName,
         fence: u64,
     ) -> Result<bool, StoreError> {
-        if !self.plain.enabled() {
-            return Ok(false);
-        }
-        let Some(expires) = self.locks.take(key, fence, owner) else {
+        let Some(expires) = self.plain.take_holding(key, fence, owner) else {
             return Ok(false);
         };
         let written = state(fence, expires, owner, name.as_str());
@@ -382,7 +339,7 @@ impl LockStore for RedisStore {
         let (key, owner) = (self.lock_key(name), owner.to_hex());
         // The state changes whatever the answer: a release goes by the script unless this
         // renewal says what it wrote.
-        self.locks.take(&key, fence, &owner);
+        self.plain.take_holding(&key, fence, &owner);
         let answer: i64 = self
             .locks
             .renew

@@ -25,7 +25,8 @@ use std::sync::{Mutex, PoisonError};
 
 use idem_core::{Bytes, Key, Lease, LeaseId, Record, Timestamp};
 
-/// The most claims kept at once; past it, a claim is settled by the script.
+/// The most claims (and, apart, lock holdings) kept at once; past it, a claim is settled (a
+/// lock released) by the script.
 const MAX_CLAIMS: usize = 16_384;
 
 /// A record this instance claimed: the record, its Redis key, and the exact value written
@@ -37,12 +38,15 @@ pub(super) struct Claim {
     pub(super) value: Bytes,
 }
 
-/// The records this instance claimed and has not settled, and whether the server takes
-/// `SET … IFEQ`.
+/// The records this instance claimed and has not settled, the locks it holds, and whether
+/// the server takes `SET … IFEQ`.
 #[derive(Debug)]
 pub(crate) struct Plain {
     enabled: AtomicBool,
     claims: Mutex<HashMap<LeaseId, Claim>>,
+    /// By lock key and fence: the holder (its digest in hex) and the lease end its acquire
+    /// or renewal wrote (for a plain release; see `super::locks`).
+    holdings: Mutex<HashMap<(String, u64), (String, u64)>>,
 }
 
 impl Plain {
@@ -51,6 +55,7 @@ impl Plain {
         Self {
             enabled: AtomicBool::new(enabled),
             claims: Mutex::default(),
+            holdings: Mutex::default(),
         }
     }
 
@@ -67,6 +72,7 @@ impl Plain {
             );
         }
         self.lock().clear();
+        self.holdings().clear();
     }
 
     /// Notes `claim`, whose record this instance has just written with a plain `SET … NX`
@@ -108,8 +114,45 @@ impl Plain {
         }
     }
 
+    /// Notes that the holding of lock `key` under `fence` by `owner` wrote a state whose
+    /// lease ends at `expires`. Full, the map drops holdings whose lease has ended by this
+    /// process's clock (a hint only: a holding dropped is released by the script).
+    pub(super) fn note_holding(&self, key: &str, fence: u64, owner: &str, expires: Timestamp) {
+        if !self.enabled() {
+            return;
+        }
+        let mut holdings = self.holdings();
+        if holdings.len() >= MAX_CLAIMS {
+            let now = Timestamp::now().as_millis();
+            holdings.retain(|_, (_, ends)| *ends > now);
+            if holdings.len() >= MAX_CLAIMS {
+                return;
+            }
+        }
+        let noted = (owner.to_owned(), expires.as_millis());
+        holdings.insert((key.to_owned(), fence), noted);
+    }
+
+    /// The lease end the holding of lock `key` under `fence` by `owner` wrote, taken out;
+    /// `None` (and the note kept) if another owner asks.
+    pub(super) fn take_holding(&self, key: &str, fence: u64, owner: &str) -> Option<u64> {
+        if !self.enabled() {
+            return None;
+        }
+        let mut holdings = self.holdings();
+        let at = (key.to_owned(), fence);
+        if holdings.get(&at)?.0 != owner {
+            return None;
+        }
+        holdings.remove(&at).map(|(_, expires)| expires)
+    }
+
     fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<LeaseId, Claim>> {
         self.claims.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    fn holdings(&self) -> std::sync::MutexGuard<'_, HashMap<(String, u64), (String, u64)>> {
+        self.holdings.lock().unwrap_or_else(PoisonError::into_inner)
     }
 }
 
@@ -226,5 +269,34 @@ mod tests {
         assert!(plain.take(&other.key, &other_lease, now).is_none());
         plain.note(&record);
         assert!(plain.lock().is_empty(), "nothing is kept once off");
+    }
+
+    /// A lock holding is taken only by its owner under its fence, once; a refusal by the
+    /// server forgets every holding.
+    #[test]
+    fn a_holding_is_taken_by_its_owner_only_and_forgotten_after_a_refusal() {
+        let plain = Plain::new(true);
+        let ends = Timestamp::from_millis(2_000_000);
+        plain.note_holding("lock:{a}", 7, "aa", ends);
+        plain.note_holding("lock:{b}", 8, "aa", ends);
+        assert_eq!(
+            plain.take_holding("lock:{a}", 7, "bb"),
+            None,
+            "another owner"
+        );
+        assert_eq!(
+            plain.take_holding("lock:{a}", 6, "aa"),
+            None,
+            "another fence"
+        );
+        assert_eq!(
+            plain.take_holding("lock:{a}", 7, "aa"),
+            Some(ends.as_millis())
+        );
+        assert_eq!(plain.take_holding("lock:{a}", 7, "aa"), None, "taken once");
+        plain.disable();
+        assert!(plain.holdings().is_empty());
+        plain.note_holding("lock:{c}", 9, "aa", ends);
+        assert_eq!(plain.take_holding("lock:{c}", 9, "aa"), None);
     }
 }
