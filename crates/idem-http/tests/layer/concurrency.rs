@@ -291,3 +291,59 @@ async fn an_attempt_overtaken_while_its_handler_ran_does_not_deliver_its_answer(
     assert_eq!(r.body, "slow run 2", "the attempt that holds the key");
     assert_eq!(app.runs(), 2);
 }
+
+/// At most 1,024 answers the store did not take are stored in the background at once (the
+/// layer's `LATE_ANSWERS`): past that, an answer is dropped, and its record stays in
+/// progress until its lease ends, while the others are stored once the store is back.
+#[tokio::test]
+async fn at_most_1024_answers_go_on_being_offered_to_the_store() {
+    const CALLS: usize = 1025;
+    let store = Arc::new(FaultyStore::new(MemoryStore::new()));
+    let app = app_on(store.clone(), Policy::default());
+    let key = |i: usize| format!("late-{i}");
+    let calls: Vec<_> = (0..CALLS)
+        .map(|i| {
+            let router = app.router.clone();
+            let req = post_with("/slow", &key(i), "");
+            tokio::spawn(async move { router.oneshot(req).await.unwrap() })
+        })
+        .collect();
+    // Every call claims its key and waits in its handler; then the store goes away, and the
+    // handlers' answers cannot be stored.
+    within("every call claims its key", async {
+        while store.inner().len() < CALLS {
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+    })
+    .await;
+    store.set_down(true);
+    for call in calls {
+        while !call.is_finished() {
+            app.counters.gate.notify_waiters();
+            tokio::time::sleep(Duration::from_millis(1)).await;
+        }
+        let reply = app.reply(call.await.unwrap()).await;
+        assert_eq!(reply.code(), "answer_not_stored", "{}", reply.body);
+    }
+    store.set_down(false);
+    // The store is back: every answer still offered is stored, and one was given up.
+    let (replays, in_progress) = within("the offered answers are stored", async {
+        loop {
+            let (mut replays, mut in_progress) = (0, 0);
+            for i in 0..CALLS {
+                let r = app.send(post_with("/slow", &key(i), "")).await;
+                if r.replayed() {
+                    replays += 1;
+                } else if r.code() == "request_in_progress" {
+                    in_progress += 1;
+                }
+            }
+            if replays >= CALLS - 1 {
+                return (replays, in_progress);
+            }
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+    })
+    .await;
+    assert_eq!((replays, in_progress), (CALLS - 1, 1));
+}
