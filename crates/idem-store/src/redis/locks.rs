@@ -14,7 +14,8 @@
 //! **Plain releases.** Where the server compares and sets a value (`SET … IFEQ`, the same
 //! servers as the records' plain settles), the holder knows the exact state its acquire or
 //! renewal wrote (the answer carries the fence and lease end), so a release is one pipeline
-//! of `SET key released IFEQ held PX retention` and the `PUBLISH` that wakes waiters: the
+//! of `SET key released IFEQ held PX retention` and the `PUBLISH` that wakes waiters (on a
+//! Cluster the `PUBLISH` follows the `SET`: its channel hashes to another slot): the
 //! server writes the released state (lease end 0, the fence kept) exactly when the lock is
 //! still as this holder left it, when the script would have released it too. Anything else
 //! (`nil`: renewed elsewhere, taken over, already released) goes to the script, which

@@ -16,8 +16,11 @@
 //! (it sets nothing), or on a Cluster by asking every primary (the path is on only when all of
 //! them take the option); a server that refuses the option later (a failover to an older
 //! replica, a node replaced) turns the plain path off for good, and every call goes by the
-//! script again. The record's
-//! layout is the same either way, so instances of both kinds share a server.
+//! script again. The record's layout is the same either way, so instances of both kinds share
+//! a server.
+//!
+//! The locks this instance holds are kept here too (their owner and lease end, by lock key and
+//! fence), for releases as plain commands (see `super::locks`), so that a refusal forgets both.
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, Ordering};

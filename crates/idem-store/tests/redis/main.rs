@@ -136,7 +136,7 @@ async fn pause_writes(c: &mut redis::aio::MultiplexedConnection) {
 
 /// The commands clients sent since the last call, each as its arguments in upper case, and
 /// then forgotten (`SLOWLOG RESET`). Commands a script runs are logged with no client
-/// address, and left out.
+/// address on Redis 7, and left out; Valkey logs them as its caller's, and they are in.
 async fn commands_sent(c: &mut redis::aio::MultiplexedConnection) -> Vec<Vec<String>> {
     let log: Vec<redis::Value> = redis::cmd("SLOWLOG")
         .arg("GET")

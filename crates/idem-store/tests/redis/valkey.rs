@@ -118,7 +118,34 @@ async fn settles_go_as_plain_commands_until_the_record_moves_on() {
     );
     let record = store.get(&req.key, now).await.unwrap().unwrap();
     assert_eq!(record.status, Status::Completed);
-    assert_eq!(record.steps, vec![step]);
+    assert_eq!(record.steps, vec![step.clone()]);
+
+    // A step by the claimer itself: it knows the record moved on, and sends its completion
+    // straight to the script, with no `SET … IFEQ` bound to miss.
+    let req = request("stepped-here");
+    let lease = acquire(&store, &req, now).await;
+    store
+        .record_step(&req.key, &lease, &step, now)
+        .await
+        .unwrap();
+    let mut c = redis::Client::open(server.url())
+        .unwrap()
+        .get_multiplexed_async_connection()
+        .await
+        .unwrap();
+    log_every_command(&mut c).await;
+    commands_sent(&mut c).await;
+    store
+        .complete(&req.key, &lease, "done".into(), now)
+        .await
+        .unwrap();
+    // (Valkey logs the commands a script runs as its caller's too.)
+    let sent = commands_sent(&mut c).await;
+    assert!(
+        !sent.iter().any(|args| args.iter().any(|a| a == "IFEQ")),
+        "no plain SET … IFEQ tried first: {sent:?}"
+    );
+    assert!(sent.iter().any(|args| args[0] == "EVALSHA"), "{sent:?}");
 
     // A lease taken over is refused, by the script, and the new holder's answer stays.
     let req = request("taken-over").with_lease(Duration::from_millis(1));
