@@ -2,8 +2,9 @@
 //!
 //! A broker delivers a message at least once: a consumer that did the work but whose ack was
 //! lost, a connection that dropped, a redelivery timer that fired, or a publisher that retried
-//! all bring it back. `idem-mq` consumes a queue (RabbitMQ, feature `amqp`) or a durable
-//! JetStream consumer (NATS, feature `nats`) so that the handler's effect happens once per
+//! all bring it back. `idem-mq` consumes a queue (RabbitMQ, feature `amqp`), a durable
+//! JetStream consumer (NATS, feature `nats`) or a Redis stream's consumer group (feature
+//! `redis-streams`) so that the handler's effect happens once per
 //! message key: it claims the key, runs the handler, stores its result, and only then acks; a
 //! redelivery of a message whose result is stored is acked without running. See
 //! [`Consumer`] for the order and what each outcome does, and the `inbox` module (features
@@ -20,8 +21,10 @@ pub mod key;
 pub mod memory;
 #[cfg(feature = "nats")]
 pub mod nats;
+#[cfg(feature = "redis-streams")]
+pub mod redis_streams;
 pub mod source;
-#[cfg(any(feature = "amqp", feature = "nats"))]
+#[cfg(any(feature = "amqp", feature = "nats", feature = "redis-streams"))]
 mod text;
 
 pub use consumer::{

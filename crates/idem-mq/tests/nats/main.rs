@@ -4,7 +4,6 @@
 #![cfg(feature = "nats")]
 
 use std::collections::HashMap;
-use std::future::Future;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -21,22 +20,6 @@ use idem_testkit::{PATIENCE, within};
 
 fn nats_url() -> Option<String> {
     idem_testkit::services::NATS.url()
-}
-
-/// What a test handler's run returns.
-type Run = std::pin::Pin<Box<dyn Future<Output = Result<(), Failure<String>>> + Send>>;
-
-/// A handler that records each run in `runs` and takes `takes` to finish.
-fn timed_handler(runs: &Arc<Runs>, takes: Duration) -> impl Fn(Message) -> Run + use<> {
-    let runs = Arc::clone(runs);
-    move |msg: Message| {
-        let runs = Arc::clone(&runs);
-        Box::pin(async move {
-            let _run = runs.start(msg.message_id.as_deref().unwrap_or(""));
-            tokio::time::sleep(takes).await;
-            Ok::<_, Failure<String>>(())
-        })
-    }
 }
 
 /// A stream `name` on `<name>.in`, and its dead-letter stream `<name>_DL` on `<name>.dead`;
@@ -164,19 +147,6 @@ impl Drop for Streams {
     }
 }
 
-async fn next(source: &mut NatsSource) -> NatsDelivery {
-    within("a delivery", async {
-        loop {
-            match source.next().await {
-                Some(Ok(d)) => return d,
-                Some(Err(e)) => eprintln!("next: {e}"),
-                None => panic!("the source closed"),
-            }
-        }
-    })
-    .await
-}
-
 fn header<'a>(m: &'a jetstream::message::StreamMessage, name: &str) -> Option<&'a str> {
     m.headers.get(name).map(|v| v.as_str())
 }
@@ -297,69 +267,6 @@ impl Drop for OwnServer {
     }
 }
 
-fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|e| e.into_inner())
-}
-
-/// What the handlers did: runs per id, and how many ran one id at once at most.
-#[derive(Default)]
-struct Runs {
-    runs: Mutex<HashMap<String, u32>>,
-    running: Mutex<HashMap<String, u32>>,
-    most_at_once: Mutex<u32>,
-}
-
-impl Runs {
-    /// Marks a run of `id` as started; the guard marks it ended, also when the run is dropped.
-    fn start(self: &Arc<Self>, id: &str) -> RunGuard {
-        *lock(&self.runs).entry(id.to_owned()).or_default() += 1;
-        let now = {
-            let mut running = lock(&self.running);
-            let n = running.entry(id.to_owned()).or_default();
-            *n += 1;
-            *n
-        };
-        let mut most = lock(&self.most_at_once);
-        *most = (*most).max(now);
-        RunGuard {
-            runs: Arc::clone(self),
-            id: id.to_owned(),
-        }
-    }
-
-    fn of(&self, id: &str) -> u32 {
-        lock(&self.runs).get(id).copied().unwrap_or(0)
-    }
-
-    fn ids(&self) -> usize {
-        lock(&self.runs).len()
-    }
-}
-
-struct RunGuard {
-    runs: Arc<Runs>,
-    id: String,
-}
-
-impl Drop for RunGuard {
-    fn drop(&mut self) {
-        if let Some(n) = lock(&self.runs.running).get_mut(&self.id) {
-            *n -= 1;
-        }
-    }
-}
-
-/// Waits (bounded by `bound`) until `done` holds, checking every 50 ms.
-async fn until(bound: Duration, what: &str, mut done: impl FnMut() -> bool) {
-    tokio::time::timeout(bound, async {
-        while !done() {
-            tokio::time::sleep(Duration::from_millis(50)).await;
-        }
-    })
-    .await
-    .unwrap_or_else(|_| panic!("not within {bound:?}: {what}"));
-}
-
 /// Everything settled: nothing left for the consumer `name`, nothing waiting for an ack.
 async fn assert_all_settled(streams: &Streams, name: &str) {
     let info = streams
@@ -374,14 +281,14 @@ async fn assert_all_settled(streams: &Streams, name: &str) {
     assert_eq!(info.num_ack_pending, 0, "messages left unsettled");
 }
 
-/// A shutdown switch for [`Consumer::run`].
-fn shutdown_switch() -> (Arc<tokio::sync::Notify>, impl Future<Output = ()> + Send) {
-    let notify = Arc::new(tokio::sync::Notify::new());
-    let waiter = Arc::clone(&notify);
-    (notify, async move { waiter.notified().await })
-}
+#[path = "../common/runs.rs"]
+mod runs;
+use runs::*;
 
 mod adapter;
 mod consumer;
+#[cfg(feature = "postgres")]
+#[path = "../common/killed.rs"]
+mod harness;
 #[cfg(feature = "postgres")]
 mod killed;

@@ -1,0 +1,247 @@
+//! Redis Streams: a consumer group as a [`Source`](crate::Source), and publishing an entry with
+//! its message id.
+//!
+//! [`RedisStreamSource`] reads a stream through a consumer group (`XREADGROUP`), created if
+//! missing. An entry is a map of fields: one of them is the message's body (the `payload`
+//! field unless configured), the others are its headers, so a key can come from a field
+//! through [`KeyFrom::Header`](crate::KeyFrom::Header). The message id (the consumer's default
+//! key) is the `message_id` field that [`publish`] writes, or the entry's own id
+//! ([`MessageIdFrom::EntryId`]).
+//!
+//! | disposition | what the server is told |
+//! | --- | --- |
+//! | [`Disposition::Ack`](crate::Disposition::Ack) | `XACK` |
+//! | [`Disposition::Requeue`](crate::Disposition::Requeue) | `XCLAIM … IDLE (claim idle − delay) JUSTID`: the entry stays pending, and is claimed again once `delay` has passed |
+//! | [`Disposition::DeadLetter`](crate::Disposition::DeadLetter) | `XADD` of a copy to the dead-letter stream with the reason, then `XACK` (in one `MULTI` on a single server) |
+//!
+//! # Pending entries, takeover and keep-alive
+//!
+//! Redis keeps every entry read through the group in the group's pending list until it is
+//! acked; nothing redelivers it by itself. Each source looks for entries that have been pending
+//! longer than its *claim idle* time (default 60 s; twice the record lease is a good value) at
+//! least every *claim interval* (default 1 s), and claims them for itself (`XPENDING … IDLE`,
+//! then `XCLAIM`, which checks the idle time again so two sources never claim one entry at
+//! once). That is how the entries of a consumer that died, or that requeued them, come back.
+//!
+//! While a handler runs, the consumer reports progress at a third of the claim idle time
+//! ([`Source::ack_wait`](crate::Source::ack_wait) reports it): `XCLAIM … IDLE 0 JUSTID` on the entry's own id, which resets
+//! its idle time without counting a delivery, so a live handler's entry is not taken over.
+//!
+//! Redis has no delayed redelivery: a requeue sets the entry's idle time so that it becomes
+//! claimable `delay` later. Delays longer than the claim idle time are shortened to it, and an
+//! entry comes back up to one claim interval after it became claimable.
+//!
+//! # Delivery counts and poison entries
+//!
+//! An entry read for the first time has been delivered once; a claimed one counts what the
+//! pending list says (`XPENDING`), plus this claim. The consumer counts runs by its record (see
+//! [`Consumer::max_attempts`](crate::Consumer::max_attempts)); past
+//! [`RedisStreamSourceBuilder::max_deliveries`] the source dead-letters an entry itself, with
+//! the reason `attempts_exhausted`, without handing it out: an entry that its consumers
+//! keep dying over while it only waits in their buffers.
+//!
+//! # Redelivery horizon
+//!
+//! An entry stays pending until it is acked, however long that takes:
+//! [`Horizon::Unbounded`](crate::Horizon::Unbounded).
+//!
+//! # Redis Cluster
+//!
+//! A stream lives on one slot, so a source works on a Cluster as on one server
+//! (`redis+cluster://`). The dead-letter stream may hash to another slot, so its copy and the
+//! `XACK` are two commands there: a crash between them dead-letters the entry again (at least
+//! once into the dead letter; the copy carries the original entry id to tell). Give both
+//! streams one hash tag (`{orders}` and `{orders}:dead`) to keep them on one node.
+
+use std::time::Duration;
+
+use bytes::Bytes;
+use redis::aio::{ConnectionLike, ConnectionManager, ConnectionManagerConfig};
+use redis::cluster_async::ClusterConnection;
+use redis::{Cmd, Pipeline, RedisFuture, Value};
+
+use crate::MqError;
+
+mod delivery;
+mod entry;
+mod source;
+
+pub use delivery::RedisStreamDelivery;
+pub use source::{RedisStreamSource, RedisStreamSourceBuilder};
+
+/// The field [`publish`] writes the message id to, and where the source looks for it by
+/// default.
+pub const MESSAGE_ID_FIELD: &str = "message_id";
+/// The field that holds the message's body, by default.
+pub const PAYLOAD_FIELD: &str = "payload";
+/// Field of a dead-lettered copy: [`crate::Reason::code`].
+pub const REASON_FIELD: &str = "idem-reason";
+/// Field of a dead-lettered copy: the sentence of its [`DeadLetter`](crate::DeadLetter).
+pub const DETAIL_FIELD: &str = "idem-detail";
+/// Field of a dead-lettered copy: the stream it came from.
+pub const STREAM_FIELD: &str = "idem-stream";
+/// Field of a dead-lettered copy: the consumer group that gave up on it.
+pub const GROUP_FIELD: &str = "idem-group";
+/// Field of a dead-lettered copy: its entry id in the stream it came from.
+pub const ENTRY_FIELD: &str = "idem-entry";
+/// Field of a dead-lettered copy: how many times it was delivered.
+pub const DELIVERIES_FIELD: &str = "idem-deliveries";
+
+/// Longest `idem-detail` value, in bytes; longer sentences are cut at a character boundary.
+const MAX_DETAIL_LEN: usize = 1024;
+
+/// Where the message id (the consumer's default key) of an entry comes from.
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum MessageIdFrom {
+    /// A field the publisher writes ([`MESSAGE_ID_FIELD`] by default): the same message
+    /// published twice has one id.
+    Field(String),
+    /// The entry's id in the stream (`1700000000000-0`): every redelivery of one entry has it,
+    /// but an entry published twice has two.
+    EntryId,
+}
+
+/// Where the group reads from when the source creates it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum StartAt {
+    /// Every entry already in the stream (`0`): the default, so a backlog is not skipped.
+    Beginning,
+    /// Only entries added after the group is created (`$`).
+    End,
+}
+
+/// Where a dead-lettered entry goes before it is acked.
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum DeadLetterTarget {
+    /// A copy is added (`XADD`) to this stream, with the reason; the entry is acked only once
+    /// the copy is stored. The default, on `<stream>:dead`.
+    Stream(String),
+    /// Only `XACK`, with the reason logged.
+    AckOnly,
+}
+
+/// A connection to one server or to a Cluster; both reconnect by themselves.
+///
+/// Written here rather than taken from the store: the source needs two (a blocking read would
+/// hold up a multiplexed connection's other commands), with timeouts of their own.
+#[derive(Clone)]
+pub(crate) enum Conn {
+    Single(ConnectionManager),
+    Cluster(ClusterConnection),
+}
+
+impl Conn {
+    /// Connects to `url`: `redis://…` (or `rediss://…`) for one server, or
+    /// `redis+cluster://host:port,host:port…` for a Cluster reached through any of those nodes.
+    /// `timeout` bounds each answer and each connection attempt.
+    pub(crate) async fn open(url: &str, timeout: Duration) -> Result<Self, MqError> {
+        if let Some(nodes) = url.strip_prefix("redis+cluster://") {
+            let nodes: Vec<String> = nodes
+                .split(',')
+                .filter(|n| !n.is_empty())
+                .map(|n| format!("redis://{n}"))
+                .collect();
+            let client = redis::cluster::ClusterClient::builder(nodes)
+                .response_timeout(timeout)
+                .connection_timeout(timeout)
+                .build()
+                .map_err(|e| MqError::broker("the Redis Cluster URL is not valid", e))?;
+            let conn = client
+                .get_async_connection()
+                .await
+                .map_err(|e| MqError::broker("cannot connect to the Redis Cluster", e))?;
+            return Ok(Conn::Cluster(conn));
+        }
+        let client = redis::Client::open(url)
+            .map_err(|e| MqError::broker("the Redis URL is not valid", e))?;
+        let config = ConnectionManagerConfig::new()
+            .set_response_timeout(Some(timeout))
+            .set_connection_timeout(Some(timeout))
+            .set_number_of_retries(2);
+        let conn = client
+            .get_connection_manager_with_config(config)
+            .await
+            .map_err(|e| MqError::broker("cannot connect to Redis", e))?;
+        Ok(Conn::Single(conn))
+    }
+
+    pub(crate) fn is_cluster(&self) -> bool {
+        matches!(self, Conn::Cluster(_))
+    }
+}
+
+impl ConnectionLike for Conn {
+    fn req_packed_command<'a>(&'a mut self, cmd: &'a Cmd) -> RedisFuture<'a, Value> {
+        match self {
+            Conn::Single(c) => c.req_packed_command(cmd),
+            Conn::Cluster(c) => c.req_packed_command(cmd),
+        }
+    }
+
+    fn req_packed_commands<'a>(
+        &'a mut self,
+        pipeline: &'a Pipeline,
+        offset: usize,
+        count: usize,
+    ) -> RedisFuture<'a, Vec<Value>> {
+        match self {
+            Conn::Single(c) => c.req_packed_commands(pipeline, offset, count),
+            Conn::Cluster(c) => c.req_packed_commands(pipeline, offset, count),
+        }
+    }
+
+    fn get_db(&self) -> i64 {
+        match self {
+            Conn::Single(c) => c.get_db(),
+            Conn::Cluster(c) => c.get_db(),
+        }
+    }
+}
+
+/// Adds an entry to `stream` with its message id in [`MESSAGE_ID_FIELD`] and its body in
+/// [`PAYLOAD_FIELD`]; returns the entry's id. A publisher that retries after an error may add
+/// it twice; consumers keyed by the message id (the default) run it once.
+pub async fn publish<C: ConnectionLike + Send>(
+    conn: &mut C,
+    stream: &str,
+    message_id: &str,
+    payload: &[u8],
+) -> Result<String, MqError> {
+    publish_with_fields(conn, stream, message_id, payload, &[]).await
+}
+
+/// [`publish`] with more fields (the consumer's headers: a key in a field of its own, a
+/// trace id).
+pub async fn publish_with_fields<C: ConnectionLike + Send>(
+    conn: &mut C,
+    stream: &str,
+    message_id: &str,
+    payload: &[u8],
+    fields: &[(&str, &[u8])],
+) -> Result<String, MqError> {
+    let mut cmd = redis::cmd("XADD");
+    cmd.arg(stream)
+        .arg("*")
+        .arg(MESSAGE_ID_FIELD)
+        .arg(message_id)
+        .arg(PAYLOAD_FIELD)
+        .arg(payload);
+    for (name, value) in fields {
+        cmd.arg(*name).arg(*value);
+    }
+    cmd.query_async(conn)
+        .await
+        .map_err(|e| MqError::broker("cannot add the entry to the stream", e))
+}
+
+/// An entry's body as [`Bytes`], without a copy.
+fn bytes(value: Value) -> Option<Bytes> {
+    match value {
+        Value::BulkString(b) => Some(Bytes::from(b)),
+        Value::SimpleString(s) => Some(Bytes::from(s)),
+        _ => None,
+    }
+}

@@ -1,0 +1,592 @@
+//! The source: its builder, its consumer group, reading and claiming.
+
+use std::collections::VecDeque;
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::Bytes;
+use redis::Value;
+use tokio::time::Instant;
+
+use super::delivery::{RedisStreamDelivery, Shared};
+use super::entry::{self, Entry, Pending};
+use super::{Conn, DeadLetterTarget, MESSAGE_ID_FIELD, MessageIdFrom, PAYLOAD_FIELD, StartAt};
+use crate::{DeadLetter, Delivery, Disposition, Horizon, MqError, Reason, Source};
+
+/// Deletes a consumer of the group only if it has nothing pending, in one step: a consumer's
+/// pending entries are lost with it (nothing would ever claim them again).
+const FORGET_CONSUMER: &str = r"
+if #redis.call('XPENDING', KEYS[1], ARGV[1], '-', '+', 1, ARGV[2]) > 0 then return 0 end
+return redis.call('XGROUP', 'DELCONSUMER', KEYS[1], ARGV[1], ARGV[2]) + 1
+";
+
+/// Builds a [`RedisStreamSource`]: the stream, the consumer group, and how to claim and settle.
+#[derive(Debug, Clone)]
+pub struct RedisStreamSourceBuilder {
+    stream: String,
+    group: String,
+    consumer: Option<String>,
+    start: StartAt,
+    payload_field: String,
+    message_id: MessageIdFrom,
+    dead_letter: Option<DeadLetterTarget>,
+    batch: usize,
+    claim_idle: Duration,
+    claim_every: Duration,
+    max_deliveries: Option<u32>,
+    forget_consumers_after: Option<Duration>,
+    response_timeout: Duration,
+    retry_first: Duration,
+    retry_max: Duration,
+}
+
+impl RedisStreamSourceBuilder {
+    /// This source's consumer name in the group (default `idem-<pid>-<random>`, new for each
+    /// process). A stable name (a pod's) lets a restarted process's pending entries be found
+    /// under it; they come back through the claim either way.
+    pub fn consumer(mut self, name: impl Into<String>) -> Self {
+        self.consumer = Some(name.into());
+        self
+    }
+
+    /// Where a group this source creates starts reading (default: the beginning).
+    pub fn start_at(mut self, start: StartAt) -> Self {
+        self.start = start;
+        self
+    }
+
+    /// The field that holds the body (default [`PAYLOAD_FIELD`]); an entry without it has an
+    /// empty body. Every other field is a header.
+    pub fn payload_field(mut self, name: impl Into<String>) -> Self {
+        self.payload_field = name.into();
+        self
+    }
+
+    /// Where the message id comes from (default the field [`MESSAGE_ID_FIELD`]).
+    pub fn message_id(mut self, from: MessageIdFrom) -> Self {
+        self.message_id = from;
+        self
+    }
+
+    /// Where dead-lettered entries go (default: [`DeadLetterTarget::Stream`] on
+    /// `<stream>:dead`).
+    pub fn dead_letter(mut self, target: DeadLetterTarget) -> Self {
+        self.dead_letter = Some(target);
+        self
+    }
+
+    /// How many entries one read asks for (default 64, at least 1). A read entry's idle time
+    /// runs while it waits in the buffer for a free handler: keep the batch near the
+    /// consumer's concurrency, or a buffered entry may be claimed by another source (harmless
+    /// with the records, but wasted).
+    pub fn batch(mut self, batch: usize) -> Self {
+        self.batch = batch.max(1);
+        self
+    }
+
+    /// How long an entry stays pending, not acked and without progress, before a source claims
+    /// it (default 60 s): the time before the entries of a consumer that died come back. Make
+    /// it about twice the record lease, so that a claimed entry finds its key free. Requeue
+    /// delays are shortened to it.
+    pub fn claim_idle(mut self, idle: Duration) -> Self {
+        self.claim_idle = idle.max(Duration::from_millis(10));
+        self
+    }
+
+    /// How often the source looks for entries to claim (default 1 s, at least 1 ms); also the
+    /// longest a read blocks.
+    pub fn claim_every(mut self, every: Duration) -> Self {
+        self.claim_every = every.max(Duration::from_millis(1));
+        self
+    }
+
+    /// Dead-letter an entry (reason `attempts_exhausted`) rather than hand it out once it has
+    /// been delivered more than `n` times (default: no limit). Set it well above the
+    /// consumer's `max_attempts`: deliveries that only waited for a running attempt count here.
+    pub fn max_deliveries(mut self, n: u32) -> Self {
+        self.max_deliveries = Some(n.max(1));
+        self
+    }
+
+    /// At start, delete the group's consumers that have been idle this long with nothing
+    /// pending (default 24 h; `None` keeps them): each process that used a new name leaves
+    /// one behind. A consumer with pending entries is never deleted.
+    pub fn forget_consumers_after(mut self, idle: Option<Duration>) -> Self {
+        self.forget_consumers_after = idle;
+        self
+    }
+
+    /// How long the server may take to answer (default 5 s), on top of a read's block.
+    pub fn response_timeout(mut self, timeout: Duration) -> Self {
+        self.response_timeout = timeout;
+        self
+    }
+
+    /// Backoff between attempts to read after a failure (the server restarted, the stream or
+    /// group was deleted): `first`, doubling up to `max` (defaults 100 ms and 5 s).
+    pub fn retry_backoff(mut self, first: Duration, max: Duration) -> Self {
+        self.retry_first = first;
+        self.retry_max = max.max(first);
+        self
+    }
+
+    /// Connects to `url` and builds the source: `redis://host:port/db` (or `rediss://`) for one
+    /// server, `redis+cluster://host:port,host:port` for a Cluster. Creates the group if
+    /// missing (and the stream with it).
+    pub async fn connect(self, url: &str) -> Result<RedisStreamSource, MqError> {
+        let conn = Conn::open(url, self.response_timeout).await?;
+        let reads = Conn::open(url, self.response_timeout + self.claim_every).await?;
+        let consumer = self.consumer.clone().unwrap_or_else(|| {
+            format!("idem-{}-{:08x}", std::process::id(), rand::random::<u32>())
+        });
+        let dead_letter = self
+            .dead_letter
+            .clone()
+            .unwrap_or_else(|| DeadLetterTarget::Stream(format!("{}:dead", self.stream)));
+        if dead_letter == DeadLetterTarget::Stream(self.stream.clone()) {
+            return Err(MqError::Config(format!(
+                "the dead-letter stream is the stream {} itself",
+                self.stream
+            )));
+        }
+        let shared = Arc::new(Shared {
+            stream: self.stream.clone(),
+            group: self.group.clone(),
+            consumer,
+            payload_field: Bytes::from(self.payload_field.clone().into_bytes()),
+            message_id: self.message_id.clone(),
+            dead_letter,
+            claim_idle: self.claim_idle,
+            conn,
+        });
+        let mut source = RedisStreamSource {
+            name: format!("{}.{}", self.stream, self.group),
+            settings: self,
+            shared,
+            reads,
+            buffer: VecDeque::new(),
+            next_sweep: Instant::now(),
+            cursor: "-".to_owned(),
+            group_ready: false,
+            retry_wait: None,
+            closed: false,
+        };
+        source.create_group().await.map_err(|e| match e {
+            MqError::Broker { message, source } if is_code(source.as_deref(), "WRONGTYPE") => {
+                MqError::Config(format!("{message}: the key is not a stream"))
+            }
+            e => e,
+        })?;
+        if let Some(after) = source.settings.forget_consumers_after
+            && let Err(e) = source.forget_consumers(after).await
+        {
+            tracing::debug!(error = %e, "cannot look for the group's idle consumers");
+        }
+        Ok(source)
+    }
+}
+
+/// Whether `error` is a Redis error with this code (`NOGROUP`, `WRONGTYPE`).
+fn is_code(error: Option<&(dyn std::error::Error + Send + Sync + 'static)>, code: &str) -> bool {
+    error
+        .and_then(|e| e.downcast_ref::<redis::RedisError>())
+        .is_some_and(|e| e.code() == Some(code))
+}
+
+/// A Redis stream read through a consumer group, as a [`Source`].
+///
+/// Reads go on a connection of their own (a blocking `XREADGROUP` would hold up other
+/// commands); acks, claims and dead letters on another. Both reconnect by themselves; a group
+/// that disappears (the server restarted without persistence, the stream was deleted) is
+/// created again.
+///
+/// # Example
+///
+/// ```no_run
+/// # async fn example() -> Result<(), idem_mq::MqError> {
+/// use std::time::Duration;
+/// use idem_mq::redis_streams::RedisStreamSource;
+/// use idem_mq::{Consumer, Failure, Message};
+///
+/// let source = RedisStreamSource::builder("orders", "inventory")
+///     // Twice the consumer's lease below.
+///     .claim_idle(Duration::from_secs(60))
+///     .connect("redis://127.0.0.1:6379")
+///     .await?;
+/// let consumer = Consumer::new(idem::MemoryStore::new()).lease(Duration::from_secs(30));
+/// let handler = |msg: Message| async move {
+///     // Deduct stock for msg.payload; msg.fence() can guard writes elsewhere.
+///     Ok::<_, Failure<String>>(())
+/// };
+/// consumer.run(source, handler, std::future::pending()).await?;
+/// # Ok(())
+/// # }
+/// ```
+pub struct RedisStreamSource {
+    /// `<stream>.<group>`: each group sees every entry, so each keeps records of its own.
+    name: String,
+    settings: RedisStreamSourceBuilder,
+    shared: Arc<Shared>,
+    /// The blocking reads.
+    reads: Conn,
+    buffer: VecDeque<RedisStreamDelivery>,
+    next_sweep: Instant,
+    /// Where the next look at the pending list starts (`-`, or `(<id>` after the last seen).
+    cursor: String,
+    group_ready: bool,
+    retry_wait: Option<Duration>,
+    closed: bool,
+}
+
+impl std::fmt::Debug for RedisStreamSource {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RedisStreamSource")
+            .field("stream", &self.shared.stream)
+            .field("group", &self.shared.group)
+            .field("consumer", &self.shared.consumer)
+            .field("buffered", &self.buffer.len())
+            .field("closed", &self.closed)
+            .finish_non_exhaustive()
+    }
+}
+
+impl RedisStreamSource {
+    /// A builder for a source on `stream`, reading through the consumer group `group`.
+    pub fn builder(
+        stream: impl Into<String>,
+        group: impl Into<String>,
+    ) -> RedisStreamSourceBuilder {
+        RedisStreamSourceBuilder {
+            stream: stream.into(),
+            group: group.into(),
+            consumer: None,
+            start: StartAt::Beginning,
+            payload_field: PAYLOAD_FIELD.to_owned(),
+            message_id: MessageIdFrom::Field(MESSAGE_ID_FIELD.to_owned()),
+            dead_letter: None,
+            batch: 64,
+            claim_idle: Duration::from_secs(60),
+            claim_every: Duration::from_secs(1),
+            max_deliveries: None,
+            forget_consumers_after: Some(Duration::from_secs(24 * 3600)),
+            response_timeout: Duration::from_secs(5),
+            retry_first: Duration::from_millis(100),
+            retry_max: Duration::from_secs(5),
+        }
+    }
+
+    /// This source's consumer name in the group.
+    pub fn consumer_name(&self) -> &str {
+        &self.shared.consumer
+    }
+
+    /// Where dead-lettered entries go.
+    pub fn dead_letter_target(&self) -> &DeadLetterTarget {
+        &self.shared.dead_letter
+    }
+
+    fn conn(&self) -> Conn {
+        self.shared.conn.clone()
+    }
+
+    /// `XGROUP CREATE … MKSTREAM`; a group that exists already is used as it is.
+    async fn create_group(&mut self) -> Result<(), MqError> {
+        let start = match self.settings.start {
+            StartAt::Beginning => "0",
+            StartAt::End => "$",
+        };
+        let created = redis::cmd("XGROUP")
+            .arg("CREATE")
+            .arg(&self.shared.stream)
+            .arg(&self.shared.group)
+            .arg(start)
+            .arg("MKSTREAM")
+            .exec_async(&mut self.conn())
+            .await;
+        match created {
+            Ok(()) => {}
+            Err(e) if e.code() == Some("BUSYGROUP") => {}
+            Err(e) => {
+                return Err(MqError::broker(
+                    format!(
+                        "cannot create the group {} of stream {}",
+                        self.shared.group, self.shared.stream
+                    ),
+                    e,
+                ));
+            }
+        }
+        self.group_ready = true;
+        Ok(())
+    }
+
+    /// Deletes the consumers idle longer than `after` with nothing pending.
+    async fn forget_consumers(&self, after: Duration) -> Result<(), MqError> {
+        let s = &self.shared;
+        let listed: Value = redis::cmd("XINFO")
+            .arg("CONSUMERS")
+            .arg(&s.stream)
+            .arg(&s.group)
+            .query_async(&mut self.conn())
+            .await
+            .map_err(|e| MqError::broker("cannot list the group's consumers", e))?;
+        let after = u64::try_from(after.as_millis()).unwrap_or(u64::MAX);
+        let script = redis::Script::new(FORGET_CONSUMER);
+        let mut forgotten = 0;
+        for (name, pending, idle) in consumers(listed) {
+            if pending > 0 || idle < after || name == s.consumer {
+                continue;
+            }
+            let gone: i64 = script
+                .key(&s.stream)
+                .arg(&s.group)
+                .arg(&name)
+                .invoke_async(&mut self.conn())
+                .await
+                .map_err(|e| MqError::broker("cannot delete an idle consumer", e))?;
+            forgotten += i64::from(gone > 0);
+        }
+        if forgotten > 0 {
+            tracing::info!(
+                stream = %s.stream,
+                group = %s.group,
+                forgotten,
+                "deleted the group's long-idle consumers that had nothing pending"
+            );
+        }
+        Ok(())
+    }
+
+    /// Reads or claims more entries into the buffer (possibly none: a read timed out).
+    async fn fill(&mut self) -> Result<(), MqError> {
+        if !self.group_ready {
+            self.create_group().await?;
+        }
+        if Instant::now() >= self.next_sweep {
+            self.claim().await?;
+            if !self.buffer.is_empty() {
+                return Ok(());
+            }
+        }
+        let block = self
+            .next_sweep
+            .saturating_duration_since(Instant::now())
+            .clamp(Duration::from_millis(1), self.settings.claim_every);
+        let s = &self.shared;
+        let read: Value = redis::cmd("XREADGROUP")
+            .arg("GROUP")
+            .arg(&s.group)
+            .arg(&s.consumer)
+            .arg("COUNT")
+            .arg(self.settings.batch)
+            .arg("BLOCK")
+            .arg(millis(block).max(1))
+            .arg("STREAMS")
+            .arg(&s.stream)
+            .arg(">")
+            .query_async(&mut self.reads)
+            .await
+            .map_err(|e| self.lost(e, "cannot read from the stream"))?;
+        for entry in entry::read_reply(read)? {
+            let delivery = RedisStreamDelivery::new(entry, 1, Arc::clone(&self.shared));
+            self.buffer.push_back(delivery);
+        }
+        Ok(())
+    }
+
+    /// Claims the entries pending longer than the claim idle time: `XPENDING … IDLE` for
+    /// their delivery counts, then `XCLAIM`, which claims only those still idle that long (one
+    /// another source did not claim in between).
+    async fn claim(&mut self) -> Result<(), MqError> {
+        let s = Arc::clone(&self.shared);
+        let idle = millis(self.settings.claim_idle);
+        let batch = self.settings.batch;
+        let listed: Value = redis::cmd("XPENDING")
+            .arg(&s.stream)
+            .arg(&s.group)
+            .arg("IDLE")
+            .arg(idle)
+            .arg(&self.cursor)
+            .arg("+")
+            .arg(batch)
+            .query_async(&mut self.conn())
+            .await
+            .map_err(|e| self.lost(e, "cannot read the pending entries"))?;
+        let pending = entry::pending_reply(listed)?;
+        match pending.last() {
+            // There may be more: look again at once, from after the last one.
+            Some(last) if pending.len() >= batch => self.cursor = format!("({}", last.id),
+            _ => {
+                self.cursor = "-".to_owned();
+                self.next_sweep = Instant::now() + self.settings.claim_every;
+            }
+        }
+        if pending.is_empty() {
+            return Ok(());
+        }
+        let mut cmd = redis::cmd("XCLAIM");
+        cmd.arg(&s.stream).arg(&s.group).arg(&s.consumer).arg(idle);
+        for p in &pending {
+            cmd.arg(&p.id);
+        }
+        let claimed: Value = cmd
+            .query_async(&mut self.conn())
+            .await
+            .map_err(|e| self.lost(e, "cannot claim the pending entries"))?;
+        let claimed = entry::entries_of(claimed, "XCLAIM")?;
+        for entry in claimed {
+            let deliveries = delivered_before(&pending, &entry).saturating_add(1);
+            let deliveries = u32::try_from(deliveries).unwrap_or(u32::MAX);
+            let delivery = RedisStreamDelivery::new(entry, deliveries, Arc::clone(&s));
+            match self.settings.max_deliveries {
+                Some(max) if deliveries > max => {
+                    tracing::warn!(
+                        stream = %s.stream,
+                        entry = delivery.entry_id(),
+                        deliveries,
+                        "an entry was delivered more times than allowed; dead-lettered"
+                    );
+                    let dead = DeadLetter {
+                        reason: Reason::AttemptsExhausted,
+                        detail: format!(
+                            "delivered {deliveries} times without being settled; at most {max} \
+                             deliveries are allowed"
+                        ),
+                    };
+                    delivery.settle(Disposition::DeadLetter(dead)).await?;
+                }
+                _ => self.buffer.push_back(delivery),
+            }
+        }
+        Ok(())
+    }
+
+    /// The error of a failed command; one that says the group is gone has it created again
+    /// on the next read.
+    fn lost(&mut self, e: redis::RedisError, what: &str) -> MqError {
+        if e.code() == Some("NOGROUP") {
+            self.group_ready = false;
+        }
+        MqError::broker(what.to_owned(), e)
+    }
+
+    /// Remembers a failure: the next read waits, doubling up to the cap.
+    fn failed(&mut self) {
+        let next = match self.retry_wait {
+            None => self.settings.retry_first,
+            Some(wait) => (wait * 2).min(self.settings.retry_max),
+        };
+        self.retry_wait = Some(next);
+    }
+}
+
+/// How many times the pending list said `entry` was delivered (0 if it was not listed).
+fn delivered_before(pending: &[Pending], entry: &Entry) -> u64 {
+    pending
+        .iter()
+        .find(|p| p.id == entry.id)
+        .map_or(0, |p| p.deliveries)
+}
+
+/// `(name, pending, idle ms)` of each consumer in an `XINFO CONSUMERS` answer (RESP2: a flat
+/// list of names and values per consumer; RESP3: a map).
+fn consumers(listed: Value) -> Vec<(String, u64, u64)> {
+    let Value::Array(items) = listed else {
+        return Vec::new();
+    };
+    items
+        .into_iter()
+        .filter_map(|item| {
+            let pairs: Vec<(Value, Value)> = match item {
+                Value::Map(pairs) => pairs,
+                Value::Array(flat) => {
+                    let mut flat = flat.into_iter();
+                    std::iter::from_fn(|| Some((flat.next()?, flat.next()?))).collect()
+                }
+                _ => return None,
+            };
+            let (mut name, mut pending, mut idle) = (None, None, None);
+            for (k, v) in pairs {
+                let key = match k {
+                    Value::BulkString(b) => b,
+                    Value::SimpleString(s) => s.into_bytes(),
+                    _ => continue,
+                };
+                match (key.as_slice(), v) {
+                    (b"name", Value::BulkString(b)) => name = String::from_utf8(b).ok(),
+                    (b"name", Value::SimpleString(s)) => name = Some(s),
+                    (b"pending", Value::Int(n)) => pending = u64::try_from(n).ok(),
+                    (b"idle", Value::Int(n)) => idle = u64::try_from(n).ok(),
+                    _ => {}
+                }
+            }
+            Some((name?, pending?, idle?))
+        })
+        .collect()
+}
+
+fn millis(d: Duration) -> u64 {
+    u64::try_from(d.as_millis()).unwrap_or(u64::MAX)
+}
+
+impl Source for RedisStreamSource {
+    type Delivery = RedisStreamDelivery;
+
+    fn name(&self) -> &str {
+        &self.name
+    }
+
+    async fn next(&mut self) -> Option<Result<RedisStreamDelivery, MqError>> {
+        loop {
+            if self.closed {
+                return None;
+            }
+            if let Some(delivery) = self.buffer.pop_front() {
+                return Some(Ok(delivery));
+            }
+            if let Some(wait) = self.retry_wait {
+                tokio::time::sleep(wait).await;
+            }
+            match self.fill().await {
+                Ok(()) => self.retry_wait = None,
+                Err(e) => {
+                    self.failed();
+                    return Some(Err(e));
+                }
+            }
+        }
+    }
+
+    fn ack_wait(&self) -> Option<Duration> {
+        Some(self.settings.claim_idle)
+    }
+
+    fn redelivery_horizon(&self) -> Horizon {
+        Horizon::Unbounded
+    }
+
+    async fn close(&mut self) {
+        self.closed = true;
+        if self.buffer.is_empty() {
+            return;
+        }
+        // Read but not handed out: made claimable at once by any source of the group, whatever
+        // its claim idle time (as if delivered at the epoch), rather than after it. If this
+        // fails they come back after it.
+        let s = &self.shared;
+        let mut cmd = redis::cmd("XCLAIM");
+        cmd.arg(&s.stream).arg(&s.group).arg(&s.consumer).arg(0);
+        for delivery in self.buffer.drain(..) {
+            cmd.arg(delivery.entry_id());
+        }
+        cmd.arg("TIME").arg(1).arg("JUSTID");
+        let handed_back = tokio::time::timeout(
+            self.settings.response_timeout,
+            cmd.exec_async(&mut self.conn()),
+        )
+        .await;
+        if !matches!(handed_back, Ok(Ok(()))) {
+            tracing::debug!("cannot hand back the entries read but not handed out");
+        }
+    }
+}

@@ -1,0 +1,113 @@
+//! What the broker suites share: a record of the handlers' runs, waiting for a condition,
+//! and a switch that stops a consumer.
+
+// Each suite uses a part of it.
+#![allow(dead_code)]
+
+use std::collections::HashMap;
+use std::future::Future;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use idem_mq::{Failure, Message, Source};
+use idem_testkit::within;
+
+/// What a test handler's run returns.
+pub(crate) type Run = std::pin::Pin<Box<dyn Future<Output = Result<(), Failure<String>>> + Send>>;
+
+/// A handler that records each run in `runs` and takes `takes` to finish.
+pub(crate) fn timed_handler(runs: &Arc<Runs>, takes: Duration) -> impl Fn(Message) -> Run + use<> {
+    let runs = Arc::clone(runs);
+    move |msg: Message| {
+        let runs = Arc::clone(&runs);
+        Box::pin(async move {
+            let _run = runs.start(msg.message_id.as_deref().unwrap_or(""));
+            tokio::time::sleep(takes).await;
+            Ok::<_, Failure<String>>(())
+        })
+    }
+}
+
+pub(crate) fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// What the handlers did: runs per id, and how many ran one id at once at most.
+#[derive(Default)]
+pub(crate) struct Runs {
+    pub(crate) runs: Mutex<HashMap<String, u32>>,
+    pub(crate) running: Mutex<HashMap<String, u32>>,
+    pub(crate) most_at_once: Mutex<u32>,
+}
+
+impl Runs {
+    /// Marks a run of `id` as started; the guard marks it ended, also when the run is dropped.
+    pub(crate) fn start(self: &Arc<Self>, id: &str) -> RunGuard {
+        *lock(&self.runs).entry(id.to_owned()).or_default() += 1;
+        let now = {
+            let mut running = lock(&self.running);
+            let n = running.entry(id.to_owned()).or_default();
+            *n += 1;
+            *n
+        };
+        let mut most = lock(&self.most_at_once);
+        *most = (*most).max(now);
+        RunGuard {
+            runs: Arc::clone(self),
+            id: id.to_owned(),
+        }
+    }
+
+    pub(crate) fn of(&self, id: &str) -> u32 {
+        lock(&self.runs).get(id).copied().unwrap_or(0)
+    }
+
+    pub(crate) fn ids(&self) -> usize {
+        lock(&self.runs).len()
+    }
+}
+
+pub(crate) struct RunGuard {
+    runs: Arc<Runs>,
+    id: String,
+}
+
+impl Drop for RunGuard {
+    fn drop(&mut self) {
+        if let Some(n) = lock(&self.runs.running).get_mut(&self.id) {
+            *n -= 1;
+        }
+    }
+}
+
+/// Waits (bounded by `bound`) until `done` holds, checking every 50 ms.
+pub(crate) async fn until(bound: Duration, what: &str, mut done: impl FnMut() -> bool) {
+    tokio::time::timeout(bound, async {
+        while !done() {
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    })
+    .await
+    .unwrap_or_else(|_| panic!("not within {bound:?}: {what}"));
+}
+
+/// A shutdown switch for [`Consumer::run`].
+pub(crate) fn shutdown_switch() -> (Arc<tokio::sync::Notify>, impl Future<Output = ()> + Send) {
+    let notify = Arc::new(tokio::sync::Notify::new());
+    let waiter = Arc::clone(&notify);
+    (notify, async move { waiter.notified().await })
+}
+
+/// The next delivery of `source` (an error is printed and the source asked again).
+pub(crate) async fn next<S: Source>(source: &mut S) -> S::Delivery {
+    within("a delivery", async {
+        loop {
+            match source.next().await {
+                Some(Ok(d)) => return d,
+                Some(Err(e)) => eprintln!("next: {e}"),
+                None => panic!("the source closed"),
+            }
+        }
+    })
+    .await
+}

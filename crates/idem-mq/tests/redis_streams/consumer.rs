@@ -1,0 +1,171 @@
+//! Through the consumer: entries published twice, two instances on one group, failures.
+
+use std::sync::Arc;
+
+use super::*;
+use crate::runs::*;
+use idem::RedisStore;
+use idem_mq::redis_streams::{DETAIL_FIELD, REASON_FIELD};
+use idem_mq::{Consumer, Failure, Message};
+use idem_testkit::PATIENCE;
+
+async fn store(url: &str) -> RedisStore {
+    let prefix = format!("idemt:{:08x}:", rand::random::<u32>());
+    RedisStore::connect(
+        url,
+        idem::RedisOptions {
+            prefix,
+            ..Default::default()
+        },
+    )
+    .await
+    .expect("the Redis store")
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn entries_published_twice_run_once_per_id_across_two_instances() {
+    let Some(url) = redis_url() else { return };
+    let stream = Stream::new(&url).await;
+    const N: usize = 300;
+    let twice: Vec<usize> = (0..N).filter(|i| i % 10 < 3).collect();
+    for i in 0..N {
+        stream
+            .publish(&format!("order-{i}"), i.to_string().as_bytes())
+            .await;
+    }
+    for &i in &twice {
+        stream
+            .publish(&format!("order-{i}"), i.to_string().as_bytes())
+            .await;
+    }
+    let store = store(&url).await;
+    let consumer = Consumer::new(store).concurrency(16);
+    let runs = Arc::new(Runs::default());
+    let (stop, shutdown) = shutdown_switch();
+    let shutdown = futures_util::FutureExt::shared(Box::pin(shutdown));
+    let mut instances = Vec::new();
+    for _ in 0..2 {
+        let source = stream
+            .builder("once")
+            .batch(16)
+            .connect(&url)
+            .await
+            .expect("source");
+        let (consumer, handler, shutdown) = (
+            consumer.clone(),
+            timed_handler(&runs, Duration::from_millis(2)),
+            shutdown.clone(),
+        );
+        instances.push(tokio::spawn(async move {
+            consumer.run(source, handler, shutdown).await
+        }));
+    }
+    until(PATIENCE * 2, "every entry settled", || {
+        let c = consumer.counts();
+        c.handled + c.replayed >= (N + twice.len()) as u64
+    })
+    .await;
+    stop.notify_waiters();
+    for instance in instances {
+        instance.await.expect("task").expect("run");
+    }
+    for i in 0..N {
+        assert_eq!(runs.of(&format!("order-{i}")), 1, "order-{i} ran once");
+    }
+    assert_eq!(runs.ids(), N);
+    let c = consumer.counts();
+    assert_eq!(c.handled, N as u64);
+    assert_eq!(c.replayed, twice.len() as u64, "{c:?}");
+    assert_eq!(
+        *lock(&runs.most_at_once),
+        1,
+        "never two runs of one id at once"
+    );
+    assert_eq!(stream.pending("once").await, 0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn failures_are_retried_then_dead_lettered_with_their_reason() {
+    let Some(url) = redis_url() else { return };
+    let stream = Stream::new(&url).await;
+    stream.publish("poison-1", b"poison").await;
+    stream.publish("flaky-1", b"flaky").await;
+    stream.publish("once-flaky", b"once").await;
+    stream.publish("fine-1", b"fine").await;
+    let _: String = redis::cmd("XADD")
+        .arg(&stream.name)
+        .arg("*")
+        .arg("payload")
+        .arg("anonymous")
+        .query_async(&mut stream.conn.clone())
+        .await
+        .expect("XADD");
+    let source = stream
+        .builder("dl")
+        .claim_idle(Duration::from_secs(2))
+        .claim_every(Duration::from_millis(20))
+        .connect(&url)
+        .await
+        .expect("source");
+    let consumer = Consumer::new(idem::MemoryStore::new())
+        .max_attempts(3)
+        .backoff(Duration::from_millis(50), Duration::from_millis(200));
+    let runs = Arc::new(Runs::default());
+    let handler = {
+        let runs = Arc::clone(&runs);
+        move |msg: Message| {
+            let runs = Arc::clone(&runs);
+            async move {
+                let id = msg.message_id.clone().unwrap_or_default();
+                let _run = runs.start(&id);
+                match &msg.payload[..] {
+                    b"poison" => Err(Failure::Permanent("malformed order".to_owned())),
+                    b"flaky" => Err(Failure::Retry("database down".to_owned())),
+                    b"once" if msg.attempt == 1 => Err(Failure::Retry("blip".to_owned())),
+                    _ => Ok(()),
+                }
+            }
+        }
+    };
+    let (stop, shutdown) = shutdown_switch();
+    let run = tokio::spawn({
+        let consumer = consumer.clone();
+        async move { consumer.run(source, handler, shutdown).await }
+    });
+    until(PATIENCE * 2, "three dead letters and two handled", || {
+        let c = consumer.counts();
+        c.dead_lettered >= 3 && c.handled >= 2
+    })
+    .await;
+    stop.notify_one();
+    run.await.expect("task").expect("run");
+
+    let dead = stream.entries(&stream.dead()).await;
+    let reason_of = |id: &str| {
+        dead.iter()
+            .find(|(_, f)| f.get("message_id").map(String::as_str) == Some(id))
+            .map(|(_, f)| f[REASON_FIELD].clone())
+    };
+    assert_eq!(dead.len(), 3, "poison, keyless, exhausted: {dead:?}");
+    assert_eq!(reason_of("poison-1").as_deref(), Some("permanent"));
+    assert_eq!(reason_of("flaky-1").as_deref(), Some("attempts_exhausted"));
+    let keyless = dead
+        .iter()
+        .find(|(_, f)| !f.contains_key("message_id"))
+        .expect("the keyless entry");
+    assert_eq!(keyless.1[REASON_FIELD], "no_key");
+    assert_eq!(keyless.1["payload"], "anonymous");
+    assert!(
+        dead.iter()
+            .any(|(_, f)| f[DETAIL_FIELD].contains("malformed order"))
+    );
+    assert_eq!(runs.of("poison-1"), 1);
+    assert_eq!(
+        runs.of("flaky-1"),
+        3,
+        "one run per attempt, up to max_attempts"
+    );
+    assert_eq!(runs.of("once-flaky"), 2, "requeued once, then handled");
+    assert_eq!(runs.of("fine-1"), 1);
+    assert_eq!(stream.pending("dl").await, 0);
+}
