@@ -343,6 +343,35 @@ fn a_relay_killed_and_restarted_delivers_each_jetstream_message_once_through_the
 }
 
 #[test]
+fn a_relay_killed_and_restarted_delivers_each_redis_stream_entry_once_through_the_gateway() {
+    let Some(url) = idem_testkit::services::REDIS.url() else {
+        return;
+    };
+    let name = format!("relay:{:08x}", rand::random::<u32>());
+    let run = Setup::new(400);
+    let mut conn = run.rt.block_on(async {
+        let client = redis::Client::open(url.as_str()).unwrap();
+        let mut conn = client.get_multiplexed_async_connection().await.unwrap();
+        for id in run.sent() {
+            idem_mq::redis_streams::publish(&mut conn, &name, id, b"{}")
+                .await
+                .unwrap();
+        }
+        conn
+    });
+
+    run.relay_through_kills(&["--from", &url, "--stream", &name, "--group", "relay"]);
+    run.rt.block_on(async {
+        let _: () = redis::cmd("DEL")
+            .arg(&name)
+            .arg(format!("{name}:dead"))
+            .query_async(&mut conn)
+            .await
+            .unwrap();
+    });
+}
+
+#[test]
 fn the_relay_serves_its_counts_as_metrics() {
     let Some(url) = idem_testkit::services::RABBITMQ.url() else {
         return;
@@ -444,6 +473,19 @@ fn relay_flags_are_checked_with_readable_errors() {
     .unwrap();
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(err.contains("--queue"), "{err}");
+    let out = idem(&[
+        "relay",
+        "--from",
+        "redis://127.0.0.1:1",
+        "--queue",
+        "q",
+        "--to",
+        "http://127.0.0.1:1/",
+    ])
+    .output()
+    .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("needs --stream"), "{err}");
     let err = relay_refuses(&["--header", "no colon"]);
     assert!(err.contains("Name: value"), "{err}");
     // Not a JSON pointer: refused at start, before the broker (which is not there) is tried.

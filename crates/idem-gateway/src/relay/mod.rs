@@ -289,48 +289,109 @@ pub enum Broker {
         /// stream's).
         subject: Option<String>,
     },
+    /// A Redis stream's consumer group (`redis://`, `rediss://`, `redis+cluster://`).
+    Redis {
+        /// The server's URL.
+        url: String,
+        /// The stream.
+        stream: String,
+        /// The consumer group (created if missing).
+        group: String,
+        /// The relay's consumer name in the group (default: one per process).
+        consumer: Option<String>,
+        /// How long an entry stays pending without progress before another relay claims it.
+        claim_idle: Duration,
+    },
 }
 
+/// What `--from` is read with: the flags that name what to consume.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Names<'a> {
+    /// `--queue` (RabbitMQ).
+    pub queue: Option<&'a str>,
+    /// `--stream` (NATS JetStream, Redis).
+    pub stream: Option<&'a str>,
+    /// `--consumer`: the durable consumer (NATS), or the consumer name in the group (Redis).
+    pub consumer: Option<&'a str>,
+    /// `--subject` (NATS).
+    pub subject: Option<&'a str>,
+    /// `--group` (Redis).
+    pub group: Option<&'a str>,
+}
+
+/// The relay's durable consumer (NATS) or consumer group (Redis) unless named.
+const DEFAULT_CONSUMER: &str = "idem-relay";
+
 impl Broker {
-    /// Reads `--from` with `--queue`, or with `--stream` and `--consumer`.
-    pub fn parse(
-        url: &str,
-        queue: Option<&str>,
-        stream: Option<&str>,
-        consumer: Option<&str>,
-        subject: Option<&str>,
-    ) -> Result<Self, String> {
+    /// Reads `--from` with `--queue`; `--stream` and `--consumer`; or `--stream` and
+    /// `--group`.
+    pub fn parse(url: &str, names: Names<'_>) -> Result<Self, String> {
         let scheme = url.split_once("://").map_or("", |(s, _)| s);
+        let only = |allowed: &[&str], scheme: &str| -> Result<(), String> {
+            let given = [
+                ("--queue", names.queue),
+                ("--stream", names.stream),
+                ("--consumer", names.consumer),
+                ("--subject", names.subject),
+                ("--group", names.group),
+            ];
+            match given
+                .iter()
+                .find(|(flag, value)| value.is_some() && !allowed.contains(flag))
+            {
+                Some((flag, _)) => Err(format!(
+                    "{flag} is not for {scheme}:// (use {})",
+                    allowed.join(", ")
+                )),
+                None => Ok(()),
+            }
+        };
         match scheme {
             "amqp" | "amqps" => {
-                let queue = queue.ok_or("--from amqp://… needs --queue NAME")?;
-                if stream.is_some() || consumer.is_some() || subject.is_some() {
-                    return Err(
-                        "--stream, --consumer and --subject are for nats://; use --queue".into(),
-                    );
-                }
+                let queue = names.queue.ok_or("--from amqp://… needs --queue NAME")?;
+                only(&["--queue"], scheme)?;
                 Ok(Broker::Amqp {
                     url: url.to_owned(),
                     queue: queue.to_owned(),
                 })
             }
             "nats" => {
-                let stream = stream.ok_or("--from nats://… needs --stream NAME")?;
-                if queue.is_some() {
-                    return Err("--queue is for amqp://; use --stream and --consumer".into());
-                }
+                let stream = names.stream.ok_or("--from nats://… needs --stream NAME")?;
+                only(&["--stream", "--consumer", "--subject"], scheme)?;
                 Ok(Broker::Nats {
                     url: url.to_owned(),
                     stream: stream.to_owned(),
-                    consumer: consumer.unwrap_or("idem-relay").to_owned(),
-                    subject: subject.map(str::to_owned),
+                    consumer: names.consumer.unwrap_or(DEFAULT_CONSUMER).to_owned(),
+                    subject: names.subject.map(str::to_owned),
+                })
+            }
+            "redis" | "rediss" | "redis+cluster" => {
+                let stream = names.stream.ok_or("--from redis://… needs --stream NAME")?;
+                only(&["--stream", "--group", "--consumer"], scheme)?;
+                Ok(Broker::Redis {
+                    url: url.to_owned(),
+                    stream: stream.to_owned(),
+                    group: names.group.unwrap_or(DEFAULT_CONSUMER).to_owned(),
+                    consumer: names.consumer.map(str::to_owned),
+                    claim_idle: Duration::from_secs(120),
                 })
             }
             _ => Err(format!(
-                "--from must be an amqp://, amqps:// or nats:// URL, not {:?}",
+                "--from must be an amqp://, amqps://, nats://, redis://, rediss:// or \
+                 redis+cluster:// URL, not {:?}",
                 idem_store::redact(url)
             )),
         }
+    }
+
+    /// Ties what the broker waits for to the records' lease: a Redis stream's pending entry
+    /// is claimed by another relay after twice the lease without progress (the relay reports
+    /// progress well within it while a POST runs).
+    pub fn with_lease(mut self, lease: Duration) -> Self {
+        if let Broker::Redis { claim_idle, .. } = &mut self {
+            *claim_idle = lease.saturating_mul(2);
+        }
+        self
     }
 
     /// The broker's URL with any password hidden, for messages.
@@ -346,6 +407,9 @@ impl Broker {
                 "{} stream {stream} consumer {consumer}",
                 idem_store::redact(url)
             ),
+            Broker::Redis {
+                url, stream, group, ..
+            } => format!("{} stream {stream} group {group}", idem_store::redact(url)),
         }
     }
 
@@ -386,6 +450,22 @@ impl Broker {
                 let source = builder.connect(url).await?;
                 consumer.run(source, relay, shutdown).await
             }
+            Broker::Redis {
+                url,
+                stream,
+                group,
+                consumer: name,
+                claim_idle,
+            } => {
+                let mut builder = idem_mq::redis_streams::RedisStreamSource::builder(stream, group)
+                    .batch(usize::from(prefetch))
+                    .claim_idle(*claim_idle);
+                if let Some(name) = name {
+                    builder = builder.consumer(name.clone());
+                }
+                let source = builder.connect(url).await?;
+                consumer.run(source, relay, shutdown).await
+            }
         }
     }
 }
@@ -398,21 +478,57 @@ mod tests {
     fn sources_are_read_from_the_flags_and_passwords_never_shown() {
         let amqp = Broker::parse(
             "amqp://guest:secret@127.0.0.1:5672/%2f",
-            Some("orders"),
-            None,
-            None,
-            None,
+            Names {
+                queue: Some("orders"),
+                ..Names::default()
+            },
         )
         .unwrap_or_else(|e| panic!("{e}"));
         assert!(!amqp.display().contains("secret"), "{}", amqp.display());
-        assert!(Broker::parse("amqp://h/", None, None, None, None).is_err());
-        assert!(Broker::parse("amqp://h/", Some("q"), Some("s"), None, None).is_err());
-        assert!(Broker::parse("amqp://h/", Some("q"), None, None, Some("a.>")).is_err());
-        let nats = Broker::parse("nats://127.0.0.1:4222", None, Some("ORDERS"), None, None)
+        let queue = |q| Names {
+            queue: Some(q),
+            ..Names::default()
+        };
+        let stream = |s| Names {
+            stream: Some(s),
+            ..Names::default()
+        };
+        assert!(Broker::parse("amqp://h/", Names::default()).is_err());
+        let with = |names: Names<'static>, f: fn(&mut Names<'static>)| {
+            let mut names = names;
+            f(&mut names);
+            names
+        };
+        assert!(Broker::parse("amqp://h/", with(queue("q"), |n| n.stream = Some("s"))).is_err());
+        assert!(Broker::parse("amqp://h/", with(queue("q"), |n| n.subject = Some("a.>"))).is_err());
+        let nats = Broker::parse("nats://127.0.0.1:4222", stream("ORDERS"))
             .unwrap_or_else(|e| panic!("{e}"));
         assert!(matches!(nats, Broker::Nats { ref consumer, .. } if consumer == "idem-relay"));
-        assert!(Broker::parse("nats://h", Some("q"), Some("S"), None, None).is_err());
-        let err = Broker::parse("kafka://u:pw@h", Some("q"), None, None, None).unwrap_err();
+        assert!(Broker::parse("nats://h", with(stream("S"), |n| n.queue = Some("q"))).is_err());
+        assert!(Broker::parse("nats://h", with(stream("S"), |n| n.group = Some("g"))).is_err());
+        let redis = Broker::parse("redis://:pw@127.0.0.1:6379", stream("orders"))
+            .unwrap_or_else(|e| panic!("{e}"))
+            .with_lease(Duration::from_secs(5));
+        assert!(matches!(
+            redis,
+            Broker::Redis { ref group, claim_idle, consumer: None, .. }
+                if group == "idem-relay" && claim_idle == Duration::from_secs(10)
+        ));
+        assert!(!redis.display().contains("pw"), "{}", redis.display());
+        assert!(Broker::parse("redis://h", Names::default()).is_err());
+        assert!(Broker::parse("redis://h", with(stream("s"), |n| n.subject = Some("x"))).is_err());
+        let cluster = Broker::parse(
+            "redis+cluster://h1:7000,h2:7001",
+            with(stream("s"), |n| {
+                n.group = Some("g");
+                n.consumer = Some("relay-1");
+            }),
+        )
+        .unwrap_or_else(|e| panic!("{e}"));
+        assert!(
+            matches!(cluster, Broker::Redis { ref consumer, .. } if consumer.as_deref() == Some("relay-1"))
+        );
+        let err = Broker::parse("kafka://u:pw@h", queue("q")).unwrap_err();
         assert!(!err.contains("pw"), "{err}");
     }
 }

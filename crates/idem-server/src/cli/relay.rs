@@ -14,7 +14,8 @@ use super::{open_store, with_causes};
 
 #[derive(clap::Args)]
 pub(crate) struct RelayArgs {
-    /// The broker: amqp://user:password@host:5672/vhost (RabbitMQ) or nats://host:4222.
+    /// The broker: amqp://user:password@host:5672/vhost (RabbitMQ), nats://host:4222 (NATS
+    /// JetStream), redis://host:6379 or redis+cluster://host:port,host:port (Redis Streams).
     #[arg(long, env = "IDEM_RELAY_FROM", value_name = "URL")]
     from: String,
 
@@ -23,14 +24,21 @@ pub(crate) struct RelayArgs {
     #[arg(long, env = "IDEM_RELAY_QUEUE", value_name = "NAME")]
     queue: Option<String>,
 
-    /// The stream to consume (NATS JetStream). Dead letters are copied to the subject
-    /// STREAM.dead, which a stream must store (the relay checks at start).
+    /// The stream to consume. NATS JetStream: dead letters are copied to the subject
+    /// STREAM.dead, which a stream must store (the relay checks at start). Redis: dead letters
+    /// are added to the stream STREAM:dead.
     #[arg(long, env = "IDEM_RELAY_STREAM", value_name = "NAME")]
     stream: Option<String>,
 
-    /// The durable JetStream consumer (created if missing) [default: idem-relay].
+    /// The durable JetStream consumer (created if missing) [default: idem-relay]; on Redis,
+    /// the relay's consumer name in the group [default: one per process].
     #[arg(long, env = "IDEM_RELAY_CONSUMER", value_name = "NAME")]
     consumer: Option<String>,
+
+    /// The Redis stream's consumer group (created if missing, reading from the stream's first
+    /// entry) [default: idem-relay].
+    #[arg(long, env = "IDEM_RELAY_GROUP", value_name = "NAME")]
+    group: Option<String>,
 
     /// Only the stream's messages on this subject (wildcards allowed), for a JetStream
     /// consumer the relay creates.
@@ -46,7 +54,8 @@ pub(crate) struct RelayArgs {
     #[arg(long, env = "IDEM_STORE", default_value = "sqlite://idem-relay.db")]
     store: String,
 
-    /// Take the key from this message header instead of the message id.
+    /// Take the key from this message header (a field of a Redis stream's entry) instead of
+    /// the message id.
     #[arg(long, value_name = "NAME", conflicts_with = "key_json")]
     key_header: Option<String>,
 
@@ -54,7 +63,8 @@ pub(crate) struct RelayArgs {
     #[arg(long, value_name = "POINTER", value_parser = parse_json_pointer)]
     key_json: Option<String>,
 
-    /// The records' namespace [default: the queue's name, or STREAM.CONSUMER].
+    /// The records' namespace [default: the queue's name, STREAM.CONSUMER on NATS, or
+    /// STREAM.GROUP on Redis].
     #[arg(long)]
     namespace: Option<String>,
 
@@ -119,11 +129,15 @@ pub(crate) async fn relay(args: RelayArgs) -> Result<(), String> {
     use idem_gateway::relay;
     let from = relay::Broker::parse(
         &args.from,
-        args.queue.as_deref(),
-        args.stream.as_deref(),
-        args.consumer.as_deref(),
-        args.subject.as_deref(),
-    )?;
+        relay::Names {
+            queue: args.queue.as_deref(),
+            stream: args.stream.as_deref(),
+            consumer: args.consumer.as_deref(),
+            subject: args.subject.as_deref(),
+            group: args.group.as_deref(),
+        },
+    )?
+    .with_lease(args.lease);
     let mut target = relay::Target::parse(&args.to)?
         .timeout(args.timeout)
         .ack_4xx(args.ack_4xx && !args.dead_letter_4xx)
