@@ -1,5 +1,5 @@
-//! Messages per second through the idempotent consumer against a bare consumer, on RabbitMQ and
-//! NATS JetStream, in interleaved rounds.
+//! Messages per second through the idempotent consumer against a bare consumer, on RabbitMQ,
+//! NATS JetStream and Redis Streams, in interleaved rounds.
 //!
 //! - `bare`: a loop over the same [`Source`] that settles each delivery with
 //!   [`Disposition::Ack`], with the same concurrency as the consumer (the shape of
@@ -13,6 +13,9 @@
 //!   lease kept alive, no payload copy, no metrics. It is the least a consumer that runs each
 //!   message once on Redis must do, so what `idem-redis` costs beyond it is the price of those.
 //!
+//! On Redis Streams, `bare` is `XREADGROUP` and one `XACK` per entry; the stream, the records
+//! and `redis-by-hand`'s keys share one server.
+//!
 //! Each row publishes N messages (a fresh key each) to a fresh queue or stream, then times from
 //! the first delivery to the last settle; the queue or stream is deleted after, and the run's
 //! Redis keys at its end. One round runs every variant once, in order; the ratio of each other
@@ -22,7 +25,7 @@
 //! (`idem_testkit::services`) is skipped with a note.
 //!
 //! `cargo bench -p idem-mq --bench consumer -- [--messages N] [--rounds N] [--prefetch N]
-//! [--broker rabbitmq|nats] [--only idem-memory|idem-redis|idem-redis-1|idem-postgres|redis-by-hand]
+//! [--broker rabbitmq|nats|redis-streams] [--only idem-memory|idem-redis|idem-redis-1|idem-postgres|redis-by-hand]
 //! [--quick]` (`--only` keeps `bare` and the variants whose names begin with it; a word that
 //! `idem-redis` begins with, such as `idem-redis` or `idem`, also keeps its peer,
 //! `redis-by-hand`).
@@ -47,6 +50,7 @@ use idem_core::Store;
 use idem_mq::amqp::AmqpSource;
 use idem_mq::bench::{BODY, Meter, Row, Timed, all_settled, bare, fill_amqp, hex};
 use idem_mq::nats::{DeadLetterTarget, NatsSource};
+use idem_mq::redis_streams::{self, RedisStreamSource};
 use idem_mq::{Consumer, Delivery, Disposition, Failure, Message, Source};
 use idem_testkit::services::{NATS, POSTGRES, RABBITMQ, REDIS, forget_redis_keys};
 use redis::aio::MultiplexedConnection;
@@ -294,6 +298,42 @@ async fn nats_row(url: &str, variant: Option<&Records>, prefetch: u16, n: usize)
     row
 }
 
+/// Redis Streams: a fresh stream, `n` entries added in pipelines of 500 (a `message_id` and a
+/// `payload` field each), then read through a fresh group; dead letters, of which there are
+/// none, only acked.
+async fn redis_streams_row(url: &str, variant: Option<&Records>, prefetch: u16, n: usize) -> Row {
+    let name = format!("idem-bench-{}", hex());
+    let client = redis::Client::open(url).unwrap();
+    let mut conn = client.get_multiplexed_async_connection().await.unwrap();
+    for chunk in (0..n).collect::<Vec<_>>().chunks(500) {
+        let mut pipe = redis::pipe();
+        for i in chunk {
+            pipe.cmd("XADD")
+                .arg(&name)
+                .arg("*")
+                .arg(redis_streams::MESSAGE_ID_FIELD)
+                .arg(format!("m-{i}"))
+                .arg(redis_streams::PAYLOAD_FIELD)
+                .arg(BODY)
+                .ignore();
+        }
+        pipe.exec_async(&mut conn).await.unwrap();
+    }
+    let source = RedisStreamSource::builder(name.clone(), "bench")
+        .batch(usize::from(prefetch))
+        .dead_letter(redis_streams::DeadLetterTarget::AckOnly)
+        .connect(url)
+        .await
+        .unwrap();
+    let row = consume(source, variant, prefetch, n).await;
+    redis::cmd("DEL")
+        .arg(&name)
+        .exec_async(&mut conn)
+        .await
+        .unwrap();
+    row
+}
+
 // ---------------------------------------------------------------------------------------------
 
 fn main() {
@@ -360,7 +400,11 @@ async fn run(args: Args) {
     );
     println!("|---|---:|---|---:|---:|---:|---:|---:|---|");
     let mut ratios: BTreeMap<(&str, &str), Vec<f64>> = BTreeMap::new();
-    let brokers = [("rabbitmq", RABBITMQ.url()), ("nats", NATS.url())];
+    let brokers = [
+        ("rabbitmq", RABBITMQ.url()),
+        ("nats", NATS.url()),
+        ("redis-streams", REDIS.url()),
+    ];
     for (broker, url) in brokers {
         let Some(url) = url.filter(|_| wanted(broker)) else {
             continue;
@@ -372,7 +416,11 @@ async fn run(args: Args) {
                     "rabbitmq" => {
                         amqp_row(&url, variant.as_ref(), args.prefetch, args.messages).await
                     }
-                    _ => nats_row(&url, variant.as_ref(), args.prefetch, args.messages).await,
+                    "nats" => nats_row(&url, variant.as_ref(), args.prefetch, args.messages).await,
+                    _ => {
+                        redis_streams_row(&url, variant.as_ref(), args.prefetch, args.messages)
+                            .await
+                    }
                 };
                 let label = variant.as_ref().map_or("bare", Records::label);
                 let ratio = match bare_rate {
