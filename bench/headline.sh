@@ -31,6 +31,7 @@ headlines=(
   "consumer on NATS|cargo bench -q -p idem-mq --bench consumer -- --prefetch 256 --only idem-redis --broker nats --messages 40000 --rounds $ROUNDS"
   "consumers on Valkey 9, RabbitMQ|IDEM_TEST_REDIS_URL=$VALKEY_URL cargo bench -q -p idem-mq --bench consumer -- --rounds $ROUNDS --only idem-redis --broker rabbitmq"
   "consumers on Valkey 9, NATS|IDEM_TEST_REDIS_URL=$VALKEY_URL cargo bench -q -p idem-mq --bench consumer -- --prefetch 256 --only idem-redis --broker nats --messages 40000 --rounds $ROUNDS"
+  "consumer on Redis Streams, Valkey 9|IDEM_TEST_REDIS_URL=$VALKEY_URL cargo bench -q -p idem-mq --bench consumer -- --broker redis-streams --prefetch 256 --only idem-redis --messages 40000 --rounds $ROUNDS"
   "relay|cargo bench -q -p idem-server --bench relay"
   "ids|cargo bench -q -p idem-id --bench ids"
   "listing records on SQLite|cargo bench -q -p idem-store --bench listing_sqlite"
