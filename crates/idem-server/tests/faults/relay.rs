@@ -1,5 +1,6 @@
-//! Real `idem relay` processes under the nemesis: two relays consume one queue (RabbitMQ) or
-//! one durable consumer of a stream (NATS JetStream) of this run's own, share one store, and
+//! Real `idem relay` processes under the nemesis: two relays consume one queue (RabbitMQ), one
+//! durable consumer of a stream (NATS JetStream) or one consumer group of a Redis stream of this
+//! run's own, share one store, and
 //! POST each message to the fenced ledger, which counts one effect per message id (the
 //! relay's `Idempotency-Key`) and refuses an attempt whose `Idem-Fence` is lower than one it
 //! took. A publisher publishes a fixed number of messages, three in ten of them twice; the
@@ -8,7 +9,8 @@
 //! publisher's history with the ledger and the broker's dead letters: every message has its
 //! effect once, none is lost, none is left unacked.
 //!
-//! Each backend runs when its broker answers (`IDEM_TEST_AMQP_URL`, `IDEM_TEST_NATS_URL`;
+//! Each backend runs when its broker answers (`IDEM_TEST_AMQP_URL`, `IDEM_TEST_NATS_URL`,
+//! `IDEM_TEST_REDIS_URL`;
 //! under `CI=true` a missing one fails). `IDEM_FAULTS_SECS` sets how long the nemesis runs
 //! (half of it for each backend; the message count scales with it), `IDEM_FAULTS_STORE` the relays' store (as for the other
 //! runs: by default a Redis of the run's own), `IDEM_FAULTS_HISTORY` a file to keep the history in (suffixed with the backend).
@@ -95,6 +97,23 @@ fn relays_stopped_killed_and_restarted_deliver_each_jetstream_message_once() {
     ran.assert_clean();
 }
 
+/// A Redis stream read through one consumer group: a relay killed or stopped leaves its entries
+/// pending, and the other claims them after twice the lease.
+#[test]
+fn relays_stopped_killed_and_restarted_deliver_each_redis_stream_entry_once() {
+    let Some(url) = idem_testkit::services::REDIS.url() else {
+        return;
+    };
+    let run = run_id();
+    let broker = Broker::Redis {
+        url,
+        stream: format!("faults-relay:{run}"),
+    };
+    let ran = relay_under_faults(&broker, &super::chosen_store());
+    println!("{ran}");
+    ran.assert_clean();
+}
+
 /// A run's report, and what else it has to say.
 struct Ran {
     broker: &'static str,
@@ -127,12 +146,17 @@ fn run_id() -> String {
 enum Broker {
     Amqp { url: String, queue: String },
     Nats { url: String, stream: String },
+    Redis { url: String, stream: String },
 }
+
+/// The consumer group the relays read a Redis stream through.
+const GROUP: &str = "relay";
 
 /// A publisher on either broker.
 enum Publisher {
     Amqp(AmqpPublisher, String),
     Nats(jetstream::Context, String),
+    Redis(redis::aio::MultiplexedConnection, String),
 }
 
 impl Publisher {
@@ -153,6 +177,12 @@ impl Publisher {
                         .unwrap();
                 !published.duplicate
             }
+            Publisher::Redis(conn, stream) => {
+                idem_mq::redis_streams::publish(&mut conn.clone(), stream, id, body.as_bytes())
+                    .await
+                    .unwrap();
+                true
+            }
         }
     }
 }
@@ -162,6 +192,7 @@ impl Broker {
         match self {
             Broker::Amqp { .. } => "amqp",
             Broker::Nats { .. } => "nats",
+            Broker::Redis { .. } => "redis-streams",
         }
     }
 
@@ -181,6 +212,14 @@ impl Broker {
                 stream.clone(),
                 "--consumer".into(),
                 "relay".into(),
+            ],
+            Broker::Redis { url, stream } => vec![
+                "--from".into(),
+                url.clone(),
+                "--stream".into(),
+                stream.clone(),
+                "--group".into(),
+                GROUP.into(),
             ],
         }
     }
@@ -233,6 +272,19 @@ impl Broker {
                 .unwrap();
                 Publisher::Nats(js, format!("{stream}.in"))
             }
+            Broker::Redis { url, stream } => {
+                let mut conn = redis_conn(url).await;
+                redis::cmd("XGROUP")
+                    .arg("CREATE")
+                    .arg(stream)
+                    .arg(GROUP)
+                    .arg("0")
+                    .arg("MKSTREAM")
+                    .exec_async(&mut conn)
+                    .await
+                    .unwrap();
+                Publisher::Redis(conn, stream.clone())
+            }
         }
     }
 
@@ -281,6 +333,27 @@ impl Broker {
                     .unwrap();
                 info.num_pending + info.num_ack_pending as u64
             }
+            Broker::Redis { url, stream } => {
+                let mut conn = redis_conn(url).await;
+                let groups: Vec<std::collections::HashMap<String, redis::Value>> =
+                    redis::cmd("XINFO")
+                        .arg("GROUPS")
+                        .arg(stream)
+                        .query_async(&mut conn)
+                        .await
+                        .unwrap();
+                let group = groups
+                    .iter()
+                    .find(|g| g.get("name") == Some(&redis::Value::BulkString(GROUP.into())))
+                    .expect("the relays' group");
+                let int = |field: &str| match group.get(field) {
+                    Some(redis::Value::Int(n)) => u64::try_from(*n).ok(),
+                    _ => None,
+                };
+                // Not read yet (the group's lag; unknown, so counted as one, when the stream
+                // had entries deleted), and read but not acked.
+                int("lag").unwrap_or(1) + int("pending").unwrap_or(0)
+            }
         }
     }
 
@@ -312,6 +385,11 @@ impl Broker {
                 let mut dl = js.get_stream(format!("{stream}_DL")).await.unwrap();
                 usize::try_from(dl.info().await.unwrap().state.messages).unwrap()
             }
+            Broker::Redis { url, stream } => redis::cmd("XLEN")
+                .arg(format!("{stream}:dead"))
+                .query_async(&mut redis_conn(url).await)
+                .await
+                .unwrap(),
         }
     }
 
@@ -367,6 +445,24 @@ impl Broker {
                     ));
                 }
             }
+            Broker::Redis { url, stream } => {
+                use idem_mq::redis_streams::{DETAIL_FIELD, MESSAGE_ID_FIELD, REASON_FIELD};
+                let entries: Vec<(String, std::collections::HashMap<String, String>)> =
+                    redis::cmd("XRANGE")
+                        .arg(format!("{stream}:dead"))
+                        .arg("-")
+                        .arg("+")
+                        .query_async(&mut redis_conn(url).await)
+                        .await
+                        .unwrap();
+                for (_, fields) in entries {
+                    let text = |f: &str| fields.get(f).cloned().unwrap_or_default();
+                    dead.push((
+                        text(MESSAGE_ID_FIELD),
+                        format!("{}: {}", text(REASON_FIELD), text(DETAIL_FIELD)),
+                    ));
+                }
+            }
         }
         dead
     }
@@ -380,8 +476,22 @@ impl Broker {
                 js.delete_stream(stream).await.unwrap();
                 js.delete_stream(format!("{stream}_DL")).await.unwrap();
             }
+            Broker::Redis { url, stream } => redis::cmd("DEL")
+                .arg(stream)
+                .arg(format!("{stream}:dead"))
+                .exec_async(&mut redis_conn(url).await)
+                .await
+                .unwrap(),
         }
     }
+}
+
+async fn redis_conn(url: &str) -> redis::aio::MultiplexedConnection {
+    redis::Client::open(url)
+        .unwrap()
+        .get_multiplexed_async_connection()
+        .await
+        .unwrap()
 }
 
 /// Messages ready or delivered and not acked in `queue` and its delay queues, as the broker
