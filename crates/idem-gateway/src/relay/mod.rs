@@ -289,7 +289,7 @@ pub enum Broker {
         /// stream's).
         subject: Option<String>,
     },
-    /// A Redis stream's consumer group (`redis://`, `rediss://`, `redis+cluster://`).
+    /// A Redis stream's consumer group (`redis://`, `redis+cluster://`).
     Redis {
         /// The server's URL.
         url: String,
@@ -365,7 +365,7 @@ impl Broker {
                     subject: names.subject.map(str::to_owned),
                 })
             }
-            "redis" | "rediss" | "redis+cluster" => {
+            "redis" | "redis+cluster" => {
                 let stream = names.stream.ok_or("--from redis://… needs --stream NAME")?;
                 only(&["--stream", "--group", "--consumer"], scheme)?;
                 Ok(Broker::Redis {
@@ -377,8 +377,8 @@ impl Broker {
                 })
             }
             _ => Err(format!(
-                "--from must be an amqp://, amqps://, nats://, redis://, rediss:// or \
-                 redis+cluster:// URL, not {:?}",
+                "--from must be an amqp://, amqps://, nats://, redis:// or redis+cluster:// \
+                 URL, not {:?}",
                 idem_store::redact(url)
             )),
         }

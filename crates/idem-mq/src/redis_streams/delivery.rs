@@ -14,6 +14,45 @@ use super::{
 };
 use crate::{DeadLetter, Delivery, Disposition, MqError};
 
+/// Sets the idle time of entries (`ARGV[5..]`) that are still this consumer's (`ARGV[2]`) in
+/// the group (`ARGV[1]`): `ARGV[3]` is `IDLE` or `TIME`, `ARGV[4]` its value. A plain `XCLAIM`
+/// would take back an entry another source has claimed meanwhile. Answers how many it set.
+const SET_IDLE: &str = r"
+local n = 0
+for i = 5, #ARGV do
+  local p = redis.call('XPENDING', KEYS[1], ARGV[1], ARGV[i], ARGV[i], 1)
+  if #p > 0 and p[1][2] == ARGV[2] then
+    redis.call('XCLAIM', KEYS[1], ARGV[1], ARGV[2], 0, ARGV[i], ARGV[3], ARGV[4], 'JUSTID')
+    n = n + 1
+  end
+end
+return n
+";
+
+/// Adds the copy (`ARGV[3..]`, its fields) to the dead-letter stream (`KEYS[2]`), then acks
+/// the entry (`ARGV[2]`) in the group (`ARGV[1]`): a script rather than `MULTI`, which would
+/// run the `XACK` even when the `XADD` fails (a dead-letter key that is not a stream), and lose
+/// the entry.
+const DEAD_LETTER: &str = r"
+redis.call('XADD', KEYS[2], '*', unpack(ARGV, 3))
+return redis.call('XACK', KEYS[1], ARGV[1], ARGV[2])
+";
+
+/// The scripts a source's deliveries call.
+pub(super) struct Scripts {
+    pub(super) set_idle: redis::Script,
+    dead_letter: redis::Script,
+}
+
+impl Scripts {
+    pub(super) fn new() -> Self {
+        Self {
+            set_idle: redis::Script::new(SET_IDLE),
+            dead_letter: redis::Script::new(DEAD_LETTER),
+        }
+    }
+}
+
 /// What every delivery of one source shares.
 pub(super) struct Shared {
     pub(super) stream: String,
@@ -25,6 +64,31 @@ pub(super) struct Shared {
     pub(super) claim_idle: Duration,
     /// Acks, claims and dead letters; never a blocking read.
     pub(super) conn: Conn,
+    pub(super) scripts: Scripts,
+}
+
+impl Shared {
+    /// Sets the idle time of those of `ids` that are still this consumer's (see
+    /// [`SET_IDLE`]): `how` is `IDLE` (milliseconds) or `TIME` (a Unix time in milliseconds).
+    pub(super) async fn set_idle<'a>(
+        &self,
+        ids: impl IntoIterator<Item = &'a str>,
+        how: &str,
+        value: u64,
+    ) -> Result<(), MqError> {
+        let mut call = self.scripts.set_idle.key(&self.stream);
+        call.arg(&self.group)
+            .arg(&self.consumer)
+            .arg(how)
+            .arg(value);
+        for id in ids {
+            call.arg(id);
+        }
+        call.invoke_async::<i64>(&mut self.conn.clone())
+            .await
+            .map(|_| ())
+            .map_err(|e| MqError::broker("cannot update the pending entry", e))
+    }
 }
 
 /// One entry of the stream, held until it is settled.
@@ -66,6 +130,11 @@ impl RedisStreamDelivery {
         }
     }
 
+    /// How many times the entry has been delivered, this delivery included.
+    pub(super) fn deliveries(&self) -> u32 {
+        self.deliveries
+    }
+
     /// The entry's id in the stream.
     pub fn entry_id(&self) -> &str {
         &self.id
@@ -90,23 +159,11 @@ impl RedisStreamDelivery {
         std::str::from_utf8(value).ok()
     }
 
-    /// `XCLAIM <stream> <group> <consumer> 0 <id> IDLE <idle> JUSTID`: the entry stays this
-    /// consumer's, its idle time set to `idle`, its delivery count untouched.
+    /// Sets the entry's idle time to `idle`, if it is still this consumer's; its delivery
+    /// count is untouched.
     async fn set_idle(&self, idle: Duration) -> Result<(), MqError> {
-        let s = &self.shared;
         let idle = u64::try_from(idle.as_millis()).unwrap_or(u64::MAX);
-        redis::cmd("XCLAIM")
-            .arg(&s.stream)
-            .arg(&s.group)
-            .arg(&s.consumer)
-            .arg(0)
-            .arg(&self.id)
-            .arg("IDLE")
-            .arg(idle)
-            .arg("JUSTID")
-            .exec_async(&mut s.conn.clone())
-            .await
-            .map_err(|e| MqError::broker("cannot update the pending entry", e))
+        self.shared.set_idle([self.id.as_str()], "IDLE", idle).await
     }
 
     fn ack_cmd(&self) -> redis::Cmd {
@@ -117,32 +174,32 @@ impl RedisStreamDelivery {
         cmd
     }
 
-    /// The copy's `XADD`: the fields (body included, under its own name) and why.
-    fn dead_letter_cmd(&self, to: &str, dead: &DeadLetter) -> redis::Cmd {
+    /// The copy's fields: the entry's (body included, under its own name) and why.
+    fn dead_letter_fields(&self, dead: &DeadLetter) -> Vec<Bytes> {
         let s = &self.shared;
-        let mut cmd = redis::cmd("XADD");
-        cmd.arg(to).arg("*");
+        let mut out = Vec::with_capacity(2 * self.fields.len() + 14);
         for (name, value) in &self.fields {
             // A copy of a copy: the newest reason only.
             if !name.starts_with(b"idem-") {
-                cmd.arg(&name[..]).arg(&value[..]);
+                out.extend([name.clone(), value.clone()]);
             }
         }
-        cmd.arg(&s.payload_field[..])
-            .arg(&self.payload[..])
-            .arg(REASON_FIELD)
-            .arg(dead.reason.code())
-            .arg(DETAIL_FIELD)
-            .arg(crate::text::one_line(&dead.detail, MAX_DETAIL_LEN))
-            .arg(STREAM_FIELD)
-            .arg(&s.stream)
-            .arg(GROUP_FIELD)
-            .arg(&s.group)
-            .arg(ENTRY_FIELD)
-            .arg(&self.id)
-            .arg(DELIVERIES_FIELD)
-            .arg(self.deliveries);
-        cmd
+        out.extend([s.payload_field.clone(), self.payload.clone()]);
+        let why = [
+            (REASON_FIELD, dead.reason.code().to_owned()),
+            (
+                DETAIL_FIELD,
+                crate::text::one_line(&dead.detail, MAX_DETAIL_LEN),
+            ),
+            (STREAM_FIELD, s.stream.clone()),
+            (GROUP_FIELD, s.group.clone()),
+            (ENTRY_FIELD, self.id.clone()),
+            (DELIVERIES_FIELD, self.deliveries.to_string()),
+        ];
+        for (name, value) in why {
+            out.extend([Bytes::from_static(name.as_bytes()), Bytes::from(value)]);
+        }
+        out
     }
 
     async fn dead_letter(&self, dead: &DeadLetter) -> Result<(), MqError> {
@@ -159,21 +216,28 @@ impl RedisStreamDelivery {
                 return self.ack_cmd().exec_async(&mut conn).await.map_err(acked);
             }
         };
+        let fields = self.dead_letter_fields(dead);
         if conn.is_cluster() {
             // The two streams may be on two nodes: the copy first, so that a failure leaves
             // the entry pending, to be dead-lettered again.
-            self.dead_letter_cmd(to, dead)
-                .exec_async(&mut conn)
+            let mut add = redis::cmd("XADD");
+            add.arg(to).arg("*");
+            for field in &fields {
+                add.arg(&field[..]);
+            }
+            add.exec_async(&mut conn)
                 .await
                 .map_err(|e| MqError::broker("cannot add the copy to the dead-letter stream", e))?;
             return self.ack_cmd().exec_async(&mut conn).await.map_err(acked);
         }
-        redis::pipe()
-            .atomic()
-            .add_command(self.dead_letter_cmd(to, dead))
-            .add_command(self.ack_cmd())
-            .exec_async(&mut conn)
+        let mut call = self.shared.scripts.dead_letter.key(&self.shared.stream);
+        call.key(to).arg(&self.shared.group).arg(&self.id);
+        for field in &fields {
+            call.arg(&field[..]);
+        }
+        call.invoke_async::<i64>(&mut conn)
             .await
+            .map(|_| ())
             .map_err(|e| MqError::broker("cannot dead-letter the entry", e))
     }
 }

@@ -12,20 +12,24 @@
 //! | --- | --- |
 //! | [`Disposition::Ack`](crate::Disposition::Ack) | `XACK` |
 //! | [`Disposition::Requeue`](crate::Disposition::Requeue) | `XCLAIM … IDLE (claim idle − delay) JUSTID`: the entry stays pending, and is claimed again once `delay` has passed |
-//! | [`Disposition::DeadLetter`](crate::Disposition::DeadLetter) | `XADD` of a copy to the dead-letter stream with the reason, then `XACK` (in one `MULTI` on a single server) |
+//! | [`Disposition::DeadLetter`](crate::Disposition::DeadLetter) | `XADD` of a copy to the dead-letter stream with the reason, then `XACK` (in one script on a single server, so the ack never runs without the copy) |
 //!
 //! # Pending entries, takeover and keep-alive
 //!
 //! Redis keeps every entry read through the group in the group's pending list until it is
 //! acked; nothing redelivers it by itself. Each source looks for entries that have been pending
 //! longer than its *claim idle* time (default 60 s; twice the record lease is a good value) at
-//! least every *claim interval* (default 1 s), and claims them for itself (`XPENDING … IDLE`,
+//! most every *claim interval* (default 1 s), whenever the consumer asks for more, and claims
+//! them for itself (`XPENDING … IDLE`,
 //! then `XCLAIM`, which checks the idle time again so two sources never claim one entry at
 //! once). That is how the entries of a consumer that died, or that requeued them, come back.
 //!
 //! While a handler runs, the consumer reports progress at a third of the claim idle time
 //! ([`Source::ack_wait`](crate::Source::ack_wait) reports it): `XCLAIM … IDLE 0 JUSTID` on the entry's own id, which resets
 //! its idle time without counting a delivery, so a live handler's entry is not taken over.
+//! Progress, requeues and the hand-back at close change an entry only while it is still this
+//! consumer's (a short script checks the owner first): a plain `XCLAIM` would take back an
+//! entry another source had claimed meanwhile.
 //!
 //! Redis has no delayed redelivery: a requeue sets the entry's idle time so that it becomes
 //! claimable `delay` later. Delays longer than the claim idle time are shortened to it, and an
@@ -39,6 +43,18 @@
 //! [`RedisStreamSourceBuilder::max_deliveries`] the source dead-letters an entry itself, with
 //! the reason `attempts_exhausted`, without handing it out: an entry that its consumers
 //! keep dying over while it only waits in their buffers.
+//!
+//! # Records' namespace
+//!
+//! The source's name, the consumer's default namespace, is `<stream>.<group>`: each group sees
+//! every entry, so each keeps records of its own. Redis allows dots in both names, so two
+//! pairs can make one name (`orders.eu` with group `x`, `orders` with group `eu.x`); give such
+//! consumers a namespace each (`Consumer::namespace`).
+//!
+//! # Servers
+//!
+//! Redis 7 or later, or Valkey (`XPENDING … IDLE` and exclusive ranges need 6.2; before 7.0
+//! an entry deleted while pending stays pending). No TLS (`rediss://`) in this build.
 //!
 //! # Redelivery horizon
 //!
@@ -108,7 +124,8 @@ pub enum MessageIdFrom {
 pub enum StartAt {
     /// Every entry already in the stream (`0`): the default, so a backlog is not skipped.
     Beginning,
-    /// Only entries added after the group is created (`$`).
+    /// Only entries added after the group is created (`$`). A group made again (the server
+    /// lost it) skips the entries added while it was missing.
     End,
 }
 
@@ -134,16 +151,20 @@ pub(crate) enum Conn {
 }
 
 impl Conn {
-    /// Connects to `url`: `redis://…` (or `rediss://…`) for one server, or
-    /// `redis+cluster://host:port,host:port…` for a Cluster reached through any of those nodes.
-    /// `timeout` bounds each answer and each connection attempt.
+    /// Connects to `url`: `redis://…` for one server, or `redis+cluster://host:port,host:port…`
+    /// for a Cluster reached through any of those nodes, read as the Redis store reads them
+    /// (credentials before the first host are every node's). `timeout` bounds each answer and
+    /// each connection attempt.
     pub(crate) async fn open(url: &str, timeout: Duration) -> Result<Self, MqError> {
-        if let Some(nodes) = url.strip_prefix("redis+cluster://") {
-            let nodes: Vec<String> = nodes
-                .split(',')
-                .filter(|n| !n.is_empty())
-                .map(|n| format!("redis://{n}"))
-                .collect();
+        let parsed: idem::StoreUrl = url
+            .parse()
+            .map_err(|e| MqError::Config(format!("the Redis URL: {e}")))?;
+        let idem::StoreUrl::Redis { nodes, cluster, .. } = parsed else {
+            return Err(MqError::Config(
+                "a Redis stream is read from a redis:// or redis+cluster:// URL".to_owned(),
+            ));
+        };
+        if cluster {
             let client = redis::cluster::ClusterClient::builder(nodes)
                 .response_timeout(timeout)
                 .connection_timeout(timeout)
@@ -155,7 +176,8 @@ impl Conn {
                 .map_err(|e| MqError::broker("cannot connect to the Redis Cluster", e))?;
             return Ok(Conn::Cluster(conn));
         }
-        let client = redis::Client::open(url)
+        let node = nodes.into_iter().next().unwrap_or_default();
+        let client = redis::Client::open(node)
             .map_err(|e| MqError::broker("the Redis URL is not valid", e))?;
         let config = ConnectionManagerConfig::new()
             .set_response_timeout(Some(timeout))

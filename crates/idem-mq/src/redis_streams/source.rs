@@ -6,9 +6,10 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use redis::Value;
+use tokio::task::JoinHandle;
 use tokio::time::Instant;
 
-use super::delivery::{RedisStreamDelivery, Shared};
+use super::delivery::{RedisStreamDelivery, Scripts, Shared};
 use super::entry::{self, Entry, Pending};
 use super::{Conn, DeadLetterTarget, MESSAGE_ID_FIELD, MessageIdFrom, PAYLOAD_FIELD, StartAt};
 use crate::{DeadLetter, Delivery, Disposition, Horizon, MqError, Reason, Source};
@@ -130,12 +131,13 @@ impl RedisStreamSourceBuilder {
         self
     }
 
-    /// Connects to `url` and builds the source: `redis://host:port/db` (or `rediss://`) for one
-    /// server, `redis+cluster://host:port,host:port` for a Cluster. Creates the group if
-    /// missing (and the stream with it).
+    /// Connects to `url` and builds the source: `redis://[:password@]host:port/db` for one
+    /// server, `redis+cluster://[:password@]host:port,host:port` for a Cluster. Creates the
+    /// group if missing (and the stream with it).
     pub async fn connect(self, url: &str) -> Result<RedisStreamSource, MqError> {
         let conn = Conn::open(url, self.response_timeout).await?;
-        let reads = Conn::open(url, self.response_timeout + self.claim_every).await?;
+        let read_timeout = self.response_timeout.saturating_add(self.claim_every);
+        let reads = Conn::open(url, read_timeout).await?;
         let consumer = self.consumer.clone().unwrap_or_else(|| {
             format!("idem-{}-{:08x}", std::process::id(), rand::random::<u32>())
         });
@@ -158,6 +160,7 @@ impl RedisStreamSourceBuilder {
             dead_letter,
             claim_idle: self.claim_idle,
             conn,
+            scripts: Scripts::new(),
         });
         let mut source = RedisStreamSource {
             name: format!("{}.{}", self.stream, self.group),
@@ -165,6 +168,7 @@ impl RedisStreamSourceBuilder {
             shared,
             reads,
             buffer: VecDeque::new(),
+            fetching: None,
             next_sweep: Instant::now(),
             cursor: "-".to_owned(),
             group_ready: false,
@@ -177,6 +181,7 @@ impl RedisStreamSourceBuilder {
             }
             e => e,
         })?;
+        source.check_dead_letter().await?;
         if let Some(after) = source.settings.forget_consumers_after
             && let Err(e) = source.forget_consumers(after).await
         {
@@ -230,6 +235,10 @@ pub struct RedisStreamSource {
     /// The blocking reads.
     reads: Conn,
     buffer: VecDeque<RedisStreamDelivery>,
+    /// The read or claim under way. It runs in a task of its own, so that a `next` dropped
+    /// while it waits (at shutdown) loses nothing: what it brings is buffered by the next call,
+    /// or handed back by `close`.
+    fetching: Option<JoinHandle<Result<Fetched, Failed>>>,
     next_sweep: Instant,
     /// Where the next look at the pending list starts (`-`, or `(<id>` after the last seen).
     cursor: String,
@@ -357,127 +366,228 @@ impl RedisStreamSource {
         Ok(())
     }
 
+    /// Refuses a dead-letter key that holds something else than a stream: every dead letter
+    /// would fail, and the entries stay pending for ever.
+    async fn check_dead_letter(&self) -> Result<(), MqError> {
+        let DeadLetterTarget::Stream(to) = &self.shared.dead_letter else {
+            return Ok(());
+        };
+        let kind: String = redis::cmd("TYPE")
+            .arg(to)
+            .query_async(&mut self.conn())
+            .await
+            .map_err(|e| MqError::broker("cannot check the dead-letter stream", e))?;
+        match kind.as_str() {
+            "none" | "stream" => Ok(()),
+            other => Err(MqError::Config(format!(
+                "the dead-letter key {to} holds a {other}, not a stream; delete it or choose \
+                 another dead-letter stream"
+            ))),
+        }
+    }
+
     /// Reads or claims more entries into the buffer (possibly none: a read timed out).
     async fn fill(&mut self) -> Result<(), MqError> {
         if !self.group_ready {
             self.create_group().await?;
         }
-        if Instant::now() >= self.next_sweep {
-            self.claim().await?;
-            if !self.buffer.is_empty() {
-                return Ok(());
+        if self.fetching.is_none() {
+            self.fetching = Some(tokio::spawn(self.fetch()));
+        }
+        let Some(task) = self.fetching.as_mut() else {
+            return Ok(());
+        };
+        let done = task.await;
+        self.fetching = None;
+        let fetched = match done {
+            Ok(Ok(fetched)) => fetched,
+            Ok(Err(Failed { error, no_group })) => {
+                if no_group {
+                    self.group_ready = false;
+                }
+                return Err(error);
+            }
+            Err(e) => return Err(MqError::broker("reading from the stream failed", e)),
+        };
+        if let Some(next) = fetched.cursor {
+            match next {
+                // There may be more: look again at once, from after the last one.
+                Some(cursor) => self.cursor = cursor,
+                None => {
+                    self.cursor = "-".to_owned();
+                    self.next_sweep = Instant::now() + self.settings.claim_every;
+                }
             }
         }
-        let block = self
-            .next_sweep
-            .saturating_duration_since(Instant::now())
-            .clamp(Duration::from_millis(1), self.settings.claim_every);
-        let s = &self.shared;
-        let read: Value = redis::cmd("XREADGROUP")
-            .arg("GROUP")
-            .arg(&s.group)
-            .arg(&s.consumer)
-            .arg("COUNT")
-            .arg(self.settings.batch)
-            .arg("BLOCK")
-            .arg(millis(block).max(1))
-            .arg("STREAMS")
-            .arg(&s.stream)
-            .arg(">")
-            .query_async(&mut self.reads)
-            .await
-            .map_err(|e| self.lost(e, "cannot read from the stream"))?;
-        for entry in entry::read_reply(read)? {
-            let delivery = RedisStreamDelivery::new(entry, 1, Arc::clone(&self.shared));
+        for (entry, deliveries) in fetched.entries {
+            let delivery = RedisStreamDelivery::new(entry, deliveries, Arc::clone(&self.shared));
             self.buffer.push_back(delivery);
         }
         Ok(())
     }
 
-    /// Claims the entries pending longer than the claim idle time: `XPENDING … IDLE` for
-    /// their delivery counts, then `XCLAIM`, which claims only those still idle that long (one
-    /// another source did not claim in between).
-    async fn claim(&mut self) -> Result<(), MqError> {
-        let s = Arc::clone(&self.shared);
-        let idle = millis(self.settings.claim_idle);
+    /// The next read or claim, to run in a task of its own: a claim when one is due, else a
+    /// read that blocks until the next one is.
+    fn fetch(&self) -> impl Future<Output = Result<Fetched, Failed>> + Send + 'static {
+        let claim = Instant::now() >= self.next_sweep;
+        let block = self
+            .next_sweep
+            .saturating_duration_since(Instant::now())
+            .clamp(Duration::from_millis(1), self.settings.claim_every);
+        let shared = Arc::clone(&self.shared);
+        let reads = self.reads.clone();
+        let cursor = self.cursor.clone();
         let batch = self.settings.batch;
-        let listed: Value = redis::cmd("XPENDING")
-            .arg(&s.stream)
-            .arg(&s.group)
-            .arg("IDLE")
-            .arg(idle)
-            .arg(&self.cursor)
-            .arg("+")
-            .arg(batch)
-            .query_async(&mut self.conn())
-            .await
-            .map_err(|e| self.lost(e, "cannot read the pending entries"))?;
-        let pending = entry::pending_reply(listed)?;
-        match pending.last() {
-            // There may be more: look again at once, from after the last one.
-            Some(last) if pending.len() >= batch => self.cursor = format!("({}", last.id),
-            _ => {
-                self.cursor = "-".to_owned();
-                self.next_sweep = Instant::now() + self.settings.claim_every;
+        async move {
+            if claim {
+                claim_idle(&shared, &cursor, batch).await
+            } else {
+                read(&shared, reads, batch, block).await
             }
         }
-        if pending.is_empty() {
-            return Ok(());
-        }
-        let mut cmd = redis::cmd("XCLAIM");
-        cmd.arg(&s.stream).arg(&s.group).arg(&s.consumer).arg(idle);
-        for p in &pending {
-            cmd.arg(&p.id);
-        }
-        let claimed: Value = cmd
-            .query_async(&mut self.conn())
-            .await
-            .map_err(|e| self.lost(e, "cannot claim the pending entries"))?;
-        let claimed = entry::entries_of(claimed, "XCLAIM")?;
-        for entry in claimed {
-            let deliveries = delivered_before(&pending, &entry).saturating_add(1);
-            let deliveries = u32::try_from(deliveries).unwrap_or(u32::MAX);
-            let delivery = RedisStreamDelivery::new(entry, deliveries, Arc::clone(&s));
-            match self.settings.max_deliveries {
-                Some(max) if deliveries > max => {
-                    tracing::warn!(
-                        stream = %s.stream,
-                        entry = delivery.entry_id(),
-                        deliveries,
-                        "an entry was delivered more times than allowed; dead-lettered"
-                    );
-                    let dead = DeadLetter {
-                        reason: Reason::AttemptsExhausted,
-                        detail: format!(
-                            "delivered {deliveries} times without being settled; at most {max} \
-                             deliveries are allowed"
-                        ),
-                    };
-                    delivery.settle(Disposition::DeadLetter(dead)).await?;
-                }
-                _ => self.buffer.push_back(delivery),
-            }
-        }
-        Ok(())
     }
 
-    /// The error of a failed command; one that says the group is gone has it created again
-    /// on the next read.
-    fn lost(&mut self, e: redis::RedisError, what: &str) -> MqError {
-        if e.code() == Some("NOGROUP") {
-            self.group_ready = false;
+    /// Dead-letters a delivery past `max_deliveries`; a failure leaves it pending, to be
+    /// claimed and dead-lettered again.
+    async fn dead_letter_poison(&self, delivery: RedisStreamDelivery, max: u32) {
+        let deliveries = delivery.deliveries();
+        tracing::warn!(
+            stream = %self.shared.stream,
+            entry = delivery.entry_id(),
+            deliveries,
+            "an entry was delivered more times than allowed; dead-lettered"
+        );
+        let dead = DeadLetter {
+            reason: Reason::AttemptsExhausted,
+            detail: format!(
+                "delivered {deliveries} times without being settled; at most {max} deliveries \
+                 are allowed"
+            ),
+        };
+        if let Err(e) = delivery.settle(Disposition::DeadLetter(dead)).await {
+            tracing::warn!(error = %e, "cannot dead-letter an entry delivered too often");
         }
-        MqError::broker(what.to_owned(), e)
     }
 
     /// Remembers a failure: the next read waits, doubling up to the cap.
     fn failed(&mut self) {
         let next = match self.retry_wait {
             None => self.settings.retry_first,
-            Some(wait) => (wait * 2).min(self.settings.retry_max),
+            Some(wait) => wait.saturating_mul(2).min(self.settings.retry_max),
         };
         self.retry_wait = Some(next);
     }
+}
+
+/// What a read or a claim brought.
+struct Fetched {
+    /// The entries, each with how many times it has been delivered, this time included.
+    entries: Vec<(Entry, u32)>,
+    /// After a claim, where the next starts: `Some(Some(c))` to look again at once from `c`,
+    /// `Some(None)` when the pending list was read to its end.
+    cursor: Option<Option<String>>,
+}
+
+/// Why a read or a claim failed, and whether the group is gone (`NOGROUP`).
+struct Failed {
+    error: MqError,
+    no_group: bool,
+}
+
+fn failed(e: redis::RedisError, what: &str) -> Failed {
+    Failed {
+        no_group: e.code() == Some("NOGROUP"),
+        error: MqError::broker(what.to_owned(), e),
+    }
+}
+
+fn malformed(error: MqError) -> Failed {
+    Failed {
+        error,
+        no_group: false,
+    }
+}
+
+/// `XREADGROUP … COUNT <batch> BLOCK <block> STREAMS <stream> >` on the reads' connection.
+async fn read(
+    shared: &Shared,
+    mut reads: Conn,
+    batch: usize,
+    block: Duration,
+) -> Result<Fetched, Failed> {
+    let answer: Value = redis::cmd("XREADGROUP")
+        .arg("GROUP")
+        .arg(&shared.group)
+        .arg(&shared.consumer)
+        .arg("COUNT")
+        .arg(batch)
+        .arg("BLOCK")
+        .arg(millis(block).max(1))
+        .arg("STREAMS")
+        .arg(&shared.stream)
+        .arg(">")
+        .query_async(&mut reads)
+        .await
+        .map_err(|e| failed(e, "cannot read from the stream"))?;
+    let entries = entry::read_reply(answer).map_err(malformed)?;
+    Ok(Fetched {
+        entries: entries.into_iter().map(|e| (e, 1)).collect(),
+        cursor: None,
+    })
+}
+
+/// Claims the entries pending longer than the claim idle time, from `cursor` on: `XPENDING …
+/// IDLE` for their delivery counts, then `XCLAIM`, which claims only those still idle that long
+/// (not one another source claimed in between).
+async fn claim_idle(shared: &Shared, cursor: &str, batch: usize) -> Result<Fetched, Failed> {
+    let idle = millis(shared.claim_idle);
+    let mut conn = shared.conn.clone();
+    let listed: Value = redis::cmd("XPENDING")
+        .arg(&shared.stream)
+        .arg(&shared.group)
+        .arg("IDLE")
+        .arg(idle)
+        .arg(cursor)
+        .arg("+")
+        .arg(batch)
+        .query_async(&mut conn)
+        .await
+        .map_err(|e| failed(e, "cannot read the pending entries"))?;
+    let pending = entry::pending_reply(listed).map_err(malformed)?;
+    let next = match pending.last() {
+        Some(last) if pending.len() >= batch => Some(format!("({}", last.id)),
+        _ => None,
+    };
+    if pending.is_empty() {
+        return Ok(Fetched {
+            entries: Vec::new(),
+            cursor: Some(next),
+        });
+    }
+    let mut cmd = redis::cmd("XCLAIM");
+    cmd.arg(&shared.stream)
+        .arg(&shared.group)
+        .arg(&shared.consumer)
+        .arg(idle);
+    for p in &pending {
+        cmd.arg(&p.id);
+    }
+    let claimed: Value = cmd
+        .query_async(&mut conn)
+        .await
+        .map_err(|e| failed(e, "cannot claim the pending entries"))?;
+    let claimed = entry::entries_of(claimed, "XCLAIM").map_err(malformed)?;
+    let entries = claimed
+        .into_iter()
+        .map(|entry| {
+            let deliveries = delivered_before(&pending, &entry).saturating_add(1);
+            (entry, u32::try_from(deliveries).unwrap_or(u32::MAX))
+        })
+        .collect();
+    Ok(Fetched {
+        entries,
+        cursor: Some(next),
+    })
 }
 
 /// How many times the pending list said `entry` was delivered (0 if it was not listed).
@@ -542,7 +652,13 @@ impl Source for RedisStreamSource {
                 return None;
             }
             if let Some(delivery) = self.buffer.pop_front() {
-                return Some(Ok(delivery));
+                match self.settings.max_deliveries {
+                    Some(max) if delivery.deliveries() > max => {
+                        self.dead_letter_poison(delivery, max).await;
+                        continue;
+                    }
+                    _ => return Some(Ok(delivery)),
+                }
             }
             if let Some(wait) = self.retry_wait {
                 tokio::time::sleep(wait).await;
@@ -567,22 +683,32 @@ impl Source for RedisStreamSource {
 
     async fn close(&mut self) {
         self.closed = true;
-        if self.buffer.is_empty() {
+        let mut ids: Vec<String> = self
+            .buffer
+            .drain(..)
+            .map(|d| d.entry_id().to_owned())
+            .collect();
+        // A read or claim a dropped `next` left running: its entries are this consumer's.
+        if let Some(task) = self.fetching.take() {
+            let wait = self
+                .settings
+                .response_timeout
+                .saturating_add(self.settings.claim_every);
+            match tokio::time::timeout(wait, task).await {
+                Ok(Ok(Ok(fetched))) => ids.extend(fetched.entries.into_iter().map(|(e, _)| e.id)),
+                _ => tracing::debug!("a read under way at close did not finish"),
+            }
+        }
+        if ids.is_empty() {
             return;
         }
         // Read but not handed out: made claimable at once by any source of the group, whatever
         // its claim idle time (as if delivered at the epoch), rather than after it. If this
         // fails they come back after it.
-        let s = &self.shared;
-        let mut cmd = redis::cmd("XCLAIM");
-        cmd.arg(&s.stream).arg(&s.group).arg(&s.consumer).arg(0);
-        for delivery in self.buffer.drain(..) {
-            cmd.arg(delivery.entry_id());
-        }
-        cmd.arg("TIME").arg(1).arg("JUSTID");
         let handed_back = tokio::time::timeout(
             self.settings.response_timeout,
-            cmd.exec_async(&mut self.conn()),
+            self.shared
+                .set_idle(ids.iter().map(String::as_str), "TIME", 1),
         )
         .await;
         if !matches!(handed_back, Ok(Ok(()))) {

@@ -360,13 +360,139 @@ async fn a_key_that_is_not_a_stream_or_a_dead_letter_into_itself_is_refused() {
         matches!(&err, MqError::Config(m) if m.contains("not a stream")),
         "{err}"
     );
+    let _: () = redis::cmd("DEL")
+        .arg(&stream.name)
+        .query_async(&mut stream.conn.clone())
+        .await
+        .expect("DEL");
     let err = stream
         .builder("g")
         .dead_letter(DeadLetterTarget::Stream(stream.name.clone()))
         .connect(&url)
         .await
         .expect_err("refused");
-    assert!(matches!(err, MqError::Config(_)), "{err}");
+    assert!(
+        matches!(&err, MqError::Config(m) if m.contains("itself")),
+        "{err}"
+    );
+    let _: () = redis::cmd("SET")
+        .arg(stream.dead())
+        .arg("x")
+        .query_async(&mut stream.conn.clone())
+        .await
+        .expect("SET");
+    let err = stream
+        .builder("g")
+        .connect(&url)
+        .await
+        .expect_err("refused");
+    assert!(
+        matches!(&err, MqError::Config(m) if m.contains("not a stream")),
+        "{err}"
+    );
+}
+
+#[tokio::test]
+async fn a_dead_letter_that_cannot_be_stored_leaves_the_entry_pending() {
+    let Some(url) = redis_url() else { return };
+    let stream = Stream::new(&url).await;
+    stream.publish("m-1", b"").await;
+    let mut source = stream.source("g").await;
+    let d = next(&mut source).await;
+    // The dead-letter key turns into something else than a stream after the start.
+    let _: () = redis::cmd("SET")
+        .arg(stream.dead())
+        .arg("x")
+        .query_async(&mut stream.conn.clone())
+        .await
+        .expect("SET");
+    let dead = DeadLetter {
+        reason: Reason::Permanent,
+        detail: "no".into(),
+    };
+    d.settle(Disposition::DeadLetter(dead))
+        .await
+        .expect_err("the copy cannot be stored");
+    assert_eq!(stream.pending("g").await, 1, "not acked without its copy");
+}
+
+#[tokio::test]
+async fn a_read_cut_off_at_shutdown_is_handed_back_at_close() {
+    let Some(url) = redis_url() else { return };
+    let stream = Stream::new(&url).await;
+    let mut first = stream
+        .builder("g")
+        .claim_every(Duration::from_secs(3))
+        .connect(&url)
+        .await
+        .expect("a");
+    // A read blocks for the entry; the consumer stops waiting for it (shutdown).
+    assert!(
+        next_within(&mut first, Duration::from_millis(300))
+            .await
+            .is_none()
+    );
+    // The read, still blocked at the server, gets the entry.
+    stream.publish("late", b"").await;
+    first.close().await;
+    let mut second = stream
+        .builder("g")
+        .claim_idle(Duration::from_secs(300))
+        .claim_every(Duration::from_millis(20))
+        .connect(&url)
+        .await
+        .expect("b");
+    let d = next(&mut second).await;
+    assert_eq!(
+        id_of(&d),
+        "late",
+        "claimable at once, not after the claim idle time"
+    );
+    assert_eq!(d.delivery_count(), Some(2));
+}
+
+#[tokio::test]
+async fn progress_never_takes_back_an_entry_another_source_claimed() {
+    let Some(url) = redis_url() else { return };
+    let stream = Stream::new(&url).await;
+    stream.publish("m-1", b"").await;
+    let idle = Duration::from_millis(200);
+    let mut slow = stream
+        .builder("g")
+        .claim_idle(idle)
+        .connect(&url)
+        .await
+        .expect("a");
+    let stalled = next(&mut slow).await;
+    let mut other = stream
+        .builder("g")
+        .consumer("other")
+        .claim_idle(idle)
+        .claim_every(Duration::from_millis(20))
+        .connect(&url)
+        .await
+        .expect("b");
+    let claimed = next(&mut other).await;
+    // The stalled holder wakes and reports progress, then requeues: neither moves the entry.
+    stalled.in_progress().await.expect("progress");
+    stalled
+        .settle(Disposition::Requeue {
+            delay: Duration::ZERO,
+        })
+        .await
+        .expect("requeue");
+    let owner: Vec<(String, String, u64, u64)> = redis::cmd("XPENDING")
+        .arg(&stream.name)
+        .arg("g")
+        .arg("-")
+        .arg("+")
+        .arg(10)
+        .query_async(&mut stream.conn.clone())
+        .await
+        .expect("XPENDING");
+    assert_eq!(owner.len(), 1);
+    assert_eq!(owner[0].1, "other", "still the claimer's: {owner:?}");
+    claimed.settle(Disposition::Ack).await.expect("ack");
 }
 
 #[tokio::test]
