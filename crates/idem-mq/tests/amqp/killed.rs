@@ -226,9 +226,21 @@ async fn kill_and_restart(
         )
     };
 
+    let runs = || count(&pool, format!("SELECT count(*) FROM {}", task.runs));
     for _ in 0..8 {
+        let before = runs().await;
         let child = spawn_child(&task);
-        tokio::time::sleep(Duration::from_millis(300 + rand::random::<u64>() % 700)).await;
+        // Killed at a random moment once it runs handlers, rather than a fixed time after its
+        // start: on a loaded machine a child may take longer than that to start, and a kill
+        // that lands before its first handler catches nothing.
+        let started = tokio::time::Instant::now();
+        while runs().await == before
+            && ran().await < n
+            && started.elapsed() < Duration::from_secs(10)
+        {
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        tokio::time::sleep(Duration::from_millis(rand::random::<u64>() % 700)).await;
         kill(child);
     }
     let mut empty = false;
