@@ -1,9 +1,10 @@
-//! Publishes orders to RabbitMQ or NATS JetStream (some twice, as a publisher that retries
-//! would) and consumes them so that each order is handled once.
+//! Publishes orders to RabbitMQ, NATS JetStream or a Redis stream (some twice, as a publisher
+//! that retries would) and consumes them so that each order is handled once.
 //!
 //! ```sh
-//! cargo run -p idem-mq --features amqp,nats --example orders -- amqp://guest:guest@127.0.0.1:5672/%2f
-//! cargo run -p idem-mq --features amqp,nats --example orders -- nats://127.0.0.1:4222
+//! cargo run -p idem-mq --features amqp,nats,redis-streams --example orders -- amqp://guest:guest@127.0.0.1:5672/%2f
+//! cargo run -p idem-mq --features amqp,nats,redis-streams --example orders -- nats://127.0.0.1:4222
+//! cargo run -p idem-mq --features amqp,nats,redis-streams --example orders -- redis://127.0.0.1:6379
 //! ```
 //!
 //! Records go to an in-memory store here; give `idem::RedisStore` or `idem::PostgresStore`
@@ -51,7 +52,23 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         tokio::time::sleep(Duration::from_millis(500)).await;
     };
 
-    if url.starts_with("nats://") {
+    if url.starts_with("redis://") {
+        let stream = format!("orders-{:08x}", rand::random::<u32>());
+        let client = redis::Client::open(url.as_str())?;
+        let source =
+            idem_mq::redis_streams::RedisStreamSource::builder(stream.clone(), "inventory")
+                .connect(&url)
+                .await?;
+        let mut conn = client.get_multiplexed_async_connection().await?;
+        for (i, id) in orders.iter().enumerate() {
+            for _ in 0..(1 + i % 3 / 2) {
+                let body = format!("{{\"order\":\"{id}\"}}");
+                idem_mq::redis_streams::publish(&mut conn, &stream, id, body.as_bytes()).await?;
+            }
+        }
+        consumer.run(source, handler, done).await?;
+        redis::cmd("DEL").arg(&stream).exec_async(&mut conn).await?;
+    } else if url.starts_with("nats://") {
         let stream = format!("ORDERS_{:08x}", rand::random::<u32>());
         let client = async_nats::connect(&url).await?;
         let js = async_nats::jetstream::new(client);
