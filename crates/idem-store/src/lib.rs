@@ -61,7 +61,7 @@ pub use postgres::{PostgresOptions, PostgresStore};
 #[doc(hidden)]
 pub use redis::lock_scripts;
 #[cfg(feature = "redis")]
-pub use redis::{EXPIRY_MARGIN, RedisOptions, RedisStore};
+pub use redis::{Conn as RedisConnection, EXPIRY_MARGIN, RedisOptions, RedisStore};
 pub use replay_cache::{ReplayCache, ReplayCacheLimits};
 #[cfg(any(feature = "postgres", feature = "mysql"))]
 pub use sql::{SqlOptions, SqlStore};

@@ -72,9 +72,8 @@
 use std::time::Duration;
 
 use bytes::Bytes;
-use redis::aio::{ConnectionLike, ConnectionManager, ConnectionManagerConfig};
-use redis::cluster_async::ClusterConnection;
-use redis::{Cmd, Pipeline, RedisFuture, Value};
+use redis::Value;
+use redis::aio::{ConnectionLike, ConnectionManagerConfig};
 
 use crate::MqError;
 
@@ -140,87 +139,48 @@ pub enum DeadLetterTarget {
     AckOnly,
 }
 
-/// A connection to one server or to a Cluster; both reconnect by themselves.
-///
-/// Written here rather than taken from the store: the source needs two (a blocking read would
-/// hold up a multiplexed connection's other commands), with timeouts of their own.
-#[derive(Clone)]
-pub(crate) enum Conn {
-    Single(ConnectionManager),
-    Cluster(ClusterConnection),
-}
+/// The store's connection type: one server or a Cluster, each reconnecting by itself. A source
+/// opens two (a blocking read would hold up a multiplexed connection's other commands), with
+/// timeouts of their own.
+pub(crate) use idem::idem_store::RedisConnection as Conn;
 
-impl Conn {
-    /// Connects to `url`: `redis://…` for one server, or `redis+cluster://host:port,host:port…`
-    /// for a Cluster reached through any of those nodes, read as the Redis store reads them
-    /// (credentials before the first host are every node's). `timeout` bounds each answer and
-    /// each connection attempt.
-    pub(crate) async fn open(url: &str, timeout: Duration) -> Result<Self, MqError> {
-        let parsed: idem::StoreUrl = url
-            .parse()
-            .map_err(|e| MqError::Config(format!("the Redis URL: {e}")))?;
-        let idem::StoreUrl::Redis { nodes, cluster, .. } = parsed else {
-            return Err(MqError::Config(
-                "a Redis stream is read from a redis:// or redis+cluster:// URL".to_owned(),
-            ));
-        };
-        if cluster {
-            let client = redis::cluster::ClusterClient::builder(nodes)
-                .response_timeout(timeout)
-                .connection_timeout(timeout)
-                .build()
-                .map_err(|e| MqError::broker("the Redis Cluster URL is not valid", e))?;
-            let conn = client
-                .get_async_connection()
-                .await
-                .map_err(|e| MqError::broker("cannot connect to the Redis Cluster", e))?;
-            return Ok(Conn::Cluster(conn));
-        }
-        let node = nodes.into_iter().next().unwrap_or_default();
-        let client = redis::Client::open(node)
-            .map_err(|e| MqError::broker("the Redis URL is not valid", e))?;
-        let config = ConnectionManagerConfig::new()
-            .set_response_timeout(Some(timeout))
-            .set_connection_timeout(Some(timeout))
-            .set_number_of_retries(2);
+/// Connects to `url`: `redis://…` for one server, or `redis+cluster://host:port,host:port…`
+/// for a Cluster reached through any of those nodes, read as the Redis store reads them
+/// (credentials before the first host are every node's). `timeout` bounds each answer and
+/// each connection attempt.
+pub(crate) async fn connect(url: &str, timeout: Duration) -> Result<Conn, MqError> {
+    let parsed: idem::StoreUrl = url
+        .parse()
+        .map_err(|e| MqError::Config(format!("the Redis URL: {e}")))?;
+    let idem::StoreUrl::Redis { nodes, cluster, .. } = parsed else {
+        return Err(MqError::Config(
+            "a Redis stream is read from a redis:// or redis+cluster:// URL".to_owned(),
+        ));
+    };
+    if cluster {
+        let client = redis::cluster::ClusterClient::builder(nodes)
+            .response_timeout(timeout)
+            .connection_timeout(timeout)
+            .build()
+            .map_err(|e| MqError::broker("the Redis Cluster URL is not valid", e))?;
         let conn = client
-            .get_connection_manager_with_config(config)
+            .get_async_connection()
             .await
-            .map_err(|e| MqError::broker("cannot connect to Redis", e))?;
-        Ok(Conn::Single(conn))
+            .map_err(|e| MqError::broker("cannot connect to the Redis Cluster", e))?;
+        return Ok(Conn::Cluster(conn));
     }
-
-    pub(crate) fn is_cluster(&self) -> bool {
-        matches!(self, Conn::Cluster(_))
-    }
-}
-
-impl ConnectionLike for Conn {
-    fn req_packed_command<'a>(&'a mut self, cmd: &'a Cmd) -> RedisFuture<'a, Value> {
-        match self {
-            Conn::Single(c) => c.req_packed_command(cmd),
-            Conn::Cluster(c) => c.req_packed_command(cmd),
-        }
-    }
-
-    fn req_packed_commands<'a>(
-        &'a mut self,
-        pipeline: &'a Pipeline,
-        offset: usize,
-        count: usize,
-    ) -> RedisFuture<'a, Vec<Value>> {
-        match self {
-            Conn::Single(c) => c.req_packed_commands(pipeline, offset, count),
-            Conn::Cluster(c) => c.req_packed_commands(pipeline, offset, count),
-        }
-    }
-
-    fn get_db(&self) -> i64 {
-        match self {
-            Conn::Single(c) => c.get_db(),
-            Conn::Cluster(c) => c.get_db(),
-        }
-    }
+    let node = nodes.into_iter().next().unwrap_or_default();
+    let client =
+        redis::Client::open(node).map_err(|e| MqError::broker("the Redis URL is not valid", e))?;
+    let config = ConnectionManagerConfig::new()
+        .set_response_timeout(Some(timeout))
+        .set_connection_timeout(Some(timeout))
+        .set_number_of_retries(2);
+    let conn = client
+        .get_connection_manager_with_config(config)
+        .await
+        .map_err(|e| MqError::broker("cannot connect to Redis", e))?;
+    Ok(Conn::Single(conn))
 }
 
 /// Adds an entry to `stream` with its message id in [`MESSAGE_ID_FIELD`] and its body in

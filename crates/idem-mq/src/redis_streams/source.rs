@@ -135,9 +135,9 @@ impl RedisStreamSourceBuilder {
     /// server, `redis+cluster://[:password@]host:port,host:port` for a Cluster. Creates the
     /// group if missing (and the stream with it).
     pub async fn connect(self, url: &str) -> Result<RedisStreamSource, MqError> {
-        let conn = Conn::open(url, self.response_timeout).await?;
+        let conn = super::connect(url, self.response_timeout).await?;
         let read_timeout = self.response_timeout.saturating_add(self.claim_every);
-        let reads = Conn::open(url, read_timeout).await?;
+        let reads = super::connect(url, read_timeout).await?;
         let consumer = self.consumer.clone().unwrap_or_else(|| {
             format!("idem-{}-{:08x}", std::process::id(), rand::random::<u32>())
         });

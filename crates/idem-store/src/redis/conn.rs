@@ -7,11 +7,21 @@ use redis::{
     ToRedisArgs, Value,
 };
 
-/// A connection to one Redis server or to a Cluster; both reconnect by themselves.
+/// A connection to one Redis server or to a Cluster; both reconnect by themselves. The store's
+/// own, and what other parts of idem that talk to Redis (the stream consumer) send on.
 #[derive(Clone)]
-pub(crate) enum Conn {
+pub enum Conn {
+    /// One server.
     Single(ConnectionManager),
+    /// A Cluster.
     Cluster(ClusterConnection),
+}
+
+impl Conn {
+    /// Whether it reaches a Cluster.
+    pub fn is_cluster(&self) -> bool {
+        matches!(self, Conn::Cluster(_))
+    }
 }
 
 impl ConnectionLike for Conn {

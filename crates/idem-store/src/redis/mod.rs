@@ -72,7 +72,8 @@ mod scripts;
 #[cfg(test)]
 mod tests;
 
-pub(crate) use conn::{Conn, Lua};
+pub use conn::Conn;
+pub(crate) use conn::Lua;
 use error::error;
 pub use locks::lock_scripts;
 use scripts::{
