@@ -9,7 +9,7 @@ use http::HeaderMap;
 use http::header::CONTENT_LENGTH;
 use http_body::{Body, Frame, SizeHint};
 use http_body_util::combinators::UnsyncBoxBody;
-use http_body_util::{BodyExt, LengthLimitError, Limited};
+use http_body_util::{BodyExt, Full, LengthLimitError, Limited};
 
 use crate::problem::Problem;
 use crate::problem::ToProblem;
@@ -106,29 +106,44 @@ impl Body for Prefixed {
 
 /// The outcome of reading a body with a limit.
 pub(crate) enum Collected {
-    /// The whole body, within the limit.
-    Full(Bytes),
+    /// The whole body, within the limit, and its trailers (empty if it had none).
+    Full(Bytes, HeaderMap),
     /// The limit was passed: what was read, and the unread rest.
     TooLarge(Bytes, ResponseBody),
     /// The body failed part way.
     Failed,
 }
 
-/// Reads `body` up to `limit` bytes. Trailers are not kept.
+/// Reads `body` up to `limit` bytes, and its trailers.
 pub(crate) async fn collect_limited(mut body: ResponseBody, limit: usize) -> Collected {
     let mut buf = bytes::BytesMut::new();
+    let mut trailers = HeaderMap::new();
     loop {
         match body.frame().await {
-            None => return Collected::Full(buf.freeze()),
+            None => return Collected::Full(buf.freeze(), trailers),
             Some(Err(_)) => return Collected::Failed,
-            Some(Ok(frame)) => {
-                if let Ok(data) = frame.into_data() {
+            Some(Ok(frame)) => match frame.into_data() {
+                Ok(data) => {
                     buf.extend_from_slice(&data);
                     if buf.len() > limit {
                         return Collected::TooLarge(buf.freeze(), body);
                     }
                 }
-            }
+                Err(frame) => {
+                    if let Ok(more) = frame.into_trailers() {
+                        trailers.extend(more);
+                    }
+                }
+            },
         }
     }
+}
+
+/// A whole body, then its trailers if it has any.
+pub(crate) fn full_with_trailers(body: Bytes, trailers: HeaderMap) -> ResponseBody {
+    let full = Full::new(body);
+    if trailers.is_empty() {
+        return boxed(full);
+    }
+    boxed(full.with_trailers(std::future::ready(Some(Ok(trailers)))))
 }

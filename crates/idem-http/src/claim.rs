@@ -9,8 +9,8 @@ use http_body_util::Full;
 use idem_claim::begin_waiting;
 use idem_core::{BeginOutcome, BeginRequest, Lease, Store, Timestamp};
 
-use crate::body::{ResponseBody, boxed};
-use crate::config::Config;
+use crate::body::{ResponseBody, boxed, full_with_trailers};
+use crate::config::{Config, Protocol};
 use crate::header::IDEMPOTENT_REPLAYED;
 use crate::metrics::count;
 use crate::problem::Problem;
@@ -34,7 +34,7 @@ pub(crate) async fn claim(
     loop {
         let outcome = begin_waiting(&cfg.store, &*cfg.clock, begin, cfg.policy.in_flight)
             .await
-            .map_err(|e| reject(Problem::store(&e)))?;
+            .map_err(|e| reject(cfg, Problem::store(&e)))?;
         let now = cfg.clock.now();
         match decide(cfg, outcome, now, reopened) {
             Next::Run(lease) => return Ok(lease),
@@ -46,7 +46,7 @@ pub(crate) async fn claim(
                 cfg.store
                     .reopen(&begin.key, fence, now)
                     .await
-                    .map_err(|e| reject(Problem::store(&e)))?;
+                    .map_err(|e| reject(cfg, Problem::store(&e)))?;
             }
         }
     }
@@ -94,6 +94,7 @@ fn decide(cfg: &Config, outcome: BeginOutcome, now: Timestamp, reopened: bool) -
         }
         BeginOutcome::Mismatch => {
             return Next::Answer(reject(
+                cfg,
                 ProblemCode::IdempotencyKeyMismatch
                     .problem(
                         "This Idempotency-Key was used with a different request (method, \
@@ -104,6 +105,7 @@ fn decide(cfg: &Config, outcome: BeginOutcome, now: Timestamp, reopened: bool) -
         }
         BeginOutcome::InProgress { lease_expires_at } => {
             return Next::Answer(reject(
+                cfg,
                 ProblemCode::RequestInProgress
                     .problem(
                         "A request with this Idempotency-Key is still being processed; \
@@ -116,6 +118,7 @@ fn decide(cfg: &Config, outcome: BeginOutcome, now: Timestamp, reopened: bool) -
     };
     let Ok(stored) = Stored::decode(r.response) else {
         return Next::Answer(reject(
+            cfg,
             ProblemCode::RecordCorrupt
                 .problem("The stored answer for this Idempotency-Key could not be read."),
         ));
@@ -125,8 +128,10 @@ fn decide(cfg: &Config, outcome: BeginOutcome, now: Timestamp, reopened: bool) -
             status,
             headers,
             body,
-        } => Next::Answer(replay(status, headers, body)),
+            trailers,
+        } => Next::Answer(replay(status, headers, body, trailers)),
         Stored::TooLarge { status } => Next::Answer(reject(
+            cfg,
             ProblemCode::ResponseNotReplayable
                 .problem(
                     "The request with this Idempotency-Key was processed, but its response \
@@ -138,7 +143,7 @@ fn decide(cfg: &Config, outcome: BeginOutcome, now: Timestamp, reopened: bool) -
             Next::Reopen { fence: r.fence }
         }
         Stored::Unknown { until } => {
-            Next::Answer(reject(unknown(until.map(|u| u.saturating_since(now)))))
+            Next::Answer(reject(cfg, unknown(until.map(|u| u.saturating_since(now)))))
         }
     }
 }
@@ -154,9 +159,14 @@ fn unknown(retry_after: Option<Duration>) -> Problem {
     }
 }
 
-fn replay(status: StatusCode, headers: HeaderMap, body: Bytes) -> Response<ResponseBody> {
+fn replay(
+    status: StatusCode,
+    headers: HeaderMap,
+    body: Bytes,
+    trailers: HeaderMap,
+) -> Response<ResponseBody> {
     count("replayed");
-    let mut res = Response::new(boxed(Full::new(body)));
+    let mut res = Response::new(full_with_trailers(body, trailers));
     *res.status_mut() = status;
     *res.headers_mut() = headers;
     res.headers_mut()
@@ -164,8 +174,13 @@ fn replay(status: StatusCode, headers: HeaderMap, body: Bytes) -> Response<Respo
     res
 }
 
-/// Answers with `problem`, counted by its code.
-pub(crate) fn reject(problem: Problem) -> Response<ResponseBody> {
+/// Answers with `problem` as the route speaks (problem+json, or a gRPC status), counted by
+/// its code.
+pub(crate) fn reject(cfg: &Config, problem: Problem) -> Response<ResponseBody> {
     count(problem.code());
-    problem.into_http::<Full<Bytes>>().map(boxed)
+    match cfg.protocol {
+        Protocol::Http => problem.into_http::<Full<Bytes>>().map(boxed),
+        #[cfg(feature = "grpc")]
+        Protocol::Grpc => problem.into_grpc().into_http(),
+    }
 }

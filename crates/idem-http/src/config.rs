@@ -2,15 +2,28 @@
 
 use std::sync::Arc;
 
-use idem_core::{Clock, SharedStore};
+use idem_core::{Clock, SharedStore, SystemClock};
 
 use crate::policy::Policy;
 use crate::scope::ScopeSource;
+
+/// How a guarded route speaks: what its refusals look like and what in an answer says whether
+/// it is kept.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Protocol {
+    /// Refusals are problem+json; the status (and the [`Preset`](crate::Preset)) decides.
+    Http,
+    /// Refusals are gRPC statuses; the `grpc-status` (in the trailers, or the headers of a
+    /// trailers-only answer) decides.
+    #[cfg(feature = "grpc")]
+    Grpc,
+}
 
 /// What every request on a guarded route shares: where records live, the clock, the route's
 /// policy, where a request's scope comes from, and the answers still being stored.
 #[derive(Clone)]
 pub(crate) struct Config {
+    pub(crate) protocol: Protocol,
     pub(crate) store: SharedStore,
     pub(crate) clock: Arc<dyn Clock>,
     pub(crate) policy: Policy,
@@ -18,4 +31,19 @@ pub(crate) struct Config {
     /// One permit for each answer whose storing is retried in the background
     /// ([`LATE_ANSWERS`](crate::settle::LATE_ANSWERS) at most).
     pub(crate) late: Arc<tokio::sync::Semaphore>,
+}
+
+impl Config {
+    /// A route's shared settings, on the system clock, scoping keys by the hashed
+    /// `Authorization` header.
+    pub(crate) fn new(protocol: Protocol, store: SharedStore, policy: Policy) -> Arc<Self> {
+        Arc::new(Self {
+            protocol,
+            store,
+            clock: Arc::new(SystemClock),
+            policy,
+            scope: ScopeSource::default(),
+            late: Arc::new(tokio::sync::Semaphore::new(crate::settle::LATE_ANSWERS)),
+        })
+    }
 }

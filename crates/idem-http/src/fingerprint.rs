@@ -19,15 +19,7 @@ pub(crate) fn fingerprint(
         .part(parts.method.as_str().as_bytes())
         .part(parts.uri.path().as_bytes())
         .part(parts.uri.query().unwrap_or("").as_bytes());
-    for name in &policy.fingerprint_headers {
-        let values = parts.headers.get_all(name);
-        // The count frames the values, so no split of values between headers collides.
-        let count = values.iter().count() as u64;
-        fp = fp.part(name.as_str().as_bytes()).part(&count.to_be_bytes());
-        for value in values {
-            fp = fp.part(value.as_bytes());
-        }
-    }
+    fp = with_headers(fp, policy, parts);
     let json = parts
         .headers
         .get(CONTENT_TYPE)
@@ -47,6 +39,38 @@ pub(crate) fn fingerprint(
         (None, _) => fp.part(b"bytes").part(body),
     };
     fp.finish()
+}
+
+/// A gRPC call's fingerprint: its method path, the selected metadata, and the request
+/// message's bytes (with its frame head).
+#[cfg(feature = "grpc")]
+pub(crate) fn grpc_fingerprint(
+    policy: &Policy,
+    parts: &http::request::Parts,
+    body: &Bytes,
+) -> Fingerprint {
+    let fp = Fingerprint::builder()
+        .part(b"idem-grpc/1")
+        .part(parts.uri.path().as_bytes());
+    with_headers(fp, policy, parts).part(body).finish()
+}
+
+/// The policy's fingerprinted headers (or metadata), each with all its values.
+fn with_headers(
+    mut fp: idem_core::FingerprintBuilder,
+    policy: &Policy,
+    parts: &http::request::Parts,
+) -> idem_core::FingerprintBuilder {
+    for name in &policy.fingerprint_headers {
+        let values = parts.headers.get_all(name);
+        // The count frames the values, so no split of values between headers collides.
+        let count = values.iter().count() as u64;
+        fp = fp.part(name.as_str().as_bytes()).part(&count.to_be_bytes());
+        for value in values {
+            fp = fp.part(value.as_bytes());
+        }
+    }
+    fp
 }
 
 /// `application/json`, or any `+json` type, with or without parameters.

@@ -2,10 +2,10 @@
 
 use std::sync::Arc;
 
-use idem_core::{Clock, SharedStore, SystemClock};
+use idem_core::{Clock, SharedStore};
 use tower_layer::Layer;
 
-use crate::config::Config;
+use crate::config::{Config, Protocol};
 use crate::policy::Policy;
 use crate::scope::ScopeSource;
 use crate::service::IdempotencyService;
@@ -33,13 +33,7 @@ impl IdempotencyLayer {
     /// A layer over `store` with `policy`, scoping keys by the hashed `Authorization` header.
     pub fn new(store: SharedStore, policy: Policy) -> Self {
         Self {
-            cfg: Arc::new(Config {
-                store,
-                clock: Arc::new(SystemClock),
-                policy,
-                scope: ScopeSource::default(),
-                late: Arc::new(tokio::sync::Semaphore::new(crate::settle::LATE_ANSWERS)),
-            }),
+            cfg: Config::new(Protocol::Http, store, policy),
         }
     }
 

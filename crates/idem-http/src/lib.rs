@@ -34,6 +34,8 @@ mod claim;
 mod config;
 mod fingerprint;
 pub mod form_token;
+#[cfg(feature = "grpc")]
+pub mod grpc;
 pub mod header;
 mod layer;
 mod metrics;
@@ -47,6 +49,8 @@ mod stored;
 
 pub use body::{BoxError, ResponseBody, boxed};
 pub use form_token::{FORM_TOKEN, FormToken, FormTokenLayer, token_problem};
+#[cfg(feature = "grpc")]
+pub use grpc::{GrpcIdempotencyLayer, GrpcIdempotencyService};
 pub use header::{
     FENCE_HEADER, IDEMPOTENCY_KEY, IDEMPOTENT_REPLAYED, KeyHeaderError, encode_key,
     key_from_headers, parse_key,

@@ -176,6 +176,8 @@ pub struct StoredAnswer {
     pub headers: http::HeaderMap,
     /// Its body.
     pub body: Bytes,
+    /// Its trailers (a gRPC answer's status is there); empty if it had none.
+    pub trailers: http::HeaderMap,
 }
 
 /// The answer a completed record replays, if it holds an HTTP answer (not an unknown outcome,
@@ -186,10 +188,12 @@ pub fn stored_answer(record: &idem_core::Record) -> Option<StoredAnswer> {
             status,
             headers,
             body,
+            trailers,
         }) => Some(StoredAnswer {
             status,
             headers,
             body,
+            trailers,
         }),
         _ => None,
     }

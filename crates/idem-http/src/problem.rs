@@ -28,12 +28,12 @@ impl ToProblem for ProblemCode {
 /// An error answer.
 #[derive(Debug)]
 pub struct Problem {
-    status: StatusCode,
-    code: &'static str,
-    title: &'static str,
-    detail: String,
-    retry_after: Option<Duration>,
-    extra: Map<String, Value>,
+    pub(crate) status: StatusCode,
+    pub(crate) code: &'static str,
+    pub(crate) title: &'static str,
+    pub(crate) detail: String,
+    pub(crate) retry_after: Option<Duration>,
+    pub(crate) extra: Map<String, Value>,
 }
 
 impl Problem {

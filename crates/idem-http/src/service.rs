@@ -112,24 +112,44 @@ where
         }
         Ok(None) => {
             return Ok(reject(
+                &cfg,
                 ProblemCode::IdempotencyKeyMissing
                     .problem("This route requires an Idempotency-Key header."),
             ));
         }
-        Err(e) => return Ok(reject(invalid_key(&e))),
+        Err(e) => return Ok(reject(&cfg, invalid_key(&e))),
     };
     let (parts, body) = req.into_parts();
     let key = match ClientKey::new(client_key) {
         Ok(ck) => Key::new(cfg.scope.scope_of(&parts), policy.namespace.clone(), ck),
-        Err(_) => return Ok(reject(invalid_key(&KeyHeaderError::Malformed))),
+        Err(_) => return Ok(reject(&cfg, invalid_key(&KeyHeaderError::Malformed))),
     };
     let body = match read_body(&parts.headers, body, policy.max_body).await {
         Ok(b) => b,
-        Err(p) => return Ok(reject(p)),
+        Err(p) => return Ok(reject(&cfg, p)),
     };
     let begin = BeginRequest::new(key, fingerprint(policy, &parts, &body))
         .with_lease(policy.lease)
         .with_ttl(policy.ttl);
+    let req = Request::from_parts(parts, ReqBody::from(body));
+    claim_and_run(cfg, inner, req, begin).await
+}
+
+/// Answers a guarded request from memory, or claims its key and runs it, in a task of its own.
+pub(crate) async fn claim_and_run<S, ReqBody, ResBody>(
+    cfg: Arc<Config>,
+    inner: S,
+    mut req: Request<ReqBody>,
+    begin: BeginRequest,
+) -> Result<Response<ResponseBody>, S::Error>
+where
+    S: Service<Request<ReqBody>, Response = Response<ResBody>> + Send + 'static,
+    S::Future: Send + 'static,
+    S::Error: Send + 'static,
+    ReqBody: Send + 'static,
+    ResBody: Body<Data = Bytes> + Send + 'static,
+    ResBody::Error: Into<BoxError>,
+{
     // A replay the store answers from memory claims nothing: answered here, with no task.
     if let Some(answer) = answer_from_memory(&cfg, &begin) {
         return Ok(answer);
@@ -138,12 +158,13 @@ where
     // hangs up cancels neither half way. The work does not stop half done, and its answer is
     // stored for the client's retry. (A claim dropped on its own would leave nothing held:
     // `begin_waiting` gives back a key taken for a caller that left.)
+    let task_cfg = cfg.clone();
     let task = tokio::spawn(async move {
+        let cfg = task_cfg;
         let lease = match claim(&cfg, &begin).await {
             Ok(lease) => lease,
             Err(answer) => return Ok(answer),
         };
-        let mut req = Request::from_parts(parts, ReqBody::from(body));
         req.extensions_mut()
             .insert(LeaseFence { fence: lease.fence });
         run_and_settle(cfg, inner, req, begin.key, lease).await
@@ -151,12 +172,16 @@ where
     match task.await {
         Ok(result) => result,
         // The handler panicked; the settler released the key as it unwound.
-        Err(_) => Ok(reject(ProblemCode::HandlerFailed.problem(
-            "The handler failed before answering; the key was released, so a retry runs again.",
-        ))),
+        Err(_) => Ok(reject(
+            &cfg,
+            ProblemCode::HandlerFailed.problem(
+                "The handler failed before answering; the key was released, so a retry runs \
+                 again.",
+            ),
+        )),
     }
 }
 
-fn invalid_key(e: &KeyHeaderError) -> Problem {
+pub(crate) fn invalid_key(e: &KeyHeaderError) -> Problem {
     ProblemCode::IdempotencyKeyInvalid.problem(e.to_string())
 }

@@ -8,16 +8,17 @@ use std::sync::Arc;
 use bytes::Bytes;
 use http::{HeaderMap, HeaderName, Request, Response};
 use http_body::Body;
-use http_body_util::Full;
 use idem_claim::settle_retrying;
 use std::time::Duration;
 
 use idem_core::{Key, Lease, LeaseError, Store};
 use tower_service::Service;
 
-use crate::body::{BoxError, Collected, Prefixed, ResponseBody, boxed, collect_limited};
+use crate::body::{
+    BoxError, Collected, Prefixed, ResponseBody, boxed, collect_limited, full_with_trailers,
+};
 use crate::claim::reject;
-use crate::config::Config;
+use crate::config::{Config, Protocol};
 use crate::metrics::count_settled;
 use crate::policy::{OnUnknown, ReplayHeaders, remove_hop_by_hop};
 use crate::problem::ToProblem;
@@ -68,66 +69,113 @@ where
     };
     let policy = &cfg.policy;
     let (parts, body) = res.into_parts();
-    let settle = parts
+    // What the head says; `None` for a gRPC answer whose status comes in its trailers.
+    let early = parts
         .extensions
         .get::<Settle>()
         .copied()
-        .unwrap_or_else(|| {
-            if policy.preset.stores(parts.status) {
-                Settle::Store
-            } else {
-                Settle::Release
-            }
-        });
+        .or_else(|| settle_by_head(&cfg, &parts));
     let body = boxed(body);
-    match settle {
-        Settle::Release => {
+    match early {
+        Some(Settle::Release) => {
             settler.release().await;
             Ok(Response::from_parts(parts, body))
         }
-        Settle::Unknown => {
+        Some(Settle::Unknown) => {
             settler.unknown().await;
             Ok(Response::from_parts(parts, body))
         }
-        Settle::Store => match collect_limited(body, policy.max_response).await {
-            Collected::Full(bytes) => {
+        Some(Settle::Store) | None => match collect_limited(body, policy.max_response).await {
+            Collected::Full(bytes, trailers) => {
+                match early.unwrap_or_else(|| settle_by_trailers(&cfg, &trailers)) {
+                    Settle::Store => {}
+                    Settle::Release => {
+                        settler.release().await;
+                        let body = full_with_trailers(bytes, trailers);
+                        return Ok(Response::from_parts(parts, body));
+                    }
+                    Settle::Unknown => {
+                        settler.unknown().await;
+                        return Ok(response_failed(&cfg));
+                    }
+                }
                 let stored = Stored::Response {
                     status: parts.status,
-                    headers: stored_headers(&parts.headers, &policy.replay_headers),
+                    headers: kept_fields(&parts.headers, &policy.replay_headers),
                     body: bytes.clone(),
+                    // Whole (a gRPC answer's status is there), less any hop-by-hop field.
+                    trailers: kept_fields(&trailers, &ReplayHeaders::Default),
                 };
                 match settler.complete(stored).await {
-                    Completed::Done => Ok(Response::from_parts(parts, boxed(Full::new(bytes)))),
-                    Completed::Overtaken => Ok(overtaken()),
-                    Completed::NotStored => Ok(not_stored()),
+                    Completed::Done => Ok(Response::from_parts(
+                        parts,
+                        full_with_trailers(bytes, trailers),
+                    )),
+                    Completed::Overtaken => Ok(overtaken(&cfg)),
+                    Completed::NotStored => Ok(not_stored(&cfg)),
                 }
             }
             Collected::TooLarge(prefix, rest) => {
+                // A gRPC answer too large to keep is recorded before its status is known:
+                // its first caller is given it whole, retries are refused, never run again.
                 let status = parts.status;
                 match settler.complete(Stored::TooLarge { status }).await {
                     Completed::Done => Ok(Response::from_parts(
                         parts,
                         boxed(Prefixed::new(prefix, rest)),
                     )),
-                    Completed::Overtaken => Ok(overtaken()),
-                    Completed::NotStored => Ok(not_stored()),
+                    Completed::Overtaken => Ok(overtaken(&cfg)),
+                    Completed::NotStored => Ok(not_stored(&cfg)),
                 }
             }
             Collected::Failed => {
                 settler.unknown().await;
-                Ok(reject(ProblemCode::ResponseFailed.problem(
-                    "The handler's response broke off; the outcome is recorded as unknown.",
-                )))
+                Ok(response_failed(&cfg))
             }
         },
     }
 }
 
+/// How an answer settles by its head: its status under the [`Preset`](crate::Preset) over
+/// HTTP; over gRPC, the `grpc-status` of a trailers-only answer, or `None` when the status is
+/// to come in the trailers.
+fn settle_by_head(cfg: &Config, parts: &http::response::Parts) -> Option<Settle> {
+    match cfg.protocol {
+        Protocol::Http => Some(if cfg.policy.preset.stores(parts.status) {
+            Settle::Store
+        } else {
+            Settle::Release
+        }),
+        #[cfg(feature = "grpc")]
+        Protocol::Grpc => crate::grpc::settle_by_status(&parts.headers),
+    }
+}
+
+/// How a gRPC answer settles by the `grpc-status` of its trailers: without one, the answer
+/// broke off and its outcome is unknown. (Over HTTP the head has decided.)
+#[cfg_attr(not(feature = "grpc"), allow(unused_variables))]
+fn settle_by_trailers(cfg: &Config, trailers: &HeaderMap) -> Settle {
+    match cfg.protocol {
+        Protocol::Http => Settle::Store,
+        #[cfg(feature = "grpc")]
+        Protocol::Grpc => crate::grpc::settle_by_status(trailers).unwrap_or(Settle::Unknown),
+    }
+}
+
+fn response_failed(cfg: &Config) -> Response<ResponseBody> {
+    reject(
+        cfg,
+        ProblemCode::ResponseFailed
+            .problem("The handler's response broke off; the outcome is recorded as unknown."),
+    )
+}
+
 /// The answer to a caller whose attempt was overtaken while its handler ran (its lease ran out
 /// and another attempt took the key): not the handler's answer, which is not the one stored,
 /// but a conflict to retry, so that every caller is given the one answer the key keeps.
-fn overtaken() -> Response<ResponseBody> {
+fn overtaken(cfg: &Config) -> Response<ResponseBody> {
     reject(
+        cfg,
         ProblemCode::StaleLease
             .problem(
                 "This attempt outlived its lease and another took the key over, so its answer \
@@ -141,8 +189,9 @@ fn overtaken() -> Response<ResponseBody> {
 /// handler's answer, which a retry might never be given (if the lease ends before it is
 /// stored, the retry runs again), but an error to retry, so that every caller is given the one
 /// answer the key keeps.
-fn not_stored() -> Response<ResponseBody> {
+fn not_stored(cfg: &Config) -> Response<ResponseBody> {
     reject(
+        cfg,
         ProblemCode::AnswerNotStored
             .problem(
                 "The request ran, but its answer could not be stored yet; retry with the same \
@@ -160,8 +209,9 @@ pub(crate) const LATE_ANSWERS: usize = 1024;
 /// other attempt may have taken the key, and the store takes it if none has.
 const LATE_GRACE: Duration = Duration::from_secs(30);
 
-/// The response headers kept for replay: the policy's choice, never a hop-by-hop field.
-fn stored_headers(headers: &HeaderMap, keep: &ReplayHeaders) -> HeaderMap {
+/// The response header (or trailer) fields kept for replay: the policy's choice, never a
+/// hop-by-hop field.
+fn kept_fields(headers: &HeaderMap, keep: &ReplayHeaders) -> HeaderMap {
     let mut out = headers.clone();
     remove_hop_by_hop(&mut out);
     let dropped: Vec<HeaderName> = out.keys().filter(|n| !keep.keeps(n)).cloned().collect();

@@ -12,15 +12,25 @@ const TAG: &[u8; 4] = b"IDH1";
 const RESPONSE: u8 = 0;
 const UNKNOWN: u8 = 1;
 const TOO_LARGE: u8 = 2;
+/// An answer with trailers (a gRPC answer's status, or an HTTP answer's trailer fields): as
+/// [`RESPONSE`], with the trailer fields after the header fields. An answer without trailers
+/// keeps [`RESPONSE`]'s layout.
+const RESPONSE_WITH_TRAILERS: u8 = 3;
 
 /// What a completed HTTP record holds.
 #[derive(Debug, Clone, PartialEq, Eq)]
+#[allow(
+    clippy::large_enum_variant,
+    reason = "one value per request, read once: boxing the answer would only add an allocation"
+)]
 pub(crate) enum Stored {
     /// The answer to replay.
     Response {
         status: StatusCode,
         headers: HeaderMap,
         body: Bytes,
+        /// Empty when the answer had none.
+        trailers: HeaderMap,
     },
     /// The request may or may not have taken effect. `until`: when a retry may run it again
     /// (`None`: never by itself).
@@ -43,14 +53,17 @@ impl Stored {
                 status,
                 headers,
                 body,
+                trailers,
             } => {
-                out.put_u8(RESPONSE);
+                out.put_u8(if trailers.is_empty() {
+                    RESPONSE
+                } else {
+                    RESPONSE_WITH_TRAILERS
+                });
                 out.put_u16(status.as_u16());
-                // `HeaderMap` holds at most 32768 entries, so the count fits.
-                out.put_u16(u16::try_from(headers.len()).unwrap_or(u16::MAX));
-                for (name, value) in headers.iter().take(usize::from(u16::MAX)) {
-                    put_field(&mut out, name.as_str().as_bytes());
-                    put_field(&mut out, value.as_bytes());
+                put_fields(&mut out, headers);
+                if !trailers.is_empty() {
+                    put_fields(&mut out, trailers);
                 }
                 out.put_slice(body);
             }
@@ -72,22 +85,19 @@ impl Stored {
         }
         b.advance(4);
         match b.get_u8() {
-            RESPONSE => {
+            tag @ (RESPONSE | RESPONSE_WITH_TRAILERS) => {
                 let status = status(get_u16(&mut b)?)?;
-                let count = get_u16(&mut b)?;
-                // `try_`: a corrupt count or too many fields is an error, never a panic.
-                let mut headers =
-                    HeaderMap::try_with_capacity(usize::from(count)).map_err(|_| Corrupt)?;
-                for _ in 0..count {
-                    let name = HeaderName::from_bytes(&get_field(&mut b)?).map_err(|_| Corrupt)?;
-                    let value =
-                        HeaderValue::from_maybe_shared(get_field(&mut b)?).map_err(|_| Corrupt)?;
-                    headers.try_append(name, value).map_err(|_| Corrupt)?;
-                }
+                let headers = get_fields(&mut b)?;
+                let trailers = if tag == RESPONSE_WITH_TRAILERS {
+                    get_fields(&mut b)?
+                } else {
+                    HeaderMap::new()
+                };
                 Ok(Self::Response {
                     status,
                     headers,
                     body: b,
+                    trailers,
                 })
             }
             UNKNOWN if b.len() == 8 => {
@@ -111,10 +121,11 @@ pub(crate) fn kind_of_head(head: &[u8]) -> Option<Stored> {
     let (&tag, rest) = rest.split_first()?;
     let u16_at = |b: &[u8]| Some(u16::from_be_bytes([*b.first()?, *b.get(1)?]));
     match tag {
-        RESPONSE => Some(Stored::Response {
+        RESPONSE | RESPONSE_WITH_TRAILERS => Some(Stored::Response {
             status: status(u16_at(rest)?).ok()?,
             headers: HeaderMap::new(),
             body: Bytes::new(),
+            trailers: HeaderMap::new(),
         }),
         UNKNOWN => {
             let until = u64::from_be_bytes(rest.get(..8)?.try_into().ok()?);
@@ -131,6 +142,27 @@ pub(crate) fn kind_of_head(head: &[u8]) -> Option<Stored> {
 
 /// The first bytes of every stored unknown outcome.
 pub(crate) const UNKNOWN_PREFIX: [u8; 5] = [TAG[0], TAG[1], TAG[2], TAG[3], UNKNOWN];
+
+fn put_fields(out: &mut BytesMut, fields: &HeaderMap) {
+    // `HeaderMap` holds at most 32768 entries, so the count fits.
+    out.put_u16(u16::try_from(fields.len()).unwrap_or(u16::MAX));
+    for (name, value) in fields.iter().take(usize::from(u16::MAX)) {
+        put_field(out, name.as_str().as_bytes());
+        put_field(out, value.as_bytes());
+    }
+}
+
+fn get_fields(b: &mut Bytes) -> Result<HeaderMap, Corrupt> {
+    let count = get_u16(b)?;
+    // `try_`: a corrupt count or too many fields is an error, never a panic.
+    let mut fields = HeaderMap::try_with_capacity(usize::from(count)).map_err(|_| Corrupt)?;
+    for _ in 0..count {
+        let name = HeaderName::from_bytes(&get_field(b)?).map_err(|_| Corrupt)?;
+        let value = HeaderValue::from_maybe_shared(get_field(b)?).map_err(|_| Corrupt)?;
+        fields.try_append(name, value).map_err(|_| Corrupt)?;
+    }
+    Ok(fields)
+}
 
 fn put_field(out: &mut BytesMut, v: &[u8]) {
     // Header names and values are far below 4 GiB: hyper limits a whole head to far less.
@@ -170,16 +202,33 @@ mod tests {
         headers.insert("content-type", HeaderValue::from_static("application/json"));
         headers.append("x-multi", HeaderValue::from_static("a"));
         headers.append("x-multi", HeaderValue::from_static("b"));
+        let mut trailers = HeaderMap::new();
+        trailers.insert("grpc-status", HeaderValue::from_static("0"));
+        trailers.append("x-t", HeaderValue::from_static("1"));
         for s in [
             Stored::Response {
                 status: StatusCode::CREATED,
-                headers,
+                headers: headers.clone(),
                 body: Bytes::from_static(b"{\"id\":1}\0\xff"),
+                trailers: HeaderMap::new(),
             },
             Stored::Response {
                 status: StatusCode::NO_CONTENT,
                 headers: HeaderMap::new(),
                 body: Bytes::new(),
+                trailers: HeaderMap::new(),
+            },
+            Stored::Response {
+                status: StatusCode::OK,
+                headers,
+                body: Bytes::from_static(b"\0\0\0\0\x02hi"),
+                trailers: trailers.clone(),
+            },
+            Stored::Response {
+                status: StatusCode::OK,
+                headers: HeaderMap::new(),
+                body: Bytes::new(),
+                trailers,
             },
             Stored::Unknown { until: None },
             Stored::Unknown {
@@ -201,6 +250,7 @@ mod tests {
                 status: StatusCode::CREATED,
                 headers: HeaderMap::new(),
                 body: Bytes::from(vec![7; 100]),
+                trailers: HeaderMap::new(),
             },
             Stored::Unknown { until },
             Stored::Unknown { until: None },
@@ -250,6 +300,8 @@ mod tests {
             b"IDH1\x00\x00\xc8\x00\x01\x00\x00\x00\x09ab",
             b"IDH1\x00\x03\xe8\x00\x00",
             b"IDH1\x00\x00\xc8\xff\xff",
+            b"IDH1\x03\x00\xc8\x00\x00",
+            b"IDH1\x03\x00\xc8\x00\x00\x00\x02",
         ] {
             assert!(
                 Stored::decode(Bytes::copy_from_slice(bad)).is_err(),

@@ -12,6 +12,7 @@
 //! through the proxy with `idem_client`, and [`Ledger::check`] compares.
 
 use std::collections::HashMap;
+use std::convert::Infallible;
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
@@ -19,6 +20,7 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use http::{Request, Response};
+use http_body_util::combinators::UnsyncBoxBody;
 use http_body_util::{BodyExt, Full, Limited};
 use hyper::body::Incoming;
 use hyper_util::client::legacy::Client;
@@ -68,7 +70,8 @@ impl ChaosCounts {
     }
 }
 
-/// An HTTP/1 proxy to one server that loses requests and answers as its [`Faults`] say.
+/// An HTTP/1 (or HTTP/2, for gRPC) proxy to one server that loses requests and answers as its
+/// [`Faults`] say. Answers keep their trailers.
 pub struct ChaosProxy {
     addr: SocketAddr,
     counts: Arc<ChaosCounts>,
@@ -90,13 +93,24 @@ impl std::error::Error for Hangup {}
 const BODY_LIMIT: usize = 1 << 20;
 
 impl ChaosProxy {
-    /// Listens on a free loopback port and forwards to `target`.
+    /// Listens on a free loopback port and forwards HTTP/1 to `target`.
     pub async fn start(target: SocketAddr, faults: Faults) -> Self {
+        Self::start_with(target, faults, false).await
+    }
+
+    /// Listens on a free loopback port and forwards HTTP/2 (without TLS, as gRPC over
+    /// `http://`) to `target`. A lost answer resets its stream.
+    pub async fn start_h2(target: SocketAddr, faults: Faults) -> Self {
+        Self::start_with(target, faults, true).await
+    }
+
+    async fn start_with(target: SocketAddr, faults: Faults, h2: bool) -> Self {
         let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
         let addr = listener.local_addr().unwrap();
         let counts = Arc::new(ChaosCounts::default());
-        let upstream: Client<HttpConnector, Full<Bytes>> =
-            Client::builder(TokioExecutor::new()).build(HttpConnector::new());
+        let upstream: Client<HttpConnector, Full<Bytes>> = Client::builder(TokioExecutor::new())
+            .http2_only(h2)
+            .build(HttpConnector::new());
         let shared = Arc::clone(&counts);
         tokio::spawn(async move {
             loop {
@@ -108,10 +122,18 @@ impl ChaosProxy {
                     let service = hyper::service::service_fn(move |req| {
                         forward(req, target, faults, upstream.clone(), Arc::clone(&counts))
                     });
-                    // A hang-up ends the connection with an error: that is the point.
-                    let _ = hyper::server::conn::http1::Builder::new()
-                        .serve_connection(TokioIo::new(socket), service)
-                        .await;
+                    // A hang-up ends the connection (or the HTTP/2 stream) with an error: that
+                    // is the point.
+                    let io = TokioIo::new(socket);
+                    if h2 {
+                        let _ = hyper::server::conn::http2::Builder::new(TokioExecutor::new())
+                            .serve_connection(io, service)
+                            .await;
+                    } else {
+                        let _ = hyper::server::conn::http1::Builder::new()
+                            .serve_connection(io, service)
+                            .await;
+                    }
                 });
             }
         });
@@ -135,7 +157,7 @@ async fn forward(
     faults: Faults,
     upstream: Client<HttpConnector, Full<Bytes>>,
     counts: Arc<ChaosCounts>,
-) -> Result<Response<Full<Bytes>>, Hangup> {
+) -> Result<Response<UnsyncBoxBody<Bytes, Infallible>>, Hangup> {
     let fate: f64 = rand::random();
     if fate < faults.drop_request {
         counts.dropped_requests.fetch_add(1, Ordering::SeqCst);
@@ -156,11 +178,18 @@ async fn forward(
         .await
         .map_err(|_| Hangup)?;
     let (parts, body) = answer.into_parts();
-    let body = Limited::new(body, BODY_LIMIT)
+    let collected = Limited::new(body, BODY_LIMIT)
         .collect()
         .await
-        .map_err(|_| Hangup)?
-        .to_bytes();
+        .map_err(|_| Hangup)?;
+    let trailers = collected.trailers().cloned();
+    let body = Full::new(collected.to_bytes());
+    let body = match trailers {
+        Some(trailers) => body
+            .with_trailers(std::future::ready(Some(Ok(trailers))))
+            .boxed_unsync(),
+        None => body.boxed_unsync(),
+    };
     let fate = fate - faults.drop_request;
     if fate < faults.drop_answer {
         counts.dropped_answers.fetch_add(1, Ordering::SeqCst);
@@ -172,7 +201,7 @@ async fn forward(
     } else {
         counts.passed.fetch_add(1, Ordering::SeqCst);
     }
-    Ok(Response::from_parts(parts, Full::new(body)))
+    Ok(Response::from_parts(parts, body))
 }
 
 /// What really ran: per operation, how many times, and the answer of the first run.

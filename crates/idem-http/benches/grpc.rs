@@ -1,0 +1,2 @@
+//! gRPC bench.
+fn main() {}

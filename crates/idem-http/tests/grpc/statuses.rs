@@ -1,0 +1,304 @@
+//! Every rule of the layer over a real tonic server and client, each refusal's status and
+//! details asserted.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use idem_http::grpc::stores;
+use idem_http::{GrpcIdempotencyLayer, KeyRequirement, Policy};
+use idem_store::MemoryStore;
+use idem_testkit::{FaultyStore, within};
+use prost::Message;
+use tonic::metadata::MetadataValue;
+use tonic::{Code, Status};
+use tonic_types::StatusExt;
+
+use crate::bank::{Bank, TRANSFER, TransferRequest, UNGUARDED, call, client, serve, transfer};
+
+fn required() -> Policy {
+    Policy::default().key(KeyRequirement::Required)
+}
+
+async fn bank_behind(layer: GrpcIdempotencyLayer) -> (Bank, tonic::transport::Channel) {
+    let bank = Bank::new();
+    let addr = serve(bank.clone(), layer).await;
+    (bank, client(addr))
+}
+
+async fn bank_with(policy: Policy) -> (Bank, tonic::transport::Channel) {
+    bank_behind(GrpcIdempotencyLayer::new(Arc::new(MemoryStore::new()), policy).method(TRANSFER))
+        .await
+}
+
+/// The refusal's code, and the catalogue code in its ErrorInfo (domain `idem`).
+fn refusal(result: Result<tonic::Response<crate::bank::TransferReply>, Status>) -> (Code, String) {
+    let status = result.expect_err("a refusal");
+    let info = status
+        .get_details_error_info()
+        .unwrap_or_else(|| panic!("no ErrorInfo in {status:?}"));
+    assert_eq!(info.domain, "idem");
+    (status.code(), info.reason)
+}
+
+fn answer(result: Result<tonic::Response<crate::bank::TransferReply>, Status>) -> String {
+    result.unwrap().into_inner().answer
+}
+
+fn replayed(res: &tonic::Response<crate::bank::TransferReply>) -> bool {
+    res.metadata()
+        .get("idempotent-replayed")
+        .is_some_and(|v| v == "true")
+}
+
+#[tokio::test]
+async fn a_retry_is_given_the_first_answer_and_its_metadata() {
+    let (bank, ch) = bank_with(required()).await;
+    let first = call(&ch, TRANSFER, transfer(1, ""), &[("idempotency-key", "k1")])
+        .await
+        .unwrap();
+    assert!(!replayed(&first));
+    let again = call(&ch, TRANSFER, transfer(1, ""), &[("idempotency-key", "k1")])
+        .await
+        .unwrap();
+    assert!(replayed(&again));
+    assert_eq!(again.metadata().get("x-bank").unwrap(), "one");
+    assert_eq!(again.into_inner(), first.into_inner());
+    assert_eq!(bank.ledger.repeated(), 0);
+    // Another key is another operation run.
+    let other = answer(call(&ch, TRANSFER, transfer(1, ""), &[("idempotency-key", "k2")]).await);
+    assert_eq!(bank.ledger.repeated(), 1, "{other}");
+}
+
+#[tokio::test]
+async fn a_key_reused_with_another_message_is_failed_precondition() {
+    let (_, ch) = bank_with(required()).await;
+    let key = [("idempotency-key", "k")];
+    answer(call(&ch, TRANSFER, transfer(1, ""), &key).await);
+    let mut other = transfer(1, "");
+    other.amount = 200;
+    assert_eq!(
+        refusal(call(&ch, TRANSFER, other, &key).await),
+        (Code::FailedPrecondition, "idempotency_key_mismatch".into())
+    );
+}
+
+#[tokio::test]
+async fn a_call_while_the_first_runs_is_aborted_with_a_retry_delay() {
+    let (bank, ch) = bank_with(required()).await;
+    let key = [("idempotency-key", "slow")];
+    let first = tokio::spawn({
+        let ch = ch.clone();
+        async move { call(&ch, TRANSFER, transfer(1, "gate"), &key).await }
+    });
+    within("the first call to start", bank.entered.notified()).await;
+    let status = call(&ch, TRANSFER, transfer(1, "gate"), &key)
+        .await
+        .unwrap_err();
+    assert_eq!(status.code(), Code::Aborted, "{status:?}");
+    assert_eq!(
+        status.get_details_error_info().unwrap().reason,
+        "request_in_progress"
+    );
+    let delay = status
+        .get_details_retry_info()
+        .unwrap()
+        .retry_delay
+        .unwrap();
+    assert!(delay <= Duration::from_secs(1), "{delay:?}");
+    bank.gate.add_permits(1);
+    let first = answer(first.await.unwrap());
+    assert_eq!(
+        answer(call(&ch, TRANSFER, transfer(1, "gate"), &key).await),
+        first
+    );
+    assert_eq!(bank.ledger.repeated(), 0);
+}
+
+#[tokio::test]
+async fn missing_and_invalid_keys_are_invalid_argument_and_run_nothing() {
+    let (_, ch) = bank_with(required()).await;
+    let long = "k".repeat(300);
+    for (meta, reason) in [
+        (vec![], "idempotency_key_missing"),
+        (
+            vec![("idempotency-key", long.as_str())],
+            "idempotency_key_invalid",
+        ),
+        (
+            vec![("idempotency-key", "a"), ("idempotency-key", "b")],
+            "idempotency_key_invalid",
+        ),
+    ] {
+        assert_eq!(
+            refusal(call(&ch, TRANSFER, transfer(1, ""), &meta).await),
+            (Code::InvalidArgument, reason.into())
+        );
+    }
+    // Nothing ran before this, the first run.
+    let first = answer(call(&ch, TRANSFER, transfer(1, ""), &[("idempotency-key", "k")]).await);
+    assert!(first.contains("\"run\":1}"), "{first}");
+}
+
+#[tokio::test]
+async fn a_store_that_fails_answers_unavailable_and_runs_nothing() {
+    let store = Arc::new(FaultyStore::new(MemoryStore::new()));
+    let (_, ch) =
+        bank_behind(GrpcIdempotencyLayer::new(store.clone(), required()).method(TRANSFER)).await;
+    store.set_down(true);
+    let key = [("idempotency-key", "k")];
+    assert_eq!(
+        refusal(call(&ch, TRANSFER, transfer(1, ""), &key).await),
+        (Code::Unavailable, "store_unavailable".into())
+    );
+    store.set_down(false);
+    let first = answer(call(&ch, TRANSFER, transfer(1, ""), &key).await);
+    assert!(first.contains("\"run\":1}"), "{first}");
+}
+
+#[tokio::test]
+async fn failures_that_may_pass_release_the_key_and_the_others_are_kept() {
+    let (_, ch) = bank_with(required()).await;
+    for n in 1..=16 {
+        let code = Code::from(n);
+        let key = format!("status-{n}");
+        let meta = [("idempotency-key", key.as_str())];
+        let message = transfer(u64::try_from(n).unwrap(), &format!("status:{n}"));
+        let first = call(&ch, TRANSFER, message.clone(), &meta)
+            .await
+            .unwrap_err();
+        let again = call(&ch, TRANSFER, message, &meta).await.unwrap_err();
+        assert_eq!((first.code(), again.code()), (code, code));
+        // The message names the run that answered: the same one when the answer was kept.
+        if stores(code) {
+            assert_eq!(again.message(), first.message(), "{code:?}");
+            assert_eq!(again.metadata().get("x-why").unwrap(), "because");
+            assert_eq!(
+                again.metadata().get("idempotent-replayed").unwrap(),
+                "true",
+                "{code:?}"
+            );
+        } else {
+            assert_ne!(again.message(), first.message(), "{code:?}");
+        }
+    }
+}
+
+#[tokio::test]
+async fn unlisted_methods_pass_through_and_streams_are_refused() {
+    let (bank, ch) = bank_with(required()).await;
+    let key = [("idempotency-key", "k")];
+    answer(call(&ch, UNGUARDED, transfer(1, ""), &[]).await);
+    answer(call(&ch, UNGUARDED, transfer(1, ""), &key).await);
+    assert_eq!(bank.ledger.repeated(), 1);
+
+    // Two request messages on a guarded method: a client-streaming call.
+    let mut grpc = tonic::client::Grpc::new(ch.clone());
+    grpc.ready().await.unwrap();
+    let messages = tokio_stream::iter([transfer(2, ""), transfer(2, "")]);
+    let mut req = tonic::Request::new(messages);
+    req.metadata_mut()
+        .insert("idempotency-key", MetadataValue::from_static("s"));
+    let result: Result<tonic::Response<crate::bank::TransferReply>, Status> = grpc
+        .client_streaming(
+            req,
+            http::uri::PathAndQuery::from_static(TRANSFER),
+            tonic_prost::ProstCodec::default(),
+        )
+        .await;
+    assert_eq!(
+        refusal(result),
+        (Code::InvalidArgument, "invalid_request".into())
+    );
+}
+
+#[tokio::test]
+async fn a_key_can_come_from_the_request_message() {
+    let layer = GrpcIdempotencyLayer::new(Arc::new(MemoryStore::new()), required())
+        .method(TRANSFER)
+        .key_from_message(|m| {
+            TransferRequest::decode(m)
+                .ok()
+                .map(|t| t.request_id)
+                .filter(|id| !id.is_empty())
+        });
+    let (bank, ch) = bank_behind(layer).await;
+    let mut message = transfer(1, "");
+    message.request_id = "req-1".into();
+    let first = answer(call(&ch, TRANSFER, message.clone(), &[]).await);
+    let again = call(&ch, TRANSFER, message, &[]).await.unwrap();
+    assert!(replayed(&again));
+    assert_eq!(again.into_inner().answer, first);
+    assert_eq!(bank.ledger.repeated(), 0);
+    assert_eq!(
+        refusal(call(&ch, TRANSFER, transfer(2, ""), &[]).await),
+        (Code::InvalidArgument, "idempotency_key_missing".into())
+    );
+}
+
+#[tokio::test]
+async fn a_message_over_the_limit_is_resource_exhausted() {
+    let (_, ch) = bank_with(required().max_body(64)).await;
+    let mut message = transfer(1, "");
+    message.request_id = "r".repeat(100);
+    assert_eq!(
+        refusal(call(&ch, TRANSFER, message, &[("idempotency-key", "k")]).await),
+        (Code::ResourceExhausted, "body_too_large".into())
+    );
+}
+
+#[tokio::test]
+async fn an_answer_too_large_to_keep_is_given_once_and_never_run_again() {
+    let (bank, ch) = bank_with(required().max_response(1024)).await;
+    let key = [("idempotency-key", "big")];
+    assert_eq!(
+        answer(call(&ch, TRANSFER, transfer(1, "big"), &key).await).len(),
+        64 << 10
+    );
+    assert_eq!(
+        refusal(call(&ch, TRANSFER, transfer(1, "big"), &key).await),
+        (Code::FailedPrecondition, "response_not_replayable".into())
+    );
+    assert_eq!(bank.ledger.repeated(), 0);
+}
+
+#[tokio::test]
+async fn a_handler_that_panics_is_internal_and_releases_the_key() {
+    let (_, ch) = bank_with(required()).await;
+    let key = [("idempotency-key", "p")];
+    // Twice: a key left held would answer the second with ABORTED.
+    for _ in 0..2 {
+        assert_eq!(
+            refusal(call(&ch, TRANSFER, transfer(1, "panic"), &key).await),
+            (Code::Internal, "handler_failed".into())
+        );
+    }
+}
+
+#[tokio::test]
+async fn an_unknown_outcome_is_held_as_failed_precondition() {
+    let (_, ch) = bank_with(required()).await;
+    let key = [("idempotency-key", "u")];
+    answer(call(&ch, TRANSFER, transfer(1, "unknown"), &key).await);
+    assert_eq!(
+        refusal(call(&ch, TRANSFER, transfer(1, "unknown"), &key).await),
+        (Code::FailedPrecondition, "outcome_unknown".into())
+    );
+}
+
+#[tokio::test]
+async fn keys_are_scoped_to_the_caller() {
+    let (bank, ch) = bank_with(required()).await;
+    let as_caller = |who: &'static str| [("idempotency-key", "same"), ("authorization", who)];
+    let a = answer(call(&ch, TRANSFER, transfer(1, ""), &as_caller("Bearer a")).await);
+    let b = answer(call(&ch, TRANSFER, transfer(1, ""), &as_caller("Bearer b")).await);
+    assert_ne!(a, b);
+    assert_eq!(
+        answer(call(&ch, TRANSFER, transfer(1, ""), &as_caller("Bearer a")).await),
+        a
+    );
+    assert_eq!(
+        answer(call(&ch, TRANSFER, transfer(1, ""), &as_caller("Bearer b")).await),
+        b
+    );
+    assert_eq!(bank.ledger.repeated(), 1);
+}
