@@ -20,6 +20,7 @@ chapters! {
     Introduction = "docs/introduction.md";
     Library = "docs/guide/library.md";
     Layer = "docs/guide/layer.md";
+    Grpc = "docs/guide/grpc.md";
     Gateway = "docs/guide/gateway.md";
     Serve = "docs/guide/serve.md";
     IdsTokensLocks = "docs/guide/ids-tokens-locks.md";

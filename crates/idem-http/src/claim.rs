@@ -96,10 +96,17 @@ fn decide(cfg: &Config, outcome: BeginOutcome, now: Timestamp, reopened: bool) -
             return Next::Answer(reject(
                 cfg,
                 ProblemCode::IdempotencyKeyMismatch
-                    .problem(
-                        "This Idempotency-Key was used with a different request (method, \
-                         path, query or body); use a new key for a new request.",
-                    )
+                    .problem(match cfg.protocol {
+                        Protocol::Http => {
+                            "This Idempotency-Key was used with a different request (method, \
+                             path, query or body); use a new key for a new request."
+                        }
+                        #[cfg(feature = "grpc")]
+                        Protocol::Grpc => {
+                            "This idempotency key was used with a different call (method or \
+                             request message); use a new key for a new call."
+                        }
+                    })
                     .with_status(policy.preset.mismatch_status()),
             ));
         }
