@@ -184,6 +184,25 @@ pub enum BeginAnswer {
     Replay(Replay),
 }
 
+/// What `renew` answers: the lease with its new end (its token and fence are unchanged).
+#[derive(Serialize, ToSchema)]
+pub struct Renewed {
+    lease: LeaseView,
+}
+
+impl Renewed {
+    /// `lease` (its token is `token`) with its new end.
+    pub fn new(lease: &Lease, token: String) -> Self {
+        Self {
+            lease: LeaseView {
+                id: token,
+                fence: lease.fence,
+                expires_at: rfc3339(lease.expires_at),
+            },
+        }
+    }
+}
+
 /// What became of the record.
 #[derive(Serialize, ToSchema)]
 #[serde(rename_all = "snake_case")]

@@ -1,5 +1,5 @@
-//! The record API: begin, step, complete, release and get of idempotency records, for services
-//! in any language.
+//! The record API: begin, step, renew, complete, release and get of idempotency records, for
+//! services in any language.
 
 use std::time::Duration;
 
@@ -22,7 +22,7 @@ use idem::claim::cancel::finishing;
 use idem::claim::settle_retrying;
 
 use crate::AppState;
-use crate::answers::{Acquired, BeginAnswer, RecordView, Settled, StepRecorded};
+use crate::answers::{Acquired, BeginAnswer, RecordView, Renewed, Settled, StepRecorded};
 use crate::auth::Caller;
 use idem_http::{Problem, ProblemCode, ToProblem};
 use idem_ops::json::{JsonBody, PathParams};
@@ -310,6 +310,24 @@ pub(crate) struct ReleaseBody {
     lease: String,
 }
 
+/// `POST /v1/records/renew`.
+#[derive(Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub(crate) struct RenewBody {
+    /// The namespace of the key.
+    #[schema(pattern = "^[A-Za-z0-9._:-]{1,128}$")]
+    namespace: String,
+    /// The idempotency key.
+    #[schema(pattern = "^[!-~]{1,255}$")]
+    key: String,
+    /// The lease token `begin` returned (`lease.id`).
+    lease: String,
+    /// The lease's new length from now, in milliseconds (1 to 86400000); the server's default
+    /// lease without it.
+    #[schema(minimum = 1, maximum = 86_400_000)]
+    lease_ms: Option<u64>,
+}
+
 /// `POST /v1/records/step`: exactly one of `output` and `"unknown": true`.
 #[derive(Deserialize, ToSchema)]
 #[serde(deny_unknown_fields)]
@@ -406,6 +424,24 @@ fn lease_problem(e: &LeaseError, key: &Key, op: &str) -> Problem {
             ProblemCode::StoreError.problem(other.to_string())
         }
     }
+}
+
+/// Extends the lease of long work, so that no other attempt takes the key over while it runs.
+pub(crate) async fn renew(
+    State(state): State<AppState>,
+    caller: Caller,
+    JsonBody(body): JsonBody<RenewBody>,
+) -> Result<Response, Problem> {
+    let key = record_key(&caller, &body.namespace, &body.key)?;
+    let lease = parse_lease(&body.lease)?;
+    let length = duration_ms("lease_ms", body.lease_ms, state.default_lease, MAX_LEASE)?;
+    let renewed = state
+        .store
+        .renew(&key, &lease, length, state.clock.now())
+        .await
+        .map_err(|e| lease_problem(&e, &key, "renewed"))?;
+    debug!(key = %key.log_tag(), fence = renewed.fence, "renewed");
+    Ok(Json(Renewed::new(&renewed, lease_token(&renewed))).into_response())
 }
 
 pub(crate) async fn complete(

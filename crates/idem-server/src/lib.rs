@@ -10,6 +10,7 @@
 //! | `POST /v1/records/step` | record a finished step (or one whose outcome is unknown) under the lease; 409 `stale_lease`, `step_conflict`, `step_after_unknown`, `steps_full` |
 //! | `POST /v1/records/complete` | store the response under the lease; 409 `stale_lease` |
 //! | `POST /v1/records/release` | give the key back after a retryable failure; 409 `stale_lease` |
+//! | `POST /v1/records/renew` | extend the lease of long work; 409 `stale_lease` once overtaken |
 //! | `GET /v1/records/{namespace}/{key}` | the caller's record, or 404 |
 //! | `POST /v1/tokens`, `POST /v1/tokens/consume` | one-time tokens (see [`tokens`]) |
 //! | `POST /v1/locks/{name}/acquire`, `/renew`, `/release` | locks with fencing (see [`locks`]) |
@@ -137,6 +138,7 @@ pub fn router(state: AppState) -> Router {
         .route("/v1/records/step", post(api::step))
         .route("/v1/records/complete", post(api::complete))
         .route("/v1/records/release", post(api::release))
+        .route("/v1/records/renew", post(api::renew))
         .route("/v1/records/{namespace}/{key}", get(api::get))
         .route("/v1/tokens", post(tokens::issue))
         .route("/v1/tokens/consume", post(tokens::consume))

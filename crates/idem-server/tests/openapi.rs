@@ -46,6 +46,7 @@ const ROUTES: &[&str] = &[
     "POST /v1/records/step",
     "POST /v1/records/complete",
     "POST /v1/records/release",
+    "POST /v1/records/renew",
     "GET /v1/records/{namespace}/{key}",
     "POST /v1/tokens",
     "POST /v1/tokens/consume",

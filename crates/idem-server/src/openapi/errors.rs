@@ -94,6 +94,21 @@ const ERRORS: &[(&str, &str, &[&[P]])] = &[
         ],
     ),
     (
+        "post",
+        "/v1/records/renew",
+        &[
+            AUTH,
+            BODY,
+            STORE,
+            &[
+                P::InvalidKey,
+                P::InvalidLease,
+                P::InvalidDuration,
+                P::StaleLease,
+            ],
+        ],
+    ),
+    (
         "get",
         "/v1/records/{namespace}/{key}",
         &[

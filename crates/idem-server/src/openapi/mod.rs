@@ -72,6 +72,7 @@ fn spell_unsigned_formats(v: &mut Value) {
         ops::healthz,
         ops::begin,
         ops::step,
+        ops::renew,
         ops::complete,
         ops::release,
         ops::get_record,

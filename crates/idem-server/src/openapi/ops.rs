@@ -3,7 +3,10 @@
 //! `Errors` their problem answers.
 #![allow(dead_code)]
 
-use crate::api::{BeginBody, CompleteBody, ReleaseBody as RecordReleaseBody, StepBody};
+use crate::api::{
+    BeginBody, CompleteBody, ReleaseBody as RecordReleaseBody, RenewBody as RecordRenewBody,
+    StepBody,
+};
 use crate::locks::{AcquireBody, ReleaseBody as LockReleaseBody, RenewBody};
 use crate::tokens::{ConsumeBody, IssueBody};
 use idem_ops::admin::http::{CountQuery, ListQuery, RepairBody, ShowQuery};
@@ -34,6 +37,15 @@ fn begin() {}
 #[utoipa::path(post, path = "/v1/records/step", tag = "records", request_body = StepBody,
     responses((status = 200, description = "Recorded.", body = StepRecorded)))]
 fn step() {}
+
+/// Extends the lease of long work.
+///
+/// From now, by `lease_ms` (the server's default lease without it), so that no other attempt
+/// takes the key over while the work runs. 409 `stale_lease` once another attempt holds the
+/// key or the record was settled.
+#[utoipa::path(post, path = "/v1/records/renew", tag = "records", request_body = RecordRenewBody,
+    responses((status = 200, description = "Renewed.", body = Renewed)))]
+fn renew() {}
 
 /// Stores the response under the lease.
 #[utoipa::path(post, path = "/v1/records/complete", tag = "records", request_body = CompleteBody,

@@ -148,6 +148,10 @@ fn post_endpoints() -> Vec<(&'static str, Value)> {
             "/v1/records/release",
             json!({"namespace": "pay", "key": "k", "lease": lease}),
         ),
+        (
+            "/v1/records/renew",
+            json!({"namespace": "pay", "key": "k", "lease": lease}),
+        ),
         ("/v1/tokens", json!({"purpose": "p"})),
         ("/v1/tokens/consume", json!({"token": "t", "purpose": "p"})),
         ("/v1/locks/l/acquire", json!({"lease_ms": 1000})),

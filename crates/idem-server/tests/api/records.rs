@@ -70,6 +70,37 @@ async fn release_then_retry_runs_again_with_a_higher_fence() {
 }
 
 #[tokio::test]
+async fn a_renewed_lease_keeps_the_key_past_its_first_end() {
+    let api = Api::new();
+    let lease = lease_of(&api.begin(None, "k", json!(1)).await);
+    let renew = |lease_ms: Option<u64>| {
+        let mut body = json!({"namespace": "pay", "key": "k", "lease": lease});
+        if let Some(ms) = lease_ms {
+            body["lease_ms"] = json!(ms);
+        }
+        body
+    };
+    // Renewed before its 10 s end, for 30 s from then: the key is still held at 25 s.
+    api.clock.advance(Duration::from_secs(8));
+    let r = api
+        .post("/v1/records/renew", None, &renew(Some(30_000)))
+        .await;
+    assert_eq!(r.status, StatusCode::OK, "{}", r.body);
+    assert_eq!(r.body["lease"]["id"], json!(lease));
+    api.clock.advance(Duration::from_secs(17));
+    let r = api.begin(None, "k", json!(1)).await;
+    assert_eq!(r.code(), "in_progress", "{}", r.body);
+    // Past the renewed end another attempt takes it over, and the old lease renews no more.
+    api.clock.advance(Duration::from_secs(14));
+    let new = lease_of(&api.begin(None, "k", json!(1)).await);
+    assert_ne!(new, lease);
+    let r = api.post("/v1/records/renew", None, &renew(None)).await;
+    assert_eq!((r.status, r.code()), (StatusCode::CONFLICT, "stale_lease"));
+    let r = api.post("/v1/records/renew", None, &renew(Some(0))).await;
+    assert_eq!(r.code(), "invalid_duration");
+}
+
+#[tokio::test]
 async fn stale_lease_is_refused_after_takeover() {
     let api = Api::new();
     let old = lease_of(&api.begin(None, "k", json!(1)).await);
