@@ -218,7 +218,7 @@ where
         let clone = self.inner.clone();
         let inner = std::mem::replace(&mut self.inner, clone);
         let req = req.map(tonic::body::Body::new);
-        if !(is_grpc(req.headers()) && self.grpc.guards(req.uri().path())) {
+        if !self.grpc.guards(req.uri().path()) {
             return Box::pin(pass_through(inner, req));
         }
         Box::pin(guarded(self.cfg.clone(), self.grpc.clone(), inner, req))
@@ -252,6 +252,18 @@ where
     ResBody::Error: Into<BoxError>,
 {
     let policy = &cfg.policy;
+    // tonic serves any content type; a guarded method must not be reachable around the
+    // guard by another one (gRPC-Web keeps its status in the body, where the layer would
+    // not find it).
+    if !is_grpc(req.headers()) {
+        return Ok(reject(
+            &cfg,
+            Problem::invalid_request(
+                "A guarded method takes gRPC (`content-type: application/grpc`); gRPC-Web \
+                 must be turned into gRPC before it reaches the layer.",
+            ),
+        ));
+    }
     let (parts, body) = req.into_parts();
     let body = match read_body(&parts.headers, body, policy.max_body).await {
         Ok(b) => b,
@@ -313,18 +325,23 @@ fn key_of(
         return parse_key(first.as_bytes()).map(Some);
     }
     match &grpc.key_from_message {
-        Some(read) if !compressed => Ok(read(message)),
-        _ => Ok(None),
+        // Its key cannot be read: refused rather than passed through unguarded.
+        Some(_) if compressed => Err(KeyHeaderError::Malformed),
+        Some(read) => Ok(read(message)),
+        None => Ok(None),
     }
 }
 
-/// `application/grpc`, or `application/grpc+<codec>` (not gRPC-Web, whose trailers are in
-/// its body: put the layer inside `tonic-web`'s, which turns it into gRPC).
+/// `application/grpc`, or `application/grpc+<codec>`, in any letter case (not gRPC-Web,
+/// whose trailers are in its body: put the layer inside `tonic-web`'s, which turns it into
+/// gRPC).
 fn is_grpc(headers: &HeaderMap) -> bool {
+    const GRPC: &[u8] = b"application/grpc";
     headers.get(http::header::CONTENT_TYPE).is_some_and(|ct| {
         let ct = ct.as_bytes();
-        let rest = ct.strip_prefix(b"application/grpc").unwrap_or(b"-");
-        rest.is_empty() || rest[0] == b'+' || rest[0] == b';'
+        ct.len() >= GRPC.len()
+            && ct[..GRPC.len()].eq_ignore_ascii_case(GRPC)
+            && matches!(ct.get(GRPC.len()), None | Some(b'+' | b';'))
     })
 }
 
@@ -365,11 +382,43 @@ pub fn stores(code: Code) -> bool {
 /// How an answer settles by the `grpc-status` among `fields` (`None` without one).
 pub(crate) fn settle_by_status(fields: &HeaderMap) -> Option<Settle> {
     let code = Code::from_bytes(fields.get("grpc-status")?.as_bytes());
-    Some(if stores(code) {
+    Some(settle_by_code(code))
+}
+
+/// How an answer settles by the head alone: a trailers-only answer by its `grpc-status`; an
+/// answer that is not HTTP 200 and has none (a plain HTTP answer from a layer inside this
+/// one) by the code gRPC clients read from its HTTP status; `None` when the status is to come
+/// in the trailers.
+pub(crate) fn settle_by_head(status: StatusCode, headers: &HeaderMap) -> Option<Settle> {
+    settle_by_status(headers)
+        .or_else(|| (status != StatusCode::OK).then(|| settle_by_code(code_of_http(status))))
+}
+
+fn settle_by_code(code: Code) -> Settle {
+    if stores(code) {
         Settle::Store
     } else {
         Settle::Release
-    })
+    }
+}
+
+/// The code a gRPC client gives an answer with this HTTP status and no `grpc-status` (gRPC's
+/// "HTTP to gRPC status code mapping").
+fn code_of_http(status: StatusCode) -> Code {
+    match status.as_u16() {
+        400 => Code::Internal,
+        401 => Code::Unauthenticated,
+        403 => Code::PermissionDenied,
+        404 => Code::Unimplemented,
+        429 | 502 | 503 | 504 => Code::Unavailable,
+        _ => Code::Unknown,
+    }
+}
+
+/// Whether a response field is kept for replay whatever the policy's `replay_headers` say:
+/// without them a replay is not a gRPC answer.
+pub(crate) fn always_kept(name: &HeaderName) -> bool {
+    name == http::header::CONTENT_TYPE || name.as_str().starts_with("grpc-")
 }
 
 /// The gRPC status code of a problem: by its catalogue code where gRPC has a closer word than
@@ -491,6 +540,8 @@ mod tests {
             ("application/grpc", true),
             ("application/grpc+proto", true),
             ("application/grpc;charset=utf-8", true),
+            ("Application/gRPC", true),
+            ("application/grpcx", false),
             ("application/grpc-web", false),
             ("application/grpc-web+proto", false),
             ("application/json", false),
@@ -553,5 +604,21 @@ mod tests {
         assert_eq!(settle_by_status(&h), Some(Settle::Store));
         h.insert("grpc-status", "x".parse().unwrap());
         assert_eq!(settle_by_status(&h), Some(Settle::Release));
+        // No grpc-status: by the HTTP status, as gRPC clients read it; an HTTP 200 waits for
+        // its trailers.
+        let none = HeaderMap::new();
+        assert_eq!(settle_by_head(StatusCode::OK, &none), None);
+        assert_eq!(
+            settle_by_head(StatusCode::SERVICE_UNAVAILABLE, &none),
+            Some(Settle::Release)
+        );
+        assert_eq!(
+            settle_by_head(StatusCode::NOT_FOUND, &none),
+            Some(Settle::Store)
+        );
+        assert_eq!(
+            settle_by_head(StatusCode::PAYLOAD_TOO_LARGE, &none),
+            Some(Settle::Release)
+        );
     }
 }

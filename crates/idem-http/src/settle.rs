@@ -20,7 +20,7 @@ use crate::body::{
 use crate::claim::reject;
 use crate::config::{Config, Protocol};
 use crate::metrics::count_settled;
-use crate::policy::{OnUnknown, ReplayHeaders, remove_hop_by_hop};
+use crate::policy::{OnUnknown, remove_hop_by_hop};
 use crate::problem::ToProblem;
 use crate::stored::Stored;
 use idem_wire::ProblemCode;
@@ -101,10 +101,9 @@ where
                 }
                 let stored = Stored::Response {
                     status: parts.status,
-                    headers: kept_fields(&parts.headers, &policy.replay_headers),
+                    headers: kept_fields(&cfg, &parts.headers),
                     body: bytes.clone(),
-                    // Whole (a gRPC answer's status is there), less any hop-by-hop field.
-                    trailers: kept_fields(&trailers, &ReplayHeaders::Default),
+                    trailers: kept_fields(&cfg, &trailers),
                 };
                 match settler.complete(stored).await {
                     Completed::Done => Ok(Response::from_parts(
@@ -147,7 +146,7 @@ fn settle_by_head(cfg: &Config, parts: &http::response::Parts) -> Option<Settle>
             Settle::Release
         }),
         #[cfg(feature = "grpc")]
-        Protocol::Grpc => crate::grpc::settle_by_status(&parts.headers),
+        Protocol::Grpc => crate::grpc::settle_by_head(parts.status, &parts.headers),
     }
 }
 
@@ -209,12 +208,18 @@ pub(crate) const LATE_ANSWERS: usize = 1024;
 /// other attempt may have taken the key, and the store takes it if none has.
 const LATE_GRACE: Duration = Duration::from_secs(30);
 
-/// The response header (or trailer) fields kept for replay: the policy's choice, never a
-/// hop-by-hop field.
-fn kept_fields(headers: &HeaderMap, keep: &ReplayHeaders) -> HeaderMap {
+/// The response header (or trailer) fields kept for replay: the policy's choice (and, over
+/// gRPC, the content type and the `grpc-*` fields), never a hop-by-hop field.
+fn kept_fields(cfg: &Config, headers: &HeaderMap) -> HeaderMap {
+    let keep = &cfg.policy.replay_headers;
+    let kept = |name: &HeaderName| match cfg.protocol {
+        Protocol::Http => keep.keeps(name),
+        #[cfg(feature = "grpc")]
+        Protocol::Grpc => keep.keeps(name) || crate::grpc::always_kept(name),
+    };
     let mut out = headers.clone();
     remove_hop_by_hop(&mut out);
-    let dropped: Vec<HeaderName> = out.keys().filter(|n| !keep.keeps(n)).cloned().collect();
+    let dropped: Vec<HeaderName> = out.keys().filter(|n| !kept(n)).cloned().collect();
     for name in dropped {
         out.remove(name);
     }

@@ -40,6 +40,10 @@ pub(crate) struct TransferReply {
 }
 
 pub(crate) const TRANSFER: &str = "/bank.v1.Bank/Transfer";
+/// Answers written by hand, as a misbehaving or hand-rolled server would, by `then`:
+/// `"trailers:<n>"` (a reply, then `grpc-status: n` in the trailers), `"http:<s>"` (HTTP
+/// status s, no gRPC status at all), `"nostatus"` (a reply and no status).
+pub(crate) const RAW: &str = "/bank.v1.Bank/Raw";
 /// The same handler under a path the tests' layers do not guard.
 pub(crate) const UNGUARDED: &str = "/bank.v1.Bank/Quote";
 
@@ -83,6 +87,7 @@ impl tower_service::Service<http::Request<tonic::body::Body>> for Bank {
                     let mut grpc = tonic::server::Grpc::new(tonic_prost::ProstCodec::default());
                     Ok(grpc.unary(Transfer(bank), req).await)
                 }
+                RAW => Ok(raw(&bank, req).await),
                 _ => Ok(Status::unimplemented("no such method").into_http()),
             }
         })
@@ -130,6 +135,50 @@ impl UnaryService<TransferRequest> for Transfer {
             Ok(res)
         })
     }
+}
+
+async fn raw(
+    bank: &Bank,
+    req: http::Request<tonic::body::Body>,
+) -> http::Response<tonic::body::Body> {
+    use http_body_util::BodyExt;
+    use prost::Message;
+    let body = req.into_body().collect().await.unwrap().to_bytes();
+    let t = TransferRequest::decode(&body[5..]).unwrap();
+    let answer = bank.ledger.execute(t.op);
+    let reply = frame(
+        &TransferReply {
+            answer: answer.clone(),
+        },
+        false,
+    );
+    let mut res = http::Response::builder().header("content-type", "application/grpc");
+    let body = match t.then.split_once(':') {
+        Some(("trailers", code)) => {
+            let mut trailers = http::HeaderMap::new();
+            trailers.insert("grpc-status", code.parse().unwrap());
+            trailers.insert("grpc-message", answer.parse().unwrap());
+            http_body_util::Full::new(reply)
+                .with_trailers(std::future::ready(Some(Ok(trailers))))
+                .boxed_unsync()
+        }
+        Some(("http", status)) => {
+            res = res.status(status.parse::<u16>().unwrap());
+            http_body_util::Full::new(bytes::Bytes::new()).boxed_unsync()
+        }
+        _ => http_body_util::Full::new(reply).boxed_unsync(),
+    };
+    res.body(tonic::body::Body::new(body)).unwrap()
+}
+
+/// `message` as a gRPC request or reply body: a 5-byte head (the compressed flag, the length),
+/// then the message.
+pub(crate) fn frame(message: &impl prost::Message, compressed: bool) -> bytes::Bytes {
+    let bytes = message.encode_to_vec();
+    let mut out = vec![u8::from(compressed)];
+    out.extend_from_slice(&u32::try_from(bytes.len()).unwrap().to_be_bytes());
+    out.extend_from_slice(&bytes);
+    out.into()
 }
 
 /// Serves `bank` behind `layer` on a free loopback port.

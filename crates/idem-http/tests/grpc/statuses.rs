@@ -5,7 +5,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use idem_http::grpc::stores;
-use idem_http::{GrpcIdempotencyLayer, KeyRequirement, Policy};
+use idem_http::{GrpcIdempotencyLayer, KeyRequirement, Policy, ReplayHeaders};
 use idem_store::MemoryStore;
 use idem_testkit::{FaultyStore, within};
 use prost::Message;
@@ -13,7 +13,9 @@ use tonic::metadata::MetadataValue;
 use tonic::{Code, Status};
 use tonic_types::StatusExt;
 
-use crate::bank::{Bank, TRANSFER, TransferRequest, UNGUARDED, call, client, serve, transfer};
+use crate::bank::{
+    Bank, RAW, TRANSFER, TransferRequest, UNGUARDED, call, client, frame, serve, transfer,
+};
 
 fn required() -> Policy {
     Policy::default().key(KeyRequirement::Required)
@@ -265,13 +267,156 @@ async fn an_answer_too_large_to_keep_is_given_once_and_never_run_again() {
 async fn a_handler_that_panics_is_internal_and_releases_the_key() {
     let (_, ch) = bank_with(required()).await;
     let key = [("idempotency-key", "p")];
-    // Twice: a key left held would answer the second with ABORTED.
-    for _ in 0..2 {
-        assert_eq!(
-            refusal(call(&ch, TRANSFER, transfer(1, "panic"), &key).await),
-            (Code::Internal, "handler_failed".into())
-        );
+    assert_eq!(
+        refusal(call(&ch, TRANSFER, transfer(1, "panic"), &key).await),
+        (Code::Internal, "handler_failed".into())
+    );
+    // The key is released as the handler unwinds (in a task of its own): a retry soon runs
+    // again, and panics again; a key left held would answer ABORTED until its lease ended.
+    let again = within("the key to be released", async {
+        loop {
+            match refusal(call(&ch, TRANSFER, transfer(1, "panic"), &key).await) {
+                (Code::Aborted, _) => tokio::time::sleep(Duration::from_millis(10)).await,
+                other => return other,
+            }
+        }
+    })
+    .await;
+    assert_eq!(again, (Code::Internal, "handler_failed".into()));
+}
+
+#[tokio::test]
+async fn a_status_in_the_trailers_is_kept_or_released_as_one_in_the_head() {
+    let layer =
+        GrpcIdempotencyLayer::new(Arc::new(MemoryStore::new()), required()).service("bank.v1.Bank");
+    let (bank, ch) = bank_behind(layer).await;
+    for (n, kept) in [(5, true), (14, false)] {
+        let key = format!("trailers-{n}");
+        let meta = [("idempotency-key", key.as_str())];
+        let message = transfer(n, &format!("trailers:{n}"));
+        let first = call(&ch, RAW, message.clone(), &meta).await.unwrap_err();
+        let again = call(&ch, RAW, message, &meta).await.unwrap_err();
+        let code = Code::from(i32::try_from(n).unwrap());
+        assert_eq!((first.code(), again.code()), (code, code));
+        assert_eq!(again.message() == first.message(), kept, "{code:?}");
     }
+    assert_eq!(bank.ledger.repeated(), 1);
+}
+
+#[tokio::test]
+async fn an_answer_without_a_grpc_status_is_read_by_its_http_status() {
+    let layer =
+        GrpcIdempotencyLayer::new(Arc::new(MemoryStore::new()), required()).service("bank.v1.Bank");
+    let (bank, ch) = bank_behind(layer).await;
+    // 503 is UNAVAILABLE to a client: released. 404 is UNIMPLEMENTED: kept.
+    for (op, status, code) in [(1, 503, Code::Unavailable), (2, 404, Code::Unimplemented)] {
+        let key = format!("http-{status}");
+        let meta = [("idempotency-key", key.as_str())];
+        for _ in 0..2 {
+            let message = transfer(op, &format!("http:{status}"));
+            assert_eq!(
+                call(&ch, RAW, message, &meta).await.unwrap_err().code(),
+                code
+            );
+        }
+    }
+    assert_eq!(bank.ledger.repeated(), 1);
+    // An HTTP 200 that ends without a status broke off: its outcome is unknown.
+    let meta = [("idempotency-key", "none")];
+    assert_eq!(
+        refusal(call(&ch, RAW, transfer(3, "nostatus"), &meta).await),
+        (Code::Internal, "response_failed".into())
+    );
+    assert_eq!(
+        refusal(call(&ch, RAW, transfer(3, "nostatus"), &meta).await),
+        (Code::FailedPrecondition, "outcome_unknown".into())
+    );
+}
+
+#[tokio::test]
+async fn a_policy_that_replays_few_headers_still_replays_a_grpc_answer() {
+    let policy =
+        required().replay_headers(ReplayHeaders::Only(vec![http::HeaderName::from_static(
+            "x-why",
+        )]));
+    let (_, ch) = bank_with(policy).await;
+    let key = [("idempotency-key", "few")];
+    let first = call(&ch, TRANSFER, transfer(1, "status:5"), &key)
+        .await
+        .unwrap_err();
+    let again = call(&ch, TRANSFER, transfer(1, "status:5"), &key)
+        .await
+        .unwrap_err();
+    assert_eq!(
+        (again.code(), again.message()),
+        (Code::NotFound, first.message())
+    );
+    assert_eq!(again.metadata().get("x-why").unwrap(), "because");
+    let key = [("idempotency-key", "few-ok")];
+    let first = answer(call(&ch, TRANSFER, transfer(2, ""), &key).await);
+    let again = call(&ch, TRANSFER, transfer(2, ""), &key).await.unwrap();
+    assert!(again.metadata().get("x-bank").is_none());
+    assert_eq!(again.into_inner().answer, first);
+}
+
+/// Calls the layer in front of a bank directly, with a body and content type of our own.
+async fn raw_call(
+    layer: GrpcIdempotencyLayer,
+    content_type: &str,
+    body: bytes::Bytes,
+) -> (Bank, http::Response<idem_http::ResponseBody>) {
+    use tower::{Layer, ServiceExt};
+    let bank = Bank::new();
+    let req = http::Request::post(format!("http://localhost{TRANSFER}"))
+        .header("content-type", content_type)
+        .header("te", "trailers")
+        .body(http_body_util::Full::new(body))
+        .unwrap();
+    let res = layer.layer(bank.clone()).oneshot(req).await.unwrap();
+    (bank, res)
+}
+
+fn grpc_status(res: &http::Response<idem_http::ResponseBody>) -> &str {
+    res.headers()
+        .get("grpc-status")
+        .map_or("", |v| v.to_str().unwrap())
+}
+
+#[tokio::test]
+async fn a_guarded_method_cannot_be_reached_around_the_guard() {
+    let layer = || {
+        GrpcIdempotencyLayer::new(Arc::new(MemoryStore::new()), required())
+            .method(TRANSFER)
+            .key_from_message(|m| TransferRequest::decode(m).ok().map(|t| t.request_id))
+    };
+    let mut message = transfer(1, "");
+    message.request_id = "r-1".into();
+    // Another content type: refused, not passed through without a key.
+    for ct in [
+        "application/grpc-web+proto",
+        "application/json",
+        "text/plain",
+    ] {
+        let (bank, res) = raw_call(layer(), ct, frame(&message, false)).await;
+        assert_eq!(grpc_status(&res), "3", "{ct}");
+        assert_eq!(bank.ledger.repeated(), 0);
+    }
+    // The content type in other letter case is gRPC, and guarded: its key read from the
+    // message.
+    let (_, res) = raw_call(layer(), "Application/gRPC", frame(&message, false)).await;
+    assert_eq!(grpc_status(&res), "", "not refused: {:?}", res.headers());
+    let body = http_body_util::BodyExt::collect(res.into_body())
+        .await
+        .unwrap();
+    assert_eq!(body.trailers().unwrap()["grpc-status"], "0");
+    // A compressed message whose key cannot be read: refused, not run unguarded.
+    let (_, res) = raw_call(layer(), "application/grpc", frame(&message, true)).await;
+    assert_eq!(grpc_status(&res), "3");
+    let status = tonic::Status::from_header_map(res.headers()).unwrap();
+    assert_eq!(
+        status.get_details_error_info().unwrap().reason,
+        "idempotency_key_invalid"
+    );
 }
 
 #[tokio::test]
