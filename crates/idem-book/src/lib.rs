@@ -24,6 +24,7 @@ chapters! {
     Gateway = "docs/guide/gateway.md";
     Serve = "docs/guide/serve.md";
     IdsTokensLocks = "docs/guide/ids-tokens-locks.md";
+    Python = "docs/guide/python.md";
     AdminPage = "docs/guide/admin-page.md";
     Consumers = "docs/guide/consumers.md";
     Relay = "docs/guide/relay.md";

@@ -1,0 +1,319 @@
+"""The client of `idem serve` for asyncio (on ``httpx.AsyncClient``): the same API as
+:class:`idem_client.Idem`, every call awaited, the lease renewed by a task."""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import time
+from types import TracebackType
+from typing import Any, Awaitable, Callable, TypeVar
+
+import httpx
+
+from . import _core
+from ._core import Acquired, Lease, Replay, Step
+from .client import _segment
+from .errors import IdemError, InProgress, LeaseLost, StaleLease, Unreachable
+
+T = TypeVar("T")
+F = TypeVar("F", bound=Callable[..., Awaitable[Any]])
+
+
+class AsyncIdem:
+    """A client of `idem serve` for asyncio; see :class:`idem_client.Idem`."""
+
+    def __init__(
+        self,
+        url: str = "http://127.0.0.1:7070",
+        api_key: str | None = None,
+        *,
+        timeout: float = 10.0,
+        attempts: int = _core.DEFAULT_ATTEMPTS,
+        client: httpx.AsyncClient | None = None,
+    ) -> None:
+        headers = {"authorization": f"Bearer {api_key}"} if api_key else {}
+        self._http = client or httpx.AsyncClient(base_url=url, timeout=timeout, headers=headers)
+        self._attempts = max(1, attempts)
+
+    async def aclose(self) -> None:
+        await self._http.aclose()
+
+    async def __aenter__(self) -> AsyncIdem:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+    async def _call(
+        self,
+        method: str,
+        path: str,
+        body: dict[str, Any] | None = None,
+        params: dict[str, Any] | None = None,
+    ) -> Any:
+        for attempt in range(self._attempts):
+            try:
+                response = await self._http.request(method, path, json=body, params=params)
+            except httpx.TransportError as e:
+                err: IdemError = Unreachable(f"idem serve did not answer: {e}")
+            else:
+                if response.is_success:
+                    return response.json()
+                err = _core.error_of(response)
+            if err.code not in _core.RETRYABLE or attempt + 1 == self._attempts:
+                raise err
+            await asyncio.sleep(_core.pause(attempt, err.retry_after))
+        raise AssertionError("unreachable")
+
+    async def begin(
+        self,
+        namespace: str,
+        key: str,
+        *,
+        request: Any = None,
+        fingerprint: str | None = None,
+        lease: float | None = None,
+        ttl: float | None = None,
+        step_keys: list[str] | None = None,
+    ) -> Acquired | Replay:
+        """See :meth:`idem_client.Idem.begin`."""
+        body = _core.begin_body(namespace, key, request, fingerprint, lease, ttl, step_keys)
+        return _core.parse_begin(await self._call("POST", "/v1/records/begin", body))
+
+    async def step(
+        self,
+        namespace: str,
+        key: str,
+        lease: Lease | str,
+        name: str,
+        output: Any = None,
+        *,
+        unknown: bool = False,
+    ) -> None:
+        """See :meth:`idem_client.Idem.step`."""
+        body = _core.step_body(namespace, key, lease, name, output, unknown)
+        await self._call("POST", "/v1/records/step", body)
+
+    async def renew(
+        self, namespace: str, key: str, lease: Lease | str, length: float | None = None
+    ) -> Lease:
+        """See :meth:`idem_client.Idem.renew`."""
+        body = _core.renew_body(namespace, key, lease, length)
+        return _core.parse_lease((await self._call("POST", "/v1/records/renew", body))["lease"])
+
+    async def complete(self, namespace: str, key: str, lease: Lease | str, response: Any) -> None:
+        """See :meth:`idem_client.Idem.complete`."""
+        body = _core.lease_body(namespace, key, lease, response=response)
+        await self._call("POST", "/v1/records/complete", body)
+
+    async def release(self, namespace: str, key: str, lease: Lease | str) -> None:
+        """See :meth:`idem_client.Idem.release`."""
+        body = _core.lease_body(namespace, key, lease)
+        await self._call("POST", "/v1/records/release", body)
+
+    def run(
+        self,
+        namespace: str,
+        key: str,
+        *,
+        request: Any = None,
+        fingerprint: str | None = None,
+        lease: float = 60.0,
+        ttl: float | None = None,
+        wait: float = 30.0,
+        keep_alive: bool = True,
+        step_keys: list[str] | None = None,
+    ) -> AsyncRun:
+        """See :meth:`idem_client.Idem.run`; used with ``async with``."""
+        return AsyncRun(
+            self,
+            namespace,
+            key,
+            _core.begin_body(namespace, key, request, fingerprint, lease, ttl, step_keys),
+            lease=lease,
+            wait=wait,
+            keep_alive=keep_alive,
+        )
+
+    def once(
+        self,
+        namespace: str,
+        *,
+        key: Callable[..., str],
+        payload: Callable[..., Any] | None = None,
+        lease: float = 60.0,
+        ttl: float | None = None,
+        wait: float = 30.0,
+        permanent: tuple[type[BaseException], ...] = (),
+    ) -> Callable[[F], F]:
+        """See :meth:`idem_client.Idem.once`; decorates a coroutine function."""
+
+        def decorate(fn: F) -> F:
+            @functools.wraps(fn)
+            async def wrapper(*args: Any, **kwargs: Any) -> Any:
+                request = (payload or _core.default_payload_fn)(*args, **kwargs)
+                async with self.run(
+                    namespace, key(*args, **kwargs), request=request, lease=lease, ttl=ttl, wait=wait
+                ) as run:
+                    if run.replayed:
+                        return _core.result_of(run.response)
+                    try:
+                        value = await fn(*args, **kwargs)
+                    except permanent as e:
+                        await run.complete(_core.kept_failure(e))
+                        raise
+                    await run.complete(_core.kept_value(value))
+                    return value
+
+            return wrapper  # type: ignore[return-value]
+
+        return decorate
+
+    async def uuid7(self, count: int = 1) -> list[str]:
+        return list((await self._call("GET", "/v1/ids/uuid7", params={"count": count}))["ids"])
+
+    async def snowflake(self, count: int = 1) -> list[int]:
+        answer = await self._call("GET", "/v1/ids/snowflake", params={"count": count})
+        return list(answer["ids"])
+
+    async def segment(self, tag: str, count: int = 1) -> list[int]:
+        path = f"/v1/ids/segment/{_segment(tag)}"
+        return list((await self._call("GET", path, params={"count": count}))["ids"])
+
+    async def issue_token(self, purpose: str, ttl: float | None = None) -> str:
+        body: dict[str, Any] = {"purpose": purpose}
+        if ttl is not None:
+            body["ttl_ms"] = _core.ms(ttl)
+        return str((await self._call("POST", "/v1/tokens", body))["token"])
+
+    async def consume_token(self, token: str, purpose: str) -> None:
+        await self._call("POST", "/v1/tokens/consume", {"token": token, "purpose": purpose})
+
+
+class AsyncRun:
+    """One attempt at the work under a key (see :meth:`AsyncIdem.run`)."""
+
+    def __init__(
+        self,
+        idem: AsyncIdem,
+        namespace: str,
+        key: str,
+        begin: dict[str, Any],
+        *,
+        lease: float,
+        wait: float,
+        keep_alive: bool,
+    ) -> None:
+        self._idem = idem
+        self.namespace = namespace
+        self.key = key
+        self._begin = begin
+        self._length = lease
+        self._wait = wait
+        self._keep_alive = keep_alive
+        self.replayed = False
+        self.response: Any = None
+        self.lease: Lease | None = None
+        self.steps: dict[str, Step] = {}
+        self.step_keys: dict[str, str] = {}
+        self._settled = False
+        self._lost = False
+        self._keeper: asyncio.Task[None] | None = None
+
+    async def __aenter__(self) -> AsyncRun:
+        deadline = time.monotonic() + self._wait
+        attempt = 0
+        while True:
+            try:
+                answer = await self._idem._call("POST", "/v1/records/begin", self._begin)
+                outcome = _core.parse_begin(answer)
+                break
+            except InProgress as e:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise
+                await asyncio.sleep(_core.in_flight_pause(attempt, e.retry_after, left))
+                attempt += 1
+        if isinstance(outcome, Replay):
+            self.replayed = True
+            self.response = outcome.response
+            return self
+        self.lease = outcome.lease
+        self.steps = {s.name: s for s in outcome.steps}
+        self.step_keys = dict(outcome.step_keys)
+        if self._keep_alive:
+            self._keeper = asyncio.create_task(self._keep())
+        return self
+
+    async def _keep(self) -> None:
+        assert self.lease is not None
+        while True:
+            await asyncio.sleep(self._length / 3)
+            try:
+                await self._idem.renew(self.namespace, self.key, self.lease, self._length)
+            except StaleLease:
+                self._lost = True
+                return
+            except IdemError:
+                continue
+
+    @property
+    def lost(self) -> bool:
+        """See :attr:`idem_client.Run.lost`."""
+        return self._lost
+
+    async def step(
+        self, name: str, fn: Callable[..., Awaitable[T]], *args: Any, **kwargs: Any
+    ) -> T:
+        """See :meth:`idem_client.Run.step`; ``fn`` is a coroutine function."""
+        done = self.steps.get(name)
+        if done is not None and done.done:
+            return done.output  # type: ignore[no-any-return]
+        output = await fn(*args, **kwargs)
+        await self._idem.step(self.namespace, self.key, self._held(), name, output)
+        self.steps[name] = Step(name, True, output, done.step_key if done else "")
+        return output
+
+    async def complete(self, response: Any) -> None:
+        """See :meth:`idem_client.Run.complete`."""
+        lease = self._held()
+        try:
+            await self._idem.complete(self.namespace, self.key, lease, response)
+        except StaleLease as e:
+            self._settled = True
+            raise LeaseLost(f"the lease on {self.key!r} was taken over") from e
+        self._settled = True
+
+    async def release(self) -> None:
+        """See :meth:`idem_client.Run.release`."""
+        lease = self._held()
+        self._settled = True
+        try:
+            await self._idem.release(self.namespace, self.key, lease)
+        except StaleLease:
+            pass
+
+    def _held(self) -> Lease:
+        if self.lease is None or self._settled:
+            raise RuntimeError("this run holds no lease (it was replayed or is settled)")
+        return self.lease
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        if self._keeper is not None:
+            self._keeper.cancel()
+            try:
+                await self._keeper
+            except asyncio.CancelledError:
+                pass
+        if self.lease is not None and not self._settled:
+            try:
+                await self.release()
+            except IdemError:
+                if exc is None:
+                    raise

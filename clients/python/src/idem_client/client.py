@@ -1,0 +1,439 @@
+"""The client of `idem serve`, blocking (on ``httpx.Client``)."""
+
+from __future__ import annotations
+
+import functools
+import threading
+import time
+from types import TracebackType
+from typing import Any, Callable, TypeVar
+
+import httpx
+
+from . import _core
+from ._core import Acquired, Lease, Replay, Step
+from .errors import IdemError, InProgress, LeaseLost, PreviousFailure, StaleLease, Unreachable
+
+T = TypeVar("T")
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+class Idem:
+    """A client of `idem serve` at ``url``, as the caller whose API key is ``api_key`` (keys
+    are scoped to the caller).
+
+    Its own calls are retried, with backoff and the server's ``Retry-After``, when the server
+    or its store is unavailable or cannot be reached (``attempts`` tries in all).
+    """
+
+    def __init__(
+        self,
+        url: str = "http://127.0.0.1:7070",
+        api_key: str | None = None,
+        *,
+        timeout: float = 10.0,
+        attempts: int = _core.DEFAULT_ATTEMPTS,
+        client: httpx.Client | None = None,
+    ) -> None:
+        headers = {"authorization": f"Bearer {api_key}"} if api_key else {}
+        self._http = client or httpx.Client(base_url=url, timeout=timeout, headers=headers)
+        self._attempts = max(1, attempts)
+
+    def close(self) -> None:
+        self._http.close()
+
+    def __enter__(self) -> Idem:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _call(
+        self,
+        method: str,
+        path: str,
+        body: dict[str, Any] | None = None,
+        params: dict[str, Any] | None = None,
+    ) -> Any:
+        for attempt in range(self._attempts):
+            try:
+                response = self._http.request(method, path, json=body, params=params)
+            except httpx.TransportError as e:
+                err: IdemError = Unreachable(f"idem serve did not answer: {e}")
+            else:
+                if response.is_success:
+                    return response.json()
+                err = _core.error_of(response)
+            if err.code not in _core.RETRYABLE or attempt + 1 == self._attempts:
+                raise err
+            time.sleep(_core.pause(attempt, err.retry_after))
+        raise AssertionError("unreachable")
+
+    # The record API.
+
+    def begin(
+        self,
+        namespace: str,
+        key: str,
+        *,
+        request: Any = None,
+        fingerprint: str | None = None,
+        lease: float | None = None,
+        ttl: float | None = None,
+        step_keys: list[str] | None = None,
+    ) -> Acquired | Replay:
+        """Claims ``key``: :class:`Acquired` (do the work, then complete or release) or
+        :class:`Replay` (the stored response). Raises :class:`InProgress` while another
+        attempt holds it, :class:`FingerprintMismatch` for another request under the key.
+        ``lease`` and ``ttl`` are in seconds."""
+        body = _core.begin_body(namespace, key, request, fingerprint, lease, ttl, step_keys)
+        return _core.parse_begin(self._call("POST", "/v1/records/begin", body))
+
+    def step(
+        self,
+        namespace: str,
+        key: str,
+        lease: Lease | str,
+        name: str,
+        output: Any = None,
+        *,
+        unknown: bool = False,
+    ) -> None:
+        """Records step ``name`` under the lease: done with ``output``, or ``unknown``."""
+        body = _core.step_body(namespace, key, lease, name, output, unknown)
+        self._call("POST", "/v1/records/step", body)
+
+    def renew(
+        self, namespace: str, key: str, lease: Lease | str, length: float | None = None
+    ) -> Lease:
+        """Extends the lease to ``length`` seconds from now (the server's default lease without
+        it). Raises :class:`StaleLease` once another attempt took the key over."""
+        body = _core.renew_body(namespace, key, lease, length)
+        return _core.parse_lease(self._call("POST", "/v1/records/renew", body)["lease"])
+
+    def complete(self, namespace: str, key: str, lease: Lease | str, response: Any) -> None:
+        """Stores ``response`` (any JSON) under the lease; every retry's begin is given it."""
+        body = _core.lease_body(namespace, key, lease, response=response)
+        self._call("POST", "/v1/records/complete", body)
+
+    def release(self, namespace: str, key: str, lease: Lease | str) -> None:
+        """Gives the key back after a failure that is safe to retry."""
+        body = _core.lease_body(namespace, key, lease)
+        self._call("POST", "/v1/records/release", body)
+
+    def record(self, namespace: str, key: str) -> dict[str, Any] | None:
+        """The caller's record under ``key``, or ``None``."""
+        path = f"/v1/records/{_segment(namespace)}/{_segment(key)}"
+        try:
+            answer: dict[str, Any] = self._call("GET", path)
+        except IdemError as e:
+            if e.code == "not_found":
+                return None
+            raise
+        return answer
+
+    # Running work once per key.
+
+    def run(
+        self,
+        namespace: str,
+        key: str,
+        *,
+        request: Any = None,
+        fingerprint: str | None = None,
+        lease: float = 60.0,
+        ttl: float | None = None,
+        wait: float = 30.0,
+        keep_alive: bool = True,
+        step_keys: list[str] | None = None,
+    ) -> Run:
+        """A run of the work under ``key``, as a context manager::
+
+            with idem.run("transfers", key, request=order) as run:
+                if run.replayed:
+                    return run.response
+                hold = run.step("debit", debit, order)
+                run.complete(send(hold))
+
+        It waits up to ``wait`` seconds for an attempt in flight (then raises
+        :class:`InProgress`), renews the lease in the background while the block runs
+        (``keep_alive``), and releases the key if the block raises or ends without
+        ``complete``, so that a retry runs it again."""
+        return Run(
+            self,
+            namespace,
+            key,
+            _core.begin_body(namespace, key, request, fingerprint, lease, ttl, step_keys),
+            lease=lease,
+            wait=wait,
+            keep_alive=keep_alive,
+        )
+
+    def once(
+        self,
+        namespace: str,
+        *,
+        key: Callable[..., str],
+        payload: Callable[..., Any] | None = None,
+        lease: float = 60.0,
+        ttl: float | None = None,
+        wait: float = 30.0,
+        permanent: tuple[type[BaseException], ...] = (),
+    ) -> Callable[[F], F]:
+        """Runs the decorated function once per key; every later call with the key is given
+        the first call's result::
+
+            @idem.once("orders", key=lambda order: order["id"])
+            def charge(order): ...
+
+        ``key`` and ``payload`` take the function's arguments: the key, and what the call is
+        fingerprinted by (its arguments by default; another call under the key with another
+        payload raises :class:`FingerprintMismatch`). An exception of a ``permanent`` type is
+        kept: later calls raise :class:`PreviousFailure` without running. Any other exception
+        releases the key, so a later call runs again. The result must be JSON."""
+
+        def decorate(fn: F) -> F:
+            @functools.wraps(fn)
+            def wrapper(*args: Any, **kwargs: Any) -> Any:
+                request = (payload or _core.default_payload_fn)(*args, **kwargs)
+                with self.run(
+                    namespace, key(*args, **kwargs), request=request, lease=lease, ttl=ttl, wait=wait
+                ) as run:
+                    if run.replayed:
+                        return _core.result_of(run.response)
+                    try:
+                        value = fn(*args, **kwargs)
+                    except permanent as e:
+                        run.complete(_core.kept_failure(e))
+                        raise
+                    run.complete(_core.kept_value(value))
+                    return value
+
+            return wrapper  # type: ignore[return-value]
+
+        return decorate
+
+    # Ids, one-time tokens and locks.
+
+    def uuid7(self, count: int = 1) -> list[str]:
+        """``count`` UUIDv7 ids."""
+        return list(self._call("GET", "/v1/ids/uuid7", params={"count": count})["ids"])
+
+    def snowflake(self, count: int = 1) -> list[int]:
+        """``count`` Snowflake ids."""
+        return list(self._call("GET", "/v1/ids/snowflake", params={"count": count})["ids"])
+
+    def segment(self, tag: str, count: int = 1) -> list[int]:
+        """The next ``count`` numbers of the caller's sequence ``tag`` (Leaf-style segments)."""
+        path = f"/v1/ids/segment/{_segment(tag)}"
+        return list(self._call("GET", path, params={"count": count})["ids"])
+
+    def issue_token(self, purpose: str, ttl: float | None = None) -> str:
+        """A one-time token for ``purpose`` (stored as a hash by the server)."""
+        body: dict[str, Any] = {"purpose": purpose}
+        if ttl is not None:
+            body["ttl_ms"] = _core.ms(ttl)
+        return str(self._call("POST", "/v1/tokens", body)["token"])
+
+    def consume_token(self, token: str, purpose: str) -> None:
+        """Uses the token up; raises :class:`AlreadyUsed`, :class:`ExpiredProblem`,
+        :class:`WrongPurpose` or :class:`UnknownProblem` otherwise."""
+        self._call("POST", "/v1/tokens/consume", {"token": token, "purpose": purpose})
+
+    def lock(
+        self, name: str, *, lease: float = 30.0, wait: float = 0.0, owner: str | None = None
+    ) -> Lock:
+        """The lock ``name``, held for the ``with`` block (renew it for longer work), with
+        its fence to send with every write it protects::
+
+            with idem.lock("payouts", lease=10) as lock:
+                ledger.write(entry, fence=lock.fence)
+        """
+        return Lock(self, name, lease, wait, owner)
+
+
+class Run:
+    """One attempt at the work under a key (see :meth:`Idem.run`)."""
+
+    def __init__(
+        self,
+        idem: Idem,
+        namespace: str,
+        key: str,
+        begin: dict[str, Any],
+        *,
+        lease: float,
+        wait: float,
+        keep_alive: bool,
+    ) -> None:
+        self._idem = idem
+        self.namespace = namespace
+        self.key = key
+        self._begin = begin
+        self._length = lease
+        self._wait = wait
+        self._keep_alive = keep_alive
+        #: Whether the work was done before: :attr:`response` is its stored response.
+        self.replayed = False
+        self.response: Any = None
+        self.lease: Lease | None = None
+        #: The steps earlier attempts recorded, by name.
+        self.steps: dict[str, Step] = {}
+        #: The step keys asked for with ``step_keys``, by step name.
+        self.step_keys: dict[str, str] = {}
+        self._settled = False
+        self._lost = threading.Event()
+        self._stop = threading.Event()
+        self._keeper: threading.Thread | None = None
+
+    def __enter__(self) -> Run:
+        deadline = time.monotonic() + self._wait
+        attempt = 0
+        while True:
+            try:
+                outcome = _core.parse_begin(
+                    self._idem._call("POST", "/v1/records/begin", self._begin)
+                )
+                break
+            except InProgress as e:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise
+                time.sleep(_core.in_flight_pause(attempt, e.retry_after, left))
+                attempt += 1
+        if isinstance(outcome, Replay):
+            self.replayed = True
+            self.response = outcome.response
+            return self
+        self.lease = outcome.lease
+        self.steps = {s.name: s for s in outcome.steps}
+        self.step_keys = dict(outcome.step_keys)
+        if self._keep_alive:
+            self._keeper = threading.Thread(target=self._keep, daemon=True)
+            self._keeper.start()
+        return self
+
+    def _keep(self) -> None:
+        """Renews the lease every third of its length until the run ends or loses it."""
+        assert self.lease is not None
+        while not self._stop.wait(self._length / 3):
+            try:
+                self._idem.renew(self.namespace, self.key, self.lease, self._length)
+            except StaleLease:
+                self._lost.set()
+                return
+            except IdemError:
+                continue  # tried again at the next beat; the lease runs until then
+
+    @property
+    def lost(self) -> bool:
+        """Whether another attempt took the key over while this one ran (seen by the lease's
+        renewal): long work may check it and stop early, since its result will not be kept."""
+        return self._lost.is_set()
+
+    def step(self, name: str, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        """Runs step ``name`` (``fn(*args, **kwargs)``) and records its output (JSON), or,
+        when an earlier attempt recorded it done, returns that output without running it."""
+        done = self.steps.get(name)
+        if done is not None and done.done:
+            return done.output  # type: ignore[no-any-return]
+        output = fn(*args, **kwargs)
+        self._idem.step(self.namespace, self.key, self._held(), name, output)
+        self.steps[name] = Step(name, True, output, done.step_key if done else "")
+        return output
+
+    def complete(self, response: Any) -> None:
+        """Stores ``response`` (any JSON) as the work's; raises :class:`LeaseLost` if another
+        attempt took the key over meanwhile (its response is the one kept)."""
+        lease = self._held()
+        try:
+            self._idem.complete(self.namespace, self.key, lease, response)
+        except StaleLease as e:
+            self._settled = True
+            raise LeaseLost(f"the lease on {self.key!r} was taken over") from e
+        self._settled = True
+
+    def release(self) -> None:
+        """Gives the key back: a retry runs the work again."""
+        lease = self._held()
+        self._settled = True
+        try:
+            self._idem.release(self.namespace, self.key, lease)
+        except StaleLease:
+            pass  # another attempt holds it: nothing of ours to give back
+
+    def _held(self) -> Lease:
+        if self.lease is None or self._settled:
+            raise RuntimeError("this run holds no lease (it was replayed or is settled)")
+        return self.lease
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self._stop.set()
+        if self._keeper is not None:
+            self._keeper.join()
+        if self.lease is not None and not self._settled:
+            try:
+                self.release()
+            except IdemError:
+                if exc is None:
+                    raise
+                # The block's own error matters more; the key comes back when the lease ends.
+
+
+class Lock:
+    """A held lock (see :meth:`Idem.lock`): its ``fence`` and its handle."""
+
+    def __init__(
+        self, idem: Idem, name: str, lease: float, wait: float, owner: str | None
+    ) -> None:
+        self._idem = idem
+        self.name = name
+        self._lease = lease
+        self._wait = wait
+        self._owner = owner
+        self.handle = ""
+        self.fence = 0
+        self.expires_at = ""
+
+    def acquire(self) -> Lock:
+        body: dict[str, Any] = {"lease_ms": _core.ms(self._lease), "wait_ms": _core.ms(self._wait)}
+        if self._wait <= 0:
+            body["wait_ms"] = 0
+        if self._owner is not None:
+            body["owner"] = self._owner
+        held = self._idem._call("POST", f"/v1/locks/{_segment(self.name)}/acquire", body)
+        self.handle, self.fence, self.expires_at = held["lock"], held["fence"], held["expires_at"]
+        return self
+
+    def renew(self, lease: float | None = None) -> None:
+        """Holds the lock ``lease`` seconds more from now; raises :class:`NotOwner` if it was
+        lost."""
+        body = {"lock": self.handle, "lease_ms": _core.ms(lease or self._lease)}
+        held = self._idem._call("POST", f"/v1/locks/{_segment(self.name)}/renew", body)
+        self.expires_at = held["expires_at"]
+
+    def release(self) -> None:
+        self._idem._call(
+            "POST", f"/v1/locks/{_segment(self.name)}/release", {"lock": self.handle}
+        )
+
+    def __enter__(self) -> Lock:
+        return self.acquire()
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+
+def _segment(text: str) -> str:
+    """``text`` as one path segment."""
+    from urllib.parse import quote
+
+    return quote(text, safe="")
+
+
+__all__ = ["Idem", "Run", "Lock", "PreviousFailure"]
