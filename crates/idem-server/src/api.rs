@@ -313,6 +313,7 @@ pub(crate) struct ReleaseBody {
 /// `POST /v1/records/renew`.
 #[derive(Deserialize, ToSchema)]
 #[serde(deny_unknown_fields)]
+#[schema(as = RecordRenewBody)]
 pub(crate) struct RenewBody {
     /// The namespace of the key.
     #[schema(pattern = "^[A-Za-z0-9._:-]{1,128}$")]

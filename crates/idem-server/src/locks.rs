@@ -57,6 +57,7 @@ pub struct AcquireBody {
 /// `POST /v1/locks/{name}/renew`.
 #[derive(Deserialize, ToSchema)]
 #[serde(deny_unknown_fields)]
+#[schema(as = LockRenewBody)]
 pub struct RenewBody {
     /// The handle an acquire returned.
     lock: String,

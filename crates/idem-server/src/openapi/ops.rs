@@ -7,7 +7,7 @@ use crate::api::{
     BeginBody, CompleteBody, ReleaseBody as RecordReleaseBody, RenewBody as RecordRenewBody,
     StepBody,
 };
-use crate::locks::{AcquireBody, ReleaseBody as LockReleaseBody, RenewBody};
+use crate::locks::{AcquireBody, ReleaseBody as LockReleaseBody, RenewBody as LockRenewBody};
 use crate::tokens::{ConsumeBody, IssueBody};
 use idem_ops::admin::http::{CountQuery, ListQuery, RepairBody, ShowQuery};
 
@@ -86,7 +86,7 @@ fn consume_token() {}
 fn acquire_lock() {}
 
 /// Renews a holding.
-#[utoipa::path(post, path = "/v1/locks/{name}/renew", tag = "locks", request_body = RenewBody,
+#[utoipa::path(post, path = "/v1/locks/{name}/renew", tag = "locks", request_body = LockRenewBody,
     params(("name" = String, Path, pattern = "^[!-~]{1,128}$", description = "The lock's name.")),
     responses((status = 200, description = "Renewed.", body = Holding)))]
 fn renew_lock() {}
