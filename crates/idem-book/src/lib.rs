@@ -25,6 +25,7 @@ chapters! {
     Serve = "docs/guide/serve.md";
     IdsTokensLocks = "docs/guide/ids-tokens-locks.md";
     Python = "docs/guide/python.md";
+    TypeScript = "docs/guide/typescript.md";
     AdminPage = "docs/guide/admin-page.md";
     Consumers = "docs/guide/consumers.md";
     Relay = "docs/guide/relay.md";

@@ -1,0 +1,168 @@
+// The client against a real idem serve: once() under a storm, failures kept and released,
+// steps resumed after a process is killed, leases kept alive, refusals, retries, ids, tokens
+// and locks.
+
+import assert from "node:assert/strict";
+import { spawn } from "node:child_process";
+import { appendFileSync, mkdtempSync, readFileSync } from "node:fs";
+import { tmpdir } from "node:os";
+import { join } from "node:path";
+import { after, before, describe, test } from "node:test";
+import { createInterface } from "node:readline";
+
+import { Idem, IdemError, PreviousFailure, PROBLEM_CODES } from "../src/index.js";
+import { KEYS, ROOT, ns, serve, type Served } from "./server.js";
+
+let server: Served | undefined;
+let idem: Idem;
+
+before(async () => {
+  server = await serve();
+  if (server) idem = new Idem(server.url, { apiKey: KEYS.shop });
+});
+after(() => server?.stop());
+
+const live = (name: string, fn: () => Promise<void>) =>
+  test(name, async (t) => {
+    if (!server) return t.skip("no idem serve");
+    await fn();
+  });
+
+describe("once", () => {
+  live("a storm of calls on one key runs it once, and each gets its result", async () => {
+    const namespace = ns();
+    let runs = 0;
+    const work = async () => {
+      runs++;
+      await new Promise((r) => setTimeout(r, 300));
+      return { charge: `ch-${runs}` };
+    };
+    const results = await Promise.all(
+      Array.from({ length: 20 }, () => idem.once("o-1", work, { namespace, request: { amount: 1 } })),
+    );
+    assert.equal(runs, 1);
+    assert.deepEqual(results, Array(20).fill({ charge: "ch-1" }));
+    await assert.rejects(
+      idem.once("o-1", work, { namespace, request: { amount: 2 } }),
+      (e) => IdemError.is(e, "fingerprint_mismatch"),
+    );
+  });
+
+  live("a permanent failure is kept; any other releases the key", async () => {
+    const namespace = ns();
+    let declined = 0;
+    const permanent = (e: unknown) => e instanceof RangeError;
+    const decline = async () => {
+      declined++;
+      throw new RangeError("card declined");
+    };
+    await assert.rejects(idem.once("d", decline, { namespace, permanent }), RangeError);
+    await assert.rejects(idem.once("d", decline, { namespace, permanent }), (e) => {
+      assert.ok(e instanceof PreviousFailure);
+      assert.equal(e.errorName, "RangeError");
+      assert.equal(e.errorMessage, "card declined");
+      return true;
+    });
+    assert.equal(declined, 1);
+    let flaky = 0;
+    const sometimes = async () => {
+      if (++flaky === 1) throw new Error("timed out before sending");
+      return "paid";
+    };
+    await assert.rejects(idem.once("f", sometimes, { namespace, permanent }));
+    assert.equal(await idem.once("f", sometimes, { namespace, permanent }), "paid");
+    assert.equal(await idem.once("f", sometimes, { namespace, permanent }), "paid");
+    assert.equal(flaky, 2);
+  });
+
+  live("a lease is kept alive past its length while the work runs", async () => {
+    const namespace = ns();
+    const result = await idem.run("long", { namespace, lease: 1 }, async () => {
+      await new Promise((r) => setTimeout(r, 2500));
+      await assert.rejects(idem.begin(namespace, "long", { request: null }), (e) => IdemError.is(e, "in_progress"));
+      return "kept";
+    });
+    assert.equal(result, "kept");
+  });
+});
+
+describe("steps", () => {
+  live("a process killed after its first step is resumed without running it again", async () => {
+    const namespace = ns();
+    const effects = join(mkdtempSync(join(tmpdir(), "idem-ts-")), "effects");
+    const child = spawn(process.execPath, [join(import.meta.dirname, "child.js"), server!.url, KEYS.shop, namespace, effects], {
+      stdio: ["ignore", "pipe", "inherit"],
+    });
+    const line = await new Promise<string>((ok) => createInterface({ input: child.stdout! }).once("line", ok));
+    assert.equal(line, "debited");
+    child.kill("SIGKILL");
+    const effect = (name: string) => {
+      appendFileSync(effects, `${name}\n`);
+      return { done: name };
+    };
+    const result = await idem.run("transfer-1", { namespace, request: { amount: 100 }, wait: 10 }, async (run) => {
+      assert.equal(run.steps.get("debit")?.outcome, "done");
+      const debit = await run.step("debit", () => effect("debit"));
+      const credit = await run.step("credit", () => effect("credit"));
+      return { debit, credit };
+    });
+    assert.deepEqual(result, { debit: { done: "debit" }, credit: { done: "credit" } });
+    assert.deepEqual(readFileSync(effects, "utf8").trim().split("\n"), ["debit", "credit"]);
+  });
+});
+
+describe("errors", () => {
+  test("every code of the catalogue is a ProblemCode", () => {
+    const table = [...readFileSync(join(ROOT, "README.md"), "utf8").matchAll(/^\| \d{3} \| `([a-z_]+)` \|/gm)].map((m) => m[1]);
+    assert.ok(table.length > 50);
+    assert.deepEqual([...PROBLEM_CODES].sort(), [...new Set(table)].sort());
+  });
+
+  test("idem's own calls are retried while the store is unavailable, and no more", async () => {
+    let calls = 0;
+    const answers = [
+      Response.json({ code: "store_unavailable", detail: "down", retry_after_ms: 10 }, { status: 503 }),
+      Response.json({ code: "store_unavailable", detail: "down" }, { status: 503 }),
+      Response.json({ ids: ["01a1fdca-467a-7000-8015-a20556160a95"] }),
+    ];
+    const fake: typeof fetch = async () => answers[calls++]!;
+    assert.deepEqual(await new Idem("http://idem", { fetch: fake }).uuid7(), ["01a1fdca-467a-7000-8015-a20556160a95"]);
+    assert.equal(calls, 3);
+    let refused = 0;
+    const conflict: typeof fetch = async () => {
+      refused++;
+      return Response.json({ code: "in_progress", detail: "held" }, { status: 409 });
+    };
+    await assert.rejects(new Idem("http://idem", { fetch: conflict }).begin("n", "k"), (e) => IdemError.is(e, "in_progress"));
+    assert.equal(refused, 1);
+    const down: typeof fetch = async () => {
+      throw new TypeError("fetch failed");
+    };
+    await assert.rejects(new Idem("http://idem", { fetch: down, attempts: 2 }).uuid7(), (e) => IdemError.is(e, "unreachable"));
+  });
+
+  live("refusals carry their codes; keys are the caller's own", async () => {
+    const namespace = ns();
+    await assert.rejects(idem.begin(namespace, "k".repeat(300)), (e) => IdemError.is(e, "invalid_key"));
+    await assert.rejects(new Idem(server!.url, { apiKey: "nobody" }).begin(namespace, "k"), (e) => IdemError.is(e, "unauthorized"));
+    const bank = new Idem(server!.url, { apiKey: KEYS.bank });
+    assert.equal(await idem.once("same", () => "shop's", { namespace }), "shop's");
+    assert.equal(await bank.once("same", () => "bank's", { namespace }), "bank's");
+  });
+});
+
+describe("ids, tokens and locks", () => {
+  live("ids, a token used once, a lock's fence", async () => {
+    assert.equal((await idem.uuid7(3)).length, 3);
+    assert.equal((await idem.snowflake(2)).length, 2);
+    const token = await idem.issueToken("form", 60);
+    await idem.consumeToken(token, "form");
+    await assert.rejects(idem.consumeToken(token, "form"), (e) => IdemError.is(e, "already_used"));
+    const name = ns();
+    const fence = await idem.withLock(name, { lease: 5 }, async (lock) => {
+      await assert.rejects(idem.withLock(name, {}, () => 0), (e) => IdemError.is(e, "lock_held"));
+      return lock.fence;
+    });
+    assert.ok(fence > 0);
+  });
+});
