@@ -7,7 +7,7 @@ import asyncio
 import pytest
 
 from idem_client import AsyncIdem, PreviousFailure
-from idem_client.errors import FingerprintMismatch
+from idem_client.errors import FingerprintMismatch, InProgress
 
 
 async def test_a_storm_of_tasks_on_one_key_runs_it_once(aidem: AsyncIdem, ns: str) -> None:
@@ -32,7 +32,9 @@ async def test_steps_and_permanent_failures(aidem: AsyncIdem, ns: str) -> None:
 
     async with aidem.run(ns, "t", request=1, lease=1.0) as run:
         assert await run.step("debit", effect, "debit") == "debit"
-        await asyncio.sleep(1.5)  # kept alive past the lease's first end
+        await asyncio.sleep(1.5)  # kept alive past the lease's first end: not taken over
+        with pytest.raises(InProgress):
+            await aidem.begin(ns, "t", request=1)
         await run.complete("ok")
     async with aidem.run(ns, "t", request=1) as again:
         assert again.replayed and again.response == "ok"

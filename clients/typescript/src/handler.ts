@@ -17,8 +17,8 @@ export interface RequestLike {
 
 /** The parts of an Express `Response` or a Fastify `FastifyReply` the wrapper writes. */
 export interface ReplyLike {
-  status(code: number): this;
-  header(name: string, value: string): this;
+  status(code: number): ReplyLike;
+  header(name: string, value: string): ReplyLike;
   send(body: unknown): unknown;
 }
 

@@ -13,6 +13,7 @@ import type { components } from "./generated/schema.js";
 import { IdemError, LeaseLost, PreviousFailure, RETRYABLE } from "./errors.js";
 
 export { IdemError, LeaseLost, PreviousFailure, PROBLEM_CODES, type ProblemCode } from "./errors.js";
+export type { ReplyLike, RequestLike } from "./handler.js";
 export { idempotent, type HandlerOptions, type HandlerResult } from "./handler.js";
 
 type Schemas = components["schemas"];
@@ -74,6 +75,10 @@ export interface Run {
   step<T>(name: string, fn: () => Promise<T> | T): Promise<T>;
 }
 
+/** The kept failure of a call whose result idem refused to store (too large, or not JSON):
+ * it ran once, so it never runs again; every retry throws {@link PreviousFailure} of this name. */
+export const NOT_KEPT = "ResultNotKept";
+
 const sleep = (ms: number) => new Promise<void>((resolve) => setTimeout(resolve, ms));
 const ms = (seconds: number) => Math.max(1, Math.round(seconds * 1000));
 
@@ -95,15 +100,23 @@ export class Idem {
   }
 
   /** One call of idem's API, tried again (with backoff and the server's `Retry-After`) while
-   * the server or its store is unavailable or cannot be reached. */
-  async call<T>(method: "GET" | "POST", path: string, body?: unknown): Promise<T> {
+   * the server or its store is unavailable, or (if `repeatable`: safe to send twice) cannot be
+   * reached. */
+  async call<T>(
+    method: "GET" | "POST",
+    path: string,
+    body?: unknown,
+    { attempts = this.#attempts, repeatable = true }: { attempts?: number; repeatable?: boolean } = {},
+  ): Promise<T> {
+    // A value JSON cannot hold (a BigInt, a cycle) throws here, to the caller, never retried.
+    const text = body === undefined ? undefined : JSON.stringify(body);
     for (let attempt = 0; ; attempt++) {
       let error: IdemError;
       try {
         const res = await this.#fetch(this.#url + path, {
           method,
           headers: this.#headers,
-          body: body === undefined ? undefined : JSON.stringify(body),
+          body: text,
           signal: AbortSignal.timeout(this.#timeoutMs),
         });
         if (res.ok) return (await res.json()) as T;
@@ -112,7 +125,9 @@ export class Idem {
         if (e instanceof IdemError) throw e;
         error = new IdemError("unreachable", `idem serve did not answer: ${String(e)}`);
       }
-      if (!RETRYABLE.has(error.code) || attempt + 1 >= this.#attempts) throw error;
+      // A call not safe to send twice is not repeated when the server did not answer.
+      const retryable = RETRYABLE.has(error.code) && (repeatable || error.code !== "unreachable");
+      if (!retryable || attempt + 1 >= attempts) throw error;
       await sleep(backoff(attempt, error.retryAfter));
     }
   }
@@ -136,7 +151,7 @@ export class Idem {
   async step(namespace: string, key: string, lease: Lease | string, name: string, output: unknown, unknown = false): Promise<void> {
     const body: Schemas["StepBody"] = unknown
       ? { namespace, key, lease: token(lease), step: name, unknown: true }
-      : { namespace, key, lease: token(lease), step: name, output };
+      : { namespace, key, lease: token(lease), step: name, output: output ?? null };
     await this.call("POST", "/v1/records/step", body);
   }
 
@@ -174,7 +189,9 @@ export class Idem {
   /**
    * Runs `fn` once per `key`: every later call with the key is given the first call's result
    * (or, for a failure `permanent` judges so, throws {@link PreviousFailure}). A call whose key
-   * another attempt holds waits for it. The result must be JSON.
+   * another attempt holds waits for it. Without `request` the key alone identifies the call.
+   * The result must be JSON: a later call is given it as JSON gives it back (`undefined` as
+   * `null`, a `Date` as its string), whatever `T` says.
    */
   once<T>(key: string, fn: () => Promise<T> | T, options: RunOptions = {}): Promise<T> {
     return this.run(key, options, () => fn());
@@ -205,7 +222,14 @@ export class Idem {
         throw e;
       }
       clearInterval(keeper);
-      await run.settle({ value });
+      try {
+        await run.settle({ value: value ?? null });
+      } catch (e) {
+        if (!(e instanceof TypeError) && !(e instanceof IdemError && e.status >= 400 && e.status < 500)) throw e;
+        // It ran, so it must not run again: its failure to be kept is kept.
+        await run.settle({ error: { type: NOT_KEPT, message: `the result could not be stored: ${errorMessage(e)}` } });
+        throw new PreviousFailure(NOT_KEPT, errorMessage(e));
+      }
       return value;
     } finally {
       clearInterval(keeper);
@@ -261,7 +285,8 @@ export class Idem {
   /** Uses the token up; throws `already_used`, `expired`, `wrong_purpose` or `unknown`. */
   async consumeToken(tokenValue: string, purpose: string): Promise<void> {
     const body: Schemas["ConsumeBody"] = { token: tokenValue, purpose };
-    await this.call("POST", "/v1/tokens/consume", body);
+    // Not repeated after a lost answer: a consumed token would then read as used.
+    await this.call("POST", "/v1/tokens/consume", body, { repeatable: false });
   }
 
   /** Runs `work` holding the lock `name`, with the fence to send with every write it protects;
@@ -269,7 +294,8 @@ export class Idem {
   async withLock<T>(name: string, options: { lease?: number; wait?: number }, work: (lock: Schemas["Holding"]) => Promise<T> | T): Promise<T> {
     const path = `/v1/locks/${segment(name)}`;
     const acquire: Schemas["AcquireBody"] = { lease_ms: ms(options.lease ?? 30), wait_ms: Math.round((options.wait ?? 0) * 1000) };
-    const held = await this.call<Schemas["Holding"]>("POST", `${path}/acquire`, acquire);
+    // Not repeated after a lost answer: the lock would be held by a handle nobody has.
+    const held = await this.call<Schemas["Holding"]>("POST", `${path}/acquire`, acquire, { repeatable: false });
     try {
       return await work(held);
     } finally {
@@ -307,7 +333,9 @@ class ActiveRun implements Run {
   async keepAlive(length: number): Promise<void> {
     if (this.#settled || this.lost) return;
     try {
-      await this.idem.renew(this.namespace, this.key, this.lease, length);
+      // One try per beat: the next beat tries again, and the run's end never waits on it.
+      const body: Schemas["RecordRenewBody"] = { namespace: this.namespace, key: this.key, lease: this.lease.id, lease_ms: ms(length) };
+      await this.idem.call("POST", "/v1/records/renew", body, { attempts: 1 });
     } catch (e) {
       if (IdemError.is(e, "stale_lease")) this.lost = true;
       // Anything else: tried again at the next beat; the lease runs until then.

@@ -10,7 +10,7 @@ import { join } from "node:path";
 import { after, before, describe, test } from "node:test";
 import { createInterface } from "node:readline";
 
-import { Idem, IdemError, PreviousFailure, PROBLEM_CODES } from "../src/index.js";
+import { Idem, IdemError, NOT_KEPT, PreviousFailure, PROBLEM_CODES } from "../src/index.js";
 import { KEYS, ROOT, ns, serve, type Served } from "./server.js";
 
 let server: Served | undefined;
@@ -83,6 +83,47 @@ describe("once", () => {
       return "kept";
     });
     assert.equal(result, "kept");
+  });
+});
+
+describe("results", () => {
+  live("a call that returns nothing, and a step that returns nothing, run once", async () => {
+    const namespace = ns();
+    let runs = 0;
+    const work = async () => {
+      runs++;
+    };
+    assert.equal(await idem.once("nothing", work, { namespace }), undefined);
+    assert.equal(await idem.once("nothing", work, { namespace }), null);
+    assert.equal(runs, 1);
+    let effects = 0;
+    const result = await idem.run("steps", { namespace }, async (run) => {
+      await run.step("log", () => {
+        effects++;
+      });
+      return "ok";
+    });
+    assert.equal(result, "ok");
+    assert.equal(effects, 1);
+  });
+
+  live("a result idem cannot store ran once and never runs again", async () => {
+    const namespace = ns();
+    let runs = 0;
+    const huge = () => {
+      runs++;
+      return "x".repeat(2 << 20); // past the server's 1 MiB body limit
+    };
+    const bigint = () => {
+      runs++;
+      return { amount: 10n };
+    };
+    for (const [key, fn] of [["huge", huge], ["bigint", bigint]] as const) {
+      for (let i = 0; i < 2; i++) {
+        await assert.rejects(idem.once<unknown>(key, fn, { namespace }), (e) => e instanceof PreviousFailure && e.errorName === NOT_KEPT);
+      }
+    }
+    assert.equal(runs, 2);
   });
 });
 

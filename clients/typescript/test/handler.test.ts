@@ -27,6 +27,8 @@ before(async () => {
       const id = String(req.body.id);
       runs[id] = (runs[id] ?? 0) + 1;
       if (req.body.fail) return { status: 503, body: { error: "try again" } };
+      if (req.body.throw) throw new Error("the handler failed");
+      if (req.body.slow) await new Promise((r) => setTimeout(r, 500));
       return { status: 201, body: { order: id, run: runs[id] } };
     }),
   );
@@ -71,4 +73,19 @@ test("a 5xx answer is not kept: the retry runs again", async (t) => {
   assert.equal((await post({ id: "o-9", fail: true }, "k-9")).status, 503);
   assert.equal((await post({ id: "o-9", fail: true }, "k-9")).status, 503);
   assert.equal(runs["o-9"], 2);
+});
+
+test("a handler that throws releases the key; a retry while one runs is 409", async (t) => {
+  if (!server) return t.skip("no idem serve");
+  assert.equal((await post({ id: "o-7", throw: true }, "k-7")).status, 500);
+  assert.equal((await post({ id: "o-7", throw: true }, "k-7")).status, 500);
+  assert.equal(runs["o-7"], 2);
+  const first = post({ id: "o-8", slow: true }, "k-8");
+  await new Promise((r) => setTimeout(r, 150));
+  const second = await post({ id: "o-8", slow: true }, "k-8");
+  assert.equal(second.status, 409);
+  assert.equal((await second.json()).code, "in_progress");
+  assert.ok(second.headers.get("retry-after"));
+  assert.equal((await first).status, 201);
+  assert.equal(runs["o-8"], 1);
 });

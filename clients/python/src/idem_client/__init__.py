@@ -10,13 +10,14 @@ ids, one-time tokens and fenced locks, for Python programs (sync and asyncio).
 """
 
 from ._core import Acquired, Lease, Replay, Step
-from .aio import AsyncIdem, AsyncRun
+from .aio import AsyncIdem, AsyncLock, AsyncRun
 from .client import Idem, Lock, Run
 from .errors import IdemError, LeaseLost, PreviousFailure
 
 __all__ = [
     "Acquired",
     "AsyncIdem",
+    "AsyncLock",
     "AsyncRun",
     "Idem",
     "IdemError",

@@ -19,6 +19,7 @@ DEFAULT_ATTEMPTS = 5
 FIRST_PAUSE = 0.05
 MAX_PAUSE = 2.0
 #: Codes worth trying again as they are (the store, the server or the network was down).
+#: ``unreachable`` only for calls that are safe to repeat (see ``Idem._call``).
 RETRYABLE = frozenset({"store_unavailable", "overloaded", "unreachable", "ids_busy"})
 
 
@@ -148,9 +149,17 @@ def pause(attempt: int, advice: float | None) -> float:
 
 
 def default_payload(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-    """What a guarded call is fingerprinted by when no ``payload`` is given: its arguments,
-    as JSON (values JSON cannot hold by their ``repr``)."""
-    return json.loads(json.dumps({"args": list(args), "kwargs": kwargs}, default=repr))
+    """What a guarded call is fingerprinted by when no ``payload`` is given: its arguments, as
+    JSON. An argument JSON cannot hold is refused (its ``repr`` would differ from call to call,
+    so a retry would not be recognised): give ``payload=`` a function of the arguments."""
+
+    def refuse(value: Any) -> Any:
+        raise TypeError(
+            f"an argument of type {type(value).__name__} is not JSON, so the call cannot be "
+            "fingerprinted by its arguments: give once() a payload= function"
+        )
+
+    return json.loads(json.dumps({"args": list(args), "kwargs": kwargs}, default=refuse))
 
 
 # How `once` keeps a call's result in the record's response: {"value": v} for a return value,
@@ -162,6 +171,15 @@ def kept_value(value: Any) -> dict[str, Any]:
 
 def kept_failure(error: BaseException) -> dict[str, Any]:
     return {"error": {"type": type(error).__name__, "message": str(error)}}
+
+
+#: The kept failure of a call whose result idem refused to store (too large, or not JSON): it
+#: ran once, so it is never run again; every retry raises ``PreviousFailure`` with this type.
+NOT_KEPT = "ResultNotKept"
+
+
+def not_kept(error: BaseException) -> dict[str, Any]:
+    return {"error": {"type": NOT_KEPT, "message": f"the result could not be stored: {error}"}}
 
 
 KeyFn = Callable[..., str]

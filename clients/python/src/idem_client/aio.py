@@ -14,7 +14,15 @@ import httpx
 from . import _core
 from ._core import Acquired, Lease, Replay, Step
 from .client import _segment
-from .errors import IdemError, InProgress, LeaseLost, StaleLease, Unreachable
+from .errors import (
+    BadInput,
+    IdemError,
+    InProgress,
+    LeaseLost,
+    PreviousFailure,
+    StaleLease,
+    Unreachable,
+)
 
 T = TypeVar("T")
 F = TypeVar("F", bound=Callable[..., Awaitable[Any]])
@@ -33,11 +41,14 @@ class AsyncIdem:
         client: httpx.AsyncClient | None = None,
     ) -> None:
         headers = {"authorization": f"Bearer {api_key}"} if api_key else {}
+        # A client given is used as it is (its base URL, headers and timeouts) and left open.
+        self._owned = client is None
         self._http = client or httpx.AsyncClient(base_url=url, timeout=timeout, headers=headers)
         self._attempts = max(1, attempts)
 
     async def aclose(self) -> None:
-        await self._http.aclose()
+        if self._owned:
+            await self._http.aclose()
 
     async def __aenter__(self) -> AsyncIdem:
         return self
@@ -51,8 +62,13 @@ class AsyncIdem:
         path: str,
         body: dict[str, Any] | None = None,
         params: dict[str, Any] | None = None,
+        *,
+        attempts: int | None = None,
+        repeatable: bool = True,
     ) -> Any:
-        for attempt in range(self._attempts):
+        """See :meth:`idem_client.Idem._call`."""
+        attempts = attempts or self._attempts
+        for attempt in range(attempts):
             try:
                 response = await self._http.request(method, path, json=body, params=params)
             except httpx.TransportError as e:
@@ -61,7 +77,8 @@ class AsyncIdem:
                 if response.is_success:
                     return response.json()
                 err = _core.error_of(response)
-            if err.code not in _core.RETRYABLE or attempt + 1 == self._attempts:
+            retryable = err.code in _core.RETRYABLE and (repeatable or err.code != "unreachable")
+            if not retryable or attempt + 1 == attempts:
                 raise err
             await asyncio.sleep(_core.pause(attempt, err.retry_after))
         raise AssertionError("unreachable")
@@ -163,7 +180,11 @@ class AsyncIdem:
                     except permanent as e:
                         await run.complete(_core.kept_failure(e))
                         raise
-                    await run.complete(_core.kept_value(value))
+                    try:
+                        await run.complete(_core.kept_value(value))
+                    except (BadInput, TypeError) as e:
+                        await run.complete(_core.not_kept(e), again=True)
+                        raise PreviousFailure(_core.NOT_KEPT, str(e)) from e
                     return value
 
             return wrapper  # type: ignore[return-value]
@@ -188,7 +209,25 @@ class AsyncIdem:
         return str((await self._call("POST", "/v1/tokens", body))["token"])
 
     async def consume_token(self, token: str, purpose: str) -> None:
-        await self._call("POST", "/v1/tokens/consume", {"token": token, "purpose": purpose})
+        body = {"token": token, "purpose": purpose}
+        await self._call("POST", "/v1/tokens/consume", body, repeatable=False)
+
+    async def record(self, namespace: str, key: str) -> dict[str, Any] | None:
+        """See :meth:`idem_client.Idem.record`."""
+        path = f"/v1/records/{_segment(namespace)}/{_segment(key)}"
+        try:
+            answer: dict[str, Any] = await self._call("GET", path)
+        except IdemError as e:
+            if e.code == "not_found":
+                return None
+            raise
+        return answer
+
+    def lock(
+        self, name: str, *, lease: float = 30.0, wait: float = 0.0, owner: str | None = None
+    ) -> AsyncLock:
+        """See :meth:`idem_client.Idem.lock`; used with ``async with``."""
+        return AsyncLock(self, name, lease, wait, owner)
 
 
 class AsyncRun:
@@ -250,12 +289,13 @@ class AsyncRun:
         assert self.lease is not None
         while True:
             await asyncio.sleep(self._length / 3)
+            body = _core.renew_body(self.namespace, self.key, self.lease, self._length)
             try:
-                await self._idem.renew(self.namespace, self.key, self.lease, self._length)
+                await self._idem._call("POST", "/v1/records/renew", body, attempts=1)
             except StaleLease:
                 self._lost = True
                 return
-            except IdemError:
+            except Exception:  # noqa: BLE001 - tried again at the next beat
                 continue
 
     @property
@@ -275,15 +315,15 @@ class AsyncRun:
         self.steps[name] = Step(name, True, output, done.step_key if done else "")
         return output
 
-    async def complete(self, response: Any) -> None:
+    async def complete(self, response: Any, *, again: bool = False) -> None:
         """See :meth:`idem_client.Run.complete`."""
-        lease = self._held()
-        try:
-            await self._idem.complete(self.namespace, self.key, lease, response)
-        except StaleLease as e:
-            self._settled = True
-            raise LeaseLost(f"the lease on {self.key!r} was taken over") from e
+        if self.lease is None or (self._settled and not again):
+            raise RuntimeError("this run holds no lease (it was replayed or is settled)")
         self._settled = True
+        try:
+            await self._idem.complete(self.namespace, self.key, self.lease, response)
+        except StaleLease as e:
+            raise LeaseLost(f"the lease on {self.key!r} was taken over") from e
 
     async def release(self) -> None:
         """See :meth:`idem_client.Run.release`."""
@@ -307,13 +347,47 @@ class AsyncRun:
     ) -> None:
         if self._keeper is not None:
             self._keeper.cancel()
-            try:
-                await self._keeper
-            except asyncio.CancelledError:
-                pass
+            # Waits for it to end without taking its outcome (a cancellation of the caller's
+            # own still reaches the caller).
+            await asyncio.wait([self._keeper])
         if self.lease is not None and not self._settled:
             try:
                 await self.release()
             except IdemError:
                 if exc is None:
                     raise
+
+
+class AsyncLock:
+    """A held lock (see :meth:`AsyncIdem.lock`): its ``fence`` and its handle."""
+
+    def __init__(
+        self, idem: AsyncIdem, name: str, lease: float, wait: float, owner: str | None
+    ) -> None:
+        self._idem = idem
+        self._path = f"/v1/locks/{_segment(name)}"
+        self._lease = lease
+        self._body: dict[str, Any] = {"lease_ms": _core.ms(lease), "wait_ms": round(wait * 1000)}
+        if owner is not None:
+            self._body["owner"] = owner
+        self.handle = ""
+        self.fence = 0
+        self.expires_at = ""
+
+    async def __aenter__(self) -> AsyncLock:
+        repeatable = "owner" in self._body
+        held = await self._idem._call(
+            "POST", f"{self._path}/acquire", self._body, repeatable=repeatable
+        )
+        self.handle, self.fence, self.expires_at = held["lock"], held["fence"], held["expires_at"]
+        return self
+
+    async def renew(self, lease: float | None = None) -> None:
+        """Holds the lock ``lease`` seconds more from now; raises :class:`NotOwner` if lost."""
+        body = {"lock": self.handle, "lease_ms": _core.ms(lease or self._lease)}
+        self.expires_at = (await self._idem._call("POST", f"{self._path}/renew", body))[
+            "expires_at"
+        ]
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self._idem._call("POST", f"{self._path}/release", {"lock": self.handle})

@@ -12,7 +12,15 @@ import httpx
 
 from . import _core
 from ._core import Acquired, Lease, Replay, Step
-from .errors import IdemError, InProgress, LeaseLost, PreviousFailure, StaleLease, Unreachable
+from .errors import (
+    BadInput,
+    IdemError,
+    InProgress,
+    LeaseLost,
+    PreviousFailure,
+    StaleLease,
+    Unreachable,
+)
 
 T = TypeVar("T")
 F = TypeVar("F", bound=Callable[..., Any])
@@ -36,11 +44,14 @@ class Idem:
         client: httpx.Client | None = None,
     ) -> None:
         headers = {"authorization": f"Bearer {api_key}"} if api_key else {}
+        # A client given is used as it is (its base URL, headers and timeouts) and left open.
+        self._owned = client is None
         self._http = client or httpx.Client(base_url=url, timeout=timeout, headers=headers)
         self._attempts = max(1, attempts)
 
     def close(self) -> None:
-        self._http.close()
+        if self._owned:
+            self._http.close()
 
     def __enter__(self) -> Idem:
         return self
@@ -54,8 +65,15 @@ class Idem:
         path: str,
         body: dict[str, Any] | None = None,
         params: dict[str, Any] | None = None,
+        *,
+        attempts: int | None = None,
+        repeatable: bool = True,
     ) -> Any:
-        for attempt in range(self._attempts):
+        """One call, tried again while the server or its store is unavailable; also when the
+        server could not be reached or did not answer, if the call is ``repeatable`` (safe to
+        send twice: not a token's consume, not a lock's acquire without an owner id)."""
+        attempts = attempts or self._attempts
+        for attempt in range(attempts):
             try:
                 response = self._http.request(method, path, json=body, params=params)
             except httpx.TransportError as e:
@@ -64,7 +82,8 @@ class Idem:
                 if response.is_success:
                     return response.json()
                 err = _core.error_of(response)
-            if err.code not in _core.RETRYABLE or attempt + 1 == self._attempts:
+            retryable = err.code in _core.RETRYABLE and (repeatable or err.code != "unreachable")
+            if not retryable or attempt + 1 == attempts:
                 raise err
             time.sleep(_core.pause(attempt, err.retry_after))
         raise AssertionError("unreachable")
@@ -206,7 +225,12 @@ class Idem:
                     except permanent as e:
                         run.complete(_core.kept_failure(e))
                         raise
-                    run.complete(_core.kept_value(value))
+                    try:
+                        run.complete(_core.kept_value(value))
+                    except (BadInput, TypeError) as e:
+                        # It ran, so it must not run again: its failure to be kept is kept.
+                        run.complete(_core.not_kept(e), again=True)
+                        raise PreviousFailure(_core.NOT_KEPT, str(e)) from e
                     return value
 
             return wrapper  # type: ignore[return-value]
@@ -238,7 +262,9 @@ class Idem:
     def consume_token(self, token: str, purpose: str) -> None:
         """Uses the token up; raises :class:`AlreadyUsed`, :class:`ExpiredProblem`,
         :class:`WrongPurpose` or :class:`UnknownProblem` otherwise."""
-        self._call("POST", "/v1/tokens/consume", {"token": token, "purpose": purpose})
+        body = {"token": token, "purpose": purpose}
+        # Not repeated when the answer is lost: a consumed token would then read as used.
+        self._call("POST", "/v1/tokens/consume", body, repeatable=False)
 
     def lock(
         self, name: str, *, lease: float = 30.0, wait: float = 0.0, owner: str | None = None
@@ -317,8 +343,10 @@ class Run:
         """Renews the lease every third of its length until the run ends or loses it."""
         assert self.lease is not None
         while not self._stop.wait(self._length / 3):
+            body = _core.renew_body(self.namespace, self.key, self.lease, self._length)
             try:
-                self._idem.renew(self.namespace, self.key, self.lease, self._length)
+                # One try per beat, so that the run's end never waits on a renewal's retries.
+                self._idem._call("POST", "/v1/records/renew", body, attempts=1)
             except StaleLease:
                 self._lost.set()
                 return
@@ -342,16 +370,19 @@ class Run:
         self.steps[name] = Step(name, True, output, done.step_key if done else "")
         return output
 
-    def complete(self, response: Any) -> None:
+    def complete(self, response: Any, *, again: bool = False) -> None:
         """Stores ``response`` (any JSON) as the work's; raises :class:`LeaseLost` if another
-        attempt took the key over meanwhile (its response is the one kept)."""
-        lease = self._held()
-        try:
-            self._idem.complete(self.namespace, self.key, lease, response)
-        except StaleLease as e:
-            self._settled = True
-            raise LeaseLost(f"the lease on {self.key!r} was taken over") from e
+        attempt took the key over meanwhile (its response is the one kept). Once tried, the
+        key is never released by this run, whatever the store answered: the work ran, so a
+        retry must not run it again at once (it takes over when the lease ends if nothing was
+        stored). ``again``: a second try after the store refused the first response."""
+        if self.lease is None or (self._settled and not again):
+            raise RuntimeError("this run holds no lease (it was replayed or is settled)")
         self._settled = True
+        try:
+            self._idem.complete(self.namespace, self.key, self.lease, response)
+        except StaleLease as e:
+            raise LeaseLost(f"the lease on {self.key!r} was taken over") from e
 
     def release(self) -> None:
         """Gives the key back: a retry runs the work again."""
@@ -406,7 +437,9 @@ class Lock:
             body["wait_ms"] = 0
         if self._owner is not None:
             body["owner"] = self._owner
-        held = self._idem._call("POST", f"/v1/locks/{_segment(self.name)}/acquire", body)
+        # Repeated after a lost answer only with an owner id (the same holding comes back).
+        path = f"/v1/locks/{_segment(self.name)}/acquire"
+        held = self._idem._call("POST", path, body, repeatable=self._owner is not None)
         self.handle, self.fence, self.expires_at = held["lock"], held["fence"], held["expires_at"]
         return self
 

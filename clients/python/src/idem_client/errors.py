@@ -75,7 +75,7 @@ class PreviousFailure(Exception):
 
 class LeaseLost(Exception):
     """The work outlived its lease and another attempt took the key over: its result was not
-    kept (the other attempt's is). Raised by ``complete`` and at the end of a run."""
+    kept (the other attempt's is). Raised by ``complete`` (and so by ``once``)."""
 
 
 class InvalidRequest(BadInput):
