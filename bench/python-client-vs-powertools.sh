@@ -3,7 +3,9 @@
 # Redis beside AWS Lambda Powertools' idempotent_function on the same Redis
 # (bench/peers/powertools_bench.py), one caller each, interleaved: per round, the client, then
 # Powertools. idem serve is the release build, on a Redis prefix of the run's own, with its
-# replay cache (the default). Prints each round's rates and the client's ratio to Powertools.
+# replay cache (the default). Beside them, the same two calls written by hand on httpx and on
+# Python's http.client (where the client's time goes). Prints each round's rates and the
+# client's ratio to Powertools.
 #   ROUNDS (default 3), DURATION seconds per scenario (default 5), REDIS_URL.
 set -euo pipefail
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
@@ -38,14 +40,14 @@ done
 python3 - "$out" <<'PY'
 import json, sys
 rows = [json.loads(l) for l in open(sys.argv[1]) if l.startswith("{")]
-by = {(r["round"], r["peer"], r["scenario"], r["local_cache"]): r for r in rows}
-print("| round | scenario | idem client calls/s | Powertools calls/s (no cache / its local cache) | × Powertools (no cache / local cache) |")
-print("|---|---|---:|---:|---:|")
-for (rnd, peer, scenario, _), r in sorted(by.items()):
-    if peer != "idem-client":
-        continue
-    plain = by[(rnd, "powertools", scenario, False)]["per_sec"]
-    cached = by[(rnd, "powertools", scenario, True)]["per_sec"]
-    print(f"| {rnd} | {scenario} | {r['per_sec']:.0f} | {plain:.0f} / {cached:.0f} | "
-          f"{r['per_sec'] / plain:.2f} / {r['per_sec'] / cached:.2f} |")
+by = {(r["round"], r["peer"], r["scenario"], r["local_cache"]): r["per_sec"] for r in rows}
+print("| round | scenario | idem client | httpx by hand | stdlib by hand | Powertools (no cache / local cache) | client × Powertools (no cache / local cache) |")
+print("|---|---|---:|---:|---:|---:|---:|")
+for rnd in sorted({k[0] for k in by}):
+    for scenario in ("new", "replay"):
+        c = by[(rnd, "idem-client", scenario, False)]
+        hx = by[(rnd, "httpx-by-hand", scenario, False)]
+        std = by[(rnd, "stdlib-by-hand", scenario, False)]
+        p, pc = by[(rnd, "powertools", scenario, False)], by[(rnd, "powertools", scenario, True)]
+        print(f"| {rnd} | {scenario} | {c:.0f} | {hx:.0f} | {std:.0f} | {p:.0f} / {pc:.0f} | {c / p:.2f} / {c / pc:.2f} |")
 PY

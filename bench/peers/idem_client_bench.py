@@ -13,15 +13,24 @@ number, the payload (fingerprinted) the order. Scenarios, each for DURATION seco
           no execution in the timed phase, every result the first one.
 A failed check prints to stderr and exits 1. Output: one JSON line per scenario, as the peers'.
 
+Beside the client, the same two calls written by hand (no retries, no lease renewal, no
+fingerprint options), to show where the time goes: "httpx-by-hand" on the client's own
+transport (httpx.Client, keep-alive), and "stdlib-by-hand" on Python's http.client (one
+keep-alive connection), the leanest HTTP a Python program has.
+
 Env: IDEM_URL (the idem serve to call), IDEM_API_KEY (none), DURATION (5).
 """
 
+import http.client
 import json
 import math
 import os
 import sys
 import time
 import uuid
+from urllib.parse import urlparse
+
+import httpx
 
 from idem_client import Idem
 
@@ -73,11 +82,66 @@ def pct(sorted_us, p):
     return round(sorted_us[i], 1)
 
 
-def report(scenario, calls, seconds, lat):
+def by_hand(post, scenario):
+    """The dedupe of work(order) written by hand over ``post(path, body) -> dict``: begin, then
+    run and complete, or the replayed response."""
+    ns = f"bench-{RUN_ID}-{scenario}"
+
+    def work(order):
+        global EXECUTIONS
+        key = f"{order['run']}:{order['n']}"
+        begun = post("/v1/records/begin", {"namespace": ns, "key": key, "request": order})
+        if begun["outcome"] == "replay":
+            return begun["response"]["value"]
+        EXECUTIONS += 1
+        result = {"ok": True, "n": order["n"]}
+        lease = begun["lease"]["id"]
+        body = {"namespace": ns, "key": key, "lease": lease, "response": {"value": result}}
+        post("/v1/records/complete", body)
+        return result
+
+    return work
+
+
+def httpx_post(client):
+    return lambda path, body: client.post(path, json=body).json()
+
+
+def stdlib_post(url):
+    parsed = urlparse(url)
+    conn = http.client.HTTPConnection(parsed.hostname, parsed.port)
+    headers = {"content-type": "application/json"}
+
+    def post(path, body):
+        conn.request("POST", path, body=json.dumps(body), headers=headers)
+        return json.loads(conn.getresponse().read())
+
+    return post
+
+
+def scenarios(peer, make):
+    global EXECUTIONS
+    work = make("new")
+    before = EXECUTIONS
+    calls, seconds, lat = timed(work, lambda i: i)
+    if EXECUTIONS - before != calls:
+        raise CheckFailed(f"{peer} new: {EXECUTIONS - before} executions for {calls} calls")
+    report(peer, "new", calls, seconds, lat)
+    work = make("replay")
+    for n in range(REPLAY_POOL):
+        work({"run": RUN_ID, "n": n})
+    before = EXECUTIONS
+    calls, seconds, lat = timed(work, lambda i: i % REPLAY_POOL)
+    if EXECUTIONS != before:
+        raise CheckFailed(f"{peer} replay: {EXECUTIONS - before} executions in {calls} replays")
+    report(peer, "replay", calls, seconds, lat)
+
+
+def report(peer, scenario, calls, seconds, lat):
     print(
         json.dumps(
             {
-                "peer": "idem-client",
+                "peer": peer,
                 "scenario": scenario,
                 "local_cache": False,
                 "calls": calls,
@@ -93,21 +157,12 @@ def report(scenario, calls, seconds, lat):
 
 def main():
     with Idem(URL, api_key=os.environ.get("IDEM_API_KEY")) as idem:
-        work = make_work(idem, "new")
-        before = EXECUTIONS
-        calls, seconds, lat = timed(work, lambda i: i)
-        if EXECUTIONS - before != calls:
-            raise CheckFailed(f"new: {EXECUTIONS - before} executions for {calls} calls")
-        report("new", calls, seconds, lat)
-
-        work = make_work(idem, "replay")
-        for n in range(REPLAY_POOL):
-            work({"run": RUN_ID, "n": n})
-        before = EXECUTIONS
-        calls, seconds, lat = timed(work, lambda i: i % REPLAY_POOL)
-        if EXECUTIONS != before:
-            raise CheckFailed(f"replay: {EXECUTIONS - before} executions during {calls} replays")
-        report("replay", calls, seconds, lat)
+        scenarios("idem-client", lambda scenario: make_work(idem, scenario))
+    with httpx.Client(base_url=URL) as client:
+        post = httpx_post(client)
+        scenarios("httpx-by-hand", lambda scenario: by_hand(post, f"httpx-{scenario}"))
+    post = stdlib_post(URL)
+    scenarios("stdlib-by-hand", lambda scenario: by_hand(post, f"stdlib-{scenario}"))
     return 0
 
 
