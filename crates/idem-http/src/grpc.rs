@@ -74,6 +74,7 @@ pub struct GrpcIdempotencyLayer {
 }
 
 /// What only the gRPC layer has: which calls it guards and where their key is.
+#[derive(Clone)]
 struct Grpc {
     /// Full method paths (`/pkg.Service/Method`) and whole services (`/pkg.Service/`).
     methods: Vec<String>,
@@ -161,15 +162,7 @@ impl GrpcIdempotencyLayer {
     }
 
     fn grpc_mut(&mut self) -> &mut Grpc {
-        // Built once, before the layer is cloned into services.
-        if Arc::get_mut(&mut self.grpc).is_none() {
-            self.grpc = Arc::new(Grpc {
-                methods: self.grpc.methods.clone(),
-                key_metadata: self.grpc.key_metadata.clone(),
-                key_from_message: self.grpc.key_from_message.clone(),
-            });
-        }
-        Arc::get_mut(&mut self.grpc).expect("a fresh Arc has one owner")
+        Arc::make_mut(&mut self.grpc)
     }
 }
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 import random
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import httpx
 
@@ -181,9 +181,6 @@ NOT_KEPT = "ResultNotKept"
 def not_kept(error: BaseException) -> dict[str, Any]:
     return {"error": {"type": NOT_KEPT, "message": f"the result could not be stored: {error}"}}
 
-
-KeyFn = Callable[..., str]
-PayloadFn = Callable[..., Any]
 
 
 def default_payload_fn(*args: Any, **kwargs: Any) -> Any:

@@ -282,3 +282,35 @@ async fn an_answer_that_breaks_off_is_an_unknown_outcome() {
     assert_eq!(r.code(), "outcome_unknown");
     assert_eq!(app.runs(), 1);
 }
+
+#[tokio::test]
+async fn an_answers_trailers_are_kept_and_replayed() {
+    use http_body_util::BodyExt;
+    use tower::Layer;
+    let runs = Arc::new(AtomicUsize::new(0));
+    let handler = {
+        let runs = runs.clone();
+        tower::service_fn(move |_req: Request<Body>| {
+            runs.fetch_add(1, Ordering::SeqCst);
+            let mut trailers = HeaderMap::new();
+            trailers.insert("x-checksum", "abc".parse().unwrap());
+            let body = http_body_util::Full::new(axum::body::Bytes::from_static(b"ok"))
+                .with_trailers(std::future::ready(Some(Ok(trailers))));
+            std::future::ready(Ok::<_, std::convert::Infallible>(Response::new(body)))
+        })
+    };
+    let service =
+        IdempotencyLayer::new(Arc::new(MemoryStore::new()), Policy::default()).layer(handler);
+    for replayed in [false, true] {
+        let res = service
+            .clone()
+            .oneshot(post_with("/", "k", ""))
+            .await
+            .unwrap();
+        assert_eq!(res.headers().contains_key("idempotent-replayed"), replayed);
+        let body = res.into_body().collect().await.unwrap();
+        assert_eq!(body.trailers().unwrap()["x-checksum"], "abc", "{replayed}");
+        assert_eq!(body.to_bytes(), "ok");
+    }
+    assert_eq!(runs.load(Ordering::SeqCst), 1);
+}
