@@ -6,8 +6,8 @@ import asyncio
 
 import pytest
 
-from idem_client import AsyncIdem, PreviousFailure
-from idem_client.errors import FingerprintMismatch, InProgress
+from idem_client import Acquired, AsyncIdem, LeaseLost, PreviousFailure
+from idem_client.errors import FingerprintMismatch, InProgress, LockHeld
 
 
 async def test_a_storm_of_tasks_on_one_key_runs_it_once(aidem: AsyncIdem, ns: str) -> None:
@@ -48,3 +48,38 @@ async def test_steps_and_permanent_failures(aidem: AsyncIdem, ns: str) -> None:
     with pytest.raises(PreviousFailure):
         await lookup("missing")
     assert len(await aidem.uuid7(3)) == 3
+
+
+async def test_a_run_sees_that_its_key_was_taken_over(aidem: AsyncIdem, ns: str) -> None:
+    with pytest.raises(LeaseLost):
+        async with aidem.run(ns, "k", request=1, lease=0.6) as run:
+            assert run.lease is not None
+            lost_at_first = run.lost
+            await aidem.release(ns, "k", run.lease)
+            other = await aidem.begin(ns, "k", request=1)
+            for _ in range(100):
+                if run.lost:
+                    break
+                await asyncio.sleep(0.05)
+            assert run.lost
+            assert not lost_at_first and isinstance(other, Acquired)
+            await aidem.complete(ns, "k", other.lease, "the other's")
+            await run.complete("mine")
+    assert (await aidem.record(ns, "k"))["response"] == "the other's"  # type: ignore[index]
+
+
+async def test_a_lock_waited_for_is_had_with_a_higher_fence(aidem: AsyncIdem, ns: str) -> None:
+    name = f"{ns}-lock"
+    async with aidem.lock(name, lease=5) as first:
+        waiter = asyncio.create_task(aidem.lock(name, lease=5, wait=5).__aenter__())
+        await asyncio.sleep(0.3)
+        assert not waiter.done()  # still waiting while the first holds it
+        await first.renew(2)
+    second = await asyncio.wait_for(waiter, 10)
+    assert second.fence > first.fence
+    with pytest.raises(LockHeld):
+        async with aidem.lock(name, lease=5):
+            pass
+    await second.__aexit__(None, None, None)
+    async with aidem.lock(name, lease=5) as third:
+        assert third.fence > second.fence

@@ -1,5 +1,5 @@
 """Running work once per key: the decorator, permanent and retryable failures, a storm of
-callers on one key, waiting for an attempt in flight, and lease renewal."""
+callers on one key, waiting for an attempt in flight, lease renewal, and locks."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ from typing import Any
 
 import pytest
 
-from idem_client import Idem, LeaseLost, PreviousFailure
-from idem_client.errors import FingerprintMismatch, InProgress
+from idem_client import Acquired, Idem, LeaseLost, PreviousFailure
+from idem_client.errors import FingerprintMismatch, InProgress, LockHeld
 
 
 def test_a_call_runs_once_and_every_retry_gets_its_result(idem: Idem, ns: str) -> None:
@@ -152,3 +152,76 @@ def test_arguments_that_are_not_json_need_a_payload(idem: Idem, ns: str) -> None
     with pytest.raises(TypeError, match="payload="):
         handle(object())
     assert runs == []
+
+
+def test_one_thread_keeps_every_run_alive(idem: Idem, ns: str) -> None:
+    # Eight runs with 0.6 s leases, each working 1.5 s: all kept alive, by one thread.
+    done = []
+
+    def work(n: int) -> None:
+        with idem.run(ns, f"k{n}", request=n, lease=0.6) as run:
+            time.sleep(1.5)
+            with pytest.raises(InProgress):
+                idem.begin(ns, f"k{n}", request=n)
+            run.complete(n)
+            done.append(n)
+
+    with ThreadPoolExecutor(8) as pool:
+        list(pool.map(work, range(8)))
+    assert sorted(done) == list(range(8))
+    keepers = [t for t in threading.enumerate() if t.name == "idem-leases"]
+    assert len(keepers) == 1
+
+
+def test_a_run_sees_that_its_key_was_taken_over(idem: Idem, ns: str) -> None:
+    with pytest.raises(LeaseLost):
+        with idem.run(ns, "k", request=1, lease=0.6) as run:
+            assert run.lease is not None
+            lost_at_first = run.lost
+            # Another attempt takes the key: this run's lease is given back behind its back.
+            idem.release(ns, "k", run.lease)
+            other = idem.begin(ns, "k", request=1)
+            deadline = time.monotonic() + 5
+            while not run.lost and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert run.lost  # seen by the renewal, which then stops
+            assert not lost_at_first and isinstance(other, Acquired)
+            idem.complete(ns, "k", other.lease, "the other's")
+            run.complete("mine")
+    assert idem.record(ns, "k")["response"] == "the other's"  # type: ignore[index]
+
+
+def test_a_lock_waited_for_is_had_with_a_higher_fence(idem: Idem, ns: str) -> None:
+    name = f"{ns}-lock"
+    fences = []
+    with idem.lock(name, lease=5) as first:
+        fences.append(first.fence)
+        got: list[int] = []
+        waiter = threading.Thread(
+            target=lambda: got.append(idem.lock(name, lease=5, wait=5).acquire().fence)
+        )
+        waiter.start()
+        time.sleep(0.3)
+        assert got == []  # still waiting while the first holds it
+    waiter.join(10)
+    assert len(got) == 1 and got[0] > fences[0]
+    with pytest.raises(LockHeld):
+        idem.lock(name, lease=5, wait=0).acquire()  # the waiter holds it now
+
+
+def test_a_storm_over_many_keys_runs_each_once(idem: Idem, ns: str) -> None:
+    runs: dict[str, int] = {}
+    lock = threading.Lock()
+
+    @idem.once(ns, key=lambda k: k, wait=30)
+    def work(k: str) -> dict[str, Any]:
+        with lock:
+            runs[k] = runs.get(k, 0) + 1
+        time.sleep(0.1)
+        return {"key": k, "run": runs[k]}
+
+    keys = [f"k-{i % 8}" for i in range(256)]
+    with ThreadPoolExecutor(64) as pool:
+        results = list(pool.map(work, keys))
+    assert results == [{"key": k, "run": 1} for k in keys]
+    assert runs == {f"k-{i}": 1 for i in range(8)}

@@ -8,8 +8,7 @@ import random
 from dataclasses import dataclass, field
 from typing import Any
 
-import httpx
-
+from ._http import Answer
 from .errors import IdemError, PreviousFailure, from_problem
 
 #: Calls of idem's own API are tried this many times in all when the server or its store is
@@ -110,33 +109,44 @@ def parse_lease(lease: dict[str, Any]) -> Lease:
     return Lease(id=lease["id"], fence=int(lease["fence"]), expires_at=lease["expires_at"])
 
 
-def error_of(response: httpx.Response) -> IdemError:
+def error_of(answer: Answer) -> IdemError:
     """The exception for an answer that is not a success."""
     try:
-        body = response.json()
+        body = json.loads(answer.content)
     except ValueError:
         body = None
     if not isinstance(body, dict):
         body = {
             "code": "unexpected_answer",
-            "detail": f"idem answered {response.status_code} without a problem body",
+            "detail": f"idem answered {answer.status} without a problem body",
         }
-    return from_problem(response.status_code, body, retry_after(response, body))
+    return from_problem(answer.status, body, retry_after(answer, body))
 
 
-def retry_after(response: httpx.Response, body: dict[str, Any]) -> float | None:
+def retry_after(answer: Answer, body: dict[str, Any]) -> float | None:
     """The server's advice on when to try again, in seconds: ``retry_after_ms``, else the
     ``Retry-After`` header."""
     ms_value = body.get("retry_after_ms")
     if isinstance(ms_value, (int, float)):
         return float(ms_value) / 1000
-    header = response.headers.get("retry-after")
-    if header is not None:
+    if answer.retry_after is not None:
         try:
-            return float(header)
+            return float(answer.retry_after)
         except ValueError:
             return None
     return None
+
+
+def encode(body: dict[str, Any] | None) -> bytes | None:
+    """A request body as JSON bytes. Raises ``TypeError`` for a value JSON cannot hold (an
+    object of another type, a float such as NaN that JSON has no number for), before anything
+    is sent."""
+    if body is None:
+        return None
+    try:
+        return json.dumps(body, separators=(",", ":"), allow_nan=False).encode()
+    except ValueError as e:
+        raise TypeError(str(e)) from e
 
 
 def pause(attempt: int, advice: float | None) -> float:

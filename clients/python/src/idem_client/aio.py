@@ -11,7 +11,7 @@ from typing import Any, Awaitable, Callable, TypeVar
 
 import httpx
 
-from . import _core
+from . import _core, _http
 from ._core import Acquired, Lease, Replay, Step
 from .client import _segment
 from .errors import (
@@ -68,15 +68,19 @@ class AsyncIdem:
     ) -> Any:
         """See :meth:`idem_client.Idem._call`."""
         attempts = attempts or self._attempts
+        content = _core.encode(body)
+        headers = {"content-type": "application/json"} if content is not None else None
         for attempt in range(attempts):
             try:
-                response = await self._http.request(method, path, json=body, params=params)
+                response = await self._http.request(
+                    method, path, content=content, params=params, headers=headers
+                )
             except httpx.TransportError as e:
                 err: IdemError = Unreachable(f"idem serve did not answer: {e}")
             else:
                 if response.is_success:
                     return response.json()
-                err = _core.error_of(response)
+                err = _core.error_of(_http.of_httpx(response))
             retryable = err.code in _core.RETRYABLE and (repeatable or err.code != "unreachable")
             if not retryable or attempt + 1 == attempts:
                 raise err

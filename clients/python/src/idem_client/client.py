@@ -1,8 +1,11 @@
-"""The client of `idem serve`, blocking (on ``httpx.Client``)."""
+"""The client of `idem serve`, blocking (on ``http.client``, or an ``httpx.Client`` given)."""
 
 from __future__ import annotations
 
 import functools
+import heapq
+import itertools
+import json
 import threading
 import time
 from types import TracebackType
@@ -10,7 +13,7 @@ from typing import Any, Callable, TypeVar
 
 import httpx
 
-from . import _core
+from . import _core, _http
 from ._core import Acquired, Lease, Replay, Step
 from .errors import (
     BadInput,
@@ -32,6 +35,10 @@ class Idem:
 
     Its own calls are retried, with backoff and the server's ``Retry-After``, when the server
     or its store is unavailable or cannot be reached (``attempts`` tries in all).
+
+    It keeps a pool of keep-alive connections on Python's ``http.client`` and may be shared
+    by threads. ``client``: an ``httpx.Client`` to call through instead (its base URL, headers,
+    timeouts, proxies and TLS settings are used as they are, and it is left open on close).
     """
 
     def __init__(
@@ -43,15 +50,18 @@ class Idem:
         attempts: int = _core.DEFAULT_ATTEMPTS,
         client: httpx.Client | None = None,
     ) -> None:
-        headers = {"authorization": f"Bearer {api_key}"} if api_key else {}
-        # A client given is used as it is (its base URL, headers and timeouts) and left open.
-        self._owned = client is None
-        self._http = client or httpx.Client(base_url=url, timeout=timeout, headers=headers)
+        self._http: _http.Transport
+        if client is not None:
+            self._http = _http.HttpxTransport(client)
+        else:
+            headers = {"authorization": f"Bearer {api_key}"} if api_key else {}
+            self._http = _http.StdlibTransport(url, timeout, headers)
         self._attempts = max(1, attempts)
+        self._keeper = _Keeper(self)
 
     def close(self) -> None:
-        if self._owned:
-            self._http.close()
+        self._keeper.stop()
+        self._http.close()
 
     def __enter__(self) -> Idem:
         return self
@@ -73,15 +83,16 @@ class Idem:
         server could not be reached or did not answer, if the call is ``repeatable`` (safe to
         send twice: not a token's consume, not a lock's acquire without an owner id)."""
         attempts = attempts or self._attempts
+        content = _core.encode(body)
         for attempt in range(attempts):
             try:
-                response = self._http.request(method, path, json=body, params=params)
-            except httpx.TransportError as e:
+                answer = self._http.request(method, path, content, params, repeatable)
+            except _http.TransportFailure as e:
                 err: IdemError = Unreachable(f"idem serve did not answer: {e}")
             else:
-                if response.is_success:
-                    return response.json()
-                err = _core.error_of(response)
+                if answer.ok:
+                    return json.loads(answer.content)
+                err = _core.error_of(answer)
             retryable = err.code in _core.RETRYABLE and (repeatable or err.code != "unreachable")
             if not retryable or attempt + 1 == attempts:
                 raise err
@@ -309,8 +320,7 @@ class Run:
         self.step_keys: dict[str, str] = {}
         self._settled = False
         self._lost = threading.Event()
-        self._stop = threading.Event()
-        self._keeper: threading.Thread | None = None
+        self._keeper_id = -1
 
     def __enter__(self) -> Run:
         deadline = time.monotonic() + self._wait
@@ -335,23 +345,22 @@ class Run:
         self.steps = {s.name: s for s in outcome.steps}
         self.step_keys = dict(outcome.step_keys)
         if self._keep_alive:
-            self._keeper = threading.Thread(target=self._keep, daemon=True)
-            self._keeper.start()
+            self._idem._keeper.watch(self)
         return self
 
-    def _keep(self) -> None:
-        """Renews the lease every third of its length until the run ends or loses it."""
+    def _renew(self) -> bool:
+        """One try at renewing the lease (the keeper's beat); whether to go on renewing."""
         assert self.lease is not None
-        while not self._stop.wait(self._length / 3):
-            body = _core.renew_body(self.namespace, self.key, self.lease, self._length)
-            try:
-                # One try per beat, so that the run's end never waits on a renewal's retries.
-                self._idem._call("POST", "/v1/records/renew", body, attempts=1)
-            except StaleLease:
-                self._lost.set()
-                return
-            except IdemError:
-                continue  # tried again at the next beat; the lease runs until then
+        body = _core.renew_body(self.namespace, self.key, self.lease, self._length)
+        try:
+            # One try per beat, so that no run's renewal waits on another's retries.
+            self._idem._call("POST", "/v1/records/renew", body, attempts=1)
+        except StaleLease:
+            self._lost.set()
+            return False
+        except IdemError:
+            pass  # tried again at the next beat; the lease runs until then
+        return True
 
     @property
     def lost(self) -> bool:
@@ -404,9 +413,7 @@ class Run:
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
-        self._stop.set()
-        if self._keeper is not None:
-            self._keeper.join()
+        self._idem._keeper.forget(self)
         if self.lease is not None and not self._settled:
             try:
                 self.release()
@@ -414,6 +421,80 @@ class Run:
                 if exc is None:
                     raise
                 # The block's own error matters more; the key comes back when the lease ends.
+
+
+class _Keeper:
+    """Renews the leases of a client's runs in flight, every third of each lease's length, on
+    one thread for all of them (started by the first run that needs it; a thread per run would
+    cost more than a short run's two calls). A renewal is one try per beat: a failed one is
+    tried at the next beat, while the lease still runs."""
+
+    def __init__(self, idem: Idem) -> None:
+        self._idem = idem
+        self._runs: dict[int, Run] = {}
+        # (when, run id): entries of ended runs stay until they come up, or until compacted.
+        self._due: list[tuple[float, int]] = []
+        self._ids = itertools.count()
+        self._wake = threading.Condition()
+        self._thread: threading.Thread | None = None
+        self._stopped = False
+
+    def watch(self, run: Run) -> None:
+        with self._wake:
+            if self._stopped:
+                return
+            run._keeper_id = next(self._ids)
+            self._runs[run._keeper_id] = run
+            when = time.monotonic() + run._length / 3
+            heapq.heappush(self._due, (when, run._keeper_id))
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._loop, name="idem-leases", daemon=True)
+                self._thread.start()
+            elif self._due[0][1] == run._keeper_id:
+                self._wake.notify()
+
+    def forget(self, run: Run) -> None:
+        with self._wake:
+            if self._runs.pop(run._keeper_id, None) is None:
+                return
+            if len(self._due) > 64 and len(self._due) > 4 * len(self._runs):
+                self._due = [e for e in self._due if e[1] in self._runs]
+                heapq.heapify(self._due)
+
+    def stop(self) -> None:
+        with self._wake:
+            self._stopped = True
+            self._runs.clear()
+            self._due.clear()
+            self._wake.notify()
+
+    def _next(self) -> Run | None:
+        """The next run whose renewal is due, when it is; ``None`` once stopped."""
+        with self._wake:
+            while not self._stopped:
+                while self._due and self._due[0][1] not in self._runs:
+                    heapq.heappop(self._due)
+                if not self._due:
+                    self._wake.wait()
+                    continue
+                delay = self._due[0][0] - time.monotonic()
+                if delay > 0:
+                    self._wake.wait(delay)
+                    continue
+                return self._runs[heapq.heappop(self._due)[1]]
+            return None
+
+    def _loop(self) -> None:
+        while (run := self._next()) is not None:
+            going = run._renew()
+            with self._wake:
+                if run._keeper_id not in self._runs:
+                    continue
+                if going:
+                    when = time.monotonic() + run._length / 3
+                    heapq.heappush(self._due, (when, run._keeper_id))
+                else:
+                    del self._runs[run._keeper_id]
 
 
 class Lock:
