@@ -102,7 +102,7 @@ export class Idem {
   /** One call of idem's API, tried again (with backoff and the server's `Retry-After`) while
    * the server or its store is unavailable, or (if `repeatable`: safe to send twice) cannot be
    * reached. */
-  async call<T>(
+  async #call<T>(
     method: "GET" | "POST",
     path: string,
     body?: unknown,
@@ -144,7 +144,7 @@ export class Idem {
     if (options.lease !== undefined) body.lease_ms = ms(options.lease);
     if (options.ttl !== undefined) body.ttl_ms = ms(options.ttl);
     if (options.stepKeys?.length) body.step_keys = options.stepKeys;
-    return this.call("POST", "/v1/records/begin", body);
+    return this.#call("POST", "/v1/records/begin", body);
   }
 
   /** Records step `name` under the lease: done with `output`, or `unknown`. */
@@ -152,32 +152,32 @@ export class Idem {
     const body: Schemas["StepBody"] = unknown
       ? { namespace, key, lease: token(lease), step: name, unknown: true }
       : { namespace, key, lease: token(lease), step: name, output: output ?? null };
-    await this.call("POST", "/v1/records/step", body);
+    await this.#call("POST", "/v1/records/step", body);
   }
 
   /** Extends the lease to `length` seconds from now. Throws `stale_lease` once overtaken. */
   async renew(namespace: string, key: string, lease: Lease | string, length?: number): Promise<Lease> {
     const body: Schemas["RecordRenewBody"] = { namespace, key, lease: token(lease) };
     if (length !== undefined) body.lease_ms = ms(length);
-    return (await this.call<Schemas["Renewed"]>("POST", "/v1/records/renew", body)).lease;
+    return (await this.#call<Schemas["Renewed"]>("POST", "/v1/records/renew", body)).lease;
   }
 
   /** Stores `response` (any JSON) under the lease. */
   async complete(namespace: string, key: string, lease: Lease | string, response: unknown): Promise<void> {
     const body: Schemas["CompleteBody"] = { namespace, key, lease: token(lease), response };
-    await this.call("POST", "/v1/records/complete", body);
+    await this.#call("POST", "/v1/records/complete", body);
   }
 
   /** Gives the key back after a failure that is safe to retry. */
   async release(namespace: string, key: string, lease: Lease | string): Promise<void> {
     const body: Schemas["RecordReleaseBody"] = { namespace, key, lease: token(lease) };
-    await this.call("POST", "/v1/records/release", body);
+    await this.#call("POST", "/v1/records/release", body);
   }
 
   /** The caller's record under `key`, or `undefined`. */
   async record(namespace: string, key: string): Promise<RecordView | undefined> {
     try {
-      return await this.call("GET", `/v1/records/${segment(namespace)}/${segment(key)}`);
+      return await this.#call("GET", `/v1/records/${segment(namespace)}/${segment(key)}`);
     } catch (e) {
       if (IdemError.is(e, "not_found")) return undefined;
       throw e;
@@ -206,7 +206,9 @@ export class Idem {
     const length = options.lease ?? 60;
     const begun = await this.#beginWaiting(namespace, key, options, length);
     if (begun.outcome === "replay") return resultOf(begun.response) as T;
-    const run = new ActiveRun(this, namespace, key, begun.lease, begun.steps, begun.step_keys ?? {});
+    // One try per beat: the next beat tries again, and the run's end never waits on it.
+    const renewOnce = (body: Schemas["RecordRenewBody"]) => this.#call("POST", "/v1/records/renew", body, { attempts: 1 });
+    const run = new ActiveRun(this, renewOnce, namespace, key, begun.lease, begun.steps, begun.step_keys ?? {});
     const keeper = setInterval(() => void run.keepAlive(length), ms(length / 3));
     try {
       let value: T;
@@ -260,18 +262,18 @@ export class Idem {
 
   /** `count` UUIDv7 ids. */
   async uuid7(count = 1): Promise<string[]> {
-    return (await this.call<Schemas["Uuid7Ids"]>("GET", `/v1/ids/uuid7?count=${count}`)).ids;
+    return (await this.#call<Schemas["Uuid7Ids"]>("GET", `/v1/ids/uuid7?count=${count}`)).ids;
   }
 
   /** `count` Snowflake ids, as strings (they pass 2^53). */
   async snowflake(count = 1): Promise<string[]> {
-    const answer = await this.call<Schemas["SnowflakeIds"]>("GET", `/v1/ids/snowflake?count=${count}`);
+    const answer = await this.#call<Schemas["SnowflakeIds"]>("GET", `/v1/ids/snowflake?count=${count}`);
     return answer.id_strings;
   }
 
   /** The next `count` numbers of the caller's sequence `tag`, as strings. */
   async segment(tag: string, count = 1): Promise<string[]> {
-    const answer = await this.call<Schemas["SegmentIds"]>("GET", `/v1/ids/segment/${segment(tag)}?count=${count}`);
+    const answer = await this.#call<Schemas["SegmentIds"]>("GET", `/v1/ids/segment/${segment(tag)}?count=${count}`);
     return answer.id_strings;
   }
 
@@ -279,14 +281,14 @@ export class Idem {
   async issueToken(purpose: string, ttl?: number): Promise<string> {
     const body: Schemas["IssueBody"] = { purpose };
     if (ttl !== undefined) body.ttl_ms = ms(ttl);
-    return (await this.call<Schemas["IssuedToken"]>("POST", "/v1/tokens", body)).token;
+    return (await this.#call<Schemas["IssuedToken"]>("POST", "/v1/tokens", body)).token;
   }
 
   /** Uses the token up; throws `already_used`, `expired`, `wrong_purpose` or `unknown`. */
   async consumeToken(tokenValue: string, purpose: string): Promise<void> {
     const body: Schemas["ConsumeBody"] = { token: tokenValue, purpose };
     // Not repeated after a lost answer: a consumed token would then read as used.
-    await this.call("POST", "/v1/tokens/consume", body, { repeatable: false });
+    await this.#call("POST", "/v1/tokens/consume", body, { repeatable: false });
   }
 
   /** Runs `work` holding the lock `name`, with the fence to send with every write it protects;
@@ -295,12 +297,12 @@ export class Idem {
     const path = `/v1/locks/${segment(name)}`;
     const acquire: Schemas["AcquireBody"] = { lease_ms: ms(options.lease ?? 30), wait_ms: Math.round((options.wait ?? 0) * 1000) };
     // Not repeated after a lost answer: the lock would be held by a handle nobody has.
-    const held = await this.call<Schemas["Holding"]>("POST", `${path}/acquire`, acquire, { repeatable: false });
+    const held = await this.#call<Schemas["Holding"]>("POST", `${path}/acquire`, acquire, { repeatable: false });
     try {
       return await work(held);
     } finally {
       const release: Schemas["LockReleaseBody"] = { lock: held.lock };
-      await this.call("POST", `${path}/release`, release).catch(() => undefined);
+      await this.#call("POST", `${path}/release`, release).catch(() => undefined);
     }
   }
 }
@@ -312,6 +314,7 @@ class ActiveRun implements Run {
 
   constructor(
     readonly idem: Idem,
+    readonly renewOnce: (body: Schemas["RecordRenewBody"]) => Promise<unknown>,
     readonly namespace: string,
     readonly key: string,
     readonly lease: Lease,
@@ -333,9 +336,7 @@ class ActiveRun implements Run {
   async keepAlive(length: number): Promise<void> {
     if (this.#settled || this.lost) return;
     try {
-      // One try per beat: the next beat tries again, and the run's end never waits on it.
-      const body: Schemas["RecordRenewBody"] = { namespace: this.namespace, key: this.key, lease: this.lease.id, lease_ms: ms(length) };
-      await this.idem.call("POST", "/v1/records/renew", body, { attempts: 1 });
+      await this.renewOnce({ namespace: this.namespace, key: this.key, lease: this.lease.id, lease_ms: ms(length) });
     } catch (e) {
       if (IdemError.is(e, "stale_lease")) this.lost = true;
       // Anything else: tried again at the next beat; the lease runs until then.

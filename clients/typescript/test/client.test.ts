@@ -10,7 +10,7 @@ import { join } from "node:path";
 import { after, before, describe, test } from "node:test";
 import { createInterface } from "node:readline";
 
-import { Idem, IdemError, NOT_KEPT, PreviousFailure, PROBLEM_CODES } from "../src/index.js";
+import { Idem, IdemError, LeaseLost, NOT_KEPT, PreviousFailure, PROBLEM_CODES } from "../src/index.js";
 import { KEYS, ROOT, ns, serve, type Served } from "./server.js";
 
 let server: Served | undefined;
@@ -46,6 +46,22 @@ describe("once", () => {
       idem.once("o-1", work, { namespace, request: { amount: 2 } }),
       (e) => IdemError.is(e, "fingerprint_mismatch"),
     );
+  });
+
+  live("a storm of 400 calls over 8 keys runs each key once", async () => {
+    const namespace = ns();
+    const runs = new Map<string, number>();
+    const work = (key: string) => async () => {
+      runs.set(key, (runs.get(key) ?? 0) + 1);
+      await new Promise((r) => setTimeout(r, 100));
+      return { key, run: runs.get(key) };
+    };
+    const calls = Array.from({ length: 400 }, (_, i) => {
+      const key = `k-${i % 8}`;
+      return idem.once(key, work(key), { namespace, request: { key } }).then((result) => ({ key, result }));
+    });
+    for (const { key, result } of await Promise.all(calls)) assert.deepEqual(result, { key, run: 1 });
+    assert.deepEqual([...runs.values()], Array(8).fill(1));
   });
 
   live("a permanent failure is kept; any other releases the key", async () => {
@@ -128,27 +144,52 @@ describe("results", () => {
 });
 
 describe("steps", () => {
-  live("a process killed after its first step is resumed without running it again", async () => {
+  live("a process killed after each step is resumed each time without running it again", async () => {
     const namespace = ns();
     const effects = join(mkdtempSync(join(tmpdir(), "idem-ts-")), "effects");
-    const child = spawn(process.execPath, [join(import.meta.dirname, "child.js"), server!.url, KEYS.shop, namespace, effects], {
-      stdio: ["ignore", "pipe", "inherit"],
-    });
-    const line = await new Promise<string>((ok) => createInterface({ input: child.stdout! }).once("line", ok));
-    assert.equal(line, "debited");
-    child.kill("SIGKILL");
+    // Three workers in turn, each killed after recording one step: the next takes the key
+    // over once the killed one's lease (1 s, renewed no more) ends, and does the next step.
+    for (const expected of ["debit", "fee"]) {
+      const child = spawn(process.execPath, [join(import.meta.dirname, "child.js"), server!.url, KEYS.shop, namespace, effects], {
+        stdio: ["ignore", "pipe", "inherit"],
+      });
+      const line = await new Promise<string>((ok) => createInterface({ input: child.stdout! }).once("line", ok));
+      assert.equal(line, expected);
+      child.kill("SIGKILL");
+    }
     const effect = (name: string) => {
       appendFileSync(effects, `${name}\n`);
       return { done: name };
     };
     const result = await idem.run("transfer-1", { namespace, request: { amount: 100 }, wait: 10 }, async (run) => {
       assert.equal(run.steps.get("debit")?.outcome, "done");
+      assert.equal(run.steps.get("fee")?.outcome, "done");
       const debit = await run.step("debit", () => effect("debit"));
+      const fee = await run.step("fee", () => effect("fee"));
       const credit = await run.step("credit", () => effect("credit"));
-      return { debit, credit };
+      return { debit, fee, credit };
     });
-    assert.deepEqual(result, { debit: { done: "debit" }, credit: { done: "credit" } });
-    assert.deepEqual(readFileSync(effects, "utf8").trim().split("\n"), ["debit", "credit"]);
+    assert.deepEqual(result, { debit: { done: "debit" }, fee: { done: "fee" }, credit: { done: "credit" } });
+    assert.deepEqual(readFileSync(effects, "utf8").trim().split("\n"), ["debit", "fee", "credit"]);
+  });
+
+  live("a run sees that its key was taken over, and its result is not kept", async () => {
+    const namespace = ns();
+    await assert.rejects(
+      idem.run("k", { namespace, lease: 0.6 }, async (run) => {
+        assert.equal(run.lost, false);
+        // Another attempt takes the key: this run's lease is given back behind its back.
+        await idem.release(namespace, "k", run.lease);
+        const other = await idem.begin(namespace, "k");
+        assert.equal(other.outcome, "acquired");
+        for (let i = 0; i < 100 && !run.lost; i++) await new Promise((r) => setTimeout(r, 50));
+        assert.equal(run.lost, true); // seen by the renewal
+        if (other.outcome === "acquired") await idem.complete(namespace, "k", other.lease, "the other's");
+        return "mine";
+      }),
+      LeaseLost,
+    );
+    assert.equal((await idem.record(namespace, "k"))?.response, "the other's");
   });
 });
 
