@@ -242,9 +242,33 @@ async fn a_message_over_the_limit_is_resource_exhausted() {
     let (_, ch) = bank_with(required().max_body(64)).await;
     let mut message = transfer(1, "");
     message.request_id = "r".repeat(100);
+    let result = call(&ch, TRANSFER, message, &[("idempotency-key", "k")]).await;
+    // The problem's extension members travel in the ErrorInfo's metadata.
+    let info = result.as_ref().unwrap_err().get_details_error_info().unwrap();
+    assert_eq!(info.metadata.get("max_body").map(String::as_str), Some("64"));
     assert_eq!(
-        refusal(call(&ch, TRANSFER, message, &[("idempotency-key", "k")]).await),
+        refusal(result),
         (Code::ResourceExhausted, "body_too_large".into())
+    );
+}
+
+#[tokio::test]
+async fn the_key_can_come_in_metadata_of_another_name() {
+    let layer = GrpcIdempotencyLayer::new(Arc::new(MemoryStore::new()), required())
+        .method(TRANSFER)
+        .key_metadata(http::HeaderName::from_static("x-request-id"));
+    let (bank, ch) = bank_behind(layer).await;
+    let first = answer(call(&ch, TRANSFER, transfer(1, ""), &[("x-request-id", "r1")]).await);
+    let again = call(&ch, TRANSFER, transfer(1, ""), &[("x-request-id", "r1")])
+        .await
+        .unwrap();
+    assert!(replayed(&again));
+    assert_eq!(again.into_inner().answer, first);
+    assert_eq!(bank.ledger.repeated(), 0);
+    // The default name is not read any more: without the configured one, the key is missing.
+    assert_eq!(
+        refusal(call(&ch, TRANSFER, transfer(1, ""), &[("idempotency-key", "r1")]).await),
+        (Code::InvalidArgument, "idempotency_key_missing".into())
     );
 }
 
