@@ -14,9 +14,10 @@ number, the payload (fingerprinted) the order. Scenarios, each for DURATION seco
 A failed check prints to stderr and exits 1. Output: one JSON line per scenario, as the peers'.
 
 Beside the client, the same two calls written by hand (no retries, no lease renewal, no
-fingerprint options), to show where the time goes: "httpx-by-hand" on the client's own
-transport (httpx.Client, keep-alive), and "stdlib-by-hand" on Python's http.client (one
-keep-alive connection), the leanest HTTP a Python program has.
+fingerprint options), to show where the time goes: "stdlib-by-hand" on Python's http.client
+(one keep-alive connection), the blocking client's transport and the leanest HTTP a Python
+program has, and "httpx-by-hand" on httpx.Client (keep-alive), which the client uses when
+given one.
 
 Env: IDEM_URL (the idem serve to call), IDEM_API_KEY (none), DURATION (5).
 """

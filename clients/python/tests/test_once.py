@@ -225,3 +225,27 @@ def test_a_storm_over_many_keys_runs_each_once(idem: Idem, ns: str) -> None:
         results = list(pool.map(work, keys))
     assert results == [{"key": k, "run": 1} for k in keys]
     assert runs == {f"k-{i}": 1 for i in range(8)}
+
+
+def test_the_keepers_thread_ends_when_idle_and_comes_back(
+    server: str, ns: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from idem_client import client as blocking
+
+    from conftest import KEYS
+
+    monkeypatch.setattr(blocking, "_KEEPER_IDLE", 0.2)
+    idem = Idem(server, api_key=KEYS["shop"])  # never closed, as a careless program leaves one
+    # Its renewal would come up after 0.1 s; found ended then, the thread is idle.
+    with idem.run(ns, "first", request=1, lease=0.3) as run:
+        run.complete(1)
+    thread = idem._keeper._thread
+    assert thread is not None
+    thread.join(5)
+    assert not thread.is_alive() and idem._keeper._thread is None
+    # The next run starts it again: its short lease is kept alive past its length.
+    with idem.run(ns, "second", request=2, lease=0.6) as run:
+        time.sleep(1.2)
+        with pytest.raises(InProgress):
+            idem.begin(ns, "second", request=2)
+        run.complete(2)

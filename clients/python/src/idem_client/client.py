@@ -423,6 +423,11 @@ class Run:
                 # The block's own error matters more; the key comes back when the lease ends.
 
 
+#: How long the lease keeper's thread waits with no run to renew before it ends, in seconds
+#: (counted from when the last run's next renewal would have come up).
+_KEEPER_IDLE = 10.0
+
+
 class _Keeper:
     """Renews the leases of a client's runs in flight, every third of each lease's length, on
     one thread for all of them (started by the first run that needs it; a thread per run would
@@ -469,13 +474,18 @@ class _Keeper:
             self._wake.notify()
 
     def _next(self) -> Run | None:
-        """The next run whose renewal is due, when it is; ``None`` once stopped."""
+        """The next run whose renewal is due, when it is; ``None`` once stopped or idle (the
+        thread then ends)."""
         with self._wake:
             while not self._stopped:
                 while self._due and self._due[0][1] not in self._runs:
                     heapq.heappop(self._due)
                 if not self._due:
-                    self._wake.wait()
+                    # A client left without close() must not keep a thread for ever: with no
+                    # run to renew for a while, the thread ends (the next run starts another).
+                    if not self._wake.wait(_KEEPER_IDLE) and not self._due:
+                        self._thread = None
+                        return None
                     continue
                 delay = self._due[0][0] - time.monotonic()
                 if delay > 0:
