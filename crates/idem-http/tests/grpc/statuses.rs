@@ -244,8 +244,15 @@ async fn a_message_over_the_limit_is_resource_exhausted() {
     message.request_id = "r".repeat(100);
     let result = call(&ch, TRANSFER, message, &[("idempotency-key", "k")]).await;
     // The problem's extension members travel in the ErrorInfo's metadata.
-    let info = result.as_ref().unwrap_err().get_details_error_info().unwrap();
-    assert_eq!(info.metadata.get("max_body").map(String::as_str), Some("64"));
+    let info = result
+        .as_ref()
+        .unwrap_err()
+        .get_details_error_info()
+        .unwrap();
+    assert_eq!(
+        info.metadata.get("max_body").map(String::as_str),
+        Some("64")
+    );
     assert_eq!(
         refusal(result),
         (Code::ResourceExhausted, "body_too_large".into())
