@@ -3,11 +3,14 @@ callers on one key, waiting for an attempt in flight, lease renewal, and locks."
 
 from __future__ import annotations
 
+import json
+import os
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import Any, Callable
 
+import httpx
 import pytest
 
 from idem_client import Acquired, Idem, LeaseLost, PreviousFailure
@@ -154,8 +157,8 @@ def test_arguments_that_are_not_json_need_a_payload(idem: Idem, ns: str) -> None
     assert runs == []
 
 
-def test_one_thread_keeps_every_run_alive(idem: Idem, ns: str) -> None:
-    # Eight runs with 0.6 s leases, each working 1.5 s: all kept alive, by one thread.
+def test_every_run_is_kept_alive(idem: Idem, ns: str) -> None:
+    # Eight runs with 0.6 s leases, each working 1.5 s, on one client: all kept alive.
     done = []
 
     def work(n: int) -> None:
@@ -169,8 +172,23 @@ def test_one_thread_keeps_every_run_alive(idem: Idem, ns: str) -> None:
     with ThreadPoolExecutor(8) as pool:
         list(pool.map(work, range(8)))
     assert sorted(done) == list(range(8))
-    keepers = [t for t in threading.enumerate() if t.name == "idem-leases"]
-    assert len(keepers) == 1
+
+
+def test_a_short_lease_is_kept_while_the_keeper_waits_for_a_long_one(idem: Idem, ns: str) -> None:
+    with idem.run(ns, "long", request=1, lease=60):
+        # The keeper now waits 20 s for the long lease's renewal; a shorter one comes first.
+        with idem.run(ns, "short", request=1, lease=0.6) as run:
+            time.sleep(1.5)
+            with pytest.raises(InProgress):
+                idem.begin(ns, "short", request=1)
+            run.complete("kept")
+
+
+def test_a_settled_run_is_renewed_no_more(idem: Idem, ns: str) -> None:
+    with idem.run(ns, "k", request=1, lease=0.3) as run:
+        run.complete("done")
+    time.sleep(0.5)  # past its renewal's beat: a renewal of a settled record would be stale
+    assert not run.lost
 
 
 def test_a_run_sees_that_its_key_was_taken_over(idem: Idem, ns: str) -> None:
@@ -249,3 +267,84 @@ def test_the_keepers_thread_ends_when_idle_and_comes_back(
         with pytest.raises(InProgress):
             idem.begin(ns, "second", request=2)
         run.complete(2)
+
+
+def fake_idem(renew: Callable[[str, int], httpx.Response]) -> Idem:
+    """A client of a fake server that hands out leases and answers renewals with
+    ``renew(key, nth renewal of that key)``."""
+    counts: dict[str, int] = {}
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        body = json.loads(request.content)
+        if request.url.path == "/v1/records/begin":
+            lease = {"id": f"1.{body['key']}", "fence": 1, "expires_at": "2030-01-01T00:00:00Z"}
+            return httpx.Response(200, json={"outcome": "acquired", "lease": lease, "steps": []})
+        if request.url.path == "/v1/records/renew":
+            counts[body["key"]] = counts.get(body["key"], 0) + 1
+            return renew(body["key"], counts[body["key"]])
+        return httpx.Response(200, json={})
+
+    client = httpx.Client(base_url="http://idem", transport=httpx.MockTransport(handler))
+    return Idem(client=client, attempts=1)
+
+
+def test_an_answer_not_understood_does_not_stop_the_renewals() -> None:
+    renewals: list[str] = []
+
+    def renew(key: str, n: int) -> httpx.Response:
+        renewals.append(key)
+        if n == 1:
+            return httpx.Response(200, text="<html>a proxy's page</html>")
+        return httpx.Response(200, json={"lease": {"id": "x", "fence": 1, "expires_at": "z"}})
+
+    idem = fake_idem(renew)
+    with idem.run("n", "first", request=1, lease=0.3) as run:
+        time.sleep(0.7)  # beats every 0.1 s
+        run.complete(1)
+    with idem.run("n", "second", request=1, lease=0.3) as run:
+        time.sleep(0.5)
+        run.complete(1)
+    assert renewals.count("first") >= 3
+    assert renewals.count("second") >= 2
+
+
+def test_a_slow_renewal_holds_up_no_other_run() -> None:
+    renewals: list[str] = []
+
+    def renew(key: str, n: int) -> httpx.Response:
+        renewals.append(key)
+        if key == "slow":
+            time.sleep(2)
+        return httpx.Response(200, json={"lease": {"id": "x", "fence": 1, "expires_at": "z"}})
+
+    idem = fake_idem(renew)
+    with idem.run("n", "slow", request=1, lease=0.3):
+        time.sleep(0.15)  # the slow run's renewal is under way
+        with idem.run("n", "fast", request=1, lease=0.3) as fast:
+            time.sleep(1.0)
+            fast.complete(1)
+    assert renewals.count("fast") >= 5
+
+
+def test_a_forked_child_keeps_its_own_runs_alive(server: str, ns: str) -> None:
+    from conftest import KEYS
+
+    with Idem(server, api_key=KEYS["shop"]) as idem:
+        with idem.run(ns, "parent", request=1, lease=0.6) as run:  # starts the keeper
+            run.complete(1)
+        pid = os.fork()
+        if pid == 0:  # the child: a run past its lease, then whether another attempt was held off
+            code = 1
+            try:
+                with idem.run(ns, "child", request=1, lease=0.6) as run:
+                    time.sleep(1.5)
+                    try:
+                        idem.begin(ns, "child", request=1)
+                    except InProgress:
+                        code = 0
+                    run.complete(1)
+            finally:
+                os._exit(code)
+        _, status = os.waitpid(pid, 0)
+        assert os.waitstatus_to_exitcode(status) == 0
+        assert idem.uuid7() != []  # the parent's connections still work

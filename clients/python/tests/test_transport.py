@@ -15,8 +15,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from idem_client import Idem
-from idem_client.errors import Unreachable
+from idem_client import Acquired, Idem
+from idem_client.errors import BodyTooLarge, Unreachable
 
 
 class OneAnswerPerConnection(BaseHTTPRequestHandler):
@@ -63,56 +63,150 @@ def test_a_connection_the_server_closed_is_not_reused(closing_server: str) -> No
     ] * 5
 
 
+def certificate(tmp_path: Path, name: str, san: str) -> tuple[Path, Path]:
+    cert, key = tmp_path / f"{name}.pem", tmp_path / f"{name}.key"
+    subprocess.run(
+        ["openssl", "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:P-256",
+         "-nodes", "-days", "1", "-subj", f"/CN={name}", "-addext", f"subjectAltName={san}",
+         "-keyout", str(key), "-out", str(cert)],
+        check=True,
+        capture_output=True,
+    )
+    return cert, key
+
+
 def test_https_is_verified_against_the_trusted_certificates(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     if shutil.which("openssl") is None:
         pytest.skip("no openssl to make a certificate with")
-    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
-    subprocess.run(
-        ["openssl", "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:P-256",
-         "-nodes", "-days", "1", "-subj", "/CN=idem-test", "-addext", "subjectAltName=IP:127.0.0.1",
-         "-keyout", str(key), "-out", str(cert)],
-        check=True,
-        capture_output=True,
-    )
-    OneAnswerPerConnection.seen = []
-    server = ThreadingHTTPServer(("127.0.0.1", 0), OneAnswerPerConnection)
-    tls = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
-    tls.load_cert_chain(cert, key)
-    server.socket = tls.wrap_socket(server.socket, server_side=True)
+    for name, san, trusted, hint in [
+        ("untrusted", "IP:127.0.0.1", False, "CERTIFICATE_VERIFY_FAILED"),
+        ("other-host", "DNS:other.invalid", True, "mismatch"),
+        ("right", "IP:127.0.0.1", True, None),
+    ]:
+        cert, key = certificate(tmp_path, name, san)
+        OneAnswerPerConnection.seen = []
+        server = ThreadingHTTPServer(("127.0.0.1", 0), OneAnswerPerConnection)
+        tls = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+        tls.load_cert_chain(cert, key)
+        server.socket = tls.wrap_socket(server.socket, server_side=True)
+        threading.Thread(target=server.serve_forever, daemon=True).start()
+        url = f"https://127.0.0.1:{server.server_address[1]}"
+        if trusted:
+            monkeypatch.setenv("SSL_CERT_FILE", str(cert))
+        else:
+            monkeypatch.delenv("SSL_CERT_FILE", raising=False)
+        try:
+            with Idem(url, attempts=1) as idem:
+                if hint is None:
+                    assert idem.snowflake() == [1]
+                else:
+                    # Refused in the handshake: nothing was sent.
+                    with pytest.raises(Unreachable, match=hint):
+                        idem.snowflake()
+                    assert OneAnswerPerConnection.seen == []
+        finally:
+            server.shutdown()
+            server.server_close()
+
+
+class KeepAlive(BaseHTTPRequestHandler):
+    """Answers every request on a connection kept open; notes the client's port of each, and
+    sends a 103 ahead of the answer when told (``early_hints``)."""
+
+    protocol_version = "HTTP/1.1"
+    ports: list[int] = []
+    early_hints = 0
+
+    def answer(self) -> None:
+        length = int(self.headers.get("content-length") or 0)
+        self.rfile.read(length)
+        self.ports.append(self.client_address[1])
+        if KeepAlive.early_hints > 0:
+            KeepAlive.early_hints -= 1
+            self.wfile.write(b"HTTP/1.1 103 Early Hints\r\nlink: </x>\r\n\r\n")
+        body = json.dumps({"ids": [len(self.ports)]}).encode()
+        self.send_response(200)
+        self.send_header("content-type", "application/json")
+        self.send_header("content-length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    do_GET = do_POST = answer
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+@pytest.fixture
+def keep_alive() -> Iterator[str]:
+    KeepAlive.ports, KeepAlive.early_hints = [], 0
+    server = ThreadingHTTPServer(("127.0.0.1", 0), KeepAlive)
     threading.Thread(target=server.serve_forever, daemon=True).start()
-    url = f"https://127.0.0.1:{server.server_address[1]}"
     try:
-        # Not trusted: refused, nothing sent past the handshake.
-        with Idem(url, attempts=1) as idem, pytest.raises(Unreachable, match="CERTIFICATE"):
-            idem.snowflake()
-        monkeypatch.setenv("SSL_CERT_FILE", str(cert))
-        with Idem(url, attempts=1) as idem:
-            assert idem.snowflake() == [1]
+        yield f"http://127.0.0.1:{server.server_address[1]}"
     finally:
         server.shutdown()
         server.server_close()
 
 
-def test_connections_are_kept_alive_and_shared_by_threads(idem: Idem) -> None:
-    failures: list[BaseException] = []
+def test_connections_are_kept_alive_and_shared_by_threads(keep_alive: str) -> None:
+    with Idem(keep_alive) as idem:
+        for _ in range(20):
+            idem.snowflake()
+        assert len(set(KeepAlive.ports)) == 1  # one connection, reused
+        failures: list[BaseException] = []
 
-    def calls() -> None:
-        try:
-            for _ in range(20):
-                assert len(idem.uuid7(2)) == 2
-        except BaseException as e:  # noqa: BLE001 (reported by the test)
-            failures.append(e)
+        def calls() -> None:
+            try:
+                for _ in range(20):
+                    assert len(idem.snowflake()) == 1
+            except BaseException as e:  # noqa: BLE001 (reported by the test)
+                failures.append(e)
 
-    threads = [threading.Thread(target=calls) for _ in range(24)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert failures == []
-    pool = idem._http._idle  # type: ignore[attr-defined]
-    assert 1 <= len(pool) <= 16  # kept for reuse, bounded
+        threads = [threading.Thread(target=calls) for _ in range(8)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert failures == []
+        assert len(KeepAlive.ports) == 180
+        assert len(set(KeepAlive.ports)) <= 9  # at most one more per thread calling at once
+
+
+def test_an_informational_answer_alone_does_not_shift_the_answers(keep_alive: str) -> None:
+    KeepAlive.early_hints = 1
+    with Idem(keep_alive, attempts=1) as idem:
+        with pytest.raises(Unreachable, match="informational"):
+            idem.snowflake()
+        # The next call reads its own answer, not the one left behind the 103.
+        assert idem.snowflake() == [2]
+
+
+def test_a_request_too_large_gets_the_servers_refusal(idem: Idem, ns: str) -> None:
+    begun = idem.begin(ns, "big", request=1)
+    assert isinstance(begun, Acquired)
+    # Far past --max-body and the socket buffers: the server answers 413 and closes before
+    # reading it all.
+    with pytest.raises(BodyTooLarge):
+        idem.complete(ns, "big", begun.lease, "x" * (8 << 20))
+    idem.complete(ns, "big", begun.lease, "small")
+
+
+def test_a_closed_client_refuses_calls(keep_alive: str) -> None:
+    idem = Idem(keep_alive)
+    idem.close()
+    with pytest.raises(RuntimeError, match="closed"):
+        idem.snowflake()
+
+
+def test_the_url_and_api_key_are_checked() -> None:
+    for url in ("ftp://example.invalid", "127.0.0.1:7070", "http://u:p@127.0.0.1/", "http://h/?q=1"):
+        with pytest.raises(ValueError):
+            Idem(url)
+    with pytest.raises(ValueError, match="API key"):
+        Idem("http://127.0.0.1:7070", api_key="k\r\nx-evil: 1")
 
 
 def test_an_httpx_client_given_is_used_and_left_open(server: str, ns: str) -> None:
@@ -130,8 +224,3 @@ def test_an_httpx_client_given_is_used_and_left_open(server: str, ns: str) -> No
     assert seen[:2] == ["/v1/records/begin", "/v1/records/complete"]
 
 
-def test_a_url_that_is_not_http_is_refused() -> None:
-    with pytest.raises(ValueError, match="http:// or https://"):
-        Idem("ftp://example.invalid")
-    with pytest.raises(ValueError):
-        Idem("127.0.0.1:7070")

@@ -12,8 +12,8 @@ time. The asyncio client stays on ``httpx.AsyncClient``.
 from __future__ import annotations
 
 import http.client
+import os
 import select
-import socket
 import ssl
 import threading
 from dataclasses import dataclass
@@ -23,7 +23,7 @@ from urllib.parse import urlencode, urlsplit
 import httpx
 
 #: Idle connections kept for reuse; more may be open at once while more threads call.
-POOL_SIZE = 16
+POOL_SIZE = 32
 
 
 @dataclass(frozen=True)
@@ -45,7 +45,7 @@ class TransportFailure(Exception):
 
 
 class _ClosedUnanswered(TransportFailure):
-    """The connection was closed or reset before any answer came."""
+    """The connection was closed or reset before the whole answer came."""
 
 
 class Transport(Protocol):
@@ -67,12 +67,21 @@ def _query(path: str, params: dict[str, Any] | None) -> str:
 
 class StdlibTransport:
     """Keep-alive connections to one ``http``/``https`` origin, on ``http.client``; safe to
-    share between threads (each call takes a connection of its own from the pool)."""
+    share between threads (each call takes a connection of its own from the pool). HTTPS is
+    verified against the system's trusted certificates (``SSL_CERT_FILE`` adds others);
+    proxies are not used (give an ``httpx.Client`` for them)."""
 
     def __init__(self, url: str, timeout: float, headers: dict[str, str]) -> None:
         parts = urlsplit(url)
         if parts.scheme not in ("http", "https") or not parts.hostname:
             raise ValueError(f"idem's URL must be http:// or https:// with a host, not {url!r}")
+        if parts.username is not None or parts.query or parts.fragment:
+            raise ValueError(
+                "idem's URL takes no user, query or fragment (give the API key as api_key)"
+            )
+        for value in headers.values():
+            if not value.isascii() or not value.isprintable():
+                raise ValueError("the API key must be printable ASCII")
         self._https = parts.scheme == "https"
         self._host = parts.hostname
         self._port = parts.port or (443 if self._https else 80)
@@ -85,9 +94,15 @@ class StdlibTransport:
             **headers,
         }
         self._tls = ssl.create_default_context() if self._https else None
+        self._closed = False
+        self._forget_idle()
+
+    def _forget_idle(self) -> None:
+        # Also in a child process after fork: its parent's connections (and a lock another
+        # thread may have held at the fork) are not the child's to use.
+        self._pid = os.getpid()
         self._idle: list[_Http | _Https] = []
         self._lock = threading.Lock()
-        self._closed = False
 
     def request(
         self,
@@ -112,16 +127,26 @@ class StdlibTransport:
     def _exchange(self, conn: _Http | _Https, method: str, target: str, body: bytes | None) -> Answer:
         try:
             conn.request(method, target, body, self._headers)
-            conn.flush()
+            try:
+                conn.flush()
+                broken = False
+            except (BrokenPipeError, ConnectionResetError):
+                # A server that refuses a request (one too large, say) may answer and close
+                # before reading all of it: its answer is still there to read.
+                broken = True
             response = conn.getresponse()
+            if response.status < 200:
+                # http.client skips only 100 Continue; the final answer would be left unread.
+                conn.close()
+                raise TransportFailure(f"an informational answer ({response.status}) came alone")
             answer = Answer(response.status, response.read(), response.getheader("retry-after"))
-        except (http.client.RemoteDisconnected, BrokenPipeError, ConnectionResetError) as e:
+        except _CLOSED as e:
             conn.close()
             raise _ClosedUnanswered(f"{type(e).__name__}: {e}") from e
         except (OSError, http.client.HTTPException) as e:
             conn.close()
             raise TransportFailure(f"{type(e).__name__}: {e}") from e
-        if response.will_close:
+        if broken or response.will_close:
             conn.close()
         else:
             self._give_back(conn)
@@ -129,6 +154,10 @@ class StdlibTransport:
 
     def _take(self) -> tuple[_Http | _Https, bool]:
         """A connection: an idle one still usable (and ``True``), else a new one."""
+        if self._closed:
+            raise RuntimeError("this idem client is closed")
+        if self._pid != os.getpid():
+            self._forget_idle()
         with self._lock:
             while self._idle:
                 conn = self._idle.pop()
@@ -157,6 +186,15 @@ class StdlibTransport:
             conn.close()
 
 
+#: A connection closed or reset before the whole answer came.
+_CLOSED = (
+    http.client.RemoteDisconnected,
+    BrokenPipeError,
+    ConnectionResetError,
+    ConnectionAbortedError,
+)
+
+
 def _usable(conn: http.client.HTTPConnection) -> bool:
     """Whether an idle connection can carry another request: still open, and nothing to read
     on it (a readable idle socket is one the server closed, or sent something unasked)."""
@@ -164,6 +202,10 @@ def _usable(conn: http.client.HTTPConnection) -> bool:
     if sock is None:
         return False
     try:
+        if hasattr(select, "poll"):  # any descriptor number, unlike select()
+            poll = select.poll()
+            poll.register(sock, select.POLLIN)
+            return not poll.poll(0)
         readable, _, _ = select.select([sock], [], [], 0)
     except (OSError, ValueError):
         return False
@@ -184,10 +226,6 @@ class _Whole:
     def flush(self) -> None:
         data, self._parts = b"".join(self._parts), []
         super().send(data)  # type: ignore[misc]
-
-    def connect(self) -> None:
-        super().connect()  # type: ignore[misc]
-        self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # type: ignore[attr-defined]
 
 
 class _Http(_Whole, http.client.HTTPConnection):

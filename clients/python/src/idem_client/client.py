@@ -6,6 +6,7 @@ import functools
 import heapq
 import itertools
 import json
+import os
 import threading
 import time
 from types import TracebackType
@@ -58,8 +59,11 @@ class Idem:
             self._http = _http.StdlibTransport(url, timeout, headers)
         self._attempts = max(1, attempts)
         self._keeper = _Keeper(self)
+        self._closed = False
 
     def close(self) -> None:
+        """Closes the connections and stops renewing leases; the client cannot be used after."""
+        self._closed = True
         self._keeper.stop()
         self._http.close()
 
@@ -82,6 +86,8 @@ class Idem:
         """One call, tried again while the server or its store is unavailable; also when the
         server could not be reached or did not answer, if the call is ``repeatable`` (safe to
         send twice: not a token's consume, not a lock's acquire without an owner id)."""
+        if self._closed:
+            raise RuntimeError("this idem client is closed")
         attempts = attempts or self._attempts
         content = _core.encode(body)
         for attempt in range(attempts):
@@ -429,13 +435,21 @@ _KEEPER_IDLE = 10.0
 
 
 class _Keeper:
-    """Renews the leases of a client's runs in flight, every third of each lease's length, on
-    one thread for all of them (started by the first run that needs it; a thread per run would
-    cost more than a short run's two calls). A renewal is one try per beat: a failed one is
-    tried at the next beat, while the lease still runs."""
+    """Renews the leases of a client's runs in flight, every third of each lease's length.
+
+    One thread keeps the schedule for all of them (started by the first run that needs it,
+    ended when idle): a thread per run would cost more than a short run's two calls. Each
+    renewal that comes due is sent from a short-lived thread of its own, so a slow one holds up
+    no other run's; a run has at most one renewal in flight. A renewal is one try per beat: a
+    failed one is tried at the next beat, while the lease still runs."""
 
     def __init__(self, idem: Idem) -> None:
         self._idem = idem
+        self._reset()
+
+    def _reset(self) -> None:
+        # Also in a child process after fork: the parent's thread and runs are not the child's.
+        self._pid = os.getpid()
         self._runs: dict[int, Run] = {}
         # (when, run id): entries of ended runs stay until they come up, or until compacted.
         self._due: list[tuple[float, int]] = []
@@ -445,18 +459,23 @@ class _Keeper:
         self._stopped = False
 
     def watch(self, run: Run) -> None:
+        if self._pid != os.getpid():
+            self._reset()
         with self._wake:
             if self._stopped:
-                return
+                raise RuntimeError("this idem client is closed")
             run._keeper_id = next(self._ids)
             self._runs[run._keeper_id] = run
-            when = time.monotonic() + run._length / 3
-            heapq.heappush(self._due, (when, run._keeper_id))
+            self._schedule(run)
             if self._thread is None:
                 self._thread = threading.Thread(target=self._loop, name="idem-leases", daemon=True)
                 self._thread.start()
-            elif self._due[0][1] == run._keeper_id:
-                self._wake.notify()
+
+    def _schedule(self, run: Run) -> None:
+        """Puts the run's next renewal on the schedule (the lock held)."""
+        heapq.heappush(self._due, (time.monotonic() + run._length / 3, run._keeper_id))
+        if self._due[0][1] == run._keeper_id:
+            self._wake.notify()  # sooner than what the thread waits for
 
     def forget(self, run: Run) -> None:
         with self._wake:
@@ -484,27 +503,37 @@ class _Keeper:
                     # A client left without close() must not keep a thread for ever: with no
                     # run to renew for a while, the thread ends (the next run starts another).
                     if not self._wake.wait(_KEEPER_IDLE) and not self._due:
-                        self._thread = None
-                        return None
+                        break
                     continue
                 delay = self._due[0][0] - time.monotonic()
                 if delay > 0:
                     self._wake.wait(delay)
                     continue
                 return self._runs[heapq.heappop(self._due)[1]]
+            self._thread = None
             return None
 
     def _loop(self) -> None:
-        while (run := self._next()) is not None:
-            going = run._renew()
+        try:
+            while (run := self._next()) is not None:
+                threading.Thread(target=self._renew, args=(run,), daemon=True).start()
+        finally:
             with self._wake:
-                if run._keeper_id not in self._runs:
-                    continue
-                if going:
-                    when = time.monotonic() + run._length / 3
-                    heapq.heappush(self._due, (when, run._keeper_id))
-                else:
-                    del self._runs[run._keeper_id]
+                if self._thread is threading.current_thread():
+                    self._thread = None
+
+    def _renew(self, run: Run) -> None:
+        try:
+            going = run._renew()
+        except Exception:  # an answer not understood (not JSON, say): tried at the next beat
+            going = True
+        with self._wake:
+            if run._keeper_id not in self._runs:
+                return
+            if going:
+                self._schedule(run)
+            else:
+                del self._runs[run._keeper_id]
 
 
 class Lock:
