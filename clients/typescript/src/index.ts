@@ -314,7 +314,7 @@ class ActiveRun implements Run {
 
   constructor(
     readonly idem: Idem,
-    readonly renewOnce: (body: Schemas["RecordRenewBody"]) => Promise<unknown>,
+    private readonly renewOnce: (body: Schemas["RecordRenewBody"]) => Promise<unknown>,
     readonly namespace: string,
     readonly key: string,
     readonly lease: Lease,
