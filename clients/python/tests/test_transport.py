@@ -3,8 +3,11 @@ server closed them, and an ``httpx.Client`` taken instead when one is given."""
 
 from __future__ import annotations
 
+import itertools
 import json
+import re
 import shutil
+import socket
 import ssl
 import subprocess
 import threading
@@ -112,20 +115,15 @@ def test_https_is_verified_against_the_trusted_certificates(
 
 
 class KeepAlive(BaseHTTPRequestHandler):
-    """Answers every request on a connection kept open; notes the client's port of each, and
-    sends a 103 ahead of the answer when told (``early_hints``)."""
+    """Answers every request on a connection kept open; notes the client's port of each."""
 
     protocol_version = "HTTP/1.1"
     ports: list[int] = []
-    early_hints = 0
 
     def answer(self) -> None:
         length = int(self.headers.get("content-length") or 0)
         self.rfile.read(length)
         self.ports.append(self.client_address[1])
-        if KeepAlive.early_hints > 0:
-            KeepAlive.early_hints -= 1
-            self.wfile.write(b"HTTP/1.1 103 Early Hints\r\nlink: </x>\r\n\r\n")
         body = json.dumps({"ids": [len(self.ports)]}).encode()
         self.send_response(200)
         self.send_header("content-type", "application/json")
@@ -141,7 +139,7 @@ class KeepAlive(BaseHTTPRequestHandler):
 
 @pytest.fixture
 def keep_alive() -> Iterator[str]:
-    KeepAlive.ports, KeepAlive.early_hints = [], 0
+    KeepAlive.ports = []
     server = ThreadingHTTPServer(("127.0.0.1", 0), KeepAlive)
     threading.Thread(target=server.serve_forever, daemon=True).start()
     try:
@@ -175,13 +173,102 @@ def test_connections_are_kept_alive_and_shared_by_threads(keep_alive: str) -> No
         assert len(set(KeepAlive.ports)) <= 9  # at most one more per thread calling at once
 
 
-def test_an_informational_answer_alone_does_not_shift_the_answers(keep_alive: str) -> None:
-    KeepAlive.early_hints = 1
-    with Idem(keep_alive, attempts=1) as idem:
-        with pytest.raises(Unreachable, match="informational"):
-            idem.snowflake()
-        # The next call reads its own answer, not the one left behind the 103.
-        assert idem.snowflake() == [2]
+class Canned:
+    """A server on a raw socket that answers each request with the next of ``answers`` (bytes
+    as they go on the wire, and whether to close the connection after), noting each request's
+    line and which connection it came on."""
+
+    def __init__(self, answers: list[tuple[bytes, bool]]) -> None:
+        self.answers = answers
+        self.seen: list[tuple[int, bytes]] = []
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{self.listener.getsockname()[1]}"
+        threading.Thread(target=self.serve, daemon=True).start()
+
+    def serve(self) -> None:
+        for n in itertools.count():
+            try:
+                conn, _ = self.listener.accept()
+            except OSError:
+                return
+            threading.Thread(target=self.connection, args=(n, conn), daemon=True).start()
+
+    def connection(self, n: int, conn: socket.socket) -> None:
+        with conn:
+            buf = b""
+            while self.answers:
+                while b"\r\n\r\n" not in buf:
+                    data = conn.recv(65536)
+                    if not data:
+                        return
+                    buf += data
+                head, _, buf = buf.partition(b"\r\n\r\n")
+                length = re.search(rb"content-length: (\d+)", head)
+                buf = buf[int(length.group(1)) if length else 0 :]
+                self.seen.append((n, head.split(b"\r\n")[0]))
+                answer, close = self.answers.pop(0)
+                conn.sendall(answer)
+                if close:
+                    return
+
+    def close(self) -> None:
+        self.listener.close()
+
+
+def ids(n: int) -> bytes:
+    return json.dumps({"ids": [n]}).encode()
+
+
+def test_answers_of_every_framing_are_read() -> None:
+    chunked = ids(2)
+    server = Canned(
+        [
+            # A length, after two informational answers.
+            (b"HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 103 Early Hints\r\nlink: </a>\r\n\r\n"
+             b"HTTP/1.1 200 OK\r\nContent-Length: 12\r\n\r\n" + ids(1), False),
+            # Chunked, with an extension and a trailer.
+            (b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n"
+             + b"5;x=y\r\n" + chunked[:5] + b"\r\n" + f"{len(chunked) - 5:x}".encode() + b"\r\n"
+             + chunked[5:] + b"\r\n0\r\nx-t: 1\r\n\r\n", False),
+            # Ended by the close (no length): the next call needs a new connection.
+            (b"HTTP/1.1 200 OK\r\n\r\n" + ids(3), True),
+            # Connection: close said, and done.
+            (b"HTTP/1.1 200 OK\r\nConnection: close\r\nContent-Length: 12\r\n\r\n" + ids(4), True),
+            # HTTP/1.0 without keep-alive.
+            (b"HTTP/1.0 200 OK\r\nContent-Length: 12\r\n\r\n" + ids(5), True),
+            (b"HTTP/1.1 200 OK\r\nContent-Length: 12\r\n\r\n" + ids(6), False),
+        ]
+    )
+    try:
+        with Idem(server.url, attempts=1) as idem:
+            assert [idem.snowflake() for _ in range(6)] == [[1], [2], [3], [4], [5], [6]]
+        connections = [n for n, _ in server.seen]
+        assert connections == [0, 0, 0, 1, 2, 3]
+    finally:
+        server.close()
+
+
+def test_a_malformed_answer_is_unreachable_and_its_connection_dropped() -> None:
+    for bad in [
+        b"SPDY/3 200 OK\r\n\r\n",
+        b"HTTP/1.1 2x0 OK\r\n\r\n",
+        b"HTTP/1.1 200 OK\r\nno colon here\r\n\r\n",
+        b"HTTP/1.1 200 OK\r\nContent-Length: 5\r\nContent-Length: 6\r\n\r\n",
+        b"HTTP/1.1 200 OK\r\nContent-Length: -1\r\n\r\n",
+        b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\n",
+        b"HTTP/1.1 200 OK\r\nx: " + b"y" * (70 << 10) + b"\r\n\r\n",
+        b"HTTP/1.1 101 Switching Protocols\r\nUpgrade: h2c\r\n\r\n",
+    ]:
+        good = b"HTTP/1.1 200 OK\r\nContent-Length: 12\r\n\r\n" + ids(7)
+        server = Canned([(bad, False), (good, False)])
+        try:
+            with Idem(server.url, attempts=1) as idem:
+                with pytest.raises(Unreachable):
+                    idem.snowflake()
+                assert idem.snowflake() == [7], bad[:40]
+            assert [n for n, _ in server.seen] == [0, 1]  # a new connection after the bad one
+        finally:
+            server.close()
 
 
 def test_a_request_too_large_gets_the_servers_refusal(idem: Idem, ns: str) -> None:

@@ -1,19 +1,21 @@
-"""How the blocking client talks HTTP: a pool of keep-alive connections on the standard
-library's ``http.client`` by default, or an ``httpx.Client`` the caller gives.
+"""How the blocking client talks HTTP: a pool of keep-alive HTTP/1.1 connections of its own
+by default, or an ``httpx.Client`` the caller gives.
 
-Why not httpx by default: on one caller, a call of idem's API through ``httpx.Client`` costs
-about three times what the same call costs on ``http.client`` (httpx's request and response
-models and its transport stack, not the server: see BENCHMARKS.md, "Python client"), and every
-guarded call makes one or two of them. ``http.client`` does no pooling and is not safe to share
-between threads, so this module keeps idle connections in a small pool, one per call at a
-time. The asyncio client stays on ``httpx.AsyncClient``.
+Written by hand, on sockets, because every Python HTTP client costs more than the server's
+answer does: a call of idem's API is one short JSON request and one short JSON answer, and on
+one caller ``httpx.Client`` spends about 1 ms on it, ``http.client`` about 0.1 ms building the
+request and parsing the answer's head (through the ``email`` package) of a call whose whole
+round trip is 0.3 to 0.5 ms (see BENCHMARKS.md, "Python client"). This speaks only what such
+calls need: requests with a length, answers with a length, chunked or ended by the close,
+informational answers skipped, keep-alive, TLS through ``ssl``. The asyncio client stays on
+``httpx.AsyncClient``.
 """
 
 from __future__ import annotations
 
-import http.client
 import os
 import select
+import socket
 import ssl
 import threading
 from dataclasses import dataclass
@@ -66,10 +68,10 @@ def _query(path: str, params: dict[str, Any] | None) -> str:
 
 
 class StdlibTransport:
-    """Keep-alive connections to one ``http``/``https`` origin, on ``http.client``; safe to
-    share between threads (each call takes a connection of its own from the pool). HTTPS is
-    verified against the system's trusted certificates (``SSL_CERT_FILE`` adds others);
-    proxies are not used (give an ``httpx.Client`` for them)."""
+    """Keep-alive connections to one ``http``/``https`` origin; safe to share between threads
+    (each call takes a connection of its own from the pool). HTTPS is verified against the
+    system's trusted certificates (``SSL_CERT_FILE`` adds others); proxies are not used (give
+    an ``httpx.Client`` for them)."""
 
     def __init__(self, url: str, timeout: float, headers: dict[str, str]) -> None:
         parts = urlsplit(url)
@@ -82,18 +84,21 @@ class StdlibTransport:
         for value in headers.values():
             if not value.isascii() or not value.isprintable():
                 raise ValueError("the API key must be printable ASCII")
-        self._https = parts.scheme == "https"
+        https = parts.scheme == "https"
         self._host = parts.hostname
-        self._port = parts.port or (443 if self._https else 80)
+        self._port = parts.port or (443 if https else 80)
         self._base = parts.path.rstrip("/")
         self._timeout = timeout
-        self._headers = {
+        default_port = self._port == (443 if https else 80)
+        host = f"[{self._host}]" if ":" in self._host else self._host
+        fields = {
+            "host": host if default_port else f"{host}:{self._port}",
             "accept": "application/json",
-            "content-type": "application/json",
             "user-agent": "idem-client-python",
             **headers,
         }
-        self._tls = ssl.create_default_context() if self._https else None
+        self._head = "".join(f"{k}: {v}\r\n" for k, v in fields.items())
+        self._tls = ssl.create_default_context() if https else None
         self._closed = False
         self._forget_idle()
 
@@ -101,7 +106,7 @@ class StdlibTransport:
         # Also in a child process after fork: its parent's connections (and a lock another
         # thread may have held at the fork) are not the child's to use.
         self._pid = os.getpid()
-        self._idle: list[_Http | _Https] = []
+        self._idle: list[_Connection] = []
         self._lock = threading.Lock()
 
     def request(
@@ -112,47 +117,34 @@ class StdlibTransport:
         params: dict[str, Any] | None,
         repeatable: bool = True,
     ) -> Answer:
-        target = self._base + _query(path, params)
+        head = f"{method} {self._base}{_query(path, params)} HTTP/1.1\r\n{self._head}"
+        if body is not None:
+            head += f"content-type: application/json\r\ncontent-length: {len(body)}\r\n"
+        message = (head + "\r\n").encode("ascii") + (body or b"")
         conn, reused = self._take()
         try:
-            return self._exchange(conn, method, target, body)
+            return self._exchange(conn, message)
         except _ClosedUnanswered:
             # An idle connection the server closed as this request went out (its close
             # arrived after the check in `_take`): a request safe to send twice goes again,
             # at once, on a new connection.
             if not (reused and repeatable):
                 raise
-        return self._exchange(self._connection(), method, target, body)
+        return self._exchange(self._connect(), message)
 
-    def _exchange(self, conn: _Http | _Https, method: str, target: str, body: bytes | None) -> Answer:
+    def _exchange(self, conn: _Connection, message: bytes) -> Answer:
         try:
-            conn.request(method, target, body, self._headers)
-            try:
-                conn.flush()
-                broken = False
-            except (BrokenPipeError, ConnectionResetError):
-                # A server that refuses a request (one too large, say) may answer and close
-                # before reading all of it: its answer is still there to read.
-                broken = True
-            response = conn.getresponse()
-            if response.status < 200:
-                # http.client skips only 100 Continue; the final answer would be left unread.
-                conn.close()
-                raise TransportFailure(f"an informational answer ({response.status}) came alone")
-            answer = Answer(response.status, response.read(), response.getheader("retry-after"))
-        except _CLOSED as e:
+            answer, keep = conn.exchange(message)
+        except BaseException:
             conn.close()
-            raise _ClosedUnanswered(f"{type(e).__name__}: {e}") from e
-        except (OSError, http.client.HTTPException) as e:
-            conn.close()
-            raise TransportFailure(f"{type(e).__name__}: {e}") from e
-        if broken or response.will_close:
-            conn.close()
-        else:
+            raise
+        if keep:
             self._give_back(conn)
+        else:
+            conn.close()
         return answer
 
-    def _take(self) -> tuple[_Http | _Https, bool]:
+    def _take(self) -> tuple[_Connection, bool]:
         """A connection: an idle one still usable (and ``True``), else a new one."""
         if self._closed:
             raise RuntimeError("this idem client is closed")
@@ -161,17 +153,22 @@ class StdlibTransport:
         with self._lock:
             while self._idle:
                 conn = self._idle.pop()
-                if _usable(conn):
+                if conn.usable():
                     return conn, True
                 conn.close()
-        return self._connection(), False
+        return self._connect(), False
 
-    def _connection(self) -> _Http | _Https:
-        if self._tls is not None:
-            return _Https(self._host, self._port, timeout=self._timeout, context=self._tls)
-        return _Http(self._host, self._port, timeout=self._timeout)
+    def _connect(self) -> _Connection:
+        try:
+            sock = socket.create_connection((self._host, self._port), self._timeout)
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            if self._tls is not None:
+                sock = self._tls.wrap_socket(sock, server_hostname=self._host)
+        except OSError as e:
+            raise TransportFailure(f"{type(e).__name__}: {e}") from e
+        return _Connection(sock)
 
-    def _give_back(self, conn: _Http | _Https) -> None:
+    def _give_back(self, conn: _Connection) -> None:
         with self._lock:
             if not self._closed and len(self._idle) < POOL_SIZE:
                 self._idle.append(conn)
@@ -186,58 +183,173 @@ class StdlibTransport:
             conn.close()
 
 
+#: The longest answer head read, and the largest answer body.
+MAX_HEAD = 64 << 10
+MAX_BODY = 64 << 20
+
+
+class _Malformed(TransportFailure):
+    """The answer is not HTTP/1.1 as this client reads it."""
+
+
+class _Connection:
+    """One HTTP/1.1 connection: a request out, its answer in, read whole."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
+        self.buf = bytearray()  # read past the last answer: nothing, on a healthy connection
+
+    def close(self) -> None:
+        try:
+            self.sock.close()
+        except OSError:
+            pass
+
+    def usable(self) -> bool:
+        """Whether the idle connection can carry another request: nothing to read on it (a
+        readable idle socket is one the server closed, or sent something unasked)."""
+        if self.buf:
+            return False
+        try:
+            if hasattr(select, "poll"):  # any descriptor number, unlike select()
+                poll = select.poll()
+                poll.register(self.sock, select.POLLIN)
+                return not poll.poll(0)
+            readable, _, _ = select.select([self.sock], [], [], 0)
+        except (OSError, ValueError):
+            return False
+        return not readable
+
+    def exchange(self, message: bytes) -> tuple[Answer, bool]:
+        """Sends ``message`` and reads its answer: the answer, and whether the connection
+        may carry another request."""
+        try:
+            self.sock.sendall(message)
+            broken = False
+        except (BrokenPipeError, ConnectionResetError):
+            # A server that refuses a request (one too large, say) may answer and close
+            # before reading all of it: its answer is still there to read.
+            broken = True
+        except OSError as e:
+            raise TransportFailure(f"{type(e).__name__}: {e}") from e
+        try:
+            answer, keep = self._answer()
+        except _CLOSED as e:
+            raise _ClosedUnanswered(f"{type(e).__name__}: {e}") from e
+        except OSError as e:
+            raise TransportFailure(f"{type(e).__name__}: {e}") from e
+        return answer, keep and not broken
+
+    def _answer(self) -> tuple[Answer, bool]:
+        while True:
+            head = self._head()
+            lines = head.split(b"\r\n")
+            version, _, rest = lines[0].partition(b" ")
+            code = rest[:3]
+            if version not in (b"HTTP/1.1", b"HTTP/1.0") or len(code) != 3 or not code.isdigit():
+                raise _Malformed(f"not an HTTP/1.1 status line: {lines[0][:80]!r}")
+            status = int(code)
+            fields: dict[bytes, bytes] = {}
+            for line in lines[1:]:
+                name, colon, value = line.partition(b":")
+                if not colon or not name or name != name.strip():
+                    raise _Malformed("a header line without a name")
+                name, value = name.lower(), value.strip()
+                if name in fields and name in (b"content-length", b"transfer-encoding"):
+                    if fields[name] != value:
+                        raise _Malformed(f"two {name.decode()} headers")
+                fields[name] = value
+            if 100 <= status < 200 and status != 101:
+                continue  # informational: the final answer follows
+            break
+        retry_after = fields.get(b"retry-after")
+        connection = fields.get(b"connection", b"").lower()
+        keep = b"close" not in connection if version == b"HTTP/1.1" else b"keep-alive" in connection
+        if status == 101:
+            raise _Malformed("the server switched protocols")
+        if status in (204, 304):
+            body = b""
+        elif b"chunked" in fields.get(b"transfer-encoding", b"").lower():
+            body = self._chunked()
+        elif b"content-length" in fields:
+            length = fields[b"content-length"]
+            if not length.isdigit() or int(length) > MAX_BODY:
+                raise _Malformed(f"an answer of length {length[:20]!r}")
+            body = self._exactly(int(length))
+        else:
+            body, keep = self._to_the_end(), False
+        text = retry_after.decode("latin-1") if retry_after is not None else None
+        return Answer(status, body, text), keep
+
+    def _fill(self) -> None:
+        data = self.sock.recv(65536)
+        if not data:
+            raise ConnectionResetError("the server closed the connection")
+        self.buf += data
+
+    def _head(self) -> bytes:
+        while (end := self.buf.find(b"\r\n\r\n", 0, MAX_HEAD + 4)) < 0:
+            if len(self.buf) > MAX_HEAD:
+                raise _Malformed("an answer head too long")
+            self._fill()
+        head = bytes(self.buf[:end])
+        del self.buf[: end + 4]
+        return head
+
+    def _exactly(self, n: int) -> bytes:
+        while len(self.buf) < n:
+            self._fill()
+        data = bytes(self.buf[:n])
+        del self.buf[:n]
+        return data
+
+    def _line(self) -> bytes:
+        while (end := self.buf.find(b"\r\n", 0, MAX_HEAD + 2)) < 0:
+            if len(self.buf) > MAX_HEAD:
+                raise _Malformed("a chunk line too long")
+            self._fill()
+        line = bytes(self.buf[:end])
+        del self.buf[: end + 2]
+        return line
+
+    def _chunked(self) -> bytes:
+        parts: list[bytes] = []
+        total = 0
+        while True:
+            size = self._line().partition(b";")[0].strip()
+            try:
+                n = int(size, 16)
+            except ValueError:
+                raise _Malformed(f"a chunk size {size[:20]!r}") from None
+            total += n
+            if n < 0 or total > MAX_BODY:
+                raise _Malformed("an answer too large")
+            if n == 0:
+                while self._line():  # trailers, to the empty line
+                    pass
+                return b"".join(parts)
+            parts.append(self._exactly(n))
+            if self._exactly(2) != b"\r\n":
+                raise _Malformed("a chunk without its line end")
+
+    def _to_the_end(self) -> bytes:
+        while True:
+            if len(self.buf) > MAX_BODY:
+                raise _Malformed("an answer too large")
+            data = self.sock.recv(65536)
+            if not data:
+                body = bytes(self.buf)
+                self.buf.clear()
+                return body
+            self.buf += data
+
+
 #: A connection closed or reset before the whole answer came.
 _CLOSED = (
-    http.client.RemoteDisconnected,
     BrokenPipeError,
     ConnectionResetError,
     ConnectionAbortedError,
 )
-
-
-def _usable(conn: http.client.HTTPConnection) -> bool:
-    """Whether an idle connection can carry another request: still open, and nothing to read
-    on it (a readable idle socket is one the server closed, or sent something unasked)."""
-    sock = conn.sock
-    if sock is None:
-        return False
-    try:
-        if hasattr(select, "poll"):  # any descriptor number, unlike select()
-            poll = select.poll()
-            poll.register(sock, select.POLLIN)
-            return not poll.poll(0)
-        readable, _, _ = select.select([sock], [], [], 0)
-    except (OSError, ValueError):
-        return False
-    return not readable
-
-
-class _Whole:
-    """Sends a request's head and body in one write. ``http.client`` writes them apart, and
-    the server then reads the head, waits, and wakes again for the body: an extra round of
-    scheduling on both sides for every call. Requests here are small and whole in memory."""
-
-    _parts: list[bytes]
-
-    def send(self, data: Any) -> None:
-        assert isinstance(data, bytes), "requests are sent as bytes"
-        self._parts.append(data)
-
-    def flush(self) -> None:
-        data, self._parts = b"".join(self._parts), []
-        super().send(data)  # type: ignore[misc]
-
-
-class _Http(_Whole, http.client.HTTPConnection):
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self._parts = []
-
-
-class _Https(_Whole, http.client.HTTPSConnection):
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self._parts = []
 
 
 class HttpxTransport:
