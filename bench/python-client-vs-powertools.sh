@@ -4,8 +4,8 @@
 # (bench/peers/powertools_bench.py), one caller each, interleaved: per round, the client, then
 # Powertools. idem serve is the release build, on a Redis prefix of the run's own, with its
 # replay cache (the default). Beside them, the same two calls written by hand on Python's
-# http.client (the client's transport: where its time goes) and on httpx. Prints each round's
-# rates and the client's ratio to Powertools.
+# http.client and on httpx (what the client's own HTTP/1.1 saves). Prints each round's rates
+# and the client's ratio to Powertools.
 #   ROUNDS (default 3), DURATION seconds per scenario (default 5), REDIS_URL.
 set -euo pipefail
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"

@@ -15,9 +15,9 @@ A failed check prints to stderr and exits 1. Output: one JSON line per scenario,
 
 Beside the client, the same two calls written by hand (no retries, no lease renewal, no
 fingerprint options), to show where the time goes: "stdlib-by-hand" on Python's http.client
-(one keep-alive connection), the blocking client's transport and the leanest HTTP a Python
-program has, and "httpx-by-hand" on httpx.Client (keep-alive), which the client uses when
-given one.
+(one keep-alive connection), the standard library's HTTP, and "httpx-by-hand" on httpx.Client
+(keep-alive), which the client uses when given one. The client itself speaks HTTP/1.1 on its
+own connections.
 
 Env: IDEM_URL (the idem serve to call), IDEM_API_KEY (none), DURATION (5).
 """

@@ -1,4 +1,5 @@
-"""The client of `idem serve`, blocking (on ``http.client``, or an ``httpx.Client`` given)."""
+"""The client of `idem serve`, blocking (on HTTP/1.1 connections of its own, or an
+``httpx.Client`` given)."""
 
 from __future__ import annotations
 
@@ -37,9 +38,9 @@ class Idem:
     Its own calls are retried, with backoff and the server's ``Retry-After``, when the server
     or its store is unavailable or cannot be reached (``attempts`` tries in all).
 
-    It keeps a pool of keep-alive connections on Python's ``http.client`` and may be shared
-    by threads. ``client``: an ``httpx.Client`` to call through instead (its base URL, headers,
-    timeouts, proxies and TLS settings are used as they are, and it is left open on close).
+    It keeps a pool of keep-alive HTTP/1.1 connections and may be shared by threads.
+    ``client``: an ``httpx.Client`` to call through instead (its base URL, headers, timeouts,
+    proxies and TLS settings are used as they are, and it is left open on close).
     """
 
     def __init__(
