@@ -11,7 +11,8 @@ import socket
 import ssl
 import subprocess
 import threading
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
@@ -22,6 +23,15 @@ from idem_client import Acquired, Idem
 from idem_client.errors import BodyTooLarge, Unreachable
 
 
+def within(seconds: float, check: Callable[[], bool]) -> bool:
+    deadline = time.monotonic() + seconds
+    while not check():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.01)
+    return True
+
+
 class OneAnswerPerConnection(BaseHTTPRequestHandler):
     """Answers one request per connection, then closes it without saying so (no
     ``Connection: close``), as a server closing an idle keep-alive connection does."""
@@ -30,6 +40,7 @@ class OneAnswerPerConnection(BaseHTTPRequestHandler):
     seen: list[tuple[str, str | None]] = []
 
     def do_GET(self) -> None:
+        self.rfile.read(int(self.headers.get("content-length") or 0))
         self.seen.append((self.path, self.headers.get("authorization")))
         body = json.dumps({"ids": [len(self.seen)]}).encode()
         self.send_response(200)
@@ -38,6 +49,8 @@ class OneAnswerPerConnection(BaseHTTPRequestHandler):
         self.end_headers()
         self.wfile.write(body)
         self.close_connection = True
+
+    do_POST = do_GET
 
     def log_message(self, *args: object) -> None:
         pass
@@ -57,12 +70,16 @@ def closing_server() -> Iterator[str]:
 
 
 def test_a_connection_the_server_closed_is_not_reused(closing_server: str) -> None:
-    # One attempt per call: a call sent on the closed connection would fail as unreachable.
+    # One attempt per call: a call sent on the closed connection would fail as unreachable
+    # (a repeatable one would go again on a new connection; a token's consume may not).
     with Idem(closing_server + "/idem/", api_key="k-123", attempts=1) as idem:
         for n in range(1, 6):
-            assert idem.snowflake() == [n]
+            assert idem.snowflake() == [2 * n - 1]
+            time.sleep(0.05)  # the server's close arrives
+            idem.consume_token("t", "p")
     assert OneAnswerPerConnection.seen == [
-        ("/idem/v1/ids/snowflake?count=1", "Bearer k-123")
+        ("/idem/v1/ids/snowflake?count=1", "Bearer k-123"),
+        ("/idem/v1/tokens/consume", "Bearer k-123"),
     ] * 5
 
 
@@ -174,15 +191,25 @@ def test_connections_are_kept_alive_and_shared_by_threads(keep_alive: str) -> No
 
 
 class Canned:
-    """A server on a raw socket that answers each request with the next of ``answers`` (bytes
-    as they go on the wire, and whether to close the connection after), noting each request's
-    line and which connection it came on."""
+    """A server on a raw socket that answers each request with the next of ``answers``: bytes
+    as they go on the wire (``None``: none, the connection closed once the request is read),
+    and whether to close the connection after. It notes each request's line and the
+    connection it came on, the connections that ended, and how many were accepted. With
+    ``tls``, it speaks TLS; with ``head_only``, it answers having read only a request's head."""
 
-    def __init__(self, answers: list[tuple[bytes, bool]]) -> None:
-        self.answers = answers
+    def __init__(
+        self,
+        answers: list[tuple[bytes | None, bool]],
+        tls: ssl.SSLContext | None = None,
+        head_only: bool = False,
+    ) -> None:
+        self.answers, self.tls, self.head_only = answers, tls, head_only
         self.seen: list[tuple[int, bytes]] = []
+        self.ended: list[int] = []
+        self.accepted = 0
         self.listener = socket.create_server(("127.0.0.1", 0))
-        self.url = f"http://127.0.0.1:{self.listener.getsockname()[1]}"
+        scheme = "https" if tls else "http"
+        self.url = f"{scheme}://127.0.0.1:{self.listener.getsockname()[1]}"
         threading.Thread(target=self.serve, daemon=True).start()
 
     def serve(self) -> None:
@@ -191,25 +218,55 @@ class Canned:
                 conn, _ = self.listener.accept()
             except OSError:
                 return
+            self.accepted += 1
             threading.Thread(target=self.connection, args=(n, conn), daemon=True).start()
 
     def connection(self, n: int, conn: socket.socket) -> None:
-        with conn:
-            buf = b""
-            while self.answers:
-                while b"\r\n\r\n" not in buf:
-                    data = conn.recv(65536)
-                    if not data:
-                        return
-                    buf += data
-                head, _, buf = buf.partition(b"\r\n\r\n")
-                length = re.search(rb"content-length: (\d+)", head)
-                buf = buf[int(length.group(1)) if length else 0 :]
-                self.seen.append((n, head.split(b"\r\n")[0]))
-                answer, close = self.answers.pop(0)
-                conn.sendall(answer)
-                if close:
+        try:
+            if self.tls is not None:
+                conn = self.tls.wrap_socket(conn, server_side=True)
+            self.exchanges(n, conn)
+        except OSError:
+            pass
+        finally:
+            conn.close()
+
+    def exchanges(self, n: int, conn: socket.socket) -> None:
+        buf = b""
+        while self.answers:
+            while b"\r\n\r\n" not in buf:
+                data = conn.recv(65536)
+                if not data:
+                    self.ended.append(n)
                     return
+                buf += data
+            head, _, buf = buf.partition(b"\r\n\r\n")
+            length = re.search(rb"content-length: (\d+)", head)
+            while not self.head_only and length and len(buf) < int(length.group(1)):
+                buf += conn.recv(65536)
+            buf = buf[int(length.group(1)) if length else 0 :]
+            self.seen.append((n, head.split(b"\r\n")[0]))
+            answer, close = self.answers.pop(0)
+            if answer is None:
+                return
+            conn.sendall(answer)
+            if close:
+                if self.head_only:
+                    self.linger(conn)
+                return
+
+    @staticmethod
+    def linger(conn: socket.socket) -> None:
+        """Closes as servers do with a request left unread: no more writes, and what the
+        client still sends read and dropped for a while (closing at once would reset the
+        connection, and a reset can discard the answer before the client reads it)."""
+        conn.settimeout(1)
+        try:
+            socket.socket.shutdown(conn, socket.SHUT_WR)
+            while conn.recv(65536):
+                pass
+        except OSError:
+            pass
 
     def close(self) -> None:
         self.listener.close()
@@ -219,31 +276,40 @@ def ids(n: int) -> bytes:
     return json.dumps({"ids": [n]}).encode()
 
 
+def ok(n: int) -> bytes:
+    return b"HTTP/1.1 200 OK\r\nContent-Length: 12\r\n\r\n" + ids(n)
+
+
 def test_answers_of_every_framing_are_read() -> None:
     chunked = ids(2)
     server = Canned(
         [
             # A length, after two informational answers.
             (b"HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 103 Early Hints\r\nlink: </a>\r\n\r\n"
-             b"HTTP/1.1 200 OK\r\nContent-Length: 12\r\n\r\n" + ids(1), False),
+             + ok(1), False),
             # Chunked, with an extension and a trailer.
             (b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n"
              + b"5;x=y\r\n" + chunked[:5] + b"\r\n" + f"{len(chunked) - 5:x}".encode() + b"\r\n"
              + chunked[5:] + b"\r\n0\r\nx-t: 1\r\n\r\n", False),
             # Ended by the close (no length): the next call needs a new connection.
             (b"HTTP/1.1 200 OK\r\n\r\n" + ids(3), True),
-            # Connection: close said, and done.
-            (b"HTTP/1.1 200 OK\r\nConnection: close\r\nContent-Length: 12\r\n\r\n" + ids(4), True),
-            # HTTP/1.0 without keep-alive.
-            (b"HTTP/1.0 200 OK\r\nContent-Length: 12\r\n\r\n" + ids(5), True),
-            (b"HTTP/1.1 200 OK\r\nContent-Length: 12\r\n\r\n" + ids(6), False),
+            # Connection: close said (the server leaves it open): not used again.
+            (b"HTTP/1.1 200 OK\r\nConnection: keep-alive, close\r\nContent-Length: 12\r\n\r\n"
+             + ids(4), False),
+            # HTTP/1.0 without keep-alive: not used again.
+            (b"HTTP/1.0 200 OK\r\nContent-Length: 12\r\n\r\n" + ids(5), False),
+            # A length beside chunked: read as chunked, the connection not used again.
+            (b"HTTP/1.1 200 OK\r\nContent-Length: 99\r\nTransfer-Encoding: chunked\r\n\r\n"
+             + b"c\r\n" + ids(6) + b"\r\n0\r\n\r\n", False),
+            # Bytes after the answer that nobody asked for: the connection is not used again.
+            (ok(7) + b"HTTP/1.1 200 OK\r\n", False),
+            (ok(8), False),
         ]
     )
     try:
         with Idem(server.url, attempts=1) as idem:
-            assert [idem.snowflake() for _ in range(6)] == [[1], [2], [3], [4], [5], [6]]
-        connections = [n for n, _ in server.seen]
-        assert connections == [0, 0, 0, 1, 2, 3]
+            assert [idem.snowflake() for _ in range(8)] == [[n] for n in range(1, 9)]
+        assert [n for n, _ in server.seen] == [0, 0, 0, 1, 2, 3, 4, 5]
     finally:
         server.close()
 
@@ -252,21 +318,93 @@ def test_a_malformed_answer_is_unreachable_and_its_connection_dropped() -> None:
     for bad in [
         b"SPDY/3 200 OK\r\n\r\n",
         b"HTTP/1.1 2x0 OK\r\n\r\n",
+        b"HTTP/1.1 2000 OK\r\n\r\n",
         b"HTTP/1.1 200 OK\r\nno colon here\r\n\r\n",
+        b"HTTP/1.1 200 OK\r\nbad name: 1\r\n\r\n",
         b"HTTP/1.1 200 OK\r\nContent-Length: 5\r\nContent-Length: 6\r\n\r\n",
         b"HTTP/1.1 200 OK\r\nContent-Length: -1\r\n\r\n",
+        b"HTTP/1.1 200 OK\r\nContent-Length: +5\r\n\r\n",
+        b"HTTP/1.1 200 OK\r\nContent-Length: " + b"0" * 5000 + b"5\r\n\r\n",
         b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\n",
+        b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n0x5\r\n",
+        b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n+5\r\n",
         b"HTTP/1.1 200 OK\r\nx: " + b"y" * (70 << 10) + b"\r\n\r\n",
         b"HTTP/1.1 101 Switching Protocols\r\nUpgrade: h2c\r\n\r\n",
+        b"HTTP/1.1 100 Continue\r\n\r\n" * 20,
     ]:
-        good = b"HTTP/1.1 200 OK\r\nContent-Length: 12\r\n\r\n" + ids(7)
-        server = Canned([(bad, False), (good, False)])
+        server = Canned([(bad, False), (ok(7), False)])
         try:
             with Idem(server.url, attempts=1) as idem:
                 with pytest.raises(Unreachable):
                     idem.snowflake()
+                # Closed at once (the server sees it end), and a new one for the next call.
+                assert within(2, lambda: 0 in server.ended), bad[:40]
                 assert idem.snowflake() == [7], bad[:40]
-            assert [n for n, _ in server.seen] == [0, 1]  # a new connection after the bad one
+            assert [n for n, _ in server.seen] == [0, 1]
+        finally:
+            server.close()
+
+
+def test_answers_past_the_limit_are_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    from idem_client import _http
+
+    monkeypatch.setattr(_http, "MAX_BODY", 100)
+    big = json.dumps({"ids": list(range(100))}).encode()
+    for framing in [
+        b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n" % len(big) + big,
+        b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n%x\r\n" % len(big) + big
+        + b"\r\n0\r\n\r\n",
+        b"HTTP/1.1 200 OK\r\n\r\n" + big,
+    ]:
+        server = Canned([(framing, True)])
+        try:
+            with Idem(server.url, attempts=1) as idem, pytest.raises(Unreachable, match="large|length"):
+                idem.snowflake()
+        finally:
+            server.close()
+
+
+def test_an_answer_that_never_ends_is_cut_at_the_timeout() -> None:
+    listener = socket.create_server(("127.0.0.1", 0))
+
+    def trickle() -> None:
+        conn, _ = listener.accept()
+        with conn:
+            conn.recv(65536)
+            conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: 1000\r\n\r\n")
+            try:
+                for _ in range(400):  # a byte every 50 ms: each read is quick, the whole is not
+                    conn.sendall(b"x")
+                    time.sleep(0.05)
+            except OSError:
+                pass
+
+    threading.Thread(target=trickle, daemon=True).start()
+    url = f"http://127.0.0.1:{listener.getsockname()[1]}"
+    started = time.monotonic()
+    with Idem(url, attempts=1, timeout=0.5) as idem, pytest.raises(Unreachable, match="timed out|timeout"):
+        idem.snowflake()
+    assert time.monotonic() - started < 10  # not the 20 s the trickle lasts
+    listener.close()
+
+
+def test_a_request_the_server_dropped_goes_again_only_if_safe(keep_alive: str) -> None:
+    # Each server answers once, then reads the next request on that connection and closes it
+    # unanswered (as a server closing an idle connection as the request arrived).
+    for repeatable in (True, False):
+        server = Canned([(ok(1), False), (None, False), (ok(2), False)])
+        try:
+            with Idem(server.url, attempts=1) as idem:
+                assert idem.snowflake() == [1]
+                if repeatable:
+                    assert idem.snowflake() == [2]  # sent again at once, on a new connection
+                    assert len(server.seen) == 3
+                else:
+                    with pytest.raises(Unreachable):
+                        idem.consume_token("t", "p")  # never sent twice
+                    assert [line for _, line in server.seen][1:] == [
+                        b"POST /v1/tokens/consume HTTP/1.1"
+                    ]
         finally:
             server.close()
 
@@ -311,3 +449,42 @@ def test_an_httpx_client_given_is_used_and_left_open(server: str, ns: str) -> No
     assert seen[:2] == ["/v1/records/begin", "/v1/records/complete"]
 
 
+
+
+def tls_server(tmp_path: Path) -> tuple[ssl.SSLContext, Path]:
+    if shutil.which("openssl") is None:
+        pytest.skip("no openssl to make a certificate with")
+    cert, key = certificate(tmp_path, "tls", "IP:127.0.0.1")
+    tls = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    tls.load_cert_chain(cert, key)
+    return tls, cert
+
+
+def test_over_tls_a_refusal_before_the_whole_request_is_read(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    tls, cert = tls_server(tmp_path)
+    monkeypatch.setenv("SSL_CERT_FILE", str(cert))
+    problem = json.dumps({"code": "body_too_large", "detail": "too large"}).encode()
+    refusal = (
+        b"HTTP/1.1 413 Payload Too Large\r\ncontent-type: application/problem+json\r\n"
+        b"connection: close\r\ncontent-length: %d\r\n\r\n" % len(problem) + problem
+    )
+    server = Canned([(refusal, True)], tls=tls, head_only=True)
+    try:
+        with Idem(server.url) as idem, pytest.raises(BodyTooLarge):
+            idem.complete("n", "k", "1.lease", "x" * (8 << 20))
+        assert len(server.seen) == 1  # a refusal, not a failure to retry
+    finally:
+        server.close()
+
+
+def test_a_certificate_that_does_not_verify_is_not_tried_again(tmp_path: Path) -> None:
+    tls, _ = tls_server(tmp_path)  # not trusted
+    server = Canned([(ok(1), False)], tls=tls)
+    try:
+        with Idem(server.url, attempts=5) as idem, pytest.raises(Unreachable, match="CERTIFICATE"):
+            idem.snowflake()
+        assert server.accepted == 1
+    finally:
+        server.close()

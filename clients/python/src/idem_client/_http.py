@@ -14,10 +14,12 @@ informational answers skipped, keep-alive, TLS through ``ssl``. The asyncio clie
 from __future__ import annotations
 
 import os
+import re
 import select
 import socket
 import ssl
 import threading
+import time
 from dataclasses import dataclass
 from typing import Any, Protocol
 from urllib.parse import urlencode, urlsplit
@@ -43,11 +45,19 @@ class Answer:
 
 class TransportFailure(Exception):
     """The server could not be reached, or the connection failed before the whole answer was
-    read: the request may or may not have been acted on."""
+    read: the request may or may not have been acted on. ``lasting``: trying again cannot
+    help (a certificate that does not verify)."""
+
+    lasting = False
 
 
 class _ClosedUnanswered(TransportFailure):
-    """The connection was closed or reset before the whole answer came."""
+    """The connection was closed or reset before the whole answer came. ``unsent``: the
+    request was not all written and nothing came back, so the server cannot have acted on it."""
+
+    def __init__(self, message: str, unsent: bool) -> None:
+        super().__init__(message)
+        self.unsent = unsent
 
 
 class Transport(Protocol):
@@ -67,6 +77,15 @@ def _query(path: str, params: dict[str, Any] | None) -> str:
     return f"{path}?{urlencode(params)}" if params else path
 
 
+class _Pool:
+    """Idle connections of one process, with their lock."""
+
+    def __init__(self) -> None:
+        self.pid = os.getpid()
+        self.idle: list[_Connection] = []
+        self.lock = threading.Lock()
+
+
 class StdlibTransport:
     """Keep-alive connections to one ``http``/``https`` origin; safe to share between threads
     (each call takes a connection of its own from the pool). HTTPS is verified against the
@@ -81,18 +100,24 @@ class StdlibTransport:
             raise ValueError(
                 "idem's URL takes no user, query or fragment (give the API key as api_key)"
             )
+        if not _visible(parts.path):
+            raise ValueError(f"idem's URL has a path that is not visible ASCII: {parts.path!r}")
         for value in headers.values():
             if not value.isascii() or not value.isprintable():
                 raise ValueError("the API key must be printable ASCII")
         https = parts.scheme == "https"
-        self._host = parts.hostname
-        self._port = parts.port or (443 if https else 80)
+        default_port = 443 if https else 80
+        try:
+            self._host = parts.hostname.encode("idna").decode("ascii")
+        except UnicodeError as e:
+            raise ValueError(f"idem's URL has a host IDNA cannot write: {e}") from None
+        port = parts.port  # raises ValueError for a port out of range
+        self._port = default_port if port is None else port
         self._base = parts.path.rstrip("/")
         self._timeout = timeout
-        default_port = self._port == (443 if https else 80)
         host = f"[{self._host}]" if ":" in self._host else self._host
         fields = {
-            "host": host if default_port else f"{host}:{self._port}",
+            "host": host if self._port == default_port else f"{host}:{self._port}",
             "accept": "application/json",
             "user-agent": "idem-client-python",
             **headers,
@@ -100,14 +125,17 @@ class StdlibTransport:
         self._head = "".join(f"{k}: {v}\r\n" for k, v in fields.items())
         self._tls = ssl.create_default_context() if https else None
         self._closed = False
-        self._forget_idle()
+        self._pool_of_pid = _Pool()
 
-    def _forget_idle(self) -> None:
-        # Also in a child process after fork: its parent's connections (and a lock another
-        # thread may have held at the fork) are not the child's to use.
-        self._pid = os.getpid()
-        self._idle: list[_Connection] = []
-        self._lock = threading.Lock()
+    @property
+    def _pool(self) -> _Pool:
+        # In a child process after fork, its parent's connections (and a lock another thread
+        # may have held at the fork) are not the child's: it starts a pool of its own, swapped
+        # in whole.
+        pool = self._pool_of_pid
+        if pool.pid != os.getpid():
+            pool = self._pool_of_pid = _Pool()
+        return pool
 
     def request(
         self,
@@ -124,17 +152,17 @@ class StdlibTransport:
         conn, reused = self._take()
         try:
             return self._exchange(conn, message)
-        except _ClosedUnanswered:
+        except _ClosedUnanswered as e:
             # An idle connection the server closed as this request went out (its close
-            # arrived after the check in `_take`): a request safe to send twice goes again,
-            # at once, on a new connection.
-            if not (reused and repeatable):
+            # arrived after the check in `_take`): the request goes again, at once, on a new
+            # connection, if it is safe to send twice or provably never arrived whole.
+            if not (reused and (repeatable or e.unsent)):
                 raise
         return self._exchange(self._connect(), message)
 
     def _exchange(self, conn: _Connection, message: bytes) -> Answer:
         try:
-            answer, keep = conn.exchange(message)
+            answer, keep = conn.exchange(message, self._timeout)
         except BaseException:
             conn.close()
             raise
@@ -148,11 +176,10 @@ class StdlibTransport:
         """A connection: an idle one still usable (and ``True``), else a new one."""
         if self._closed:
             raise RuntimeError("this idem client is closed")
-        if self._pid != os.getpid():
-            self._forget_idle()
-        with self._lock:
-            while self._idle:
-                conn = self._idle.pop()
+        pool = self._pool
+        with pool.lock:
+            while pool.idle:
+                conn = pool.idle.pop()
                 if conn.usable():
                     return conn, True
                 conn.close()
@@ -161,31 +188,50 @@ class StdlibTransport:
     def _connect(self) -> _Connection:
         try:
             sock = socket.create_connection((self._host, self._port), self._timeout)
+        except OSError as e:
+            raise TransportFailure(f"{type(e).__name__}: {e}") from e
+        try:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             if self._tls is not None:
                 sock = self._tls.wrap_socket(sock, server_hostname=self._host)
         except OSError as e:
-            raise TransportFailure(f"{type(e).__name__}: {e}") from e
+            sock.close()
+            failure = TransportFailure(f"{type(e).__name__}: {e}")
+            failure.lasting = isinstance(e, ssl.SSLCertVerificationError)
+            raise failure from e
         return _Connection(sock)
 
     def _give_back(self, conn: _Connection) -> None:
-        with self._lock:
-            if not self._closed and len(self._idle) < POOL_SIZE:
-                self._idle.append(conn)
+        pool = self._pool
+        with pool.lock:
+            if not self._closed and len(pool.idle) < POOL_SIZE:
+                pool.idle.append(conn)
                 return
         conn.close()
 
     def close(self) -> None:
-        with self._lock:
-            self._closed = True
-            idle, self._idle = self._idle, []
+        self._closed = True
+        pool = self._pool
+        with pool.lock:
+            idle, pool.idle = pool.idle, []
         for conn in idle:
             conn.close()
+
+
+def _visible(text: str) -> bool:
+    return all("!" <= c <= "~" for c in text)
 
 
 #: The longest answer head read, and the largest answer body.
 MAX_HEAD = 64 << 10
 MAX_BODY = 64 << 20
+#: The most informational answers, and trailer lines, read before an answer.
+MAX_INTERIM = 8
+
+_STATUS = re.compile(rb"HTTP/1\.([01]) ([1-9][0-9][0-9])(?: |$)")
+_TOKEN = re.compile(rb"[!#$%&'*+.^_`|~0-9A-Za-z-]+")
+_LENGTH = re.compile(rb"[0-9]{1,18}")
+_CHUNK = re.compile(rb"[0-9A-Fa-f]{1,15}")
 
 
 class _Malformed(TransportFailure):
@@ -193,11 +239,13 @@ class _Malformed(TransportFailure):
 
 
 class _Connection:
-    """One HTTP/1.1 connection: a request out, its answer in, read whole."""
+    """One HTTP/1.1 connection: a request out, its answer in, read whole before a deadline."""
 
     def __init__(self, sock: socket.socket) -> None:
         self.sock = sock
         self.buf = bytearray()  # read past the last answer: nothing, on a healthy connection
+        self.deadline = 0.0
+        self.received = False
 
     def close(self) -> None:
         try:
@@ -220,13 +268,16 @@ class _Connection:
             return False
         return not readable
 
-    def exchange(self, message: bytes) -> tuple[Answer, bool]:
-        """Sends ``message`` and reads its answer: the answer, and whether the connection
-        may carry another request."""
+    def exchange(self, message: bytes, timeout: float) -> tuple[Answer, bool]:
+        """Sends ``message`` and reads its answer, all within ``timeout`` seconds: the answer,
+        and whether the connection may carry another request."""
+        self.deadline = time.monotonic() + timeout
+        self.received = False
         try:
+            self._wait()
             self.sock.sendall(message)
             broken = False
-        except (BrokenPipeError, ConnectionResetError):
+        except _CLOSED:
             # A server that refuses a request (one too large, say) may answer and close
             # before reading all of it: its answer is still there to read.
             broken = True
@@ -235,66 +286,101 @@ class _Connection:
         try:
             answer, keep = self._answer()
         except _CLOSED as e:
-            raise _ClosedUnanswered(f"{type(e).__name__}: {e}") from e
+            unsent = broken and not self.received
+            raise _ClosedUnanswered(f"{type(e).__name__}: {e}", unsent) from e
         except OSError as e:
             raise TransportFailure(f"{type(e).__name__}: {e}") from e
         return answer, keep and not broken
 
     def _answer(self) -> tuple[Answer, bool]:
-        while True:
+        for _ in range(MAX_INTERIM + 1):
             head = self._head()
             lines = head.split(b"\r\n")
-            version, _, rest = lines[0].partition(b" ")
-            code = rest[:3]
-            if version not in (b"HTTP/1.1", b"HTTP/1.0") or len(code) != 3 or not code.isdigit():
+            status_line = _STATUS.match(lines[0])
+            if status_line is None:
                 raise _Malformed(f"not an HTTP/1.1 status line: {lines[0][:80]!r}")
-            status = int(code)
+            status = int(status_line[2])
             fields: dict[bytes, bytes] = {}
             for line in lines[1:]:
                 name, colon, value = line.partition(b":")
-                if not colon or not name or name != name.strip():
+                if not colon or _TOKEN.fullmatch(name) is None:
                     raise _Malformed("a header line without a name")
                 name, value = name.lower(), value.strip()
-                if name in fields and name in (b"content-length", b"transfer-encoding"):
-                    if fields[name] != value:
-                        raise _Malformed(f"two {name.decode()} headers")
+                if name in fields:
+                    if name == b"content-length":
+                        if fields[name] != value:
+                            raise _Malformed("two lengths")
+                        continue
+                    value = fields[name] + b", " + value  # lines of one field, as one
                 fields[name] = value
-            if 100 <= status < 200 and status != 101:
-                continue  # informational: the final answer follows
-            break
-        retry_after = fields.get(b"retry-after")
-        connection = fields.get(b"connection", b"").lower()
-        keep = b"close" not in connection if version == b"HTTP/1.1" else b"keep-alive" in connection
+            if not (100 <= status < 200) or status == 101:
+                break
+            # informational: the final answer follows
+        else:
+            raise _Malformed("informational answers without end")
         if status == 101:
             raise _Malformed("the server switched protocols")
+        http11 = status_line[1] == b"1"
+        tokens = {t.strip() for t in fields.get(b"connection", b"").lower().split(b",")}
+        keep = b"close" not in tokens if http11 else b"keep-alive" in tokens
+        codings = [t.strip() for t in fields.get(b"transfer-encoding", b"").lower().split(b",")]
         if status in (204, 304):
             body = b""
-        elif b"chunked" in fields.get(b"transfer-encoding", b"").lower():
-            body = self._chunked()
+        elif b"transfer-encoding" in fields:
+            # RFC 9112 6.1: a length beside a coding is not to be trusted, nor the connection.
+            if b"content-length" in fields or not http11:
+                keep = False
+            if codings[-1] == b"chunked":
+                body = self._chunked()
+            else:
+                body, keep = self._to_the_end(), False
         elif b"content-length" in fields:
             length = fields[b"content-length"]
-            if not length.isdigit() or int(length) > MAX_BODY:
+            if _LENGTH.fullmatch(length) is None or int(length) > MAX_BODY:
                 raise _Malformed(f"an answer of length {length[:20]!r}")
             body = self._exactly(int(length))
         else:
             body, keep = self._to_the_end(), False
+        retry_after = fields.get(b"retry-after")
         text = retry_after.decode("latin-1") if retry_after is not None else None
         return Answer(status, body, text), keep
 
-    def _fill(self) -> None:
+    def _wait(self) -> None:
+        """Sets the socket's timeout to what is left before the deadline."""
+        left = self.deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError("no whole answer within the timeout")
+        self.sock.settimeout(left)
+
+    def _recv(self) -> bytes:
+        self._wait()
         data = self.sock.recv(65536)
+        self.received = self.received or bool(data)
+        return data
+
+    def _fill(self) -> None:
+        data = self._recv()
         if not data:
             raise ConnectionResetError("the server closed the connection")
         self.buf += data
 
-    def _head(self) -> bytes:
-        while (end := self.buf.find(b"\r\n\r\n", 0, MAX_HEAD + 4)) < 0:
-            if len(self.buf) > MAX_HEAD:
-                raise _Malformed("an answer head too long")
+    def _until(self, mark: bytes, limit: int, what: str) -> bytes:
+        """The buffer up to ``mark`` (taken off, with it), at most ``limit`` bytes."""
+        start = 0
+        while (end := self.buf.find(mark, start, limit + len(mark))) < 0:
+            if len(self.buf) > limit:
+                raise _Malformed(f"{what} too long")
+            start = max(0, len(self.buf) - len(mark) + 1)
             self._fill()
-        head = bytes(self.buf[:end])
-        del self.buf[: end + 4]
-        return head
+        line = bytes(self.buf[:end])
+        del self.buf[: end + len(mark)]
+        return line
+
+    def _head(self) -> bytes:
+        return self._until(b"\r\n\r\n", MAX_HEAD, "an answer head")
+
+    def _line(self) -> bytes:
+        return self._until(b"\r\n", MAX_HEAD, "a chunk line")
 
     def _exactly(self, n: int) -> bytes:
         while len(self.buf) < n:
@@ -303,40 +389,33 @@ class _Connection:
         del self.buf[:n]
         return data
 
-    def _line(self) -> bytes:
-        while (end := self.buf.find(b"\r\n", 0, MAX_HEAD + 2)) < 0:
-            if len(self.buf) > MAX_HEAD:
-                raise _Malformed("a chunk line too long")
-            self._fill()
-        line = bytes(self.buf[:end])
-        del self.buf[: end + 2]
-        return line
-
     def _chunked(self) -> bytes:
-        parts: list[bytes] = []
-        total = 0
+        body = bytearray()
         while True:
-            size = self._line().partition(b";")[0].strip()
-            try:
-                n = int(size, 16)
-            except ValueError:
-                raise _Malformed(f"a chunk size {size[:20]!r}") from None
-            total += n
-            if n < 0 or total > MAX_BODY:
+            line = self._line()
+            size = line.partition(b";")[0].strip()
+            if _CHUNK.fullmatch(size) is None:
+                raise _Malformed(f"a chunk size {size[:20]!r}")
+            n = int(size, 16)
+            if len(body) + n > MAX_BODY:
                 raise _Malformed("an answer too large")
             if n == 0:
-                while self._line():  # trailers, to the empty line
-                    pass
-                return b"".join(parts)
-            parts.append(self._exactly(n))
-            if self._exactly(2) != b"\r\n":
+                for _ in range(MAX_INTERIM + 1):  # trailers, to the empty line
+                    if not self._line():
+                        return bytes(body)
+                raise _Malformed("trailers without end")
+            while len(self.buf) < n + 2:
+                self._fill()
+            if self.buf[n : n + 2] != b"\r\n":
                 raise _Malformed("a chunk without its line end")
+            body += self.buf[:n]
+            del self.buf[: n + 2]
 
     def _to_the_end(self) -> bytes:
         while True:
             if len(self.buf) > MAX_BODY:
                 raise _Malformed("an answer too large")
-            data = self.sock.recv(65536)
+            data = self._recv()
             if not data:
                 body = bytes(self.buf)
                 self.buf.clear()
@@ -344,11 +423,13 @@ class _Connection:
             self.buf += data
 
 
-#: A connection closed or reset before the whole answer came.
+#: A connection closed or reset before the whole answer came (over TLS, an EOF the protocol
+#: did not announce).
 _CLOSED = (
     BrokenPipeError,
     ConnectionResetError,
     ConnectionAbortedError,
+    ssl.SSLEOFError,
 )
 
 

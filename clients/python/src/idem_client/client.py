@@ -96,6 +96,8 @@ class Idem:
                 answer = self._http.request(method, path, content, params, repeatable)
             except _http.TransportFailure as e:
                 err: IdemError = Unreachable(f"idem serve did not answer: {e}")
+                if e.lasting:
+                    raise err from e
             else:
                 if answer.ok:
                     return json.loads(answer.content)
