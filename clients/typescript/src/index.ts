@@ -311,6 +311,7 @@ class ActiveRun implements Run {
   readonly steps: Map<string, RecordedStep>;
   lost = false;
   #settled = false;
+  #renewing = false;
 
   constructor(
     readonly idem: Idem,
@@ -334,12 +335,16 @@ class ActiveRun implements Run {
   }
 
   async keepAlive(length: number): Promise<void> {
-    if (this.#settled || this.lost) return;
+    // At most one renewal in flight: a beat that finds one still waiting leaves it be.
+    if (this.#settled || this.lost || this.#renewing) return;
+    this.#renewing = true;
     try {
       await this.renewOnce({ namespace: this.namespace, key: this.key, lease: this.lease.id, lease_ms: ms(length) });
     } catch (e) {
       if (IdemError.is(e, "stale_lease")) this.lost = true;
       // Anything else: tried again at the next beat; the lease runs until then.
+    } finally {
+      this.#renewing = false;
     }
   }
 

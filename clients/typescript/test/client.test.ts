@@ -248,3 +248,31 @@ describe("ids, tokens and locks", () => {
     assert.ok(fence > 0);
   });
 });
+
+describe("renewals", () => {
+  test("a run has at most one renewal in flight, however slow", async () => {
+    let inFlight = 0;
+    let most = 0;
+    let renewals = 0;
+    const fake: typeof fetch = async (input, init) => {
+      const path = new URL(String(input)).pathname;
+      if (path === "/v1/records/begin") {
+        const lease = { id: "1.k", fence: 1, expires_at: "2030-01-01T00:00:00Z" };
+        return Response.json({ outcome: "acquired", lease, steps: [] });
+      }
+      if (path === "/v1/records/renew") {
+        renewals++;
+        most = Math.max(most, ++inFlight);
+        await new Promise((r) => setTimeout(r, 700)); // slower than a beat
+        inFlight--;
+        return Response.json({ lease: JSON.parse(String(init?.body)) });
+      }
+      return Response.json({});
+    };
+    const idem = new Idem("http://idem", { fetch: fake });
+    // Beats every 100 ms for 1 s, each renewal taking 700 ms.
+    await idem.run("k", { namespace: "n", lease: 0.3 }, () => new Promise((r) => setTimeout(r, 1000)));
+    assert.ok(renewals >= 1);
+    assert.equal(most, 1);
+  });
+});
