@@ -83,3 +83,46 @@ async def test_a_lock_waited_for_is_had_with_a_higher_fence(aidem: AsyncIdem, ns
     await second.__aexit__(None, None, None)
     async with aidem.lock(name, lease=5) as third:
         assert third.fence > second.fence
+
+
+async def test_a_result_too_large_to_keep_runs_once(aidem: AsyncIdem, ns: str) -> None:
+    runs = []
+
+    @aidem.once(ns, key=lambda k: k, lease=1)
+    async def huge(k: str) -> str:
+        runs.append(k)
+        return "x" * (2 << 20)  # past the server's 1 MiB limit: refused before it is sent
+
+    for _ in range(2):
+        with pytest.raises(PreviousFailure) as kept:
+            await huge("k")
+        assert kept.value.type_name == "ResultNotKept"
+    await asyncio.sleep(1.2)  # past the lease: still kept, not run again
+    with pytest.raises(PreviousFailure):
+        await huge("k")
+    assert runs == ["k"]
+
+
+async def test_a_settled_run_is_renewed_no_more(aidem: AsyncIdem, ns: str) -> None:
+    async with aidem.run(ns, "k", request=1, lease=0.3) as run:
+        await run.complete("done")
+        await asyncio.sleep(0.5)  # past a beat: a renewal now would be stale
+        assert not run.lost
+
+
+async def test_a_step_whose_output_cannot_be_kept_never_runs_again(
+    aidem: AsyncIdem, ns: str
+) -> None:
+    effects = []
+
+    async def effect() -> str:
+        effects.append(1)
+        return "y" * (2 << 20)
+
+    for _ in range(2):
+        with pytest.raises(PreviousFailure):
+            async with aidem.run(ns, "k", request=1) as run:
+                if run.replayed:
+                    raise PreviousFailure("replayed", str(run.response))
+                await run.step("big", effect)
+    assert effects == [1]

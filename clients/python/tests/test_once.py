@@ -348,3 +348,35 @@ def test_a_forked_child_keeps_its_own_runs_alive(server: str, ns: str) -> None:
         _, status = os.waitpid(pid, 0)
         assert os.waitstatus_to_exitcode(status) == 0
         assert idem.uuid7() != []  # the parent's connections still work
+
+
+def test_a_step_whose_output_cannot_be_kept_never_runs_again(idem: Idem, ns: str) -> None:
+    effects = []
+
+    def effect() -> float:
+        effects.append(1)
+        return float("nan")  # not JSON
+
+    for _ in range(2):
+        with pytest.raises(PreviousFailure):
+            with idem.run(ns, "k", request=1) as run:
+                if run.replayed:
+                    raise PreviousFailure("replayed", str(run.response))
+                run.step("nan", effect)
+    assert effects == [1]
+
+
+def test_a_lock_can_be_waited_for_past_the_call_timeout(server: str, ns: str) -> None:
+    from conftest import KEYS
+
+    name = f"{ns}-lock"
+    with Idem(server, api_key=KEYS["shop"], timeout=1) as idem:
+        first = idem.lock(name, lease=2).acquire()  # never released: held for 2 s
+        waited = idem.lock(name, lease=5, wait=4).acquire()
+        assert waited.fence > first.fence
+
+
+def test_records_named_dot_cannot_be_read_by_url(idem: Idem, ns: str) -> None:
+    for key in (".", ".."):
+        with pytest.raises(ValueError):
+            idem.record(ns, key)

@@ -409,14 +409,25 @@ def test_a_request_the_server_dropped_goes_again_only_if_safe(keep_alive: str) -
             server.close()
 
 
-def test_a_request_too_large_gets_the_servers_refusal(idem: Idem, ns: str) -> None:
-    begun = idem.begin(ns, "big", request=1)
-    assert isinstance(begun, Acquired)
-    # Far past --max-body and the socket buffers: the server answers 413 and closes before
-    # reading it all.
-    with pytest.raises(BodyTooLarge):
-        idem.complete(ns, "big", begun.lease, "x" * (8 << 20))
-    idem.complete(ns, "big", begun.lease, "small")
+def test_a_request_too_large_gets_the_servers_refusal(server: str, ns: str) -> None:
+    from conftest import KEYS
+
+    # Not refused here (max_body past it), so the server's refusal is what comes back.
+    with Idem(server, api_key=KEYS["shop"], max_body=1 << 30) as idem:
+        begun = idem.begin(ns, "big", request=1)
+        assert isinstance(begun, Acquired)
+        # Far past --max-body and the socket buffers: the server answers 413 and closes
+        # before reading it all.
+        with pytest.raises(BodyTooLarge):
+            idem.complete(ns, "big", begun.lease, "x" * (8 << 20))
+        idem.complete(ns, "big", begun.lease, "small")
+
+
+def test_a_request_past_max_body_is_refused_before_it_is_sent(keep_alive: str) -> None:
+    with Idem(keep_alive, max_body=100) as idem:
+        with pytest.raises(BodyTooLarge, match="limit of 100 bytes"):
+            idem.complete("n", "k", "1.lease", "x" * 200)
+    assert KeepAlive.ports == []
 
 
 def test_a_closed_client_refuses_calls(keep_alive: str) -> None:
@@ -472,7 +483,7 @@ def test_over_tls_a_refusal_before_the_whole_request_is_read(
     )
     server = Canned([(refusal, True)], tls=tls, head_only=True)
     try:
-        with Idem(server.url) as idem, pytest.raises(BodyTooLarge):
+        with Idem(server.url, max_body=1 << 30) as idem, pytest.raises(BodyTooLarge):
             idem.complete("n", "k", "1.lease", "x" * (8 << 20))
         assert len(server.seen) == 1  # a refusal, not a failure to retry
     finally:

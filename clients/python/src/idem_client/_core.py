@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import random
+from urllib.parse import quote
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -137,6 +138,19 @@ def retry_after(answer: Answer, body: dict[str, Any]) -> float | None:
     return None
 
 
+#: The largest request body sent: `idem serve`'s own limit by default (its ``--max-body``).
+DEFAULT_MAX_BODY = 1 << 20
+
+
+def too_large(content: bytes | None, max_body: int) -> IdemError | None:
+    """The refusal of a request body larger than ``max_body``, made here: the server would
+    refuse it, and may close the connection before its refusal can be read."""
+    if content is None or len(content) <= max_body:
+        return None
+    detail = f"The request body ({len(content)} bytes) exceeds the limit of {max_body} bytes."
+    return from_problem(413, {"code": "body_too_large", "detail": detail}, None)
+
+
 def encode(body: dict[str, Any] | None) -> bytes | None:
     """A request body as JSON bytes. Raises ``TypeError`` for a value JSON cannot hold (an
     object of another type, a float such as NaN that JSON has no number for), before anything
@@ -188,8 +202,17 @@ def kept_failure(error: BaseException) -> dict[str, Any]:
 NOT_KEPT = "ResultNotKept"
 
 
-def not_kept(error: BaseException) -> dict[str, Any]:
-    return {"error": {"type": NOT_KEPT, "message": f"the result could not be stored: {error}"}}
+def not_kept(error: BaseException, what: str = "the result") -> dict[str, Any]:
+    return {"error": {"type": NOT_KEPT, "message": f"{what} could not be stored: {error}"}}
+
+
+def record_path(namespace: str, key: str) -> str:
+    """The path of a record; a name that a URL would read as a step of its path (``.`` or
+    ``..``) cannot be asked for by it."""
+    for part in (namespace, key):
+        if part in (".", ".."):
+            raise ValueError(f"a record named {part!r} cannot be read by URL")
+    return f"/v1/records/{quote(namespace, safe='')}/{quote(key, safe='')}"
 
 
 

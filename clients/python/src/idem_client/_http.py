@@ -68,6 +68,7 @@ class Transport(Protocol):
         body: bytes | None,
         params: dict[str, Any] | None,
         repeatable: bool = True,
+        timeout: float | None = None,
     ) -> Answer: ...
 
     def close(self) -> None: ...
@@ -144,25 +145,27 @@ class StdlibTransport:
         body: bytes | None,
         params: dict[str, Any] | None,
         repeatable: bool = True,
+        timeout: float | None = None,
     ) -> Answer:
+        timeout = self._timeout if timeout is None else timeout
         head = f"{method} {self._base}{_query(path, params)} HTTP/1.1\r\n{self._head}"
         if body is not None:
             head += f"content-type: application/json\r\ncontent-length: {len(body)}\r\n"
         message = (head + "\r\n").encode("ascii") + (body or b"")
         conn, reused = self._take()
         try:
-            return self._exchange(conn, message)
+            return self._exchange(conn, message, timeout)
         except _ClosedUnanswered as e:
             # An idle connection the server closed as this request went out (its close
             # arrived after the check in `_take`): the request goes again, at once, on a new
             # connection, if it is safe to send twice or provably never arrived whole.
             if not (reused and (repeatable or e.unsent)):
                 raise
-        return self._exchange(self._connect(), message)
+        return self._exchange(self._connect(), message, timeout)
 
-    def _exchange(self, conn: _Connection, message: bytes) -> Answer:
+    def _exchange(self, conn: _Connection, message: bytes, timeout: float) -> Answer:
         try:
-            answer, keep = conn.exchange(message, self._timeout)
+            answer, keep = conn.exchange(message, timeout)
         except BaseException:
             conn.close()
             raise
@@ -447,11 +450,13 @@ class HttpxTransport:
         body: bytes | None,
         params: dict[str, Any] | None,
         repeatable: bool = True,
+        timeout: float | None = None,
     ) -> Answer:
         headers = {"content-type": "application/json"} if body is not None else None
+        extra: dict[str, Any] = {} if timeout is None else {"timeout": timeout}
         try:
             response = self._client.request(
-                method, path, content=body, params=params, headers=headers
+                method, path, content=body, params=params, headers=headers, **extra
             )
         except httpx.TransportError as e:
             raise TransportFailure(f"{type(e).__name__}: {e}") from e

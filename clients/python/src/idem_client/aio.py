@@ -39,12 +39,15 @@ class AsyncIdem:
         timeout: float = 10.0,
         attempts: int = _core.DEFAULT_ATTEMPTS,
         client: httpx.AsyncClient | None = None,
+        max_body: int = _core.DEFAULT_MAX_BODY,
     ) -> None:
         headers = {"authorization": f"Bearer {api_key}"} if api_key else {}
         # A client given is used as it is (its base URL, headers and timeouts) and left open.
         self._owned = client is None
         self._http = client or httpx.AsyncClient(base_url=url, timeout=timeout, headers=headers)
         self._attempts = max(1, attempts)
+        self._timeout = timeout
+        self._max_body = max_body
 
     async def aclose(self) -> None:
         if self._owned:
@@ -65,15 +68,19 @@ class AsyncIdem:
         *,
         attempts: int | None = None,
         repeatable: bool = True,
+        timeout: float | None = None,
     ) -> Any:
         """See :meth:`idem_client.Idem._call`."""
         attempts = attempts or self._attempts
         content = _core.encode(body)
+        if (refused := _core.too_large(content, self._max_body)) is not None:
+            raise refused
         headers = {"content-type": "application/json"} if content is not None else None
+        extra: dict[str, Any] = {} if timeout is None else {"timeout": timeout}
         for attempt in range(attempts):
             try:
                 response = await self._http.request(
-                    method, path, content=content, params=params, headers=headers
+                    method, path, content=content, params=params, headers=headers, **extra
                 )
             except httpx.TransportError as e:
                 err: IdemError = Unreachable(f"idem serve did not answer: {e}")
@@ -218,7 +225,7 @@ class AsyncIdem:
 
     async def record(self, namespace: str, key: str) -> dict[str, Any] | None:
         """See :meth:`idem_client.Idem.record`."""
-        path = f"/v1/records/{_segment(namespace)}/{_segment(key)}"
+        path = _core.record_path(namespace, key)
         try:
             answer: dict[str, Any] = await self._call("GET", path)
         except IdemError as e:
@@ -293,6 +300,8 @@ class AsyncRun:
         assert self.lease is not None
         while True:
             await asyncio.sleep(self._length / 3)
+            if self._settled:
+                return  # completed or released: nothing left to hold
             body = _core.renew_body(self.namespace, self.key, self.lease, self._length)
             try:
                 await self._idem._call("POST", "/v1/records/renew", body, attempts=1)
@@ -315,7 +324,13 @@ class AsyncRun:
         if done is not None and done.done:
             return done.output  # type: ignore[no-any-return]
         output = await fn(*args, **kwargs)
-        await self._idem.step(self.namespace, self.key, self._held(), name, output)
+        try:
+            await self._idem.step(self.namespace, self.key, self._held(), name, output)
+        except (BadInput, TypeError) as e:
+            # The step ran and its output cannot be recorded (too large, not JSON): the run
+            # ends here, its failure kept, so that no retry runs the step again.
+            await self.complete(_core.not_kept(e, f"the output of step {name!r}"))
+            raise PreviousFailure(_core.NOT_KEPT, str(e)) from e
         self.steps[name] = Step(name, True, output, done.step_key if done else "")
         return output
 
@@ -380,8 +395,13 @@ class AsyncLock:
 
     async def __aenter__(self) -> AsyncLock:
         repeatable = "owner" in self._body
+        wait = self._body["wait_ms"] / 1000
         held = await self._idem._call(
-            "POST", f"{self._path}/acquire", self._body, repeatable=repeatable
+            "POST",
+            f"{self._path}/acquire",
+            self._body,
+            repeatable=repeatable,
+            timeout=self._idem._timeout + max(wait, 0.0),
         )
         self.handle, self.fence, self.expires_at = held["lock"], held["fence"], held["expires_at"]
         return self

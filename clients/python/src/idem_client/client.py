@@ -41,6 +41,8 @@ class Idem:
     It keeps a pool of keep-alive HTTP/1.1 connections and may be shared by threads.
     ``client``: an ``httpx.Client`` to call through instead (its base URL, headers, timeouts,
     proxies and TLS settings are used as they are, and it is left open on close).
+    ``max_body``: the largest request body sent (the server's ``--max-body``); a larger one
+    is refused here with :class:`BodyTooLarge`.
     """
 
     def __init__(
@@ -51,6 +53,7 @@ class Idem:
         timeout: float = 10.0,
         attempts: int = _core.DEFAULT_ATTEMPTS,
         client: httpx.Client | None = None,
+        max_body: int = _core.DEFAULT_MAX_BODY,
     ) -> None:
         self._http: _http.Transport
         if client is not None:
@@ -59,6 +62,8 @@ class Idem:
             headers = {"authorization": f"Bearer {api_key}"} if api_key else {}
             self._http = _http.StdlibTransport(url, timeout, headers)
         self._attempts = max(1, attempts)
+        self._timeout = timeout
+        self._max_body = max_body
         self._keeper = _Keeper(self)
         self._closed = False
 
@@ -83,17 +88,21 @@ class Idem:
         *,
         attempts: int | None = None,
         repeatable: bool = True,
+        timeout: float | None = None,
     ) -> Any:
         """One call, tried again while the server or its store is unavailable; also when the
         server could not be reached or did not answer, if the call is ``repeatable`` (safe to
-        send twice: not a token's consume, not a lock's acquire without an owner id)."""
+        send twice: not a token's consume, not a lock's acquire without an owner id).
+        ``timeout``: this call's, when it may wait at the server (a lock's acquire)."""
         if self._closed:
             raise RuntimeError("this idem client is closed")
         attempts = attempts or self._attempts
         content = _core.encode(body)
+        if (refused := _core.too_large(content, self._max_body)) is not None:
+            raise refused
         for attempt in range(attempts):
             try:
-                answer = self._http.request(method, path, content, params, repeatable)
+                answer = self._http.request(method, path, content, params, repeatable, timeout)
             except _http.TransportFailure as e:
                 err: IdemError = Unreachable(f"idem serve did not answer: {e}")
                 if e.lasting:
@@ -162,7 +171,7 @@ class Idem:
 
     def record(self, namespace: str, key: str) -> dict[str, Any] | None:
         """The caller's record under ``key``, or ``None``."""
-        path = f"/v1/records/{_segment(namespace)}/{_segment(key)}"
+        path = _core.record_path(namespace, key)
         try:
             answer: dict[str, Any] = self._call("GET", path)
         except IdemError as e:
@@ -360,6 +369,8 @@ class Run:
     def _renew(self) -> bool:
         """One try at renewing the lease (the keeper's beat); whether to go on renewing."""
         assert self.lease is not None
+        if self._settled:
+            return False  # completed or released: nothing left to hold
         body = _core.renew_body(self.namespace, self.key, self.lease, self._length)
         try:
             # One try per beat, so that no run's renewal waits on another's retries.
@@ -384,7 +395,13 @@ class Run:
         if done is not None and done.done:
             return done.output  # type: ignore[no-any-return]
         output = fn(*args, **kwargs)
-        self._idem.step(self.namespace, self.key, self._held(), name, output)
+        try:
+            self._idem.step(self.namespace, self.key, self._held(), name, output)
+        except (BadInput, TypeError) as e:
+            # The step ran and its output cannot be recorded (too large, not JSON): the run
+            # ends here, its failure kept, so that no retry runs the step again.
+            self.complete(_core.not_kept(e, f"the output of step {name!r}"))
+            raise PreviousFailure(_core.NOT_KEPT, str(e)) from e
         self.steps[name] = Step(name, True, output, done.step_key if done else "")
         return output
 
@@ -562,7 +579,13 @@ class Lock:
             body["owner"] = self._owner
         # Repeated after a lost answer only with an owner id (the same holding comes back).
         path = f"/v1/locks/{_segment(self.name)}/acquire"
-        held = self._idem._call("POST", path, body, repeatable=self._owner is not None)
+        held = self._idem._call(
+            "POST",
+            path,
+            body,
+            repeatable=self._owner is not None,
+            timeout=self._idem._timeout + max(self._wait, 0.0),
+        )
         self.handle, self.fence, self.expires_at = held["lock"], held["fence"], held["expires_at"]
         return self
 
