@@ -82,3 +82,7 @@ export class PreviousFailure extends Error {
 export class LeaseLost extends Error {
   override readonly name = "LeaseLost";
 }
+
+/** The kept failure of a call whose result idem refused to store (too large, or not JSON):
+ * it ran once, so it never runs again; every retry throws {@link PreviousFailure} of this name. */
+export const NOT_KEPT = "ResultNotKept";

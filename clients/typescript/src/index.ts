@@ -10,9 +10,9 @@
  */
 
 import type { components } from "./generated/schema.js";
-import { IdemError, LeaseLost, PreviousFailure, RETRYABLE } from "./errors.js";
+import { IdemError, LeaseLost, NOT_KEPT, PreviousFailure, RETRYABLE } from "./errors.js";
 
-export { IdemError, LeaseLost, PreviousFailure, PROBLEM_CODES, type ProblemCode } from "./errors.js";
+export { IdemError, LeaseLost, NOT_KEPT, PreviousFailure, PROBLEM_CODES, type ProblemCode } from "./errors.js";
 export type { ReplyLike, RequestLike } from "./handler.js";
 export { idempotent, type HandlerOptions, type HandlerResult } from "./handler.js";
 
@@ -75,10 +75,6 @@ export interface Run {
   step<T>(name: string, fn: () => Promise<T> | T): Promise<T>;
 }
 
-/** The kept failure of a call whose result idem refused to store (too large, or not JSON):
- * it ran once, so it never runs again; every retry throws {@link PreviousFailure} of this name. */
-export const NOT_KEPT = "ResultNotKept";
-
 const sleep = (ms: number) => new Promise<void>((resolve) => setTimeout(resolve, ms));
 const ms = (seconds: number) => Math.max(1, Math.round(seconds * 1000));
 
@@ -106,10 +102,15 @@ export class Idem {
     method: "GET" | "POST",
     path: string,
     body?: unknown,
-    { attempts = this.#attempts, repeatable = true }: { attempts?: number; repeatable?: boolean } = {},
+    {
+      attempts = this.#attempts,
+      repeatable = true,
+      timeoutMs = this.#timeoutMs,
+    }: { attempts?: number; repeatable?: boolean; timeoutMs?: number } = {},
   ): Promise<T> {
-    // A value JSON cannot hold (a BigInt, a cycle) throws here, to the caller, never retried.
-    const text = body === undefined ? undefined : JSON.stringify(body);
+    // A value JSON cannot hold (a BigInt, a cycle, NaN or Infinity, which JSON.stringify would
+    // write as null) throws here, to the caller, never retried.
+    const text = body === undefined ? undefined : JSON.stringify(body, finite);
     for (let attempt = 0; ; attempt++) {
       let error: IdemError;
       try {
@@ -117,7 +118,7 @@ export class Idem {
           method,
           headers: this.#headers,
           body: text,
-          signal: AbortSignal.timeout(this.#timeoutMs),
+          signal: AbortSignal.timeout(timeoutMs),
         });
         if (res.ok) return (await res.json()) as T;
         error = await problem(res);
@@ -216,6 +217,10 @@ export class Idem {
         value = await work(run);
       } catch (e) {
         clearInterval(keeper);
+        if (e instanceof StepNotKept) {
+          await run.settle({ error: { type: NOT_KEPT, message: e.message } });
+          throw new PreviousFailure(NOT_KEPT, e.message);
+        }
         if (options.permanent?.(e)) {
           await run.settle({ error: { type: errorName(e), message: errorMessage(e) } });
         } else {
@@ -295,9 +300,14 @@ export class Idem {
    * throws `lock_held` if another holds it (after `wait` seconds). */
   async withLock<T>(name: string, options: { lease?: number; wait?: number }, work: (lock: Schemas["Holding"]) => Promise<T> | T): Promise<T> {
     const path = `/v1/locks/${segment(name)}`;
-    const acquire: Schemas["AcquireBody"] = { lease_ms: ms(options.lease ?? 30), wait_ms: Math.round((options.wait ?? 0) * 1000) };
-    // Not repeated after a lost answer: the lock would be held by a handle nobody has.
-    const held = await this.#call<Schemas["Holding"]>("POST", `${path}/acquire`, acquire, { repeatable: false });
+    const wait = Math.max(0, Math.round((options.wait ?? 0) * 1000));
+    const acquire: Schemas["AcquireBody"] = { lease_ms: ms(options.lease ?? 30), wait_ms: wait };
+    // Not repeated after a lost answer: the lock would be held by a handle nobody has. It may
+    // wait at the server, so its time is the call's plus the wait.
+    const held = await this.#call<Schemas["Holding"]>("POST", `${path}/acquire`, acquire, {
+      repeatable: false,
+      timeoutMs: this.#timeoutMs + wait,
+    });
     try {
       return await work(held);
     } finally {
@@ -329,7 +339,16 @@ class ActiveRun implements Run {
     const recorded = this.steps.get(name);
     if (recorded?.outcome === "done") return recorded.output as T;
     const output = await fn();
-    await this.idem.step(this.namespace, this.key, this.lease, name, output);
+    try {
+      await this.idem.step(this.namespace, this.key, this.lease, name, output);
+    } catch (e) {
+      // It ran and its output cannot be recorded (not JSON, too large): the run ends with
+      // its failure kept, so that no retry runs the step again.
+      if (e instanceof TypeError || (e instanceof IdemError && (e.status === 400 || e.status === 413))) {
+        throw new StepNotKept(name, e);
+      }
+      throw e;
+    }
     this.steps.set(name, { step: name, step_key: recorded?.step_key ?? "", outcome: "done", output });
     return output;
   }
@@ -357,6 +376,19 @@ class ActiveRun implements Run {
       throw e;
     }
   }
+}
+
+/** A step that ran and whose output could not be recorded. */
+class StepNotKept extends Error {
+  constructor(step: string, cause: unknown) {
+    super(`the output of step ${step} could not be stored: ${errorMessage(cause)}`);
+  }
+}
+
+/** JSON.stringify's replacer that refuses numbers JSON has none for (it would write null). */
+function finite(_key: string, value: unknown): unknown {
+  if (typeof value === "number" && !Number.isFinite(value)) throw new TypeError(`${value} is not a JSON number`);
+  return value;
 }
 
 /** A kept result as the call returns it: `{"value"}` its value, `{"error"}` thrown as

@@ -249,6 +249,45 @@ describe("ids, tokens and locks", () => {
   });
 });
 
+describe("values JSON cannot hold", () => {
+  live("NaN and Infinity are refused, not sent as null", async () => {
+    const namespace = ns();
+    let runs = 0;
+    for (const amount of [NaN, Infinity]) {
+      await assert.rejects(idem.once("k", () => ++runs, { namespace, request: { amount } }), TypeError);
+    }
+    assert.equal(runs, 0);
+  });
+
+  live("a step whose output cannot be recorded ends the run, never to run again", async () => {
+    const namespace = ns();
+    let effects = 0;
+    for (let i = 0; i < 2; i++) {
+      await assert.rejects(
+        idem.run("k", { namespace }, async (run) => {
+          await run.step("big", () => {
+            effects++;
+            return { amount: 10n };
+          });
+          return "done";
+        }),
+        (e) => e instanceof PreviousFailure && e.errorName === NOT_KEPT,
+      );
+    }
+    assert.equal(effects, 1);
+  });
+
+  live("a lock is waited for past the call timeout", async () => {
+    const name = ns();
+    const quick = new Idem(server!.url, { apiKey: KEYS.shop, timeoutMs: 1000 });
+    const first = quick.withLock(name, { lease: 5 }, () => new Promise((r) => setTimeout(r, 2000)));
+    await new Promise((r) => setTimeout(r, 200));
+    const fence = await quick.withLock(name, { lease: 5, wait: 4 }, (lock) => lock.fence);
+    await first;
+    assert.ok(fence > 0);
+  });
+});
+
 describe("renewals", () => {
   test("a run has at most one renewal in flight, however slow", async () => {
     let inFlight = 0;
