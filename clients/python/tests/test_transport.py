@@ -3,6 +3,7 @@ server closed them, and an ``httpx.Client`` taken instead when one is given."""
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import json
 import re
@@ -32,41 +33,62 @@ def within(seconds: float, check: Callable[[], bool]) -> bool:
     return True
 
 
-class OneAnswerPerConnection(BaseHTTPRequestHandler):
-    """Answers one request per connection, then closes it without saying so (no
-    ``Connection: close``), as a server closing an idle keep-alive connection does."""
+class Ids(BaseHTTPRequestHandler):
+    """Answers each request with ``{"ids": [n]}`` (n counting the requests), noting its path,
+    authorization and client port; after each answer, closes the connection without saying
+    so (no ``Connection: close``) when ``closing``, as a server closing an idle keep-alive
+    connection does."""
 
     protocol_version = "HTTP/1.1"
+    closing = False
     seen: list[tuple[str, str | None]] = []
+    ports: list[int] = []
 
-    def do_GET(self) -> None:
+    def answer(self) -> None:
         self.rfile.read(int(self.headers.get("content-length") or 0))
         self.seen.append((self.path, self.headers.get("authorization")))
+        self.ports.append(self.client_address[1])
         body = json.dumps({"ids": [len(self.seen)]}).encode()
         self.send_response(200)
         self.send_header("content-type", "application/json")
         self.send_header("content-length", str(len(body)))
         self.end_headers()
         self.wfile.write(body)
-        self.close_connection = True
+        self.close_connection = self.closing
 
-    do_POST = do_GET
+    do_GET = do_POST = answer
 
     def log_message(self, *args: object) -> None:
         pass
 
 
-@pytest.fixture
-def closing_server() -> Iterator[str]:
-    OneAnswerPerConnection.seen = []
-    server = ThreadingHTTPServer(("127.0.0.1", 0), OneAnswerPerConnection)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
+class OneAnswerPerConnection(Ids):
+    closing = True
+
+
+class KeepAlive(Ids):
+    pass
+
+
+@contextlib.contextmanager
+def serving(handler: type[Ids], tls: ssl.SSLContext | None = None) -> Iterator[str]:
+    """A threaded server of ``handler`` (its notes emptied) on loopback, its URL."""
+    handler.seen, handler.ports = [], []
+    server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    if tls is not None:
+        server.socket = tls.wrap_socket(server.socket, server_side=True)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
     try:
-        yield f"http://127.0.0.1:{server.server_address[1]}"
+        yield f"{'https' if tls else 'http'}://127.0.0.1:{server.server_address[1]}"
     finally:
         server.shutdown()
         server.server_close()
+
+
+@pytest.fixture
+def closing_server() -> Iterator[str]:
+    with serving(OneAnswerPerConnection) as url:
+        yield url
 
 
 def test_a_connection_the_server_closed_is_not_reused(closing_server: str) -> None:
@@ -106,64 +128,26 @@ def test_https_is_verified_against_the_trusted_certificates(
         ("right", "IP:127.0.0.1", True, None),
     ]:
         cert, key = certificate(tmp_path, name, san)
-        OneAnswerPerConnection.seen = []
-        server = ThreadingHTTPServer(("127.0.0.1", 0), OneAnswerPerConnection)
         tls = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
         tls.load_cert_chain(cert, key)
-        server.socket = tls.wrap_socket(server.socket, server_side=True)
-        threading.Thread(target=server.serve_forever, daemon=True).start()
-        url = f"https://127.0.0.1:{server.server_address[1]}"
         if trusted:
             monkeypatch.setenv("SSL_CERT_FILE", str(cert))
         else:
             monkeypatch.delenv("SSL_CERT_FILE", raising=False)
-        try:
-            with Idem(url, attempts=1) as idem:
-                if hint is None:
-                    assert idem.snowflake() == [1]
-                else:
-                    # Refused in the handshake: nothing was sent.
-                    with pytest.raises(Unreachable, match=hint):
-                        idem.snowflake()
-                    assert OneAnswerPerConnection.seen == []
-        finally:
-            server.shutdown()
-            server.server_close()
-
-
-class KeepAlive(BaseHTTPRequestHandler):
-    """Answers every request on a connection kept open; notes the client's port of each."""
-
-    protocol_version = "HTTP/1.1"
-    ports: list[int] = []
-
-    def answer(self) -> None:
-        length = int(self.headers.get("content-length") or 0)
-        self.rfile.read(length)
-        self.ports.append(self.client_address[1])
-        body = json.dumps({"ids": [len(self.ports)]}).encode()
-        self.send_response(200)
-        self.send_header("content-type", "application/json")
-        self.send_header("content-length", str(len(body)))
-        self.end_headers()
-        self.wfile.write(body)
-
-    do_GET = do_POST = answer
-
-    def log_message(self, *args: object) -> None:
-        pass
+        with serving(OneAnswerPerConnection, tls) as url, Idem(url, attempts=1) as idem:
+            if hint is None:
+                assert idem.snowflake() == [1]
+            else:
+                # Refused in the handshake: nothing was sent.
+                with pytest.raises(Unreachable, match=hint):
+                    idem.snowflake()
+                assert OneAnswerPerConnection.seen == []
 
 
 @pytest.fixture
 def keep_alive() -> Iterator[str]:
-    KeepAlive.ports = []
-    server = ThreadingHTTPServer(("127.0.0.1", 0), KeepAlive)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    try:
-        yield f"http://127.0.0.1:{server.server_address[1]}"
-    finally:
-        server.shutdown()
-        server.server_close()
+    with serving(KeepAlive) as url:
+        yield url
 
 
 def test_connections_are_kept_alive_and_shared_by_threads(keep_alive: str) -> None:
