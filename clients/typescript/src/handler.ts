@@ -108,7 +108,7 @@ export function idempotent<Req extends RequestLike, Reply extends ReplyLike>(
           // gets it; a retry gets the refusal below, and the handler never runs again.
           reply.status(fresh.status).send(fresh.body);
         } else {
-          problem(reply, 500, "answer_not_stored", "The request ran, but its answer could not be stored.");
+          problem(reply, 409, "response_not_replayable", "The request with the key was processed but its response was too large to store; it is not run again.");
         }
       } else if (e instanceof IdemError && FORWARDED.has(e.code)) {
         // The caller's to mend or wait out: in_progress (409, with Retry-After),

@@ -135,8 +135,8 @@ for (const [framework, mount] of [
       assert.equal(first.status, 201);
       assert.equal(((await first.json()) as { pad: string }).pad.length, 2 << 20);
       const again = await post({ id: "o-big", big: true }, "k-big");
-      assert.equal(again.status, 500);
-      assert.equal(((await again.json()) as { code: string }).code, "answer_not_stored");
+      assert.equal(again.status, 409);
+      assert.equal(((await again.json()) as { code: string }).code, "response_not_replayable");
       assert.equal(runs["o-big"], 1);
     });
 
