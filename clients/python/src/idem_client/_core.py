@@ -212,7 +212,12 @@ def record_path(namespace: str, key: str) -> str:
     for part in (namespace, key):
         if part in (".", ".."):
             raise ValueError(f"a record named {part!r} cannot be read by URL")
-    return f"/v1/records/{quote(namespace, safe='')}/{quote(key, safe='')}"
+    return f"/v1/records/{segment(namespace)}/{segment(key)}"
+
+
+def segment(text: str) -> str:
+    """``text`` as one path segment."""
+    return quote(text, safe="")
 
 
 

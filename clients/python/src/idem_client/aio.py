@@ -13,7 +13,6 @@ import httpx
 
 from . import _core, _http
 from ._core import Acquired, Lease, Replay, Step
-from .client import _segment
 from .errors import (
     BadInput,
     IdemError,
@@ -210,7 +209,7 @@ class AsyncIdem:
         return list(answer["ids"])
 
     async def segment(self, tag: str, count: int = 1) -> list[int]:
-        path = f"/v1/ids/segment/{_segment(tag)}"
+        path = f"/v1/ids/segment/{_core.segment(tag)}"
         return list((await self._call("GET", path, params={"count": count}))["ids"])
 
     async def issue_token(self, purpose: str, ttl: float | None = None) -> str:
@@ -384,7 +383,7 @@ class AsyncLock:
         self, idem: AsyncIdem, name: str, lease: float, wait: float, owner: str | None
     ) -> None:
         self._idem = idem
-        self._path = f"/v1/locks/{_segment(name)}"
+        self._path = f"/v1/locks/{_core.segment(name)}"
         self._lease = lease
         self._body: dict[str, Any] = {"lease_ms": _core.ms(lease), "wait_ms": round(wait * 1000)}
         if owner is not None:

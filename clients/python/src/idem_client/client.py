@@ -278,7 +278,7 @@ class Idem:
 
     def segment(self, tag: str, count: int = 1) -> list[int]:
         """The next ``count`` numbers of the caller's sequence ``tag`` (Leaf-style segments)."""
-        path = f"/v1/ids/segment/{_segment(tag)}"
+        path = f"/v1/ids/segment/{_core.segment(tag)}"
         return list(self._call("GET", path, params={"count": count})["ids"])
 
     def issue_token(self, purpose: str, ttl: float | None = None) -> str:
@@ -578,7 +578,7 @@ class Lock:
         if self._owner is not None:
             body["owner"] = self._owner
         # Repeated after a lost answer only with an owner id (the same holding comes back).
-        path = f"/v1/locks/{_segment(self.name)}/acquire"
+        path = f"/v1/locks/{_core.segment(self.name)}/acquire"
         held = self._idem._call(
             "POST",
             path,
@@ -593,12 +593,12 @@ class Lock:
         """Holds the lock ``lease`` seconds more from now; raises :class:`NotOwner` if it was
         lost."""
         body = {"lock": self.handle, "lease_ms": _core.ms(lease or self._lease)}
-        held = self._idem._call("POST", f"/v1/locks/{_segment(self.name)}/renew", body)
+        held = self._idem._call("POST", f"/v1/locks/{_core.segment(self.name)}/renew", body)
         self.expires_at = held["expires_at"]
 
     def release(self) -> None:
         self._idem._call(
-            "POST", f"/v1/locks/{_segment(self.name)}/release", {"lock": self.handle}
+            "POST", f"/v1/locks/{_core.segment(self.name)}/release", {"lock": self.handle}
         )
 
     def __enter__(self) -> Lock:
@@ -606,13 +606,6 @@ class Lock:
 
     def __exit__(self, *exc: object) -> None:
         self.release()
-
-
-def _segment(text: str) -> str:
-    """``text`` as one path segment."""
-    from urllib.parse import quote
-
-    return quote(text, safe="")
 
 
 __all__ = ["Idem", "Run", "Lock", "PreviousFailure"]
