@@ -7,7 +7,7 @@
 import { createHash } from "node:crypto";
 
 import { IdemError, NOT_KEPT, PreviousFailure } from "./errors.js";
-import type { Idem } from "./index.js";
+import type { Idem } from "./client.js";
 
 /** The parts of an Express `Request` or a Fastify `FastifyRequest` the wrapper reads. */
 export interface RequestLike {
