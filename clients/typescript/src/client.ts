@@ -5,6 +5,7 @@
 
 import type { components } from "./generated/schema.js";
 import { IdemError, LeaseLost, NOT_KEPT, PreviousFailure, RETRYABLE } from "./errors.js";
+import { asJson, toJson } from "./json.js";
 
 type Schemas = components["schemas"];
 /** The attempt's hold on a key: its token (`id`), fence, and end. */
@@ -61,7 +62,7 @@ export interface Run {
   /** Whether another attempt took the key over while this one ran (seen by the renewal). */
   readonly lost: boolean;
   /** Runs step `name` and records its output (JSON), or returns the output an earlier attempt
-   * recorded without running it. */
+   * recorded without running it: either way as JSON gives it back. */
   step<T>(name: string, fn: () => Promise<T> | T): Promise<T>;
 }
 
@@ -98,9 +99,8 @@ export class Idem {
       timeoutMs = this.#timeoutMs,
     }: { attempts?: number; repeatable?: boolean; timeoutMs?: number } = {},
   ): Promise<T> {
-    // A value JSON cannot hold (a BigInt, a cycle, NaN or Infinity, which JSON.stringify would
-    // write as null) throws here, to the caller, never retried.
-    const text = body === undefined ? undefined : JSON.stringify(body, finite);
+    // A value JSON cannot hold as it is (see toJson) throws here, to the caller, never retried.
+    const text = body === undefined ? undefined : toJson(body);
     for (let attempt = 0; ; attempt++) {
       let error: IdemError;
       try {
@@ -181,8 +181,8 @@ export class Idem {
    * Runs `fn` once per `key`: every later call with the key is given the first call's result
    * (or, for a failure `permanent` judges so, throws {@link PreviousFailure}). A call whose key
    * another attempt holds waits for it. Without `request` the key alone identifies the call.
-   * The result must be JSON: a later call is given it as JSON gives it back (`undefined` as
-   * `null`, a `Date` as its string), whatever `T` says.
+   * The result must be JSON: this call and every later one are given it as JSON gives it back
+   * (`undefined` as `null`, a `Date` as its string), whatever `T` says.
    */
   once<T>(key: string, fn: () => Promise<T> | T, options: RunOptions = {}): Promise<T> {
     return this.run(key, options, () => fn());
@@ -219,15 +219,17 @@ export class Idem {
         throw e;
       }
       clearInterval(keeper);
+      let kept: unknown;
       try {
-        await run.settle({ value: value ?? null });
+        kept = asJson(value);
+        await run.settle({ value: kept });
       } catch (e) {
         if (!(e instanceof TypeError) && !(e instanceof IdemError && e.status >= 400 && e.status < 500)) throw e;
         // It ran, so it must not run again: its failure to be kept is kept.
         await run.settle({ error: { type: NOT_KEPT, message: `the result could not be stored: ${errorMessage(e)}` } });
         throw new PreviousFailure(NOT_KEPT, errorMessage(e));
       }
-      return value;
+      return kept as T;
     } finally {
       clearInterval(keeper);
     }
@@ -329,8 +331,10 @@ class ActiveRun implements Run {
     const recorded = this.steps.get(name);
     if (recorded?.outcome === "done") return recorded.output as T;
     const output = await fn();
+    let kept: unknown;
     try {
-      await this.idem.step(this.namespace, this.key, this.lease, name, output);
+      kept = asJson(output);
+      await this.idem.step(this.namespace, this.key, this.lease, name, kept);
     } catch (e) {
       // It ran and its output cannot be recorded (not JSON, too large): the run ends with
       // its failure kept, so that no retry runs the step again.
@@ -339,8 +343,8 @@ class ActiveRun implements Run {
       }
       throw e;
     }
-    this.steps.set(name, { step: name, step_key: recorded?.step_key ?? "", outcome: "done", output });
-    return output;
+    this.steps.set(name, { step: name, step_key: recorded?.step_key ?? "", outcome: "done", output: kept });
+    return kept as T;
   }
 
   async keepAlive(length: number): Promise<void> {
@@ -373,12 +377,6 @@ class StepNotKept extends Error {
   constructor(step: string, cause: unknown) {
     super(`the output of step ${step} could not be stored: ${errorMessage(cause)}`);
   }
-}
-
-/** JSON.stringify's replacer that refuses numbers JSON has none for (it would write null). */
-function finite(_key: string, value: unknown): unknown {
-  if (typeof value === "number" && !Number.isFinite(value)) throw new TypeError(`${value} is not a JSON number`);
-  return value;
 }
 
 /** A kept result as the call returns it: `{"value"}` its value, `{"error"}` thrown as

@@ -109,7 +109,7 @@ describe("results", () => {
     const work = async () => {
       runs++;
     };
-    assert.equal(await idem.once("nothing", work, { namespace }), undefined);
+    assert.equal(await idem.once("nothing", work, { namespace }), null);
     assert.equal(await idem.once("nothing", work, { namespace }), null);
     assert.equal(runs, 1);
     let effects = 0;
@@ -123,6 +123,22 @@ describe("results", () => {
     assert.equal(effects, 1);
   });
 
+  live("the first caller is given what every retry is: the result as JSON gives it back", async () => {
+    const namespace = ns();
+    let runs = 0;
+    const work = () => {
+      runs++;
+      return { at: new Date(0), gone: undefined, list: [undefined, 1], order: { placed: new Date(1000) } };
+    };
+    const asKept = { at: "1970-01-01T00:00:00.000Z", list: [null, 1], order: { placed: "1970-01-01T00:00:01.000Z" } };
+    assert.deepEqual(await idem.once<unknown>("dated", work, { namespace }), asKept);
+    assert.deepEqual(await idem.once<unknown>("dated", work, { namespace }), asKept);
+    assert.equal(runs, 1);
+    const step = () => idem.run("stepped", { namespace }, (run) => run.step<unknown>("at", () => new Date(0)));
+    assert.equal(await step(), "1970-01-01T00:00:00.000Z");
+    assert.equal(await step(), "1970-01-01T00:00:00.000Z");
+  });
+
   live("a result idem cannot store ran once and never runs again", async () => {
     const namespace = ns();
     let runs = 0;
@@ -134,12 +150,21 @@ describe("results", () => {
       runs++;
       return { amount: 10n };
     };
-    for (const [key, fn] of [["huge", huge], ["bigint", bigint]] as const) {
+    // JSON would keep these as {}: kept so, the first caller and a retry would be given different values.
+    const map = () => {
+      runs++;
+      return { amounts: new Map([["eur", 10]]) };
+    };
+    const set = () => {
+      runs++;
+      return new Set(["a"]);
+    };
+    for (const [key, fn] of [["huge", huge], ["bigint", bigint], ["map", map], ["set", set]] as const) {
       for (let i = 0; i < 2; i++) {
         await assert.rejects(idem.once<unknown>(key, fn, { namespace }), (e) => e instanceof PreviousFailure && e.errorName === NOT_KEPT);
       }
     }
-    assert.equal(runs, 2);
+    assert.equal(runs, 4);
   });
 });
 
@@ -250,10 +275,10 @@ describe("ids, tokens and locks", () => {
 });
 
 describe("values JSON cannot hold", () => {
-  live("NaN and Infinity are refused, not sent as null", async () => {
+  live("NaN and Infinity are refused, not sent as null; a Map or a Set, not sent as {}", async () => {
     const namespace = ns();
     let runs = 0;
-    for (const amount of [NaN, Infinity]) {
+    for (const amount of [NaN, Infinity, new Map([["eur", 1]]), new Set([1])]) {
       await assert.rejects(idem.once("k", () => ++runs, { namespace, request: { amount } }), TypeError);
     }
     assert.equal(runs, 0);
