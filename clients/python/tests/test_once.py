@@ -129,21 +129,6 @@ def test_work_that_outlives_a_lease_not_kept_alive_loses_it(idem: Idem, ns: str)
     assert idem.begin(ns, "lost", request=1).response == "the other's"  # type: ignore[union-attr]
 
 
-def test_a_result_idem_cannot_store_is_never_run_again(idem: Idem, ns: str) -> None:
-    runs = []
-
-    @idem.once(ns, key=lambda k: k)
-    def huge(k: str) -> str:
-        runs.append(k)
-        return "x" * (2 << 20)  # past the server's 1 MiB body limit
-
-    for _ in range(2):
-        with pytest.raises(PreviousFailure) as kept:
-            huge("big")
-        assert kept.value.type_name == "ResultNotKept"
-    assert runs == ["big"]
-
-
 def test_arguments_that_are_not_json_need_a_payload(idem: Idem, ns: str) -> None:
     runs = []
 

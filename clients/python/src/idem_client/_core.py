@@ -172,18 +172,39 @@ def pause(attempt: int, advice: float | None) -> float:
     return base * (0.5 + random.random() / 2)
 
 
+def as_json(value: Any) -> Any:
+    """``value`` as JSON carries it, which is what a retry is given back: keys as strings,
+    tuples as lists, subclasses as their plain types. A value JSON cannot carry is refused
+    with ``TypeError``: an object of another type, NaN or an infinity, two keys that become
+    one (``{1: …, "1": …}``), a string that is not Unicode text (a lone surrogate)."""
+    try:
+        text = json.dumps(value, ensure_ascii=False, allow_nan=False)
+        text.encode()  # a lone surrogate has no UTF-8, and the server takes none
+        return json.loads(text, object_pairs_hook=_members)
+    except ValueError as e:  # UnicodeError is one
+        raise TypeError(f"not JSON: {e}") from e
+
+
+def _members(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    members: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in members:
+            raise ValueError(f"two keys become the one member {key!r}")
+        members[key] = value
+    return members
+
+
 def default_payload(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     """What a guarded call is fingerprinted by when no ``payload`` is given: its arguments, as
-    JSON. An argument JSON cannot hold is refused (its ``repr`` would differ from call to call,
+    JSON. Arguments JSON cannot carry are refused (a ``repr`` would differ from call to call,
     so a retry would not be recognised): give ``payload=`` a function of the arguments."""
-
-    def refuse(value: Any) -> Any:
+    try:
+        return as_json({"args": list(args), "kwargs": kwargs})
+    except TypeError as e:
         raise TypeError(
-            f"an argument of type {type(value).__name__} is not JSON, so the call cannot be "
-            "fingerprinted by its arguments: give once() a payload= function"
-        )
-
-    return json.loads(json.dumps({"args": list(args), "kwargs": kwargs}, default=refuse))
+            f"the call cannot be fingerprinted by its arguments ({e}): give once() a payload= "
+            "function"
+        ) from e
 
 
 # How `once` keeps a call's result in the record's response: {"value": v} for a return value,

@@ -191,11 +191,11 @@ class AsyncIdem:
                         await run.complete(_core.kept_failure(e))
                         raise
                     try:
-                        await run.complete(_core.kept_value(value))
+                        kept = await run.complete(_core.kept_value(value))
                     except (BadInput, TypeError) as e:
                         await run.complete(_core.not_kept(e), again=True)
                         raise PreviousFailure(_core.NOT_KEPT, str(e)) from e
-                    return value
+                    return kept["value"]
 
             return wrapper  # type: ignore[return-value]
 
@@ -324,24 +324,27 @@ class AsyncRun:
             return done.output  # type: ignore[no-any-return]
         output = await fn(*args, **kwargs)
         try:
-            await self._idem.step(self.namespace, self.key, self._held(), name, output)
+            kept = _core.as_json(output)
+            await self._idem.step(self.namespace, self.key, self._held(), name, kept)
         except (BadInput, TypeError) as e:
             # The step ran and its output cannot be recorded (too large, not JSON): the run
             # ends here, its failure kept, so that no retry runs the step again.
             await self.complete(_core.not_kept(e, f"the output of step {name!r}"))
             raise PreviousFailure(_core.NOT_KEPT, str(e)) from e
-        self.steps[name] = Step(name, True, output, done.step_key if done else "")
-        return output
+        self.steps[name] = Step(name, True, kept, done.step_key if done else "")
+        return kept  # type: ignore[no-any-return]
 
-    async def complete(self, response: Any, *, again: bool = False) -> None:
+    async def complete(self, response: Any, *, again: bool = False) -> Any:
         """See :meth:`idem_client.Run.complete`."""
         if self.lease is None or (self._settled and not again):
             raise RuntimeError("this run holds no lease (it was replayed or is settled)")
         self._settled = True
+        kept = _core.as_json(response)
         try:
-            await self._idem.complete(self.namespace, self.key, self.lease, response)
+            await self._idem.complete(self.namespace, self.key, self.lease, kept)
         except StaleLease as e:
             raise LeaseLost(f"the lease on {self.key!r} was taken over") from e
+        return kept
 
     async def release(self) -> None:
         """See :meth:`idem_client.Run.release`."""

@@ -238,7 +238,8 @@ class Idem:
         fingerprinted by (its arguments by default; another call under the key with another
         payload raises :class:`FingerprintMismatch`). An exception of a ``permanent`` type is
         kept: later calls raise :class:`PreviousFailure` without running. Any other exception
-        releases the key, so a later call runs again. The result must be JSON."""
+        releases the key, so a later call runs again. The result must be JSON, and every call,
+        the first too, is given it as JSON carries it (``{1: (2, 3)}`` as ``{"1": [2, 3]}``)."""
 
         def decorate(fn: F) -> F:
             @functools.wraps(fn)
@@ -255,12 +256,12 @@ class Idem:
                         run.complete(_core.kept_failure(e))
                         raise
                     try:
-                        run.complete(_core.kept_value(value))
+                        kept = run.complete(_core.kept_value(value))
                     except (BadInput, TypeError) as e:
                         # It ran, so it must not run again: its failure to be kept is kept.
                         run.complete(_core.not_kept(e), again=True)
                         raise PreviousFailure(_core.NOT_KEPT, str(e)) from e
-                    return value
+                    return kept["value"]
 
             return wrapper  # type: ignore[return-value]
 
@@ -389,35 +390,41 @@ class Run:
         return self._lost.is_set()
 
     def step(self, name: str, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
-        """Runs step ``name`` (``fn(*args, **kwargs)``) and records its output (JSON), or,
-        when an earlier attempt recorded it done, returns that output without running it."""
+        """Runs step ``name`` (``fn(*args, **kwargs)``), records its output (JSON) and returns
+        it as recorded (as JSON carries it), or, when an earlier attempt recorded it done,
+        returns that output without running it."""
         done = self.steps.get(name)
         if done is not None and done.done:
             return done.output  # type: ignore[no-any-return]
         output = fn(*args, **kwargs)
         try:
-            self._idem.step(self.namespace, self.key, self._held(), name, output)
+            kept = _core.as_json(output)
+            self._idem.step(self.namespace, self.key, self._held(), name, kept)
         except (BadInput, TypeError) as e:
             # The step ran and its output cannot be recorded (too large, not JSON): the run
             # ends here, its failure kept, so that no retry runs the step again.
             self.complete(_core.not_kept(e, f"the output of step {name!r}"))
             raise PreviousFailure(_core.NOT_KEPT, str(e)) from e
-        self.steps[name] = Step(name, True, output, done.step_key if done else "")
-        return output
+        self.steps[name] = Step(name, True, kept, done.step_key if done else "")
+        return kept  # type: ignore[no-any-return]
 
-    def complete(self, response: Any, *, again: bool = False) -> None:
-        """Stores ``response`` (any JSON) as the work's; raises :class:`LeaseLost` if another
-        attempt took the key over meanwhile (its response is the one kept). Once tried, the
-        key is never released by this run, whatever the store answered: the work ran, so a
-        retry must not run it again at once (it takes over when the lease ends if nothing was
-        stored). ``again``: a second try after the store refused the first response."""
+    def complete(self, response: Any, *, again: bool = False) -> Any:
+        """Stores ``response`` (any JSON) as the work's, and returns it as stored (as JSON
+        carries it: what every retry's :attr:`response` is); raises :class:`LeaseLost` if
+        another attempt took the key over meanwhile (its response is the one kept). Once
+        tried, the key is never released by this run, whatever the store answered: the work
+        ran, so a retry must not run it again at once (it takes over when the lease ends if
+        nothing was stored). ``again``: a second try after the store refused the first
+        response."""
         if self.lease is None or (self._settled and not again):
             raise RuntimeError("this run holds no lease (it was replayed or is settled)")
         self._settled = True
+        kept = _core.as_json(response)
         try:
-            self._idem.complete(self.namespace, self.key, self.lease, response)
+            self._idem.complete(self.namespace, self.key, self.lease, kept)
         except StaleLease as e:
             raise LeaseLost(f"the lease on {self.key!r} was taken over") from e
+        return kept
 
     def release(self) -> None:
         """Gives the key back: a retry runs the work again."""
