@@ -52,6 +52,39 @@ class Acquired:
     step_keys: dict[str, str] = field(default_factory=dict)
 
 
+def interrupted(error: BaseException | None) -> bool:
+    """Whether a run was stopped by what is not a failure of its work: a cancellation, an
+    interrupt, an exit (a ``BaseException`` that is not an ``Exception``). Its work may have
+    had its effects, so its key is never released for a retry to run it again: it is kept
+    until its lease ends."""
+    return error is not None and not isinstance(error, Exception)
+
+
+class Attempt:
+    """What a run of either client does with its key: holds it until settled, and at its end
+    releases it, or keeps it."""
+
+    key: str
+    lease: Lease | None
+    _settled: bool
+
+    def _held(self) -> Lease:
+        if self.lease is None or self._settled:
+            raise RuntimeError("this run holds no lease (it was replayed or is settled)")
+        return self.lease
+
+    def _gives_back(self, exc: BaseException | None) -> bool:
+        """Whether the run, ending with ``exc`` (``None``: it ended without ``complete``),
+        releases its key: not once settled, nor once :func:`interrupted` (the key is then
+        kept, renewed no more, until the lease ends)."""
+        if self.lease is None or self._settled:
+            return False
+        if interrupted(exc):
+            self._settled = True
+            return False
+        return True
+
+
 @dataclass(frozen=True)
 class Replay:
     """The work was done: its stored response."""

@@ -4,15 +4,16 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import time
 from types import TracebackType
-from typing import Any, Awaitable, Callable, TypeVar
+from typing import Any, Awaitable, Callable, Coroutine, TypeVar
 
 import httpx
 
 from . import _core, _http
-from ._core import Acquired, Lease, Replay, Step
+from ._core import Acquired, Attempt, Lease, Replay, Step
 from .errors import (
     BadInput,
     IdemError,
@@ -47,10 +48,23 @@ class AsyncIdem:
         self._attempts = max(1, attempts)
         self._timeout = timeout
         self._max_body = max_body
+        # Work whose caller may be gone: held here, since the loop keeps only weak references.
+        self._working: set[asyncio.Task[Any]] = set()
 
     async def aclose(self) -> None:
+        """Waits for work still running whose caller was cancelled (so that its result is
+        stored), then closes the connections."""
+        while self._working:
+            await asyncio.wait(set(self._working))
         if self._owned:
             await self._http.aclose()
+
+    def _detach(self, work: Coroutine[Any, Any, T]) -> asyncio.Task[T]:
+        """``work`` in a task of its own, which runs to its end whether or not anyone waits."""
+        task = asyncio.ensure_future(work)
+        self._working.add(task)
+        task.add_done_callback(self._working.discard)
+        return task
 
     async def __aenter__(self) -> AsyncIdem:
         return self
@@ -152,7 +166,9 @@ class AsyncIdem:
         keep_alive: bool = True,
         step_keys: list[str] | None = None,
     ) -> AsyncRun:
-        """See :meth:`idem_client.Idem.run`; used with ``async with``."""
+        """See :meth:`idem_client.Idem.run`; used with ``async with``. A block cancelled (a
+        timeout, a client's hang-up) is interrupted, not failed: its key is kept until the
+        lease ends, and a step it was in runs to its end and is recorded first."""
         return AsyncRun(
             self,
             namespace,
@@ -174,9 +190,31 @@ class AsyncIdem:
         wait: float = 30.0,
         permanent: tuple[type[BaseException], ...] = (),
     ) -> Callable[[F], F]:
-        """See :meth:`idem_client.Idem.once`; decorates a coroutine function."""
+        """See :meth:`idem_client.Idem.once`; decorates a coroutine function.
+
+        Once the key is had, the function runs in a task of its own: a caller cancelled
+        meanwhile (a timeout, a client's hang-up) stops waiting, but the function runs to its
+        end and its result is kept, and a retry is given it."""
 
         def decorate(fn: F) -> F:
+            async def settle(run: AsyncRun, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+                try:
+                    value = await fn(*args, **kwargs)
+                except permanent as e:
+                    await run.complete(_core.kept_failure(e))
+                    raise
+                except Exception:
+                    # Released here, not by the caller's exit: the caller may be gone.
+                    with contextlib.suppress(IdemError):
+                        await run.release()
+                    raise
+                try:
+                    kept = await run.complete(_core.kept_value(value))
+                except (BadInput, TypeError) as e:
+                    await run.complete(_core.not_kept(e), again=True)
+                    raise PreviousFailure(_core.NOT_KEPT, str(e)) from e
+                return kept["value"]
+
             @functools.wraps(fn)
             async def wrapper(*args: Any, **kwargs: Any) -> Any:
                 request = (payload or _core.default_payload_fn)(*args, **kwargs)
@@ -185,17 +223,7 @@ class AsyncIdem:
                 ) as run:
                     if run.replayed:
                         return _core.result_of(run.response)
-                    try:
-                        value = await fn(*args, **kwargs)
-                    except permanent as e:
-                        await run.complete(_core.kept_failure(e))
-                        raise
-                    try:
-                        kept = await run.complete(_core.kept_value(value))
-                    except (BadInput, TypeError) as e:
-                        await run.complete(_core.not_kept(e), again=True)
-                        raise PreviousFailure(_core.NOT_KEPT, str(e)) from e
-                    return kept["value"]
+                    return await run._shielded(settle(run, args, kwargs))
 
             return wrapper  # type: ignore[return-value]
 
@@ -240,7 +268,7 @@ class AsyncIdem:
         return AsyncLock(self, name, lease, wait, owner)
 
 
-class AsyncRun:
+class AsyncRun(Attempt):
     """One attempt at the work under a key (see :meth:`AsyncIdem.run`)."""
 
     def __init__(
@@ -269,6 +297,8 @@ class AsyncRun:
         self._settled = False
         self._lost = False
         self._keeper: asyncio.Task[None] | None = None
+        # Work of this run in tasks of their own (a guarded function, steps), still running.
+        self._working: set[asyncio.Task[Any]] = set()
 
     async def __aenter__(self) -> AsyncRun:
         deadline = time.monotonic() + self._wait
@@ -315,14 +345,29 @@ class AsyncRun:
         """See :attr:`idem_client.Run.lost`."""
         return self._lost
 
+    async def _shielded(self, work: Coroutine[Any, Any, T]) -> T:
+        """Runs ``work`` in a task of its own and waits for it. A cancelled caller stops
+        waiting, but the work runs to its end and is recorded, its lease renewed meanwhile:
+        what it did must be what a retry is given, and a cut between an effect and its
+        record would have the retry do it again."""
+        task = self._idem._detach(work)
+        self._working.add(task)
+        task.add_done_callback(self._working.discard)
+        return await asyncio.shield(task)
+
     async def step(
         self, name: str, fn: Callable[..., Awaitable[T]], *args: Any, **kwargs: Any
     ) -> T:
-        """See :meth:`idem_client.Run.step`; ``fn`` is a coroutine function."""
+        """See :meth:`idem_client.Run.step`; ``fn`` is a coroutine function. The step runs in
+        a task of its own: a caller cancelled meanwhile stops waiting, but the step runs to
+        its end and is recorded."""
         done = self.steps.get(name)
         if done is not None and done.done:
             return done.output  # type: ignore[no-any-return]
-        output = await fn(*args, **kwargs)
+        return await self._shielded(self._step(name, fn(*args, **kwargs)))
+
+    async def _step(self, name: str, work: Awaitable[T]) -> T:
+        output = await work
         try:
             kept = _core.as_json(output)
             await self._idem.step(self.namespace, self.key, self._held(), name, kept)
@@ -331,6 +376,7 @@ class AsyncRun:
             # ends here, its failure kept, so that no retry runs the step again.
             await self.complete(_core.not_kept(e, f"the output of step {name!r}"))
             raise PreviousFailure(_core.NOT_KEPT, str(e)) from e
+        done = self.steps.get(name)
         self.steps[name] = Step(name, True, kept, done.step_key if done else "")
         return kept  # type: ignore[no-any-return]
 
@@ -355,28 +401,36 @@ class AsyncRun:
         except StaleLease:
             pass
 
-    def _held(self) -> Lease:
-        if self.lease is None or self._settled:
-            raise RuntimeError("this run holds no lease (it was replayed or is settled)")
-        return self.lease
-
     async def __aexit__(
         self,
         exc_type: type[BaseException] | None,
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
+        if self._working and _core.interrupted(exc):
+            # The caller is gone and work it started goes on: the run ends when that ends.
+            self._idem._detach(self._end(exc))
+            return
+        await self._end(exc)
+
+    async def _end(self, exc: BaseException | None) -> None:
+        """Ends the run once its work in tasks of its own has ended: stops renewing the lease,
+        and releases the key unless the run is settled or was interrupted (see
+        :meth:`idem_client.Idem.run`)."""
+        if self._working:
+            await asyncio.wait(set(self._working))
         if self._keeper is not None:
             self._keeper.cancel()
             # Waits for it to end without taking its outcome (a cancellation of the caller's
             # own still reaches the caller).
             await asyncio.wait([self._keeper])
-        if self.lease is not None and not self._settled:
-            try:
-                await self.release()
-            except IdemError:
-                if exc is None:
-                    raise
+        if not self._gives_back(exc):
+            return
+        try:
+            await self.release()
+        except IdemError:
+            if exc is None:
+                raise
 
 
 class AsyncLock:

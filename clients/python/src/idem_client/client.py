@@ -16,7 +16,7 @@ from typing import Any, Callable, TypeVar
 import httpx
 
 from . import _core, _http
-from ._core import Acquired, Lease, Replay, Step
+from ._core import Acquired, Attempt, Lease, Replay, Step
 from .errors import (
     BadInput,
     IdemError,
@@ -205,8 +205,11 @@ class Idem:
 
         It waits up to ``wait`` seconds for an attempt in flight (then raises
         :class:`InProgress`), renews the lease in the background while the block runs
-        (``keep_alive``), and releases the key if the block raises or ends without
-        ``complete``, so that a retry runs it again."""
+        (``keep_alive``), and releases the key if the block raises an ``Exception`` or ends
+        without ``complete``, so that a retry runs it again. A block stopped by what is not a
+        failure of the work (``KeyboardInterrupt``, ``SystemExit``: any ``BaseException``
+        that is not an ``Exception``) may have had its effects, so its key is kept, renewed
+        no more, until the lease ends; an attempt then takes over, skipping recorded steps."""
         return Run(
             self,
             namespace,
@@ -238,8 +241,9 @@ class Idem:
         fingerprinted by (its arguments by default; another call under the key with another
         payload raises :class:`FingerprintMismatch`). An exception of a ``permanent`` type is
         kept: later calls raise :class:`PreviousFailure` without running. Any other exception
-        releases the key, so a later call runs again. The result must be JSON, and every call,
-        the first too, is given it as JSON carries it (``{1: (2, 3)}`` as ``{"1": [2, 3]}``)."""
+        releases the key, so a later call runs again; an interrupt or an exit keeps it until
+        the lease ends (see :meth:`run`). The result must be JSON, and every call, the first
+        too, is given it as JSON carries it (``{1: (2, 3)}`` as ``{"1": [2, 3]}``)."""
 
         def decorate(fn: F) -> F:
             @functools.wraps(fn)
@@ -308,7 +312,7 @@ class Idem:
         return Lock(self, name, lease, wait, owner)
 
 
-class Run:
+class Run(Attempt):
     """One attempt at the work under a key (see :meth:`Idem.run`)."""
 
     def __init__(
@@ -435,11 +439,6 @@ class Run:
         except StaleLease:
             pass  # another attempt holds it: nothing of ours to give back
 
-    def _held(self) -> Lease:
-        if self.lease is None or self._settled:
-            raise RuntimeError("this run holds no lease (it was replayed or is settled)")
-        return self.lease
-
     def __exit__(
         self,
         exc_type: type[BaseException] | None,
@@ -447,13 +446,14 @@ class Run:
         tb: TracebackType | None,
     ) -> None:
         self._idem._keeper.forget(self)
-        if self.lease is not None and not self._settled:
-            try:
-                self.release()
-            except IdemError:
-                if exc is None:
-                    raise
-                # The block's own error matters more; the key comes back when the lease ends.
+        if not self._gives_back(exc):
+            return
+        try:
+            self.release()
+        except IdemError:
+            if exc is None:
+                raise
+            # The block's own error matters more; the key comes back when the lease ends.
 
 
 #: How long the lease keeper's thread waits with no run to renew before it ends, in seconds
