@@ -47,6 +47,10 @@ export interface RunOptions {
   permanent?: (error: unknown) => boolean;
   /** Steps whose step keys to ask for (see {@link Run.stepKeys}). */
   stepKeys?: string[];
+  /** Stops this caller's wait: once it aborts, the call rejects with its reason. Work already
+   * begun runs on to its end and its result is kept for the next call; work that stops on an
+   * abort is a cancellation, not a failure (see {@link Idem.run}). */
+  signal?: AbortSignal;
 }
 
 /** One attempt at the work under a key, handed to the work of {@link Idem.run}. */
@@ -191,12 +195,37 @@ export class Idem {
   /**
    * Runs `work` once per `key`, handing it the {@link Run}: its steps, recorded as they finish,
    * are skipped with their outputs by the attempt that takes over after a crash.
+   *
+   * A cancellation is not a failure of the work: work that ends in an abort (an `AbortError` or
+   * `TimeoutError`, or any error once `signal` has aborted) may have had its effect, so its key
+   * is neither released nor given a failure. It is kept, renewed no more, until its lease ends;
+   * till then every call is refused with `in_progress`.
    */
   async run<T>(key: string, options: RunOptions, work: (run: Run) => Promise<T> | T): Promise<T> {
+    const { signal } = options;
+    signal?.throwIfAborted();
     const namespace = options.namespace ?? "once";
     const length = options.lease ?? 60;
     const begun = await this.#beginWaiting(namespace, key, options, length);
     if (begun.outcome === "replay") return resultOf(begun.response) as T;
+    if (signal?.aborted) {
+      // Nothing ran: the key is free for the next call.
+      await this.release(namespace, key, begun.lease).catch(() => undefined);
+      throw signal.reason;
+    }
+    const attempt = this.#attempt(namespace, key, begun, options, length, work);
+    return signal ? untilAborted(attempt, signal) : attempt;
+  }
+
+  /** Runs the work under the lease `begun` holds, and keeps its result. */
+  async #attempt<T>(
+    namespace: string,
+    key: string,
+    begun: Extract<BeginAnswer, { outcome: "acquired" }>,
+    options: RunOptions,
+    length: number,
+    work: (run: Run) => Promise<T> | T,
+  ): Promise<T> {
     // One try per beat: the next beat tries again, and the run's end never waits on it.
     const renewOnce = (body: Schemas["RecordRenewBody"]) => this.#call("POST", "/v1/records/renew", body, { attempts: 1 });
     const run = new ActiveRun(this, renewOnce, namespace, key, begun.lease, begun.steps, begun.step_keys ?? {});
@@ -211,6 +240,9 @@ export class Idem {
           await run.settle({ error: { type: NOT_KEPT, message: e.message } });
           throw new PreviousFailure(NOT_KEPT, e.message);
         }
+        // The key is kept, and its lease, renewed no more, ends: a release would let a retry
+        // run again work that may have had its effect.
+        if (cancelled(e, options.signal)) throw e;
         if (options.permanent?.(e)) {
           await run.settle({ error: { type: errorName(e), message: errorMessage(e) } });
         } else {
@@ -250,7 +282,8 @@ export class Idem {
         if (!IdemError.is(e, "in_progress") || left <= 0) throw e;
         // The attempt in flight may finish any moment; its Retry-After is its lease's end.
         const poll = Math.min(50 * 2 ** Math.min(attempt, 5), 1000);
-        await sleep(Math.min(poll, (e.retryAfter ?? Infinity) * 1000, left));
+        const pause = sleep(Math.min(poll, (e.retryAfter ?? Infinity) * 1000, left));
+        await (options.signal ? untilAborted(pause, options.signal) : pause);
       }
     }
   }
@@ -370,6 +403,31 @@ class ActiveRun implements Run {
       throw e;
     }
   }
+}
+
+/** `work`'s end, or `signal`'s reason as soon as it aborts: the caller stops waiting, and the
+ * work runs on to its end, which nobody then awaits. */
+function untilAborted<T>(work: Promise<T>, signal: AbortSignal): Promise<T> {
+  work.catch(() => undefined);
+  return new Promise<T>((resolve, reject) => {
+    const stop = () => reject(signal.reason);
+    if (signal.aborted) return stop();
+    signal.addEventListener("abort", stop, { once: true });
+    work.then(resolve, reject).finally(() => signal.removeEventListener("abort", stop));
+  });
+}
+
+/** Whether the work was cancelled rather than failed: `signal` has aborted, or `e`, or an
+ * error it was caused by, is an abort as `fetch`, timers and streams throw one. */
+function cancelled(e: unknown, signal: AbortSignal | undefined): boolean {
+  if (signal?.aborted) return true;
+  let cause = e;
+  for (let depth = 0; cause instanceof Object && depth < 8; depth++) {
+    const { name } = cause as { name?: unknown };
+    if (name === "AbortError" || name === "TimeoutError") return true;
+    cause = (cause as { cause?: unknown }).cause;
+  }
+  return false;
 }
 
 /** A step that ran and whose output could not be recorded. */

@@ -9,6 +9,7 @@ import { tmpdir } from "node:os";
 import { join } from "node:path";
 import { after, before, describe, test } from "node:test";
 import { createInterface } from "node:readline";
+import { setTimeout as delay } from "node:timers/promises";
 
 import { Idem, IdemError, LeaseLost, NOT_KEPT, PreviousFailure, PROBLEM_CODES } from "../src/index.js";
 import { KEYS, ROOT, ns, serve, type Served } from "./server.js";
@@ -99,6 +100,50 @@ describe("once", () => {
       return "kept";
     });
     assert.equal(result, "kept");
+  });
+});
+
+describe("cancellation", () => {
+  live("work aborted after its effect keeps its key: a retry does not run it, and the lease ends", async () => {
+    const namespace = ns();
+    let runs = 0;
+    const charge = async (signal: AbortSignal) => {
+      runs++; // the effect
+      await delay(5_000, undefined, { signal }); // then waits on something that is aborted
+      return "charged";
+    };
+    const caller = new AbortController();
+    const first = idem.once("k", () => charge(caller.signal), { namespace, lease: 1 });
+    await delay(100);
+    caller.abort();
+    await assert.rejects(first, { name: "AbortError" });
+    await assert.rejects(
+      idem.once("k", () => charge(new AbortController().signal), { namespace, wait: 0 }),
+      (e) => IdemError.is(e, "in_progress"),
+    );
+    assert.equal(runs, 1);
+    // Renewed no more, the lease ends: a later attempt takes the key over as after a crash.
+    await delay(1_500);
+    assert.equal((await idem.begin(namespace, "k")).outcome, "acquired");
+  });
+
+  live("a caller that stops waiting leaves the work to its end, and its result is kept", async () => {
+    const namespace = ns();
+    let runs = 0;
+    const work = async () => {
+      runs++;
+      await delay(300);
+      return "paid";
+    };
+    const caller = new AbortController();
+    const first = idem.once("k", work, { namespace, signal: caller.signal });
+    await delay(100);
+    caller.abort(new Error("the caller hung up"));
+    await assert.rejects(first, /the caller hung up/);
+    assert.equal(await idem.once("k", work, { namespace }), "paid");
+    assert.equal(runs, 1);
+    await assert.rejects(idem.once("aborted", work, { namespace, signal: caller.signal }), /the caller hung up/);
+    assert.equal(runs, 1);
   });
 });
 
