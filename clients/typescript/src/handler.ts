@@ -1,13 +1,14 @@
 /**
  * A wrapper that gives an Express or Fastify handler `Idempotency-Key` semantics over
  * `idem serve`: the first request with a key runs the handler and its answer is kept; every
- * retry with the key is given that answer, marked `Idempotent-Replayed: true`.
+ * retry with the key from the same caller is given that answer, marked
+ * `Idempotent-Replayed: true`.
  */
 
-import { createHash } from "node:crypto";
-
-import { IdemError, NOT_KEPT, PreviousFailure } from "./errors.js";
 import type { Idem } from "./client.js";
+import { IdemError, NOT_KEPT, PreviousFailure } from "./errors.js";
+import { KeyHeaderError, keyOf } from "./key.js";
+import { credential, MAX_NAMESPACE_LENGTH, scopedNamespace } from "./scope.js";
 
 /** The parts of an Express `Request` or a Fastify `FastifyRequest` the wrapper reads. */
 export interface RequestLike {
@@ -34,13 +35,20 @@ export interface HandlerResult {
 }
 
 export interface HandlerOptions<Req extends RequestLike> {
-  /** The namespace of the route's keys. */
+  /** The namespace of the route's keys: 1 to 95 ASCII letters, digits, `.`, `_`, `:` or `-`
+   * (idem's limit less the caller's scope, which the wrapper adds to it). */
   namespace: string;
-  /** The request's key (the `Idempotency-Key` header by default). */
+  /** The request's key (the `Idempotency-Key` header by default, quoted or bare). */
   key?: (req: Req) => string | undefined;
-  /** Whose the key is (the authenticated user, say): callers with different scopes never
-   * share a key. Without it every caller of the route shares one set of keys. */
+  /** Who the caller is (the authenticated user, say; `undefined` or blank for no one): two
+   * callers' keys never meet. By default, the request's `Authorization` header. Only a hash
+   * of it is kept. */
   scope?: (req: Req) => string | undefined;
+  /** What a guarded request whose caller is no one gets: `"refuse"` (401
+   * `credential_required`, the default), or `"shared"`: all such requests share one set of
+   * keys, so each can be given another's stored answer by sending its key. Only for routes
+   * whose anonymous callers are one party. */
+  anonymous?: "refuse" | "shared";
   /** Whether a request without a key is refused (400) rather than run unguarded. */
   required?: boolean;
   /** What the request is fingerprinted by (method, URL and body by default). */
@@ -53,31 +61,59 @@ export interface HandlerOptions<Req extends RequestLike> {
 
 /**
  * `fn` behind `Idempotency-Key`: `app.post("/orders", idempotent(idem, { namespace: "orders" },
- * async (req) => ({ status: 201, body: await createOrder(req.body) })))`. A 5xx answer, or an
- * exception, releases the key so a retry runs again; any other answer is kept.
+ * async (req) => ({ status: 201, body: await createOrder(req.body) })))`. Keys are each
+ * caller's own (see {@link HandlerOptions.scope}). A 5xx answer, or an exception, releases the
+ * key so a retry runs again; any other answer is kept. An exception that is an abort (see
+ * {@link Idem.run}) keeps the key until its lease ends.
  */
 export function idempotent<Req extends RequestLike, Reply extends ReplyLike>(
   idem: Idem,
   options: HandlerOptions<Req>,
   fn: (req: Req) => Promise<HandlerResult> | HandlerResult,
 ): (req: Req, reply: Reply) => Promise<void> {
+  if (!NAMESPACE.test(options.namespace)) {
+    throw new TypeError(
+      `idempotent(): the namespace must be 1 to ${MAX_NAMESPACE_LENGTH} ASCII letters, digits, ".", "_", ":" or "-"`,
+    );
+  }
   return async (req, reply) => {
-    const given = options.key ? options.key(req) : header(req, "idempotency-key");
-    if (given === undefined) {
-      if (options.required) {
-        problem(reply, 400, "idempotency_key_missing", "This route requires an Idempotency-Key header.");
-        return;
-      }
+    let given: string | KeyHeaderError | undefined;
+    try {
+      given = options.key ? options.key(req) : keyOf(req.headers["idempotency-key"]);
+    } catch (e) {
+      if (!(e instanceof KeyHeaderError)) throw e;
+      given = e;
+    }
+    if (given === undefined && !options.required) {
       const result = await fn(req);
       reply.status(result.status ?? 200).send(result.body);
       return;
     }
+    const who = callerOf(req, options);
+    if (who === undefined && options.anonymous !== "shared") {
+      const detail = options.scope
+        ? "This route keeps each caller's stored answers apart by who the caller is, and the request does not say; send an Idempotency-Key with a credential."
+        : "This route keeps each caller's stored answers apart by the authorization header; send it with an Idempotency-Key.";
+      problem(reply, 401, "credential_required", detail);
+      return;
+    }
+    if (given instanceof KeyHeaderError) {
+      problem(reply, 400, "idempotency_key_invalid", given.message);
+      return;
+    }
+    if (given === undefined) {
+      problem(reply, 400, "idempotency_key_missing", "This route requires an Idempotency-Key header.");
+      return;
+    }
     if (!options.request && req.body === undefined && hasBody(req)) {
       // Fingerprinted as no body, a retry with another body would be given the first answer.
-      throw new Error("idempotent(): the request has a body that no body parser read; add one (express.json()) or give `request`");
+      const detail =
+        "The route reads no body of this Content-Type, so it cannot tell the request from another with the same Idempotency-Key; send the body as the route expects (application/json).";
+      problem(reply, 415, "unsupported_media_type", detail);
+      return;
     }
-    const scope = options.scope?.(req);
-    const key = scope === undefined ? given : `${createHash("sha256").update(scope).digest("hex").slice(0, 16)}:${given}`;
+    const namespace = scopedNamespace(options.namespace, options.scope ? "app" : "credential", who);
+    const key = given;
     let fresh: { status: number; body: unknown } | undefined;
     try {
       const result = await idem.once(
@@ -89,7 +125,7 @@ export function idempotent<Req extends RequestLike, Reply extends ReplyLike>(
           return fresh;
         },
         {
-          namespace: options.namespace,
+          namespace,
           request: options.request
             ? options.request(req)
             : { method: req.method, url: req.originalUrl ?? req.url, body: req.body ?? null },
@@ -129,6 +165,16 @@ export function idempotent<Req extends RequestLike, Reply extends ReplyLike>(
 const FORWARDED = new Set(["in_progress", "fingerprint_mismatch", "invalid_key", "body_too_large"]);
 /** idem or its store down: nothing ran, the caller may retry. */
 const UNAVAILABLE = new Set(["store_unavailable", "overloaded", "unreachable"]);
+
+/** Who the caller is, by the app's `scope` or else the request's credential; `undefined` for
+ * no one. */
+function callerOf<Req extends RequestLike>(req: Req, options: HandlerOptions<Req>): string | undefined {
+  if (!options.scope) return credential(req.headers);
+  const who = options.scope(req);
+  return who?.trim() ? who : undefined;
+}
+
+const NAMESPACE = new RegExp(`^[A-Za-z0-9._:-]{1,${MAX_NAMESPACE_LENGTH}}$`);
 
 function hasBody(req: RequestLike): boolean {
   const length = header(req, "content-length");
