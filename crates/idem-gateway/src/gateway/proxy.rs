@@ -19,7 +19,10 @@ use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::TokioExecutor;
 use idem_core::BoxFuture;
 use idem_http::policy::remove_hop_by_hop;
-use idem_http::{BoxError, FENCE_HEADER, LeaseFence, Problem, ProblemCode, Settle, ToProblem};
+use idem_http::{
+    BoxError, FENCE_HEADER, IDEMPOTENT_REPLAYED, LeaseFence, Problem, ProblemCode, Settle,
+    ToProblem,
+};
 use tower_service::Service;
 
 use super::resolve::BoundedResolver;
@@ -232,8 +235,8 @@ impl ProxyInner {
             trusted: peer.is_some_and(|p| self.trusted.contains(p)),
         };
         forwarded_headers(&mut parts.headers, &seen);
-        // A client's own is never passed on.
-        parts.headers.remove(&FENCE_HEADER);
+        // A client's own is never passed on, in any spelling.
+        remove_any_spelling(&mut parts.headers, &[FENCE_HEADER.as_str()]);
         if let Some(fence) = fence {
             parts.headers.insert(FENCE_HEADER, HeaderValue::from(fence));
         }
@@ -250,6 +253,8 @@ impl ProxyInner {
             Ok(Ok(res)) => {
                 let (mut head, body) = res.into_parts();
                 remove_hop_by_hop(&mut head.headers);
+                // Only idem says an answer is a replay.
+                remove_any_spelling(&mut head.headers, &[IDEMPOTENT_REPLAYED.as_str()]);
                 head.version = axum::http::Version::default();
                 let body = if guarded {
                     Body::new(Deadline::new(body, deadline))
@@ -359,6 +364,28 @@ const FORWARDING_FIELDS: [&str; 7] = [
     "x-real-ip",
 ];
 
+/// Removes the fields named `names` (lower case), and every field a server would read as one
+/// of them: CGI and WSGI servers (wsgiref, gunicorn) and others that map `-` to `_` take
+/// `Idem_Fence` for `Idem-Fence`, so a client could pass one on under a name the gateway never
+/// looked at.
+fn remove_any_spelling(headers: &mut HeaderMap, names: &[&str]) {
+    let as_dashed = |name: &str, owned: &str| {
+        name.len() == owned.len()
+            && name
+                .bytes()
+                .zip(owned.bytes())
+                .all(|(a, b)| a == b || (a == b'_' && b == b'-'))
+    };
+    let spelled: Vec<HeaderName> = headers
+        .keys()
+        .filter(|n| names.iter().any(|owned| as_dashed(n.as_str(), owned)))
+        .cloned()
+        .collect();
+    for name in spelled {
+        headers.remove(name);
+    }
+}
+
 /// Prepares a request's header for the upstream: no hop-by-hop fields, `Host` set from the
 /// upstream URL by the client, and this hop in `X-Forwarded-*`: the client's address appended
 /// to `X-Forwarded-For`, the scheme (`http`: the gateway does not terminate TLS) in
@@ -376,9 +403,7 @@ fn forwarded_headers(headers: &mut HeaderMap, seen: &Seen) {
             .and_then(|h| HeaderValue::from_str(h).ok())
     });
     if !seen.trusted {
-        for name in FORWARDING_FIELDS {
-            headers.remove(name);
-        }
+        remove_any_spelling(headers, &FORWARDING_FIELDS);
     }
     let forwarded_host = HeaderName::from_static("x-forwarded-host");
     if let (Some(host), false) = (host, headers.contains_key(&forwarded_host)) {
@@ -465,6 +490,38 @@ mod tests {
         assert_eq!(plain["x-forwarded-proto"], "http");
         assert_eq!(plain["x-forwarded-host"], "api.example:8443");
         assert!(plain.get("x-forwarded-for").is_none());
+    }
+
+    #[test]
+    fn fields_idem_owns_are_removed_in_every_spelling() {
+        let mut h = HeaderMap::new();
+        for name in [
+            "idem-fence",
+            "idem_fence",
+            "x_forwarded_for",
+            "x-forwarded_for",
+        ] {
+            h.append(name, HeaderValue::from_static("1"));
+        }
+        h.insert("idem_fences", HeaderValue::from_static("kept"));
+        h.insert("x_idem_fence", HeaderValue::from_static("kept"));
+        remove_any_spelling(&mut h, &[FENCE_HEADER.as_str(), "x-forwarded-for"]);
+        let mut left: Vec<&str> = h.keys().map(HeaderName::as_str).collect();
+        left.sort_unstable();
+        assert_eq!(left, ["idem_fences", "x_idem_fence"]);
+        let client = Seen {
+            peer: Some([192, 0, 2, 7].into()),
+            host: None,
+            trusted: false,
+        };
+        let mut h = HeaderMap::new();
+        h.insert("x_real_ip", HeaderValue::from_static("10.9.9.9"));
+        h.insert(
+            "x_forwarded_host",
+            HeaderValue::from_static("admin.internal"),
+        );
+        forwarded_headers(&mut h, &client);
+        assert!(h.get("x_real_ip").is_none() && h.get("x_forwarded_host").is_none());
     }
 
     #[test]

@@ -455,7 +455,8 @@ async fn nothing_under_the_reserved_prefix_is_ever_forwarded() {
 }
 
 /// A guarded request reaches the upstream with its attempt's fence in `Idem-Fence`, higher for
-/// an attempt that takes the key again; a client's own `Idem-Fence` is never passed on.
+/// an attempt that takes the key again; a client's own `Idem-Fence` is never passed on, nor one
+/// spelled `Idem_Fence` (which CGI and WSGI servers read as `Idem-Fence`).
 #[tokio::test]
 async fn the_upstream_is_told_each_attempt_s_fence_and_never_a_client_s() {
     let (seen, up) = start_upstream().await;
@@ -465,18 +466,32 @@ async fn the_upstream_is_told_each_attempt_s_fence_and_never_a_client_s() {
             .get("idem-fence")
             .map(|v| v.to_str().unwrap().parse::<u64>().unwrap())
     };
+    let spelled_otherwise = || {
+        let headers = seen.headers.lock().unwrap().last().cloned().unwrap();
+        headers
+            .keys()
+            .filter(|n| n.as_str().replace('_', "-") == "idem-fence" && n.as_str() != "idem-fence")
+            .count()
+    };
     let gw = start_gateway(up, memory(), "").await;
     let forged = ("idem-fence", "99999999999999999");
-    send(gw, Method::GET, "/orders", &[forged], "").await;
+    let underscored = ("idem_fence", "99999999999999999");
+    send(gw, Method::GET, "/orders", &[forged, underscored], "").await;
     assert_eq!(last_fence(), None, "an unguarded request carries none");
+    assert_eq!(spelled_otherwise(), 0);
     send(
         gw,
         Method::POST,
         "/orders",
-        &[("idempotency-key", "f"), forged],
+        &[("idempotency-key", "f"), forged, underscored],
         "a",
     )
     .await;
+    assert_eq!(
+        spelled_otherwise(),
+        0,
+        "no other spelling reaches the upstream"
+    );
     let first = last_fence().expect("a guarded request carries its fence");
     assert_eq!(idem_core::Lease::acquisition_of(first), 1);
     // The upstream's 500 gives the key back; the retry is the next attempt.
