@@ -109,6 +109,10 @@ impl<S: Source> Source for Timed<S> {
         self.inner.name()
     }
 
+    fn identity(&self) -> crate::Identity<'_> {
+        self.inner.identity()
+    }
+
     async fn next(&mut self) -> Option<Result<Self::Delivery, MqError>> {
         let next = self.inner.next().await?;
         Some(next.map(|inner| {

@@ -35,7 +35,7 @@ pub mod bench;
 
 pub use error::MqError;
 pub use key::KeyFrom;
-pub use source::{DeadLetter, Delivery, Disposition, Horizon, Reason, Source};
+pub use source::{DeadLetter, Delivery, Disposition, Horizon, Identity, Reason, Source};
 
 /// Describes the consumers' metrics to the installed `metrics` recorder (help texts for
 /// Prometheus). Labels: `source` (the queue or stream), `outcome` (`handled`, `replayed`,
@@ -52,5 +52,9 @@ pub fn describe_metrics() {
     metrics::describe_counter!(
         "idem_mq_source_errors_total",
         "Failures to receive from the broker (the source reconnects)."
+    );
+    metrics::describe_counter!(
+        "idem_mq_entries_vanished_total",
+        "Redis stream entries deleted or trimmed while pending, before they were acked."
     );
 }

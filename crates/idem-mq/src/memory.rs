@@ -12,7 +12,7 @@ use tokio::sync::Notify;
 use tokio::time::Instant;
 
 use crate::MqError;
-use crate::source::{DeadLetter, Delivery, Disposition, Horizon, Source};
+use crate::source::{DeadLetter, Delivery, Disposition, Horizon, Identity, Source};
 
 /// A message as published.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -182,6 +182,10 @@ impl Source for MemorySource {
 
     fn name(&self) -> &str {
         &self.queue.inner.name
+    }
+
+    fn identity(&self) -> Identity<'_> {
+        Identity::new("memory", [self.name()])
     }
 
     async fn next(&mut self) -> Option<Result<MemoryDelivery, MqError>> {

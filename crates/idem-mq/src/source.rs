@@ -5,9 +5,12 @@
 //! adapters, and the in-process [`crate::memory`] queue used in tests, implement them.
 
 use std::borrow::Cow;
-use std::fmt;
+use std::fmt::{self, Write as _};
 use std::future::Future;
 use std::time::Duration;
+
+use idem_core::key::MAX_NAMESPACE_LEN;
+use idem_core::{Fingerprint, Namespace};
 
 use crate::MqError;
 
@@ -45,10 +48,18 @@ pub trait Source: Send + 'static {
     /// The deliveries this source hands out.
     type Delivery: Delivery;
 
-    /// The source's name, the default namespace of the records: what competing consumers
-    /// share and nobody else (a queue's name; `<stream>.<consumer>` on JetStream, where each
-    /// durable consumer sees every message).
+    /// The source's name, as logs and the status line show it (a queue's name;
+    /// `<stream>.<consumer>` on JetStream; `<stream>.<group>` on Redis).
     fn name(&self) -> &str;
+
+    /// What picks this source out among every source whose records may share a store: the
+    /// broker's kind and the names that find it there (what competing consumers share and
+    /// nobody else). The records' default namespace is made from it
+    /// ([`Identity::namespace`]), so two sources never share records unless they are given
+    /// one namespace. By default the kind `source` and [`Source::name`].
+    fn identity(&self) -> Identity<'_> {
+        Identity::new("source", [self.name()])
+    }
 
     /// The next delivery; `None` once the source is closed for good. A source reconnects by
     /// itself after the broker restarts; an `Err` is reported (logged and counted) and the
@@ -72,6 +83,59 @@ pub trait Source: Send + 'static {
     /// Stops taking new messages (graceful shutdown). Deliveries already handed out can still
     /// be settled.
     fn close(&mut self) -> impl Future<Output = ()> + Send;
+}
+
+/// What picks a source out among all the sources that may share a store: the broker's kind
+/// (`amqp`, `nats`, `redis`) and its names there (the queue; the stream and the durable
+/// consumer; the stream and the group).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Identity<'a> {
+    kind: &'static str,
+    parts: Vec<&'a str>,
+}
+
+impl<'a> Identity<'a> {
+    /// The identity of a source of broker `kind` named by `parts`, in order.
+    pub fn new(kind: &'static str, parts: impl IntoIterator<Item = &'a str>) -> Self {
+        Self {
+            kind,
+            parts: parts.into_iter().collect(),
+        }
+    }
+
+    /// The default namespace of the source's records: `kind:part:part`, the kind and each
+    /// part with every byte outside `A-Z a-z 0-9 . -` written `_XX` (its hex), `_` included.
+    /// No two identities give one namespace: an escaped part never holds a `:`, so the text is
+    /// read back one way (`X.eu` with group `x` is `redis:X.eu:x`, `X` with group `eu.x` is
+    /// `redis:X:eu.x`). One longer than a namespace may be (128 bytes) is `_sha256_` and the
+    /// SHA-256 of that text in hex, a form no escaped kind begins with.
+    pub fn namespace(&self) -> Namespace {
+        let mut text = String::new();
+        escape(self.kind, &mut text);
+        for part in &self.parts {
+            text.push(':');
+            escape(part, &mut text);
+        }
+        if text.len() > MAX_NAMESPACE_LEN {
+            text = format!(
+                "_sha256_{}",
+                Fingerprint::of_bytes(text.as_bytes()).to_hex()
+            );
+        }
+        Namespace::new(text).expect("an escaped identity is a valid namespace")
+    }
+}
+
+/// Appends `part` to `out`, every byte outside `A-Z a-z 0-9 . -` written `_XX`.
+fn escape(part: &str, out: &mut String) {
+    for b in part.bytes() {
+        if b.is_ascii_alphanumeric() || matches!(b, b'.' | b'-') {
+            out.push(char::from(b));
+        } else {
+            // Writing to a String cannot fail.
+            let _ = write!(out, "_{b:02X}");
+        }
+    }
 }
 
 /// How long a broker may redeliver a message.
@@ -162,5 +226,63 @@ impl fmt::Display for Reason {
 impl fmt::Display for DeadLetter {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(f, "{}: {}", self.reason, self.detail)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::Identity;
+
+    fn ns(kind: &'static str, parts: &[&str]) -> String {
+        Identity::new(kind, parts.iter().copied())
+            .namespace()
+            .as_str()
+            .to_owned()
+    }
+
+    #[test]
+    fn names_that_joined_alike_get_namespaces_of_their_own() {
+        assert_eq!(ns("redis", &["X.eu", "x"]), "redis:X.eu:x");
+        assert_eq!(ns("redis", &["X", "eu.x"]), "redis:X:eu.x");
+        assert_eq!(ns("amqp", &["S.c"]), "amqp:S.c");
+        assert_eq!(ns("nats", &["S", "c"]), "nats:S:c");
+        // A separator or an escape written into a name is escaped in turn.
+        assert_eq!(ns("redis", &["a:b", "c"]), "redis:a_3Ab:c");
+        assert_eq!(ns("redis", &["a", "b:c"]), "redis:a:b_3Ac");
+        assert_eq!(ns("amqp", &["a_3A"]), "amqp:a_5F3A");
+        assert_eq!(ns("amqp", &["a:"]), "amqp:a_3A");
+        assert_eq!(ns("amqp", &["q/é"]), "amqp:q_2F_C3_A9");
+    }
+
+    #[test]
+    fn identities_never_share_a_namespace() {
+        let names = ["", "a", "b", ".", "a.b", ":", "_", "_3A", "a:b", "a_b", "é"];
+        let mut identities = Vec::new();
+        for kind in ["amqp", "redis"] {
+            for x in names {
+                identities.push((kind, vec![x]));
+                for y in names {
+                    identities.push((kind, vec![x, y]));
+                }
+            }
+        }
+        let mut seen = std::collections::HashMap::new();
+        for (kind, parts) in identities {
+            if let Some(before) = seen.insert(ns(kind, &parts), (kind, parts.clone())) {
+                panic!("{before:?} and {:?} share a namespace", (kind, parts));
+            }
+        }
+    }
+
+    #[test]
+    fn a_long_identity_is_hashed_into_a_valid_namespace() {
+        let long = "q".repeat(200);
+        let a = ns("amqp", &[&long]);
+        assert!(a.starts_with("_sha256_") && a.len() == 8 + 64, "{a}");
+        assert_ne!(a, ns("redis", &[&long]));
+        assert_ne!(a, ns("amqp", &[&long[1..]]));
+        // Just within the limit, the name is kept as it is.
+        let fits = "q".repeat(128 - "amqp:".len());
+        assert_eq!(ns("amqp", &[&fits]), format!("amqp:{fits}"));
     }
 }

@@ -205,9 +205,9 @@ async fn keys_from_a_header_or_the_payload_and_a_payload_mismatch_is_dead_letter
     q.publish_message(msg("o-1", 7));
     q.publish_message(msg("o-1", 8)); // the same key with another payload
     let runs = Runs::default();
+    // Payload fingerprints are on by default.
     let consumer = Consumer::new(MemoryStore::new())
         .key(KeyFrom::Header("x-order".into()))
-        .fingerprint_payload(true)
         .concurrency(1);
     consume_all(&consumer, &q, counting(&runs)).await;
     assert_eq!(runs.lock().expect("lock").get(""), Some(&1));
@@ -222,6 +222,53 @@ async fn keys_from_a_header_or_the_payload_and_a_payload_mismatch_is_dead_letter
     let by_payload = Consumer::new(MemoryStore::new()).key(KeyFrom::JsonPointer("/order".into()));
     consume_all(&by_payload, &q, counting(&runs)).await;
     assert_eq!(by_payload.counts().replayed, 1);
+}
+
+/// Two queues whose consumers share one store and are given one namespace: a message of the
+/// second whose key the first settled with another payload is dead-lettered `mismatch`, never
+/// acked on the first's record; one with the same payload is a replay. With fingerprints off
+/// the other payload is acked on the first's record, as that setting says.
+#[tokio::test]
+async fn a_key_settled_by_another_source_with_another_payload_is_a_mismatch_never_an_ack() {
+    let store = MemoryStore::new();
+    let (first, second) = (Queue::new("orders"), Queue::new("billing"));
+    for i in 0..5 {
+        first.publish(Some(&format!("m-{i}")), format!("order {i}"));
+        second.publish(
+            Some(&format!("m-{i}")),
+            if i == 0 {
+                "order 0".into()
+            } else {
+                format!("invoice {i}")
+            },
+        );
+    }
+    let runs = Runs::default();
+    let shared = |store: &MemoryStore| Consumer::new(store.clone()).namespace("shared");
+    consume_all(&shared(&store), &first, counting(&runs)).await;
+    let consumer = shared(&store);
+    consume_all(&consumer, &second, counting(&runs)).await;
+    assert!(runs.lock().expect("lock").values().all(|&n| n == 1));
+    let dead = second.dead_letters();
+    assert_eq!(dead.len(), 4, "{dead:?}");
+    assert!(dead.iter().all(|(_, why)| why.reason == Reason::Mismatch));
+    let c = consumer.counts();
+    assert_eq!((c.handled, c.replayed), (0, 1));
+
+    // Consumers that both turn fingerprints off answer the second payload with the first's
+    // result.
+    let loose = |store: &MemoryStore| {
+        Consumer::new(store.clone())
+            .namespace("loose")
+            .fingerprint_payload(false)
+    };
+    let (third, fourth) = (Queue::new("audit"), Queue::new("archive"));
+    third.publish(Some("m-1"), "one thing");
+    fourth.publish(Some("m-1"), "something else");
+    consume_all(&loose(&store), &third, counting(&runs)).await;
+    let unchecked = loose(&store);
+    consume_all(&unchecked, &fourth, counting(&runs)).await;
+    assert_eq!(unchecked.counts().replayed, 1);
 }
 
 #[tokio::test]
@@ -352,10 +399,11 @@ async fn a_record_ttl_shorter_than_the_redelivery_horizon_is_refused() {
         .expect_err("refused");
     assert!(matches!(err, MqError::Config(_)), "{err}");
 
-    let bad_name = Queue::new("orders/eu");
+    // Any source name makes a valid namespace; one set by hand is checked.
     let err = Consumer::new(MemoryStore::new())
+        .namespace("orders/eu")
         .run(
-            bad_name.source(),
+            Queue::new("orders/eu").source(),
             counting(&Runs::default()),
             std::future::ready(()),
         )

@@ -371,6 +371,61 @@ fn a_relay_killed_and_restarted_delivers_each_redis_stream_entry_once_through_th
     });
 }
 
+/// Two relays on one store whose streams and groups would join to one name
+/// (`X.eu` with group `x`, `X` with group `eu.x`), carrying the same message ids and payloads:
+/// each relay POSTs its own five. Records kept under a namespace that merged the names let
+/// the second ack its five on the first's records, with no POST.
+#[test]
+fn relays_on_one_store_never_take_each_others_records() {
+    let Some(url) = idem_testkit::services::REDIS.url() else {
+        return;
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let (service, seen) = counting_service();
+    let to = format!("http://{service}/events");
+    let store = format!("sqlite://{}", dir.path().join("relay.db").display());
+    let base = format!("relay:{:08x}:X", rand::random::<u32>());
+    let pairs = [(format!("{base}.eu"), "x"), (base, "eu.x")];
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let mut conn = rt.block_on(async {
+        let client = redis::Client::open(url.as_str()).unwrap();
+        let mut conn = client.get_multiplexed_async_connection().await.unwrap();
+        for (stream, _) in &pairs {
+            for i in 0..5 {
+                idem_mq::redis_streams::publish(&mut conn, stream, &format!("m-{i}"), b"{}")
+                    .await
+                    .unwrap();
+            }
+        }
+        conn
+    });
+    for (round, (stream, group)) in pairs.iter().enumerate() {
+        let relay = relay(&[
+            "--from", &url, "--stream", stream, "--group", group, "--to", &to, "--store", &store,
+        ]);
+        let started = Instant::now();
+        while (0..5).any(|i| seen.lock().unwrap().get(&format!("m-{i}")) != Some(&(round + 1))) {
+            assert!(
+                started.elapsed() < PATIENCE,
+                "the relay on {stream} / {group} POSTed each of its messages: {:?}",
+                seen.lock().unwrap()
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        drop(relay);
+    }
+    rt.block_on(async {
+        for (stream, _) in &pairs {
+            let _: () = redis::cmd("DEL")
+                .arg(stream)
+                .arg(format!("{stream}:dead"))
+                .query_async(&mut conn)
+                .await
+                .unwrap();
+        }
+    });
+}
+
 #[test]
 fn the_relay_serves_its_counts_as_metrics() {
     let Some(url) = idem_testkit::services::RABBITMQ.url() else {

@@ -20,7 +20,7 @@ use super::{
     open_channel,
 };
 use crate::MqError;
-use crate::source::{Horizon, Source};
+use crate::source::{Horizon, Identity, Source};
 
 /// Options of an [`AmqpSource`]; made by [`AmqpSource::builder`].
 #[derive(Debug, Clone)]
@@ -354,6 +354,10 @@ impl Source for AmqpSource {
 
     fn name(&self) -> &str {
         &self.config.topology.queue
+    }
+
+    fn identity(&self) -> Identity<'_> {
+        Identity::new("amqp", [self.config.topology.queue.as_str()])
     }
 
     async fn next(&mut self) -> Option<Result<AmqpDelivery, MqError>> {

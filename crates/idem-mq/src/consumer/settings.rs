@@ -38,8 +38,9 @@ pub(super) struct Settings {
 
 impl<S: Store + Clone> Consumer<S> {
     /// A consumer keeping its records in `store`, with the defaults: the key is the message
-    /// id, the namespace the source's name (the queue, or `<stream>.<consumer>`), the scope `mq`; payloads are not
-    /// fingerprinted; a message without a key is dead-lettered; five deliveries at most;
+    /// id, the namespace made from the source's identity (`amqp:orders`,
+    /// `nats:ORDERS:billing`), the scope `mq`; payloads fingerprinted (a key met again with
+    /// another payload is dead-lettered `mismatch`); a message without a key is dead-lettered; five deliveries at most;
     /// backoff from 1 s doubling to 5 min; a 60 s lease, renewed while the handler runs; a
     /// 24 h TTL; a key held by another attempt waited for 5 s; 64 handlers at once; 30 s to
     /// finish running handlers at shutdown.
@@ -57,7 +58,7 @@ impl<S: Store + Clone, C: Clock + Clone> Consumer<S, C> {
                 key: KeyFrom::MessageId,
                 scope: DEFAULT_SCOPE.into(),
                 namespace: None,
-                fingerprint: false,
+                fingerprint: true,
                 missing_key: MissingKey::DeadLetter,
                 max_attempts: 5,
                 backoff_first: Duration::from_secs(1),
@@ -87,14 +88,21 @@ impl<S: Store + Clone, C: Clock + Clone> Consumer<S, C> {
         self.set(|s| s.scope = scope.into())
     }
 
-    /// The records' namespace (default: the source's name: the queue, or
-    /// `<stream>.<consumer>` on JetStream).
+    /// The records' namespace (default: made from the source's identity, the broker's kind
+    /// and its names there, as [`Identity::namespace`](crate::Identity::namespace) writes it:
+    /// `amqp:orders`, `nats:ORDERS:billing`, `redis:orders:billing`). Sources given one
+    /// namespace share records: a message of one whose key the other has settled is not run
+    /// again (with payload fingerprints, the default, it is dead-lettered `mismatch` unless
+    /// its payload is the same).
     pub fn namespace(self, namespace: impl Into<String>) -> Self {
         self.set(|s| s.namespace = Some(namespace.into()))
     }
 
-    /// Fingerprint payloads: a message whose key was used with another payload is reported
-    /// and dead-lettered (`mismatch`), never given the other payload's result.
+    /// Fingerprint payloads (the default): a message whose key was used with another payload
+    /// is reported and dead-lettered (`mismatch`), never given the other payload's result.
+    /// Turn it off only where one key's messages may differ and are still one effect (a
+    /// publisher that resends an event with a new timestamp): then the first payload's result
+    /// answers every later one.
     pub fn fingerprint_payload(self, on: bool) -> Self {
         self.set(|s| s.fingerprint = on)
     }
@@ -153,19 +161,14 @@ impl<S: Store + Clone, C: Clock + Clone> Consumer<S, C> {
         self.set(|s| s.drain = drain)
     }
 
-    /// The namespace records of `source_name` go under, checked.
-    fn namespace_for(&self, source_name: &str) -> Result<Namespace, MqError> {
-        let name = self.settings.namespace.as_deref().unwrap_or(source_name);
-        Namespace::new(name).map_err(|e| {
-            MqError::Config(format!(
-                "the namespace {name:?} (from {}) is not valid: {e}; set one with `namespace`",
-                if self.settings.namespace.is_some() {
-                    "the settings"
-                } else {
-                    "the source's name"
-                }
-            ))
-        })
+    /// The namespace records of `source` go under: the one set, checked, or the one made from
+    /// the source's identity (always valid, and never another source's).
+    fn namespace_for<Src: Source>(&self, source: &Src) -> Result<Namespace, MqError> {
+        match &self.settings.namespace {
+            Some(name) => Namespace::new(name.as_str())
+                .map_err(|e| MqError::Config(format!("the namespace {name:?} is not valid: {e}"))),
+            None => Ok(source.identity().namespace()),
+        }
     }
 
     /// Checks the settings against the source: a valid scope, namespace and key source
@@ -182,7 +185,7 @@ impl<S: Store + Clone, C: Clock + Clone> Consumer<S, C> {
     pub(super) fn context<Src: Source>(&self, source: &Src) -> Result<Ctx, MqError> {
         let scope = Scope::new(self.settings.scope.clone())
             .map_err(|e| MqError::Config(format!("the scope is not valid: {e}")))?;
-        let namespace = self.namespace_for(source.name())?;
+        let namespace = self.namespace_for(source)?;
         self.settings
             .key
             .check()

@@ -9,7 +9,7 @@ use futures_util::{FutureExt, StreamExt};
 
 use super::delivery::{NatsDelivery, Shared};
 use super::{DeadLetterTarget, PULL_EXPIRES, PULL_HEARTBEAT};
-use crate::{Horizon, MqError, Source};
+use crate::{Horizon, Identity, MqError, Source};
 
 /// How a [`NatsSource`] finds or makes its durable consumer.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -238,8 +238,7 @@ impl NatsSourceBuilder {
 /// # }
 /// ```
 pub struct NatsSource {
-    /// `<stream>.<consumer>`: each durable consumer of a stream sees every message, so each
-    /// keeps records of its own (the consumer's default namespace).
+    /// `<stream>.<consumer>`, for logs.
     name: String,
     js: jetstream::Context,
     settings: NatsSourceBuilder,
@@ -359,6 +358,10 @@ impl Source for NatsSource {
 
     fn name(&self) -> &str {
         &self.name
+    }
+
+    fn identity(&self) -> Identity<'_> {
+        Identity::new("nats", [&*self.settings.stream, &self.settings.consumer])
     }
 
     async fn next(&mut self) -> Option<Result<NatsDelivery, MqError>> {

@@ -65,6 +65,8 @@ pub(super) struct Shared {
     /// Acks, claims and dead letters; never a blocking read.
     pub(super) conn: Conn,
     pub(super) scripts: Scripts,
+    /// Entries found gone from the stream while pending in the group.
+    pub(super) vanished: std::sync::atomic::AtomicU64,
 }
 
 impl Shared {

@@ -46,10 +46,10 @@
 //!
 //! # Records' namespace
 //!
-//! The source's name, the consumer's default namespace, is `<stream>.<group>`: each group sees
-//! every entry, so each keeps records of its own. Redis allows dots in both names, so two
-//! pairs can make one name (`orders.eu` with group `x`, `orders` with group `eu.x`); give such
-//! consumers a namespace each (`Consumer::namespace`).
+//! The consumer's default namespace is `redis:<stream>:<group>`, each name escaped
+//! ([`Identity::namespace`](crate::Identity::namespace)): each group sees every entry, so
+//! each keeps records of its own, and no two pairs share one (`orders.eu` with group `x` is
+//! `redis:orders.eu:x`; `orders` with group `eu.x` is `redis:orders:eu.x`).
 //!
 //! # Servers
 //!

@@ -2,6 +2,7 @@
 
 use std::collections::VecDeque;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use bytes::Bytes;
@@ -12,7 +13,7 @@ use tokio::time::Instant;
 use super::delivery::{RedisStreamDelivery, Scripts, Shared};
 use super::entry::{self, Entry, Pending};
 use super::{Conn, DeadLetterTarget, MESSAGE_ID_FIELD, MessageIdFrom, PAYLOAD_FIELD, StartAt};
-use crate::{DeadLetter, Delivery, Disposition, Horizon, MqError, Reason, Source};
+use crate::{DeadLetter, Delivery, Disposition, Horizon, Identity, MqError, Reason, Source};
 
 /// Deletes a consumer of the group only if it has nothing pending, in one step: a consumer's
 /// pending entries are lost with it (nothing would ever claim them again).
@@ -161,6 +162,7 @@ impl RedisStreamSourceBuilder {
             claim_idle: self.claim_idle,
             conn,
             scripts: Scripts::new(),
+            vanished: AtomicU64::new(0),
         });
         let mut source = RedisStreamSource {
             name: format!("{}.{}", self.stream, self.group),
@@ -228,7 +230,7 @@ fn is_code(error: Option<&(dyn std::error::Error + Send + Sync + 'static)>, code
 /// # }
 /// ```
 pub struct RedisStreamSource {
-    /// `<stream>.<group>`: each group sees every entry, so each keeps records of its own.
+    /// `<stream>.<group>`, for logs.
     name: String,
     settings: RedisStreamSourceBuilder,
     shared: Arc<Shared>,
@@ -292,6 +294,13 @@ impl RedisStreamSource {
     /// Where dead-lettered entries go.
     pub fn dead_letter_target(&self) -> &DeadLetterTarget {
         &self.shared.dead_letter
+    }
+
+    /// How many entries this source found deleted or trimmed from the stream while pending
+    /// in the group (never to be delivered again); each is also logged and counted in
+    /// `idem_mq_entries_vanished_total`.
+    pub fn vanished(&self) -> u64 {
+        self.shared.vanished.load(Ordering::Relaxed)
     }
 
     fn conn(&self) -> Conn {
@@ -577,6 +586,14 @@ async fn claim_idle(shared: &Shared, cursor: &str, batch: usize) -> Result<Fetch
         .await
         .map_err(|e| failed(e, "cannot claim the pending entries"))?;
     let claimed = entry::entries_of(claimed, "XCLAIM").map_err(malformed)?;
+    let unclaimed: Vec<&str> = pending
+        .iter()
+        .filter(|p| !claimed.iter().any(|e| e.id == p.id))
+        .map(|p| p.id.as_str())
+        .collect();
+    if !unclaimed.is_empty() {
+        report_vanished(shared, &mut conn, &unclaimed).await;
+    }
     let entries = claimed
         .into_iter()
         .map(|entry| {
@@ -588,6 +605,44 @@ async fn claim_idle(shared: &Shared, cursor: &str, batch: usize) -> Result<Fetch
         entries,
         cursor: Some(next),
     })
+}
+
+/// Reports those of `ids`, listed idle but not claimed, that are gone from the stream: deleted
+/// (`XDEL`) or trimmed (`XTRIM`, `MAXLEN`) while pending, they can never be delivered again,
+/// and `XCLAIM` drops them from the pending list without a word (before Redis 7 it answers
+/// `nil`). The rest were claimed by another source in between. Each is logged by its entry id
+/// and counted (`idem_mq_entries_vanished_total`); a failure to look is only logged, since
+/// nothing can be done for such an entry either way.
+async fn report_vanished(shared: &Shared, conn: &mut Conn, ids: &[&str]) {
+    for id in ids {
+        let found: Result<Value, _> = redis::cmd("XRANGE")
+            .arg(&shared.stream)
+            .arg(*id)
+            .arg(*id)
+            .query_async(conn)
+            .await;
+        match found {
+            Ok(Value::Array(items)) if items.is_empty() => {
+                shared.vanished.fetch_add(1, Ordering::Relaxed);
+                metrics::counter!("idem_mq_entries_vanished_total", "source" => format!("{}.{}", shared.stream, shared.group))
+                    .increment(1);
+                tracing::warn!(
+                    stream = %shared.stream,
+                    group = %shared.group,
+                    entry = id,
+                    "an entry was deleted or trimmed from the stream while pending, before it \
+                     was acked: it will not be delivered again"
+                );
+            }
+            Ok(_) => {}
+            Err(e) => tracing::debug!(
+                stream = %shared.stream,
+                entry = id,
+                error = %e,
+                "cannot tell whether an unclaimed entry is still in the stream"
+            ),
+        }
+    }
 }
 
 /// How many times the pending list said `entry` was delivered (0 if it was not listed).
@@ -644,6 +699,10 @@ impl Source for RedisStreamSource {
 
     fn name(&self) -> &str {
         &self.name
+    }
+
+    fn identity(&self) -> Identity<'_> {
+        Identity::new("redis", [&*self.settings.stream, &self.settings.group])
     }
 
     async fn next(&mut self) -> Option<Result<RedisStreamDelivery, MqError>> {

@@ -458,3 +458,64 @@ async fn every_message_runs_once_across_connections_closed_by_the_broker() {
         "no cut caught a delivery between claim and ack: the test did not test anything ({c:?})"
     );
 }
+
+/// A queue of another broker with the RabbitMQ queue's name (what the default namespace once
+/// was for both) settles its messages first, on the same store, with the same ids and
+/// payloads: the RabbitMQ consumer still runs every one.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_source_of_another_broker_named_alike_never_lends_its_records() {
+    let Some((url, queue, _cleanup)) = setup("alike", QueueType::Quorum).await else {
+        return;
+    };
+    const N: usize = 5;
+    let store = MemoryStore::new();
+    let other = idem_mq::memory::Queue::new(queue.clone());
+    let source = AmqpSource::builder(&url, &queue)
+        .connect()
+        .await
+        .expect("source");
+    let publisher = AmqpPublisher::connect(&url).await.expect("publisher");
+    for i in 0..N {
+        let id = format!("m-{i}");
+        other.publish(Some(&id), "x");
+        publisher
+            .publish_once("", &queue, &id, b"x", BasicProperties::default())
+            .await
+            .expect("publish");
+    }
+    let ran = Arc::new(AtomicUsize::new(0));
+    let handler = {
+        let ran = ran.clone();
+        move |_: Message| {
+            ran.fetch_add(1, Ordering::SeqCst);
+            std::future::ready(Ok::<_, Failure<String>>(()))
+        }
+    };
+    let first = Consumer::new(store.clone());
+    within(
+        "the other queue drains",
+        first.run(other.source(), handler.clone(), other.clone().drained()),
+    )
+    .await
+    .expect("run");
+    assert_eq!(ran.load(Ordering::SeqCst), N);
+
+    let consumer = Consumer::new(store);
+    let counts = consumer.clone();
+    let timed_out = Arc::new(AtomicBool::new(false));
+    let shutdown = when(
+        move || {
+            let c = counts.counts();
+            c.handled + c.replayed >= N as u64
+        },
+        timed_out.clone(),
+    );
+    consumer.run(source, handler, shutdown).await.expect("run");
+    assert!(!timed_out.load(Ordering::SeqCst), "every message settled");
+    assert_eq!(
+        ran.load(Ordering::SeqCst),
+        2 * N,
+        "the RabbitMQ consumer ran every id"
+    );
+    assert_eq!(consumer.counts().replayed, 0);
+}

@@ -91,6 +91,35 @@ pub(crate) async fn until(bound: Duration, what: &str, mut done: impl FnMut() ->
     .unwrap_or_else(|_| panic!("not within {bound:?}: {what}"));
 }
 
+/// Runs `consumer` on `source` with a [`timed_handler`] that takes no time, until `n`
+/// deliveries are settled (handled or replayed); the runs it recorded.
+pub(crate) async fn run_until_settled<S, C, Src>(
+    consumer: &idem_mq::Consumer<S, C>,
+    source: Src,
+    n: usize,
+) -> Arc<Runs>
+where
+    S: idem::Store + Clone + 'static,
+    C: idem::Clock + Clone + 'static,
+    Src: Source,
+{
+    let runs = Arc::new(Runs::default());
+    let handler = timed_handler(&runs, Duration::ZERO);
+    let (stop, shutdown) = shutdown_switch();
+    let run = tokio::spawn({
+        let consumer = consumer.clone();
+        async move { consumer.run(source, handler, shutdown).await }
+    });
+    until(idem_testkit::PATIENCE, "every delivery settled", || {
+        let c = consumer.counts();
+        c.handled + c.replayed >= n as u64
+    })
+    .await;
+    stop.notify_one();
+    run.await.expect("task").expect("run");
+    runs
+}
+
 /// A shutdown switch for [`Consumer::run`].
 pub(crate) fn shutdown_switch() -> (Arc<tokio::sync::Notify>, impl Future<Output = ()> + Send) {
     let notify = Arc::new(tokio::sync::Notify::new());

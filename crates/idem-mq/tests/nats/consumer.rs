@@ -39,6 +39,10 @@ impl Source for Observed {
         self.inner.name()
     }
 
+    fn identity(&self) -> idem_mq::Identity<'_> {
+        self.inner.identity()
+    }
+
     async fn next(&mut self) -> Option<Result<ObservedDelivery, MqError>> {
         let next = self.inner.next().await?;
         Some(next.map(|inner| {
@@ -200,20 +204,7 @@ async fn two_durable_consumers_of_one_stream_each_run_every_message() {
             .await
             .expect("source");
         let consumer = Consumer::new(store.clone());
-        let runs = Arc::new(Runs::default());
-        let handler = timed_handler(&runs, Duration::ZERO);
-        let (stop, shutdown) = shutdown_switch();
-        let run = tokio::spawn({
-            let consumer = consumer.clone();
-            async move { consumer.run(source, handler, shutdown).await }
-        });
-        until(PATIENCE, "every message settled", || {
-            let c = consumer.counts();
-            c.handled + c.replayed >= N as u64
-        })
-        .await;
-        stop.notify_one();
-        run.await.expect("task").expect("run");
+        let runs = run_until_settled(&consumer, source, N).await;
         assert_eq!(runs.ids(), N, "{name} ran every id");
         assert_eq!(
             consumer.counts().replayed,
@@ -221,6 +212,47 @@ async fn two_durable_consumers_of_one_stream_each_run_every_message() {
             "{name} took no other consumer's record"
         );
     }
+}
+
+/// A queue of another broker whose name is the stream's and the consumer's joined by a dot
+/// (what the default namespace once was for both) settles its messages first, on the same
+/// store, with the same ids and payloads: the JetStream consumer still runs every one.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_source_of_another_broker_named_alike_never_lends_its_records() {
+    let Some(url) = nats_url() else { return };
+    let streams = Streams::new(&url, |_| {}).await;
+    const N: usize = 5;
+    let store = idem::MemoryStore::new();
+    let other = idem_mq::memory::Queue::new(format!("{}.billing", streams.name));
+    for i in 0..N {
+        let id = format!("order-{i}");
+        other.publish(Some(&id), "{}");
+        publish_once(&streams.js, streams.subject(), &id, "{}".into())
+            .await
+            .expect("publish");
+    }
+    let first = Consumer::new(store.clone());
+    let runs = Arc::new(Runs::default());
+    within(
+        "the other queue drains",
+        first.run(
+            other.source(),
+            timed_handler(&runs, Duration::ZERO),
+            other.clone().drained(),
+        ),
+    )
+    .await
+    .expect("run");
+    assert_eq!(first.counts().handled, N as u64);
+
+    let source = NatsSource::builder(&streams.name, "billing")
+        .connect(&url)
+        .await
+        .expect("source");
+    let consumer = Consumer::new(store);
+    let runs = run_until_settled(&consumer, source, N).await;
+    assert_eq!(runs.ids(), N, "the JetStream consumer ran every id");
+    assert_eq!(consumer.counts().replayed, 0);
 }
 
 /// Two instances on one durable consumer, handlers three times longer than `ack_wait`.

@@ -153,6 +153,54 @@ async fn the_entries_of_a_consumer_that_stopped_are_claimed_after_the_idle_time(
     assert_eq!(stream.pending("g").await, 0);
 }
 
+/// Entries deleted or trimmed while pending are never delivered again: each is reported (and
+/// counted) by the source that finds it gone, and the rest are still claimed.
+#[tokio::test]
+async fn entries_deleted_or_trimmed_while_pending_are_reported() {
+    let Some(url) = redis_url() else { return };
+    let stream = Stream::new(&url).await;
+    let mut ids = Vec::new();
+    for i in 0..3 {
+        ids.push(stream.publish(&format!("m-{i}"), b"").await);
+    }
+    let mut dead = stream.builder("g").batch(3).connect(&url).await.expect("a");
+    for _ in 0..3 {
+        drop(next(&mut dead).await);
+    }
+    drop(dead);
+    let mut conn = stream.conn.clone();
+    let _: i64 = redis::cmd("XDEL")
+        .arg(&stream.name)
+        .arg(&ids[1])
+        .query_async(&mut conn)
+        .await
+        .expect("XDEL");
+    let _: i64 = redis::cmd("XTRIM")
+        .arg(&stream.name)
+        .arg("MINID")
+        .arg(&ids[1])
+        .query_async(&mut conn)
+        .await
+        .expect("XTRIM");
+    let mut other = stream
+        .builder("g")
+        .claim_idle(Duration::from_millis(100))
+        .claim_every(Duration::from_millis(50))
+        .connect(&url)
+        .await
+        .expect("b");
+    let claimed = next(&mut other).await;
+    assert_eq!(id_of(&claimed), "m-2");
+    claimed.settle(Disposition::Ack).await.expect("ack");
+    assert_eq!(other.vanished(), 2, "the deleted and the trimmed entry");
+    assert!(
+        next_within(&mut other, Duration::from_millis(500))
+            .await
+            .is_none()
+    );
+    assert_eq!(stream.pending("g").await, 0);
+}
+
 #[tokio::test]
 async fn progress_keeps_a_running_entry_from_being_claimed() {
     let Some(url) = redis_url() else { return };

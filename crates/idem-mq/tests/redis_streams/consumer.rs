@@ -169,3 +169,27 @@ async fn failures_are_retried_then_dead_lettered_with_their_reason() {
     assert_eq!(runs.of("fine-1"), 1);
     assert_eq!(stream.pending("dl").await, 0);
 }
+
+/// Two streams whose names and groups join alike with a dot (`X.eu` with group `x`, `X` with
+/// group `eu.x`), with the same message ids and payloads, on one store: each group runs every
+/// one of its own entries, rather than acking them on the other's records.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn streams_whose_names_join_alike_never_share_records() {
+    let Some(url) = redis_url() else { return };
+    let base = format!("idemt:{:016x}:X", rand::random::<u64>());
+    let pairs = [
+        (Stream::named(&url, format!("{base}.eu")).await, "x"),
+        (Stream::named(&url, base).await, "eu.x"),
+    ];
+    const N: usize = 5;
+    let store = store(&url).await;
+    for (stream, group) in &pairs {
+        for i in 0..N {
+            stream.publish(&format!("order-{i}"), b"{}").await;
+        }
+        let consumer = Consumer::new(store.clone());
+        let runs = run_until_settled(&consumer, stream.source(group).await, N).await;
+        assert_eq!(runs.ids(), N, "{} / {group} ran every entry", stream.name);
+        assert_eq!(consumer.counts().replayed, 0, "{} / {group}", stream.name);
+    }
+}

@@ -63,10 +63,16 @@ pub(crate) struct RelayArgs {
     #[arg(long, value_name = "POINTER", value_parser = parse_json_pointer)]
     key_json: Option<String>,
 
-    /// The records' namespace [default: the queue's name, STREAM.CONSUMER on NATS, or
-    /// STREAM.GROUP on Redis].
+    /// The records' namespace [default: the broker's kind and names, each escaped:
+    /// amqp:QUEUE, nats:STREAM:CONSUMER or redis:STREAM:GROUP]. Relays given one namespace
+    /// share records.
     #[arg(long)]
     namespace: Option<String>,
+
+    /// Do not fingerprint payloads: a key met again with another payload is then acked on the
+    /// first payload's answer, instead of dead-lettered as `mismatch`.
+    #[arg(long)]
+    no_payload_fingerprint: bool,
 
     /// The Content-Type of each POST.
     #[arg(long, default_value = "application/json")]
@@ -153,7 +159,8 @@ pub(crate) async fn relay(args: RelayArgs) -> Result<(), String> {
         .scope(idem_gateway::relay::SCOPE)
         .max_attempts(args.max_attempts)
         .lease(args.lease)
-        .ttl(args.ttl);
+        .ttl(args.ttl)
+        .fingerprint_payload(!args.no_payload_fingerprint);
     if let Some(name) = &args.key_header {
         consumer = consumer.key(idem_mq::KeyFrom::Header(name.clone()));
     }
