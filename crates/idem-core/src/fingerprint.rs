@@ -6,6 +6,8 @@
 //! - raw bytes: [`Fingerprint::of_bytes`];
 //! - canonical JSON: [`Fingerprint::of_json`], in which object key order and insignificant
 //!   whitespace do not matter, and a number is compared by value (`1`, `1.0` and `1e0` are one);
+//!   from text, [`Fingerprint::of_json_str`] reads every number exactly and refuses a member
+//!   named twice ([`crate::json`]);
 //! - selected fields: [`Fingerprint::of_json_fields`], which looks only at the fields named by
 //!   JSON Pointers (RFC 6901), so a request id or a timestamp inside the body can be left out.
 //!
@@ -17,6 +19,8 @@ use std::io::{self, Write};
 
 use serde_json::Value;
 use sha2::{Digest, Sha256};
+
+use crate::json::{self, Json, JsonError};
 
 /// A SHA-256 request fingerprint.
 #[derive(Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -61,10 +65,32 @@ impl Fingerprint {
         Self(h.0.finalize().into())
     }
 
-    /// Parses `text` as JSON and fingerprints its canonical form.
-    pub fn of_json_str(text: &str) -> Result<Self, serde_json::Error> {
-        let value: Value = serde_json::from_str(text)?;
-        Ok(Self::of_json(&value))
+    /// Reads `text` as JSON exactly ([`crate::json`]: every number as written, a member named
+    /// twice refused) and fingerprints its canonical form: the same fingerprint as
+    /// [`Fingerprint::of_json`] of the value wherever `serde_json` reads it without loss.
+    pub fn of_json_str(text: &str) -> Result<Self, JsonError> {
+        json::parse(text.as_bytes()).map(|v| Self::of_exact_json(&v))
+    }
+
+    /// The fingerprint of a JSON value read exactly ([`json::parse`]), in canonical form.
+    pub fn of_exact_json(value: &Json) -> Self {
+        let mut h = Sha256::new();
+        h.update(TAG_JSON);
+        let mut canonical = Vec::new();
+        value.write_canonical(&mut canonical);
+        h.update(&canonical);
+        Self(h.finalize().into())
+    }
+
+    /// [`Fingerprint::of_json_fields`] of a JSON value read exactly.
+    pub fn of_exact_json_fields(value: &Json, pointers: &[&str]) -> Self {
+        fields(pointers, |pointer| {
+            value.pointer(pointer).map(|field| {
+                let mut canonical = Vec::new();
+                field.write_canonical(&mut canonical);
+                canonical
+            })
+        })
     }
 
     /// The fingerprint of the serialised form of any `Serialize` value, canonicalised.
@@ -78,18 +104,9 @@ impl Fingerprint {
     /// `/amount` or `/payee/iban`). The order of `pointers` does not matter; a field that is
     /// absent hashes differently from one that is `null`.
     pub fn of_json_fields(value: &Value, pointers: &[&str]) -> Self {
-        let mut sorted: Vec<&str> = pointers.to_vec();
-        sorted.sort_unstable();
-        sorted.dedup();
-        let mut b = FingerprintBuilder::tagged(TAG_FIELDS);
-        for pointer in sorted {
-            b = b.part(pointer.as_bytes());
-            b = match value.pointer(pointer) {
-                Some(field) => b.part(b"present").json(field),
-                None => b.part(b"absent"),
-            };
-        }
-        b.finish()
+        fields(pointers, |pointer| {
+            value.pointer(pointer).map(to_canonical_bytes)
+        })
     }
 
     /// Starts a composite fingerprint.
@@ -150,6 +167,28 @@ impl fmt::Display for Fingerprint {
     }
 }
 
+/// The fingerprint of the fields at `pointers`, each found (as canonical JSON) by `find`.
+fn fields(pointers: &[&str], find: impl Fn(&str) -> Option<Vec<u8>>) -> Fingerprint {
+    let mut sorted: Vec<&str> = pointers.to_vec();
+    sorted.sort_unstable();
+    sorted.dedup();
+    let mut b = FingerprintBuilder::tagged(TAG_FIELDS);
+    for pointer in sorted {
+        b = b.part(pointer.as_bytes());
+        b = match find(pointer) {
+            Some(canonical) => b.part(b"present").part(&canonical),
+            None => b.part(b"absent"),
+        };
+    }
+    b.finish()
+}
+
+fn to_canonical_bytes(value: &Value) -> Vec<u8> {
+    let mut canonical = Vec::new();
+    write_canonical(&mut canonical, value);
+    canonical
+}
+
 /// Builds a fingerprint from several parts; each part is length-prefixed.
 #[derive(Clone)]
 pub struct FingerprintBuilder(Sha256);
@@ -172,8 +211,14 @@ impl FingerprintBuilder {
     /// Adds a JSON value in canonical form.
     #[must_use]
     pub fn json(self, value: &Value) -> Self {
+        self.part(&to_canonical_bytes(value))
+    }
+
+    /// Adds a JSON value read exactly ([`json::parse`]), in canonical form.
+    #[must_use]
+    pub fn exact_json(self, value: &Json) -> Self {
         let mut canonical = Vec::new();
-        write_canonical(&mut canonical, value);
+        value.write_canonical(&mut canonical);
         self.part(&canonical)
     }
 

@@ -28,6 +28,7 @@ pub mod clock;
 pub mod counter;
 pub mod error;
 pub mod fingerprint;
+pub mod json;
 pub mod key;
 pub mod lock;
 pub mod page;

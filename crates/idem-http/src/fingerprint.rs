@@ -3,42 +3,60 @@
 use bytes::Bytes;
 use http::header::CONTENT_TYPE;
 use idem_core::Fingerprint;
+use idem_core::json::{self, JsonError};
+use idem_wire::ProblemCode;
+
+use crate::problem::{Problem, ToProblem as _};
 
 use crate::policy::Policy;
 
 /// Method, path, query, the selected headers, and the body: canonical JSON when it is JSON
-/// (so key order and spacing do not matter), only the selected fields if the policy names
-/// some, the raw bytes otherwise.
+/// (so key order and spacing do not matter, and every number counts as written), only the
+/// selected fields if the policy names some, the raw bytes otherwise. A JSON body that names
+/// a member twice has no one meaning (servers keep one or the other), so it is refused.
 pub(crate) fn fingerprint(
     policy: &Policy,
     parts: &http::request::Parts,
     body: &Bytes,
-) -> Fingerprint {
+) -> Result<Fingerprint, Problem> {
     let mut fp = Fingerprint::builder()
         .part(b"idem-http/2")
         .part(parts.method.as_str().as_bytes())
         .part(parts.uri.path().as_bytes())
         .part(parts.uri.query().unwrap_or("").as_bytes());
     fp = with_headers(fp, policy, parts);
-    let json = parts
+    let json = if parts
         .headers
         .get(CONTENT_TYPE)
         .is_some_and(|ct| is_json(ct.as_bytes()))
-        .then(|| serde_json::from_slice::<serde_json::Value>(body).ok())
-        .flatten();
+    {
+        match json::parse(body) {
+            Ok(v) => Some(v),
+            Err(JsonError::DuplicateMember { .. }) => {
+                return Err(ProblemCode::MalformedJson.problem(
+                    "An object in the JSON body names one member twice, which servers read \
+                     differently; send each member once.",
+                ));
+            }
+            // Not JSON after all: fingerprinted by its bytes.
+            Err(_) => None,
+        }
+    } else {
+        None
+    };
     fp = match (json, &policy.fingerprint_json_fields) {
         (Some(v), Some(fields)) => {
             let pointers: Vec<&str> = fields.iter().map(String::as_str).collect();
             fp.part(b"json-fields").part(
-                Fingerprint::of_json_fields(&v, &pointers)
+                Fingerprint::of_exact_json_fields(&v, &pointers)
                     .to_hex()
                     .as_bytes(),
             )
         }
-        (Some(v), None) => fp.part(b"json").json(&v),
+        (Some(v), None) => fp.part(b"json").exact_json(&v),
         (None, _) => fp.part(b"bytes").part(body),
     };
-    fp.finish()
+    Ok(fp.finish())
 }
 
 /// A gRPC call's fingerprint: its method path, the selected metadata, and the request

@@ -128,7 +128,11 @@ where
         Ok(b) => b,
         Err(p) => return Ok(reject(&cfg, p)),
     };
-    let begin = BeginRequest::new(key, fingerprint(policy, &parts, &body))
+    let fingerprint = match fingerprint(policy, &parts, &body) {
+        Ok(fp) => fp,
+        Err(p) => return Ok(reject(&cfg, p)),
+    };
+    let begin = BeginRequest::new(key, fingerprint)
         .with_lease(policy.lease)
         .with_ttl(policy.ttl);
     let req = Request::from_parts(parts, ReqBody::from(body));

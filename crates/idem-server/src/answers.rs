@@ -8,15 +8,19 @@ use idem_core::{Bytes, Fingerprint, Key, Lease, Record, Status, Step, step_key};
 pub use idem_ops::admin::answers::StepOutcomeView;
 use idem_ops::json::rfc3339;
 use serde::Serialize;
-use serde_json::Value;
+use serde_json::value::RawValue;
 use utoipa::ToSchema;
 
-/// A stored value as an answer shows it: `field` with the JSON it holds, or `field_text` with
-/// its text when it is not JSON (written by another client of the store).
-fn stored(bytes: &Bytes) -> (Option<Value>, Option<String>) {
-    match serde_json::from_slice::<Value>(bytes) {
-        Ok(v) => (Some(v), None),
-        Err(_) => (None, Some(String::from_utf8_lossy(bytes).into_owned())),
+/// A stored value as an answer shows it: `field` with the JSON it holds, byte for byte as it
+/// was stored (numbers as written, members in their order), or `field_text` with its text
+/// when it is not JSON (written by another client of the store).
+fn stored(bytes: &Bytes) -> (Option<Box<RawValue>>, Option<String>) {
+    let json = std::str::from_utf8(bytes)
+        .ok()
+        .and_then(|text| RawValue::from_string(text.to_owned()).ok());
+    match json {
+        Some(raw) => (Some(raw), None),
+        None => (None, Some(String::from_utf8_lossy(bytes).into_owned())),
     }
 }
 
@@ -101,7 +105,7 @@ pub struct StepView {
     /// The output of a `done` step, as it was recorded.
     #[schema(value_type = Value, required = false)]
     #[serde(skip_serializing_if = "Option::is_none")]
-    output: Option<Value>,
+    output: Option<Box<RawValue>>,
     /// An output that is not JSON (recorded by another client of the store), as text.
     #[schema(nullable = false)]
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -154,7 +158,7 @@ pub struct Replay {
     /// The stored response (JSON, as `complete` was given it).
     #[schema(value_type = Value, required = false)]
     #[serde(skip_serializing_if = "Option::is_none")]
-    response: Option<Value>,
+    response: Option<Box<RawValue>>,
     /// A stored response that is not JSON (written by another client of the store), as text.
     #[schema(nullable = false)]
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -274,7 +278,7 @@ pub struct RecordView {
     /// The stored response, for a completed record.
     #[schema(value_type = Value, required = false)]
     #[serde(skip_serializing_if = "Option::is_none")]
-    response: Option<Value>,
+    response: Option<Box<RawValue>>,
     /// A stored response that is not JSON, as text.
     #[schema(nullable = false)]
     #[serde(skip_serializing_if = "Option::is_none")]

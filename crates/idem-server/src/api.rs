@@ -14,6 +14,7 @@ use idem_core::{
 };
 use serde::Deserialize;
 use serde_json::Value;
+use serde_json::value::RawValue;
 use tracing::{debug, warn};
 use utoipa::ToSchema;
 
@@ -100,7 +101,7 @@ pub(crate) struct BeginBody {
     // `Some` whenever the member is present, even as `null` (a valid request to fingerprint).
     #[serde(default, deserialize_with = "present")]
     #[schema(value_type = Value)]
-    request: Option<Value>,
+    request: Option<Box<RawValue>>,
     /// The lease, in milliseconds (1 to 86400000); the server's default without it.
     #[schema(minimum = 1, maximum = 86_400_000)]
     lease_ms: Option<u64>,
@@ -115,8 +116,12 @@ pub(crate) struct BeginBody {
     step_keys: Vec<String>,
 }
 
-fn present<'de, D: serde::Deserializer<'de>>(d: D) -> Result<Option<Value>, D::Error> {
-    Value::deserialize(d).map(Some)
+fn present<'de, D, T>(d: D) -> Result<Option<T>, D::Error>
+where
+    D: serde::Deserializer<'de>,
+    T: Deserialize<'de>,
+{
+    T::deserialize(d).map(Some)
 }
 
 pub(crate) async fn begin(
@@ -134,7 +139,19 @@ pub(crate) async fn begin(
                 "fingerprint must be 1 to {MAX_FINGERPRINT_LEN} bytes long."
             )));
         }
-        (None, Some(request)) => Fingerprint::of_json(request),
+        // Read exactly: every number as written; a member named twice has no one meaning.
+        (None, Some(request)) => Fingerprint::of_json_str(request.get()).map_err(|e| {
+            ProblemCode::MalformedJson.problem(match e {
+                idem_core::json::JsonError::DuplicateMember { .. } => {
+                    "`request` has an object that names one member twice, which servers read \
+                     differently; send each member once."
+                }
+                _ => {
+                    "`request` is JSON that cannot be fingerprinted exactly (a number's \
+                      exponent longer than 15 digits, or nesting deeper than 128)."
+                }
+            })
+        })?,
         _ => {
             return Err(Problem::invalid_request(
                 "Give exactly one of `fingerprint` (a string that identifies the request) or \
@@ -291,8 +308,9 @@ pub(crate) struct CompleteBody {
     key: String,
     /// The lease token `begin` returned (`lease.id`).
     lease: String,
-    /// The response to store: every retry gets it back.
-    response: Value,
+    /// The response to store: every retry gets it back, byte for byte.
+    #[schema(value_type = Value)]
+    response: Box<RawValue>,
 }
 
 /// `POST /v1/records/release`.
@@ -450,7 +468,7 @@ pub(crate) async fn complete(
     caller: Caller,
     JsonBody(body): JsonBody<CompleteBody>,
 ) -> Result<Response, Problem> {
-    let response = Bytes::from(serde_json::to_vec(&body.response).unwrap_or_default());
+    let response = Bytes::copy_from_slice(body.response.get().as_bytes());
     settle(
         &state,
         &caller,

@@ -123,19 +123,21 @@ async fn another_request_with_the_same_key_is_a_mismatch() {
     assert_eq!(r.code(), "idempotency_key_mismatch");
 }
 
+/// A JSON POST to `/orders` under `key`.
+fn json(key: &str, body: &str) -> Request<Body> {
+    req(
+        Method::POST,
+        "/orders",
+        &[
+            ("idempotency-key", key),
+            ("content-type", "application/json"),
+        ],
+        body,
+    )
+}
+
 #[tokio::test]
 async fn json_bodies_are_compared_by_value() {
-    let json = |key: &str, body: &str| {
-        req(
-            Method::POST,
-            "/orders",
-            &[
-                ("idempotency-key", key),
-                ("content-type", "application/json"),
-            ],
-            body,
-        )
-    };
     let app = app(Policy::default());
     app.send(json("k", r#"{"amount": 10, "to": "bob"}"#)).await;
     let r = app.send(json("k", r#"{"to":"bob","amount":10.0}"#)).await;
@@ -152,6 +154,43 @@ async fn json_bodies_are_compared_by_value() {
     assert!(r.replayed());
     let r = app
         .send(json("k", r#"{"amount":11,"to":"bob","sent_at":2}"#))
+        .await;
+    assert_eq!(r.code(), "idempotency_key_mismatch");
+}
+
+/// Numbers count as written, a member named twice is refused before anything runs, and the
+/// stored answer comes back byte for byte.
+#[tokio::test]
+async fn json_numbers_count_exactly_and_a_member_named_twice_is_refused() {
+    let app = app(Policy::default());
+    let first = app.send(json("big", r#"{"n":18446744073709551616}"#)).await;
+    let r = app.send(json("big", r#"{"n":18446744073709551617}"#)).await;
+    assert_eq!(r.code(), "idempotency_key_mismatch");
+    app.send(json("tenth", r#"{"n":0.1}"#)).await;
+    let r = app
+        .send(json("tenth", r#"{"n":0.10000000000000000001}"#))
+        .await;
+    assert_eq!(r.code(), "idempotency_key_mismatch");
+    assert!(app.send(json("tenth", r#"{"n":1e-1}"#)).await.replayed());
+    let again = app
+        .send(json("big", r#"{ "n" : 18446744073709551616 }"#))
+        .await;
+    assert!(again.replayed());
+    assert_eq!(again.body, first.body, "replayed byte for byte");
+    let runs = app.runs();
+    for twice in [r#"{"amount":100,"amount":999}"#, r#"{"a":[{"x":1,"x":1}]}"#] {
+        let r = app.send(json("dup", twice)).await;
+        assert_eq!(r.status, StatusCode::BAD_REQUEST);
+        assert_eq!(r.code(), "malformed_json");
+    }
+    assert_eq!(app.runs(), runs, "nothing ran");
+    // Fields chosen by pointer are read exactly too.
+    let fields = crate::app(Policy::default().fingerprint_json_fields(["/n"]));
+    fields
+        .send(json("f", r#"{"n":18446744073709551616,"at":1}"#))
+        .await;
+    let r = fields
+        .send(json("f", r#"{"n":18446744073709551617,"at":1}"#))
         .await;
     assert_eq!(r.code(), "idempotency_key_mismatch");
 }

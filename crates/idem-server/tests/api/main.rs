@@ -28,6 +28,8 @@ struct Reply {
     status: StatusCode,
     headers: axum::http::HeaderMap,
     body: Value,
+    /// The body as it was sent.
+    text: String,
 }
 
 impl Reply {
@@ -77,6 +79,7 @@ impl Api {
             status,
             headers,
             body,
+            text: String::from_utf8_lossy(&bytes).into_owned(),
         }
     }
 

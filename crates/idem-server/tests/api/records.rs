@@ -154,6 +154,60 @@ async fn a_null_request_is_a_request() {
     );
 }
 
+/// A request is fingerprinted as written: numbers `f64` cannot tell apart are two requests,
+/// and an object that names a member twice is refused. A stored response comes back byte for
+/// byte: its numbers as written, its members in their order.
+#[tokio::test]
+async fn numbers_are_kept_exactly_and_a_member_named_twice_is_refused() {
+    let api = Api::new();
+    let begin = |key: &str, request: &str| {
+        api.post_raw(
+            "/v1/records/begin",
+            None,
+            "application/json",
+            format!(r#"{{"namespace":"pay","key":"{key}","request":{request}}}"#),
+        )
+    };
+    let lease = lease_of(&begin("big", r#"{"amount":18446744073709551616}"#).await);
+    let other = begin("big", r#"{"amount":18446744073709551617}"#).await;
+    assert_eq!(other.code(), "fingerprint_mismatch");
+    let lease_small = lease_of(&begin("tenth", r#"{"amount":0.1}"#).await);
+    let other = begin("tenth", r#"{"amount":0.10000000000000000001}"#).await;
+    assert_eq!(other.code(), "fingerprint_mismatch");
+    // Spellings of one value are one request.
+    assert_eq!(
+        begin("tenth", r#"{"amount":1e-1}"#).await.code(),
+        "in_progress"
+    );
+
+    let twice = begin("dup", r#"{"amount":100,"amount":999}"#).await;
+    assert_eq!(twice.status, StatusCode::BAD_REQUEST);
+    assert_eq!(twice.code(), "malformed_json");
+    let nested = begin("dup", r#"[{"to":"bob","to":"eve"}]"#).await;
+    assert_eq!(nested.code(), "malformed_json");
+
+    let stored = r#"{"paid":18446744073709551616,"z":1,"a":[0.10000000000000000001]}"#;
+    let c = api
+        .post_raw(
+            "/v1/records/complete",
+            None,
+            "application/json",
+            format!(r#"{{"namespace":"pay","key":"big","lease":"{lease}","response":{stored}}}"#),
+        )
+        .await;
+    assert_eq!(c.status, StatusCode::OK, "{}", c.body);
+    let replay = begin("big", r#"{"amount":18446744073709551616}"#).await;
+    assert_eq!(replay.body["outcome"], "replay");
+    assert!(
+        replay.text.contains(&format!(r#""response":{stored}"#)),
+        "{}",
+        replay.text
+    );
+    let record = api.get("/v1/records/pay/big", None).await;
+    assert!(record.text.contains(stored), "{}", record.text);
+    api.complete(None, "tenth", &lease_small, json!(1)).await;
+}
+
 #[tokio::test]
 async fn fingerprint_string_mode() {
     let api = Api::new();

@@ -501,3 +501,29 @@ async fn the_upstream_is_told_each_attempt_s_fence_and_never_a_client_s() {
     send(gw, Method::POST, "/orders", &failing, "a").await;
     assert_eq!(last_fence(), Some(failed + 1));
 }
+
+/// A JSON body that names a member twice is refused before it reaches the upstream; numbers
+/// `f64` cannot tell apart are two requests; an answer replays byte for byte.
+#[tokio::test]
+async fn json_bodies_are_read_exactly() {
+    let (seen, up) = start_upstream().await;
+    let gw = start_gateway(up, memory(), "").await;
+    let post = |key: &'static str, body: &'static str| {
+        let headers = [
+            ("idempotency-key", key),
+            ("content-type", "application/json"),
+        ];
+        async move { send(gw, Method::POST, "/orders", &headers, body).await }
+    };
+    let r = post("d", r#"{"amount":100,"amount":999}"#).await;
+    assert_eq!(r.status, StatusCode::BAD_REQUEST);
+    assert_eq!(r.code(), "malformed_json");
+    assert_eq!(seen.runs(), 0);
+    let first = post("n", r#"{"n":18446744073709551616}"#).await;
+    let other = post("n", r#"{"n":18446744073709551617}"#).await;
+    assert_eq!(other.code(), "idempotency_key_mismatch");
+    let again = post("n", r#"{"n":18446744073709551616}"#).await;
+    assert!(again.replayed());
+    assert_eq!(again.body, first.body);
+    assert_eq!(seen.runs(), 1);
+}
