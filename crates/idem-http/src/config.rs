@@ -1,11 +1,13 @@
 //! What every request on a guarded route shares, as the layer hands it to each request.
 
 use std::sync::Arc;
+use std::time::Duration;
 
 use idem_core::{Clock, SharedStore, SystemClock};
 
 use crate::policy::Policy;
 use crate::scope::ScopeSource;
+use crate::unstored::UnstoredAnswers;
 
 /// How a guarded route speaks: what its refusals look like and what in an answer says whether
 /// it is kept.
@@ -28,10 +30,15 @@ pub(crate) struct Config {
     pub(crate) clock: Arc<dyn Clock>,
     pub(crate) policy: Policy,
     pub(crate) scope: ScopeSource,
-    /// One permit for each answer whose storing is retried in the background
-    /// ([`LATE_ANSWERS`](crate::settle::LATE_ANSWERS) at most).
-    pub(crate) late: Arc<tokio::sync::Semaphore>,
+    /// The memory answers the store has not taken yet may hold.
+    pub(crate) unstored: UnstoredAnswers,
+    /// The longest a settling store call is waited for before the caller is answered
+    /// `answer_not_stored` (a stalled store answers nothing, not even an error).
+    pub(crate) store_timeout: Duration,
 }
+
+/// The default [`Config::store_timeout`]: 5 s, the stores' own response timeout.
+pub(crate) const DEFAULT_STORE_TIMEOUT: Duration = Duration::from_secs(5);
 
 impl Config {
     /// A route's shared settings, on the system clock, scoping keys by the hashed
@@ -43,7 +50,8 @@ impl Config {
             clock: Arc::new(SystemClock),
             policy,
             scope: ScopeSource::default(),
-            late: Arc::new(tokio::sync::Semaphore::new(crate::settle::LATE_ANSWERS)),
+            unstored: UnstoredAnswers::default(),
+            store_timeout: DEFAULT_STORE_TIMEOUT,
         })
     }
 }

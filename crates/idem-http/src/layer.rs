@@ -9,6 +9,7 @@ use crate::config::{Config, Protocol};
 use crate::policy::Policy;
 use crate::scope::ScopeSource;
 use crate::service::IdempotencyService;
+use crate::unstored::UnstoredAnswers;
 
 /// A [`Layer`] that gives a route `Idempotency-Key` semantics.
 ///
@@ -48,6 +49,26 @@ impl IdempotencyLayer {
     #[must_use]
     pub fn clock(mut self, clock: impl Clock) -> Self {
         Arc::make_mut(&mut self.cfg).clock = Arc::new(clock);
+        self
+    }
+
+    /// The memory answers the store has not taken yet may hold (64 MiB by default, each
+    /// layer its own): give several layers one to bound them together. An answer that finds no
+    /// room within the store timeout is not kept; its record is marked an unknown outcome, so
+    /// it is never run again unasked.
+    #[must_use]
+    pub fn unstored_answers(mut self, budget: UnstoredAnswers) -> Self {
+        Arc::make_mut(&mut self.cfg).unstored = budget;
+        self
+    }
+
+    /// The longest a store call settling a request (storing its answer, releasing its key) is
+    /// waited for, 5 s by default: a store that stalls answers nothing, and the caller is
+    /// answered `answer_not_stored` (or, for a release, given the handler's answer) by then.
+    #[must_use]
+    pub fn store_timeout(mut self, timeout: std::time::Duration) -> Self {
+        Arc::make_mut(&mut self.cfg).store_timeout =
+            timeout.max(std::time::Duration::from_millis(1));
         self
     }
 

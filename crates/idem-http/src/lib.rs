@@ -46,6 +46,7 @@ pub mod scope;
 mod service;
 mod settle;
 mod stored;
+mod unstored;
 
 pub use body::{BoxError, ResponseBody, boxed};
 pub use form_token::{FORM_TOKEN, FormToken, FormTokenLayer, token_problem};
@@ -63,6 +64,7 @@ pub use problem::{Problem, ToProblem};
 pub use scope::{ScopeSecret, ScopeSource};
 pub use service::{IdempotencyService, LeaseFence};
 pub use settle::Settle;
+pub use unstored::{DEFAULT_UNSTORED_BYTES, UnstoredAnswers};
 
 /// The service's former name.
 #[deprecated(note = "renamed to `IdempotencyService`")]

@@ -20,9 +20,10 @@ use crate::body::{
 use crate::claim::reject;
 use crate::config::{Config, Protocol};
 use crate::metrics::count_settled;
-use crate::policy::{OnUnknown, remove_hop_by_hop};
+use crate::policy::remove_hop_by_hop;
 use crate::problem::ToProblem;
 use crate::stored::Stored;
+use crate::unstored::{complete_later, mark_unknown, unknown_until};
 use idem_wire::ProblemCode;
 
 /// How a handler's answer settles its record. By default the layer decides from the status
@@ -36,7 +37,7 @@ pub enum Settle {
     /// Do not store it: release the key so that a retry runs again (nothing took effect).
     Release,
     /// The request may or may not have taken effect: record the outcome as unknown (see
-    /// [`OnUnknown`]).
+    /// [`OnUnknown`](crate::OnUnknown)).
     Unknown,
 }
 
@@ -99,26 +100,28 @@ where
                         return Ok(response_failed(&cfg));
                     }
                 }
+                let body_len = bytes.len();
                 let stored = Stored::Response {
                     status: parts.status,
                     headers: kept_fields(&cfg, &parts.headers),
-                    body: bytes.clone(),
+                    body: bytes,
                     trailers: kept_fields(&cfg, &trailers),
                 };
                 match settler.complete(stored).await {
-                    Completed::Done => Ok(Response::from_parts(
+                    // The body as the stored form holds it: one copy of the answer, not two.
+                    (Completed::Done, stored) => Ok(Response::from_parts(
                         parts,
-                        full_with_trailers(bytes, trailers),
+                        full_with_trailers(stored.slice(stored.len() - body_len..), trailers),
                     )),
-                    Completed::Overtaken => Ok(overtaken(&cfg)),
-                    Completed::NotStored => Ok(not_stored(&cfg)),
+                    (Completed::Overtaken, _) => Ok(overtaken(&cfg)),
+                    (Completed::NotStored, _) => Ok(not_stored(&cfg)),
                 }
             }
             Collected::TooLarge(prefix, rest) => {
                 // A gRPC answer too large to keep is recorded before its status is known:
                 // its first caller is given it whole, retries are refused, never run again.
                 let status = parts.status;
-                match settler.complete(Stored::TooLarge { status }).await {
+                match settler.complete(Stored::TooLarge { status }).await.0 {
                     Completed::Done => Ok(Response::from_parts(
                         parts,
                         boxed(Prefixed::new(prefix, rest)),
@@ -200,14 +203,6 @@ fn not_stored(cfg: &Config) -> Response<ResponseBody> {
     )
 }
 
-/// How many answers a layer (or gateway) goes on trying to store in the background after the
-/// store failed, at most; past it, such a record stays in progress until its lease ends.
-pub(crate) const LATE_ANSWERS: usize = 1024;
-
-/// How long after its lease ends an answer is still offered to the store: until then no
-/// other attempt may have taken the key, and the store takes it if none has.
-const LATE_GRACE: Duration = Duration::from_secs(30);
-
 /// The response header (or trailer) fields kept for replay: the policy's choice (and, over
 /// gRPC, the content type and the `grpc-*` fields), never a hop-by-hop field.
 fn kept_fields(cfg: &Config, headers: &HeaderMap) -> HeaderMap {
@@ -242,15 +237,19 @@ enum Completed {
     Done,
     /// Another attempt holds the key: this answer is not the one kept.
     Overtaken,
-    /// The store failed: the answer is not kept (yet: a failure that may pass is retried in
-    /// the background, see [`complete_later`]). The record stays in progress until it is
-    /// stored or its lease ends, after which a retry runs again; so the caller is not given
-    /// an answer that retries might never be given.
+    /// The store failed or did not answer in time: the answer is not kept yet (it is offered
+    /// again in the background, see [`complete_later`], or the record marked an unknown
+    /// outcome); so the caller is not given an answer that retries might never be given.
     NotStored,
 }
 
 impl Settler {
-    async fn complete(mut self, stored: Stored) -> Completed {
+    /// Stores `stored`, charged to the unstored answers' budget from before it is sent until
+    /// the store has answered for it (see [`crate::unstored`]): room is waited for, and then
+    /// the store, at most the store timeout each. An answer that finds no room is not sent
+    /// and its record is marked an unknown outcome; one the store did not take is offered
+    /// again in the background. Answers the stored form too, whose last bytes are the body.
+    async fn complete(mut self, stored: Stored) -> (Completed, Bytes) {
         self.settled = true;
         let kind = match stored {
             Stored::Response { .. } => "stored",
@@ -258,18 +257,30 @@ impl Settler {
             Stored::TooLarge { .. } => "too_large",
         };
         let response = stored.encode();
+        drop(stored);
         let (cfg, key, lease) = (&self.cfg, &self.key, &self.lease);
-        let result = settle_retrying(|| {
-            cfg.store
-                .complete(key, lease, response.clone(), cfg.clock.now())
-        })
+        let Some(room) = cfg.unstored.room(response.len(), cfg.store_timeout).await else {
+            tracing::warn!(
+                key = %key.log_tag(),
+                "no room for another answer the store has not taken; marking the outcome unknown"
+            );
+            mark_unknown(cfg, key, lease);
+            return (Completed::NotStored, response);
+        };
+        let result = tokio::time::timeout(
+            cfg.store_timeout,
+            settle_retrying(|| {
+                cfg.store
+                    .complete(key, lease, response.clone(), cfg.clock.now())
+            }),
+        )
         .await;
-        match result {
-            Ok(()) => {
+        let completed = match result {
+            Ok(Ok(())) => {
                 count_settled(kind);
                 Completed::Done
             }
-            Err(LeaseError::Stale(_)) => {
+            Ok(Err(LeaseError::Stale(_))) => {
                 count_settled("overtaken");
                 tracing::warn!(
                     key = %key.log_tag(),
@@ -278,24 +289,28 @@ impl Settler {
                 );
                 Completed::Overtaken
             }
-            Err(LeaseError::Store(e)) if e.is_transient() => {
-                complete_later(cfg, key, lease, response, kind);
+            // Not taken, or not answered in time (the answer may still be in the store's
+            // connection: it stays charged to the budget).
+            Ok(Err(LeaseError::Store(e))) if e.is_transient() => {
+                complete_later(cfg, key, lease, response.clone(), kind, room);
                 Completed::NotStored
             }
-            Err(e) => {
+            Err(_) => {
+                complete_later(cfg, key, lease, response.clone(), kind, room);
+                Completed::NotStored
+            }
+            Ok(Err(e)) => {
                 count_settled("failed");
                 // The record stays in progress until its lease ends; then a retry runs again.
                 tracing::warn!(key = %key.log_tag(), error = %e, "could not store the answer");
                 Completed::NotStored
             }
-        }
+        };
+        (completed, response)
     }
 
     async fn unknown(self) {
-        let until = match self.cfg.policy.on_unknown {
-            OnUnknown::Hold => None,
-            OnUnknown::ReleaseAfterLease => Some(self.lease.expires_at),
-        };
+        let unknown = unknown_until(&self.cfg, &self.lease);
         // Scope and namespace (never the client's key) let an operator find the record
         // (`operator::reopen_unknown`) once the caller reports its key.
         tracing::warn!(
@@ -305,7 +320,7 @@ impl Settler {
             fence = self.lease.fence,
             "outcome unknown; held until resolved"
         );
-        self.complete(Stored::Unknown { until }).await;
+        self.complete(unknown).await;
     }
 
     async fn release(mut self) {
@@ -314,63 +329,19 @@ impl Settler {
     }
 }
 
-/// Goes on offering an answer the store failed to take, backing off from 100 ms to 2 s, until
-/// it is stored, another attempt holds the key, or [`LATE_GRACE`] after the lease ended; in a
-/// task of its own, so that the caller's answer does not wait. At most [`LATE_ANSWERS`] at
-/// once: past that the answer is dropped and the record waits for its lease to end.
-fn complete_later(
-    cfg: &Arc<Config>,
-    key: &Key,
-    lease: &Lease,
-    response: Bytes,
-    kind: &'static str,
-) {
-    let (Ok(permit), Ok(rt)) = (
-        cfg.late.clone().try_acquire_owned(),
-        tokio::runtime::Handle::try_current(),
-    ) else {
-        count_settled("failed");
-        tracing::warn!(key = %key.log_tag(), "could not store the answer");
-        return;
-    };
-    let (cfg, key, lease) = (cfg.clone(), key.clone(), *lease);
-    rt.spawn(async move {
-        let _permit = permit;
-        let mut pause = Duration::from_millis(100);
-        loop {
-            tokio::time::sleep(pause).await;
-            pause = (pause * 2).min(Duration::from_secs(2));
-            let now = cfg.clock.now();
-            match cfg
-                .store
-                .complete(&key, &lease, response.clone(), now)
-                .await
-            {
-                Ok(()) => {
-                    count_settled(kind);
-                    return;
-                }
-                Err(LeaseError::Store(e))
-                    if e.is_transient() && now < lease.expires_at.saturating_add(LATE_GRACE) => {}
-                Err(LeaseError::Stale(_)) => {
-                    count_settled("overtaken");
-                    return;
-                }
-                Err(e) => {
-                    count_settled("failed");
-                    tracing::warn!(key = %key.log_tag(), error = %e, "could not store the answer");
-                    return;
-                }
-            }
-        }
-    });
-}
-
 async fn release(cfg: &Config, key: &Key, lease: &Lease) {
-    let result = settle_retrying(|| cfg.store.release(key, lease, cfg.clock.now())).await;
+    let result = tokio::time::timeout(
+        cfg.store_timeout,
+        settle_retrying(|| cfg.store.release(key, lease, cfg.clock.now())),
+    )
+    .await;
     match result {
-        Ok(()) => count_settled("released"),
-        Err(e) => {
+        Ok(Ok(())) => count_settled("released"),
+        Err(_) => {
+            count_settled("failed");
+            tracing::warn!(key = %key.log_tag(), "the store did not release the key in time");
+        }
+        Ok(Err(e)) => {
             count_settled("failed");
             // The key stays held until the lease ends; then a retry takes over.
             tracing::warn!(key = %key.log_tag(), error = %e, "could not release the key");

@@ -45,8 +45,15 @@ pub(crate) enum Stored {
 pub(crate) struct Corrupt;
 
 impl Stored {
+    /// The stored form. An answer's body is its last bytes, so the body can be handed on as a
+    /// slice of it rather than kept beside it.
     pub(crate) fn encode(&self) -> Bytes {
-        let mut out = BytesMut::new();
+        let body_len = match self {
+            Self::Response { body, .. } => body.len(),
+            _ => 0,
+        };
+        // Room for the body and a typical head at once: no copy as it grows.
+        let mut out = BytesMut::with_capacity(body_len + 512);
         out.put_slice(TAG);
         match self {
             Self::Response {

@@ -42,7 +42,7 @@ use axum::response::{IntoResponse, Response};
 use idem_core::{BoxFuture, Clock, SharedStore, SystemClock};
 use idem_http::{
     IDEMPOTENCY_KEY, IdempotencyLayer, IdempotencyService, KeyRequirement, Problem, ProblemCode,
-    ScopeSecret, ScopeSource, ToProblem,
+    ScopeSecret, ScopeSource, ToProblem, UnstoredAnswers,
 };
 use tower_layer::Layer;
 use tower_service::Service;
@@ -87,6 +87,8 @@ pub struct Gateway {
     pub records_history: Arc<idem_ops::admin::History>,
     /// Whether `{prefix}/metrics` needs the admin token too.
     pub metrics_require_token: bool,
+    /// The memory answers the store has not taken yet may hold, all routes together.
+    pub unstored_answers: UnstoredAnswers,
 }
 
 impl Gateway {
@@ -106,6 +108,7 @@ impl Gateway {
             health: idem_ops::health::Monitor::default(),
             records_history: Arc::default(),
             metrics_require_token: false,
+            unstored_answers: UnstoredAnswers::default(),
         }
     }
 
@@ -234,6 +237,7 @@ impl Gateway {
             svc: IdempotencyLayer::new(self.store.clone(), route.policy.clone())
                 .scope(self.scope.clone())
                 .clock(self.clock.clone())
+                .unstored_answers(self.unstored_answers.clone())
                 .layer(proxy.clone()),
         };
         let dispatch = Dispatch {

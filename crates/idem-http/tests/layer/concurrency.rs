@@ -292,24 +292,27 @@ async fn an_attempt_overtaken_while_its_handler_ran_does_not_deliver_its_answer(
     assert_eq!(app.runs(), 2);
 }
 
-/// At most 1,024 answers the store did not take are stored in the background at once (the
-/// layer's `LATE_ANSWERS`): past that, an answer is dropped, and its record stays in
-/// progress until its lease ends, while the others are stored once the store is back.
+/// Answers the store did not take are kept in memory up to the layer's budget in bytes: two
+/// answers of 400 KiB fit in 1 MiB and are stored once the store is back; the third finds no
+/// room, so its record is marked an unknown outcome: a retry is told so, and nothing runs a
+/// fourth time.
 #[tokio::test]
-async fn at_most_1024_answers_go_on_being_offered_to_the_store() {
-    const CALLS: usize = 1025;
+async fn answers_the_store_did_not_take_are_bounded_in_bytes_and_never_run_again() {
+    const CALLS: usize = 3;
     let store = Arc::new(FaultyStore::new(MemoryStore::new()));
-    let app = app_on(store.clone(), Policy::default());
-    let key = |i: usize| format!("late-{i}");
+    let app = app_with(store.clone(), Policy::default(), |layer| {
+        layer
+            .unstored_answers(UnstoredAnswers::new(1 << 20))
+            .store_timeout(Duration::from_millis(300))
+    });
+    let key = |i: usize| format!("wide-{i}");
     let calls: Vec<_> = (0..CALLS)
         .map(|i| {
             let router = app.router.clone();
-            let req = post_with("/slow", &key(i), "");
+            let req = post_with("/wide", &key(i), "");
             tokio::spawn(async move { router.oneshot(req).await.unwrap() })
         })
         .collect();
-    // Every call claims its key and waits in its handler; then the store goes away, and the
-    // handlers' answers cannot be stored.
     within("every call claims its key", async {
         while store.inner().len() < CALLS {
             tokio::time::sleep(Duration::from_millis(5)).await;
@@ -326,24 +329,59 @@ async fn at_most_1024_answers_go_on_being_offered_to_the_store() {
         assert_eq!(reply.code(), "answer_not_stored", "{}", reply.body);
     }
     store.set_down(false);
-    // The store is back: every answer still offered is stored, and one was given up.
-    let (replays, in_progress) = within("the offered answers are stored", async {
+    let (replays, unknown) = within("the answers are stored, or marked unknown", async {
         loop {
-            let (mut replays, mut in_progress) = (0, 0);
+            let (mut replays, mut unknown) = (0, 0);
             for i in 0..CALLS {
-                let r = app.send(post_with("/slow", &key(i), "")).await;
+                let r = app.send(post_with("/wide", &key(i), "")).await;
                 if r.replayed() {
+                    assert_eq!(r.body.len(), 400 << 10);
                     replays += 1;
-                } else if r.code() == "request_in_progress" {
-                    in_progress += 1;
+                } else if r.code() == "outcome_unknown" {
+                    unknown += 1;
                 }
             }
-            if replays >= CALLS - 1 {
-                return (replays, in_progress);
+            if replays + unknown == CALLS {
+                return (replays, unknown);
             }
-            tokio::time::sleep(Duration::from_millis(200)).await;
+            tokio::time::sleep(Duration::from_millis(100)).await;
         }
     })
     .await;
-    assert_eq!((replays, in_progress), (CALLS - 1, 1));
+    assert_eq!((replays, unknown), (CALLS - 1, 1));
+    assert_eq!(app.runs(), CALLS, "no answer ran twice");
+}
+
+/// A store that stalls on the answer (it neither takes it nor fails) leaves the caller waiting
+/// no longer than the store timeout: it is answered `answer_not_stored`, and a retry is given
+/// the answer once the store takes it in the background.
+#[tokio::test]
+async fn a_store_that_stalls_on_the_answer_is_waited_for_only_the_store_timeout() {
+    let store = Arc::new(FaultyStore::new(MemoryStore::new()));
+    let app = app_with(store.clone(), Policy::default(), |layer| {
+        layer.store_timeout(Duration::from_millis(200))
+    });
+    let stall = store.stall_next(Op::Complete);
+    let call = {
+        let router = app.router.clone();
+        tokio::spawn(async move { router.oneshot(post_with("/wide", "s", "")).await.unwrap() })
+    };
+    app.counters.entered.notified().await;
+    app.counters.gate.notify_one();
+    let reply = within("the caller is answered", call).await.unwrap();
+    let reply = app.reply(reply).await;
+    assert_eq!(reply.code(), "answer_not_stored", "{}", reply.body);
+    stall.release();
+    let replayed = within("the answer is stored in the background", async {
+        loop {
+            let r = app.send(post_with("/wide", "s", "")).await;
+            if r.replayed() {
+                return r;
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    })
+    .await;
+    assert_eq!(replayed.body.len(), 400 << 10);
+    assert_eq!(app.runs(), 1);
 }

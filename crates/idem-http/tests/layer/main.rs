@@ -16,6 +16,7 @@ use axum::routing::post;
 use idem_core::{ManualClock, SharedStore};
 use idem_http::{
     IdempotencyLayer, InFlight, KeyRequirement, LeaseFence, OnUnknown, Policy, Preset, Settle,
+    UnstoredAnswers,
 };
 use idem_store::MemoryStore;
 use idem_testkit::{Fault, FaultyStore, Op, PATIENCE, Stall, within};
@@ -78,6 +79,14 @@ async fn slow(State(c): State<Counters>) -> String {
     c.gate.notified().await;
     let n = c.runs.fetch_add(1, Ordering::SeqCst) + 1;
     format!("slow run {n}")
+}
+
+/// Waits for the gate, then answers 400 KiB.
+async fn wide(State(c): State<Counters>) -> String {
+    c.entered.notify_one();
+    c.gate.notified().await;
+    c.runs.fetch_add(1, Ordering::SeqCst);
+    "w".repeat(400 << 10)
 }
 
 async fn unknown(State(c): State<Counters>) -> Response {
@@ -146,9 +155,18 @@ fn app(policy: Policy) -> App {
 }
 
 fn app_on(store: SharedStore, policy: Policy) -> App {
+    app_with(store, policy, |layer| layer)
+}
+
+/// An app whose layer is set up further by `setup`.
+fn app_with(
+    store: SharedStore,
+    policy: Policy,
+    setup: impl FnOnce(IdempotencyLayer) -> IdempotencyLayer,
+) -> App {
     let counters = Counters::default();
     let clock = ManualClock::starting_now();
-    let layer = IdempotencyLayer::new(store, policy).clock(clock.clone());
+    let layer = setup(IdempotencyLayer::new(store, policy).clock(clock.clone()));
     let router = Router::new()
         .route("/orders", post(order).get(order).put(order))
         .route("/fail", post(fail))
@@ -157,6 +175,7 @@ fn app_on(store: SharedStore, policy: Policy) -> App {
         .route("/big", post(big))
         .route("/panics", post(panics))
         .route("/slow", post(slow))
+        .route("/wide", post(wide))
         .route("/unknown", post(unknown))
         .route("/fence", post(fence))
         .route("/slow-then-fail", post(slow_then_fail))

@@ -52,6 +52,12 @@ pub(crate) struct GatewayArgs {
     #[arg(long, env = "IDEM_PURGE_INTERVAL", value_parser = parse_purge_interval)]
     purge_interval: Option<Duration>,
 
+    /// How many bytes of answers the store has not taken yet (stalled or down) the gateway
+    /// keeps to offer again; an answer that finds no room is not kept, and its record is
+    /// marked an unknown outcome, never run again unasked.
+    #[arg(long, env = "IDEM_UNSTORED_ANSWERS_BYTES", default_value_t = idem_http::DEFAULT_UNSTORED_BYTES)]
+    unstored_answers_bytes: usize,
+
     #[command(flatten)]
     limits: LimitArgs,
 
@@ -101,6 +107,7 @@ pub(crate) async fn gateway(args: GatewayArgs) -> Result<(), String> {
         .wrap(store, Some(idem_http::operator::is_unknown_outcome));
     // The command line wins over the file.
     let mut gateway = Gateway::new(upstream, store.clone());
+    gateway.unstored_answers = idem_http::UnstoredAnswers::new(args.unstored_answers_bytes);
     if let Some(t) = args.upstream_timeout {
         gateway.upstream_timeout = t;
         file.upstream_timeout = None;
