@@ -30,8 +30,9 @@ pub enum IdError {
     /// hold the worker id.
     #[error("the worker id's lease ran out before it could be renewed; try again shortly")]
     LeaseExpired,
-    /// The worker id was just claimed, and its first ids wait until any earlier holder of it
-    /// has stopped (see [`crate::WorkerPool::claim`]): try again after `retry_after`.
+    /// The worker id was just claimed, and its first ids wait until an earlier holder of it
+    /// that may still be issuing has stopped (see [`crate::WorkerPool::claim`]): try again
+    /// after `retry_after`.
     #[error(
         "the worker id was just claimed; its ids begin once any earlier holder of it has \
          stopped, in {retry_after:?}"

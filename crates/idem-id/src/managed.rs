@@ -5,8 +5,8 @@
 //! A worker id is lost when a renewal answers stale. Either another process holds the id now
 //! (this one paused past its lease), or the store forgot its records and counters. Either way
 //! the claim rule of [`WorkerPool::claim`] keeps the next ids apart from every earlier
-//! holder's: a new holder stamps nothing until [`crate::ISSUE_WINDOW`] after its claim, by
-//! when every process whose renewal the store no longer knows has stopped by itself. So it
+//! holder's: a new holder stamps nothing while a process whose renewal the store no longer
+//! knows may still be stamping under its worker id (at most [`crate::ISSUE_WINDOW`]). So it
 //! claims again at once, and its new ids also start above every id it issued before.
 
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
@@ -21,7 +21,7 @@ use crate::{Batch, IdError, Layout, LeasedSnowflake, SnowflakeOptions, WorkerPoo
 #[non_exhaustive]
 pub enum WorkerStatus {
     /// Holding `worker`, claimed at `since`, and waiting until `ready_at` to issue its first
-    /// id: until then any earlier holder of it may still be issuing (see
+    /// id: until then an earlier holder of it may still be issuing (see
     /// [`WorkerPool::claim`]).
     Starting {
         /// The worker id.
@@ -91,9 +91,9 @@ impl WorkerStatus {
 /// A Snowflake generator on a worker id leased from a [`WorkerPool`], kept by a task of its
 /// own: it renews the lease every `min(lease / 3, 1 s)`, and when the lease is lost it claims a
 /// new worker id and resumes, issuing ids above every id it issued before. A worker id's first
-/// ids come [`crate::ISSUE_WINDOW`] after its claim (see [`WorkerPool::claim`]). Meanwhile it
-/// answers [`IdError::NoWorker`] or [`IdError::Starting`], and [`ManagedSnowflake::status`]
-/// says why.
+/// ids wait while an earlier holder of it may still issue, at most [`crate::ISSUE_WINDOW`]
+/// (see [`WorkerPool::claim`]). Meanwhile it answers [`IdError::NoWorker`] or
+/// [`IdError::Starting`], and [`ManagedSnowflake::status`] says why.
 ///
 /// What it goes through is logged (with `tracing`) once when it begins and once when it ends:
 /// a lease that ran out before its renewal, a lost worker id, a claim that keeps failing.

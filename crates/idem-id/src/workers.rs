@@ -11,18 +11,35 @@
 //! The record alone cannot keep two holders apart: it may vanish under a live holder (a Redis
 //! that keeps nothing restarts, a failover loses the last writes, someone deletes rows), and
 //! the holder learns of it only at its next renewal, while another process may claim the id
-//! at once. So issuing is bounded by the [`ISSUE_WINDOW`] `W`, on both sides:
+//! at once. So issuing is bounded by windows of at most [`ISSUE_WINDOW`] `W`, kept by the
+//! holder and recorded where a claimer reads them:
 //!
 //! - a holder stamps no id later than `W` (or its lease, if shorter) after its last
 //!   *confirmed* renewal was sent: with the store unreachable, or the record gone, it stops
 //!   by itself within `W`;
-//! - a claimer stamps no id earlier than `W` after the store's grant reached it.
+//! - before a window opens (at the claim, and before each renewal is sent) the holder raises
+//!   the worker id's reach (`worker-<n>-ceiling`, a counter: counters live apart from records,
+//!   never expire and no purge touches them) to the window's end;
+//! - a claimer reads the reach after the store's grant reached it, and stamps nothing at or
+//!   below it.
 //!
-//! An earlier holder's last renewal was applied before the claim (after the claim its renewals
-//! are stale), so it was sent before the grant came back, and all its ids are stamped before
-//! the claimer's first, whatever happened to the record. This rests on the processes' clocks
-//! agreeing, as every lease in idem does. Its cost: a new holder's first id comes `W` after its
-//! claim, and a holder that cannot renew for about `W` (two missed renewals) pauses.
+//! An earlier holder's last confirmed renewal was applied before the claim (after the claim its
+//! renewals are stale), so it was sent before the grant came back, and the reach it wrote
+//! before sending it is what the claimer reads: all its ids are stamped before the claimer's
+//! first, whatever happened to the record. A claimer whose worker id was never held, or whose
+//! holders' windows have all closed (released, or crashed and their lease run out: a lease is
+//! longer than the window), starts at once; one whose earlier holder may still stamp (its
+//! record vanished) waits, at most `W`, until that holder's window closes.
+//!
+//! The reach is only as good as the store's memory, and a store that forgets everything at
+//! once (a Redis without persistence restarting) forgets it too. So the pool also records
+//! when the store's memory of the id space began (`kept-since`, written by the first claim
+//! that finds it missing): until `W` after that, no reach can be trusted, and a claimer waits
+//! as before, `W` after the store began remembering. A store that loses a few acknowledged
+//! writes but keeps the rest (a failover to a replica that lagged) can forget a reach while
+//! its holder goes on; for such a store [`WorkerPool::always_wait`] makes every claim wait
+//! `W` after its grant. All of this rests on the processes' clocks agreeing, as every lease in
+//! idem does.
 //!
 //! A time floor per id space (a counter raised with `Counters::raise`) records the time of the
 //! last id each generator issued, every second and when it stops; a new generator starts above
@@ -47,11 +64,11 @@ use idem_core::{
 
 use crate::{IdError, Layout, Snowflake, SnowflakeOptions, TimeSource};
 
-/// How long after its last confirmed renewal was sent a holder may still stamp ids, and how
-/// long after its claim a new holder waits before it stamps any (see the module's notes).
-/// One value for every process, whatever its lease: a claimer must wait as long as any
-/// earlier holder may go on. Three heartbeats at the longest beat (1 s), so a holder rides out
-/// a failed renewal without a pause.
+/// How long after its last confirmed renewal was sent a holder may still stamp ids, and so the
+/// longest a new holder waits before it stamps any (see the module's notes). One value for
+/// every process, whatever its lease: a claimer that cannot read how far earlier holders may
+/// go on waits this long. Three heartbeats at the longest beat (1 s), so a holder rides out a
+/// failed renewal without a pause.
 pub const ISSUE_WINDOW: Duration = Duration::from_secs(3);
 
 /// Where worker ids of one generator family are leased, and for how long.
@@ -63,6 +80,7 @@ pub struct WorkerPool {
     lease: Duration,
     quarantine: Duration,
     time: Option<Arc<dyn TimeSource>>,
+    always_wait: bool,
 }
 
 impl std::fmt::Debug for WorkerPool {
@@ -71,6 +89,7 @@ impl std::fmt::Debug for WorkerPool {
             .field("name", &self.name)
             .field("lease", &self.lease)
             .field("quarantine", &self.quarantine)
+            .field("always_wait", &self.always_wait)
             .finish_non_exhaustive()
     }
 }
@@ -87,18 +106,14 @@ impl WorkerPool {
             lease: Duration::from_secs(30),
             quarantine: Duration::from_secs(60),
             time: None,
+            always_wait: false,
         }
     }
 
     /// The counter holding the id space's time floor. Its stored name, `time-fence`, predates
     /// the term and stays: a new name would start every existing id space from a floor of 0.
     fn time_floor_key(&self) -> Result<Key, IdError> {
-        Key::parse(
-            "idem.ids",
-            &format!("snowflake.{}", self.name),
-            "time-fence",
-        )
-        .map_err(|e| IdError::Space(e.to_string()))
+        self.space_key("time-fence")
     }
 
     /// The generators' time source (default: the system's clocks). It must agree with the
@@ -122,6 +137,20 @@ impl WorkerPool {
     #[must_use]
     pub fn quarantine(mut self, quarantine: Duration) -> Self {
         self.quarantine = quarantine;
+        self
+    }
+
+    /// Makes every claim wait [`ISSUE_WINDOW`] after its grant before its first id, whatever
+    /// the store records of earlier holders. By default a claim waits only as long as an
+    /// earlier holder may still stamp ids by the store's records (not at all for a worker id
+    /// never held, released, or whose holder's lease ran out), and the whole window only while
+    /// the store's memory of the id space is younger than that. That trusts the store to keep
+    /// what it acknowledged, or to lose everything at once; for a store that may lose only its
+    /// last writes (a failover to a replica that lagged, a Redis that syncs its append-only
+    /// file every second), turn this on.
+    #[must_use]
+    pub fn always_wait(mut self, always: bool) -> Self {
+        self.always_wait = always;
         self
     }
 
@@ -155,29 +184,53 @@ impl WorkerPool {
         self.worker_key(worker, "")
     }
 
-    /// The counter holding the latest time (Unix milliseconds) up to which a holder of
-    /// `worker` whose generator ran ahead of the clock was let issue ids; see
-    /// [`LeasedSnowflake::extend`].
+    /// The worker id's reach: the counter holding the latest time (Unix milliseconds, by the
+    /// holders' generators) up to which any holder of `worker` was let stamp ids, raised before
+    /// each window opens (see the module's notes). Its stored name, `-ceiling`, is from when
+    /// only a generator running ahead of the clock wrote it.
     fn ceiling_key(&self, worker: u64) -> Result<Key, IdError> {
         self.worker_key(worker, "-ceiling")
     }
 
+    /// The counter holding when (Unix milliseconds) the store's memory of the id space began:
+    /// written by the first claim that finds it at 0, so a store that forgot everything shows
+    /// it young again.
+    fn kept_since_key(&self) -> Result<Key, IdError> {
+        self.space_key("kept-since")
+    }
+
+    /// When the store's memory of the id space began, writing now if it has none.
+    async fn kept_since(&self) -> Result<u64, IdError> {
+        let key = self.kept_since_key()?;
+        match self.store.raise(&key, 0).await? {
+            0 => Ok(self.store.raise(&key, self.clock.now().as_millis()).await?),
+            since => Ok(since),
+        }
+    }
+
     fn worker_key(&self, worker: u64, suffix: &str) -> Result<Key, IdError> {
-        Key::parse(
-            "idem.ids",
-            &format!("snowflake.{}", self.name),
-            &format!("worker-{worker}{suffix}"),
-        )
-        .map_err(|e| IdError::Space(e.to_string()))
+        self.space_key(&format!("worker-{worker}{suffix}"))
+    }
+
+    /// The record or counter `name` of the id space.
+    fn space_key(&self, name: &str) -> Result<Key, IdError> {
+        Key::parse("idem.ids", &format!("snowflake.{}", self.name), name)
+            .map_err(|e| IdError::Space(e.to_string()))
     }
 
     /// Claims a free worker id and makes a generator on it, or fails with
     /// [`IdError::NoWorkerFree`]. Ids are tried from a random starting point, so processes
     /// starting together spread out.
     ///
-    /// The generator issues nothing until [`ISSUE_WINDOW`] after the claim (it answers
-    /// [`IdError::Starting`]), and then only within the window of its last confirmed renewal:
-    /// call [`LeasedSnowflake::heartbeat`] every `min(lease / 3, 1 s)`, or
+    /// The generator issues nothing while an earlier holder of its worker id may still stamp
+    /// ids by the store's records (it answers [`IdError::Starting`], for at most
+    /// [`ISSUE_WINDOW`]): a worker id never held, released, or whose holder's lease ran out
+    /// issues at once; one whose record vanished under a live holder waits until that
+    /// holder's window has closed; and while the store's memory of the id space is younger
+    /// than the window (a new id space, a store that forgot everything), or with
+    /// [`WorkerPool::always_wait`], a claim waits [`ISSUE_WINDOW`] (see the module's notes).
+    /// Then it issues only within the window of its last confirmed renewal: call
+    /// [`LeasedSnowflake::heartbeat`] every `min(lease / 3, 1 s)`, or
     /// [`LeasedSnowflake::spawn_heartbeat`] on a Tokio runtime, which does.
     ///
     /// A claim that fails, or whose future is dropped, after the store granted it a worker id
@@ -217,58 +270,109 @@ impl WorkerPool {
                 armed: true,
             };
             let last_use = previous.map_or(0, |r| r.lease_expires_at.max(r.updated_at).as_millis());
-            // Past the lease's end, for a holder whose generator ran ahead of the clock.
-            let ceiling_key = self.ceiling_key(worker)?;
-            let ceiling = match self.store.raise(&ceiling_key, 0).await {
-                Ok(ceiling) => ceiling,
-                Err(e) => {
-                    granted.give_back().await;
-                    return Err(e.into());
-                }
-            };
-            // Strictly after: ids of that millisecond under other worker ids may sort higher.
-            let floor_millis = time_floor
-                .max(last_use)
-                .max(ceiling)
-                .saturating_sub(layout.epoch_ms())
-                .saturating_add(1);
-            let options = SnowflakeOptions {
-                floor_millis: options.floor_millis.max(floor_millis),
-                ..options
-            };
-            let made = match &self.time {
-                Some(time) => Snowflake::with_time(layout, worker, options, time.clone()),
-                None => Snowflake::new(layout, worker, options),
-            };
-            let generator = match made {
-                Ok(g) => g,
-                Err(e) => {
-                    granted.give_back().await;
-                    return Err(e);
-                }
-            };
-            // Any earlier holder of this worker id stamps nothing past ISSUE_WINDOW after its
-            // last renewal, sent before the grant reached us: ours start strictly later. The
-            // claim itself opens no window (it ends before the wait does); renewals do.
-            let window = u64::try_from(ISSUE_WINDOW.as_millis()).unwrap_or(u64::MAX);
-            generator.set_not_before(generator.now_millis().saturating_add(window + 1));
-            let leased = LeasedSnowflake {
-                pool: self.clone(),
+            let claimed = Claimed {
+                worker,
                 key,
-                time_floor_key: self.time_floor_key()?,
-                ceiling_key,
-                floor_written: AtomicU64::new(0),
-                lease: Mutex::new(lease),
-                generator,
+                lease,
+                claimed_at: now,
+                floor_unix: time_floor.max(last_use),
             };
-            leased
-                .generator
-                .set_valid_until(leased.millis_at(now.saturating_add(self.window())));
-            granted.keep();
-            return Ok(Arc::new(leased));
+            return match self.open(layout, options, claimed).await {
+                Ok(leased) => {
+                    granted.keep();
+                    Ok(Arc::new(leased))
+                }
+                Err(e) => {
+                    granted.give_back().await;
+                    Err(e)
+                }
+            };
         }
         Err(IdError::NoWorkerFree)
     }
+
+    /// Makes the generator on a worker id just granted: reads how far earlier holders may
+    /// stamp, sets where its ids start, records its own first window, and hands it over.
+    async fn open(
+        &self,
+        layout: Layout,
+        options: SnowflakeOptions,
+        claimed: Claimed,
+    ) -> Result<LeasedSnowflake, IdError> {
+        let ms = |d: Duration| u64::try_from(d.as_millis()).unwrap_or(u64::MAX);
+        let wait = ms(ISSUE_WINDOW);
+        let ceiling_key = self.ceiling_key(claimed.worker)?;
+        // Read after the grant: it holds the end of every window an earlier holder opened by a
+        // claim or a renewal the store applied before the grant.
+        let reach = self.store.raise(&ceiling_key, 0).await?;
+        // Read last: a store that forgot everything before either read shows this young.
+        let kept_since = self.kept_since().await?;
+        let now = self.clock.now().as_millis();
+        // A reach further ahead than any window is a holder whose generator ran ahead of the
+        // clock (after a rollback): starting above it beats waiting for the clock to get there.
+        let (floor_unix, not_before_unix) = if reach > now.saturating_add(wait) {
+            (claimed.floor_unix.max(reach), 0)
+        } else {
+            (claimed.floor_unix, reach)
+        };
+        // Strictly after: ids of that millisecond under other worker ids may sort higher.
+        let floor_millis = floor_unix
+            .saturating_sub(layout.epoch_ms())
+            .saturating_add(1);
+        let options = SnowflakeOptions {
+            floor_millis: options.floor_millis.max(floor_millis),
+            ..options
+        };
+        let generator = match &self.time {
+            Some(time) => Snowflake::with_time(layout, claimed.worker, options, time.clone()),
+            None => Snowflake::new(layout, claimed.worker, options),
+        }?;
+        let mut not_before = if not_before_unix == 0 {
+            0
+        } else {
+            not_before_unix
+                .saturating_sub(layout.epoch_ms())
+                .saturating_add(1)
+        };
+        // The store may have forgotten a holder that renewed before its memory began (a
+        // marker from a clock ahead of ours counts as beginning now); or the pool trusts no
+        // record at all.
+        let unknown_until = kept_since.min(now).saturating_add(wait);
+        let full = if self.always_wait {
+            wait
+        } else {
+            unknown_until.saturating_sub(now)
+        };
+        if full > 0 {
+            not_before = not_before.max(generator.now_millis().saturating_add(full + 1));
+        }
+        generator.set_not_before(not_before);
+        let leased = LeasedSnowflake {
+            pool: self.clone(),
+            key: claimed.key,
+            time_floor_key: self.time_floor_key()?,
+            ceiling_key,
+            floor_written: AtomicU64::new(0),
+            lease: Mutex::new(claimed.lease),
+            generator,
+        };
+        // The claim's own window, recorded before any id is stamped in it.
+        let until = leased.millis_at(claimed.claimed_at.saturating_add(self.window()));
+        leased.raise_reach(until).await?;
+        leased.generator.set_valid_until(until);
+        Ok(leased)
+    }
+}
+
+/// A worker id the store granted, before its generator is made.
+struct Claimed {
+    worker: u64,
+    key: Key,
+    lease: Lease,
+    /// When the claim was sent, by the pool's clock.
+    claimed_at: Timestamp,
+    /// The time floor and the last holder's lease end (Unix milliseconds).
+    floor_unix: u64,
 }
 
 /// A worker id granted to a claim that has not handed its generator over yet. Dropped armed
@@ -384,6 +488,15 @@ impl LeasedSnowflake {
         }
     }
 
+    /// Records in the worker id's reach that this generator may stamp ids up to `until`
+    /// (layout milliseconds): done before the window opens, so a claim granted after it
+    /// starts above it.
+    async fn raise_reach(&self, until: u64) -> Result<(), IdError> {
+        let until_unix = self.generator.layout().epoch_ms().saturating_add(until);
+        self.pool.store.raise(&self.ceiling_key, until_unix).await?;
+        Ok(())
+    }
+
     /// Raises the id space's time floor to this generator's last id.
     async fn raise_time_floor(&self) -> Result<(), IdError> {
         let g = &self.generator;
@@ -410,10 +523,9 @@ impl LeasedSnowflake {
     /// id now (or the store lost it), and the generator stops for good (a
     /// [`crate::ManagedSnowflake`] then claims another).
     ///
-    /// A generator whose time runs ahead of the clock (after a rollback, its time floor is
-    /// ahead of the wall clock) would stamp ids past where a new holder starts. For such a
-    /// generator the end of the window is written to the worker id's ceiling before the
-    /// renewal is sent, so a claim granted after the renewal starts above it too.
+    /// Before the renewal is sent, the end of the window it opens (by this generator's time,
+    /// which runs ahead of the clock after a rollback) is written to the worker id's reach, so
+    /// a claim granted after the renewal starts above every id stamped in it.
     ///
     /// Dropped before it ends, it leaves nothing half-done: a renewal the store applied unseen
     /// extends the lease there while the generator keeps the earlier window, so it stops
@@ -424,12 +536,8 @@ impl LeasedSnowflake {
         }
         let lease = self.lease();
         let sent = self.pool.clock.now();
-        let window_end = sent.saturating_add(self.pool.window());
-        let until = self.millis_at(window_end);
-        let until_unix = self.generator.layout().epoch_ms().saturating_add(until);
-        if until_unix > window_end.as_millis() {
-            self.pool.store.raise(&self.ceiling_key, until_unix).await?;
-        }
+        let until = self.millis_at(sent.saturating_add(self.pool.window()));
+        self.raise_reach(until).await?;
         let renewed = self
             .pool
             .store

@@ -1,6 +1,6 @@
 //! What the id tests share: a store that can stall a chosen call until the test lets it go,
-//! fail or panic it, and forget everything at once (a Redis restarted empty); and a generator
-//! clock driven by a manual clock.
+//! fail or panic it, forget everything at once (a Redis restarted empty), or lose one record
+//! (deleted by hand); and a generator clock driven by a manual clock.
 
 #![allow(dead_code, clippy::unwrap_used)]
 
@@ -9,7 +9,7 @@ use std::time::Duration;
 
 use idem_core::{
     BeginOutcome, BeginRequest, Bytes, Clock, Counters, Key, Lease, LeaseError, ManualClock,
-    Record, SharedStore, Store, StoreError, Timestamp,
+    Record, RecordState, Repair, SharedStore, Shown, Store, StoreError, Timestamp,
 };
 use idem_testkit::Op;
 use tokio::sync::watch;
@@ -107,6 +107,11 @@ impl TestStore {
         self.replace(Arc::new(idem_store::MemoryStore::new()));
     }
 
+    /// Deletes the record under `key`, as an operator does by hand; see [`delete_record`].
+    pub(crate) async fn delete_record(&self, key: &Key, now: Timestamp) -> bool {
+        delete_record(&self.store(), key, now).await
+    }
+
     /// While `down`, every call fails with `Unavailable` before reaching the store.
     pub(crate) fn set_down(&self, down: bool) {
         self.down.store(down, std::sync::atomic::Ordering::SeqCst);
@@ -178,6 +183,34 @@ fn unavailable() -> StoreError {
         message: "injected fault: store unavailable".to_owned(),
         source: None,
     }
+}
+
+/// Deletes the record under `key` as an operator does by hand (a repair through the store's
+/// admin, which every store offers), leaving counters alone; whether there was one to delete.
+pub(crate) async fn delete_record(store: &SharedStore, key: &Key, now: Timestamp) -> bool {
+    let Some(record) = store.get(key, now).await.unwrap() else {
+        return false;
+    };
+    let shown = Shown {
+        state: RecordState::of(&record, now),
+        fence: record.fence,
+    };
+    store
+        .admin()
+        .expect("every store in idem offers an admin")
+        .repair(key, shown, Repair::Delete, now)
+        .await
+        .unwrap()
+}
+
+/// The record of `worker` in the id space `space`.
+pub(crate) fn worker_key(space: &str, worker: u64) -> Key {
+    Key::parse(
+        "idem.ids",
+        &format!("snowflake.{space}"),
+        &format!("worker-{worker}"),
+    )
+    .unwrap()
 }
 
 /// A layout with two worker bits: four worker ids, so tests can use them all up.
