@@ -2,9 +2,10 @@
 //! would: `cargo run -p idem-http --example grpc`.
 //!
 //! `bank.v1.Bank/Transfer` is written as tonic's generated code is (here by hand, so that the
-//! example needs no `protoc`). The client sends one transfer three times with one key (the
-//! first runs, the others are replayed), then the same key with another amount (refused with
-//! FAILED_PRECONDITION), then a transfer without a key (refused with INVALID_ARGUMENT).
+//! example needs no `protoc`), answering its exact path only. The client sends one transfer
+//! three times with one key (the first runs, the others are replayed), then the same key with
+//! another amount (refused with FAILED_PRECONDITION), then a transfer without a key (refused
+//! with INVALID_ARGUMENT).
 
 #![allow(clippy::print_stdout, clippy::unwrap_used)]
 
@@ -21,6 +22,9 @@ use tonic::server::{NamedService, UnaryService};
 use tonic::transport::{Channel, Server};
 use tonic::{Request, Response, Status};
 use tonic_types::StatusExt;
+
+/// The one method's path.
+const TRANSFER: &str = "/bank.v1.Bank/Transfer";
 
 #[derive(Clone, PartialEq, prost::Message)]
 struct TransferRequest {
@@ -58,6 +62,11 @@ impl tower_service::Service<http::Request<tonic::body::Body>> for Bank {
     fn call(&mut self, req: http::Request<tonic::body::Body>) -> Self::Future {
         let bank = self.clone();
         Box::pin(async move {
+            // Only the method's exact path, as tonic's generated code routes (any other
+            // spelling is another method, and this service has none).
+            if req.uri().path() != TRANSFER {
+                return Ok(Status::unimplemented("no such method").into_http());
+            }
             let mut grpc = tonic::server::Grpc::new(tonic_prost::ProstCodec::default());
             Ok(grpc.unary(bank, req).await)
         })
@@ -95,7 +104,7 @@ async fn transfer(ch: &Channel, key: Option<&str>, amount: i64) -> Result<String
     let res: Response<TransferReply> = grpc
         .unary(
             req,
-            PathAndQuery::from_static("/bank.v1.Bank/Transfer"),
+            PathAndQuery::from_static(TRANSFER),
             tonic_prost::ProstCodec::default(),
         )
         .await?;
@@ -122,7 +131,7 @@ fn show(result: Result<String, Status>) {
 async fn main() {
     let store = Arc::new(idem_store::MemoryStore::new());
     let layer = GrpcIdempotencyLayer::new(store, Policy::default().key(KeyRequirement::Required))
-        .method("/bank.v1.Bank/Transfer");
+        .method(TRANSFER);
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();
     tokio::spawn(

@@ -6,7 +6,10 @@
 //! differences:
 //!
 //! - **Which calls.** Only the methods listed ([`GrpcIdempotencyLayer::method`],
-//!   [`GrpcIdempotencyLayer::service`]) are guarded; every other call passes through. List
+//!   [`GrpcIdempotencyLayer::service`]) are guarded; every other call passes through, but for
+//!   another spelling of a listed one (letter case, percent-encoded bytes), which a server
+//!   that does not match paths exactly could run around the guard: it is refused with
+//!   `INVALID_ARGUMENT` (`ambiguous_path`). List
 //!   unary methods (server-streaming ones work too: the whole answer stream is kept and
 //!   replayed). A guarded call whose body is not exactly one message is refused with
 //!   `INVALID_ARGUMENT`: client-streaming and bidirectional methods cannot be guarded.
@@ -84,15 +87,64 @@ struct Grpc {
 
 impl Grpc {
     fn guards(&self, path: &str) -> bool {
-        self.methods.iter().any(|m| {
-            if m.ends_with('/') {
-                path.strip_prefix(m.as_str())
-                    .is_some_and(|rest| !rest.is_empty() && !rest.contains('/'))
-            } else {
-                path == m
-            }
-        })
+        self.methods.iter().any(|m| listed(m, path, str::eq))
     }
+
+    /// Whether `path`, not guarded itself, is another spelling of a guarded method: the same
+    /// but for letter case, or for percent-encoded bytes (`/bank.v1.Bank/%54ransfer`). gRPC
+    /// matches paths exactly, but a hand-written or generic server may not, and would run the
+    /// method around the guard.
+    fn spells_guarded(&self, path: &str) -> bool {
+        if path.contains('%') {
+            let decoded = percent_decoded(path);
+            self.methods
+                .iter()
+                .any(|m| listed(m, &decoded, str::eq_ignore_ascii_case))
+        } else {
+            self.methods
+                .iter()
+                .any(|m| listed(m, path, str::eq_ignore_ascii_case))
+        }
+    }
+}
+
+/// Whether `path` is the listed method `m`, or a method of the listed service `m`
+/// (`/pkg.Service/`), comparing by `same`.
+fn listed(m: &str, path: &str, same: fn(&str, &str) -> bool) -> bool {
+    match m.strip_suffix('/') {
+        Some(_) => {
+            path.get(..m.len()).is_some_and(|head| same(head, m)) && {
+                let rest = &path[m.len()..];
+                !rest.is_empty() && !rest.contains('/')
+            }
+        }
+        None => same(path, m),
+    }
+}
+
+/// `path` with every `%XX` decoded (bytes that are not UTF-8 replaced).
+fn percent_decoded(path: &str) -> String {
+    let bytes = path.as_bytes();
+    let mut out = Vec::with_capacity(bytes.len());
+    let mut i = 0;
+    while i < bytes.len() {
+        let hex = |b: u8| char::from(b).to_digit(16);
+        match (
+            bytes[i],
+            bytes.get(i + 1).copied().and_then(hex),
+            bytes.get(i + 2).copied().and_then(hex),
+        ) {
+            (b'%', Some(h), Some(l)) => {
+                out.push(u8::try_from(h * 16 + l).unwrap_or(b'%'));
+                i += 3;
+            }
+            (b, _, _) => {
+                out.push(b);
+                i += 1;
+            }
+        }
+    }
+    String::from_utf8_lossy(&out).into_owned()
 }
 
 impl GrpcIdempotencyLayer {
@@ -211,7 +263,18 @@ where
         let clone = self.inner.clone();
         let inner = std::mem::replace(&mut self.inner, clone);
         let req = req.map(tonic::body::Body::new);
-        if !self.grpc.guards(req.uri().path()) {
+        let path = req.uri().path();
+        if !self.grpc.guards(path) {
+            if self.grpc.spells_guarded(path) {
+                let refused = reject(
+                    &self.cfg,
+                    ProblemCode::AmbiguousPath.problem(
+                        "The method is a guarded one spelled otherwise (letter case, or \
+                         percent-encoded bytes); call it by its exact path.",
+                    ),
+                );
+                return Box::pin(std::future::ready(Ok(refused)));
+            }
             return Box::pin(pass_through(inner, req));
         }
         Box::pin(guarded(self.cfg.clone(), self.grpc.clone(), inner, req))

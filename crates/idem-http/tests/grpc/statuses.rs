@@ -213,6 +213,37 @@ async fn unlisted_methods_pass_through_and_streams_are_refused() {
     );
 }
 
+/// A listed method spelled otherwise (letter case, percent-encoded bytes) is refused before it
+/// reaches a server that might run it around the guard; a whole service listed, the same.
+#[tokio::test]
+async fn another_spelling_of_a_listed_method_is_refused() {
+    let (_, ch) = bank_with(required()).await;
+    let key = [("idempotency-key", "k")];
+    for path in [
+        "/bank.v1.Bank/transfer",
+        "/bank.v1.Bank/%54ransfer",
+        "/bank.v1.bank/Transfer",
+        "/bank%2Ev1.Bank/Transfer",
+    ] {
+        let result = call(&ch, path, transfer(1, ""), &key).await;
+        assert_eq!(
+            refusal(result),
+            (Code::InvalidArgument, "ambiguous_path".into()),
+            "{path}"
+        );
+    }
+    // Nothing ran: the first run is the exact call's.
+    let first = answer(call(&ch, TRANSFER, transfer(1, ""), &key).await);
+    assert!(first.contains("\"run\":1"), "{first}");
+    let layer =
+        GrpcIdempotencyLayer::new(Arc::new(MemoryStore::new()), required()).service("bank.v1.Bank");
+    let (_, ch) = bank_behind(layer).await;
+    let result = call(&ch, "/BANK.v1.Bank/Transfer", transfer(1, ""), &key).await;
+    assert_eq!(refusal(result).1, "ambiguous_path");
+    // The exact path still runs, and an unlisted method still passes through.
+    answer(call(&ch, TRANSFER, transfer(2, ""), &key).await);
+}
+
 #[tokio::test]
 async fn a_key_can_come_from_the_request_message() {
     let layer = GrpcIdempotencyLayer::new(Arc::new(MemoryStore::new()), required())
