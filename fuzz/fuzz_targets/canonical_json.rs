@@ -7,12 +7,12 @@ use idem_core::fingerprint::to_canonical_string;
 use libfuzzer_sys::fuzz_target;
 
 fuzz_target!(|data: &[u8]| {
-    // The exact reader: never a panic; its canonical text is JSON, and canonical again.
+    // The exact reader: never a panic; its canonical text is JSON (as the grammar has it:
+    // `serde_json` itself refuses numbers past f64's range), and canonical again.
     if let Ok(exact) = idem_core::json::parse(data) {
         let text = exact.to_string();
         let again = idem_core::json::parse(text.as_bytes()).expect("canonical text is JSON");
         assert_eq!(again.to_string(), text);
-        assert!(serde_json::from_str::<serde_json::Value>(&text).is_ok());
     }
     let Ok(value) = serde_json::from_slice::<serde_json::Value>(data) else {
         return;
