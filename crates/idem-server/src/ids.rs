@@ -14,9 +14,10 @@
 //!
 //! `count` is 1 (the default) to [`MAX_COUNT`]; anything else is 400 `invalid_count`. The
 //! server leases its Snowflake worker id from its store and keeps it (see
-//! `idem_id::ManagedSnowflake`); while it holds none, and for `idem_id::ISSUE_WINDOW` (3 s)
-//! after it claims one (at start, or after the store lost it), the Snowflake endpoint answers
-//! 503 `no_worker_id` with a `Retry-After`.
+//! `idem_id::ManagedSnowflake`); while it holds none, and while an earlier holder of the one
+//! it claimed may still stamp (at most `idem_id::ISSUE_WINDOW`, 3 s; none for a worker id
+//! never held, released cleanly, or whose holder's lease ran out), the Snowflake endpoint
+//! answers 503 `no_worker_id` with a `Retry-After`.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};

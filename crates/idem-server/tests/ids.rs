@@ -34,7 +34,8 @@ async fn state_with_worker() -> AppState {
     let g = ManagedSnowflake::start(pool, Layout::default(), SnowflakeOptions::default())
         .await
         .unwrap();
-    // A worker id's first ids wait for idem_id::ISSUE_WINDOW after its claim.
+    // A worker id's first ids wait while an earlier holder may still stamp (at most
+    // idem_id::ISSUE_WINDOW after its claim).
     let issuing = tokio::time::timeout(std::time::Duration::from_secs(30), async {
         while !g.status().is_issuing() {
             tokio::time::sleep(std::time::Duration::from_millis(20)).await;

@@ -46,8 +46,8 @@ pub(crate) async fn print_ids(args: &IdArgs) -> Result<(), String> {
                 )
                 .await
                 .map_err(|e| e.to_string())?;
-            // The first ids come idem_id::ISSUE_WINDOW after the claim, and only while the
-            // lease is renewed.
+            // The first ids come once no earlier holder of the worker id may still stamp (at
+            // most idem_id::ISSUE_WINDOW after the claim), and only while the lease is renewed.
             let heartbeat = g.spawn_heartbeat();
             let mut issued = Ok(());
             let mut left = args.count;
