@@ -107,9 +107,12 @@ async fn the_gateway_owns_only_its_prefix_and_forwards_clean_headers() {
 async fn answers_lose_their_hop_by_hop_fields_and_metrics_are_named() {
     let (_, up) = start_upstream().await;
     let gw = start_gateway(up, memory(), "").await;
-    for _ in 0..2 {
+    for replay in [false, true] {
         let r = post(gw, "/private", "p", "").await;
         assert!(r.headers.get("x-secret").is_none(), "{:?}", r.headers);
+        // Only idem says an answer is a replay, and in its own spelling.
+        assert_eq!(r.replayed(), replay, "{:?}", r.headers);
+        assert!(r.headers.get("idempotent_replayed").is_none());
     }
     let r = send(gw, Method::GET, "/_idem/nothing-here", &[], "").await;
     assert_eq!(r.status, StatusCode::NOT_FOUND);

@@ -121,9 +121,19 @@ impl<T> futures_core::Stream for Receiver<T> {
     }
 }
 
-/// Names a private header in `Connection`.
+/// Names a private header in `Connection`, and says of itself, in two spellings, that it is
+/// a replay (which only idem may say).
 pub(crate) async fn private() -> Response {
-    ([("connection", "x-secret"), ("x-secret", "1")], "ok").into_response()
+    (
+        [
+            ("connection", "x-secret"),
+            ("x-secret", "1"),
+            ("idempotent-replayed", "true"),
+            ("idempotent_replayed", "true"),
+        ],
+        "ok",
+    )
+        .into_response()
 }
 
 pub(crate) async fn start_upstream_on(listener: TcpListener) -> Seen {
