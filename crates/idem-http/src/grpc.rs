@@ -95,16 +95,11 @@ impl Grpc {
     /// matches paths exactly, but a hand-written or generic server may not, and would run the
     /// method around the guard.
     fn spells_guarded(&self, path: &str) -> bool {
-        if path.contains('%') {
-            let decoded = percent_decoded(path);
-            self.methods
-                .iter()
-                .any(|m| listed(m, &decoded, str::eq_ignore_ascii_case))
-        } else {
-            self.methods
-                .iter()
-                .any(|m| listed(m, path, str::eq_ignore_ascii_case))
-        }
+        // Borrowed, not copied, when nothing is encoded.
+        let decoded = percent_encoding::percent_decode_str(path).decode_utf8_lossy();
+        self.methods
+            .iter()
+            .any(|m| listed(m, &decoded, str::eq_ignore_ascii_case))
     }
 }
 
@@ -120,31 +115,6 @@ fn listed(m: &str, path: &str, same: fn(&str, &str) -> bool) -> bool {
         }
         None => same(path, m),
     }
-}
-
-/// `path` with every `%XX` decoded (bytes that are not UTF-8 replaced).
-fn percent_decoded(path: &str) -> String {
-    let bytes = path.as_bytes();
-    let mut out = Vec::with_capacity(bytes.len());
-    let mut i = 0;
-    while i < bytes.len() {
-        let hex = |b: u8| char::from(b).to_digit(16);
-        match (
-            bytes[i],
-            bytes.get(i + 1).copied().and_then(hex),
-            bytes.get(i + 2).copied().and_then(hex),
-        ) {
-            (b'%', Some(h), Some(l)) => {
-                out.push(u8::try_from(h * 16 + l).unwrap_or(b'%'));
-                i += 3;
-            }
-            (b, _, _) => {
-                out.push(b);
-                i += 1;
-            }
-        }
-    }
-    String::from_utf8_lossy(&out).into_owned()
 }
 
 impl GrpcIdempotencyLayer {
