@@ -89,12 +89,21 @@ impl Store {
         }
     }
 
-    pub(crate) fn describe(&self) -> String {
-        let url = self.url();
-        let scheme = match self {
+    /// What kind of store it is: `redis`, `valkey`, or the URL's scheme.
+    pub(crate) fn kind(&self) -> String {
+        match self {
             Self::OwnRedis(_, name) => (*name).to_owned(),
-            _ => url.split("://").next().unwrap_or_default().to_owned(),
-        };
+            _ => self
+                .url()
+                .split("://")
+                .next()
+                .unwrap_or_default()
+                .to_owned(),
+        }
+    }
+
+    pub(crate) fn describe(&self) -> String {
+        let scheme = self.kind();
         if self.own() {
             format!("{scheme} of the run's own")
         } else {
@@ -144,6 +153,19 @@ fn reroute(url: &str, to: impl FnOnce(&str) -> String) -> Option<String> {
         format!("{host}:{default}")
     };
     Some(format!("{scheme}://{userinfo}{}{tail}", to(&target)))
+}
+
+/// `url` reached through a proxy of its own on loopback, which the nemesis controls; `url`
+/// itself, and no proxy, for a store reached without a network.
+pub(crate) fn behind_proxy(url: &str) -> (String, Option<Proxy>) {
+    let mut proxy = None;
+    let rerouted = reroute(url, |target| {
+        let p = Proxy::start("127.0.0.1", target);
+        let addr = p.addr.clone();
+        proxy = Some(p);
+        addr
+    });
+    (rerouted.unwrap_or_else(|| url.to_owned()), proxy)
 }
 
 /// What the instances are.

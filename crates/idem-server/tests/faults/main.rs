@@ -179,6 +179,51 @@ impl Dice {
     }
 }
 
+/// The nemesis's schedule: the kinds of fault in rounds, each round in an order drawn from a
+/// seed, so that the store crash comes early in one run and late in another, and more than
+/// once in a long one. The seed is printed; `IDEM_FAULTS_SEED` replays a run's schedule (the
+/// order of kinds, the victims and the pauses between faults; the clients' timing is the
+/// machine's).
+struct Schedule {
+    kinds: Vec<&'static str>,
+    round: Vec<&'static str>,
+    dice: Dice,
+    seed: u64,
+}
+
+impl Schedule {
+    fn new(kinds: Vec<&'static str>) -> Self {
+        let seed = std::env::var("IDEM_FAULTS_SEED")
+            .ok()
+            .and_then(|s| s.parse().ok())
+            .unwrap_or_else(rand::random::<u64>);
+        Self {
+            kinds,
+            round: Vec::new(),
+            // xorshift never leaves zero.
+            dice: Dice(seed | 1),
+            seed,
+        }
+    }
+
+    /// The next kind to strike.
+    fn next(&mut self) -> &'static str {
+        if self.round.is_empty() {
+            self.round.clone_from(&self.kinds);
+            for i in (1..self.round.len()).rev() {
+                let j = self.dice.pick(i + 1);
+                self.round.swap(i, j);
+            }
+        }
+        self.round.pop().unwrap()
+    }
+
+    /// Whether a whole round has struck since `struck` faults ago.
+    fn rounds_done(&self, struck: usize) -> bool {
+        struck >= self.kinds.len() && self.round.is_empty()
+    }
+}
+
 fn seconds() -> u64 {
     std::env::var("IDEM_FAULTS_SECS")
         .ok()
@@ -186,8 +231,12 @@ fn seconds() -> u64 {
         .unwrap_or(20)
 }
 
-/// The faults this machine and store allow, and a note for each kind that is left out.
-fn fault_kinds(cluster: &Cluster) -> (Vec<&'static str>, Vec<String>) {
+/// The faults this machine and store allow, and a note for each kind that is left out:
+/// `proxies` says whether the store is reached through the nemesis's proxies.
+pub(crate) fn fault_kinds(
+    proxies: bool,
+    store: &cluster::Store,
+) -> (Vec<&'static str>, Vec<String>) {
     let mut kinds = vec!["pause", "kill"];
     let mut left_out = Vec::new();
     if cluster::can_step_clocks() {
@@ -195,16 +244,12 @@ fn fault_kinds(cluster: &Cluster) -> (Vec<&'static str>, Vec<String>) {
     } else {
         left_out.push("libfaketime is not installed (Debian's faketime): no clock steps".into());
     }
-    if cluster.has_proxies() {
+    if proxies {
         kinds.extend(["stall", "jitter", "cut"]);
     } else {
         left_out.push("the store is a file: no delays, stalls or cuts".into());
     }
-    match &cluster.no_netns {
-        None => kinds.push("partition"),
-        Some(why) => left_out.push(format!("{why}: no partitions")),
-    }
-    if cluster.store.own() {
+    if store.own() {
         kinds.push("store");
     } else {
         left_out.push("the store is not the run's own: it is never restarted".into());
@@ -321,7 +366,11 @@ fn run(work: Work, chosen: &str) {
             return;
         }
     }
-    let (kinds, left_out) = fault_kinds(&cluster);
+    let (mut kinds, mut left_out) = fault_kinds(cluster.has_proxies(), &cluster.store);
+    match &cluster.no_netns {
+        None => kinds.push("partition"),
+        Some(why) => left_out.push(format!("{why}: no partitions")),
+    }
     for note in &left_out {
         println!("{note}");
     }
@@ -392,20 +441,24 @@ fn run(work: Work, chosen: &str) {
         })
         .collect();
 
-    // The nemesis: a fault every second or so, each kind in turn, until the time is up and
-    // every kind has struck.
-    let mut dice = Dice(7);
-    let mut kind = 0;
-    while started.elapsed() < Duration::from_secs(seconds()) || kind < kinds.len() {
-        std::thread::sleep(Duration::from_millis(500 + dice.below(1000)));
-        let victim = dice.pick(addrs.len());
-        let fault = kinds[kind % kinds.len()];
+    // The nemesis: a fault every second or so, in the schedule's order, until the time is up
+    // and every round has struck whole.
+    let mut schedule = Schedule::new(kinds.clone());
+    println!(
+        "nemesis seed {} (IDEM_FAULTS_SEED replays it)",
+        schedule.seed
+    );
+    let mut struck = 0;
+    while started.elapsed() < Duration::from_secs(seconds()) || !schedule.rounds_done(struck) {
+        std::thread::sleep(Duration::from_millis(500 + schedule.dice.below(1000)));
+        let victim = schedule.dice.pick(addrs.len());
+        let fault = schedule.next();
         history.push(Event::Fault {
             fault: fault.to_owned(),
             gateway: victim,
         });
         strike(&mut cluster, fault, victim);
-        kind += 1;
+        struck += 1;
     }
     // Quiet: every key settles, then each is asked once more through every instance.
     stop.store(true, Ordering::Relaxed);
@@ -432,7 +485,7 @@ fn run(work: Work, chosen: &str) {
         }
     }
     if let Ok(path) = std::env::var("IDEM_FAULTS_HISTORY") {
-        history.save(&format!("{path}.{work:?}"));
+        history.save(&format!("{path}.{work:?}.{}", cluster.store.kind()));
     }
     let report = check(&history, &ledger.entries());
     println!("{work:?}: {report}");

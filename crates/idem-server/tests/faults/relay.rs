@@ -1,19 +1,30 @@
 //! Real `idem relay` processes under the nemesis: two relays consume one queue (RabbitMQ), one
 //! durable consumer of a stream (NATS JetStream) or one consumer group of a Redis stream of this
-//! run's own, share one store, and
-//! POST each message to the fenced ledger, which counts one effect per message id (the
-//! relay's `Idempotency-Key`) and refuses an attempt whose `Idem-Fence` is lower than one it
-//! took. A publisher publishes a fixed number of messages, three in ten of them twice; the
-//! nemesis stops a relay past its lease, kills and restarts one, and restarts one with its
-//! wall clock ahead. Once the broker has nothing left to deliver, the checker reads the
-//! publisher's history with the ledger and the broker's dead letters: every message has its
-//! effect once, none is lost, none is left unacked.
+//! run's own, and POST each message to the fenced ledger, which counts one effect per message
+//! id (the relay's `Idempotency-Key`) and refuses an attempt whose `Idem-Fence` is lower than
+//! one it took. A publisher publishes a fixed number of messages, three in ten of them twice.
+//!
+//! The relays share one store, each through a proxy of its own. The nemesis stops a relay
+//! past its lease, kills and restarts one, restarts one with its wall clock ahead, stalls,
+//! delays or cuts one's store connections, and crashes the store, in the seeded order of
+//! `Schedule`. Once the broker has nothing left to deliver, the checker reads the publisher's
+//! history with the ledger, the broker's dead letters and the store: every message has its
+//! effect once, none is lost, none is left unacked, and every message acked has a completed
+//! record (acked only once recorded).
+//!
+//! The Redis stream and JetStream runs each carry a second source on the same store, named so
+//! that the two sources' records would share one namespace under the old default (the names
+//! joined by dots): `S.eu` with group `x` beside `S` with group `eu.x`; JetStream stream `S`
+//! with consumer `relay` beside RabbitMQ queue `S.relay`. Both get every message id; a relay
+//! that took the other source's records for its own would ack without POSTing, and the
+//! ledger would miss those effects.
 //!
 //! Each backend runs when its broker answers (`IDEM_TEST_AMQP_URL`, `IDEM_TEST_NATS_URL`,
-//! `IDEM_TEST_REDIS_URL`;
-//! under `CI=true` a missing one fails). `IDEM_FAULTS_SECS` sets how long the nemesis runs
-//! (half of it for each backend; the message count scales with it), `IDEM_FAULTS_STORE` the relays' store (as for the other
-//! runs: by default a Redis of the run's own), `IDEM_FAULTS_HISTORY` a file to keep the history in (suffixed with the backend).
+//! `IDEM_TEST_REDIS_URL`; under `CI=true` a missing one fails). `IDEM_FAULTS_SECS` sets how
+//! long the nemesis runs (half of it for each run; the message count scales with it),
+//! `IDEM_FAULTS_STORE` the relays' store (as for the other runs: by default a Redis of the
+//! run's own), `IDEM_FAULTS_HISTORY` a file to keep the history in (suffixed with the
+//! backend), `IDEM_FAULTS_SEED` the nemesis's schedule.
 
 use std::collections::HashSet;
 use std::process::{Child, Command, Stdio};
@@ -21,6 +32,8 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use async_nats::jetstream;
+use idem_core::{ClientKey, Clock, Key, Namespace, Scope, Status, SystemClock};
+use idem_mq::Identity;
 use idem_mq::amqp::lapin::options::{BasicAckOptions, BasicGetOptions, QueueDeclareOptions};
 use idem_mq::amqp::lapin::types::FieldTable;
 use idem_mq::amqp::lapin::{Connection, ConnectionProperties};
@@ -28,9 +41,10 @@ use idem_mq::amqp::{AmqpPublisher, AmqpSource, BasicProperties};
 
 use crate::check::{Drained, Event, History, RelayEvent, RelayReport, check_relay};
 use crate::ledger::{Entries, Ledger};
-use crate::{Dice, cluster, seconds};
+use crate::proxy::{Mode, Proxy};
+use crate::{Schedule, cluster, fault_kinds, seconds};
 
-/// Relays consuming at once.
+/// Relays consuming each source at once.
 const RELAYS: usize = 2;
 
 /// Message ids published per second of `IDEM_FAULTS_SECS` (three in ten once more). Each
@@ -46,19 +60,16 @@ const PATIENCE: Duration = Duration::from_secs(90);
 /// the longest a requeue in this run can ask for): a message waiting in one is not settled.
 const AMQP_DELAY_BUCKETS_MS: &[u64] = &[100, 250, 500, 1_000, 2_000, 5_000, 10_000, 30_000];
 
+/// The durable consumer the relays read a JetStream stream through.
+const NATS_CONSUMER: &str = "relay";
+
 #[test]
 fn relays_stopped_killed_and_restarted_deliver_each_amqp_message_once() {
     let Some(url) = idem_testkit::services::RABBITMQ.url() else {
         return;
     };
-    let run = run_id();
-    let broker = Broker::Amqp {
-        url,
-        queue: format!("faults-relay-{run}"),
-    };
-    let ran = relay_under_faults(&broker, &super::chosen_store());
-    println!("{ran}");
-    ran.assert_clean();
+    let queue = format!("faults-relay-{}", run_id());
+    run_clean(&[Broker::Amqp { url, queue }], &super::chosen_store());
 }
 
 /// The same on a Valkey 9, where the relays' records settle by plain `SET … IFEQ` (unless
@@ -72,51 +83,67 @@ fn relays_on_valkey_deliver_each_amqp_message_once() {
         println!("IDEM_FAULTS_STORE chose the store: the Valkey runs are left to it");
         return;
     }
-    let run = run_id();
-    let broker = Broker::Amqp {
-        url,
-        queue: format!("faults-relay-valkey-{run}"),
-    };
-    let ran = relay_under_faults(&broker, "own-valkey");
-    println!("{ran}");
-    ran.assert_clean();
+    let queue = format!("faults-relay-valkey-{}", run_id());
+    run_clean(&[Broker::Amqp { url, queue }], "own-valkey");
 }
 
+/// Beside the stream, on the same store, a RabbitMQ queue named as the stream and its
+/// consumer joined by a dot.
 #[test]
 fn relays_stopped_killed_and_restarted_deliver_each_jetstream_message_once() {
     let Some(url) = idem_testkit::services::NATS.url() else {
         return;
     };
-    let run = run_id();
-    let broker = Broker::Nats {
+    let stream = format!("FAULTS_RELAY_{}", run_id());
+    let mut sources = vec![Broker::Nats {
         url,
-        stream: format!("FAULTS_RELAY_{run}"),
-    };
-    let ran = relay_under_faults(&broker, &super::chosen_store());
-    println!("{ran}");
-    ran.assert_clean();
+        stream: stream.clone(),
+    }];
+    if let Some(url) = idem_testkit::services::RABBITMQ.url() {
+        let queue = format!("{stream}.{NATS_CONSUMER}");
+        sources.push(Broker::Amqp { url, queue });
+    }
+    run_clean(&sources, &super::chosen_store());
 }
 
 /// A Redis stream read through one consumer group: a relay killed or stopped leaves its entries
-/// pending, and the other claims them after twice the lease.
+/// pending, and the other claims them after twice the lease. Beside it, on the same store,
+/// a stream and group whose names join with a dot as the first's do.
 #[test]
 fn relays_stopped_killed_and_restarted_deliver_each_redis_stream_entry_once() {
     let Some(url) = idem_testkit::services::REDIS.url() else {
         return;
     };
-    let run = run_id();
-    let broker = Broker::Redis {
-        url,
-        stream: format!("faults-relay:{run}"),
-    };
-    let ran = relay_under_faults(&broker, &super::chosen_store());
-    println!("{ran}");
-    ran.assert_clean();
+    let stream = format!("faults-relay:{}", run_id());
+    let sources = [
+        Broker::Redis {
+            url: url.clone(),
+            stream: format!("{stream}.eu"),
+            group: "x".into(),
+        },
+        Broker::Redis {
+            url,
+            stream,
+            group: "eu.x".into(),
+        },
+    ];
+    run_clean(&sources, &super::chosen_store());
 }
 
-/// A run's report, and what else it has to say.
+/// Runs the relays of `sources` on one store, and asserts every source's report is clean.
+fn run_clean(sources: &[Broker], chosen: &str) {
+    let runs = relay_under_faults(sources, chosen);
+    for ran in &runs {
+        println!("{ran}");
+    }
+    for ran in &runs {
+        ran.assert_clean();
+    }
+}
+
+/// A run's report for one source, and what else it has to say.
 struct Ran {
-    broker: &'static str,
+    source: String,
     report: RelayReport,
     notes: Vec<String>,
 }
@@ -133,7 +160,7 @@ impl std::fmt::Display for Ran {
         for note in &self.notes {
             writeln!(f, "{note}")?;
         }
-        write!(f, "relay over {}: {}", self.broker, self.report)
+        write!(f, "relay over {}: {}", self.source, self.report)
     }
 }
 
@@ -144,13 +171,20 @@ fn run_id() -> String {
 
 /// Where the relays take messages from, a queue or a stream of this run's own.
 enum Broker {
-    Amqp { url: String, queue: String },
-    Nats { url: String, stream: String },
-    Redis { url: String, stream: String },
+    Amqp {
+        url: String,
+        queue: String,
+    },
+    Nats {
+        url: String,
+        stream: String,
+    },
+    Redis {
+        url: String,
+        stream: String,
+        group: String,
+    },
 }
-
-/// The consumer group the relays read a Redis stream through.
-const GROUP: &str = "relay";
 
 /// A publisher on either broker.
 enum Publisher {
@@ -196,6 +230,27 @@ impl Broker {
         }
     }
 
+    /// What picks the relays' source out on the store: its records' default namespace.
+    fn identity(&self) -> Identity<'_> {
+        match self {
+            Broker::Amqp { queue, .. } => Identity::new("amqp", [queue.as_str()]),
+            Broker::Nats { stream, .. } => Identity::new("nats", [stream.as_str(), NATS_CONSUMER]),
+            Broker::Redis { stream, group, .. } => {
+                Identity::new("redis", [stream.as_str(), group.as_str()])
+            }
+        }
+    }
+
+    /// The source as the report names it: the broker and its names.
+    fn describe(&self) -> String {
+        let names = match self {
+            Broker::Amqp { queue, .. } => format!("queue {queue}"),
+            Broker::Nats { stream, .. } => format!("stream {stream}, consumer {NATS_CONSUMER}"),
+            Broker::Redis { stream, group, .. } => format!("stream {stream}, group {group}"),
+        };
+        format!("{} ({names})", self.name())
+    }
+
     /// The relay's `--from` and queue or stream flags.
     fn flags(&self) -> Vec<String> {
         match self {
@@ -211,15 +266,15 @@ impl Broker {
                 "--stream".into(),
                 stream.clone(),
                 "--consumer".into(),
-                "relay".into(),
+                NATS_CONSUMER.into(),
             ],
-            Broker::Redis { url, stream } => vec![
+            Broker::Redis { url, stream, group } => vec![
                 "--from".into(),
                 url.clone(),
                 "--stream".into(),
                 stream.clone(),
                 "--group".into(),
-                GROUP.into(),
+                group.clone(),
             ],
         }
     }
@@ -254,7 +309,7 @@ impl Broker {
                 // to the other while its lease may still run.
                 js.create_consumer_on_stream(
                     jetstream::consumer::pull::Config {
-                        durable_name: Some("relay".into()),
+                        durable_name: Some(NATS_CONSUMER.into()),
                         ack_wait: cluster::LEASE,
                         ..Default::default()
                     },
@@ -272,12 +327,12 @@ impl Broker {
                 .unwrap();
                 Publisher::Nats(js, format!("{stream}.in"))
             }
-            Broker::Redis { url, stream } => {
+            Broker::Redis { url, stream, group } => {
                 let mut conn = redis_conn(url).await;
                 redis::cmd("XGROUP")
                     .arg("CREATE")
                     .arg(stream)
-                    .arg(GROUP)
+                    .arg(group)
                     .arg("0")
                     .arg("MKSTREAM")
                     .exec_async(&mut conn)
@@ -328,12 +383,12 @@ impl Broker {
                     .get_stream(stream)
                     .await
                     .unwrap()
-                    .consumer_info("relay")
+                    .consumer_info(NATS_CONSUMER)
                     .await
                     .unwrap();
                 info.num_pending + info.num_ack_pending as u64
             }
-            Broker::Redis { url, stream } => {
+            Broker::Redis { url, stream, group } => {
                 let mut conn = redis_conn(url).await;
                 let groups: Vec<std::collections::HashMap<String, redis::Value>> =
                     redis::cmd("XINFO")
@@ -342,9 +397,10 @@ impl Broker {
                         .query_async(&mut conn)
                         .await
                         .unwrap();
+                let name = redis::Value::BulkString(group.as_bytes().to_vec());
                 let group = groups
                     .iter()
-                    .find(|g| g.get("name") == Some(&redis::Value::BulkString(GROUP.into())))
+                    .find(|g| g.get("name") == Some(&name))
                     .expect("the relays' group");
                 let int = |field: &str| match group.get(field) {
                     Some(redis::Value::Int(n)) => u64::try_from(*n).ok(),
@@ -385,7 +441,7 @@ impl Broker {
                 let mut dl = js.get_stream(format!("{stream}_DL")).await.unwrap();
                 usize::try_from(dl.info().await.unwrap().state.messages).unwrap()
             }
-            Broker::Redis { url, stream } => redis::cmd("XLEN")
+            Broker::Redis { url, stream, .. } => redis::cmd("XLEN")
                 .arg(format!("{stream}:dead"))
                 .query_async(&mut redis_conn(url).await)
                 .await
@@ -445,7 +501,7 @@ impl Broker {
                     ));
                 }
             }
-            Broker::Redis { url, stream } => {
+            Broker::Redis { url, stream, .. } => {
                 use idem_mq::redis_streams::{DETAIL_FIELD, MESSAGE_ID_FIELD, REASON_FIELD};
                 let entries: Vec<(String, std::collections::HashMap<String, String>)> =
                     redis::cmd("XRANGE")
@@ -476,7 +532,7 @@ impl Broker {
                 js.delete_stream(stream).await.unwrap();
                 js.delete_stream(format!("{stream}_DL")).await.unwrap();
             }
-            Broker::Redis { url, stream } => redis::cmd("DEL")
+            Broker::Redis { url, stream, .. } => redis::cmd("DEL")
                 .arg(stream)
                 .arg(format!("{stream}:dead"))
                 .exec_async(&mut redis_conn(url).await)
@@ -521,59 +577,76 @@ fn rabbitmqctl_unsettled(queue: &str) -> Option<u64> {
     Some(n)
 }
 
-/// The relay processes, on one store, each writing its log to a file of the run's.
+/// One relay process: the source it consumes, and what stands between it and the store.
+struct Relay {
+    source: usize,
+    store: String,
+    proxy: Option<Proxy>,
+    child: Child,
+}
+
+/// The relay processes, [`RELAYS`] per source, on one store, each writing its log to a file
+/// of the run's.
 struct Relays {
-    procs: Vec<Child>,
-    args: Vec<String>,
+    relays: Vec<Relay>,
+    /// Per source, the arguments of its relays but the store.
+    args: Vec<Vec<String>>,
     dir: std::path::PathBuf,
     started: usize,
-    /// Kept for the run: a server of the run's own stops when dropped.
-    _store: cluster::Store,
 }
 
 impl Relays {
-    fn start(broker: &Broker, ledger: &str, dir: &std::path::Path, chosen: &str) -> Self {
-        // The store `chosen` names (see `cluster::Store::named`), never restarted here.
-        let store = cluster::Store::named(chosen, dir);
-        let url = store.url();
-        let mut args = vec!["relay".to_owned()];
-        args.extend(broker.flags());
-        args.extend(
-            [
-                "--to",
-                &format!("http://{ledger}/pay"),
-                "--store",
-                &url,
-                "--prefetch",
-                "8",
-                "--lease",
-                &format!("{}s", cluster::LEASE.as_secs()),
-                "--status-every",
-                "1s",
-            ]
-            .map(str::to_owned),
-        );
+    fn start(sources: &[Source<'_>], store: &str, dir: &std::path::Path) -> Self {
+        let args = sources
+            .iter()
+            .map(|s| {
+                let mut args = vec!["relay".to_owned()];
+                args.extend(s.broker.flags());
+                args.extend(
+                    [
+                        "--to",
+                        &format!("http://{}/pay", s.ledger.addr),
+                        "--prefetch",
+                        "8",
+                        "--lease",
+                        &format!("{}s", cluster::LEASE.as_secs()),
+                        "--status-every",
+                        "1s",
+                    ]
+                    .map(str::to_owned),
+                );
+                args
+            })
+            .collect();
         let mut relays = Self {
-            procs: Vec::new(),
+            relays: Vec::new(),
             args,
             dir: dir.to_owned(),
             started: 0,
-            _store: store,
         };
-        for _ in 0..RELAYS {
-            let child = relays.spawn(None);
-            relays.procs.push(child);
+        for source in 0..sources.len() {
+            for _ in 0..RELAYS {
+                let (store, proxy) = cluster::behind_proxy(store);
+                let child = relays.spawn(source, &store, None);
+                relays.relays.push(Relay {
+                    source,
+                    store,
+                    proxy,
+                    child,
+                });
+            }
         }
         relays
     }
 
-    /// A relay, its wall clock `ahead` of the others' if given.
-    fn spawn(&mut self, ahead: Option<Duration>) -> Child {
+    /// A relay of source `source` on `store`, its wall clock `ahead` of the others' if given.
+    fn spawn(&mut self, source: usize, store: &str, ahead: Option<Duration>) -> Child {
         self.started += 1;
         let log =
             std::fs::File::create(self.dir.join(format!("relay-{}.log", self.started))).unwrap();
         let mut cmd = Command::new(env!("CARGO_BIN_EXE_idem"));
-        cmd.args(&self.args)
+        cmd.args(&self.args[source])
+            .args(["--store", store])
             .env_remove("IDEM_STORE")
             .env("IDEM_LOG", "info")
             .stdout(Stdio::null())
@@ -585,32 +658,42 @@ impl Relays {
     }
 
     fn kill_and_restart(&mut self, i: usize, ahead: Option<Duration>) {
-        self.procs[i].kill().unwrap();
-        self.procs[i].wait().unwrap();
-        self.procs[i] = self.spawn(ahead);
+        self.relays[i].child.kill().unwrap();
+        self.relays[i].child.wait().unwrap();
+        let (source, store) = (self.relays[i].source, self.relays[i].store.clone());
+        self.relays[i].child = self.spawn(source, &store, ahead);
+    }
+
+    /// Whether the nemesis can come between the relays and their store.
+    fn has_proxies(&self) -> bool {
+        self.relays.iter().all(|r| r.proxy.is_some())
+    }
+
+    fn proxy(&self, i: usize) -> &Proxy {
+        self.relays[i].proxy.as_ref().unwrap()
     }
 
     /// SIGTERM to each, and waits for it to drain and exit (killed if it does not).
     fn stop(&mut self) {
-        for p in &self.procs {
-            cluster::signal("-TERM", p.id());
+        for r in &self.relays {
+            cluster::signal("-TERM", r.child.id());
         }
         let started = Instant::now();
-        for p in &mut self.procs {
-            while p.try_wait().unwrap().is_none() && started.elapsed() < PATIENCE {
+        for r in &mut self.relays {
+            while r.child.try_wait().unwrap().is_none() && started.elapsed() < PATIENCE {
                 std::thread::sleep(Duration::from_millis(50));
             }
-            let _ = p.kill();
-            let _ = p.wait();
+            let _ = r.child.kill();
+            let _ = r.child.wait();
         }
     }
 }
 
 impl Drop for Relays {
     fn drop(&mut self) {
-        for p in &mut self.procs {
-            let _ = p.kill();
-            let _ = p.wait();
+        for r in &mut self.relays {
+            let _ = r.child.kill();
+            let _ = r.child.wait();
         }
     }
 }
@@ -626,19 +709,104 @@ fn by_message_id(e: Entries) -> Entries {
     }
 }
 
-fn relay_under_faults(broker: &Broker, chosen: &str) -> Ran {
+/// One source of a run: its broker, the ledger its relays POST to, and its history.
+struct Source<'a> {
+    broker: &'a Broker,
+    ledger: Ledger,
+    history: Arc<History>,
+}
+
+/// One fault of kind `fault` at relay `victim` (or at the store).
+fn strike(relays: &mut Relays, store: &mut cluster::Store, fault: &str, victim: usize) {
+    let past_lease = cluster::LEASE + Duration::from_millis(800);
+    match fault {
+        // Past the lease: the other relay takes over the keys it held.
+        "pause" => {
+            let pid = relays.relays[victim].child.id();
+            cluster::signal("-STOP", pid);
+            std::thread::sleep(past_lease);
+            cluster::signal("-CONT", pid);
+        }
+        // Its wall clock a lease and a half ahead: it takes over leases the other still
+        // holds, until a kill restarts it on the true time.
+        "clock" => relays.kill_and_restart(victim, Some(cluster::LEASE + Duration::from_secs(1))),
+        "kill" => relays.kill_and_restart(victim, None),
+        // Its store answers nothing past the lease: its claims, settles and renewals wait,
+        // time out, and must not be taken for done.
+        "stall" => {
+            relays.proxy(victim).set(Mode::Hold);
+            std::thread::sleep(past_lease);
+            relays.proxy(victim).set(Mode::Pass);
+        }
+        "jitter" => {
+            relays.proxy(victim).set(Mode::Jitter(300));
+            std::thread::sleep(Duration::from_secs(3));
+            relays.proxy(victim).set(Mode::Pass);
+        }
+        // Its store connections drop, answers in flight lost after the store did the work.
+        "cut" => relays.proxy(victim).cut(),
+        "store" => assert!(store.crash_and_restart(Duration::from_millis(500))),
+        other => unreachable!("no fault {other}"),
+    }
+}
+
+/// Per message id of `ids` the relays acked (neither dead-lettered nor left in the broker):
+/// a completed record in `broker`'s namespace on the store at `url`. The relay acks only once
+/// the record is stored, so an acked message without one is a violation.
+async fn acked_without_record(
+    url: &str,
+    broker: &Broker,
+    ids: &[String],
+    drained: &Drained,
+) -> Vec<String> {
+    let store = idem_store::open(url).await.unwrap();
+    let scope = Scope::new(idem_gateway::relay::SCOPE).unwrap();
+    let namespace: Namespace = broker.identity().namespace();
+    let dead: HashSet<&str> = drained.dead.iter().map(|(id, _)| id.as_str()).collect();
+    let mut violations = Vec::new();
+    for id in ids.iter().filter(|id| !dead.contains(id.as_str())) {
+        let key = Key::new(
+            scope.clone(),
+            namespace.clone(),
+            ClientKey::new(id).unwrap(),
+        );
+        match store.get(&key, SystemClock.now()).await.unwrap() {
+            Some(r) if r.status == Status::Completed => {}
+            Some(r) => violations.push(format!(
+                "{id}: acked, and its record is {:?} (fence {}), not completed",
+                r.status, r.fence
+            )),
+            None => violations.push(format!("{id}: acked, and the store has no record of it")),
+        }
+    }
+    violations
+}
+
+fn relay_under_faults(brokers: &[Broker], chosen: &str) -> Vec<Ran> {
     let mut notes = Vec::new();
     let rt = tokio::runtime::Runtime::new().unwrap();
     let dir = tempfile::tempdir().unwrap();
-    let ledger = Ledger::start();
-    let history = Arc::new(History::default());
+    // The store `chosen` names (see `cluster::Store::named`).
+    let mut store = cluster::Store::named(chosen, dir.path());
+    let sources: Vec<Source<'_>> = brokers
+        .iter()
+        .map(|broker| Source {
+            broker,
+            ledger: Ledger::start(),
+            history: Arc::new(History::default()),
+        })
+        .collect();
     let secs = seconds();
     let length = Duration::from_secs(secs) / 2;
-    let publisher = rt.block_on(broker.prepare());
-    let mut relays = Relays::start(broker, &ledger.addr, dir.path(), chosen);
+    let publishers: Vec<(Publisher, Arc<History>)> = sources
+        .iter()
+        .map(|s| (rt.block_on(s.broker.prepare()), s.history.clone()))
+        .collect();
+    let mut relays = Relays::start(&sources, &store.url(), dir.path());
 
-    // The publisher: every id once, spread over most of the run, and three in ten again some
-    // thirty messages later (a publisher's retry, or a copy the broker delivered twice).
+    // The publisher: every id once to every source, spread over most of the run, and three in
+    // ten again some thirty messages later (a publisher's retry, or a copy the broker
+    // delivered twice).
     let n = PER_SECOND * usize::try_from(secs).unwrap();
     let run = run_id();
     let ids: Vec<String> = (0..n).map(|i| format!("r{run}-m{i}")).collect();
@@ -657,70 +825,64 @@ fn relay_under_faults(broker: &Broker, chosen: &str) -> Ran {
     );
     let order: Vec<String> = order.into_iter().cloned().collect();
     let pace = length.mul_f64(0.8) / u32::try_from(order.len()).unwrap();
-    let published = rt.spawn({
-        let history = history.clone();
-        async move {
-            for id in order {
+    let published = rt.spawn(async move {
+        for id in order {
+            for (publisher, history) in &publishers {
                 if publisher.publish(&id).await {
+                    let id = id.clone();
                     history.push(Event::Relay(RelayEvent::Published { id }));
                 }
-                tokio::time::sleep(pace).await;
             }
+            tokio::time::sleep(pace).await;
+        }
+        for (publisher, _) in publishers {
             if let Publisher::Amqp(p, _) = publisher {
                 p.close().await;
             }
         }
     });
 
-    // The nemesis: a fault every second or so, each kind in turn.
-    let kinds: &[&str] = if cluster::can_step_clocks() {
-        &["pause", "kill", "clock"]
-    } else {
-        let note = "libfaketime is not installed (Debian's faketime): no clock steps";
-        assert!(std::env::var("CI").as_deref() != Ok("true"), "{note}");
-        notes.push(note.to_owned());
-        &["pause", "kill"]
-    };
+    // The nemesis: a fault every second or so, in the schedule's order, until the time is up
+    // and every round has struck whole.
+    let (kinds, left_out) = fault_kinds(relays.has_proxies(), &store);
+    if std::env::var("CI").as_deref() == Ok("true")
+        && std::env::var_os("IDEM_FAULTS_STORE").is_none()
+    {
+        assert!(left_out.is_empty(), "{left_out:?}");
+    }
+    notes.extend(left_out);
+    let mut schedule = Schedule::new(kinds);
+    notes.push(format!(
+        "nemesis seed {} (IDEM_FAULTS_SEED replays it)",
+        schedule.seed
+    ));
     let started = Instant::now();
-    let mut dice = Dice(11);
-    let mut kind = 0;
-    while started.elapsed() < length {
-        std::thread::sleep(Duration::from_millis(500 + dice.below(1000)));
-        let victim = dice.pick(RELAYS);
-        let fault = kinds[kind % kinds.len()];
-        history.push(Event::Relay(RelayEvent::Fault {
-            fault: fault.to_owned(),
-            relay: victim,
-        }));
-        match fault {
-            // Past the lease: the other relay takes over the keys it held.
-            "pause" => {
-                let pid = relays.procs[victim].id();
-                cluster::signal("-STOP", pid);
-                std::thread::sleep(cluster::LEASE + Duration::from_millis(800));
-                cluster::signal("-CONT", pid);
-            }
-            // Its wall clock a lease and a half ahead: it takes over leases the other still
-            // holds, until a kill restarts it on the true time.
-            "clock" => {
-                relays.kill_and_restart(victim, Some(cluster::LEASE + Duration::from_secs(1)));
-            }
-            _ => relays.kill_and_restart(victim, None),
+    let mut struck = 0;
+    while started.elapsed() < length || !schedule.rounds_done(struck) {
+        std::thread::sleep(Duration::from_millis(500 + schedule.dice.below(1000)));
+        let victim = schedule.dice.pick(relays.relays.len());
+        let fault = schedule.next();
+        for s in &sources {
+            s.history.push(Event::Relay(RelayEvent::Fault {
+                fault: fault.to_owned(),
+                relay: victim,
+            }));
         }
-        kind += 1;
+        strike(&mut relays, &mut store, fault, victim);
+        struck += 1;
     }
     rt.block_on(published).unwrap();
 
-    // Drained: every id has its effect or a dead letter, and the broker has nothing left
-    // to deliver; then the relays stop, and what the broker still holds was never acked.
-    let want: HashSet<&String> = ids.iter().collect();
+    // Drained: every id has its effect or a dead letter at every source, and the brokers have
+    // nothing left to deliver; then the relays stop, and what a broker still holds was never
+    // acked.
     let draining = Instant::now();
-    while draining.elapsed() < PATIENCE {
-        let done = by_message_id(ledger.entries()).counted.len();
-        let dead = rt.block_on(broker.dead_letters_count());
-        if done + dead >= want.len() && rt.block_on(broker.unsettled()) == 0 {
-            break;
-        }
+    let drained = |s: &Source<'_>| {
+        let done = by_message_id(s.ledger.entries()).counted.len();
+        let dead = rt.block_on(s.broker.dead_letters_count());
+        done + dead >= ids.len() && rt.block_on(s.broker.unsettled()) == 0
+    };
+    while draining.elapsed() < PATIENCE && !sources.iter().all(drained) {
         std::thread::sleep(Duration::from_millis(250));
     }
     notes.push(format!(
@@ -733,22 +895,44 @@ fn relay_under_faults(broker: &Broker, chosen: &str) -> Ran {
         "the relays stopped in {:.1} s",
         stopping.elapsed().as_secs_f64()
     ));
-    let drained = Drained {
-        left: rt.block_on(broker.unsettled()),
-        dead: rt.block_on(broker.dead_letters()),
-    };
-    rt.block_on(broker.delete());
-    if let Ok(path) = std::env::var("IDEM_FAULTS_HISTORY") {
-        history.save(&format!("{path}.relay-{}", broker.name()));
+    let mut runs = Vec::new();
+    let mut keep = false;
+    for (i, s) in sources.iter().enumerate() {
+        let drained = Drained {
+            left: rt.block_on(s.broker.unsettled()),
+            dead: rt.block_on(s.broker.dead_letters()),
+        };
+        rt.block_on(s.broker.delete());
+        if let Ok(path) = std::env::var("IDEM_FAULTS_HISTORY") {
+            s.history.save(&format!(
+                "{path}.relay-{}-{i}.{}",
+                s.broker.name(),
+                store.kind()
+            ));
+        }
+        let mut report = check_relay(&s.history, &by_message_id(s.ledger.entries()), &drained);
+        report.violations.extend(rt.block_on(acked_without_record(
+            &store.url(),
+            s.broker,
+            &ids,
+            &drained,
+        )));
+        keep |= !report.violations.is_empty();
+        runs.push(Ran {
+            source: s.broker.describe(),
+            report,
+            notes: if i == 0 {
+                std::mem::take(&mut notes)
+            } else {
+                Vec::new()
+            },
+        });
     }
-    let report = check_relay(&history, &by_message_id(ledger.entries()), &drained);
-    if !report.violations.is_empty() {
+    if keep {
         let kept = dir.keep();
-        notes.push(format!("the relays' logs are kept in {}", kept.display()));
+        runs[0]
+            .notes
+            .push(format!("the relays' logs are kept in {}", kept.display()));
     }
-    Ran {
-        broker: broker.name(),
-        report,
-        notes,
-    }
+    runs
 }
