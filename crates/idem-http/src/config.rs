@@ -38,7 +38,7 @@ pub(crate) struct Config {
 }
 
 /// The default [`Config::store_timeout`]: 5 s, the stores' own response timeout.
-pub(crate) const DEFAULT_STORE_TIMEOUT: Duration = Duration::from_secs(5);
+pub const DEFAULT_STORE_TIMEOUT: Duration = Duration::from_secs(5);
 
 impl Config {
     /// A route's shared settings, on the system clock, scoping keys by the hashed

@@ -49,6 +49,7 @@ mod stored;
 mod unstored;
 
 pub use body::{BoxError, ResponseBody, boxed};
+pub use config::DEFAULT_STORE_TIMEOUT;
 pub use form_token::{FORM_TOKEN, FormToken, FormTokenLayer, token_problem};
 #[cfg(feature = "grpc")]
 pub use grpc::{GrpcIdempotencyLayer, GrpcIdempotencyService};

@@ -10,6 +10,11 @@ pub fn describe_metrics() {
         "idem_http_settled_total",
         "Records settled after the handler ran: stored, released, unknown, too_large, overtaken, failed."
     );
+    metrics::describe_gauge!(
+        crate::unstored::KEPT_GAUGE,
+        metrics::Unit::Bytes,
+        "Bytes of answers the store did not take in time, kept to offer it again (within the unstored answers' budget)."
+    );
 }
 
 /// Counts a request by what the layer did with it: `passed_through`, `executed`,

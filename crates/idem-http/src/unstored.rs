@@ -32,6 +32,9 @@ use crate::stored::Stored;
 /// The default budget for answers the store has not taken yet: 64 MiB.
 pub const DEFAULT_UNSTORED_BYTES: usize = 64 << 20;
 
+/// The gauge of the bytes of answers kept to offer to the store again.
+pub(crate) const KEPT_GAUGE: &str = "idem_http_unstored_kept_bytes";
+
 /// How many records marked as unknown outcomes may wait for the store at once (each holds
 /// its key and lease, a few hundred bytes); past it, a record left unmarked waits for its
 /// lease to end, as after a crash.
@@ -108,8 +111,9 @@ pub(crate) fn complete_later(
         return;
     };
     let (cfg, key, lease) = (cfg.clone(), key.clone(), *lease);
+    let kept = Kept::new(response.len());
     rt.spawn(async move {
-        let _room = room;
+        let (_room, _kept) = (room, kept);
         let mut pause = Duration::from_millis(100);
         loop {
             tokio::time::sleep(pause).await;
@@ -121,7 +125,7 @@ pub(crate) fn complete_later(
                     fence = lease.fence,
                     "the store did not take an answer within its lease; marking the outcome unknown"
                 );
-                drop(_room);
+                drop((_room, _kept));
                 mark_unknown(&cfg, &key, &lease);
                 return;
             }
@@ -134,6 +138,27 @@ pub(crate) fn complete_later(
             }
         }
     });
+}
+
+/// An answer kept after its caller was answered, counted in the gauge
+/// `idem_http_unstored_kept_bytes` (every budget of the process together) until dropped,
+/// however its task ends.
+struct Kept(f64);
+
+impl Kept {
+    fn new(len: usize) -> Self {
+        // An answer's length is far below f64's exact integers (2^53).
+        #[allow(clippy::cast_precision_loss)]
+        let len = len as f64;
+        metrics::gauge!(KEPT_GAUGE).increment(len);
+        Self(len)
+    }
+}
+
+impl Drop for Kept {
+    fn drop(&mut self) {
+        metrics::gauge!(KEPT_GAUGE).decrement(self.0);
+    }
 }
 
 /// Offers `stored` to the store once, within the store timeout; `true` once that settles it

@@ -89,6 +89,9 @@ pub struct Gateway {
     pub metrics_require_token: bool,
     /// The memory answers the store has not taken yet may hold, all routes together.
     pub unstored_answers: UnstoredAnswers,
+    /// How long a request waits for the store to take its answer (and for room in
+    /// `unstored_answers`) before it is answered 503 `answer_not_stored`.
+    pub store_timeout: Duration,
 }
 
 impl Gateway {
@@ -109,6 +112,7 @@ impl Gateway {
             records_history: Arc::default(),
             metrics_require_token: false,
             unstored_answers: UnstoredAnswers::default(),
+            store_timeout: idem_http::DEFAULT_STORE_TIMEOUT,
         }
     }
 
@@ -119,6 +123,9 @@ impl Gateway {
         if let Some(t) = &file.upstream_timeout {
             self.upstream_timeout =
                 config::bounded("upstream_timeout", t, config::MAX_UPSTREAM_TIMEOUT)?;
+        }
+        if let Some(t) = &file.store_timeout {
+            self.store_timeout = config::bounded("store_timeout", t, config::MAX_STORE_TIMEOUT)?;
         }
         if let Some(prefix) = &file.admin_prefix {
             self.admin_prefix = admin_prefix(prefix)?;
@@ -238,6 +245,7 @@ impl Gateway {
                 .scope(self.scope.clone())
                 .clock(self.clock.clone())
                 .unstored_answers(self.unstored_answers.clone())
+                .store_timeout(self.store_timeout)
                 .layer(proxy.clone()),
         };
         let dispatch = Dispatch {

@@ -17,6 +17,10 @@ use crate::proxy::{Mode, Proxy};
 /// clients' begins).
 pub(crate) const LEASE: Duration = Duration::from_secs(2);
 
+/// The gateways' budget for answers their store has not taken (`--unstored-answers-bytes`):
+/// the least there is, so that a burst of large answers overflows it.
+pub(crate) const UNSTORED_BUDGET: usize = 1 << 20;
+
 /// libfaketime, which steps a process's wall clock (Debian's `faketime` package).
 const FAKETIME: &str = "/usr/lib/x86_64-linux-gnu/faketime/libfaketimeMT.so.1";
 
@@ -208,7 +212,8 @@ impl Cluster {
         std::fs::write(
             &config,
             format!(
-                "upstream_timeout = \"1s\"\n[defaults]\nanonymous = \"shared\"\nlease = \"{}s\"\n",
+                "upstream_timeout = \"1s\"\nstore_timeout = \"1s\"\n[defaults]\n\
+                 anonymous = \"shared\"\nlease = \"{}s\"\n",
                 LEASE.as_secs()
             ),
         )
@@ -279,7 +284,8 @@ impl Cluster {
         match self.role {
             Role::Gateway => cmd
                 .args(["gateway", "--upstream", &format!("http://{}", g.upstream)])
-                .args(["--config", &self.config]),
+                .args(["--config", &self.config])
+                .args(["--unstored-answers-bytes", &UNSTORED_BUDGET.to_string()]),
             // Its clients give the lease in every begin; every caller shares one scope.
             Role::Serve => cmd.args(["serve", "--allow-anonymous"]),
         };

@@ -1,6 +1,7 @@
 //! The upstream: a payments ledger that counts one effect per key, the one with the highest
 //! fence (`Idem-Fence`), and refuses a write with a lower fence than one it took. It answers
-//! after a random delay on both sides of the write, so that faults land in every gap.
+//! after a random delay on both sides of the write, so that faults land in every gap; at
+//! `/big`, with an answer padded to [`BIG`] bytes.
 
 use std::collections::HashMap;
 use std::io::{BufRead, BufReader, Read, Write};
@@ -8,6 +9,10 @@ use std::net::TcpListener;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
+
+/// How many bytes of padding the ledger's answers to `POST /big` carry: large answers, for
+/// the nemesis's bursts (`burst` in main.rs).
+pub(crate) const BIG: usize = 256 << 10;
 
 /// What the ledger holds.
 #[derive(Debug, Clone, Default)]
@@ -62,10 +67,14 @@ impl Ledger {
 fn serve(mut stream: std::net::TcpStream, entries: &Mutex<Entries>, n: u64) {
     let mut reader = BufReader::new(stream.try_clone().unwrap());
     let (mut length, mut key, mut fence) = (0, None, None);
+    let mut big = None;
     loop {
         let mut line = String::new();
         if reader.read_line(&mut line).unwrap_or(0) == 0 {
             return;
+        }
+        if big.is_none() {
+            big = Some(line.starts_with("POST /big "));
         }
         let lower = line.to_ascii_lowercase();
         if let Some((name, value)) = lower.split_once(':') {
@@ -96,9 +105,14 @@ fn serve(mut stream: std::net::TcpStream, entries: &Mutex<Entries>, n: u64) {
             } else {
                 e.counted.insert(key.clone(), fence);
                 e.accepted.push((key.clone(), fence));
+                let pad = if big == Some(true) {
+                    format!("\"pad\":\"{}\",", "x".repeat(BIG))
+                } else {
+                    String::new()
+                };
                 (
                     "201 Created",
-                    format!("{{\"key\":\"{key}\",\"fence\":{fence}}}"),
+                    format!("{{\"key\":\"{key}\",{pad}\"fence\":{fence}}}"),
                 )
             }
         }

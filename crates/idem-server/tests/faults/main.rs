@@ -37,8 +37,8 @@ mod relay;
 
 use std::io::{Read, Write};
 use std::net::TcpStream;
-use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use check::{Event, History, check};
@@ -68,11 +68,107 @@ fn http(addr: &str, path: &str, headers: &str, body: &str) -> Option<(u16, Strin
 }
 
 /// One payment through gateway `addr`: the status, whether it was a replay, and the body;
-/// `None` when the gateway did not answer in time.
+/// `None` when the gateway did not answer in time. A burst's key (`r…-b…`) goes to `/big`,
+/// whose large answer is kept as its length, a hash and its fence.
 fn post(addr: &str, key: &str) -> Option<(u16, bool, String)> {
     let body = format!("{{\"pay\":\"{key}\"}}");
-    let (status, head, body) = http(addr, "/pay", &format!("Idempotency-Key: {key}\r\n"), &body)?;
+    let path = if key.contains("-b") { "/big" } else { "/pay" };
+    let (status, head, mut body) = http(addr, path, &format!("Idempotency-Key: {key}\r\n"), &body)?;
+    if body.len() > 1024 {
+        use std::hash::{BuildHasher, BuildHasherDefault, DefaultHasher};
+        let hash = BuildHasherDefault::<DefaultHasher>::default().hash_one(&body);
+        let fence = check::fence_of(&body).map_or_else(|| "null".to_owned(), |f| f.to_string());
+        body = format!(
+            "{{\"big\":{},\"hash\":\"{hash:016x}\",\"fence\":{fence}}}",
+            body.len()
+        );
+    }
     Some((status, head.contains("idempotent-replayed: true"), body))
+}
+
+/// How many large answers a burst asks a gateway for at once.
+const BURST: usize = 24;
+
+/// A burst of large answers at gateway `victim`, its store stalled once the requests reach
+/// the ledger, past the store timeout and the lease: what the gateway keeps for the store is
+/// read from its gauge, and its memory from /proc, every 50 ms. The answers go to `history`,
+/// the keys to `burst_keys` (to be asked again at the end), what was read as `Event::Memory`.
+fn burst(
+    c: &Cluster,
+    victim: usize,
+    history: &Arc<History>,
+    burst_keys: &Mutex<Vec<String>>,
+    run: u128,
+) {
+    let (addr, pid) = (c.addrs()[victim].clone(), c.pid(victim));
+    let rss_before = rss(pid);
+    let first = burst_keys.lock().unwrap().len();
+    let clients: Vec<_> = (0..BURST)
+        .map(|n| {
+            let key = format!("r{run}-b{}", first + n);
+            burst_keys.lock().unwrap().push(key.clone());
+            let (addr, history) = (addr.clone(), history.clone());
+            std::thread::spawn(move || {
+                history.push(Event::Invoke {
+                    key: key.clone(),
+                    gateway: victim,
+                });
+                let answer = post(&addr, &key);
+                history.push(Event::Complete { key, answer });
+            })
+        })
+        .collect();
+    // The ledger answers 0–150 ms after it takes a write, so most answers are on their way.
+    std::thread::sleep(Duration::from_millis(100));
+    c.proxy(victim).set(proxy::Mode::Hold);
+    let (mut rss_peak, mut kept_peak) = (rss_before, 0);
+    let until = Instant::now() + cluster::LEASE + Duration::from_millis(800);
+    while Instant::now() < until {
+        rss_peak = rss_peak.max(rss(pid));
+        kept_peak = kept_peak.max(kept_bytes(&addr));
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    c.proxy(victim).set(proxy::Mode::Pass);
+    for client in clients {
+        client.join().unwrap();
+    }
+    history.push(Event::Memory {
+        gateway: victim,
+        asked: BURST * ledger::BIG,
+        budget: cluster::UNSTORED_BUDGET,
+        rss_before,
+        rss_peak,
+        kept_peak,
+    });
+}
+
+/// The resident memory of process `pid`, in bytes (0 once it is gone).
+fn rss(pid: u32) -> usize {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap_or_default();
+    status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmRSS:"))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<usize>().ok())
+        .map_or(0, |kib| kib << 10)
+}
+
+/// The gateway at `addr`'s gauge of answers kept for its store (`idem_http_unstored_kept_bytes`),
+/// 0 when it says nothing.
+fn kept_bytes(addr: &str) -> usize {
+    let Ok(mut s) = TcpStream::connect(addr) else {
+        return 0;
+    };
+    let _ = s.set_read_timeout(Some(CLIENT_TIMEOUT));
+    let req = "GET /_idem/metrics HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n";
+    let mut out = String::new();
+    if s.write_all(req.as_bytes()).is_err() || s.read_to_string(&mut out).is_err() {
+        return 0;
+    }
+    out.lines()
+        .find_map(|l| l.strip_prefix("idem_http_unstored_kept_bytes "))
+        // A gauge of whole bytes.
+        .and_then(|v| v.trim().split('.').next()?.parse().ok())
+        .unwrap_or(0)
 }
 
 /// The answer a client of the API hands on for `key`, as the ledger wrote it (`{"key","fence"}`).
@@ -367,6 +463,11 @@ fn run(work: Work, chosen: &str) {
         }
     }
     let (mut kinds, mut left_out) = fault_kinds(cluster.has_proxies(), &cluster.store);
+    // A burst of large answers at a gateway whose store stalls: what it keeps stays within
+    // its budget.
+    if work == Work::Gateway && cluster.has_proxies() {
+        kinds.push("burst");
+    }
     match &cluster.no_netns {
         None => kinds.push("partition"),
         Some(why) => left_out.push(format!("{why}: no partitions")),
@@ -393,6 +494,7 @@ fn run(work: Work, chosen: &str) {
     // New keys all the time (so that faults find first attempts in flight), and retries of
     // the last few.
     let keys = Arc::new(AtomicU64::new(1));
+    let burst_keys = Mutex::new(Vec::new());
     let started = Instant::now();
     // Keys of this run's own: a shared store may still hold an earlier run's answers.
     let run = std::time::SystemTime::now()
@@ -457,7 +559,11 @@ fn run(work: Work, chosen: &str) {
             fault: fault.to_owned(),
             gateway: victim,
         });
-        strike(&mut cluster, fault, victim);
+        if fault == "burst" {
+            burst(&cluster, victim, &history, &burst_keys, run);
+        } else {
+            strike(&mut cluster, fault, victim);
+        }
         struck += 1;
     }
     // Quiet: every key settles, then each is asked once more through every instance.
@@ -473,9 +579,12 @@ fn run(work: Work, chosen: &str) {
     } else {
         keys.load(Ordering::Relaxed)
     };
-    for k in 1..asked {
+    let again = (1..asked)
+        .map(|k| format!("r{run}-k{k}"))
+        .chain(burst_keys.into_inner().unwrap());
+    for key in again {
         for gw in 0..addrs.len() {
-            let key = format!("r{run}-k{k}");
+            let key = key.clone();
             history.push(Event::Invoke {
                 key: key.clone(),
                 gateway: gw,

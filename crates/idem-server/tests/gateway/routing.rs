@@ -296,6 +296,27 @@ fn the_operator_is_warned_of_shared_scopes_and_withheld_logs() {
     assert!(err.contains("at least 32 bytes"), "{err}");
 }
 
+/// `store_timeout` reaches the gateway's routes; zero, or more than ten minutes, is refused.
+#[test]
+fn the_store_timeout_is_read_and_bounded() {
+    let url = UpstreamUrl::parse("http://127.0.0.1:1").unwrap();
+    let configure = |toml: &str| {
+        Gateway::new(url.clone(), memory()).configure(&FileConfig::parse(toml).unwrap())
+    };
+    let gateway = configure("").ok().unwrap();
+    assert_eq!(gateway.store_timeout, idem_http::DEFAULT_STORE_TIMEOUT);
+    let gateway = configure("store_timeout = \"250ms\"").ok().unwrap();
+    assert_eq!(gateway.store_timeout, std::time::Duration::from_millis(250));
+    for (toml, needle) in [
+        ("store_timeout = \"0s\"", "longer than zero"),
+        ("store_timeout = \"11m\"", "at most"),
+        ("store_timeout = \"soon\"", "store_timeout"),
+    ] {
+        let err = configure(toml).err().unwrap();
+        assert!(err.contains(needle), "{toml}: {err}");
+    }
+}
+
 #[tokio::test]
 async fn forwarding_headers_are_this_hop_s_unless_the_peer_is_trusted() {
     let (seen, up) = start_upstream().await;

@@ -53,6 +53,9 @@ pub struct FileConfig {
     pub metrics_require_token: Option<bool>,
     /// How long to wait for the upstream's answer.
     pub upstream_timeout: Option<String>,
+    /// How long a request waits for the store to take its answer, and for room in the
+    /// unstored answers' budget, before it is answered 503 `answer_not_stored`.
+    pub store_timeout: Option<String>,
     /// The header whose (hashed) value scopes keys.
     pub scope_header: Option<String>,
     /// A file holding the secret that keys the hash of callers' credentials; every gateway on
@@ -404,6 +407,9 @@ pub fn policy(
 
 /// The longest `upstream_timeout`: any longer and a lease (at most 24 h) could not cover it.
 pub const MAX_UPSTREAM_TIMEOUT: Duration = Duration::from_secs(60 * 60);
+
+/// The longest `store_timeout`: a caller waits that long for a stalled store.
+pub const MAX_STORE_TIMEOUT: Duration = Duration::from_secs(10 * 60);
 
 /// A duration longer than zero and at most `max`.
 pub fn bounded(what: &str, s: &str, max: Duration) -> Result<Duration, String> {
