@@ -21,18 +21,22 @@ pub(crate) const LEASE: Duration = Duration::from_secs(2);
 /// the least there is, so that a burst of large answers overflows it.
 pub(crate) const UNSTORED_BUDGET: usize = 1 << 20;
 
-/// libfaketime, which steps a process's wall clock (Debian's `faketime` package).
-const FAKETIME: &str = "/usr/lib/x86_64-linux-gnu/faketime/libfaketimeMT.so.1";
+/// libfaketime, which steps a process's wall clock: `IDEM_FAKETIME`, or where Debian's
+/// `faketime` package puts it.
+fn faketime() -> String {
+    std::env::var("IDEM_FAKETIME")
+        .unwrap_or_else(|_| "/usr/lib/x86_64-linux-gnu/faketime/libfaketimeMT.so.1".to_owned())
+}
 
 /// Whether an instance's wall clock can be stepped here (libfaketime is installed).
 pub(crate) fn can_step_clocks() -> bool {
-    std::path::Path::new(FAKETIME).exists()
+    std::path::Path::new(&faketime()).exists()
 }
 
 /// Makes the process `cmd` starts see its wall clock `ahead` of the others' (libfaketime);
 /// its monotonic clock, which times its own waits, is left alone.
 pub(crate) fn step_clock(cmd: &mut Command, ahead: Duration) {
-    cmd.env("LD_PRELOAD", FAKETIME)
+    cmd.env("LD_PRELOAD", faketime())
         .env("FAKETIME", format!("+{}s", ahead.as_secs()))
         .env("FAKETIME_DONT_FAKE_MONOTONIC", "1");
 }

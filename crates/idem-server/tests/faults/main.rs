@@ -10,7 +10,8 @@
 //!   namespace);
 //! - stalls one's store connections past the lease, delays and reorders them, or cuts them
 //!   (a proxy between it and its store);
-//! - crashes the store and restarts it (a server of the run's own).
+//! - crashes the store and restarts it (a server of the run's own);
+//! - sends a gateway a burst of large answers and stalls its store past the store timeout.
 //!
 //! `relay.rs` puts `idem relay` under the same kinds of fault.
 //!
@@ -22,7 +23,8 @@
 //! and for gateways, API servers, locks and the relays on RabbitMQ a Valkey 9 of the run's own
 //! too; `own-postgres`, `own-mariadb` or `own-valkey` for one of those; `sqlite` for a file; or
 //! any store URL, a server the run never restarts), `IDEM_FAULTS_HISTORY` a file to keep each
-//! run's history in (suffixed with the run's name).
+//! run's history in (suffixed with the run's name and store), `IDEM_FAULTS_SEED` the nemesis's
+//! schedule (every run prints its seed), `IDEM_FAKETIME` the path of libfaketime.
 
 #![allow(clippy::unwrap_used)]
 // The run prints what it did and what it left out: its report is the point.
