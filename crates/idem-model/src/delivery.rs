@@ -16,8 +16,13 @@
 //!    failure releases the key and requeues.
 //! 4. **Ack** (or requeue).
 //!
+//! Whether a delivery is acked or requeued is not written again here: the model asks the
+//! consumer's own table, [`idem_mq::verdict`], with the way the run ended ([`RunEnd`]), so a
+//! wrong entry in the table that ships breaks the model's properties.
+//!
 //! The record is idem-core's state machine ([`Record::begin`], `complete`, `release`). Around
-//! them: a consumer crashes at any point (the broker takes its delivery back), a lease runs
+//! them: a consumer crashes at any point (the broker takes its delivery back), the store fails
+//! to take a result (`complete`, or in inbox mode the transaction's commit), a lease runs
 //! out while a consumer is paused, the broker's redelivery timer gives a delivery to another
 //! consumer while the first still works on it, and the publisher sends the message twice.
 //! The keep-alive that renews a running handler's lease is not modelled: a paused consumer does
@@ -26,6 +31,7 @@
 use std::hash::{Hash, Hasher};
 
 use idem_core::{BeginOutcome, Bytes, Lease, LeaseId, Record, Status, Timestamp};
+use idem_mq::RunEnd;
 use stateright::{Model, Property};
 
 use crate::record::{START_MS, hash_record, request};
@@ -55,6 +61,8 @@ pub struct DeliveryBounds {
     pub timers: u8,
     /// Extra copies of the message the publisher sends.
     pub duplicates: u8,
+    /// Times the store fails to take a handled message's result.
+    pub store_failures: u8,
 }
 
 impl DeliveryBounds {
@@ -67,6 +75,7 @@ impl DeliveryBounds {
         expiries: 2,
         timers: 1,
         duplicates: 1,
+        store_failures: 1,
     };
     /// The documented longer run: a third consumer, with one lease expiry (with two, the
     /// search needs more than 3.5 GiB).
@@ -89,6 +98,9 @@ pub enum DeliveryBug {
     CommitApart,
     /// Plain mode: the handler's request carries no fence, so the resource takes every write.
     PostWithoutFence,
+    /// The consumer's table acks a delivery whose result the store did not take
+    /// (`RunEnd::NotRecorded`), as if planted in `idem_mq::verdict`.
+    AckNotRecorded,
 }
 
 /// The delivery model: mode, bounds, and a planted bug or none.
@@ -180,8 +192,8 @@ pub struct DeliveryGhost {
     /// A copy was acked without the result recorded and an effect done.
     pub acked_unrecorded: bool,
     /// Reached: a takeover, a redelivery acked without running, a stale attempt's effect
-    /// refused, every copy acked.
-    pub seen: [bool; 4],
+    /// refused, every copy acked, a result the store did not take.
+    pub seen: [bool; 5],
 }
 
 /// The delivery model's state.
@@ -195,8 +207,8 @@ pub struct DeliveryState {
     pub copies: Vec<Copy>,
     /// The consumers.
     pub consumers: Vec<Consumer>,
-    /// Faults used: crashes, expiries, timers, duplicates.
-    pub used: [u8; 4],
+    /// Faults used: crashes, expiries, timers, duplicates, store failures.
+    pub used: [u8; 5],
     /// The history, as far as the properties need it.
     pub ghost: DeliveryGhost,
 }
@@ -226,6 +238,10 @@ pub enum DeliveryAction {
     Fail(u8),
     /// Consumer `c` records the result (`complete`).
     Complete(u8),
+    /// The store fails to take consumer `c`'s result: its `complete` (plain mode), or its
+    /// transaction's commit (inbox mode: the handler's writes roll back with it). The record
+    /// stays in progress.
+    StoreFails(u8),
     /// With [`DeliveryBug::AckBeforeRecord`]: consumer `c` acks before recording.
     AckEarly(u8),
     /// Consumer `c` acks or requeues its delivery, as decided.
@@ -251,6 +267,7 @@ const CRASHES: usize = 0;
 const EXPIRIES: usize = 1;
 const TIMERS: usize = 2;
 const DUPLICATES: usize = 3;
+const STORE_FAILURES: usize = 4;
 
 /// Every acked message has its effect done and its result recorded.
 pub const ACKED_RECORDED: &str = "an acked message has its effect done and its result recorded";
@@ -282,15 +299,31 @@ impl DeliveryModel {
             record: None,
             copies: vec![Copy::Ready],
             consumers: vec![Consumer::default(); usize::from(self.bounds.consumers)],
-            used: [0; 4],
+            used: [0; 5],
             ghost: DeliveryGhost::default(),
         }
     }
 
     fn spend(&self, s: &mut DeliveryState, i: usize) -> Option<()> {
         let b = &self.bounds;
-        let most = [b.crashes, b.expiries, b.timers, b.duplicates][i];
+        let most = [
+            b.crashes,
+            b.expiries,
+            b.timers,
+            b.duplicates,
+            b.store_failures,
+        ][i];
         (s.used[i] < most).then(|| s.used[i] += 1)
+    }
+
+    /// Whether the consumer acks a delivery whose run ended as `end`: its own table
+    /// ([`idem_mq::verdict`]), or a planted bug's.
+    fn acks(&self, end: RunEnd) -> bool {
+        match (self.bug, end) {
+            (Some(DeliveryBug::AckWhileInProgress), RunEnd::InProgress)
+            | (Some(DeliveryBug::AckNotRecorded), RunEnd::NotRecorded) => true,
+            _ => idem_mq::verdict(end).acks(),
+        }
     }
 
     /// Takes `action` from `last`: the next state, or `None` if the action is not possible.
@@ -317,7 +350,7 @@ impl DeliveryModel {
                 if let Ok(Some(write)) = Record::release(s.record.as_ref(), &claimed.lease(), now) {
                     s.record = Some(write);
                 }
-                s.consumers[usize::from(c)].phase = Phase::Settling(false);
+                s.consumers[usize::from(c)].phase = Phase::Settling(self.acks(RunEnd::Failed));
             }
             DeliveryAction::Complete(c) => {
                 let Phase::Handled(claimed) = s.consumers[usize::from(c)].phase else {
@@ -325,18 +358,30 @@ impl DeliveryModel {
                 };
                 let response = Bytes::from(vec![c]);
                 let done = Record::complete(s.record.as_ref(), &claimed.lease(), response, now);
-                let acked = match done {
+                let end = match done {
                     Ok(write) => {
                         if let Some(write) = write {
                             s.record = Some(write);
                             s.ghost.recorded = Some(claimed.seq);
                         }
-                        true
+                        RunEnd::Handled
                     }
-                    // `RunError::LeaseLost`: requeued.
-                    Err(_) => false,
+                    // `RunError::LeaseLost`.
+                    Err(_) => RunEnd::Unsettled,
                 };
-                s.consumers[usize::from(c)].phase = Phase::Settling(acked);
+                s.consumers[usize::from(c)].phase = Phase::Settling(self.acks(end));
+            }
+            DeliveryAction::StoreFails(c) => {
+                let stored_by = matches!(
+                    (self.mode, s.consumers[usize::from(c)].phase),
+                    (Mode::Plain, Phase::Handled(_)) | (Mode::Inbox, Phase::Running(_))
+                );
+                if !stored_by {
+                    return None;
+                }
+                self.spend(&mut s, STORE_FAILURES)?;
+                s.ghost.seen[4] = true;
+                s.consumers[usize::from(c)].phase = Phase::Settling(self.acks(RunEnd::NotRecorded));
             }
             DeliveryAction::AckEarly(c) => {
                 if self.bug != Some(DeliveryBug::AckBeforeRecord) {
@@ -431,12 +476,10 @@ impl DeliveryModel {
             }
             BeginOutcome::Replay(_) => {
                 s.ghost.seen[1] = true;
-                Phase::Settling(true)
+                Phase::Settling(self.acks(RunEnd::Replayed))
             }
-            // Waited for, then requeued with a delay.
-            BeginOutcome::InProgress { .. } => {
-                Phase::Settling(self.bug == Some(DeliveryBug::AckWhileInProgress))
-            }
+            // Waited for, then settled as the table says.
+            BeginOutcome::InProgress { .. } => Phase::Settling(self.acks(RunEnd::InProgress)),
             // One message, one fingerprint.
             _ => return None,
         };
@@ -472,7 +515,7 @@ impl DeliveryModel {
                             s.record = Some(write);
                             s.ghost.recorded = Some(claimed.seq);
                         }
-                        Phase::Settling(true)
+                        Phase::Settling(self.acks(RunEnd::Handled))
                     }
                     Err(_) => {
                         // Rolled back; `run` releases the key (refused: the lease is stale)
@@ -483,7 +526,7 @@ impl DeliveryModel {
                         {
                             s.record = Some(write);
                         }
-                        Phase::Settling(false)
+                        Phase::Settling(self.acks(RunEnd::Unsettled))
                     }
                 }
             }
@@ -528,6 +571,7 @@ impl Model for DeliveryModel {
                 DeliveryAction::Handle(c),
                 DeliveryAction::Fail(c),
                 DeliveryAction::Complete(c),
+                DeliveryAction::StoreFails(c),
                 DeliveryAction::AckEarly(c),
                 DeliveryAction::Settle(c),
                 DeliveryAction::Crash(c),
@@ -566,6 +610,10 @@ impl Model for DeliveryModel {
             Property::sometimes("every copy is acked", |_, s: &DeliveryState| {
                 s.ghost.seen[3]
             }),
+            Property::sometimes(
+                "the store fails to take a result",
+                |_, s: &DeliveryState| s.ghost.seen[4],
+            ),
         ]
     }
 }

@@ -45,6 +45,8 @@ fn planted_consumer_bugs_are_caught() {
         (Mode::Inbox, DeliveryBug::AckWhileInProgress, ACKED_RECORDED),
         (Mode::Inbox, DeliveryBug::CommitApart, ONE_EFFECT),
         (Mode::Plain, DeliveryBug::PostWithoutFence, ONE_EFFECT),
+        (Mode::Plain, DeliveryBug::AckNotRecorded, ACKED_RECORDED),
+        (Mode::Inbox, DeliveryBug::AckNotRecorded, ACKED_RECORDED),
     ] {
         let model = DeliveryModel::new(mode, DeliveryBounds::SMALL).with_bug(bug);
         let checker = model

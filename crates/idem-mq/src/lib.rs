@@ -28,7 +28,8 @@ pub mod source;
 mod text;
 
 pub use consumer::{
-    Consumer, Counts, DEFAULT_SCOPE, Failure, Handler, Message, MissingKey, Outcome,
+    Consumer, Counts, DEFAULT_SCOPE, Failure, Handler, Message, MissingKey, Outcome, RunEnd,
+    Verdict, verdict,
 };
 #[cfg(feature = "bench")]
 pub mod bench;

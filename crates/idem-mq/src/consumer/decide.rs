@@ -13,6 +13,7 @@ use idem_core::{ClientKey, Clock, Fingerprint, Key, Store};
 use serde::{Deserialize, Serialize};
 
 use super::settings::Ctx;
+use super::verdict::{RunEnd, Verdict, verdict};
 use super::{Consumer, Failure, Handler, Message, MissingKey, Outcome};
 use crate::source::{DeadLetter, Delivery, Disposition, Reason};
 
@@ -101,30 +102,51 @@ impl<S: Store + Clone, C: Clock + Clone> Consumer<S, C> {
                 }
             })
             .await;
-        match result {
-            Ok(done) if done.replayed => (Disposition::Ack, Outcome::Replayed),
-            Ok(_) => (Disposition::Ack, Outcome::Handled),
-            Err(RunError::Failed { error, .. }) => self.after_failure(error),
-            Err(RunError::InProgress { retry_after }) => {
-                requeue(retry_after.clamp(s.backoff_first, s.backoff_max))
-            }
-            Err(RunError::Mismatch) => dead(
-                Reason::Mismatch,
-                "the key was used before with another payload",
-            ),
-            Err(RunError::Codec(e)) => dead(Reason::Undecodable, e.to_string()),
-            // The record stays in progress until its lease runs out; a redelivery before then
-            // waits, one after it runs the handler again (at least once).
+        let end = match &result {
+            Ok(done) if done.replayed => RunEnd::Replayed,
+            Ok(_) => RunEnd::Handled,
+            Err(RunError::Failed { .. }) => RunEnd::Failed,
+            Err(RunError::InProgress { .. }) => RunEnd::InProgress,
+            Err(RunError::Mismatch) => RunEnd::Mismatch,
+            Err(RunError::Codec(_)) => RunEnd::Undecodable,
             Err(RunError::NotRecorded(e)) => {
                 tracing::warn!(error = %e, "a handled message's result could not be stored");
-                requeue(s.lease)
+                RunEnd::NotRecorded
             }
             Err(e) => {
-                // The store failed before the claim (nothing ran), or the lease was taken
-                // over (another attempt owns the key and settles its own delivery).
                 tracing::warn!(error = %e, "a message was not handled; requeued");
-                requeue(self.delay_after(attempt))
+                RunEnd::Unsettled
             }
+        };
+        match verdict(end) {
+            Verdict::Ack if end == RunEnd::Replayed => (Disposition::Ack, Outcome::Replayed),
+            Verdict::Ack => (Disposition::Ack, Outcome::Handled),
+            Verdict::RequeueAfterHolder => {
+                let holder = match &result {
+                    Err(RunError::InProgress { retry_after }) => *retry_after,
+                    _ => s.lease,
+                };
+                requeue(holder.clamp(s.backoff_first, s.backoff_max))
+            }
+            // The record stays in progress until its lease runs out; a redelivery before then
+            // waits, one after it runs the handler again (at least once).
+            Verdict::RequeueAfterLease => requeue(s.lease),
+            Verdict::RequeueWithBackoff => requeue(self.delay_after(attempt)),
+            Verdict::DeadLetter(reason) => {
+                let detail = match &result {
+                    Err(RunError::Mismatch) => {
+                        "the key was used before with another payload".to_owned()
+                    }
+                    Err(RunError::Codec(e)) => e.to_string(),
+                    Err(e) => e.to_string(),
+                    Ok(_) => String::new(),
+                };
+                dead(reason, detail)
+            }
+            Verdict::ByFailure => match result {
+                Err(RunError::Failed { error, .. }) => self.after_failure(error),
+                _ => requeue(self.delay_after(attempt)),
+            },
         }
     }
 

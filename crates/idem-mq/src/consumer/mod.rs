@@ -32,11 +32,13 @@ mod decide;
 mod keep_alive;
 mod run;
 mod settings;
+mod verdict;
 
 use counts::Counters;
 pub use counts::Counts;
 pub use settings::DEFAULT_SCOPE;
 use settings::Settings;
+pub use verdict::{RunEnd, Verdict, verdict};
 
 /// A message as the handler sees it.
 #[derive(Debug, Clone)]
