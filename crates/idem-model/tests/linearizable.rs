@@ -18,6 +18,10 @@
 //! note when nothing answers there, a failure under `CI=true`). `IDEM_LINEARIZABLE_ROUNDS`
 //! sets the rounds per store (default 300); `--nocapture` shows the figures of each run.
 //!
+//! Every history is also held to the rules of [`oracle`], which need no specification: the
+//! specification is idem-core's state machine, which the memory and SQLite stores run too, so a
+//! failure says whether the store or idem-core is the one to doubt.
+//!
 //! The check can fail: a history in which two `begin`s both acquire with one fence is
 //! rejected, and so is a store whose `begin` reads and then writes in two steps.
 
@@ -35,6 +39,7 @@ use idem_core::{
     StepName, Store, Timestamp,
 };
 use idem_model::linearizable::{Op, RecordSpec, Ret};
+use idem_model::oracle::{self, Call};
 use idem_store::{
     MySqlOptions, MySqlStore, PostgresOptions, PostgresStore, RedisOptions, RedisStore, SqliteStore,
 };
@@ -300,8 +305,10 @@ struct Figures {
     takeovers: u64,
     replays: u64,
     refused: u64,
-    /// Rounds whose history is not linearizable.
+    /// Rounds whose history is not linearizable: the store and idem-core disagree.
     violations: u64,
+    /// Rounds whose history breaks a rule checked without idem-core ([`oracle`]).
+    broken: u64,
 }
 
 /// What the threads of a round share: the history, what each call saw of the others, and the
@@ -312,6 +319,8 @@ struct Shared {
     /// The history as text, to print when it is not linearizable.
     log: Vec<String>,
     leases: Vec<(Key, Lease)>,
+    /// The history for the checks without a specification.
+    calls: Vec<Call>,
     figures: Figures,
 }
 
@@ -389,12 +398,19 @@ async fn thread(
             }
             _ => Op::Get { key, now },
         };
-        let invoked = {
+        let (invoked, call) = {
             let mut s = shared.lock().unwrap();
             s.tester.on_invoke(t, op.clone()).unwrap();
             s.log.push(format!("t{t} calls   {}", Show(start, &op)));
             s.events += 1;
-            s.events
+            let invoked = s.events;
+            s.calls.push(Call {
+                op: op.clone(),
+                ret: None,
+                invoked,
+                answered: u64::MAX,
+            });
+            (invoked, s.calls.len() - 1)
         };
         let answer = target.call(&op).await;
         let mut guard = shared.lock().unwrap();
@@ -411,6 +427,8 @@ async fn thread(
         };
         s.events += 1;
         s.log.push(format!("t{t} answers {}", Show(start, &ret)));
+        s.calls[call].ret = Some(ret.clone());
+        s.calls[call].answered = s.events;
         let f = &mut s.figures;
         f.calls += 1;
         f.overlapping += u64::from(s.events - invoked > 1);
@@ -457,6 +475,7 @@ async fn run(target: impl Target, what: &str, rounds: u64) -> Figures {
             events: 0,
             log: Vec::new(),
             leases: Vec::new(),
+            calls: Vec::new(),
             figures: Figures::default(),
         }));
         let start = Timestamp::now();
@@ -488,18 +507,45 @@ async fn run(target: impl Target, what: &str, rounds: u64) -> Figures {
         figures.takeovers += f.takeovers;
         figures.replays += f.replays;
         figures.refused += f.refused;
-        if s.tester.serialized_history().is_none() {
-            figures.violations += 1;
-            if figures.violations == 1 {
+        let linearizable = s.tester.serialized_history().is_some();
+        // Retention is 4 ms or a minute: a record kept a minute outlives the round.
+        let broken = oracle::violations(&s.calls, Duration::from_secs(30));
+        if !linearizable || !broken.is_empty() {
+            let first = figures.violations + figures.broken == 0;
+            figures.violations += u64::from(!linearizable);
+            figures.broken += u64::from(!broken.is_empty());
+            if first {
                 eprintln!(
-                    "{what}: round {round} is not linearizable (times in ms from {start:?}, \
-                     fences as ms:acquisition, lease ids by their first hex digits):\n{}",
+                    "{what}: round {round}: {} (times in ms from {start:?}, fences as \
+                     ms:acquisition, lease ids by their first hex digits):\n{}",
+                    verdict(linearizable, &broken),
                     s.log.join("\n")
                 );
             }
         }
     }
     figures
+}
+
+/// Where a round that failed points: at the store when its history breaks the rules checked
+/// without idem-core, at idem-core when the store agrees with it and still breaks them; when
+/// only the linearizability check fails, the two disagree and either may be wrong.
+fn verdict(linearizable: bool, broken: &[String]) -> String {
+    let rules = broken.join("; ");
+    match (linearizable, broken.is_empty()) {
+        (false, true) => "store and idem-core disagree: no order of the calls gives every \
+                          answer idem-core's state machine gives, and the history keeps every \
+                          rule checked without it"
+            .to_owned(),
+        (true, false) => format!(
+            "the store agrees with idem-core, and the history breaks rules checked without \
+             it, so idem-core's state machine is wrong: {rules}"
+        ),
+        _ => format!(
+            "store and idem-core disagree, and the store's history breaks rules checked \
+             without idem-core, so the store is wrong: {rules}"
+        ),
+    }
 }
 
 fn rounds() -> u64 {
@@ -526,7 +572,14 @@ async fn check<S: Store>(store: S, kind: &str) {
         f.refused,
         began.elapsed()
     );
-    assert_eq!(f.violations, 0, "{kind}: histories not linearizable: {f:?}");
+    assert_eq!(
+        f.violations, 0,
+        "{kind}: store and idem-core disagree (not linearizable): {f:?}"
+    );
+    assert_eq!(
+        f.broken, 0,
+        "{kind}: histories break rules checked without idem-core: {f:?}"
+    );
     // The rounds did what they are for: leases passed from one attempt to the next, answers
     // were replayed and stale leases refused. (Calls that overlap are counted, not required:
     // the memory store answers in microseconds under one lock, and on a busy machine its
