@@ -1,6 +1,8 @@
 //! The consumer engine over RabbitMQ.
 
 use super::*;
+use idem_mq::Outcome;
+use idem_testkit::{Fault, FaultyStore, Op};
 
 /// Per key: how many handlers run it now, the most that ever did at once, and how many ran.
 #[derive(Default)]
@@ -518,4 +520,70 @@ async fn a_source_of_another_broker_named_alike_never_lends_its_records() {
         "the RabbitMQ consumer ran every id"
     );
     assert_eq!(consumer.counts().replayed, 0);
+}
+
+/// Publishes one message, has the store fail `op` `times` in a row, and processes its
+/// deliveries one by one: the first is requeued, never acked, once the handler ran
+/// `ran_first` times; the copy the broker delivers again runs it once more and is acked,
+/// leaving nothing in the queue.
+async fn a_store_failure_requeues(prefix: &str, op: Op, times: usize, ran_first: usize) {
+    let Some((url, queue, _cleanup)) = setup(prefix, QueueType::Quorum).await else {
+        return;
+    };
+    let mut source = AmqpSource::connect(&url, &queue).await.expect("source");
+    let publisher = AmqpPublisher::connect(&url).await.expect("publisher");
+    publisher
+        .publish_once("", &queue, "k-store", b"x", BasicProperties::default())
+        .await
+        .expect("publish");
+    let store = FaultyStore::new(MemoryStore::new());
+    for _ in 0..times {
+        store.fail_next(op, Fault::Unavailable);
+    }
+    let consumer = Consumer::new(store)
+        .lease(Duration::from_millis(300))
+        .backoff(Duration::from_millis(50), Duration::from_millis(200));
+    let ran = Arc::new(AtomicUsize::new(0));
+    let handler = {
+        let ran = ran.clone();
+        move |_: Message| {
+            ran.fetch_add(1, Ordering::SeqCst);
+            std::future::ready(Ok::<_, Failure<String>>(()))
+        }
+    };
+
+    let d = next(&mut source).await;
+    let outcome = consumer
+        .process(&source, d, &handler)
+        .await
+        .expect("process");
+    assert_eq!(outcome, Outcome::Requeued, "not acked");
+    assert_eq!(ran.load(Ordering::SeqCst), ran_first);
+
+    let d = next(&mut source).await;
+    assert_eq!(d.message_id(), Some("k-store"), "the broker kept it");
+    assert_eq!(d.delivery_count(), Some(2));
+    let outcome = consumer
+        .process(&source, d, &handler)
+        .await
+        .expect("process");
+    assert_eq!(outcome, Outcome::Handled);
+    assert_eq!(ran.load(Ordering::SeqCst), ran_first + 1);
+    source.shutdown().await;
+    assert_eq!(depth(&url, &queue).await, 0, "acked, nothing left");
+}
+
+/// The store fails to take a handled message's result: the message is requeued, never acked;
+/// once the record's lease has ended, the redelivery runs it again and is acked.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_result_the_store_did_not_take_is_requeued_never_acked() {
+    // The engine tries a `complete` three times before it gives up.
+    a_store_failure_requeues("not-taken", Op::Complete, 3, 1).await;
+}
+
+/// The store fails the claim: nothing runs, the message is requeued, and its redelivery runs
+/// once and is acked.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_claim_the_store_failed_runs_nothing_and_is_requeued() {
+    a_store_failure_requeues("no-claim", Op::Begin, 1, 0).await;
 }
