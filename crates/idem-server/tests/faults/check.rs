@@ -21,6 +21,8 @@ pub(crate) enum Event {
     },
     /// The nemesis struck.
     Fault { fault: String, gateway: usize },
+    /// The fault that struck last is over.
+    Healed,
     /// What happened in a relay run (`relay.rs`).
     Relay(RelayEvent),
     /// What a burst of large answers at gateway `gateway`, its store stalled, cost it: the
@@ -79,12 +81,12 @@ impl History {
     }
 
     pub(crate) fn events(&self) -> Vec<Event> {
-        self.events
-            .lock()
-            .unwrap()
-            .iter()
-            .map(|(_, e)| e.clone())
-            .collect()
+        self.timed().into_iter().map(|(_, e)| e).collect()
+    }
+
+    /// Every event with its time, in microseconds since the start.
+    pub(crate) fn timed(&self) -> Vec<(u128, Event)> {
+        self.events.lock().unwrap().clone()
     }
 
     /// One line per event: microseconds since the start, then the event.
@@ -120,6 +122,11 @@ pub(crate) struct Report {
     pub(crate) bursts: usize,
     pub(crate) kept_peak: usize,
     pub(crate) rss_growth: usize,
+    /// Answers by status (0: none in time).
+    pub(crate) statuses: BTreeMap<u16, usize>,
+    /// Per kind of fault: how many struck, and how many requests answered other than 2xx, or
+    /// not in time, while it lasted or within [`AFTERMATH`] of its end.
+    pub(crate) kinds: BTreeMap<String, (usize, usize)>,
     pub(crate) violations: Vec<String>,
 }
 
@@ -140,6 +147,24 @@ impl fmt::Display for Report {
             self.unknown,
             self.violations.len()
         )?;
+        let statuses: Vec<String> = self
+            .statuses
+            .iter()
+            .map(|(s, n)| {
+                if *s == 0 {
+                    format!("{n} none")
+                } else {
+                    format!("{n} {s}")
+                }
+            })
+            .collect();
+        write!(f, "; answers: {}", statuses.join(", "))?;
+        let kinds: Vec<String> = self
+            .kinds
+            .iter()
+            .map(|(k, (struck, hit))| format!("{k} {struck}× ({hit} requests disturbed)"))
+            .collect();
+        write!(f, "; faults: {}", kinds.join(", "))?;
         if self.bursts > 0 {
             write!(
                 f,
@@ -157,6 +182,18 @@ impl fmt::Display for Report {
     }
 }
 
+/// How long after a fault ends the requests that fail are still put down to it: a client's
+/// timeout, and a little more.
+const AFTERMATH: u128 = 2_000_000;
+
+/// Statuses a client may be answered under faults without anything being wrong: a key in
+/// progress or held unknown (409), too early (425), too busy (429), and any 5xx (the store or
+/// the upstream failed, or an answer was not stored). Any other 4xx says the request was
+/// misread, which these clients' requests never deserve.
+fn expected(status: u16) -> bool {
+    matches!(status, 200..=299 | 409 | 425 | 429 | 500..=599)
+}
+
 /// The fence an answer of the ledger names.
 pub(crate) fn fence_of(body: &str) -> Option<u64> {
     let rest = body.split("\"fence\":").nth(1)?;
@@ -169,10 +206,21 @@ pub(crate) fn fence_of(body: &str) -> Option<u64> {
 pub(crate) fn check(history: &History, ledger: &Entries) -> Report {
     let mut r = Report::default();
     let mut answers: BTreeMap<String, Vec<String>> = BTreeMap::new();
-    for e in history.events() {
+    // The fault striking, or the last one, and when it began and ended.
+    let mut window: Option<(String, u128, Option<u128>)> = None;
+    for (at, e) in history.timed() {
         match e {
             Event::Invoke { .. } => r.requests += 1,
-            Event::Fault { .. } => r.faults += 1,
+            Event::Fault { fault, .. } => {
+                r.faults += 1;
+                r.kinds.entry(fault.clone()).or_default().0 += 1;
+                window = Some((fault, at, None));
+            }
+            Event::Healed => {
+                if let Some((_, _, end)) = &mut window {
+                    *end = Some(at);
+                }
+            }
             Event::Relay(_) => {}
             Event::Memory {
                 gateway,
@@ -200,17 +248,33 @@ pub(crate) fn check(history: &History, ledger: &Entries) -> Report {
                     ));
                 }
             }
-            Event::Complete { key, answer } => match answer {
-                Some((200..=299, replayed, body)) => {
-                    r.answered += 1;
-                    r.replays += usize::from(replayed);
-                    answers.entry(key).or_default().push(body);
+            Event::Complete { key, answer } => {
+                let status = answer.as_ref().map_or(0, |a| a.0);
+                *r.statuses.entry(status).or_default() += 1;
+                let within = window
+                    .as_ref()
+                    .filter(|(_, _, end)| end.is_none_or(|end| at <= end + AFTERMATH));
+                if let Some((kind, _, _)) = within
+                    && !(200..=299).contains(&status)
+                {
+                    r.kinds.entry(kind.clone()).or_default().1 += 1;
                 }
-                Some((409, _, body)) if body.contains("outcome_unknown") => {
-                    answers.entry(key).or_default();
+                if let Some((status, _, body)) = answer.as_ref().filter(|a| !expected(a.0)) {
+                    r.violations
+                        .push(format!("{key}: answered {status} {body}"));
                 }
-                _ => {}
-            },
+                match answer {
+                    Some((200..=299, replayed, body)) => {
+                        r.answered += 1;
+                        r.replays += usize::from(replayed);
+                        answers.entry(key).or_default().push(body);
+                    }
+                    Some((409, _, body)) if body.contains("outcome_unknown") => {
+                        answers.entry(key).or_default();
+                    }
+                    _ => {}
+                }
+            }
         }
     }
     let mut writes: HashMap<(&str, u64), usize> = HashMap::new();
@@ -405,6 +469,23 @@ mod planted {
         let r = check(&h, &ledger(&[("k", 5000), ("k", 5001)]));
         assert_eq!(r.violations.len(), 2, "{r}");
         assert_eq!(r.superseded, 1);
+    }
+
+    #[test]
+    fn an_answer_no_client_deserves_is_flagged() {
+        let h = History::default();
+        for (status, body) in [
+            (503, "answer_not_stored"),
+            (409, "in_progress"),
+            (422, "mismatch"),
+        ] {
+            h.push(Event::Complete {
+                key: "k".into(),
+                answer: Some((status, false, body.into())),
+            });
+        }
+        let r = check(&h, &ledger(&[]));
+        assert_eq!(r.violations, ["k: answered 422 mismatch"], "{r}");
     }
 
     #[test]

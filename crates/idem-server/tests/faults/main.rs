@@ -566,6 +566,7 @@ fn run(work: Work, chosen: &str) {
         } else {
             strike(&mut cluster, fault, victim);
         }
+        history.push(Event::Healed);
         struck += 1;
     }
     // Quiet: every key settles, then each is asked once more through every instance.
@@ -602,5 +603,11 @@ fn run(work: Work, chosen: &str) {
     println!("{work:?}: {report}");
     assert!(report.faults >= kinds.len(), "the nemesis ran: {report}");
     assert!(report.keys > 0, "the ledger took writes: {report}");
+    // The faults reached the work: some attempt was overtaken after its lease, and its write
+    // superseded or refused by fence.
+    assert!(
+        report.superseded + report.refused > 0,
+        "no attempt was overtaken: {report}"
+    );
     assert!(report.violations.is_empty(), "{report}");
 }
