@@ -29,6 +29,7 @@
 use std::collections::HashSet;
 use std::process::{Child, Command, Stdio};
 use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use async_nats::jetstream;
@@ -47,9 +48,9 @@ use crate::{Schedule, cluster, fault_kinds, seconds};
 /// Relays consuming each source at once.
 const RELAYS: usize = 2;
 
-/// Message ids published per second of `IDEM_FAULTS_SECS` (three in ten once more). Each
-/// backend's nemesis runs half of it, so that the two relay runs together take about as long
-/// as the gateways' run beside them on two cores.
+/// Message ids published per second while the nemesis strikes (three in ten once more). Each
+/// run's nemesis runs at least half of `IDEM_FAULTS_SECS`, so that the relay runs together
+/// take about as long as the gateways' run beside them on two cores.
 const PER_SECOND: usize = 25;
 
 /// How long the run may take to drain once the nemesis is done: bounded, so that a message
@@ -745,7 +746,9 @@ fn strike(relays: &mut Relays, store: &mut cluster::Store, fault: &str, victim: 
         }
         // Its store connections drop, answers in flight lost after the store did the work.
         "cut" => relays.proxy(victim).cut(),
-        "store" => assert!(store.crash_and_restart(Duration::from_millis(500))),
+        // Down long enough that a `complete` in flight fails through its retries: the
+        // handled message's result is not recorded, and it must not be acked.
+        "store" => assert!(store.crash_and_restart(Duration::from_millis(1500))),
         other => unreachable!("no fault {other}"),
     }
 }
@@ -796,8 +799,7 @@ fn relay_under_faults(brokers: &[Broker], chosen: &str) -> Vec<Ran> {
             history: Arc::new(History::default()),
         })
         .collect();
-    let secs = seconds();
-    let length = Duration::from_secs(secs) / 2;
+    let length = Duration::from_secs(seconds()) / 2;
     let publishers: Vec<(Publisher, Arc<History>)> = sources
         .iter()
         .map(|s| (rt.block_on(s.broker.prepare()), s.history.clone()))
@@ -807,38 +809,45 @@ fn relay_under_faults(brokers: &[Broker], chosen: &str) -> Vec<Ran> {
     // The publisher: every id once to every source, spread over most of the run, and three in
     // ten again some thirty messages later (a publisher's retry, or a copy the broker
     // delivered twice).
-    let n = PER_SECOND * usize::try_from(secs).unwrap();
+    // The publisher: new ids at `PER_SECOND` for as long as the nemesis strikes, so that every
+    // fault finds messages in flight, each of three in ten again some thirty ids later (a
+    // publisher's retry, or a copy the broker delivered twice); then those copies still due.
     let run = run_id();
-    let ids: Vec<String> = (0..n).map(|i| format!("r{run}-m{i}")).collect();
-    let mut order: Vec<&String> = Vec::new();
-    for (i, id) in ids.iter().enumerate() {
-        order.push(id);
-        if i >= 30 && (i - 30) % 10 < 3 {
-            order.push(&ids[i - 30]);
-        }
-    }
-    order.extend(
-        ids[n.saturating_sub(30)..]
-            .iter()
-            .enumerate()
-            .filter_map(|(j, id)| ((n - 30 + j) % 10 < 3).then_some(id)),
-    );
-    let order: Vec<String> = order.into_iter().cloned().collect();
-    let pace = length.mul_f64(0.8) / u32::try_from(order.len()).unwrap();
-    let published = rt.spawn(async move {
-        for id in order {
-            for (publisher, history) in &publishers {
-                if publisher.publish(&id).await {
-                    let id = id.clone();
-                    history.push(Event::Relay(RelayEvent::Published { id }));
+    let striking = Arc::new(AtomicBool::new(true));
+    let published = rt.spawn({
+        let striking = striking.clone();
+        async move {
+            let id = |i: usize| format!("r{run}-m{i}");
+            let copy = |i: usize| i % 10 < 3;
+            let publish = async |id: String| {
+                for (publisher, history) in &publishers {
+                    if publisher.publish(&id).await {
+                        let id = id.clone();
+                        history.push(Event::Relay(RelayEvent::Published { id }));
+                    }
+                }
+            };
+            let pace = Duration::from_secs(1) / u32::try_from(PER_SECOND).unwrap();
+            let mut n = 0;
+            while striking.load(Ordering::Relaxed) {
+                publish(id(n)).await;
+                if n >= 30 && copy(n - 30) {
+                    publish(id(n - 30)).await;
+                }
+                n += 1;
+                tokio::time::sleep(pace).await;
+            }
+            for i in n.saturating_sub(30)..n {
+                if copy(i) {
+                    publish(id(i)).await;
                 }
             }
-            tokio::time::sleep(pace).await;
-        }
-        for (publisher, _) in publishers {
-            if let Publisher::Amqp(p, _) = publisher {
-                p.close().await;
+            for (publisher, _) in publishers {
+                if let Publisher::Amqp(p, _) = publisher {
+                    p.close().await;
+                }
             }
+            (0..n).map(id).collect::<Vec<String>>()
         }
     });
 
@@ -871,7 +880,8 @@ fn relay_under_faults(brokers: &[Broker], chosen: &str) -> Vec<Ran> {
         strike(&mut relays, &mut store, fault, victim);
         struck += 1;
     }
-    rt.block_on(published).unwrap();
+    striking.store(false, Ordering::Relaxed);
+    let ids = rt.block_on(published).unwrap();
 
     // Drained: every id has its effect or a dead letter at every source, and the brokers have
     // nothing left to deliver; then the relays stop, and what a broker still holds was never
