@@ -37,7 +37,9 @@ pub(crate) struct Config {
     pub(crate) store_timeout: Duration,
 }
 
-/// The default [`Config::store_timeout`]: 5 s, the stores' own response timeout.
+/// The default store timeout
+/// ([`IdempotencyLayer::store_timeout`](crate::IdempotencyLayer::store_timeout)): 5 s, the
+/// stores' own response timeout.
 pub const DEFAULT_STORE_TIMEOUT: Duration = Duration::from_secs(5);
 
 impl Config {
