@@ -247,3 +247,166 @@ fn fences_count_acquisitions_and_survive_a_lost_record() {
     assert!(fresh.fence > lease.fence);
     assert!(!fresh.may_resume());
 }
+
+/// The retention idem documents: a day by default, a year at most.
+#[test]
+fn the_documented_retention_bounds() {
+    assert_eq!(DEFAULT_TTL, Duration::from_secs(86_400));
+    assert_eq!(MAX_TTL, Duration::from_secs(365 * 86_400));
+}
+
+/// A status's name is what the SQL stores write and read back: each one round-trips, and
+/// nothing else is read as a status.
+#[test]
+fn a_status_reads_back_as_written() {
+    for status in [Status::InProgress, Status::Completed, Status::Released] {
+        assert_eq!(Status::parse(status.as_str()), Some(status));
+        assert_eq!(status.to_string(), status.as_str());
+    }
+    assert_eq!(
+        [Status::InProgress, Status::Completed, Status::Released].map(Status::as_str),
+        ["in_progress", "completed", "released"]
+    );
+    assert_eq!(Status::parse("xyzzy"), None);
+    assert_eq!(Status::parse(""), None);
+}
+
+/// A record lives until its expiry, not at it: at `expires_at` it is gone (an in-progress one
+/// once both its lease and its expiry have passed).
+#[test]
+fn a_record_is_live_until_its_expiry_and_not_at_it() {
+    let r = req(b"a");
+    let (lease, rec) = acquire(None, &r, t(0));
+    let done = Record::complete(Some(&rec), &lease, Bytes::from_static(b"ok"), t(2))
+        .unwrap()
+        .unwrap();
+    let end = done.expires_at;
+    assert!(done.is_live(Timestamp::from_millis(end.as_millis() - 1)));
+    assert!(!done.is_live(end));
+    assert!(rec.is_live(Timestamp::from_millis(rec.expires_at.as_millis() - 1)));
+    assert!(!rec.is_live(rec.expires_at.max(rec.lease_expires_at)));
+}
+
+/// A record holds a lease only when both its id and its fence are the record's.
+#[test]
+fn a_lease_is_held_only_with_its_id_and_its_fence() {
+    let (lease, rec) = acquire(None, &req(b"a"), t(0));
+    assert!(rec.holds(&lease));
+    let other_fence = Lease {
+        fence: lease.fence + 1,
+        ..lease
+    };
+    let other_id = Lease {
+        id: LeaseId::generate(),
+        ..lease
+    };
+    assert!(!rec.holds(&other_fence));
+    assert!(!rec.holds(&other_id));
+}
+
+/// Only the holder of a live in-progress record renews it: the lease moves on, and retention
+/// after it; another lease, a completed record and a record past its expiry are refused.
+#[test]
+fn only_the_holder_of_a_live_attempt_renews_it() {
+    let r = req(b"a");
+    let (lease, rec) = acquire(None, &r, t(0));
+    let mut renewed = rec.clone();
+    let longer = renewed
+        .renew_in_place(&lease, Duration::from_secs(30), t(5))
+        .unwrap();
+    assert_eq!((longer.id, longer.fence), (lease.id, lease.fence));
+    assert_eq!(longer.expires_at, t(35));
+    assert_eq!(renewed.lease_expires_at, t(35));
+    assert_eq!(renewed.expires_at, t(135));
+
+    let stranger = Lease {
+        id: LeaseId::generate(),
+        ..lease
+    };
+    let mut other = rec.clone();
+    assert_eq!(
+        other.renew_in_place(&stranger, Duration::from_secs(30), t(5)),
+        Err(StaleLease)
+    );
+    let done = Record::complete(Some(&rec), &lease, Bytes::from_static(b"ok"), t(2))
+        .unwrap()
+        .unwrap();
+    let mut completed = done.clone();
+    assert_eq!(
+        completed.renew_in_place(&lease, Duration::from_secs(30), t(5)),
+        Err(StaleLease)
+    );
+    let mut dead = rec.clone();
+    let gone = dead.expires_at.max(dead.lease_expires_at);
+    assert_eq!(
+        dead.renew_in_place(&lease, Duration::from_secs(30), gone),
+        Err(StaleLease)
+    );
+    assert_eq!((other, completed, dead), (rec.clone(), done, rec));
+}
+
+/// The lease lengths idem documents: a minute by default, a day at most.
+#[test]
+fn the_documented_lease_bounds() {
+    assert_eq!(DEFAULT_LEASE, Duration::from_secs(60));
+    assert_eq!(MAX_LEASE, Duration::from_secs(86_400));
+}
+
+/// A lease id survives the stores' two forms (16 big-endian bytes, 32 hex digits); nothing
+/// else parses as one, and its debug form shows only a prefix (the whole id is a capability).
+#[test]
+fn a_lease_id_round_trips_and_shows_only_a_prefix() {
+    let id = LeaseId::parse("0123456789abcdef0123456789abcdef").unwrap();
+    assert_eq!(id.to_bytes()[..4], [0x01, 0x23, 0x45, 0x67]);
+    assert_eq!(LeaseId::from_bytes(id.to_bytes()), id);
+    assert_eq!(LeaseId::parse(&id.to_string()), Some(id));
+    for bad in [
+        "0123456789abcdef0123456789abcde",
+        "0123456789abcdef0123456789abcdefa",
+        "0123456789abcdef0123456789abcdeg",
+        "",
+    ] {
+        assert_eq!(LeaseId::parse(bad), None, "{bad}");
+    }
+    assert_eq!(format!("{id:?}"), "LeaseId(01234567…)");
+}
+
+/// A renewed lease keeps its id and fence and ends `length` after now (at least a
+/// millisecond).
+#[test]
+fn a_renewed_lease_ends_its_length_after_now() {
+    let (lease, _) = acquire(None, &req(b"a"), t(0));
+    let renewed = lease.renewed(Duration::from_secs(7), t(3));
+    assert_eq!(
+        renewed,
+        Lease {
+            expires_at: t(10),
+            ..lease
+        }
+    );
+    let least = lease.renewed(Duration::ZERO, t(3));
+    assert_eq!(least.expires_at, Timestamp::from_millis(3_001));
+}
+
+/// Only a live record completed by the named fence is reopened.
+#[test]
+fn only_a_live_completion_of_the_named_fence_reopens() {
+    let (lease, rec) = acquire(None, &req(b"a"), t(0));
+    let done = Record::complete(Some(&rec), &lease, Bytes::from_static(b"ok"), t(2))
+        .unwrap()
+        .unwrap();
+    let mut wrong_fence = done.clone();
+    assert!(!wrong_fence.reopen_in_place(lease.fence + 1, t(3)));
+    let mut running = rec.clone();
+    assert!(!running.reopen_in_place(lease.fence, t(3)));
+    let mut dead = done.clone();
+    assert!(!dead.reopen_in_place(lease.fence, done.expires_at));
+    assert_eq!(
+        (wrong_fence, running, dead),
+        (done.clone(), rec, done.clone())
+    );
+    let mut reopened = done;
+    assert!(reopened.reopen_in_place(lease.fence, t(3)));
+    assert_eq!(reopened.status, Status::Released);
+    assert_eq!(reopened.response, None);
+}
