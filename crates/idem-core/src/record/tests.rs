@@ -318,6 +318,13 @@ fn only_the_holder_of_a_live_attempt_renews_it() {
     assert_eq!(longer.expires_at, t(35));
     assert_eq!(renewed.lease_expires_at, t(35));
     assert_eq!(renewed.expires_at, t(135));
+    // A lease that ran out but was not taken over may still renew: its record is kept.
+    let mut lapsed = rec.clone();
+    assert!(
+        lapsed
+            .renew_in_place(&lease, Duration::from_secs(30), t(15))
+            .is_ok()
+    );
 
     let stranger = Lease {
         id: LeaseId::generate(),
