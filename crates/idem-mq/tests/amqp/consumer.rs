@@ -1,8 +1,7 @@
 //! The consumer engine over RabbitMQ.
 
 use super::*;
-use idem_mq::Outcome;
-use idem_testkit::{Fault, FaultyStore, Op};
+use idem_testkit::Op;
 
 /// Per key: how many handlers run it now, the most that ever did at once, and how many ran.
 #[derive(Default)]
@@ -522,11 +521,9 @@ async fn a_source_of_another_broker_named_alike_never_lends_its_records() {
     assert_eq!(consumer.counts().replayed, 0);
 }
 
-/// Publishes one message, has the store fail `op` `times` in a row, and processes its
-/// deliveries one by one: the first is requeued, never acked, once the handler ran
-/// `ran_first` times; the copy the broker delivers again runs it once more and is acked,
-/// leaving nothing in the queue.
-async fn a_store_failure_requeues(prefix: &str, op: Op, times: usize, ran_first: usize) {
+/// One message whose store fails `op` `times` in a row: requeued, delivered again by the
+/// broker, then acked, leaving nothing in the queue (see [`store_failure_requeues`]).
+async fn a_store_failure_requeues(prefix: &str, op: Op, times: usize, ran_first: u32) {
     let Some((url, queue, _cleanup)) = setup(prefix, QueueType::Quorum).await else {
         return;
     };
@@ -536,39 +533,7 @@ async fn a_store_failure_requeues(prefix: &str, op: Op, times: usize, ran_first:
         .publish_once("", &queue, "k-store", b"x", BasicProperties::default())
         .await
         .expect("publish");
-    let store = FaultyStore::new(MemoryStore::new());
-    for _ in 0..times {
-        store.fail_next(op, Fault::Unavailable);
-    }
-    let consumer = Consumer::new(store)
-        .lease(Duration::from_millis(300))
-        .backoff(Duration::from_millis(50), Duration::from_millis(200));
-    let ran = Arc::new(AtomicUsize::new(0));
-    let handler = {
-        let ran = ran.clone();
-        move |_: Message| {
-            ran.fetch_add(1, Ordering::SeqCst);
-            std::future::ready(Ok::<_, Failure<String>>(()))
-        }
-    };
-
-    let d = next(&mut source).await;
-    let outcome = consumer
-        .process(&source, d, &handler)
-        .await
-        .expect("process");
-    assert_eq!(outcome, Outcome::Requeued, "not acked");
-    assert_eq!(ran.load(Ordering::SeqCst), ran_first);
-
-    let d = next(&mut source).await;
-    assert_eq!(d.message_id(), Some("k-store"), "the broker kept it");
-    assert_eq!(d.delivery_count(), Some(2));
-    let outcome = consumer
-        .process(&source, d, &handler)
-        .await
-        .expect("process");
-    assert_eq!(outcome, Outcome::Handled);
-    assert_eq!(ran.load(Ordering::SeqCst), ran_first + 1);
+    store_failure_requeues(&mut source, "k-store", (op, times), ran_first, async || {}).await;
     source.shutdown().await;
     assert_eq!(depth(&url, &queue).await, 0, "acked, nothing left");
 }
@@ -577,7 +542,6 @@ async fn a_store_failure_requeues(prefix: &str, op: Op, times: usize, ran_first:
 /// once the record's lease has ended, the redelivery runs it again and is acked.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_result_the_store_did_not_take_is_requeued_never_acked() {
-    // The engine tries a `complete` three times before it gives up.
     a_store_failure_requeues("not-taken", Op::Complete, 3, 1).await;
 }
 

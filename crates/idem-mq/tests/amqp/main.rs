@@ -137,6 +137,10 @@ fn kill_connections(name: &str) -> bool {
     true
 }
 
+#[path = "../common/runs.rs"]
+mod runs;
+use runs::store_failure_requeues;
+
 mod adapter;
 mod consumer;
 mod killed;

@@ -1,5 +1,5 @@
 //! What the broker suites share: a record of the handlers' runs, waiting for a condition,
-//! and a switch that stops a consumer.
+//! a switch that stops a consumer, and a message whose store fails.
 
 // Each suite uses a part of it.
 #![allow(dead_code)]
@@ -9,8 +9,8 @@ use std::future::Future;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use idem_mq::{Failure, Message, Source};
-use idem_testkit::within;
+use idem_mq::{Delivery, Failure, Message, Outcome, Source};
+use idem_testkit::{Fault, FaultyStore, Op, within};
 
 /// What a test handler's run returns.
 pub(crate) type Run = std::pin::Pin<Box<dyn Future<Output = Result<(), Failure<String>>> + Send>>;
@@ -139,4 +139,47 @@ pub(crate) async fn next<S: Source>(source: &mut S) -> S::Delivery {
         }
     })
     .await
+}
+
+/// A message `id` waiting in `source` whose store fails `op` `times` in a row (a
+/// [`FaultyStore`] over a memory store; the engine tries a `complete` three times before it
+/// gives up): its first delivery is requeued, never acked, once the handler ran `ran_first`
+/// times, and `held` checks the broker still holds it; the broker delivers it again, and that
+/// delivery runs the handler once more and is acked. The suite checks then that nothing is
+/// left.
+pub(crate) async fn store_failure_requeues<S: Source>(
+    source: &mut S,
+    id: &str,
+    (op, times): (Op, usize),
+    ran_first: u32,
+    held: impl AsyncFnOnce(),
+) {
+    let store = FaultyStore::new(idem::MemoryStore::new());
+    for _ in 0..times {
+        store.fail_next(op, Fault::Unavailable);
+    }
+    let consumer = idem_mq::Consumer::new(store)
+        .lease(Duration::from_millis(300))
+        .backoff(Duration::from_millis(50), Duration::from_millis(200));
+    let runs = Arc::new(Runs::default());
+    let handler = timed_handler(&runs, Duration::ZERO);
+
+    let d = next(source).await;
+    let outcome = consumer
+        .process(source, d, &handler)
+        .await
+        .expect("process");
+    assert_eq!(outcome, Outcome::Requeued, "not acked");
+    assert_eq!(runs.of(id), ran_first);
+    held().await;
+
+    let d = next(source).await;
+    assert_eq!(d.message_id(), Some(id), "the broker kept it");
+    assert_eq!(d.delivery_count(), Some(2));
+    let outcome = consumer
+        .process(source, d, &handler)
+        .await
+        .expect("process");
+    assert_eq!(outcome, Outcome::Handled);
+    assert_eq!(runs.of(id), ran_first + 1);
 }

@@ -2,8 +2,7 @@
 //! server restart.
 
 use super::*;
-use idem_mq::Outcome;
-use idem_testkit::{Fault, FaultyStore, Op};
+use idem_testkit::Op;
 
 /// A [`NatsSource`] that counts each message id's deliveries and, with `progress` off, hides
 /// the broker's ack timer from the consumer and swallows its progress reports (so the server
@@ -551,10 +550,8 @@ async fn the_consumer_runs_each_id_once_across_a_server_restart() {
     );
 }
 
-/// Publishes one message, has the store fail `op` `times` in a row, and processes its
-/// deliveries one by one: the first is requeued, never acked, once the handler ran
-/// `ran_first` times; the server delivers it again, and that delivery runs it once more and is
-/// acked, leaving nothing pending.
+/// One message whose store fails `op` `times` in a row: requeued, delivered again by the
+/// server, then acked, leaving nothing pending (see [`store_failure_requeues`]).
 async fn a_store_failure_requeues(op: Op, times: usize, ran_first: u32) {
     let Some(url) = nats_url() else { return };
     let streams = Streams::new(&url, |_| {}).await;
@@ -563,33 +560,7 @@ async fn a_store_failure_requeues(op: Op, times: usize, ran_first: u32) {
         .connect(&url)
         .await
         .expect("source");
-    let store = FaultyStore::new(idem::MemoryStore::new());
-    for _ in 0..times {
-        store.fail_next(op, Fault::Unavailable);
-    }
-    let consumer = Consumer::new(store)
-        .lease(Duration::from_millis(300))
-        .backoff(Duration::from_millis(50), Duration::from_millis(200));
-    let runs = Arc::new(Runs::default());
-    let handler = timed_handler(&runs, Duration::ZERO);
-
-    let d = next(&mut source).await;
-    let outcome = consumer
-        .process(&source, d, &handler)
-        .await
-        .expect("process");
-    assert_eq!(outcome, Outcome::Requeued, "not acked");
-    assert_eq!(runs.of("order-1"), ran_first);
-
-    let d = next(&mut source).await;
-    assert_eq!(d.message_id(), Some("order-1"), "the server kept it");
-    assert_eq!(d.delivery_count(), Some(2));
-    let outcome = consumer
-        .process(&source, d, &handler)
-        .await
-        .expect("process");
-    assert_eq!(outcome, Outcome::Handled);
-    assert_eq!(runs.of("order-1"), ran_first + 1);
+    store_failure_requeues(&mut source, "order-1", (op, times), ran_first, async || {}).await;
     assert_all_settled(&streams, "faulty").await;
 }
 
@@ -597,7 +568,6 @@ async fn a_store_failure_requeues(op: Op, times: usize, ran_first: u32) {
 /// once the record's lease has ended, the redelivery runs it again and is acked.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_result_the_store_did_not_take_is_requeued_never_acked() {
-    // The engine tries a `complete` three times before it gives up.
     a_store_failure_requeues(Op::Complete, 3, 1).await;
 }
 

@@ -6,8 +6,8 @@ use super::*;
 use crate::runs::*;
 use idem::RedisStore;
 use idem_mq::redis_streams::{DETAIL_FIELD, REASON_FIELD};
-use idem_mq::{Consumer, Failure, Message, Outcome};
-use idem_testkit::{Fault, FaultyStore, Op, PATIENCE};
+use idem_mq::{Consumer, Failure, Message};
+use idem_testkit::{Op, PATIENCE};
 
 async fn store(url: &str) -> RedisStore {
     let prefix = format!("idemt:{:08x}:", rand::random::<u32>());
@@ -194,10 +194,8 @@ async fn streams_whose_names_join_alike_never_share_records() {
     }
 }
 
-/// Adds one entry, has the store fail `op` `times` in a row, and processes its deliveries one
-/// by one: the first is requeued, never acked, once the handler ran `ran_first` times; the
-/// entry is claimed again, and that delivery runs it once more and is acked, leaving nothing
-/// pending.
+/// One entry whose store fails `op` `times` in a row: requeued (still pending), claimed
+/// again, then acked, leaving nothing pending (see [`store_failure_requeues`]).
 async fn a_store_failure_requeues(op: Op, times: usize, ran_first: u32) {
     let Some(url) = redis_url() else { return };
     let stream = Stream::new(&url).await;
@@ -209,34 +207,8 @@ async fn a_store_failure_requeues(op: Op, times: usize, ran_first: u32) {
         .connect(&url)
         .await
         .expect("source");
-    let store = FaultyStore::new(idem::MemoryStore::new());
-    for _ in 0..times {
-        store.fail_next(op, Fault::Unavailable);
-    }
-    let consumer = Consumer::new(store)
-        .lease(Duration::from_millis(300))
-        .backoff(Duration::from_millis(50), Duration::from_millis(200));
-    let runs = Arc::new(Runs::default());
-    let handler = timed_handler(&runs, Duration::ZERO);
-
-    let d = next(&mut source).await;
-    let outcome = consumer
-        .process(&source, d, &handler)
-        .await
-        .expect("process");
-    assert_eq!(outcome, Outcome::Requeued, "not acked");
-    assert_eq!(runs.of("order-1"), ran_first);
-    assert_eq!(stream.pending("g").await, 1, "still pending");
-
-    let d = next(&mut source).await;
-    assert_eq!(id_of(&d), "order-1");
-    assert_eq!(d.delivery_count(), Some(2));
-    let outcome = consumer
-        .process(&source, d, &handler)
-        .await
-        .expect("process");
-    assert_eq!(outcome, Outcome::Handled);
-    assert_eq!(runs.of("order-1"), ran_first + 1);
+    let pending = async || assert_eq!(stream.pending("g").await, 1, "still pending");
+    store_failure_requeues(&mut source, "order-1", (op, times), ran_first, pending).await;
     assert_eq!(stream.pending("g").await, 0, "acked");
 }
 
@@ -244,7 +216,6 @@ async fn a_store_failure_requeues(op: Op, times: usize, ran_first: u32) {
 /// once the record's lease has ended, the redelivery runs it again and is acked.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_result_the_store_did_not_take_is_requeued_never_acked() {
-    // The engine tries a `complete` three times before it gives up.
     a_store_failure_requeues(Op::Complete, 3, 1).await;
 }
 

@@ -13,7 +13,7 @@ use redis::aio::MultiplexedConnection;
 
 #[path = "../common/runs.rs"]
 mod runs;
-use runs::next;
+use runs::{next, store_failure_requeues};
 
 mod adapter;
 mod consumer;
