@@ -296,7 +296,9 @@ fn the_operator_is_warned_of_shared_scopes_and_withheld_logs() {
     assert!(err.contains("at least 32 bytes"), "{err}");
 }
 
-/// `store_timeout` reaches the gateway's routes; zero, or more than ten minutes, is refused.
+/// `store_timeout` is read from the file; zero, or more than ten minutes, is refused. (That it
+/// reaches the routes is the fault harness's burst: a gateway that keeps nothing for a store
+/// stalled past it fails.)
 #[test]
 fn the_store_timeout_is_read_and_bounded() {
     let url = UpstreamUrl::parse("http://127.0.0.1:1").unwrap();
