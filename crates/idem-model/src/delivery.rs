@@ -18,7 +18,8 @@
 //!
 //! Whether a delivery is acked or requeued is not written again here: the model asks the
 //! consumer's own table, [`idem_mq::verdict`], with the way the run ended ([`RunEnd`]), so a
-//! wrong entry in the table that ships breaks the model's properties.
+//! wrong entry in the table that ships, for any end the model reaches (all but a mismatch and
+//! an undecodable result: one message, one payload), breaks the model's properties.
 //!
 //! The record is idem-core's state machine ([`Record::begin`], `complete`, `release`). Around
 //! them: a consumer crashes at any point (the broker takes its delivery back), the store fails

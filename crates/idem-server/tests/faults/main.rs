@@ -287,6 +287,7 @@ struct Schedule {
     round: Vec<&'static str>,
     dice: Dice,
     seed: u64,
+    struck: usize,
 }
 
 impl Schedule {
@@ -301,11 +302,13 @@ impl Schedule {
             // xorshift never leaves zero.
             dice: Dice(seed | 1),
             seed,
+            struck: 0,
         }
     }
 
     /// The next kind to strike.
     fn next(&mut self) -> &'static str {
+        self.struck += 1;
         if self.round.is_empty() {
             self.round.clone_from(&self.kinds);
             for i in (1..self.round.len()).rev() {
@@ -316,9 +319,9 @@ impl Schedule {
         self.round.pop().unwrap()
     }
 
-    /// Whether a whole round has struck since `struck` faults ago.
-    fn rounds_done(&self, struck: usize) -> bool {
-        struck >= self.kinds.len() && self.round.is_empty()
+    /// Whether every round begun has struck whole (and one at least has).
+    fn rounds_done(&self) -> bool {
+        self.struck > 0 && self.round.is_empty()
     }
 }
 
@@ -576,8 +579,7 @@ fn run(work: Work, chosen: &str) {
         "nemesis seed {} (IDEM_FAULTS_SEED replays it)",
         schedule.seed
     );
-    let mut struck = 0;
-    while started.elapsed() < Duration::from_secs(seconds()) || !schedule.rounds_done(struck) {
+    while started.elapsed() < Duration::from_secs(seconds()) || !schedule.rounds_done() {
         std::thread::sleep(Duration::from_millis(500 + schedule.dice.below(1000)));
         let victim = schedule.dice.pick(addrs.len());
         let fault = schedule.next();
@@ -591,7 +593,6 @@ fn run(work: Work, chosen: &str) {
             strike(&mut cluster, fault, victim);
         }
         history.push(Event::Healed);
-        struck += 1;
     }
     // Quiet: every key settles, then each is asked once more through every instance.
     stop.store(true, Ordering::Relaxed);

@@ -2,7 +2,8 @@
 //! durable consumer of a stream (NATS JetStream) or one consumer group of a Redis stream of this
 //! run's own, and POST each message to the fenced ledger, which counts one effect per message
 //! id (the relay's `Idempotency-Key`) and refuses an attempt whose `Idem-Fence` is lower than
-//! one it took. A publisher publishes a fixed number of messages, three in ten of them twice.
+//! one it took. A publisher publishes new message ids, [`PER_SECOND`] a second for as long as
+//! the nemesis strikes, three in ten of them twice.
 //!
 //! The relays share one store, each through a proxy of its own. The nemesis stops a relay
 //! past its lease, kills and restarts one, restarts one with its wall clock ahead, stalls,
@@ -21,7 +22,7 @@
 //!
 //! Each backend runs when its broker answers (`IDEM_TEST_AMQP_URL`, `IDEM_TEST_NATS_URL`,
 //! `IDEM_TEST_REDIS_URL`; under `CI=true` a missing one fails). `IDEM_FAULTS_SECS` sets how
-//! long the nemesis runs (half of it for each run; the message count scales with it),
+//! long the nemesis runs (at least half of it for each run, and until every kind has struck),
 //! `IDEM_FAULTS_STORE` the relays' store (as for the other runs: by default a Redis of the
 //! run's own), `IDEM_FAULTS_HISTORY` a file to keep the history in (suffixed with the
 //! backend), `IDEM_FAULTS_SEED` the nemesis's schedule.
@@ -753,9 +754,11 @@ fn strike(relays: &mut Relays, store: &mut cluster::Store, fault: &str, victim: 
     }
 }
 
-/// Per message id of `ids` the relays acked (neither dead-lettered nor left in the broker):
-/// a completed record in `broker`'s namespace on the store at `url`. The relay acks only once
-/// the record is stored, so an acked message without one is a violation.
+/// Per message id of `ids` not dead-lettered: a completed record in `broker`'s namespace on
+/// the store at `url`. Once the broker holds nothing (checked apart), every such message was
+/// acked, and the relay acks only once the record is stored, so one without it is a violation.
+/// The namespace is the relay's default, built here from the broker's names as the sources
+/// build it: a namespace that differed would show every message without its record.
 async fn acked_without_record(
     url: &str,
     broker: &Broker,
@@ -806,9 +809,6 @@ fn relay_under_faults(brokers: &[Broker], chosen: &str) -> Vec<Ran> {
         .collect();
     let mut relays = Relays::start(&sources, &store.url(), dir.path());
 
-    // The publisher: every id once to every source, spread over most of the run, and three in
-    // ten again some thirty messages later (a publisher's retry, or a copy the broker
-    // delivered twice).
     // The publisher: new ids at `PER_SECOND` for as long as the nemesis strikes, so that every
     // fault finds messages in flight, each of three in ten again some thirty ids later (a
     // publisher's retry, or a copy the broker delivered twice); then those copies still due.
@@ -866,8 +866,7 @@ fn relay_under_faults(brokers: &[Broker], chosen: &str) -> Vec<Ran> {
         schedule.seed
     ));
     let started = Instant::now();
-    let mut struck = 0;
-    while started.elapsed() < length || !schedule.rounds_done(struck) {
+    while started.elapsed() < length || !schedule.rounds_done() {
         std::thread::sleep(Duration::from_millis(500 + schedule.dice.below(1000)));
         let victim = schedule.dice.pick(relays.relays.len());
         let fault = schedule.next();
@@ -878,7 +877,6 @@ fn relay_under_faults(brokers: &[Broker], chosen: &str) -> Vec<Ran> {
             }));
         }
         strike(&mut relays, &mut store, fault, victim);
-        struck += 1;
     }
     striking.store(false, Ordering::Relaxed);
     let ids = rt.block_on(published).unwrap();
