@@ -46,7 +46,7 @@ pub use fingerprint::{Fingerprint, FingerprintBuilder};
 pub use key::{ClientKey, Key, KeyError, KeyPart, Namespace, Scope};
 pub use lock::{
     Acquire, DynLockStore, Held, HeldLock, InvalidLock, LockError, LockName, LockOwner, LockState,
-    LockStore, OwnerDigest, ReleaseListener, SharedLockStore,
+    LockStore, OwnerDigest, Queued, ReleaseListener, SharedLockStore,
 };
 pub use page::{Cursor, InvalidListing};
 pub use record::{

@@ -191,6 +191,17 @@ pub enum Acquire {
     },
 }
 
+/// The answer of [`LockStore::acquire_queued`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Queued {
+    /// The holding, or who holds the lock still when the wait ran out.
+    pub answer: Acquire,
+    /// When the request that granted the holding was sent, by this process's monotonic
+    /// clock: its lease runs from no earlier (so a holder's own view of its lease ends no
+    /// later than the backend's, however long it waited in the queue).
+    pub asked: std::time::Instant,
+}
+
 /// Why a lock operation did not succeed.
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
@@ -364,6 +375,27 @@ pub trait LockStore: Send + Sync + 'static {
     /// waiters poll. Subscribe *before* trying to acquire, so no release is missed in between.
     fn listen(&self) -> Option<Box<dyn ReleaseListener>>;
 
+    /// Acquires `name`, waiting up to `wait` in the backend's own queue while another owner
+    /// holds it, for backends that keep their waiters in order (ZooKeeper): each waiter is
+    /// woken only when the one just ahead of it leaves, never by every release. `None` for a
+    /// backend without such a queue; callers then wait on [`LockStore::listen`] and timers,
+    /// as `idem::Locks` does.
+    ///
+    /// Answers `Busy` once `wait` has run out, with when the granting request was sent.
+    /// Dropped before it answers, the future takes
+    /// back what it added: its place in the queue, and a holding it took for an owner that did
+    /// not hold the lock when it began (an owner that held it keeps it).
+    fn acquire_queued(
+        &self,
+        name: &LockName,
+        owner: OwnerDigest,
+        lease: Duration,
+        wait: Duration,
+    ) -> Option<BoxFuture<'static, Result<Queued, StoreError>>> {
+        let _ = (name, owner, lease, wait);
+        None
+    }
+
     /// The locks held now (whose lease has not run out by the backend's clock), ordered by
     /// name, at most `limit` of them; `None` if the backend cannot list them. Which ones a
     /// backend shows when more are held is its own choice (the first by name, or the first it
@@ -409,6 +441,14 @@ pub trait DynLockStore: Send + Sync + 'static {
     ) -> BoxFuture<'a, Result<(), LockError>>;
     /// See [`LockStore::listen`].
     fn listen(&self) -> Option<Box<dyn ReleaseListener>>;
+    /// See [`LockStore::acquire_queued`].
+    fn acquire_queued(
+        &self,
+        name: &LockName,
+        owner: OwnerDigest,
+        lease: Duration,
+        wait: Duration,
+    ) -> Option<BoxFuture<'static, Result<Queued, StoreError>>>;
     /// See [`LockStore::held`].
     fn held(&self, limit: usize) -> BoxFuture<'_, Result<Option<Vec<HeldLock>>, StoreError>>;
 }
@@ -444,6 +484,15 @@ impl<L: LockStore> DynLockStore for L {
     }
     fn listen(&self) -> Option<Box<dyn ReleaseListener>> {
         LockStore::listen(self)
+    }
+    fn acquire_queued(
+        &self,
+        name: &LockName,
+        owner: OwnerDigest,
+        lease: Duration,
+        wait: Duration,
+    ) -> Option<BoxFuture<'static, Result<Queued, StoreError>>> {
+        LockStore::acquire_queued(self, name, owner, lease, wait)
     }
     fn held(&self, limit: usize) -> BoxFuture<'_, Result<Option<Vec<HeldLock>>, StoreError>> {
         Box::pin(LockStore::held(self, limit))
@@ -486,6 +535,15 @@ impl<T: DynLockStore + ?Sized> LockStore for Arc<T> {
     }
     fn listen(&self) -> Option<Box<dyn ReleaseListener>> {
         DynLockStore::listen(&**self)
+    }
+    fn acquire_queued(
+        &self,
+        name: &LockName,
+        owner: OwnerDigest,
+        lease: Duration,
+        wait: Duration,
+    ) -> Option<BoxFuture<'static, Result<Queued, StoreError>>> {
+        DynLockStore::acquire_queued(&**self, name, owner, lease, wait)
     }
     async fn held(&self, limit: usize) -> Result<Option<Vec<HeldLock>>, StoreError> {
         DynLockStore::held(&**self, limit).await

@@ -167,7 +167,29 @@ async fn a_retried_acquire_with_an_owner_gets_the_same_holding() {
 /// A waiting acquire gets the lock as soon as the holder releases it.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_waiting_acquire_gets_the_released_lock() {
-    let state = state();
+    waiting_acquire_gets_the_released_lock(state()).await;
+}
+
+/// The same with locks in ZooKeeper, apart from the records, where the waiter waits in the
+/// lock's queue.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_waiting_acquire_gets_the_released_lock_in_zookeeper() {
+    let Some(zk) = tokio::task::spawn_blocking(idem_testkit::coordination::ZooKeeper::start)
+        .await
+        .unwrap()
+    else {
+        return;
+    };
+    let locks = idem_store::open_locks(&zk.url("/serve-test"))
+        .await
+        .unwrap();
+    assert_eq!(locks.kind(), "zookeeper");
+    let store = Arc::new(MemoryStore::new());
+    let state = with_callers(AppState::new(store).with_locks(locks));
+    waiting_acquire_gets_the_released_lock(state).await;
+}
+
+async fn waiting_acquire_gets_the_released_lock(state: AppState) {
     let (_, held) = post(
         &state,
         SHOP,

@@ -48,6 +48,8 @@ mod sql;
 #[cfg(feature = "sqlite")]
 mod sqlite;
 mod url;
+#[cfg(feature = "zookeeper")]
+mod zookeeper;
 
 pub use fenced::Fenced;
 #[cfg(any(feature = "postgres", feature = "sqlite"))]
@@ -67,4 +69,6 @@ pub use replay_cache::{ReplayCache, ReplayCacheLimits};
 pub use sql::{SqlOptions, SqlStore};
 #[cfg(feature = "sqlite")]
 pub use sqlite::{SqliteOptions, SqliteStore, Synchronous};
-pub use url::{OpenError, StoreUrl, StoreUrlError, open, redact};
+pub use url::{OpenError, StoreUrl, StoreUrlError, open, open_locks, redact};
+#[cfg(feature = "zookeeper")]
+pub use zookeeper::{ZooKeeperLocks, ZooKeeperOptions};

@@ -245,6 +245,123 @@ pub async fn held_lists_live_locks(store: &dyn DynLockStore) {
     assert!(one.len() <= 1);
 }
 
+/// Waits in the backend's queue for `name` (for up to `wait`), or `None` for a backend without
+/// one.
+fn queued(
+    store: &dyn DynLockStore,
+    name: &LockName,
+    who: OwnerDigest,
+    lease: Duration,
+    wait: Duration,
+) -> Option<tokio::task::JoinHandle<Acquire>> {
+    let fut = store.acquire_queued(name, who, lease, wait)?;
+    Some(tokio::spawn(async move { fut.await.unwrap().answer }))
+}
+
+/// Whether the spawned waiter has answered.
+async fn answered(waiter: &tokio::task::JoinHandle<Acquire>) -> bool {
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    waiter.is_finished()
+}
+
+/// A backend with a queue of waiters: a waiter answers only once the holder releases, and
+/// then holds with a higher fence; waiters are served in the order they came; the holder
+/// asking again in the queue keeps its fence at once.
+pub async fn a_queue_serves_waiters_in_order(store: &dyn DynLockStore) {
+    let name = fresh_name("queue");
+    let (a, b, c) = (owner(), owner(), owner());
+    let first = acquired(store, &name, a, LONG).await;
+    let wait = Duration::from_secs(20);
+    let Some(second) = queued(store, &name, b, LONG, wait) else {
+        return;
+    };
+    assert!(
+        !answered(&second).await,
+        "a waiter answered while the lock is held"
+    );
+    let third = queued(store, &name, c, LONG, wait).unwrap();
+    assert!(!answered(&third).await);
+    let again = store
+        .acquire_queued(&name, a, LONG, wait)
+        .unwrap()
+        .await
+        .unwrap();
+    match again.answer {
+        Acquire::Acquired(held) => {
+            assert_eq!(
+                held.fence, first.fence,
+                "the holder asking again keeps its fence"
+            );
+        }
+        Acquire::Busy { .. } => panic!("the holder waited behind its own holding"),
+    }
+    store.release(&name, a, first.fence).await.unwrap();
+    let Acquire::Acquired(held_b) = tokio::time::timeout(wait, second).await.unwrap().unwrap()
+    else {
+        panic!("the first waiter did not get the lock");
+    };
+    assert!(held_b.fence > first.fence);
+    assert!(
+        !answered(&third).await,
+        "the second waiter got the lock while the first holds it"
+    );
+    busy(store, &name, a).await;
+    store.release(&name, b, held_b.fence).await.unwrap();
+    let Acquire::Acquired(held_c) = tokio::time::timeout(wait, third).await.unwrap().unwrap()
+    else {
+        panic!("the second waiter did not get the lock");
+    };
+    assert!(held_c.fence > held_b.fence);
+    store.release(&name, c, held_c.fence).await.unwrap();
+}
+
+/// A backend with a queue: a waiter whose holder's lease runs out (no release) gets the lock;
+/// one whose wait runs out answers `Busy` and leaves the queue, as does one dropped while it
+/// waits, so that the next caller is not kept behind them.
+pub async fn a_queue_outlives_no_one(store: &dyn DynLockStore) {
+    let name = fresh_name("queue_leave");
+    let (a, b, c, d) = (owner(), owner(), owner(), owner());
+    let short = Duration::from_millis(400);
+    let first = acquired(store, &name, a, short).await;
+    let Some(waiter) = queued(store, &name, b, LONG, Duration::from_secs(20)) else {
+        return;
+    };
+    let Acquire::Acquired(held_b) = tokio::time::timeout(Duration::from_secs(10), waiter)
+        .await
+        .expect("a waiter behind a lease that ran out still waits")
+        .unwrap()
+    else {
+        panic!("the waiter did not get the lock after the lease ran out");
+    };
+    assert!(held_b.fence > first.fence);
+    // A wait that runs out answers who holds it, and leaves nothing behind.
+    let timed_out = store
+        .acquire_queued(&name, c, LONG, Duration::from_millis(200))
+        .unwrap()
+        .await
+        .unwrap();
+    assert_eq!(
+        timed_out.answer,
+        Acquire::Busy {
+            until: held_b.expires_at
+        }
+    );
+    // A waiter dropped while it waits.
+    let dropped = store
+        .acquire_queued(&name, d, LONG, Duration::from_secs(20))
+        .unwrap();
+    assert!(
+        tokio::time::timeout(Duration::from_millis(300), dropped)
+            .await
+            .is_err()
+    );
+    // Give a backend that leaves its queue in the background a moment to do so.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    store.release(&name, b, held_b.fence).await.unwrap();
+    let next = acquired(store, &name, a, LONG).await;
+    assert!(next.fence > held_b.fence);
+}
+
 /// Generates one `#[test]` per lock conformance case. The argument is an async expression
 /// yielding `Option<SharedLockStore>` (`None` skips, for a backend without its server), or
 /// a tuple of that and a guard to keep alive.
@@ -260,6 +377,8 @@ macro_rules! lock_conformance_tests {
             a_release_is_heard,
             held_lists_live_locks,
             an_endless_lease_is_held_and_released,
+            a_queue_serves_waiters_in_order,
+            a_queue_outlives_no_one,
         );
         #[test]
         fn acquire_storm() {

@@ -131,13 +131,13 @@ const KILL_TREE: &str =
 /// killed by a timeout, or a server kept in a `static` leaves nothing behind. The server runs
 /// in a session of its own and the watchdog ignores hang-ups and interrupts, so a signal sent
 /// to the test's process group reaches neither before the kill.
-struct Supervised {
+pub(crate) struct Supervised {
     watchdog: std::process::Child,
     pid: String,
 }
 
 impl Supervised {
-    fn spawn(
+    pub(crate) fn spawn(
         command: &[String],
         dir: &std::path::Path,
         remove_at_exit: Option<&std::path::Path>,
@@ -175,7 +175,7 @@ impl Supervised {
     }
 
     /// Whether the server process still runs.
-    fn alive(&self) -> bool {
+    pub(crate) fn alive(&self) -> bool {
         std::process::Command::new("kill")
             .args(["-0", &self.pid])
             .status()
@@ -185,7 +185,7 @@ impl Supervised {
     /// Kills the server and its children, and waits (up to 10 s) until they are gone: a
     /// PostgreSQL started again while its killed postmaster is still a zombie, or its backends
     /// still hold its shared memory, refuses to start.
-    fn kill(mut self) {
+    pub(crate) fn kill(mut self) {
         use std::io::Write;
         if let Some(mut stdin) = self.watchdog.stdin.take() {
             let _ = stdin.write_all(b"keep\n");
@@ -222,7 +222,7 @@ impl Supervised {
 }
 
 /// A free loopback port.
-fn free_port() -> u16 {
+pub(crate) fn free_port() -> u16 {
     std::net::TcpListener::bind("127.0.0.1:0")
         .and_then(|l| l.local_addr())
         .map(|a| a.port())
@@ -230,7 +230,7 @@ fn free_port() -> u16 {
 }
 
 /// Reports that a suite which runs its own server cannot, and skips it (or fails under CI).
-fn cannot_run(what: &str, e: &std::io::Error) {
+pub(crate) fn cannot_run(what: &str, e: &std::io::Error) {
     let why = format!("tests that run their own {what} skipped: {e}");
     if std::env::var("CI").is_ok_and(|v| v == "true") {
         panic!("{why}; under CI=true a missing service is a failure");
@@ -256,7 +256,7 @@ fn run(program: &str, args: &[&str], dir: &std::path::Path) -> std::io::Result<(
 
 /// Polls `probe` until it succeeds (up to 20 s), failing early if the server died; the
 /// error quotes the end of the server's log.
-fn wait_for(
+pub(crate) fn wait_for(
     what: &str,
     server: Option<&Supervised>,
     dir: &std::path::Path,
@@ -280,7 +280,7 @@ fn wait_for(
 }
 
 /// Whether `program` runs (is on the `PATH` and executable).
-fn which(program: &str) -> std::io::Result<()> {
+pub(crate) fn which(program: &str) -> std::io::Result<()> {
     let found = std::env::var_os("PATH")
         .is_some_and(|path| std::env::split_paths(&path).any(|dir| dir.join(program).is_file()));
     if found {

@@ -78,3 +78,5 @@ pub use idem_store::{MySqlOptions, MySqlStore};
 pub use idem_store::{PostgresOptions, PostgresStore};
 #[cfg(feature = "redis")]
 pub use idem_store::{RedisOptions, RedisStore};
+#[cfg(feature = "zookeeper")]
+pub use idem_store::{ZooKeeperLocks, ZooKeeperOptions};

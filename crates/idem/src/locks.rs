@@ -60,8 +60,8 @@ use std::time::Duration;
 
 use crate::cancel::finishing;
 use idem_core::{
-    Acquire, DynLockStore, Held, LockError, LockName, LockOwner, OwnerDigest, ReleaseListener,
-    SharedLockStore, StoreError, Timestamp,
+    Acquire, DynLockStore, Held, LockError, LockName, LockOwner, OwnerDigest, Queued,
+    ReleaseListener, SharedLockStore, StoreError, Timestamp,
 };
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
@@ -190,6 +190,20 @@ impl Locks {
         let name = LockName::new(name)?;
         let digest = owner.digest();
         let deadline = far(Instant::now(), wait);
+        if !wait.is_zero()
+            && let Some(answer) = self.acquire_in_queue(&name, digest, lease, deadline).await
+        {
+            let (held, asked) = answer?;
+            return Ok(LockGuard::new(
+                Arc::clone(&self.store),
+                name,
+                owner,
+                digest,
+                held,
+                asked,
+                lease,
+            ));
+        }
         let mut listener = if wait.is_zero() {
             None
         } else {
@@ -238,6 +252,43 @@ impl Locks {
                 .max(MIN_NAP.min(self.poll));
             let nap = self.poll.min(lease_left).min(deadline - now);
             wait_for_release(listener.as_deref_mut(), &name, nap).await;
+        }
+    }
+
+    /// Waits in the backend's own queue, for a backend that keeps one (see
+    /// [`LockStore::acquire_queued`](idem_core::LockStore::acquire_queued)): the holding and
+    /// when it was asked for, or `None` for a backend without a queue. Store failures that may
+    /// pass are retried while the wait lasts. Dropped, the backend's future takes back its
+    /// place in the queue and any holding it got for a caller who is gone.
+    async fn acquire_in_queue(
+        &self,
+        name: &LockName,
+        digest: OwnerDigest,
+        lease: Duration,
+        deadline: Instant,
+    ) -> Option<Result<(Held, Instant), LockError>> {
+        loop {
+            let asked = Instant::now();
+            let wait = deadline.saturating_duration_since(asked);
+            let answer = (*self.store)
+                .acquire_queued(name, digest, lease, wait)?
+                .await;
+            return Some(match answer {
+                Ok(Queued {
+                    answer: Acquire::Acquired(held),
+                    asked,
+                }) => Ok((held, Instant::from_std(asked))),
+                Ok(Queued {
+                    answer: Acquire::Busy { .. },
+                    ..
+                }) => Err(LockError::Timeout),
+                Err(e) if e.is_transient() && asked + RETRY_AFTER_FAILURE < deadline => {
+                    tracing::debug!(lock = %name, error = %e, "waiting in the queue failed; retrying");
+                    tokio::time::sleep(RETRY_AFTER_FAILURE).await;
+                    continue;
+                }
+                Err(e) => Err(e.into()),
+            });
         }
     }
 

@@ -22,6 +22,12 @@ pub(crate) struct ServeArgs {
     #[arg(long, env = "IDEM_STORE", default_value = "sqlite://idem.db")]
     store: String,
 
+    /// Where locks live, apart from the records: zk://host:port[,host:port…]/ROOT
+    /// (ZooKeeper), or another store's URL. By default the store keeps its own locks (every
+    /// store but MySQL).
+    #[arg(long, env = "IDEM_LOCKS", value_name = "URL")]
+    locks: Option<String>,
+
     /// The address to listen on.
     #[arg(long, env = "IDEM_LISTEN", default_value = "127.0.0.1:7070")]
     listen: SocketAddr,
@@ -104,6 +110,14 @@ pub(crate) async fn serve(args: &ServeArgs) -> Result<(), String> {
     }
     let has_token = admin_token.is_some();
     let (store, locks) = open_with_locks(&args.store).await?;
+    let locks = match &args.locks {
+        Some(url) => Some(
+            idem_store::open_locks(url)
+                .await
+                .map_err(|e| format!("--locks {:?}: {e}", idem_store::redact(url)))?,
+        ),
+        None => locks,
+    };
     let store = args.replay_cache.wrap(store, None);
     if locks.is_none() {
         warn!("this store keeps no locks: /v1/locks answers 501");

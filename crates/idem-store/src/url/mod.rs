@@ -28,8 +28,10 @@ use idem_core::{LockStore, SharedLockStore, SharedStore, StoreError};
 
 use crate::MemoryStore;
 
+mod locks;
 mod redact;
 
+pub use locks::open_locks;
 pub use redact::redact;
 
 /// A parsed store URL. Its `Debug` form shows server URLs through [`redact`].

@@ -1,0 +1,644 @@
+//! The recipe: one lock name's queue of nodes, and what each operation does with it.
+
+use std::sync::atomic::Ordering;
+use std::time::{Duration, Instant};
+
+use idem_core::lock::{LOCK_STATE_RETENTION, lease_millis};
+use idem_core::{Acquire, Held, HeldLock, LockError, LockName, OwnerDigest, Queued, StoreError};
+use zookeeper_client as zk;
+
+use super::{ZooKeeperLocks, error, timestamp};
+
+/// How much longer than its wait a waiter's node lives before others may delete it (a
+/// waiter that could not leave the queue itself, its process still up).
+const WAIT_SLACK_MS: u64 = 2_000;
+
+/// How long after a predecessor's lease end, by the ensemble's clock, a waiter looks again:
+/// the two clocks' rates differ a little.
+const TIMER_SLACK: Duration = Duration::from_millis(5);
+
+/// A node's state, as its data says.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum State {
+    /// Holds, or claims to (`h`).
+    Held,
+    /// Waits (`w`).
+    Waiting,
+    /// Released (`r`): dead at once.
+    Released,
+}
+
+/// A node's data: its state, and how long after its last write it stays alive.
+#[derive(Debug, Clone, Copy)]
+struct Entry {
+    state: State,
+    millis: u64,
+}
+
+impl Entry {
+    fn encode(self) -> Vec<u8> {
+        let tag = match self.state {
+            State::Held => 'h',
+            State::Waiting => 'w',
+            State::Released => 'r',
+        };
+        format!("{tag} {}", self.millis).into_bytes()
+    }
+
+    fn decode(data: &[u8]) -> Option<Self> {
+        let text = std::str::from_utf8(data).ok()?;
+        let (tag, millis) = text.split_once(' ')?;
+        let state = match tag {
+            "h" => State::Held,
+            "w" => State::Waiting,
+            "r" => State::Released,
+            _ => return None,
+        };
+        Some(Self {
+            state,
+            millis: millis.parse().ok()?,
+        })
+    }
+
+    /// When the node's time runs out, by the ensemble's clock.
+    fn ends(self, stat: &zk::Stat) -> i64 {
+        stat.mtime
+            .saturating_add(i64::try_from(self.millis).unwrap_or(i64::MAX))
+    }
+
+    /// Whether the node no longer counts at `now`.
+    fn dead(self, stat: &zk::Stat, now: i64) -> bool {
+        self.state == State::Released || self.ends(stat) <= now
+    }
+}
+
+const RELEASED: Entry = Entry {
+    state: State::Released,
+    millis: 0,
+};
+
+/// One child of a lock's node.
+#[derive(Debug, Clone)]
+struct Node {
+    path: String,
+    owner: bool,
+    seq: i64,
+}
+
+/// What is ahead of a node in the queue.
+enum Ahead {
+    /// Nothing alive: the node is first.
+    Nothing,
+    /// The live node just ahead: its path, the version read, and when its time runs out.
+    Behind {
+        predecessor: String,
+        version: i32,
+        ends: i64,
+    },
+}
+
+/// One lock name, as one owner sees it.
+pub(super) struct Lock<'a> {
+    locks: &'a ZooKeeperLocks,
+    client: zk::Client,
+    name: &'a LockName,
+    parent: String,
+    owner: String,
+}
+
+impl<'a> Lock<'a> {
+    pub(super) async fn new(
+        locks: &'a ZooKeeperLocks,
+        name: &'a LockName,
+        owner: OwnerDigest,
+    ) -> Result<Self, StoreError> {
+        Ok(Self {
+            client: locks.client().await?,
+            parent: locks.parent(name),
+            owner: owner.to_hex(),
+            locks,
+            name,
+        })
+    }
+
+    /// The nodes under the lock's node, oldest first (none if it has no node).
+    async fn nodes(&self) -> Result<Vec<Node>, StoreError> {
+        let names = match self.client.list_children(&self.parent).await {
+            Ok(names) => names,
+            Err(zk::Error::NoNode) => Vec::new(),
+            Err(e) => return Err(error("cannot list a lock's queue", e)),
+        };
+        let mut nodes: Vec<Node> = names
+            .into_iter()
+            .filter_map(|child| {
+                let (owner, seq) = child.rsplit_once('-')?;
+                Some(Node {
+                    owner: owner == self.owner,
+                    seq: seq.parse().ok()?,
+                    path: format!("{}/{child}", self.parent),
+                })
+            })
+            .collect();
+        nodes.sort_by_key(|n| n.seq);
+        Ok(nodes)
+    }
+
+    /// A node's entry and stat; `None` if it is gone (or holds what no version of idem
+    /// writes, which is never taken for a holding).
+    async fn read(&self, path: &str) -> Result<Option<(Entry, zk::Stat)>, StoreError> {
+        match self.client.get_data(path).await {
+            Ok((data, stat)) => Ok(Entry::decode(&data).map(|e| (e, stat))),
+            Err(zk::Error::NoNode) => Ok(None),
+            Err(e) => Err(error("cannot read a lock node", e)),
+        }
+    }
+
+    /// Deletes a node if it is still at `version`; whether it is gone (deleted, or already
+    /// gone). A newer version (a renewal) keeps it.
+    async fn delete(&self, path: &str, version: i32) -> Result<bool, StoreError> {
+        match self.client.delete(path, Some(version)).await {
+            Ok(()) | Err(zk::Error::NoNode) => Ok(true),
+            Err(zk::Error::BadVersion) => Ok(false),
+            Err(e) => Err(error("cannot delete a lock node", e)),
+        }
+    }
+
+    /// Creates this owner's node with `entry`: its path and stat.
+    async fn create(&self, entry: Entry) -> Result<(Node, zk::Stat), StoreError> {
+        let prefix = format!("{}/{}-", self.parent, self.owner);
+        let data = entry.encode();
+        let ephemeral = zk::CreateMode::EphemeralSequential.with_acls(zk::Acls::anyone_all());
+        for _ in 0..3 {
+            match self.client.create(&prefix, &data, &ephemeral).await {
+                Ok((stat, seq)) => {
+                    let node = Node {
+                        path: format!("{prefix}{seq}"),
+                        owner: true,
+                        seq: seq.into_i64(),
+                    };
+                    return Ok((node, stat));
+                }
+                // The lock's node is missing, or was just deleted as empty: make it again.
+                Err(zk::Error::NoNode) => self.create_parent().await?,
+                Err(e) => return Err(error("cannot create a lock node", e)),
+            }
+        }
+        Err(StoreError::unavailable(
+            "ZooKeeper: a lock's node kept disappearing",
+            std::io::Error::other("NoNode"),
+        ))
+    }
+
+    async fn create_parent(&self) -> Result<(), StoreError> {
+        let container = zk::CreateMode::Container.with_acls(zk::Acls::anyone_all());
+        match self
+            .client
+            .create(&self.parent, self.name.as_str().as_bytes(), &container)
+            .await
+        {
+            Ok(_) | Err(zk::Error::NodeExists) => Ok(()),
+            Err(e) => Err(error("cannot create a lock's node", e)),
+        }
+    }
+
+    /// Walks back from `mine` (at `seq`), deleting the dead nodes ahead of it, to the first
+    /// live one; `now` is the ensemble's time of a write made after every node ahead existed.
+    async fn ahead(&self, seq: i64, now: i64) -> Result<Ahead, StoreError> {
+        let nodes = self.nodes().await?;
+        for node in nodes.iter().rev().filter(|n| n.seq < seq) {
+            loop {
+                let Some((entry, stat)) = self.read(&node.path).await? else {
+                    break;
+                };
+                if !entry.dead(&stat, now) {
+                    return Ok(Ahead::Behind {
+                        predecessor: node.path.clone(),
+                        version: stat.version,
+                        ends: entry.ends(&stat),
+                    });
+                }
+                if self.delete(&node.path, stat.version).await? {
+                    break;
+                }
+                // Written since it was read (renewed, released): read it again.
+            }
+        }
+        Ok(Ahead::Nothing)
+    }
+
+    /// When the lock is held until, for a `Busy` answer: the lease end of the first live node
+    /// that holds, else `now`.
+    async fn busy_until(&self, now: i64) -> Result<Acquire, StoreError> {
+        for node in self.nodes().await? {
+            if let Some((entry, stat)) = self.read(&node.path).await?
+                && !entry.dead(&stat, now)
+            {
+                let ends = if entry.state == State::Held {
+                    entry.ends(&stat)
+                } else {
+                    now
+                };
+                return Ok(Acquire::Busy {
+                    until: timestamp(ends),
+                });
+            }
+        }
+        Ok(Acquire::Busy {
+            until: timestamp(now),
+        })
+    }
+
+    /// This owner's node that holds the lock now, extended to `lease` from now; `None` if it
+    /// holds none (a node of its own that is dead or released is deleted).
+    async fn holding(&self, lease: u64) -> Result<Option<Held>, StoreError> {
+        for node in self.nodes().await?.into_iter().filter(|n| n.owner) {
+            let Some((entry, stat)) = self.read(&node.path).await? else {
+                continue;
+            };
+            if entry.state == State::Waiting {
+                continue;
+            }
+            let held = Entry {
+                state: State::Held,
+                millis: lease,
+            };
+            let now = match entry.state {
+                State::Held => {
+                    match self
+                        .client
+                        .set_data(&node.path, &held.encode(), Some(stat.version))
+                        .await
+                    {
+                        Ok(now) => now,
+                        Err(zk::Error::NoNode | zk::Error::BadVersion) => continue,
+                        Err(e) => return Err(error("cannot extend a lock's lease", e)),
+                    }
+                }
+                _ => stat,
+            };
+            if entry.state == State::Held
+                && entry.ends(&stat) > now.mtime
+                && matches!(self.ahead(node.seq, now.mtime).await?, Ahead::Nothing)
+            {
+                return Ok(Some(Held {
+                    fence: fence(&stat),
+                    expires_at: timestamp(held.ends(&now)),
+                }));
+            }
+            // Released, run out, or not first after all (a claim being withdrawn): a new
+            // holding needs a new node.
+            self.delete(&node.path, now.version).await?;
+        }
+        Ok(None)
+    }
+
+    /// One attempt: the holding, or who holds it.
+    pub(super) async fn try_acquire(
+        &self,
+        lease: std::time::Duration,
+    ) -> Result<Acquire, StoreError> {
+        let lease = lease_millis(lease);
+        if let Some(held) = self.holding(lease).await? {
+            return Ok(Acquire::Acquired(held));
+        }
+        let claim = Entry {
+            state: State::Held,
+            millis: lease,
+        };
+        let (node, stat) = self.create(claim).await?;
+        // A claim left behind by a failure below would keep others out for a whole lease.
+        let mut place = Place::new(self.client.clone(), node.path.clone());
+        match self.ahead(node.seq, stat.ctime).await? {
+            Ahead::Nothing => {
+                place.keep();
+                Ok(Acquire::Acquired(Held {
+                    fence: fence(&stat),
+                    expires_at: timestamp(claim.ends(&stat)),
+                }))
+            }
+            Ahead::Behind { .. } => {
+                let answer = self.busy_until(stat.ctime).await;
+                place.leave().await;
+                answer
+            }
+        }
+    }
+
+    /// Waits in the queue for up to `wait`, watching the node just ahead only.
+    pub(super) async fn wait(&self, lease: Duration, wait: Duration) -> Result<Queued, StoreError> {
+        let asked = Instant::now();
+        let lease = lease_millis(lease);
+        if let Some(held) = self.holding(lease).await? {
+            return Ok(Queued {
+                answer: Acquire::Acquired(held),
+                asked,
+            });
+        }
+        let deadline = asked.checked_add(wait);
+        let waiting = Entry {
+            state: State::Waiting,
+            millis: lease_millis(wait).saturating_add(WAIT_SLACK_MS),
+        };
+        let (mut node, mut stat) = self.create(waiting).await?;
+        // Taken back if this future is dropped before it answers.
+        let mut place = Place::new(self.client.clone(), node.path.clone());
+        // The ensemble's time at the last write of this node, and when that answer came.
+        let (mut now, mut at) = (stat.ctime, Instant::now());
+        loop {
+            match self.ahead(node.seq, now).await? {
+                Ahead::Nothing => {
+                    let asked = Instant::now();
+                    let held = Entry {
+                        state: State::Held,
+                        millis: lease,
+                    };
+                    match self
+                        .client
+                        .set_data(&node.path, &held.encode(), Some(stat.version))
+                        .await
+                    {
+                        Ok(taken) => {
+                            place.keep();
+                            return Ok(Queued {
+                                answer: Acquire::Acquired(Held {
+                                    fence: fence(&stat),
+                                    expires_at: timestamp(held.ends(&taken)),
+                                }),
+                                asked,
+                            });
+                        }
+                        // Deleted as a waiter whose time ran out: join again at the back
+                        // (below).
+                        Err(zk::Error::NoNode) => {}
+                        Err(e) => return Err(error("cannot take a lock", e)),
+                    }
+                }
+                Ahead::Behind {
+                    predecessor,
+                    version,
+                    ends,
+                } => {
+                    let (exists, watch) = self
+                        .client
+                        .check_and_watch_stat(&predecessor)
+                        .await
+                        .map_err(|e| error("cannot watch a lock node", e))?;
+                    // A watch sees only later changes: one made since the node was read
+                    // (released, say) means looking again at once.
+                    let mut timer = false;
+                    if exists.is_some_and(|s| s.version == version) {
+                        // Until the predecessor changes or leaves, its time runs out, or
+                        // the wait does.
+                        let lease_end = Duration::from_millis(
+                            u64::try_from(ends.saturating_sub(now)).unwrap_or(0),
+                        )
+                        .saturating_sub(at.elapsed())
+                            + TIMER_SLACK;
+                        let left = deadline.map(|d| d.saturating_duration_since(Instant::now()));
+                        let nap = left.map_or(lease_end, |l| l.min(lease_end));
+                        tokio::select! {
+                            _ = watch.changed() => {
+                                self.locks.inner.wakeups.fetch_add(1, Ordering::Relaxed);
+                            }
+                            () = tokio::time::sleep(nap) => timer = true,
+                        }
+                    }
+                    if deadline.is_some_and(|d| Instant::now() >= d) {
+                        let answer = self.busy_until(now).await;
+                        place.leave().await;
+                        return answer.map(|answer| Queued { answer, asked });
+                    }
+                    // Woken by the predecessor's change: what changed needs no newer time
+                    // (a release, a departure). Only a timer needs the ensemble's time,
+                    // from a write, which would wake the waiter behind this one.
+                    if !timer {
+                        continue;
+                    }
+                }
+            }
+            // The ensemble's time now, from a write of this node's own (which also keeps
+            // it alive); a node deleted meanwhile joins again at the back.
+            match self
+                .client
+                .set_data(&node.path, &waiting.encode(), Some(stat.version))
+                .await
+            {
+                Ok(touched) => {
+                    stat = touched;
+                    (now, at) = (touched.mtime, Instant::now());
+                }
+                Err(zk::Error::NoNode | zk::Error::BadVersion) => {
+                    place.leave().await;
+                    (node, stat) = self.create(waiting).await?;
+                    place = Place::new(self.client.clone(), node.path.clone());
+                    (now, at) = (stat.ctime, Instant::now());
+                }
+                Err(e) => return Err(error("cannot wait for a lock", e)),
+            }
+        }
+    }
+
+    /// This owner's node with `fence`, its entry and stat.
+    async fn mine(&self, wanted: u64) -> Result<Option<(Node, Entry, zk::Stat)>, StoreError> {
+        for node in self.nodes().await?.into_iter().filter(|n| n.owner) {
+            if let Some((entry, stat)) = self.read(&node.path).await?
+                && fence(&stat) == wanted
+            {
+                return Ok(Some((node, entry, stat)));
+            }
+        }
+        Ok(None)
+    }
+
+    pub(super) async fn renew(&self, wanted: u64, lease: Duration) -> Result<Held, LockError> {
+        let held = Entry {
+            state: State::Held,
+            millis: lease_millis(lease),
+        };
+        loop {
+            let Some((node, entry, stat)) = self.mine(wanted).await? else {
+                return Err(LockError::NotOwner);
+            };
+            if entry.state != State::Held {
+                return Err(LockError::NotOwner);
+            }
+            let now = match self
+                .client
+                .set_data(&node.path, &held.encode(), Some(stat.version))
+                .await
+            {
+                Ok(now) => now,
+                Err(zk::Error::BadVersion) => continue,
+                Err(zk::Error::NoNode) => return Err(LockError::NotOwner),
+                Err(e) => return Err(error("cannot renew a lock", e).into()),
+            };
+            if entry.ends(&stat) <= now.mtime {
+                // The lease had run out: lost stays lost.
+                let _ = self
+                    .client
+                    .set_data(&node.path, &RELEASED.encode(), Some(now.version))
+                    .await;
+                return Err(LockError::NotOwner);
+            }
+            return Ok(Held {
+                fence: wanted,
+                expires_at: timestamp(held.ends(&now)),
+            });
+        }
+    }
+
+    pub(super) async fn release(&self, wanted: u64) -> Result<(), LockError> {
+        loop {
+            let Some((node, entry, stat)) = self.mine(wanted).await? else {
+                return Err(LockError::NotOwner);
+            };
+            match entry.state {
+                State::Released => return Ok(()),
+                State::Waiting => return Err(LockError::NotOwner),
+                State::Held => {}
+            }
+            // Marked, not deleted: a repeated release is recognised, and the waiter just
+            // behind is woken by the change.
+            match self
+                .client
+                .set_data(&node.path, &RELEASED.encode(), Some(stat.version))
+                .await
+            {
+                Ok(_) => return Ok(()),
+                Err(zk::Error::BadVersion) => continue,
+                Err(zk::Error::NoNode) => return Err(LockError::NotOwner),
+                Err(e) => return Err(error("cannot release a lock", e).into()),
+            }
+        }
+    }
+}
+
+/// The fence of a holding: its node's creating transaction id.
+fn fence(stat: &zk::Stat) -> u64 {
+    u64::try_from(stat.czxid).unwrap_or(0)
+}
+
+/// A waiter's node, deleted in the background if the wait is dropped before it answers.
+struct Place {
+    client: zk::Client,
+    path: Option<String>,
+}
+
+impl Place {
+    fn new(client: zk::Client, path: String) -> Self {
+        Self {
+            client,
+            path: Some(path),
+        }
+    }
+
+    /// The node stays (it holds now, or is gone).
+    fn keep(&mut self) {
+        self.path = None;
+    }
+
+    /// Leaves the queue now.
+    async fn leave(&mut self) {
+        if let Some(path) = self.path.take() {
+            let _ = self.client.delete(&path, None).await;
+        }
+    }
+}
+
+impl Drop for Place {
+    fn drop(&mut self) {
+        let Some(path) = self.path.take() else {
+            return;
+        };
+        let client = self.client.clone();
+        // The request is sent when `delete` is called; the task only reads the answer. Outside
+        // a runtime the node lives until its wait runs out or the session ends.
+        let delete = client.delete(&path, None);
+        if let Ok(runtime) = tokio::runtime::Handle::try_current() {
+            runtime.spawn(async move {
+                let _ = delete.await;
+            });
+        }
+    }
+}
+
+/// The locks held now, by name, at most `limit`.
+pub(super) async fn held(
+    locks: &ZooKeeperLocks,
+    limit: usize,
+) -> Result<Vec<HeldLock>, StoreError> {
+    let client = locks.client().await?;
+    let now = locks.now(&client).await?;
+    let dir = locks.locks_dir();
+    let parents = match client.list_children(&dir).await {
+        Ok(p) => p,
+        Err(zk::Error::NoNode) => Vec::new(),
+        Err(e) => return Err(error("cannot list locks", e)),
+    };
+    let mut named = Vec::new();
+    for parent in parents {
+        let path = format!("{dir}/{parent}");
+        match client.get_data(&path).await {
+            Ok((data, _)) => {
+                if let Some(name) = std::str::from_utf8(&data)
+                    .ok()
+                    .and_then(|n| LockName::new(n).ok())
+                {
+                    named.push((name, path));
+                }
+            }
+            Err(zk::Error::NoNode) => {}
+            Err(e) => return Err(error("cannot read a lock's name", e)),
+        }
+    }
+    named.sort_by(|a, b| a.0.cmp(&b.0));
+    let mut listed = Vec::new();
+    for (name, _) in named {
+        if listed.len() >= limit {
+            break;
+        }
+        let lock = Lock::new(locks, &name, idem_core::OwnerDigest([0; 32])).await?;
+        for node in lock.nodes().await? {
+            let Some((entry, stat)) = lock.read(&node.path).await? else {
+                continue;
+            };
+            if entry.dead(&stat, now) {
+                continue;
+            }
+            if entry.state == State::Held {
+                listed.push(HeldLock {
+                    name: name.clone(),
+                    fence: fence(&stat),
+                    expires_at: timestamp(entry.ends(&stat)),
+                });
+            }
+            break;
+        }
+    }
+    Ok(listed)
+}
+
+/// Deletes this session's nodes dead for longer than the retention.
+pub(super) async fn sweep_once(locks: &ZooKeeperLocks) -> Result<(), StoreError> {
+    let client = locks.client().await?;
+    let now = locks.now(&client).await?;
+    let retention = i64::try_from(LOCK_STATE_RETENTION.as_millis()).unwrap_or(i64::MAX);
+    let mine = client
+        .list_ephemerals(&locks.locks_dir())
+        .await
+        .map_err(|e| error("cannot list this session's lock nodes", e))?;
+    for path in mine {
+        let Ok((data, stat)) = client.get_data(&path).await else {
+            continue;
+        };
+        let gone_since = match Entry::decode(&data) {
+            Some(e) if e.state == State::Released => stat.mtime,
+            Some(e) => e.ends(&stat),
+            None => continue,
+        };
+        if gone_since.saturating_add(retention) <= now {
+            let _ = client.delete(&path, Some(stat.version)).await;
+        }
+    }
+    Ok(())
+}

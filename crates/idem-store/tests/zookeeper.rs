@@ -1,0 +1,204 @@
+//! Locks in ZooKeeper against a server this test starts itself: the lock conformance suite,
+//! waiters woken one at a time, fences across a lost session and a restarted server, and an
+//! ensemble losing its leader. Skipped (with a note) where ZooKeeper cannot run, except under
+//! `CI=true`.
+
+#![cfg(feature = "zookeeper")]
+#![allow(clippy::unwrap_used)]
+
+use std::sync::{Arc, OnceLock};
+use std::time::Duration;
+
+use idem_core::{Acquire, LockOwner, LockStore, SharedLockStore};
+use idem_store::{ZooKeeperLocks, ZooKeeperOptions};
+use idem_testkit::coordination::ZooKeeper;
+use idem_testkit::locks::fresh_name;
+
+/// One server for the whole binary.
+fn server() -> Option<&'static ZooKeeper> {
+    static SERVER: OnceLock<Option<ZooKeeper>> = OnceLock::new();
+    SERVER.get_or_init(ZooKeeper::start).as_ref()
+}
+
+async fn locks_on(zk: &ZooKeeper, session: Duration) -> ZooKeeperLocks {
+    let options = ZooKeeperOptions::default().session_timeout(session);
+    ZooKeeperLocks::connect(&zk.hosts(), options).await.unwrap()
+}
+
+async fn fixture() -> Option<SharedLockStore> {
+    let zk = server()?;
+    Some(Arc::new(locks_on(zk, Duration::from_secs(10)).await))
+}
+
+idem_testkit::lock_conformance_tests!(fixture());
+
+/// Eight waiters queued behind one holder get the lock one after another, in the order they
+/// came, with rising fences; each hand-off wakes the waiter next in line only (its
+/// predecessor taking the lock, then leaving it), never the whole queue.
+#[test]
+fn a_release_wakes_only_the_next_waiter() {
+    idem_testkit::block_on(async {
+        let Some(zk) = server() else { return };
+        let locks = locks_on(zk, Duration::from_secs(10)).await;
+        let name = fresh_name("herd");
+        let holder = LockOwner::random().digest();
+        let Acquire::Acquired(first) = locks
+            .acquire(&name, holder, Duration::from_secs(60))
+            .await
+            .unwrap()
+        else {
+            panic!("a free lock was busy");
+        };
+        const WAITERS: usize = 8;
+        let order = Arc::new(std::sync::Mutex::new(Vec::new()));
+        let mut tasks = Vec::new();
+        for i in 0..WAITERS {
+            let (locks, name, order) = (locks.clone(), name.clone(), Arc::clone(&order));
+            tasks.push(tokio::spawn(async move {
+                let who = LockOwner::random().digest();
+                let queued = LockStore::acquire_queued(
+                    &locks,
+                    &name,
+                    who,
+                    Duration::from_secs(60),
+                    Duration::from_secs(60),
+                )
+                .unwrap()
+                .await
+                .unwrap();
+                let Acquire::Acquired(held) = queued.answer else {
+                    panic!("waiter {i} timed out");
+                };
+                order.lock().unwrap().push((i, held.fence));
+                locks.release(&name, who, held.fence).await.unwrap();
+            }));
+            // Each in the queue before the next comes.
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        let before = locks.wakeups();
+        locks.release(&name, holder, first.fence).await.unwrap();
+        for task in tasks {
+            tokio::time::timeout(Duration::from_secs(30), task)
+                .await
+                .expect("every waiter gets the lock")
+                .unwrap();
+        }
+        let order = order.lock().unwrap().clone();
+        assert_eq!(
+            order.iter().map(|(i, _)| *i).collect::<Vec<_>>(),
+            (0..WAITERS).collect::<Vec<_>>(),
+            "first come, first served"
+        );
+        assert!(
+            order.windows(2).all(|w| w[0].1 < w[1].1),
+            "fences rise: {order:?}"
+        );
+        assert!(order[0].1 > first.fence);
+        let woken = locks.wakeups() - before;
+        assert!(
+            woken <= 3 * WAITERS as u64,
+            "{woken} wake-ups for {WAITERS} hand-offs: releases wake more than the next waiter"
+        );
+    });
+}
+
+/// A holder whose session ends (its process stopped) loses its holding at once; the next
+/// holder's fence is higher, also once the lock's node was removed as empty and made again
+/// (which starts sequence numbers over).
+#[test]
+fn fences_rise_past_an_ended_session() {
+    idem_testkit::block_on(async {
+        let Some(zk) = server() else { return };
+        let name = fresh_name("session");
+        let mut last = 0;
+        for round in 0..3 {
+            let locks = locks_on(zk, Duration::from_secs(10)).await;
+            let who = LockOwner::random().digest();
+            let Acquire::Acquired(held) = locks
+                .acquire(&name, who, Duration::from_secs(60))
+                .await
+                .unwrap()
+            else {
+                panic!("round {round}: the lock is still held after its holder's session ended");
+            };
+            assert!(
+                held.fence > last,
+                "round {round}: fence {} after {last}",
+                held.fence
+            );
+            last = held.fence;
+            // The session ends with the store; then the empty lock node is reaped.
+            drop(locks);
+            tokio::time::sleep(Duration::from_millis(600)).await;
+        }
+    });
+}
+
+/// Retries `op` while the ensemble elects a new leader (transient errors), for up to 30 s.
+async fn through_election<T, E: std::fmt::Debug, F: std::future::Future<Output = Result<T, E>>>(
+    mut op: impl FnMut() -> F,
+) -> T {
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    loop {
+        match op().await {
+            Ok(v) => return v,
+            Err(e) if std::time::Instant::now() < deadline => {
+                eprintln!("retrying through the election: {e:?}");
+                tokio::time::sleep(Duration::from_millis(200)).await;
+            }
+            Err(e) => panic!("the ensemble did not recover: {e:?}"),
+        }
+    }
+}
+
+/// A three-member ensemble loses its leader while a lock is held and another owner waits for
+/// it: the session moves to a surviving member, the holder releases, the waiter gets the lock
+/// with a higher fence, and a lock taken after the election is fenced higher still.
+#[test]
+fn an_ensemble_losing_its_leader_keeps_holders_and_waiters() {
+    idem_testkit::block_on(async {
+        let Some(mut zk) = ZooKeeper::start_ensemble() else {
+            return;
+        };
+        let locks = locks_on(&zk, Duration::from_secs(10)).await;
+        let name = fresh_name("ensemble");
+        let (a, b) = (LockOwner::random().digest(), LockOwner::random().digest());
+        let Acquire::Acquired(first) = locks
+            .acquire(&name, a, Duration::from_secs(60))
+            .await
+            .unwrap()
+        else {
+            panic!("a free lock was busy");
+        };
+        let waiter = LockStore::acquire_queued(
+            &locks,
+            &name,
+            b,
+            Duration::from_secs(60),
+            Duration::from_secs(60),
+        )
+        .unwrap();
+        let waiter = tokio::spawn(waiter);
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        let leader = zk.leader().expect("the ensemble has a leader");
+        zk.kill(leader);
+        through_election(|| locks.release(&name, a, first.fence)).await;
+        let queued = tokio::time::timeout(Duration::from_secs(30), waiter)
+            .await
+            .expect("the waiter is served after the election")
+            .unwrap()
+            .unwrap();
+        let Acquire::Acquired(second) = queued.answer else {
+            panic!("the waiter timed out");
+        };
+        assert!(second.fence > first.fence);
+        locks.release(&name, b, second.fence).await.unwrap();
+        zk.restart(leader);
+        let other = fresh_name("ensemble");
+        let later = through_election(|| locks.acquire(&other, a, Duration::from_secs(60))).await;
+        let Acquire::Acquired(later) = later else {
+            panic!("a free lock was busy");
+        };
+        assert!(later.fence > second.fence, "a new epoch's zxids are higher");
+    });
+}
