@@ -676,4 +676,260 @@ mod tests {
         assert!(!s.is_stale(t.saturating_add(LEASE)));
         assert!(s.is_stale(t.saturating_add(LEASE + LOCK_STATE_RETENTION)));
     }
+
+    #[test]
+    fn a_holder_acquiring_again_extends_its_lease_and_keeps_its_fence() {
+        let t = Timestamp::from_millis(1_000);
+        let a = LockState::acquire(None, owner(1), LEASE, t).unwrap();
+        let later = t.saturating_add(LEASE / 2);
+        let again = LockState::acquire(Some(&a), owner(1), LEASE, later).unwrap();
+        assert_eq!(
+            again,
+            LockState {
+                owner: owner(1),
+                fence: a.fence,
+                expires_at: later.saturating_add(LEASE),
+            },
+            "the lease runs from the repeated acquire, not from the first"
+        );
+        // A millisecond before the end it still holds: the fence stays.
+        let last = Timestamp::from_millis(a.expires_at.as_millis() - 1);
+        let at_last = LockState::acquire(Some(&a), owner(1), LEASE, last).unwrap();
+        assert_eq!(at_last.fence, a.fence);
+        assert_eq!(at_last.expires_at, last.saturating_add(LEASE));
+    }
+
+    #[test]
+    fn a_holder_acquiring_as_its_lease_ends_gets_a_new_fence() {
+        let t = Timestamp::from_millis(1_000);
+        let a = LockState::acquire(None, owner(1), LEASE, t).unwrap();
+        // At `expires_at` the lease has ended: the same owner acquires anew, like anyone else.
+        let end = a.expires_at;
+        let again = LockState::acquire(Some(&a), owner(1), LEASE, end).unwrap();
+        assert_eq!(
+            again,
+            LockState {
+                owner: owner(1),
+                fence: next_fence(a.fence, end),
+                expires_at: end.saturating_add(LEASE),
+            }
+        );
+        assert!(again.fence > a.fence);
+    }
+
+    #[test]
+    fn an_owner_id_needs_a_valid_length_and_only_valid_characters() {
+        let shortest = "0123456789-_abcd";
+        let longest = "ABCDEFGHIJKLMNOPQRSTUVWXYZ-abcdefghijklmnopqrstuvwxyz_0123456789";
+        for id in [shortest, longest] {
+            assert_eq!(
+                LockOwner::parse(id).map(|o| o.as_str().to_owned()),
+                Ok(id.to_owned())
+            );
+        }
+        let length = "invalid lock id: it must be 16 to 64 characters long";
+        for id in [
+            "",
+            &shortest[1..],
+            &format!("{longest}x"),
+            &"-".repeat(15),
+            &"_".repeat(65),
+        ] {
+            let refused = LockOwner::parse(id).map(|_| ()).map_err(|e| e.to_string());
+            assert_eq!(refused, Err(length.to_owned()), "{id:?}");
+        }
+        // Of a valid length, one character outside the set refuses it, wherever it is.
+        let characters = "invalid lock id: it may hold only A-Z, a-z, 0-9, '-' and '_'";
+        for bad in [
+            ' ', '!', '.', '/', ':', '@', '[', '`', '{', '~', '+', '\0', 'é',
+        ] {
+            for id in [
+                format!("{bad}{}", &shortest[1..]),
+                format!("{shortest}{bad}"),
+            ] {
+                let refused = LockOwner::parse(&id).map(|_| ()).map_err(|e| e.to_string());
+                assert_eq!(refused, Err(characters.to_owned()), "{id:?}");
+            }
+        }
+    }
+
+    #[test]
+    fn a_lock_name_shows_as_itself_and_digests_to_a_fixed_key() {
+        let name = LockName::new("orders:42").unwrap();
+        assert_eq!(name.as_str(), "orders:42");
+        assert_eq!(name.to_string(), "orders:42");
+        assert_eq!(format!("{name:?}"), r#"LockName("orders:42")"#);
+        assert_eq!(&*name.shared(), "orders:42");
+        // The first 128 bits of SHA-256("orders:42").
+        assert_eq!(name.digest_hex(), "8a5f217ddb0c9f03d16c0db38f2ba1c3");
+        assert_eq!(
+            LockName::new("").map_err(|e| e.to_string()),
+            Err("invalid lock name: it is empty".to_owned())
+        );
+    }
+
+    #[test]
+    fn an_owner_is_kept_as_the_sha256_of_its_id_and_never_shown_whole() {
+        let id = LockOwner::parse("owner-0123456789_abcdef").unwrap();
+        let sha256 = "5cfadabb4ba988cf3cf6165340c0e86190036ba328f916d2e768aed13f13e7c9";
+        assert_eq!(id.digest().to_hex(), sha256);
+        assert_eq!(format!("{:?}", id.digest()), "OwnerDigest(5cfadabb…)");
+        assert_eq!(format!("{id:?}"), "LockOwner(..)");
+    }
+
+    /// A backend answering every call with values of its own and noting its arguments, to see
+    /// that [`DynLockStore`] and `Arc` pass calls and answers through unchanged.
+    struct Recorder {
+        calls: std::sync::Mutex<Vec<String>>,
+        asked: std::time::Instant,
+    }
+
+    impl Recorder {
+        fn note(&self, call: String) {
+            self.calls.lock().unwrap().push(call);
+        }
+    }
+
+    const UNTIL: Timestamp = Timestamp::from_millis(7_000);
+
+    impl LockStore for Recorder {
+        fn kind(&self) -> &'static str {
+            "recorder"
+        }
+        async fn acquire(
+            &self,
+            name: &LockName,
+            owner: OwnerDigest,
+            lease: Duration,
+        ) -> Result<Acquire, StoreError> {
+            self.note(format!("acquire {name} {owner:?} {lease:?}"));
+            Ok(Acquire::Busy { until: UNTIL })
+        }
+        async fn renew(
+            &self,
+            name: &LockName,
+            owner: OwnerDigest,
+            fence: u64,
+            lease: Duration,
+        ) -> Result<Held, LockError> {
+            self.note(format!("renew {name} {owner:?} {fence} {lease:?}"));
+            Ok(Held {
+                fence,
+                expires_at: UNTIL,
+            })
+        }
+        async fn release(
+            &self,
+            name: &LockName,
+            owner: OwnerDigest,
+            fence: u64,
+        ) -> Result<(), LockError> {
+            self.note(format!("release {name} {owner:?} {fence}"));
+            Err(LockError::NotOwner)
+        }
+        fn listen(&self) -> Option<Box<dyn ReleaseListener>> {
+            self.note("listen".to_owned());
+            Some(Box::new(OneRelease(Some("orders:42".into()))))
+        }
+        fn acquire_queued(
+            &self,
+            name: &LockName,
+            owner: OwnerDigest,
+            lease: Duration,
+            wait: Duration,
+        ) -> Option<BoxFuture<'static, Result<Queued, StoreError>>> {
+            self.note(format!(
+                "acquire_queued {name} {owner:?} {lease:?} {wait:?}"
+            ));
+            let queued = Queued {
+                answer: Acquire::Busy { until: UNTIL },
+                asked: self.asked,
+            };
+            Some(Box::pin(std::future::ready(Ok(queued))))
+        }
+        async fn held(&self, limit: usize) -> Result<Option<Vec<HeldLock>>, StoreError> {
+            self.note(format!("held {limit}"));
+            Ok(Some(vec![HeldLock {
+                name: LockName::new("orders:42").unwrap(),
+                fence: 3,
+                expires_at: UNTIL,
+            }]))
+        }
+    }
+
+    struct OneRelease(Option<Arc<str>>);
+
+    impl ReleaseListener for OneRelease {
+        fn next(&mut self) -> BoxFuture<'_, Option<Arc<str>>> {
+            Box::pin(std::future::ready(self.0.take()))
+        }
+    }
+
+    /// The answer of a future that is ready at its first poll, as the recorder's are.
+    fn at_once<F: Future>(fut: F) -> F::Output {
+        let mut fut = std::pin::pin!(fut);
+        let mut cx = std::task::Context::from_waker(std::task::Waker::noop());
+        match fut.as_mut().poll(&mut cx) {
+            std::task::Poll::Ready(out) => out,
+            std::task::Poll::Pending => panic!("the recorder answers at once"),
+        }
+    }
+
+    #[test]
+    fn a_shared_store_passes_every_call_and_answer_through() {
+        let recorder = Arc::new(Recorder {
+            calls: std::sync::Mutex::new(Vec::new()),
+            asked: std::time::Instant::now(),
+        });
+        // `Arc<Recorder>` is a `LockStore` through `DynLockStore`, as a `SharedLockStore` is.
+        let store = Arc::clone(&recorder);
+        let name = LockName::new("orders:42").unwrap();
+        let (who, lease, wait) = (
+            owner(1),
+            Duration::from_millis(1_500),
+            Duration::from_secs(2),
+        );
+        assert_eq!(LockStore::kind(&store), "recorder");
+        assert_eq!(
+            at_once(LockStore::acquire(&store, &name, who, lease)).unwrap(),
+            Acquire::Busy { until: UNTIL }
+        );
+        assert_eq!(
+            at_once(LockStore::renew(&store, &name, who, 5, lease)).unwrap(),
+            Held {
+                fence: 5,
+                expires_at: UNTIL
+            }
+        );
+        assert!(matches!(
+            at_once(LockStore::release(&store, &name, who, 5)),
+            Err(LockError::NotOwner)
+        ));
+        let mut listener = LockStore::listen(&store).expect("the recorder's listener");
+        assert_eq!(at_once(listener.next()).as_deref(), Some("orders:42"));
+        let queued = LockStore::acquire_queued(&store, &name, who, lease, wait)
+            .expect("the recorder's queue");
+        assert_eq!(
+            at_once(queued).unwrap(),
+            Queued {
+                answer: Acquire::Busy { until: UNTIL },
+                asked: recorder.asked,
+            }
+        );
+        let held = at_once(LockStore::held(&store, 10)).unwrap().unwrap();
+        assert_eq!(held.len(), 1);
+        assert_eq!((held[0].name.as_str(), held[0].fence), ("orders:42", 3));
+        let o = format!("{who:?}");
+        assert_eq!(
+            *recorder.calls.lock().unwrap(),
+            [
+                format!("acquire orders:42 {o} 1.5s"),
+                format!("renew orders:42 {o} 5 1.5s"),
+                format!("release orders:42 {o} 5"),
+                "listen".to_owned(),
+                format!("acquire_queued orders:42 {o} 1.5s 2s"),
+                "held 10".to_owned(),
+            ]
+        );
+    }
 }
