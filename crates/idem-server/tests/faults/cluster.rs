@@ -7,6 +7,7 @@ use std::io::{BufRead, BufReader};
 use std::process::{Child, Command, Stdio};
 use std::time::Duration;
 
+use idem_testkit::coordination::ZooKeeper;
 use idem_testkit::services::{RedisServer, SqlKind, SqlServer};
 
 use crate::ledger::Ledger;
@@ -59,13 +60,16 @@ pub(crate) enum Store {
     OwnRedis(RedisServer, &'static str),
     /// A PostgreSQL or MariaDB of the run's own, the same.
     OwnSql(SqlServer),
+    /// A ZooKeeper of the run's own for the locks (`--locks`), the records in each
+    /// instance's memory; the nemesis may crash and restart it.
+    OwnZooKeeper(ZooKeeper),
     /// A server shared with others (`IDEM_FAULTS_STORE`): never restarted.
     Shared(String),
 }
 
 impl Store {
-    /// `sqlite` for a file in `dir`; `own-postgres`, `own-mariadb` or `own-valkey` for a
-    /// server of the run's own; a URL for a server of someone else's; or (empty) a durable
+    /// `sqlite` for a file in `dir`; `own-postgres`, `own-mariadb`, `own-valkey` or
+    /// `own-zookeeper` (locks only) for a server of the run's own; a URL for a server of someone else's; or (empty) a durable
     /// Redis of the run's own if `redis-server` runs here, else a file. A server that cannot
     /// be run here is a note, and a failure under `CI=true`.
     pub(crate) fn named(chosen: &str, dir: &std::path::Path) -> Self {
@@ -80,13 +84,17 @@ impl Store {
             "sqlite" => file(),
             "own-postgres" => sql(SqlKind::Postgres),
             "own-mariadb" => sql(SqlKind::MariaDb),
+            "own-zookeeper" => ZooKeeper::start().map_or_else(file, Self::OwnZooKeeper),
             url => Self::Shared(url.to_owned()),
         }
     }
 
     /// Whether the store is the run's own, which the nemesis may restart.
     pub(crate) fn own(&self) -> bool {
-        matches!(self, Self::OwnRedis(..) | Self::OwnSql(_))
+        matches!(
+            self,
+            Self::OwnRedis(..) | Self::OwnSql(_) | Self::OwnZooKeeper(_)
+        )
     }
 
     pub(crate) fn url(&self) -> String {
@@ -94,6 +102,7 @@ impl Store {
             Self::File(url) | Self::Shared(url) => url.clone(),
             Self::OwnRedis(server, _) => server.url(),
             Self::OwnSql(server) => server.url(),
+            Self::OwnZooKeeper(zk) => zk.url("/idem-faults"),
         }
     }
 
@@ -133,6 +142,11 @@ impl Store {
                 std::thread::sleep(down);
                 server.restart();
             }
+            Self::OwnZooKeeper(zk) => {
+                zk.kill(0);
+                std::thread::sleep(down);
+                zk.restart(0);
+            }
             _ => return false,
         }
         true
@@ -147,6 +161,7 @@ fn reroute(url: &str, to: impl FnOnce(&str) -> String) -> Option<String> {
         "redis" => 6379,
         "postgres" | "postgresql" => 5432,
         "mysql" | "mariadb" => 3306,
+        "zk" => 2181,
         _ => return None,
     };
     let end = rest.find(['/', '?']).unwrap_or(rest.len());
@@ -293,7 +308,13 @@ impl Cluster {
             // Its clients give the lease in every begin; every caller shares one scope.
             Role::Serve => cmd.args(["serve", "--allow-anonymous"]),
         };
-        cmd.args(["--store", &g.store, "--listen", &g.addr])
+        // A lock store (ZooKeeper) holds no records: each instance keeps its own in memory.
+        if g.store.starts_with("zk://") {
+            cmd.args(["--store", "memory://", "--locks", &g.store]);
+        } else {
+            cmd.args(["--store", &g.store]);
+        }
+        cmd.args(["--listen", &g.addr])
             .env_remove("IDEM_STORE")
             .env("IDEM_LOG", "info")
             .stderr(Stdio::piped());

@@ -453,6 +453,14 @@ fn locks_on_sqlite_under_the_nemesis_keep_their_fences() {
     on_store(Work::Locks, "sqlite");
 }
 
+/// Locks in a ZooKeeper of the run's own (`idem serve --locks zk://…`), reached through the
+/// nemesis's proxies: waiters queue behind their predecessor, and pauses, kills, cuts,
+/// partitions and the server's crash must not let two holdings share a fence at the ledger.
+#[test]
+fn locks_on_zookeeper_under_the_nemesis_keep_their_fences() {
+    on_store(Work::Locks, "own-zookeeper");
+}
+
 /// `work` on a Valkey of the run's own, unless `IDEM_FAULTS_STORE` chose the run's store
 /// (`scripts/faults own-valkey` runs every test there).
 fn on_valkey(work: Work) {

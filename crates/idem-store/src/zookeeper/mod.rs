@@ -96,7 +96,14 @@ struct Inner {
     client: tokio::sync::Mutex<zk::Client>,
     /// How many times a waiter was woken by its watch.
     wakeups: AtomicU64,
+    /// The holdings this store granted or renewed: their node and its version, so that a
+    /// renewal and a release are one conditional write (the version check makes a stale
+    /// entry harmless: it falls back to reading the queue).
+    holdings: quick_cache::sync::Cache<(String, u64), queue::Holding>,
 }
+
+/// How many holdings a store remembers.
+const HOLDINGS: usize = 16_384;
 
 impl std::fmt::Debug for ZooKeeperLocks {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -136,6 +143,7 @@ impl ZooKeeperLocks {
             options,
             client: tokio::sync::Mutex::new(client),
             wakeups: AtomicU64::new(0),
+            holdings: quick_cache::sync::Cache::new(HOLDINGS),
         });
         let locks = Self { inner };
         let dir = locks.locks_dir();

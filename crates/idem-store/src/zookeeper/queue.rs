@@ -89,12 +89,36 @@ struct Node {
 enum Ahead {
     /// Nothing alive: the node is first.
     Nothing,
-    /// The live node just ahead: its path, the version read, and when its time runs out.
+    /// The live node just ahead: its path, the version read, when its time runs out, and
+    /// whether it is the first node of all (so that once it is gone, nothing is ahead: nodes
+    /// between it and this one were dead, and no node is ever made ahead of an older one).
     Behind {
         predecessor: String,
         version: i32,
         ends: i64,
+        first: bool,
     },
+}
+
+/// What came of a waiter's step: the lock, or what to do next.
+enum Taken {
+    Held(Queued),
+    /// The waiter's node is gone (deleted as a waiter whose time ran out): it joins the
+    /// queue again.
+    Gone,
+    /// What is ahead changed: the queue is read again.
+    Changed,
+    /// The predecessor's time ran out by the waiter's timer: the ensemble's time is read
+    /// (by a write to the waiter's node) before the queue is.
+    Late,
+}
+
+/// A holding this store granted or renewed, as it last wrote it.
+#[derive(Debug, Clone)]
+pub(super) struct Holding {
+    path: String,
+    version: i32,
+    entry_ends: i64,
 }
 
 /// One lock name, as one owner sees it.
@@ -205,6 +229,12 @@ impl<'a> Lock<'a> {
     /// live one; `now` is the ensemble's time of a write made after every node ahead existed.
     async fn ahead(&self, seq: i64, now: i64) -> Result<Ahead, StoreError> {
         let nodes = self.nodes().await?;
+        self.ahead_in(&nodes, seq, now).await
+    }
+
+    /// As [`Lock::ahead`], in a listing already made after the node at `seq` was.
+    async fn ahead_in(&self, nodes: &[Node], seq: i64, now: i64) -> Result<Ahead, StoreError> {
+        let head = nodes.first().map(|n| n.seq);
         for node in nodes.iter().rev().filter(|n| n.seq < seq) {
             loop {
                 let Some((entry, stat)) = self.read(&node.path).await? else {
@@ -215,6 +245,7 @@ impl<'a> Lock<'a> {
                         predecessor: node.path.clone(),
                         version: stat.version,
                         ends: entry.ends(&stat),
+                        first: head == Some(node.seq),
                     });
                 }
                 if self.delete(&node.path, stat.version).await? {
@@ -229,7 +260,13 @@ impl<'a> Lock<'a> {
     /// When the lock is held until, for a `Busy` answer: the lease end of the first live node
     /// that holds, else `now`.
     async fn busy_until(&self, now: i64) -> Result<Acquire, StoreError> {
-        for node in self.nodes().await? {
+        let nodes = self.nodes().await?;
+        self.busy_until_in(&nodes, now).await
+    }
+
+    /// As [`Lock::busy_until`], in a listing already made.
+    async fn busy_until_in(&self, nodes: &[Node], now: i64) -> Result<Acquire, StoreError> {
+        for node in nodes {
             if let Some((entry, stat)) = self.read(&node.path).await?
                 && !entry.dead(&stat, now)
             {
@@ -280,10 +317,7 @@ impl<'a> Lock<'a> {
                 && entry.ends(&stat) > now.mtime
                 && matches!(self.ahead(node.seq, now.mtime).await?, Ahead::Nothing)
             {
-                return Ok(Some(Held {
-                    fence: fence(&stat),
-                    expires_at: timestamp(held.ends(&now)),
-                }));
+                return Ok(Some(self.remember(&node.path, fence(&stat), &now, held)));
             }
             // Released, run out, or not first after all (a claim being withdrawn): a new
             // holding needs a new node.
@@ -292,35 +326,135 @@ impl<'a> Lock<'a> {
         Ok(None)
     }
 
-    /// One attempt: the holding, or who holds it.
+    /// One attempt: the holding, or who holds it. The claim is made first and the queue
+    /// read once after it; only an owner with a node here already (a holding to keep, or
+    /// one to clear) reads it again.
     pub(super) async fn try_acquire(
         &self,
         lease: std::time::Duration,
     ) -> Result<Acquire, StoreError> {
         let lease = lease_millis(lease);
-        if let Some(held) = self.holding(lease).await? {
-            return Ok(Acquire::Acquired(held));
-        }
         let claim = Entry {
             state: State::Held,
             millis: lease,
         };
-        let (node, stat) = self.create(claim).await?;
-        // A claim left behind by a failure below would keep others out for a whole lease.
-        let mut place = Place::new(self.client.clone(), node.path.clone());
-        match self.ahead(node.seq, stat.ctime).await? {
-            Ahead::Nothing => {
-                place.keep();
-                Ok(Acquire::Acquired(Held {
-                    fence: fence(&stat),
-                    expires_at: timestamp(claim.ends(&stat)),
-                }))
-            }
-            Ahead::Behind { .. } => {
-                let answer = self.busy_until(stat.ctime).await;
+        let mut checked = false;
+        loop {
+            let (node, stat) = self.create(claim).await?;
+            // A claim left behind by a failure below would keep others out for a whole lease.
+            let mut place = Place::new(self.client.clone(), node.path.clone());
+            let nodes = self.nodes().await?;
+            if !checked && nodes.iter().any(|n| n.owner && n.seq != node.seq) {
                 place.leave().await;
-                answer
+                if let Some(held) = self.holding(lease).await? {
+                    return Ok(Acquire::Acquired(held));
+                }
+                checked = true;
+                continue;
             }
+            return match self.ahead_in(&nodes, node.seq, stat.ctime).await? {
+                Ahead::Nothing => {
+                    place.keep();
+                    Ok(Acquire::Acquired(self.remember(
+                        &node.path,
+                        fence(&stat),
+                        &stat,
+                        claim,
+                    )))
+                }
+                Ahead::Behind { .. } => {
+                    let answer = self.busy_until_in(&nodes, stat.ctime).await;
+                    place.leave().await;
+                    answer
+                }
+            };
+        }
+    }
+
+    /// Notes the holding `fence` of node `path`, just written as `written` with `entry`: its
+    /// fence and lease end.
+    fn remember(&self, path: &str, fence: u64, written: &zk::Stat, entry: Entry) -> Held {
+        let held = Held {
+            fence,
+            expires_at: timestamp(entry.ends(written)),
+        };
+        self.locks.inner.holdings.insert(
+            (format!("{}/{}", self.parent, self.owner), held.fence),
+            Holding {
+                path: path.to_owned(),
+                version: written.version,
+                entry_ends: entry.ends(written),
+            },
+        );
+        held
+    }
+
+    /// The holding with `wanted` as this store last wrote it, if it remembers it.
+    fn recall(&self, wanted: u64) -> Option<Holding> {
+        let key = (format!("{}/{}", self.parent, self.owner), wanted);
+        self.locks.inner.holdings.get(&key)
+    }
+
+    fn forget(&self, wanted: u64) {
+        let key = (format!("{}/{}", self.parent, self.owner), wanted);
+        self.locks.inner.holdings.remove(&key);
+    }
+
+    /// Makes this owner's waiting node (as last written, `stat`) the holding. With `dead`,
+    /// the predecessor found dead (at that version) is deleted in the same transaction.
+    async fn take(
+        &self,
+        node: &Node,
+        stat: &zk::Stat,
+        lease: u64,
+        dead: Option<(&str, i32)>,
+    ) -> Result<Taken, StoreError> {
+        let asked = Instant::now();
+        let held = Entry {
+            state: State::Held,
+            millis: lease,
+        };
+        let data = held.encode();
+        let written = match dead {
+            None => self
+                .client
+                .set_data(&node.path, &data, Some(stat.version))
+                .await
+                .map_err(|e| (0, e)),
+            Some((predecessor, version)) => {
+                let mut both = self.client.new_multi_writer();
+                both.add_delete(predecessor, Some(version))
+                    .and_then(|()| both.add_set_data(&node.path, &data, Some(stat.version)))
+                    .map_err(|e| error("cannot take a lock", e))?;
+                match both.commit().await {
+                    Ok(results) => match results.last() {
+                        Some(zk::MultiWriteResult::SetData { stat }) => Ok(*stat),
+                        _ => {
+                            return Err(StoreError::backend(
+                                "ZooKeeper: a transaction answered out of shape",
+                                std::io::Error::other("multi"),
+                            ));
+                        }
+                    },
+                    Err(zk::MultiWriteError::RequestFailed { source }) => Err((1, source)),
+                    Err(zk::MultiWriteError::OperationFailed { index, source }) => {
+                        Err((index, source))
+                    }
+                }
+            }
+        };
+        match written {
+            Ok(written) => Ok(Taken::Held(Queued {
+                answer: Acquire::Acquired(self.remember(&node.path, fence(stat), &written, held)),
+                asked,
+            })),
+            // The predecessor changed after it was read: look again.
+            Err((0, zk::Error::NoNode | zk::Error::BadVersion)) if dead.is_some() => {
+                Ok(Taken::Changed)
+            }
+            // This node was deleted, as a waiter whose time ran out.
+            Err((_, zk::Error::NoNode | zk::Error::BadVersion)) => Ok(Taken::Gone),
+            Err((_, e)) => Err(error("cannot take a lock", e)),
         }
     }
 
@@ -345,38 +479,13 @@ impl<'a> Lock<'a> {
         // The ensemble's time at the last write of this node, and when that answer came.
         let (mut now, mut at) = (stat.ctime, Instant::now());
         loop {
-            match self.ahead(node.seq, now).await? {
-                Ahead::Nothing => {
-                    let asked = Instant::now();
-                    let held = Entry {
-                        state: State::Held,
-                        millis: lease,
-                    };
-                    match self
-                        .client
-                        .set_data(&node.path, &held.encode(), Some(stat.version))
-                        .await
-                    {
-                        Ok(taken) => {
-                            place.keep();
-                            return Ok(Queued {
-                                answer: Acquire::Acquired(Held {
-                                    fence: fence(&stat),
-                                    expires_at: timestamp(held.ends(&taken)),
-                                }),
-                                asked,
-                            });
-                        }
-                        // Deleted as a waiter whose time ran out: join again at the back
-                        // (below).
-                        Err(zk::Error::NoNode) => {}
-                        Err(e) => return Err(error("cannot take a lock", e)),
-                    }
-                }
+            let next = match self.ahead(node.seq, now).await? {
+                Ahead::Nothing => self.take(&node, &stat, lease, None).await?,
                 Ahead::Behind {
                     predecessor,
                     version,
                     ends,
+                    first,
                 } => {
                     let (exists, watch) = self
                         .client
@@ -385,7 +494,7 @@ impl<'a> Lock<'a> {
                         .map_err(|e| error("cannot watch a lock node", e))?;
                     // A watch sees only later changes: one made since the node was read
                     // (released, say) means looking again at once.
-                    let mut timer = false;
+                    let (mut woke, mut timer) = (None, false);
                     if exists.is_some_and(|s| s.version == version) {
                         // Until the predecessor changes or leaves, its time runs out, or
                         // the wait does.
@@ -397,8 +506,9 @@ impl<'a> Lock<'a> {
                         let left = deadline.map(|d| d.saturating_duration_since(Instant::now()));
                         let nap = left.map_or(lease_end, |l| l.min(lease_end));
                         tokio::select! {
-                            _ = watch.changed() => {
+                            event = watch.changed() => {
                                 self.locks.inner.wakeups.fetch_add(1, Ordering::Relaxed);
+                                woke = Some(event.event_type);
                             }
                             () = tokio::time::sleep(nap) => timer = true,
                         }
@@ -408,26 +518,43 @@ impl<'a> Lock<'a> {
                         place.leave().await;
                         return answer.map(|answer| Queued { answer, asked });
                     }
-                    // Woken by the predecessor's change: what changed needs no newer time
-                    // (a release, a departure). Only a timer needs the ensemble's time,
-                    // from a write, which would wake the waiter behind this one.
-                    if !timer {
-                        continue;
+                    match woke {
+                        Some(event) if first => {
+                            self.next_in_line(&node, &stat, lease, &predecessor, event)
+                                .await?
+                        }
+                        // Woken by the predecessor's change: what changed needs no newer
+                        // time (a release, a departure). Only a timer needs the ensemble's
+                        // time, from a write, which would wake the waiter behind this one.
+                        None if timer => Taken::Late,
+                        _ => Taken::Changed,
                     }
                 }
+            };
+            match next {
+                Taken::Held(queued) => {
+                    place.keep();
+                    return Ok(queued);
+                }
+                Taken::Changed => continue,
+                Taken::Late | Taken::Gone => {}
             }
             // The ensemble's time now, from a write of this node's own (which also keeps
             // it alive); a node deleted meanwhile joins again at the back.
-            match self
-                .client
-                .set_data(&node.path, &waiting.encode(), Some(stat.version))
-                .await
-            {
-                Ok(touched) => {
+            let touched = match next {
+                Taken::Late => self
+                    .client
+                    .set_data(&node.path, &waiting.encode(), Some(stat.version))
+                    .await
+                    .map(Some),
+                _ => Ok(None),
+            };
+            match touched {
+                Ok(Some(touched)) => {
                     stat = touched;
                     (now, at) = (touched.mtime, Instant::now());
                 }
-                Err(zk::Error::NoNode | zk::Error::BadVersion) => {
+                Ok(None) | Err(zk::Error::NoNode | zk::Error::BadVersion) => {
                     place.leave().await;
                     (node, stat) = self.create(waiting).await?;
                     place = Place::new(self.client.clone(), node.path.clone());
@@ -435,6 +562,30 @@ impl<'a> Lock<'a> {
                 }
                 Err(e) => return Err(error("cannot wait for a lock", e)),
             }
+        }
+    }
+
+    /// The first node, just ahead of this waiter's, changed or left (`event`): if it is gone
+    /// or released, nothing is ahead any more, and the waiter takes the lock without reading
+    /// the whole queue again (deleting a released predecessor in the same transaction).
+    async fn next_in_line(
+        &self,
+        node: &Node,
+        stat: &zk::Stat,
+        lease: u64,
+        predecessor: &str,
+        event: zk::EventType,
+    ) -> Result<Taken, StoreError> {
+        if event == zk::EventType::NodeDeleted {
+            return self.take(node, stat, lease, None).await;
+        }
+        match self.read(predecessor).await? {
+            None => self.take(node, stat, lease, None).await,
+            Some((entry, pred)) if entry.state == State::Released => {
+                self.take(node, stat, lease, Some((predecessor, pred.version)))
+                    .await
+            }
+            Some(_) => Ok(Taken::Changed),
         }
     }
 
@@ -455,6 +606,23 @@ impl<'a> Lock<'a> {
             state: State::Held,
             millis: lease_millis(lease),
         };
+        // One conditional write when this store knows the holding as it is.
+        if let Some(known) = self.recall(wanted) {
+            self.forget(wanted);
+            match self
+                .client
+                .set_data(&known.path, &held.encode(), Some(known.version))
+                .await
+            {
+                Ok(now) => {
+                    return self
+                        .renewed(&known.path, wanted, known.entry_ends, &now, held)
+                        .await;
+                }
+                Err(zk::Error::BadVersion | zk::Error::NoNode) => {}
+                Err(e) => return Err(error("cannot renew a lock", e).into()),
+            }
+        }
         loop {
             let Some((node, entry, stat)) = self.mine(wanted).await? else {
                 return Err(LockError::NotOwner);
@@ -472,22 +640,45 @@ impl<'a> Lock<'a> {
                 Err(zk::Error::NoNode) => return Err(LockError::NotOwner),
                 Err(e) => return Err(error("cannot renew a lock", e).into()),
             };
-            if entry.ends(&stat) <= now.mtime {
-                // The lease had run out: lost stays lost.
-                let _ = self
-                    .client
-                    .set_data(&node.path, &RELEASED.encode(), Some(now.version))
-                    .await;
-                return Err(LockError::NotOwner);
-            }
-            return Ok(Held {
-                fence: wanted,
-                expires_at: timestamp(held.ends(&now)),
-            });
+            return self
+                .renewed(&node.path, wanted, entry.ends(&stat), &now, held)
+                .await;
         }
     }
 
+    /// A renewal written (`now`) over a lease that ended at `ended`: kept, or, if that lease
+    /// had run out before, taken back (lost stays lost).
+    async fn renewed(
+        &self,
+        path: &str,
+        wanted: u64,
+        ended: i64,
+        now: &zk::Stat,
+        held: Entry,
+    ) -> Result<Held, LockError> {
+        if ended <= now.mtime {
+            let _ = self
+                .client
+                .set_data(path, &RELEASED.encode(), Some(now.version))
+                .await;
+            return Err(LockError::NotOwner);
+        }
+        Ok(self.remember(path, wanted, now, held))
+    }
+
     pub(super) async fn release(&self, wanted: u64) -> Result<(), LockError> {
+        if let Some(known) = self.recall(wanted) {
+            self.forget(wanted);
+            match self
+                .client
+                .set_data(&known.path, &RELEASED.encode(), Some(known.version))
+                .await
+            {
+                Ok(_) => return Ok(()),
+                Err(zk::Error::BadVersion | zk::Error::NoNode) => {}
+                Err(e) => return Err(error("cannot release a lock", e).into()),
+            }
+        }
         loop {
             let Some((node, entry, stat)) = self.mine(wanted).await? else {
                 return Err(LockError::NotOwner);
