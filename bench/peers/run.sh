@@ -3,8 +3,9 @@
 #   IDEM_PEERS_DIR  install dir (default $HOME/.cache/idem/peers): node_modules + venv
 #   REDIS_URL       Redis to bench against (default redis://127.0.0.1:6379)
 #   DURATION        seconds per scenario (default 5)
-#   PEERS           space-separated subset of: redlock python-redis-lock powertools
-#                   (default: all, in that order)
+#   ZK_HOSTS        ZooKeeper for kazoo (default 127.0.0.1:2181)
+#   PEERS           space-separated subset of: redlock python-redis-lock powertools kazoo
+#                   (default: all but kazoo, in that order)
 # Installs are skipped when the pinned manifests there already match these.
 # stdout: one JSON line per scenario; install logs and notes go to stderr.
 set -euo pipefail
@@ -13,8 +14,8 @@ here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 export IDEM_PEERS_DIR="${IDEM_PEERS_DIR:-$HOME/.cache/idem/peers}"
 export REDIS_URL="${REDIS_URL:-redis://127.0.0.1:6379}"
 export DURATION="${DURATION:-5}"
-all_peers="redlock python-redis-lock powertools"
-PEERS="${PEERS:-$all_peers}"
+all_peers="redlock python-redis-lock powertools kazoo"
+PEERS="${PEERS:-redlock python-redis-lock powertools}"
 for p in $PEERS; do
   case " $all_peers " in
     *" $p "*) ;;
@@ -31,7 +32,7 @@ if ! cmp -s "$here/package.json" "$IDEM_PEERS_DIR/package.json" \
   npm ci --prefix "$IDEM_PEERS_DIR" --no-audit --no-fund >&2
 fi
 
-# Python peers: python-redis-lock, aws-lambda-powertools + redis in one venv.
+# Python peers: python-redis-lock, aws-lambda-powertools + redis, kazoo, in one venv.
 venv="$IDEM_PEERS_DIR/venv"
 if ! cmp -s "$here/requirements.txt" "$venv/requirements.txt"; then
   [ -x "$venv/bin/python" ] || python3 -m venv "$venv"
@@ -44,5 +45,6 @@ for p in $PEERS; do
     redlock) node "$here/redlock_bench.mjs" ;;
     python-redis-lock) "$venv/bin/python" "$here/python_redis_lock_bench.py" ;;
     powertools) "$venv/bin/python" "$here/powertools_bench.py" ;;
+    kazoo) "$venv/bin/python" "$here/kazoo_lock_bench.py" ;;
   esac
 done

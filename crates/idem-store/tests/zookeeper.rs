@@ -32,8 +32,8 @@ async fn fixture() -> Option<SharedLockStore> {
 
 idem_testkit::lock_conformance_tests!(fixture());
 
-/// Eight waiters queued behind one holder get the lock one after another, in the order they
-/// came, with rising fences; each hand-off wakes the waiter next in line only (its
+/// Eight waiters queued behind one holder get the lock one after another, one at a time, in
+/// the order they came, with rising fences; each hand-off wakes the waiter next in line only (its
 /// predecessor taking the lock, then leaving it), never the whole queue.
 #[test]
 fn a_release_wakes_only_the_next_waiter() {
@@ -51,9 +51,11 @@ fn a_release_wakes_only_the_next_waiter() {
         };
         const WAITERS: usize = 8;
         let order = Arc::new(std::sync::Mutex::new(Vec::new()));
+        let held = Arc::new(std::sync::atomic::AtomicBool::new(true));
         let mut tasks = Vec::new();
         for i in 0..WAITERS {
             let (locks, name, order) = (locks.clone(), name.clone(), Arc::clone(&order));
+            let held_flag = Arc::clone(&held);
             tasks.push(tokio::spawn(async move {
                 let who = LockOwner::random().digest();
                 let queued = LockStore::acquire_queued(
@@ -66,16 +68,21 @@ fn a_release_wakes_only_the_next_waiter() {
                 .unwrap()
                 .await
                 .unwrap();
-                let Acquire::Acquired(held) = queued.answer else {
+                let Acquire::Acquired(got) = queued.answer else {
                     panic!("waiter {i} timed out");
                 };
-                order.lock().unwrap().push((i, held.fence));
-                locks.release(&name, who, held.fence).await.unwrap();
+                let was = held_flag.swap(true, std::sync::atomic::Ordering::SeqCst);
+                assert!(!was, "waiter {i} got the lock while another held it");
+                order.lock().unwrap().push((i, got.fence));
+                tokio::task::yield_now().await;
+                held_flag.store(false, std::sync::atomic::Ordering::SeqCst);
+                locks.release(&name, who, got.fence).await.unwrap();
             }));
             // Each in the queue before the next comes.
             tokio::time::sleep(Duration::from_millis(100)).await;
         }
         let before = locks.wakeups();
+        held.store(false, std::sync::atomic::Ordering::SeqCst);
         locks.release(&name, holder, first.fence).await.unwrap();
         for task in tasks {
             tokio::time::timeout(Duration::from_secs(30), task)

@@ -2,9 +2,11 @@
 //! in the same run.
 //!
 //! `cargo bench -p idem --bench locks` (`IDEM_BENCH_SECONDS`, default 5 per scenario;
-//! `IDEM_BENCH_BACKENDS=redis,postgres,sqlite,memory` or a part of it). Redis
+//! `IDEM_BENCH_BACKENDS=redis,postgres,sqlite,memory,zookeeper` or a part of it). Redis
 //! is the one at `IDEM_TEST_REDIS_URL` (default `redis://127.0.0.1:6379`); PostgreSQL and
-//! SQLite are measured too, when PostgreSQL answers.
+//! SQLite are measured too, when PostgreSQL answers. ZooKeeper is the one at
+//! `IDEM_BENCH_ZK_HOSTS`, or a server the bench starts (Debian's `zookeeper`); all its
+//! clients share one session, as an `idem serve`'s do.
 //!
 //! Lock scenarios, the same as the peers' harness (`bench/peers/`), lease 10 s:
 //! - `uncontended` (1 and 8 clients): each client acquires and releases its own lock in a loop;
@@ -34,7 +36,10 @@ use std::time::{Duration, Instant};
 
 use idem::{Locks, SqliteStore, SystemClock, Tokens};
 use idem_core::{SharedLockStore, SharedStore};
-use idem_store::{PostgresOptions, PostgresStore, RedisOptions, RedisStore};
+use idem_store::{
+    PostgresOptions, PostgresStore, RedisOptions, RedisStore, ZooKeeperLocks, ZooKeeperOptions,
+};
+use idem_testkit::coordination::ZooKeeper;
 use idem_testkit::services::{POSTGRES, REDIS};
 
 const LEASE: Duration = Duration::from_secs(10);
@@ -356,7 +361,7 @@ async fn lock_rows(name: &str, locks: &Locks, run: Duration) {
 async fn contended_row(name: &str, locks: &Locks, run: Duration) {
     let c = contended(locks, 8, run).await;
     println!(
-        "| {name} | contended | 8 | {:>9.0} | {:.0?} / {:.0?} ({} hand-offs) |",
+        "| {name} | contended | 8 | {:>9.0} | {:.2?} / {:.2?} ({} hand-offs) |",
         c.per_sec, c.p50, c.p99, c.handoffs
     );
 }
@@ -477,6 +482,20 @@ fn main() {
         if wanted("memory") {
             let memory: SharedLockStore = Arc::new(idem::MemoryStore::new());
             lock_rows("memory", &Locks::shared(memory), run).await;
+        }
+        if wanted("zookeeper") {
+            let own = std::env::var("IDEM_BENCH_ZK_HOSTS")
+                .is_err()
+                .then(ZooKeeper::start)
+                .flatten();
+            let hosts = std::env::var("IDEM_BENCH_ZK_HOSTS")
+                .ok()
+                .or_else(|| own.as_ref().map(ZooKeeper::hosts));
+            if let Some(hosts) = hosts {
+                let options = ZooKeeperOptions::default().root("/idem-bench");
+                let zk = ZooKeeperLocks::connect(&hosts, options).await.unwrap();
+                lock_rows("zookeeper", &Locks::new(zk), run).await;
+            }
         }
     });
 }
