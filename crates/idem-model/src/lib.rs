@@ -26,6 +26,7 @@
 pub mod delivery;
 pub mod linearizable;
 pub mod lock;
+pub mod lock_spec;
 pub mod oracle;
 pub mod record;
 

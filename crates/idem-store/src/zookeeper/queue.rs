@@ -20,8 +20,12 @@ const TIMER_SLACK: Duration = Duration::from_millis(5);
 /// A node's state, as its data says.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum State {
-    /// Holds, or claims to (`h`).
+    /// Holds (`h`): written only by an owner that found nothing alive ahead of it.
     Held,
+    /// A claim of an acquire that does not wait (`c`): it holds if it was made with nothing
+    /// ahead of it (and says so by nothing more: a free lock is taken with one write), or
+    /// once it turns `h`; otherwise it is withdrawn.
+    Claimed,
     /// Waits (`w`).
     Waiting,
     /// Released (`r`): dead at once.
@@ -39,6 +43,7 @@ impl Entry {
     fn encode(self) -> Vec<u8> {
         let tag = match self.state {
             State::Held => 'h',
+            State::Claimed => 'c',
             State::Waiting => 'w',
             State::Released => 'r',
         };
@@ -50,6 +55,7 @@ impl Entry {
         let (tag, millis) = text.split_once(' ')?;
         let state = match tag {
             "h" => State::Held,
+            "c" => State::Claimed,
             "w" => State::Waiting,
             "r" => State::Released,
             _ => return None,
@@ -69,6 +75,11 @@ impl Entry {
     /// Whether the node no longer counts at `now`.
     fn dead(self, stat: &zk::Stat, now: i64) -> bool {
         self.state == State::Released || self.ends(stat) <= now
+    }
+
+    /// Whether the node is a holding (or a claim that may be one) with this lease.
+    fn holds(self) -> bool {
+        matches!(self.state, State::Held | State::Claimed)
     }
 }
 
@@ -97,6 +108,23 @@ enum Ahead {
         version: i32,
         ends: i64,
         first: bool,
+    },
+}
+
+/// How long an acquire that does not wait waits for a claim ahead of it to hold or withdraw.
+const DECIDE_WAIT: Duration = Duration::from_secs(1);
+
+/// What an acquire that does not wait finds ahead of its claim.
+enum Judged {
+    /// Nothing alive; `alone` if nothing at all was there.
+    Free { alone: bool },
+    /// A holding, until this lease end.
+    Held { until: i64 },
+    /// A claim or waiter that may hold or withdraw: its path, version and end.
+    Undecided {
+        path: String,
+        version: i32,
+        ends: i64,
     },
 }
 
@@ -270,7 +298,7 @@ impl<'a> Lock<'a> {
             if let Some((entry, stat)) = self.read(&node.path).await?
                 && !entry.dead(&stat, now)
             {
-                let ends = if entry.state == State::Held {
+                let ends = if entry.holds() {
                     entry.ends(&stat)
                 } else {
                     now
@@ -288,54 +316,60 @@ impl<'a> Lock<'a> {
     /// This owner's node that holds the lock now, extended to `lease` from now; `None` if it
     /// holds none (a node of its own that is dead or released is deleted).
     async fn holding(&self, lease: u64) -> Result<Option<Held>, StoreError> {
+        let held = Entry {
+            state: State::Held,
+            millis: lease,
+        };
         for node in self.nodes().await?.into_iter().filter(|n| n.owner) {
-            let Some((entry, stat)) = self.read(&node.path).await? else {
-                continue;
-            };
-            if entry.state == State::Waiting {
-                continue;
-            }
-            let held = Entry {
-                state: State::Held,
-                millis: lease,
-            };
-            let now = match entry.state {
-                State::Held => {
+            // Read again whenever the node was written in between (a renewal or release of
+            // the same owner, through another call): its new state decides.
+            loop {
+                let Some((entry, stat)) = self.read(&node.path).await? else {
+                    break;
+                };
+                if entry.state == State::Waiting {
+                    break;
+                }
+                let now = if entry.holds() {
                     match self
                         .client
                         .set_data(&node.path, &held.encode(), Some(stat.version))
                         .await
                     {
                         Ok(now) => now,
-                        Err(zk::Error::NoNode | zk::Error::BadVersion) => continue,
+                        Err(zk::Error::BadVersion) => continue,
+                        Err(zk::Error::NoNode) => break,
                         Err(e) => return Err(error("cannot extend a lock's lease", e)),
                     }
+                } else {
+                    stat
+                };
+                if entry.holds()
+                    && entry.ends(&stat) > now.mtime
+                    && matches!(self.ahead(node.seq, now.mtime).await?, Ahead::Nothing)
+                {
+                    return Ok(Some(self.remember(&node.path, fence(&stat), &now, held)));
                 }
-                _ => stat,
-            };
-            if entry.state == State::Held
-                && entry.ends(&stat) > now.mtime
-                && matches!(self.ahead(node.seq, now.mtime).await?, Ahead::Nothing)
-            {
-                return Ok(Some(self.remember(&node.path, fence(&stat), &now, held)));
+                // Released, run out, or not first after all (a claim being withdrawn): a new
+                // holding needs a new node.
+                if self.delete(&node.path, now.version).await? {
+                    break;
+                }
             }
-            // Released, run out, or not first after all (a claim being withdrawn): a new
-            // holding needs a new node.
-            self.delete(&node.path, now.version).await?;
         }
         Ok(None)
     }
 
     /// One attempt: the holding, or who holds it. The claim is made first and the queue
-    /// read once after it; only an owner with a node here already (a holding to keep, or
-    /// one to clear) reads it again.
+    /// read once after it: with nothing ahead, the claim holds (one write in all). Only an
+    /// owner with a node here already (a holding to keep, or one to clear) reads further.
     pub(super) async fn try_acquire(
         &self,
         lease: std::time::Duration,
     ) -> Result<Acquire, StoreError> {
         let lease = lease_millis(lease);
         let claim = Entry {
-            state: State::Held,
+            state: State::Claimed,
             millis: lease,
         };
         let mut checked = false;
@@ -343,7 +377,7 @@ impl<'a> Lock<'a> {
             let (node, stat) = self.create(claim).await?;
             // A claim left behind by a failure below would keep others out for a whole lease.
             let mut place = Place::new(self.client.clone(), node.path.clone());
-            let nodes = self.nodes().await?;
+            let mut nodes = self.nodes().await?;
             if !checked && nodes.iter().any(|n| n.owner && n.seq != node.seq) {
                 place.leave().await;
                 if let Some(held) = self.holding(lease).await? {
@@ -352,23 +386,117 @@ impl<'a> Lock<'a> {
                 checked = true;
                 continue;
             }
-            return match self.ahead_in(&nodes, node.seq, stat.ctime).await? {
-                Ahead::Nothing => {
-                    place.keep();
-                    Ok(Acquire::Acquired(self.remember(
-                        &node.path,
-                        fence(&stat),
-                        &stat,
-                        claim,
-                    )))
+            let asked = Instant::now();
+            loop {
+                match self.judge(&nodes, node.seq, stat.ctime).await? {
+                    Judged::Free { alone: true } => {
+                        place.keep();
+                        let held = self.remember(&node.path, fence(&stat), &stat, claim);
+                        return Ok(Acquire::Acquired(held));
+                    }
+                    Judged::Free { alone: false } => {
+                        // Nodes were ahead when the claim was made: others may have seen it
+                        // undecided, so it says it holds.
+                        let held = Entry {
+                            state: State::Held,
+                            millis: lease,
+                        };
+                        return match self
+                            .client
+                            .set_data(&node.path, &held.encode(), Some(stat.version))
+                            .await
+                        {
+                            Ok(written) => {
+                                place.keep();
+                                Ok(Acquire::Acquired(self.remember(
+                                    &node.path,
+                                    fence(&stat),
+                                    &written,
+                                    held,
+                                )))
+                            }
+                            Err(e) => Err(error("cannot take a lock", e)),
+                        };
+                    }
+                    Judged::Held { until } => {
+                        place.leave().await;
+                        return Ok(Acquire::Busy {
+                            until: timestamp(until),
+                        });
+                    }
+                    Judged::Undecided {
+                        path,
+                        version,
+                        ends,
+                    } => {
+                        // A claim or waiter that may be withdrawing: its answer comes within
+                        // its own round trips. One that takes longer is taken for a holder.
+                        if asked.elapsed() >= DECIDE_WAIT {
+                            place.leave().await;
+                            return Ok(Acquire::Busy {
+                                until: timestamp(ends),
+                            });
+                        }
+                        let (exists, watch) = self
+                            .client
+                            .check_and_watch_stat(&path)
+                            .await
+                            .map_err(|e| error("cannot watch a lock node", e))?;
+                        if exists.is_some_and(|s| s.version == version) {
+                            let left = DECIDE_WAIT.saturating_sub(asked.elapsed());
+                            let _ = tokio::time::timeout(left, watch.changed()).await;
+                        }
+                        nodes = self.nodes().await?;
+                    }
                 }
-                Ahead::Behind { .. } => {
-                    let answer = self.busy_until_in(&nodes, stat.ctime).await;
-                    place.leave().await;
-                    answer
-                }
-            };
+            }
         }
+    }
+
+    /// What is ahead of the claim at `seq`, for an answer that must be true when given:
+    /// `Held` only on a live holding (or a claim or waiter first in the queue, about to hold);
+    /// `Free` when nothing alive is ahead (`alone`: nothing at all was); `Undecided` when the
+    /// first live node is a claim or waiter behind nodes that died, which may be withdrawing
+    /// (it saw them alive) or about to hold.
+    async fn judge(&self, nodes: &[Node], seq: i64, now: i64) -> Result<Judged, StoreError> {
+        let mut alone = true;
+        let mut first_live: Option<(&Node, i32, i64)> = None;
+        for node in nodes.iter().rev().filter(|n| n.seq < seq) {
+            alone = false;
+            loop {
+                let Some((entry, stat)) = self.read(&node.path).await? else {
+                    break;
+                };
+                // Dead nodes are cleared up to the first live one only: those ahead of a
+                // claim are its to judge, and it may have seen them alive.
+                if entry.dead(&stat, now) {
+                    if first_live.is_some() || self.delete(&node.path, stat.version).await? {
+                        break;
+                    }
+                    continue;
+                }
+                if entry.state == State::Held {
+                    return Ok(Judged::Held {
+                        until: entry.ends(&stat),
+                    });
+                }
+                first_live = first_live.or(Some((node, stat.version, entry.ends(&stat))));
+                break;
+            }
+        }
+        Ok(match first_live {
+            None => Judged::Free { alone },
+            // First of all in the listing: nothing was ahead of it, so it holds (a claim) or
+            // is about to (a waiter).
+            Some((node, _, ends)) if nodes.first().is_some_and(|n| n.seq == node.seq) => {
+                Judged::Held { until: ends }
+            }
+            Some((node, version, ends)) => Judged::Undecided {
+                path: node.path.clone(),
+                version,
+                ends,
+            },
+        })
     }
 
     /// Notes the holding `fence` of node `path`, just written as `written` with `entry`: its
@@ -627,7 +755,7 @@ impl<'a> Lock<'a> {
             let Some((node, entry, stat)) = self.mine(wanted).await? else {
                 return Err(LockError::NotOwner);
             };
-            if entry.state != State::Held {
+            if !entry.holds() {
                 return Err(LockError::NotOwner);
             }
             let now = match self
@@ -686,7 +814,7 @@ impl<'a> Lock<'a> {
             match entry.state {
                 State::Released => return Ok(()),
                 State::Waiting => return Err(LockError::NotOwner),
-                State::Held => {}
+                State::Held | State::Claimed => {}
             }
             // Marked, not deleted: a repeated release is recognised, and the waiter just
             // behind is woken by the change.
@@ -796,7 +924,7 @@ pub(super) async fn held(
             if entry.dead(&stat, now) {
                 continue;
             }
-            if entry.state == State::Held {
+            if entry.holds() {
                 listed.push(HeldLock {
                     name: name.clone(),
                     fence: fence(&stat),
