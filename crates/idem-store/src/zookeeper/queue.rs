@@ -116,8 +116,12 @@ const DECIDE_WAIT: Duration = Duration::from_secs(1);
 
 /// What an acquire that does not wait finds ahead of its claim.
 enum Judged {
-    /// Nothing alive; `alone` if nothing at all was there.
-    Free { alone: bool },
+    /// Nothing alive; `alone` if nothing at all was there; the dead nodes to clear (path and
+    /// version read).
+    Free {
+        alone: bool,
+        dead: Vec<(String, i32)>,
+    },
     /// A holding, until this lease end.
     Held { until: i64 },
     /// A claim or waiter that may hold or withdraw: its path, version and end.
@@ -389,34 +393,54 @@ impl<'a> Lock<'a> {
             let asked = Instant::now();
             loop {
                 match self.judge(&nodes, node.seq, stat.ctime).await? {
-                    Judged::Free { alone: true } => {
+                    Judged::Free { alone: true, .. } => {
                         place.keep();
                         let held = self.remember(&node.path, fence(&stat), &stat, claim);
                         return Ok(Acquire::Acquired(held));
                     }
-                    Judged::Free { alone: false } => {
+                    Judged::Free { alone: false, dead } => {
                         // Nodes were ahead when the claim was made: others may have seen it
-                        // undecided, so it says it holds.
+                        // undecided, so it says it holds, as it deletes the dead ones.
                         let held = Entry {
                             state: State::Held,
                             millis: lease,
                         };
-                        return match self
-                            .client
-                            .set_data(&node.path, &held.encode(), Some(stat.version))
-                            .await
-                        {
-                            Ok(written) => {
+                        let mut all = self.client.new_multi_writer();
+                        for (path, version) in &dead {
+                            all.add_delete(path, Some(*version))
+                                .map_err(|e| error("cannot take a lock", e))?;
+                        }
+                        all.add_set_data(&node.path, &held.encode(), Some(stat.version))
+                            .map_err(|e| error("cannot take a lock", e))?;
+                        match all.commit().await {
+                            Ok(results) => {
+                                let Some(zk::MultiWriteResult::SetData { stat: written }) =
+                                    results.last()
+                                else {
+                                    return Err(StoreError::backend(
+                                        "ZooKeeper: a transaction answered out of shape",
+                                        std::io::Error::other("multi"),
+                                    ));
+                                };
                                 place.keep();
-                                Ok(Acquire::Acquired(self.remember(
+                                return Ok(Acquire::Acquired(self.remember(
                                     &node.path,
                                     fence(&stat),
-                                    &written,
+                                    written,
                                     held,
-                                )))
+                                )));
                             }
-                            Err(e) => Err(error("cannot take a lock", e)),
-                        };
+                            // A dead node changed or went since it was read: look again.
+                            Err(zk::MultiWriteError::OperationFailed { index, .. })
+                                if index < dead.len() =>
+                            {
+                                nodes = self.nodes().await?;
+                            }
+                            Err(
+                                zk::MultiWriteError::RequestFailed { source }
+                                | zk::MultiWriteError::OperationFailed { source, .. },
+                            ) => return Err(error("cannot take a lock", source)),
+                        }
                     }
                     Judged::Held { until } => {
                         place.leave().await;
@@ -460,32 +484,31 @@ impl<'a> Lock<'a> {
     /// (it saw them alive) or about to hold.
     async fn judge(&self, nodes: &[Node], seq: i64, now: i64) -> Result<Judged, StoreError> {
         let mut alone = true;
+        let mut dead = Vec::new();
         let mut first_live: Option<(&Node, i32, i64)> = None;
         for node in nodes.iter().rev().filter(|n| n.seq < seq) {
             alone = false;
-            loop {
-                let Some((entry, stat)) = self.read(&node.path).await? else {
-                    break;
-                };
-                // Dead nodes are cleared up to the first live one only: those ahead of a
-                // claim are its to judge, and it may have seen them alive.
-                if entry.dead(&stat, now) {
-                    if first_live.is_some() || self.delete(&node.path, stat.version).await? {
-                        break;
-                    }
-                    continue;
+            let Some((entry, stat)) = self.read(&node.path).await? else {
+                continue;
+            };
+            // Dead nodes are cleared (with the claim's own `h`, in one transaction) up to the
+            // first live one only: those ahead of a claim are its to judge, and it may have
+            // seen them alive.
+            if entry.dead(&stat, now) {
+                if first_live.is_none() {
+                    dead.push((node.path.clone(), stat.version));
                 }
-                if entry.state == State::Held {
-                    return Ok(Judged::Held {
-                        until: entry.ends(&stat),
-                    });
-                }
-                first_live = first_live.or(Some((node, stat.version, entry.ends(&stat))));
-                break;
+                continue;
             }
+            if entry.state == State::Held {
+                return Ok(Judged::Held {
+                    until: entry.ends(&stat),
+                });
+            }
+            first_live = first_live.or(Some((node, stat.version, entry.ends(&stat))));
         }
         Ok(match first_live {
-            None => Judged::Free { alone },
+            None => Judged::Free { alone, dead },
             // First of all in the listing: nothing was ahead of it, so it holds (a claim) or
             // is about to (a waiter).
             Some((node, _, ends)) if nodes.first().is_some_and(|n| n.seq == node.seq) => {
