@@ -463,7 +463,26 @@ async fn the_locks_held_are_listed_without_their_owners() {
     let (status, _, body) = get(&state, TOKEN, "/_idem/locks").await;
     assert_eq!(status, StatusCode::NOT_IMPLEMENTED, "no lock store: {body}");
     assert_eq!(body["code"], "locks_unsupported");
-    let state = state.with_locks(Arc::new(idem_store::MemoryStore::new()));
+    listed_without_owners(state.with_locks(Arc::new(idem_store::MemoryStore::new()))).await;
+}
+
+/// The same with locks in ZooKeeper (`--locks zk://…`), whose listing reads the lock nodes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn locks_held_in_zookeeper_are_listed_without_their_owners() {
+    let Some(zk) = tokio::task::spawn_blocking(idem_testkit::coordination::ZooKeeper::start)
+        .await
+        .unwrap()
+    else {
+        return;
+    };
+    let locks = idem_store::open_locks(&zk.url("/listing")).await.unwrap();
+    let (state, _) = state();
+    listed_without_owners(state.with_locks(locks)).await;
+}
+
+/// A lock taken through the API is listed to the operator, with its fence and lease end and
+/// nothing else; a caller's key cannot list.
+async fn listed_without_owners(state: AppState) {
     let (status, held) = post(
         &state,
         SHOP,
