@@ -171,7 +171,7 @@ async fn a_waiting_acquire_gets_the_released_lock() {
 }
 
 /// The same with locks in ZooKeeper, apart from the records, where the waiter waits in the
-/// lock's queue.
+/// lock's queue: woken by its watch, not by polling.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_waiting_acquire_gets_the_released_lock_in_zookeeper() {
     let Some(zk) = tokio::task::spawn_blocking(idem_testkit::coordination::ZooKeeper::start)
@@ -180,13 +180,14 @@ async fn a_waiting_acquire_gets_the_released_lock_in_zookeeper() {
     else {
         return;
     };
-    let locks = idem_store::open_locks(&zk.url("/serve-test"))
+    let options = idem_store::ZooKeeperOptions::default().root("/serve-test");
+    let locks = idem_store::ZooKeeperLocks::connect(&zk.hosts(), options)
         .await
         .unwrap();
-    assert_eq!(locks.kind(), "zookeeper");
     let store = Arc::new(MemoryStore::new());
-    let state = with_callers(AppState::new(store).with_locks(locks));
+    let state = with_callers(AppState::new(store).with_locks(Arc::new(locks.clone())));
     waiting_acquire_gets_the_released_lock(state).await;
+    assert!(locks.wakeups() >= 1, "the waiter did not wait in the queue");
 }
 
 async fn waiting_acquire_gets_the_released_lock(state: AppState) {

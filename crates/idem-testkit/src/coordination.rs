@@ -180,16 +180,6 @@ impl ZooKeeper {
         format!("zk://{}{path}", self.hosts())
     }
 
-    /// How many members there are.
-    pub fn len(&self) -> usize {
-        self.members.len()
-    }
-
-    /// Whether there are none (never).
-    pub fn is_empty(&self) -> bool {
-        self.members.is_empty()
-    }
-
     /// The member that leads the ensemble now (`0` for a single server), if one does.
     pub fn leader(&self) -> Option<usize> {
         self.members.iter().position(|m| {
