@@ -19,8 +19,6 @@ Output: one JSON line per scenario on stdout (plus a hand-off count on stderr).
 Env: ZK_HOSTS (127.0.0.1:2181), DURATION (5); argv[1] overrides DURATION.
 """
 
-import json
-import math
 import os
 import sys
 import threading
@@ -29,14 +27,12 @@ import uuid
 
 from kazoo.client import KazooClient
 
+from lock_bench_common import Violation, handoffs, report
+
 ZK_HOSTS = os.environ.get("ZK_HOSTS", "127.0.0.1:2181")
 DURATION = float(sys.argv[1] if len(sys.argv) > 1 else os.environ.get("DURATION", "5"))
 ROOT = f"/idem-peer-bench/{uuid.uuid4().hex[:8]}"
 PEER = "kazoo"
-
-
-class Violation(Exception):
-    pass
 
 
 def run_clients(n, body):
@@ -79,7 +75,7 @@ def uncontended(clients):
         return pairs
 
     pairs, start, deadline = run_clients(clients, body)
-    report("uncontended", clients, pairs, start, deadline, None)
+    report(PEER, "uncontended", clients, pairs, start, deadline, None)
 
 
 def contended(clients):
@@ -110,42 +106,7 @@ def contended(clients):
         return pairs
 
     pairs, start, deadline = run_clients(clients, body)
-    report("contended", clients, pairs, start, deadline, handoffs(events, deadline))
-
-
-def handoffs(events, deadline):
-    """Pair each acquisition with the latest release before it; keep cross-client ones (us)."""
-    us, last_rel = [], None
-    for t, kind, i in sorted(events):
-        if kind == "rel":
-            last_rel = (t, i)
-        elif last_rel and last_rel[1] != i and t <= deadline:
-            us.append((t - last_rel[0]) / 1000)
-    return sorted(us)
-
-
-def pct(sorted_us, p):
-    if not sorted_us:
-        return None
-    i = min(len(sorted_us) - 1, max(0, math.ceil(p * len(sorted_us)) - 1))
-    return round(sorted_us[i], 1)
-
-
-def report(scenario, clients, pairs, start, deadline, handoff_us):
-    seconds = (deadline - start) / 1e9
-    line = {
-        "peer": PEER,
-        "scenario": scenario,
-        "clients": clients,
-        "pairs": pairs,
-        "seconds": round(seconds, 3),
-        "pairs_per_s": round(pairs / seconds, 1),
-        "handoff_p50_us": pct(handoff_us, 0.5) if handoff_us is not None else None,
-        "handoff_p99_us": pct(handoff_us, 0.99) if handoff_us is not None else None,
-    }
-    print(json.dumps(line), flush=True)
-    if handoff_us is not None:
-        print(f"# {PEER} {scenario}: {len(handoff_us)} cross-client hand-offs in {pairs} pairs", file=sys.stderr)
+    report(PEER, "contended", clients, pairs, start, deadline, handoffs(events, deadline))
 
 
 def cleanup():

@@ -21,8 +21,6 @@ Output: one JSON line per scenario on stdout (plus a hand-off count on stderr).
 Env: REDIS_URL (redis://127.0.0.1:6379), DURATION (5); argv[1] overrides DURATION.
 """
 
-import json
-import math
 import os
 import sys
 import threading
@@ -31,15 +29,13 @@ import time
 import redis
 import redis_lock
 
+from lock_bench_common import Violation, handoffs, report
+
 REDIS_URL = os.environ.get("REDIS_URL", "redis://127.0.0.1:6379")
 DURATION = float(sys.argv[1] if len(sys.argv) > 1 else os.environ.get("DURATION", "5"))
 PREFIX = "idem-peer-bench:"
 PEER = "python-redis-lock"
 LEASE_S = 10
-
-
-class Violation(Exception):
-    pass
 
 
 def run_clients(n, body):
@@ -82,7 +78,7 @@ def uncontended(clients):
         return pairs
 
     pairs, start, deadline = run_clients(clients, body)
-    report("uncontended", clients, pairs, start, deadline, None)
+    report(PEER, "uncontended", clients, pairs, start, deadline, None)
 
 
 def contended(clients):
@@ -113,42 +109,7 @@ def contended(clients):
         return pairs
 
     pairs, start, deadline = run_clients(clients, body)
-    report("contended", clients, pairs, start, deadline, handoffs(events, deadline))
-
-
-def handoffs(events, deadline):
-    """Pair each acquisition with the latest release before it; keep cross-client ones (us)."""
-    us, last_rel = [], None
-    for t, kind, i in sorted(events):
-        if kind == "rel":
-            last_rel = (t, i)
-        elif last_rel and last_rel[1] != i and t <= deadline:
-            us.append((t - last_rel[0]) / 1000)
-    return sorted(us)
-
-
-def pct(sorted_us, p):
-    if not sorted_us:
-        return None
-    i = min(len(sorted_us) - 1, max(0, math.ceil(p * len(sorted_us)) - 1))
-    return round(sorted_us[i], 1)
-
-
-def report(scenario, clients, pairs, start, deadline, handoff_us):
-    seconds = (deadline - start) / 1e9
-    line = {
-        "peer": PEER,
-        "scenario": scenario,
-        "clients": clients,
-        "pairs": pairs,
-        "seconds": round(seconds, 3),
-        "pairs_per_s": round(pairs / seconds, 1),
-        "handoff_p50_us": pct(handoff_us, 0.5) if handoff_us is not None else None,
-        "handoff_p99_us": pct(handoff_us, 0.99) if handoff_us is not None else None,
-    }
-    print(json.dumps(line), flush=True)
-    if handoff_us is not None:
-        print(f"# {PEER} {scenario}: {len(handoff_us)} cross-client hand-offs in {pairs} pairs", file=sys.stderr)
+    report(PEER, "contended", clients, pairs, start, deadline, handoffs(events, deadline))
 
 
 def cleanup():
