@@ -8,6 +8,8 @@
 //!   records on the servers they already run.
 //!
 //! [`ReplayCache`] wraps any of them and answers replays of completed records from memory.
+//! Locks may also live apart from records: `ZooKeeperLocks` (feature `zookeeper`) and
+//! `EtcdLocks` (feature `etcd`), opened by URL with [`open_locks`].
 //!
 //! [`open`] picks a store from a URL (`sqlite://PATH`, `memory://`, `postgres://…`,
 //! `mysql://…`, `redis://…`, `redis+cluster://…`), as `idem serve --store` does.
@@ -25,8 +27,12 @@
 //! the `Dialect` each implements, the migration steps, the classification of errors and the
 //! reading of rows (`row.rs`, also SQLite's); their folders keep what is each server's own.
 //! Group commit for the server stores is `group_commit/`, fenced writes [`fenced`], the
-//! release feed that wakes lock waiters `lock_wakeup.rs`, and URL parsing `url/`.
+//! release feed that wakes lock waiters `lock_wakeup.rs`, and URL parsing `url/`. The lock
+//! services' stores are `zookeeper/` and `etcd/`: the store and its session in `mod.rs`, the
+//! queue of one lock name in `queue.rs`.
 
+#[cfg(feature = "etcd")]
+mod etcd;
 pub mod fenced;
 #[cfg(any(feature = "postgres", feature = "mysql", feature = "redis"))]
 mod group_commit;
@@ -51,6 +57,8 @@ mod url;
 #[cfg(feature = "zookeeper")]
 mod zookeeper;
 
+#[cfg(feature = "etcd")]
+pub use etcd::{EtcdLocks, EtcdOptions};
 pub use fenced::Fenced;
 #[cfg(any(feature = "postgres", feature = "sqlite"))]
 pub use fenced::SqlFences;

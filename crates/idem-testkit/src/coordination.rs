@@ -1,9 +1,10 @@
-//! Coordination servers of a test's own, on free loopback ports: ZooKeeper, one server or an
-//! ensemble of three whose members can be killed and started again.
+//! Coordination servers of a test's own, on free loopback ports: ZooKeeper and etcd, one
+//! server or three whose members can be killed and started again.
 //!
 //! ZooKeeper runs from Debian's `zookeeper` package (`java` with the jars in
-//! `/usr/share/java`; `IDEM_ZOOKEEPER_CLASSPATH` points elsewhere). Without it a suite is
-//! skipped with a note, or fails under `CI=true`.
+//! `/usr/share/java`; `IDEM_ZOOKEEPER_CLASSPATH` points elsewhere), etcd from `etcd-server`
+//! (`etcd` on the `PATH`). Without them a suite is skipped with a note, or fails under
+//! `CI=true`.
 
 use std::io::{Read, Write};
 use std::net::TcpStream;
@@ -204,5 +205,177 @@ impl ZooKeeper {
                 four_letters(port, "srvr").contains("Mode: ")
             })
             .expect("restart the ZooKeeper member");
+    }
+}
+
+/// An HTTP request to etcd's JSON gateway at `port` (`GET path`, or `POST path` with `body`),
+/// and the body that came back (empty if none).
+fn etcd_http(port: u16, path: &str, body: Option<&str>) -> String {
+    let Ok(mut stream) = TcpStream::connect_timeout(
+        &std::net::SocketAddr::from(([127, 0, 0, 1], port)),
+        Duration::from_millis(500),
+    ) else {
+        return String::new();
+    };
+    let _ = stream.set_read_timeout(Some(Duration::from_secs(2)));
+    let request = match body {
+        Some(body) => format!(
+            "POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n\
+             Content-Length: {}\r\nConnection: close\r\n\r\n{body}",
+            body.len()
+        ),
+        None => format!("GET {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n"),
+    };
+    let _ = stream.write_all(request.as_bytes());
+    let mut out = String::new();
+    let _ = stream.read_to_string(&mut out);
+    out.split_once("\r\n\r\n")
+        .map(|(_, body)| body.to_owned())
+        .unwrap_or_default()
+}
+
+/// An etcd server, or a cluster of three, of the test's own: elections within about half a
+/// second (heartbeats every 50 ms), so a test that kills the leader goes on quickly.
+pub struct Etcd {
+    members: Vec<Member>,
+    _dir: tempfile::TempDir,
+}
+
+impl Etcd {
+    /// One server, or `None` (with a note; a panic under `CI=true`) if etcd cannot be run
+    /// here.
+    pub fn start() -> Option<Self> {
+        Self::launch(1)
+    }
+
+    /// A cluster of three members, or `None` as [`start`](Self::start).
+    pub fn start_cluster() -> Option<Self> {
+        Self::launch(3)
+    }
+
+    fn launch(size: usize) -> Option<Self> {
+        if let Err(e) = which("etcd") {
+            cannot_run("etcd", &e);
+            return None;
+        }
+        let dir = tempfile::tempdir().expect("a temporary directory");
+        let ports: Vec<(u16, u16)> = (0..size).map(|_| (free_port(), free_port())).collect();
+        let cluster = ports
+            .iter()
+            .enumerate()
+            .map(|(i, (_, peer))| format!("e{}=http://127.0.0.1:{peer}", i + 1))
+            .collect::<Vec<_>>()
+            .join(",");
+        let mut members = Vec::new();
+        for (i, (client, peer)) in ports.iter().enumerate() {
+            let member_dir = dir.path().join(format!("etcd{}", i + 1));
+            std::fs::create_dir_all(&member_dir).expect("a member directory");
+            let client_url = format!("http://127.0.0.1:{client}");
+            let peer_url = format!("http://127.0.0.1:{peer}");
+            let command: Vec<String> = [
+                "etcd",
+                "--name",
+                &format!("e{}", i + 1),
+                "--data-dir",
+                "data",
+                "--listen-client-urls",
+                &client_url,
+                "--advertise-client-urls",
+                &client_url,
+                "--listen-peer-urls",
+                &peer_url,
+                "--initial-advertise-peer-urls",
+                &peer_url,
+                "--initial-cluster",
+                &cluster,
+                "--initial-cluster-state",
+                "new",
+                "--heartbeat-interval",
+                "50",
+                "--election-timeout",
+                "500",
+                "--logger",
+                "zap",
+            ]
+            .map(String::from)
+            .into();
+            members.push(Member {
+                command,
+                dir: member_dir,
+                client_port: *client,
+                running: None,
+            });
+        }
+        let mut etcd = Self { members, _dir: dir };
+        for member in &mut etcd.members {
+            // Members of a cluster are started together: one alone never serves.
+            match Supervised::spawn(&member.command, &member.dir, None) {
+                Ok(running) => member.running = Some(running),
+                Err(e) => {
+                    cannot_run("etcd", &e);
+                    return None;
+                }
+            }
+        }
+        for i in 0..size {
+            if let Err(e) = etcd.wait_serving(i) {
+                cannot_run("etcd", &e);
+                return None;
+            }
+        }
+        Some(etcd)
+    }
+
+    fn wait_serving(&self, i: usize) -> std::io::Result<()> {
+        let member = &self.members[i];
+        let port = member.client_port;
+        wait_for("etcd", member.running.as_ref(), &member.dir, || {
+            etcd_http(port, "/health", None).contains("\"true\"")
+        })
+    }
+
+    /// Every member's client address: `127.0.0.1:P1,127.0.0.1:P2,…`.
+    pub fn endpoints(&self) -> String {
+        self.members
+            .iter()
+            .map(|m| format!("127.0.0.1:{}", m.client_port))
+            .collect::<Vec<_>>()
+            .join(",")
+    }
+
+    /// An `etcd://` URL for every member, with `prefix` as its key prefix (`/idem`, say).
+    pub fn url(&self, prefix: &str) -> String {
+        format!("etcd://{}{prefix}", self.endpoints())
+    }
+
+    /// The member that leads the cluster now, if a running one says it does.
+    pub fn leader(&self) -> Option<usize> {
+        self.members.iter().position(|m| {
+            m.running.is_some() && {
+                let status = etcd_http(m.client_port, "/v3/maintenance/status", Some("{}"));
+                let field = |name: &str| {
+                    let at = status.find(&format!("\"{name}\":\""))? + name.len() + 4;
+                    let rest = &status[at..];
+                    Some(rest[..rest.find('"')?].to_owned())
+                };
+                matches!((field("member_id"), field("leader")), (Some(a), Some(b)) if a == b)
+            }
+        })
+    }
+
+    /// Kills member `i` (SIGKILL), keeping its data.
+    pub fn kill(&mut self, i: usize) {
+        self.members[i].stop();
+    }
+
+    /// Starts member `i` again on its ports with its data, and waits until it serves.
+    pub fn restart(&mut self, i: usize) {
+        self.members[i].stop();
+        let port = self.members[i].client_port;
+        self.members[i]
+            .spawn("etcd", || {
+                etcd_http(port, "/health", None).contains("\"true\"")
+            })
+            .expect("restart the etcd member");
     }
 }

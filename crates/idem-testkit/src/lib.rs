@@ -3,7 +3,7 @@
 //! - [`conformance`]: the one suite every [`Store`](idem_core::Store) passes unchanged, and
 //!   [`conformance_tests!`] to run it as one `#[test]` per case.
 //! - [`locks`]: the suite every lock backend passes, run by [`lock_conformance_tests!`].
-//! - [`coordination`]: ZooKeeper servers (one, or an ensemble of three) of a test's own.
+//! - [`coordination`]: ZooKeeper and etcd servers (one, or three) of a test's own.
 //! - [`FaultyStore`]: wraps a store (and a lock store) and fails chosen operations, before or
 //!   after they take effect, to test that callers fail closed; or holds one at a [`Stall`]
 //!   until the test releases it, to test that a caller who gives up while the store is slow

@@ -1,0 +1,214 @@
+//! Locks in etcd against a server this test starts itself: the lock conformance suite,
+//! waiters woken one at a time, fences past an ended session, and a cluster losing its leader.
+//! Skipped (with a note) where etcd cannot run, except under `CI=true`.
+
+#![cfg(feature = "etcd")]
+#![allow(clippy::unwrap_used)]
+
+use std::sync::{Arc, OnceLock};
+use std::time::Duration;
+
+use idem_core::{Acquire, LockOwner, LockStore, SharedLockStore};
+use idem_store::{EtcdLocks, EtcdOptions};
+use idem_testkit::coordination::Etcd;
+use idem_testkit::locks::fresh_name;
+
+/// One server for the whole binary.
+fn server() -> Option<&'static Etcd> {
+    static SERVER: OnceLock<Option<Etcd>> = OnceLock::new();
+    SERVER.get_or_init(Etcd::start).as_ref()
+}
+
+async fn locks_on(etcd: &Etcd) -> EtcdLocks {
+    EtcdLocks::connect(&etcd.endpoints(), EtcdOptions::default())
+        .await
+        .unwrap()
+}
+
+async fn fixture() -> Option<SharedLockStore> {
+    let etcd = server()?;
+    Some(Arc::new(locks_on(etcd).await))
+}
+
+idem_testkit::lock_conformance_tests!(fixture());
+
+/// Eight waiters queued behind one holder get the lock one after another, one at a time, in
+/// the order they came, with rising fences; each hand-off wakes the waiter next in line only (its
+/// predecessor taking the lock, then leaving it), never the whole queue.
+#[test]
+fn a_release_wakes_only_the_next_waiter() {
+    idem_testkit::block_on(async {
+        let Some(etcd) = server() else { return };
+        let locks = locks_on(etcd).await;
+        let name = fresh_name("herd");
+        let holder = LockOwner::random().digest();
+        let Acquire::Acquired(first) = locks
+            .acquire(&name, holder, Duration::from_secs(60))
+            .await
+            .unwrap()
+        else {
+            panic!("a free lock was busy");
+        };
+        const WAITERS: usize = 8;
+        let order = Arc::new(std::sync::Mutex::new(Vec::new()));
+        let held = Arc::new(std::sync::atomic::AtomicBool::new(true));
+        let mut tasks = Vec::new();
+        for i in 0..WAITERS {
+            let (locks, name, order) = (locks.clone(), name.clone(), Arc::clone(&order));
+            let held_flag = Arc::clone(&held);
+            tasks.push(tokio::spawn(async move {
+                let who = LockOwner::random().digest();
+                let queued = LockStore::acquire_queued(
+                    &locks,
+                    &name,
+                    who,
+                    Duration::from_secs(60),
+                    Duration::from_secs(60),
+                )
+                .unwrap()
+                .await
+                .unwrap();
+                let Acquire::Acquired(got) = queued.answer else {
+                    panic!("waiter {i} timed out");
+                };
+                let was = held_flag.swap(true, std::sync::atomic::Ordering::SeqCst);
+                assert!(!was, "waiter {i} got the lock while another held it");
+                order.lock().unwrap().push((i, got.fence));
+                tokio::task::yield_now().await;
+                held_flag.store(false, std::sync::atomic::Ordering::SeqCst);
+                locks.release(&name, who, got.fence).await.unwrap();
+            }));
+            // Each in the queue before the next comes.
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        let before = locks.wakeups();
+        held.store(false, std::sync::atomic::Ordering::SeqCst);
+        locks.release(&name, holder, first.fence).await.unwrap();
+        for task in tasks {
+            tokio::time::timeout(Duration::from_secs(30), task)
+                .await
+                .expect("every waiter gets the lock")
+                .unwrap();
+        }
+        let order = order.lock().unwrap().clone();
+        assert_eq!(
+            order.iter().map(|(i, _)| *i).collect::<Vec<_>>(),
+            (0..WAITERS).collect::<Vec<_>>(),
+            "first come, first served"
+        );
+        assert!(
+            order.windows(2).all(|w| w[0].1 < w[1].1),
+            "fences rise: {order:?}"
+        );
+        assert!(order[0].1 > first.fence);
+        let woken = locks.wakeups() - before;
+        assert!(
+            woken <= 3 * WAITERS as u64,
+            "{woken} wake-ups for {WAITERS} hand-offs: releases wake more than the next waiter"
+        );
+    });
+}
+
+/// A holder whose store is closed (its process ending) loses its holding at once, and one
+/// whose session's lease ran out (its process stopped answering) within the session's length;
+/// each next holder's fence is higher.
+#[test]
+fn fences_rise_past_an_ended_session() {
+    idem_testkit::block_on(async {
+        let Some(etcd) = server() else { return };
+        let name = fresh_name("session");
+        let mut last = 0;
+        for round in 0..3 {
+            let options = EtcdOptions::default().session_ttl(Duration::from_secs(1));
+            let locks = EtcdLocks::connect(&etcd.endpoints(), options)
+                .await
+                .unwrap();
+            let who = LockOwner::random().digest();
+            let Acquire::Acquired(held) = locks
+                .acquire(&name, who, Duration::from_secs(60))
+                .await
+                .unwrap()
+            else {
+                panic!("round {round}: the lock is still held after its holder's session ended");
+            };
+            assert!(
+                held.fence > last,
+                "round {round}: fence {} after {last}",
+                held.fence
+            );
+            last = held.fence;
+            // Closing the store ends its session.
+            drop(locks);
+            tokio::time::sleep(Duration::from_millis(300)).await;
+        }
+    });
+}
+
+/// Retries `op` while the cluster elects a new leader (transient errors), for up to 30 s.
+async fn through_election<T, E: std::fmt::Debug, F: std::future::Future<Output = Result<T, E>>>(
+    mut op: impl FnMut() -> F,
+) -> T {
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    loop {
+        match op().await {
+            Ok(v) => return v,
+            Err(e) if std::time::Instant::now() < deadline => {
+                eprintln!("retrying through the election: {e:?}");
+                tokio::time::sleep(Duration::from_millis(200)).await;
+            }
+            Err(e) => panic!("the cluster did not recover: {e:?}"),
+        }
+    }
+}
+
+/// A three-member cluster loses its leader while a lock is held and another owner waits for
+/// it: the client moves to a surviving member, the holder releases, the waiter gets the lock
+/// with a higher fence, and a lock taken after the election is fenced higher still.
+#[test]
+fn a_cluster_losing_its_leader_keeps_holders_and_waiters() {
+    idem_testkit::block_on(async {
+        let Some(mut etcd) = Etcd::start_cluster() else {
+            return;
+        };
+        let locks = locks_on(&etcd).await;
+        let name = fresh_name("cluster");
+        let (a, b) = (LockOwner::random().digest(), LockOwner::random().digest());
+        let Acquire::Acquired(first) = locks
+            .acquire(&name, a, Duration::from_secs(60))
+            .await
+            .unwrap()
+        else {
+            panic!("a free lock was busy");
+        };
+        let waiter = LockStore::acquire_queued(
+            &locks,
+            &name,
+            b,
+            Duration::from_secs(60),
+            Duration::from_secs(60),
+        )
+        .unwrap();
+        let waiter = tokio::spawn(waiter);
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        let leader = etcd.leader().expect("the cluster has a leader");
+        etcd.kill(leader);
+        through_election(|| locks.release(&name, a, first.fence)).await;
+        let queued = tokio::time::timeout(Duration::from_secs(30), waiter)
+            .await
+            .expect("the waiter is served after the election")
+            .unwrap()
+            .unwrap();
+        let Acquire::Acquired(second) = queued.answer else {
+            panic!("the waiter timed out");
+        };
+        assert!(second.fence > first.fence);
+        locks.release(&name, b, second.fence).await.unwrap();
+        etcd.restart(leader);
+        let other = fresh_name("cluster");
+        let later = through_election(|| locks.acquire(&other, a, Duration::from_secs(60))).await;
+        let Acquire::Acquired(later) = later else {
+            panic!("a free lock was busy");
+        };
+        assert!(later.fence > second.fence, "revisions only rise");
+    });
+}
