@@ -11,8 +11,9 @@
 //! cover leases that end).
 //!
 //! Memory and SQLite always run; PostgreSQL and Redis on the servers of
-//! `IDEM_TEST_POSTGRES_URL` and `IDEM_TEST_REDIS_URL`, ZooKeeper on a server the test starts
-//! (each skipped with a note when missing, a failure under `CI=true`).
+//! `IDEM_TEST_POSTGRES_URL` and `IDEM_TEST_REDIS_URL`, ZooKeeper and etcd (feature `etcd`) on
+//! a server the test starts (each skipped with a note when missing, a failure under
+//! `CI=true`).
 //! `IDEM_LINEARIZABLE_ROUNDS` sets the rounds per backend (default 150).
 //!
 //! The check can fail: a backend that answers `Acquired` to a second owner while the first
@@ -330,6 +331,21 @@ async fn zookeeper_locks_are_linearizable() {
         .await
         .unwrap();
     check(locks, "zookeeper").await;
+}
+
+#[cfg(feature = "etcd")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn etcd_locks_are_linearizable() {
+    let Some(etcd) = tokio::task::spawn_blocking(idem_testkit::coordination::Etcd::start)
+        .await
+        .unwrap()
+    else {
+        return;
+    };
+    let locks = idem_store::open_locks(&etcd.url("/linearizable"))
+        .await
+        .unwrap();
+    check(locks, "etcd").await;
 }
 
 /// The check can fail: a backend that grants a held lock to a second owner, at a higher

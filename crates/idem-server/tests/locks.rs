@@ -190,6 +190,26 @@ async fn a_waiting_acquire_gets_the_released_lock_in_zookeeper() {
     assert!(locks.wakeups() >= 1, "the waiter did not wait in the queue");
 }
 
+/// The same with locks in etcd: the waiter waits in the lock's queue, woken by its watch.
+#[cfg(feature = "etcd")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_waiting_acquire_gets_the_released_lock_in_etcd() {
+    let Some(etcd) = tokio::task::spawn_blocking(idem_testkit::coordination::Etcd::start)
+        .await
+        .unwrap()
+    else {
+        return;
+    };
+    let options = idem_store::EtcdOptions::default().prefix("/serve-test");
+    let locks = idem_store::EtcdLocks::connect(&etcd.endpoints(), options)
+        .await
+        .unwrap();
+    let store = Arc::new(MemoryStore::new());
+    let state = with_callers(AppState::new(store).with_locks(Arc::new(locks.clone())));
+    waiting_acquire_gets_the_released_lock(state).await;
+    assert!(locks.wakeups() >= 1, "the waiter did not wait in the queue");
+}
+
 async fn waiting_acquire_gets_the_released_lock(state: AppState) {
     let (_, held) = post(
         &state,

@@ -480,6 +480,21 @@ async fn locks_held_in_zookeeper_are_listed_without_their_owners() {
     listed_without_owners(state.with_locks(locks)).await;
 }
 
+/// The same with locks in etcd (`--locks etcd://…`), whose listing reads the lock keys.
+#[cfg(feature = "etcd")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn locks_held_in_etcd_are_listed_without_their_owners() {
+    let Some(etcd) = tokio::task::spawn_blocking(idem_testkit::coordination::Etcd::start)
+        .await
+        .unwrap()
+    else {
+        return;
+    };
+    let locks = idem_store::open_locks(&etcd.url("/listing")).await.unwrap();
+    let (state, _) = state();
+    listed_without_owners(state.with_locks(locks)).await;
+}
+
 /// A lock taken through the API is listed to the operator, with its fence and lease end and
 /// nothing else; a caller's key cannot list.
 async fn listed_without_owners(state: AppState) {

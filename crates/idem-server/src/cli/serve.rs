@@ -23,8 +23,9 @@ pub(crate) struct ServeArgs {
     store: String,
 
     /// Where locks live, apart from the records: zk://host:port[,host:port…]/ROOT
-    /// (ZooKeeper), or another store's URL. By default the store keeps its own locks (every
-    /// store but MySQL).
+    /// (ZooKeeper), etcd://host:port[,host:port…]/PREFIX (etcd, in an idem built with the
+    /// `etcd` feature), or another store's URL. By default the store keeps its own locks
+    /// (every store but MySQL).
     #[arg(long, env = "IDEM_LOCKS", value_name = "URL")]
     locks: Option<String>,
 

@@ -7,7 +7,7 @@ use std::io::{BufRead, BufReader};
 use std::process::{Child, Command, Stdio};
 use std::time::Duration;
 
-use idem_testkit::coordination::ZooKeeper;
+use idem_testkit::coordination::{Etcd, ZooKeeper};
 use idem_testkit::services::{RedisServer, SqlKind, SqlServer};
 
 use crate::ledger::Ledger;
@@ -63,13 +63,15 @@ pub(crate) enum Store {
     /// A ZooKeeper of the run's own for the locks (`--locks`), the records in each
     /// instance's memory; the nemesis may crash and restart it.
     OwnZooKeeper(ZooKeeper),
+    /// An etcd of the run's own for the locks, the same.
+    OwnEtcd(Etcd),
     /// A server shared with others (`IDEM_FAULTS_STORE`): never restarted.
     Shared(String),
 }
 
 impl Store {
     /// `sqlite` for a file in `dir`; `own-postgres`, `own-mariadb`, `own-valkey` or
-    /// `own-zookeeper` (locks only) for a server of the run's own; a URL for a server of someone else's; or (empty) a durable
+    /// `own-zookeeper` or `own-etcd` (locks only) for a server of the run's own; a URL for a server of someone else's; or (empty) a durable
     /// Redis of the run's own if `redis-server` runs here, else a file. A server that cannot
     /// be run here is a note, and a failure under `CI=true`.
     pub(crate) fn named(chosen: &str, dir: &std::path::Path) -> Self {
@@ -85,6 +87,7 @@ impl Store {
             "own-postgres" => sql(SqlKind::Postgres),
             "own-mariadb" => sql(SqlKind::MariaDb),
             "own-zookeeper" => ZooKeeper::start().map_or_else(file, Self::OwnZooKeeper),
+            "own-etcd" => Etcd::start().map_or_else(file, Self::OwnEtcd),
             url => Self::Shared(url.to_owned()),
         }
     }
@@ -93,7 +96,7 @@ impl Store {
     pub(crate) fn own(&self) -> bool {
         matches!(
             self,
-            Self::OwnRedis(..) | Self::OwnSql(_) | Self::OwnZooKeeper(_)
+            Self::OwnRedis(..) | Self::OwnSql(_) | Self::OwnZooKeeper(_) | Self::OwnEtcd(_)
         )
     }
 
@@ -103,6 +106,7 @@ impl Store {
             Self::OwnRedis(server, _) => server.url(),
             Self::OwnSql(server) => server.url(),
             Self::OwnZooKeeper(zk) => zk.url("/idem-faults"),
+            Self::OwnEtcd(etcd) => etcd.url("/idem-faults"),
         }
     }
 
@@ -147,6 +151,11 @@ impl Store {
                 std::thread::sleep(down);
                 zk.restart(0);
             }
+            Self::OwnEtcd(etcd) => {
+                etcd.kill(0);
+                std::thread::sleep(down);
+                etcd.restart(0);
+            }
             _ => return false,
         }
         true
@@ -162,6 +171,7 @@ fn reroute(url: &str, to: impl FnOnce(&str) -> String) -> Option<String> {
         "postgres" | "postgresql" => 5432,
         "mysql" | "mariadb" => 3306,
         "zk" => 2181,
+        "etcd" => 2379,
         _ => return None,
     };
     let end = rest.find(['/', '?']).unwrap_or(rest.len());
@@ -308,8 +318,9 @@ impl Cluster {
             // Its clients give the lease in every begin; every caller shares one scope.
             Role::Serve => cmd.args(["serve", "--allow-anonymous"]),
         };
-        // A lock store (ZooKeeper) holds no records: each instance keeps its own in memory.
-        if g.store.starts_with("zk://") {
+        // A lock store (ZooKeeper, etcd) holds no records: each instance keeps its own in
+        // memory.
+        if g.store.starts_with("zk://") || g.store.starts_with("etcd://") {
             cmd.args(["--store", "memory://", "--locks", &g.store]);
         } else {
             cmd.args(["--store", &g.store]);

@@ -461,6 +461,13 @@ fn locks_on_zookeeper_under_the_nemesis_keep_their_fences() {
     on_store(Work::Locks, "own-zookeeper");
 }
 
+/// Locks in an etcd of the run's own (`idem serve --locks etcd://…`), the same.
+#[cfg(feature = "etcd")]
+#[test]
+fn locks_on_etcd_under_the_nemesis_keep_their_fences() {
+    on_store(Work::Locks, "own-etcd");
+}
+
 /// `work` on a Valkey of the run's own, unless `IDEM_FAULTS_STORE` chose the run's store
 /// (`scripts/faults own-valkey` runs every test there).
 fn on_valkey(work: Work) {
