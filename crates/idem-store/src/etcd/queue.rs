@@ -501,7 +501,6 @@ impl<'a> Lock<'a> {
             let mut next = now_listing;
             match woke {
                 Some(Ok(Some((revision, event)))) => {
-                    self.locks.inner.wakeups.fetch_add(1, Ordering::Relaxed);
                     // What the predecessor became, without reading the queue again.
                     next.revision = revision;
                     if let Some(at) = next.rows.iter().position(|r| r.key == predecessor.key) {
@@ -557,7 +556,8 @@ impl<'a> Lock<'a> {
     }
 
     /// Watches `key` from `revision` until it changes: the revision then and what it became
-    /// (`None` if deleted); `Ok(None)` if the watch ended first.
+    /// (`None` if deleted); `Ok(None)` if the watch ended first, or brought news of another
+    /// key (the queue is read again). Every piece of news counts as a wake-up.
     async fn changed(
         &self,
         key: &[u8],
@@ -578,6 +578,10 @@ impl<'a> Lock<'a> {
                 return Ok(None);
             }
             if let Some(event) = answer.events().last() {
+                self.locks.inner.wakeups.fetch_add(1, Ordering::Relaxed);
+                if event.kv().is_none_or(|kv| kv.key() != key) {
+                    return Ok(None);
+                }
                 // The change's own revision: a later one may be in a later answer.
                 let revision = event.kv().map_or(revision, etcd::KeyValue::mod_revision);
                 let row = match (event.event_type(), event.kv()) {
