@@ -4,8 +4,9 @@
 #   REDIS_URL       Redis to bench against (default redis://127.0.0.1:6379)
 #   DURATION        seconds per scenario (default 5)
 #   ZK_HOSTS        ZooKeeper for kazoo (default 127.0.0.1:2181)
+#   ETCD_ENDPOINT   etcd for python-etcd3 (default 127.0.0.1:2379)
 #   PEERS           space-separated subset of: redlock python-redis-lock powertools kazoo
-#                   (default: all but kazoo, in that order)
+#                   etcd3 (default: all but kazoo and etcd3, in that order)
 # Installs are skipped when the pinned manifests there already match these.
 # stdout: one JSON line per scenario; install logs and notes go to stderr.
 set -euo pipefail
@@ -14,7 +15,7 @@ here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 export IDEM_PEERS_DIR="${IDEM_PEERS_DIR:-$HOME/.cache/idem/peers}"
 export REDIS_URL="${REDIS_URL:-redis://127.0.0.1:6379}"
 export DURATION="${DURATION:-5}"
-all_peers="redlock python-redis-lock powertools kazoo"
+all_peers="redlock python-redis-lock powertools kazoo etcd3"
 PEERS="${PEERS:-redlock python-redis-lock powertools}"
 for p in $PEERS; do
   case " $all_peers " in
@@ -32,7 +33,7 @@ if ! cmp -s "$here/package.json" "$IDEM_PEERS_DIR/package.json" \
   npm ci --prefix "$IDEM_PEERS_DIR" --no-audit --no-fund >&2
 fi
 
-# Python peers: python-redis-lock, aws-lambda-powertools + redis, kazoo, in one venv.
+# Python peers: python-redis-lock, aws-lambda-powertools + redis, kazoo, etcd3, in one venv.
 venv="$IDEM_PEERS_DIR/venv"
 if ! cmp -s "$here/requirements.txt" "$venv/requirements.txt"; then
   [ -x "$venv/bin/python" ] || python3 -m venv "$venv"
@@ -46,5 +47,6 @@ for p in $PEERS; do
     python-redis-lock) "$venv/bin/python" "$here/python_redis_lock_bench.py" ;;
     powertools) "$venv/bin/python" "$here/powertools_bench.py" ;;
     kazoo) "$venv/bin/python" "$here/kazoo_lock_bench.py" ;;
+    etcd3) "$venv/bin/python" "$here/etcd3_lock_bench.py" ;;
   esac
 done

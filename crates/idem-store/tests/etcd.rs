@@ -144,6 +144,45 @@ fn fences_rise_past_an_ended_session() {
     });
 }
 
+/// A holder whose session's lease ended (its process stopped answering for the session's
+/// length: here the lease is revoked) has lost the lock: another owner takes it with a higher
+/// fence, the old holder's renewal and release are refused, and its store goes on with a new
+/// session at its next write.
+#[test]
+fn a_holder_whose_session_ended_has_lost_the_lock() {
+    idem_testkit::block_on(async {
+        let Some(etcd) = server() else { return };
+        let old = locks_on(etcd).await;
+        let name = fresh_name("revoked");
+        let (a, b) = (LockOwner::random().digest(), LockOwner::random().digest());
+        let long = Duration::from_secs(60);
+        let Acquire::Acquired(held) = old.acquire(&name, a, long).await.unwrap() else {
+            panic!("a free lock was busy");
+        };
+        assert!(etcd.revoke_leases() >= 1, "the store has a session");
+        let other = locks_on(etcd).await;
+        let Acquire::Acquired(next) = other.acquire(&name, b, long).await.unwrap() else {
+            panic!("the lock of an ended session is still held");
+        };
+        assert!(next.fence > held.fence);
+        assert!(matches!(
+            old.renew(&name, a, held.fence, long).await,
+            Err(idem_core::LockError::NotOwner)
+        ));
+        assert!(matches!(
+            old.release(&name, a, held.fence).await,
+            Err(idem_core::LockError::NotOwner)
+        ));
+        // The store opens a new session, and its first write after the loss goes through
+        // on it.
+        let Acquire::Acquired(later) = old.acquire(&fresh_name("revoked"), a, long).await.unwrap()
+        else {
+            panic!("a free lock was busy");
+        };
+        assert!(later.fence > next.fence);
+    });
+}
+
 /// Retries `op` while the cluster elects a new leader (transient errors), for up to 30 s.
 async fn through_election<T, E: std::fmt::Debug, F: std::future::Future<Output = Result<T, E>>>(
     mut op: impl FnMut() -> F,

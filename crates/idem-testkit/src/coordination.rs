@@ -363,6 +363,33 @@ impl Etcd {
         })
     }
 
+    /// Revokes every lease the cluster has (as if every client's session had run out), and
+    /// says how many there were.
+    pub fn revoke_leases(&self) -> usize {
+        let Some(port) = self
+            .members
+            .iter()
+            .find(|m| m.running.is_some())
+            .map(|m| m.client_port)
+        else {
+            return 0;
+        };
+        let leases = etcd_http(port, "/v3/lease/leases", Some("{}"));
+        let ids: Vec<&str> = leases
+            .split("\"ID\":\"")
+            .skip(1)
+            .filter_map(|rest| rest.split('"').next())
+            .collect();
+        for id in &ids {
+            etcd_http(
+                port,
+                "/v3/lease/revoke",
+                Some(&format!("{{\"ID\":\"{id}\"}}")),
+            );
+        }
+        ids.len()
+    }
+
     /// Kills member `i` (SIGKILL), keeping its data.
     pub fn kill(&mut self, i: usize) {
         self.members[i].stop();

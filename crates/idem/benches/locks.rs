@@ -6,7 +6,9 @@
 //! is the one at `IDEM_TEST_REDIS_URL` (default `redis://127.0.0.1:6379`); PostgreSQL and
 //! SQLite are measured too, when PostgreSQL answers. ZooKeeper is the one at
 //! `IDEM_BENCH_ZK_HOSTS`, or a server the bench starts (Debian's `zookeeper`); all its
-//! clients share one session, as an `idem serve`'s do.
+//! clients share one session, as an `idem serve`'s do. etcd (`--features etcd`,
+//! `IDEM_BENCH_BACKENDS=etcd`) is the one at `IDEM_BENCH_ETCD_ENDPOINTS`, or a server the
+//! bench starts (Debian's `etcd-server`), its clients sharing one session too.
 //!
 //! Lock scenarios, the same as the peers' harness (`bench/peers/`), lease 10 s:
 //! - `uncontended` (1 and 8 clients): each client acquires and releases its own lock in a loop;
@@ -495,6 +497,21 @@ fn main() {
                 let options = ZooKeeperOptions::default().root("/idem-bench");
                 let zk = ZooKeeperLocks::connect(&hosts, options).await.unwrap();
                 lock_rows("zookeeper", &Locks::new(zk), run).await;
+            }
+        }
+        #[cfg(feature = "etcd")]
+        if backends.split(',').any(|w| w.trim() == "etcd") {
+            let own = std::env::var("IDEM_BENCH_ETCD_ENDPOINTS")
+                .is_err()
+                .then(idem_testkit::coordination::Etcd::start)
+                .flatten();
+            let endpoints = std::env::var("IDEM_BENCH_ETCD_ENDPOINTS")
+                .ok()
+                .or_else(|| own.as_ref().map(idem_testkit::coordination::Etcd::endpoints));
+            if let Some(endpoints) = endpoints {
+                let options = idem::EtcdOptions::default().prefix("/idem-bench");
+                let etcd = idem::EtcdLocks::connect(&endpoints, options).await.unwrap();
+                lock_rows("etcd", &Locks::new(etcd), run).await;
             }
         }
     });

@@ -72,6 +72,8 @@ pub use idem_core::{
 #[cfg(feature = "sqlite")]
 pub use idem_store::SqliteStore;
 pub use idem_store::{self, MemoryStore, ReplayCache, ReplayCacheLimits, StoreUrl, open};
+#[cfg(feature = "etcd")]
+pub use idem_store::{EtcdLocks, EtcdOptions};
 #[cfg(feature = "mysql")]
 pub use idem_store::{MySqlOptions, MySqlStore};
 #[cfg(feature = "postgres")]

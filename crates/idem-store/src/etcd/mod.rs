@@ -214,6 +214,19 @@ impl EtcdLocks {
             .unwrap_or_else(std::sync::PoisonError::into_inner)
     }
 
+    /// Waits (up to 5 s) for the keep-alive task to open a session after `ended`; whether it
+    /// did.
+    async fn new_session_after(&self, ended: i64) -> bool {
+        let deadline = Instant::now() + Duration::from_secs(5);
+        while Instant::now() < deadline {
+            if self.session() != ended {
+                return true;
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        false
+    }
+
     /// A new key's name for `owner`, unique to this store's session.
     fn new_key(&self, parent: &str, owner: &str) -> Vec<u8> {
         let n = self.inner.next_key.fetch_add(1, Ordering::Relaxed);

@@ -93,6 +93,13 @@ struct Listing {
     revision: i64,
 }
 
+/// A write of a transaction (or the queue's read, in one that always goes through).
+enum Write {
+    Put(Vec<u8>, State, u64),
+    Delete(Vec<u8>),
+    List,
+}
+
 /// What a transaction came to.
 enum Outcome {
     /// It went through, at this revision; with what its operations answered.
@@ -140,11 +147,6 @@ impl<'a> Lock<'a> {
             .with_prefix()
             .with_sort(SortTarget::Create, SortOrder::Ascend);
         TxnOp::get(self.parent.as_bytes(), Some(options))
-    }
-
-    fn put(&self, key: &[u8], state: State, number: u64) -> TxnOp {
-        let options = PutOptions::new().with_lease(self.locks.session());
-        TxnOp::put(key, encode(state, number, self.name), Some(options))
     }
 
     /// Where the lease of a key first seen now, at `modrev`, with `millis`, runs from.
@@ -204,24 +206,31 @@ impl<'a> Lock<'a> {
     }
 
     /// Writes `then` if every comparison in `when` holds; otherwise reads the queue, in the
-    /// same round trip.
-    async fn txn(&self, when: Vec<Compare>, then: Vec<TxnOp>) -> Result<Outcome, StoreError> {
-        let txn = Txn::new()
-            .when(when)
-            .and_then(then)
-            .or_else(vec![self.listing_op()]);
-        let response = match retried(|| {
-            let (mut client, txn) = (self.client(), txn.clone());
-            async move { client.txn(txn).await }
-        })
-        .await
-        {
-            Ok(response) => response,
-            Err(e) => {
-                if lease_gone(&e) {
+    /// same round trip. A write refused because the session's lease is gone (the session
+    /// ended) is made once more with the new session's, once the keep-alive task has it.
+    async fn txn(&self, when: Vec<Compare>, then: Vec<Write>) -> Result<Outcome, StoreError> {
+        let mut session = self.locks.session();
+        let response = loop {
+            let ops: Vec<TxnOp> = then.iter().map(|w| self.op(w, session)).collect();
+            let txn = Txn::new()
+                .when(when.clone())
+                .and_then(ops)
+                .or_else(vec![self.listing_op()]);
+            let sent = retried(|| {
+                let (mut client, txn) = (self.client(), txn.clone());
+                async move { client.txn(txn).await }
+            })
+            .await;
+            match sent {
+                Ok(response) => break response,
+                Err(e) if lease_gone(&e) && session == self.locks.session() => {
                     self.locks.inner.lost.notify_one();
+                    if !self.locks.new_session_after(session).await {
+                        return Err(error("a lock's transaction failed", e));
+                    }
+                    session = self.locks.session();
                 }
-                return Err(error("a lock's transaction failed", e));
+                Err(e) => return Err(error("a lock's transaction failed", e)),
             }
         };
         let revision = response.header().map_or(0, etcd::ResponseHeader::revision);
@@ -235,6 +244,18 @@ impl<'a> Lock<'a> {
                 "etcd: a transaction answered out of shape",
                 std::io::Error::other("txn"),
             )),
+        }
+    }
+
+    fn op(&self, write: &Write, session: i64) -> TxnOp {
+        match write {
+            Write::Put(key, state, number) => TxnOp::put(
+                key.clone(),
+                encode(*state, *number, self.name),
+                Some(PutOptions::new().with_lease(session)),
+            ),
+            Write::Delete(key) => TxnOp::delete(key.clone(), None),
+            Write::List => self.listing_op(),
         }
     }
 
@@ -284,7 +305,7 @@ impl<'a> Lock<'a> {
                 let key = self.locks.new_key(&self.parent, &self.owner);
                 let empty = Compare::create_revision(self.parent.as_bytes(), CompareOp::Less, 1)
                     .with_prefix();
-                let put = self.put(&key, State::Held, millis);
+                let put = Write::Put(key.clone(), State::Held, millis);
                 (vec![empty], vec![put], key, None)
             }
             Some(listing) => match listing.rows.iter().find(|r| r.live(now)) {
@@ -298,17 +319,17 @@ impl<'a> Lock<'a> {
                         listing.revision.saturating_add(1),
                     )
                     .with_prefix();
-                    let mut then: Vec<TxnOp> = listing
+                    let mut then: Vec<Write> = listing
                         .rows
                         .iter()
-                        .map(|r| TxnOp::delete(r.key.clone(), None))
+                        .map(|r| Write::Delete(r.key.clone()))
                         .collect();
-                    then.push(self.put(&key, State::Held, millis));
+                    then.push(Write::Put(key.clone(), State::Held, millis));
                     (vec![unchanged], then, key, None)
                 }
                 Some(row) if row.mine && row.state == State::Held => {
                     let same = Compare::mod_revision(row.key.clone(), CompareOp::Equal, row.modrev);
-                    let put = self.put(&row.key, State::Held, millis);
+                    let put = Write::Put(row.key.clone(), State::Held, millis);
                     (vec![same], vec![put], row.key.clone(), Some(row.fence()))
                 }
                 Some(row) => return Err(NotTaken::Busy(self.locks.wall(row.ends))),
@@ -450,9 +471,9 @@ impl<'a> Lock<'a> {
                         CompareOp::Equal,
                         row.modrev,
                     ));
-                    then.push(TxnOp::delete(row.key.clone(), None));
+                    then.push(Write::Delete(row.key.clone()));
                 }
-                then.push(self.put(&mine.key, State::Held, millis));
+                then.push(Write::Put(mine.key.clone(), State::Held, millis));
                 match self.txn(when, then).await? {
                     Outcome::Done { revision, .. } => {
                         if let Some(place) = place.as_mut() {
@@ -529,7 +550,10 @@ impl<'a> Lock<'a> {
     async fn join(&self, waiting: u64) -> Result<Joined, StoreError> {
         let key = self.locks.new_key(&self.parent, &self.owner);
         let sent = Instant::now();
-        let then = vec![self.put(&key, State::Waiting, waiting), self.listing_op()];
+        let then = vec![
+            Write::Put(key.clone(), State::Waiting, waiting),
+            Write::List,
+        ];
         let place = Place {
             client: self.client(),
             key: Some(key.clone()),
@@ -622,7 +646,10 @@ impl<'a> Lock<'a> {
             let sent = Instant::now();
             let same = Compare::mod_revision(known.key.clone(), CompareOp::Equal, known.modrev);
             match self
-                .txn(vec![same], vec![self.put(&known.key, State::Held, millis)])
+                .txn(
+                    vec![same],
+                    vec![Write::Put(known.key.clone(), State::Held, millis)],
+                )
                 .await?
             {
                 Outcome::Done { revision, .. } => {
@@ -647,7 +674,10 @@ impl<'a> Lock<'a> {
             let sent = Instant::now();
             let same = Compare::mod_revision(row.key.clone(), CompareOp::Equal, row.modrev);
             match self
-                .txn(vec![same], vec![self.put(&row.key, State::Held, millis)])
+                .txn(
+                    vec![same],
+                    vec![Write::Put(row.key.clone(), State::Held, millis)],
+                )
                 .await?
             {
                 Outcome::Done { revision, .. } => {
@@ -660,7 +690,8 @@ impl<'a> Lock<'a> {
     }
 
     pub(super) async fn release(&self, fence: u64) -> Result<(), LockError> {
-        let released = |key: &[u8]| self.put(key, State::Released, Timestamp::now().as_millis());
+        let released =
+            |key: &[u8]| Write::Put(key.to_vec(), State::Released, Timestamp::now().as_millis());
         let mut listing = None;
         if let Some(known) = self.recall(fence) {
             let same = Compare::mod_revision(known.key.clone(), CompareOp::Equal, known.modrev);
