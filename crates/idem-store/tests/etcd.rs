@@ -183,6 +183,35 @@ fn a_holder_whose_session_ended_has_lost_the_lock() {
     });
 }
 
+/// A waiting acquire dropped while its request to take a free lock is on its way takes the
+/// holding back: another owner gets the lock at once, not after the dropped one's lease (a
+/// minute). The drop comes after 0 to 3 ms, across the round trip.
+#[test]
+fn a_waiting_acquire_dropped_mid_take_leaves_the_lock_free() {
+    idem_testkit::block_on(async {
+        let Some(etcd) = server() else { return };
+        let locks = locks_on(etcd).await;
+        let long = Duration::from_secs(60);
+        for round in 0..30u64 {
+            let name = fresh_name("dropped");
+            let waiter =
+                LockStore::acquire_queued(&locks, &name, LockOwner::random().digest(), long, long)
+                    .unwrap();
+            let _ = tokio::time::timeout(Duration::from_micros(round * 100), waiter).await;
+            // The key taken back in the background.
+            tokio::time::sleep(Duration::from_millis(300)).await;
+            let other = LockOwner::random().digest();
+            assert!(
+                matches!(
+                    locks.acquire(&name, other, long).await.unwrap(),
+                    Acquire::Acquired(_)
+                ),
+                "round {round}: the dropped acquire still holds the lock"
+            );
+        }
+    });
+}
+
 /// Retries `op` while the cluster elects a new leader (transient errors), for up to 30 s.
 async fn through_election<T, E: std::fmt::Debug, F: std::future::Future<Output = Result<T, E>>>(
     mut op: impl FnMut() -> F,

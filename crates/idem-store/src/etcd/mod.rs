@@ -281,7 +281,10 @@ async fn keep_alive(inner: std::sync::Weak<Inner>) {
                         Ok(Some(answer)) if answer.ttl() > 0 => {
                             backoff = Duration::from_millis(100);
                         }
-                        Ok(_) => break true,
+                        // The cluster says the lease is gone.
+                        Ok(Some(_)) => break true,
+                        // The stream ended without a word: the lease is asked after.
+                        Ok(None) => break false,
                         Err(e) => {
                             tracing::debug!(error = %e, "an etcd keep-alive failed");
                             break false;
@@ -337,7 +340,16 @@ async fn keep_alive(inner: std::sync::Weak<Inner>) {
 /// An etcd error as a store error: transient where a retry may succeed.
 fn error(what: &str, e: etcd::Error) -> StoreError {
     let message = format!("etcd: {what}: {e}");
-    let transient = match &e {
+    if transient(&e) {
+        StoreError::unavailable(message, e)
+    } else {
+        StoreError::backend(message, e)
+    }
+}
+
+/// Whether a retry of what failed with `e` may succeed.
+fn transient(e: &etcd::Error) -> bool {
+    match e {
         etcd::Error::TransportError(_) | etcd::Error::IoError(_) => true,
         etcd::Error::GRpcStatus(status) => matches!(
             status.code(),
@@ -350,11 +362,6 @@ fn error(what: &str, e: etcd::Error) -> StoreError {
                 | tonic::Code::NotFound
         ),
         _ => false,
-    };
-    if transient {
-        StoreError::unavailable(message, e)
-    } else {
-        StoreError::backend(message, e)
     }
 }
 

@@ -210,6 +210,7 @@ impl<'a> Lock<'a> {
     /// ended) is made once more with the new session's, once the keep-alive task has it.
     async fn txn(&self, when: Vec<Compare>, then: Vec<Write>) -> Result<Outcome, StoreError> {
         let mut session = self.locks.session();
+        let mut retried_on_new = false;
         let response = loop {
             let ops: Vec<TxnOp> = then.iter().map(|w| self.op(w, session)).collect();
             let txn = Txn::new()
@@ -223,12 +224,13 @@ impl<'a> Lock<'a> {
             .await;
             match sent {
                 Ok(response) => break response,
-                Err(e) if lease_gone(&e) && session == self.locks.session() => {
+                Err(e) if lease_gone(&e) && !retried_on_new => {
                     self.locks.inner.lost.notify_one();
                     if !self.locks.new_session_after(session).await {
                         return Err(error("a lock's transaction failed", e));
                     }
                     session = self.locks.session();
+                    retried_on_new = true;
                 }
                 Err(e) => return Err(error("a lock's transaction failed", e)),
             }
@@ -335,7 +337,15 @@ impl<'a> Lock<'a> {
                 Some(row) => return Err(NotTaken::Busy(self.locks.wall(row.ends))),
             },
         };
-        match self.txn(when, then).await.map_err(NotTaken::Failed)? {
+        // A new key is taken back if this call is dropped, or fails, before it answers: the
+        // holding it may have made is nobody's.
+        let mut place = Place {
+            client: self.client(),
+            key: fence.is_none().then(|| key.clone()),
+        };
+        let outcome = self.txn(when, then).await.map_err(NotTaken::Failed)?;
+        place.keep();
+        match outcome {
             Outcome::Done { revision, .. } => {
                 let fence = fence.unwrap_or(u64::try_from(revision).unwrap_or(0));
                 Ok(Ok(self.remember(&key, fence, revision, sent, millis)))
@@ -396,7 +406,10 @@ impl<'a> Lock<'a> {
         };
         if place.is_none() {
             // The lock taken at once, or the queue joined.
-            loop {
+            for attempt in 0.. {
+                if attempt > ATTEMPTS {
+                    return Err(changing());
+                }
                 match self.take_or_busy(listing.as_ref(), millis).await {
                     Ok(Ok(held)) => {
                         return Ok(Queued {
@@ -537,7 +550,10 @@ impl<'a> Lock<'a> {
                 }
                 // The watch ended without news (a compaction, a lost connection): read the
                 // queue again.
-                Some(Ok(None)) => fresh_only = None,
+                Some(Ok(None)) => {
+                    fresh_only = None;
+                    tokio::time::sleep(RETRY_AFTER).await;
+                }
                 Some(Err(e)) => return Err(e),
                 // The predecessor's time, or the wait, ran out: judged again, in a listing
                 // as fresh as it was.
@@ -778,9 +794,27 @@ impl Place {
         self.key = None;
     }
 
+    /// Deletes the key now; dropped before it is done, the key is deleted in the background.
     async fn leave(&mut self) {
-        if let Some(key) = self.key.take() {
-            let _ = self.client.delete(key, None).await;
+        if let Some(key) = self.key.clone() {
+            delete_key(self.client.clone(), key).await;
+            self.key = None;
+        }
+    }
+}
+
+/// Deletes `key`, trying again for a few seconds while the cluster does not answer (a
+/// member down, an election): a key left behind keeps its place in a queue until its time
+/// runs out.
+async fn delete_key(mut client: etcd::Client, key: Vec<u8>) {
+    let mut pause = Duration::from_millis(50);
+    for _ in 0..6 {
+        match client.delete(key.clone(), None).await {
+            Err(e) if super::transient(&e) => {
+                tokio::time::sleep(pause).await;
+                pause *= 2;
+            }
+            _ => return,
         }
     }
 }
@@ -790,12 +824,9 @@ impl Drop for Place {
         let Some(key) = self.key.take() else {
             return;
         };
-        let mut client = self.client.clone();
         // Outside a runtime the key lives until its wait runs out or the session ends.
         if let Ok(runtime) = tokio::runtime::Handle::try_current() {
-            runtime.spawn(async move {
-                let _ = client.delete(key, None).await;
-            });
+            runtime.spawn(delete_key(self.client.clone(), key));
         }
     }
 }
