@@ -194,10 +194,16 @@ fn a_waiting_acquire_dropped_mid_take_leaves_the_lock_free() {
         let long = Duration::from_secs(60);
         for round in 0..30u64 {
             let name = fresh_name("dropped");
-            let waiter =
-                LockStore::acquire_queued(&locks, &name, LockOwner::random().digest(), long, long)
-                    .unwrap();
-            let _ = tokio::time::timeout(Duration::from_micros(round * 100), waiter).await;
+            let who = LockOwner::random().digest();
+            let waiter = LockStore::acquire_queued(&locks, &name, who, long, long).unwrap();
+            let answered = tokio::time::timeout(Duration::from_micros(round * 100), waiter).await;
+            if let Ok(queued) = answered {
+                // Answered in time: its holding is the caller's, given back.
+                let Acquire::Acquired(held) = queued.unwrap().answer else {
+                    panic!("a free lock was busy");
+                };
+                locks.release(&name, who, held.fence).await.unwrap();
+            }
             // The key taken back in the background.
             tokio::time::sleep(Duration::from_millis(300)).await;
             let other = LockOwner::random().digest();
