@@ -161,25 +161,28 @@ impl<'a> Lock<'a> {
         first.checked_add(Duration::from_millis(millis))
     }
 
+    /// A key of the queue as a row; `None` for one no version of idem writes.
+    fn row(&self, kv: &etcd::KeyValue) -> Option<Row> {
+        let (state, number, _) = decode(kv.value())?;
+        let rest = kv.key().strip_prefix(self.parent.as_bytes())?;
+        Some(Row {
+            key: kv.key().to_vec(),
+            mine: rest.starts_with(self.owner.as_bytes()),
+            create: kv.create_revision(),
+            modrev: kv.mod_revision(),
+            state,
+            ends: match state {
+                State::Released => None,
+                _ => self.ends(kv.key(), kv.mod_revision(), number),
+            },
+        })
+    }
+
     fn rows(&self, response: &etcd::GetResponse) -> Vec<Row> {
         response
             .kvs()
             .iter()
-            .filter_map(|kv| {
-                let (state, number, _) = decode(kv.value())?;
-                let rest = kv.key().strip_prefix(self.parent.as_bytes())?;
-                Some(Row {
-                    key: kv.key().to_vec(),
-                    mine: rest.starts_with(self.owner.as_bytes()),
-                    create: kv.create_revision(),
-                    modrev: kv.mod_revision(),
-                    state,
-                    ends: match state {
-                        State::Released => None,
-                        _ => self.ends(kv.key(), kv.mod_revision(), number),
-                    },
-                })
-            })
+            .filter_map(|kv| self.row(kv))
             .collect()
     }
 
@@ -527,7 +530,7 @@ impl<'a> Lock<'a> {
                 (Some(a), Some(b)) => Some(a.min(b)),
                 (a, b) => a.or(b),
             };
-            let watched = self.changed(&predecessor.key, now_listing.revision + 1);
+            let watched = self.changed(&predecessor, now_listing.revision);
             let woke = match nap {
                 Some(nap) => tokio::time::timeout(nap, watched).await.ok(),
                 None => Some(watched.await),
@@ -595,21 +598,27 @@ impl<'a> Lock<'a> {
         })
     }
 
-    /// Watches `key` from `revision` until it changes: the revision then and what it became
-    /// (`None` if deleted); `Ok(None)` if the watch ended first, or brought news of another
-    /// key (the queue is read again). Every piece of news counts as a wake-up.
+    /// Watches the predecessor, read at revision `read_at`, until it changes: the revision
+    /// then and what it became (`None` if deleted); `Ok(None)` if the watch ended first, or
+    /// brought news of another key (the queue is read again). Every piece of news counts as a
+    /// wake-up.
+    ///
+    /// The watch starts at the cluster's revision now, not at `read_at + 1`: etcd serves a
+    /// watch that starts in the past from a loop that runs every 100 ms, which would delay
+    /// every hand-off. Whatever changed in between is read once the watch is in place.
     async fn changed(
         &self,
-        key: &[u8],
-        revision: i64,
+        predecessor: &Row,
+        read_at: i64,
     ) -> Result<Option<(i64, Option<Row>)>, StoreError> {
-        let options = etcd::WatchOptions::new().with_start_revision(revision);
+        let key = predecessor.key.as_slice();
         let mut stream = retried(|| {
-            let (mut client, options) = (self.client(), options.clone());
-            async move { client.watch(key, Some(options)).await }
+            let mut client = self.client();
+            async move { client.watch(key, None).await }
         })
         .await
         .map_err(|e| error("cannot watch a lock's key", e))?;
+        let mut checked = false;
         loop {
             let Ok(Some(answer)) = stream.message().await else {
                 return Ok(None);
@@ -617,30 +626,41 @@ impl<'a> Lock<'a> {
             if answer.canceled() {
                 return Ok(None);
             }
+            if answer.created() && !checked {
+                checked = true;
+                let now = answer
+                    .header()
+                    .map_or(i64::MAX, etcd::ResponseHeader::revision);
+                if now > read_at {
+                    let got = retried(|| {
+                        let mut client = self.client();
+                        async move { client.get(key, None).await }
+                    })
+                    .await
+                    .map_err(|e| error("cannot read a lock's key", e))?;
+                    match got.kvs().first() {
+                        None => {
+                            let at = got.header().map_or(now, etcd::ResponseHeader::revision);
+                            return Ok(Some((at, None)));
+                        }
+                        Some(kv) if kv.mod_revision() != predecessor.modrev => {
+                            return Ok(Some((kv.mod_revision(), self.row(kv))));
+                        }
+                        Some(_) => {}
+                    }
+                }
+            }
             if let Some(event) = answer.events().last() {
                 self.locks.inner.wakeups.fetch_add(1, Ordering::Relaxed);
-                if event.kv().is_none_or(|kv| kv.key() != key) {
+                let Some(kv) = event.kv().filter(|kv| kv.key() == key) else {
                     return Ok(None);
-                }
-                // The change's own revision: a later one may be in a later answer.
-                let revision = event.kv().map_or(revision, etcd::KeyValue::mod_revision);
-                let row = match (event.event_type(), event.kv()) {
-                    (etcd::EventType::Put, Some(kv)) => {
-                        decode(kv.value()).map(|(state, number, _)| Row {
-                            key: kv.key().to_vec(),
-                            mine: false,
-                            create: kv.create_revision(),
-                            modrev: kv.mod_revision(),
-                            state,
-                            ends: match state {
-                                State::Released => None,
-                                _ => self.ends(kv.key(), kv.mod_revision(), number),
-                            },
-                        })
-                    }
-                    _ => None,
                 };
-                return Ok(Some((revision, row)));
+                let row = match event.event_type() {
+                    etcd::EventType::Put => self.row(kv),
+                    etcd::EventType::Delete => None,
+                };
+                // The change's own revision: a later one may be in a later answer.
+                return Ok(Some((kv.mod_revision(), row)));
             }
         }
     }
