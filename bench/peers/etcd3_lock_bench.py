@@ -4,8 +4,11 @@ python-etcd3's Lock is the Python ecosystem's etcd lock: a key created in a
 transaction only if it does not exist (create_revision == 0), attached to an
 etcd lease of `ttl` seconds; a waiter watches that one key and tries again
 when it is deleted. Every lock client is a thread in this one process with
-its own etcd3 client (its own gRPC channel); each pair is acquire(timeout=None)
-and release() with ttl=60.
+its own etcd3 client (its own gRPC channel); each pair is acquire() and
+release() with ttl=60. Its waiter starts watching only after its attempt
+failed, so a release in between is missed: with no timeout it waits for
+ever (seen here), so acquire(timeout=1) is called until it succeeds, and a
+missed release costs up to a second.
 Scenarios, as the other peers':
   uncontended, clients=1 and 8: each client acquires/releases its OWN lock
     as fast as it can.
@@ -67,7 +70,8 @@ def uncontended(clients):
         lock = etcd.lock(f"{ROOT}-uncontended-{clients}-{i}", ttl=TTL)
         pairs = 0
         while time.perf_counter_ns() < deadline:
-            lock.acquire(timeout=None)
+            while not lock.acquire(timeout=1):
+                pass
             lock.release()
             if time.perf_counter_ns() <= deadline:
                 pairs += 1
@@ -87,7 +91,8 @@ def contended(clients):
         lock = etcd.lock(name, ttl=TTL)
         pairs = 0
         while time.perf_counter_ns() < deadline:
-            lock.acquire(timeout=None)
+            while not lock.acquire(timeout=1):
+                pass
             events.append((time.perf_counter_ns(), "acq", i))
             with guard:
                 if state["holder"] is not None:
