@@ -16,7 +16,8 @@ use std::fmt;
 /// The deepest nesting read, as `serde_json`'s own limit.
 const MAX_DEPTH: usize = 128;
 
-/// The longest exponent read, in digits: enough for any number a program means.
+/// The longest exponent, in digits, of a number read, as written and in its canonical form
+/// (which moves the exponent by the number's digits): enough for any number a program means.
 const MAX_EXPONENT_DIGITS: usize = 15;
 
 /// A JSON value read exactly: numbers as canonical text, object members sorted by name.
@@ -314,16 +315,18 @@ impl Reader<'_> {
                 exponent = -exponent;
             }
         }
-        Ok(canonical_number(negative, int, frac, exponent))
+        canonical_number(negative, int, frac, exponent).ok_or_else(|| self.syntax())
     }
 }
 
-/// The canonical text of `±int.frac × 10^exponent` (see [`parse`]).
-fn canonical_number(negative: bool, int: &[u8], frac: &[u8], exponent: i64) -> String {
+/// The canonical text of `±int.frac × 10^exponent` (see [`parse`]); `None` if its exponent
+/// would have more than [`MAX_EXPONENT_DIGITS`] digits, which the text read again would not
+/// be taken with.
+fn canonical_number(negative: bool, int: &[u8], frac: &[u8], exponent: i64) -> Option<String> {
     let all: Vec<u8> = int.iter().chain(frac).copied().collect();
     let first = all.iter().position(|&d| d != b'0');
     let Some(first) = first else {
-        return "0".to_owned();
+        return Some("0".to_owned());
     };
     let last = all.iter().rposition(|&d| d != b'0').unwrap_or(first);
     let digits = &all[first..=last];
@@ -355,16 +358,31 @@ fn canonical_number(negative: bool, int: &[u8], frac: &[u8], exponent: i64) -> S
             out.push('.');
             out.push_str(&text(&digits[1..]));
         }
+        let written = e.saturating_add(n - 1);
+        if written.unsigned_abs().to_string().len() > MAX_EXPONENT_DIGITS {
+            return None;
+        }
         out.push('e');
-        out.push_str(&(e + n - 1).to_string());
+        out.push_str(&written.to_string());
     }
-    out
+    Some(out)
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
     use proptest::prelude::*;
+
+    /// A number whose canonical exponent would be longer than one read (the digits move it)
+    /// is refused, rather than given a canonical text that does not read back.
+    #[test]
+    fn a_canonical_exponent_past_the_limit_is_refused() {
+        assert!(parse(b"9999999e999999999999999").is_err());
+        assert!(parse(b"0.000001e-999999999999999").is_err());
+        assert_eq!(canon("9e999999999999999"), "9e999999999999999");
+        let text = parse(b"99e99999999999998").unwrap().to_string();
+        assert_eq!(canon(&text), text);
+    }
 
     fn canon(text: &str) -> String {
         parse(text.as_bytes()).expect(text).to_string()
