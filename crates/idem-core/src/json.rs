@@ -41,8 +41,8 @@ pub enum Json {
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[non_exhaustive]
 pub enum JsonError {
-    /// Not JSON (or nested deeper than 128, or a number whose exponent has more than 15
-    /// digits).
+    /// Not JSON (or nested deeper than 128, or a number whose exponent, as written or in
+    /// canonical form, has more than 15 digits).
     #[error("not valid JSON at byte {at}")]
     Syntax {
         /// Where the reader stopped.
