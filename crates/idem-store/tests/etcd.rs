@@ -32,80 +32,18 @@ async fn fixture() -> Option<SharedLockStore> {
 
 idem_testkit::lock_conformance_tests!(fixture());
 
-/// Eight waiters queued behind one holder get the lock one after another, one at a time, in
-/// the order they came, with rising fences; each hand-off wakes the waiter next in line only (its
-/// predecessor taking the lock, then leaving it), never the whole queue.
+/// Waiters are served in order, each woken by its predecessor only
+/// ([`idem_testkit::locks::a_release_wakes_only_the_next_waiter`]).
 #[test]
 fn a_release_wakes_only_the_next_waiter() {
     idem_testkit::block_on(async {
         let Some(etcd) = server() else { return };
         let locks = locks_on(etcd).await;
-        let name = fresh_name("herd");
-        let holder = LockOwner::random().digest();
-        let Acquire::Acquired(first) = locks
-            .acquire(&name, holder, Duration::from_secs(60))
-            .await
-            .unwrap()
-        else {
-            panic!("a free lock was busy");
-        };
-        const WAITERS: usize = 8;
-        let order = Arc::new(std::sync::Mutex::new(Vec::new()));
-        let held = Arc::new(std::sync::atomic::AtomicBool::new(true));
-        let mut tasks = Vec::new();
-        for i in 0..WAITERS {
-            let (locks, name, order) = (locks.clone(), name.clone(), Arc::clone(&order));
-            let held_flag = Arc::clone(&held);
-            tasks.push(tokio::spawn(async move {
-                let who = LockOwner::random().digest();
-                let queued = LockStore::acquire_queued(
-                    &locks,
-                    &name,
-                    who,
-                    Duration::from_secs(60),
-                    Duration::from_secs(60),
-                )
-                .unwrap()
-                .await
-                .unwrap();
-                let Acquire::Acquired(got) = queued.answer else {
-                    panic!("waiter {i} timed out");
-                };
-                let was = held_flag.swap(true, std::sync::atomic::Ordering::SeqCst);
-                assert!(!was, "waiter {i} got the lock while another held it");
-                order.lock().unwrap().push((i, got.fence));
-                tokio::task::yield_now().await;
-                held_flag.store(false, std::sync::atomic::Ordering::SeqCst);
-                locks.release(&name, who, got.fence).await.unwrap();
-            }));
-            // Each in the queue before the next comes.
-            tokio::time::sleep(Duration::from_millis(100)).await;
-        }
-        let before = locks.wakeups();
-        held.store(false, std::sync::atomic::Ordering::SeqCst);
-        locks.release(&name, holder, first.fence).await.unwrap();
-        for task in tasks {
-            tokio::time::timeout(Duration::from_secs(30), task)
-                .await
-                .expect("every waiter gets the lock")
-                .unwrap();
-        }
-        let order = order.lock().unwrap().clone();
-        assert_eq!(
-            order.iter().map(|(i, _)| *i).collect::<Vec<_>>(),
-            (0..WAITERS).collect::<Vec<_>>(),
-            "first come, first served"
-        );
-        assert!(
-            order.windows(2).all(|w| w[0].1 < w[1].1),
-            "fences rise: {order:?}"
-        );
-        assert!(order[0].1 > first.fence);
-        let woken = locks.wakeups() - before;
-        assert!(
-            woken <= 3 * WAITERS as u64,
-            "{woken} wake-ups for {WAITERS} hand-offs: releases wake more than the next waiter"
-        );
+        let counter = locks.clone();
+        idem_testkit::locks::a_release_wakes_only_the_next_waiter(Arc::new(locks), move || {
+            counter.wakeups()
+        })
+        .await;
     });
 }
 

@@ -362,6 +362,73 @@ pub async fn a_queue_outlives_no_one(store: &dyn DynLockStore) {
     assert!(next.fence > held_b.fence);
 }
 
+/// For a backend with a queue: eight waiters queued behind one holder get the lock one after
+/// another, in the order they came, one at a time, with rising fences; each hand-off wakes the
+/// waiter next in line only (its predecessor taking the lock, then leaving it), never the whole
+/// queue. `wakeups` reads the backend's count of waiters woken by a watch: at most three per
+/// hand-off.
+pub async fn a_release_wakes_only_the_next_waiter(
+    store: SharedLockStore,
+    wakeups: impl Fn() -> u64,
+) {
+    use std::sync::atomic::{AtomicBool, Ordering};
+    let name = fresh_name("herd");
+    let holder = owner();
+    let first = acquired(&*store, &name, holder, LONG).await;
+    const WAITERS: usize = 8;
+    let order = Arc::new(std::sync::Mutex::new(Vec::new()));
+    let held = Arc::new(AtomicBool::new(true));
+    let mut tasks = Vec::new();
+    for i in 0..WAITERS {
+        let (store, name, order) = (Arc::clone(&store), name.clone(), Arc::clone(&order));
+        let held_flag = Arc::clone(&held);
+        tasks.push(tokio::spawn(async move {
+            let who = owner();
+            let queued = store
+                .acquire_queued(&name, who, LONG, LONG)
+                .expect("a backend with a queue")
+                .await
+                .unwrap();
+            let Acquire::Acquired(got) = queued.answer else {
+                panic!("waiter {i} timed out");
+            };
+            let was = held_flag.swap(true, Ordering::SeqCst);
+            assert!(!was, "waiter {i} got the lock while another held it");
+            order.lock().unwrap().push((i, got.fence));
+            tokio::task::yield_now().await;
+            held_flag.store(false, Ordering::SeqCst);
+            store.release(&name, who, got.fence).await.unwrap();
+        }));
+        // Each in the queue before the next comes.
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let before = wakeups();
+    held.store(false, Ordering::SeqCst);
+    store.release(&name, holder, first.fence).await.unwrap();
+    for task in tasks {
+        tokio::time::timeout(Duration::from_secs(30), task)
+            .await
+            .expect("every waiter gets the lock")
+            .unwrap();
+    }
+    let order = order.lock().unwrap().clone();
+    assert_eq!(
+        order.iter().map(|(i, _)| *i).collect::<Vec<_>>(),
+        (0..WAITERS).collect::<Vec<_>>(),
+        "first come, first served"
+    );
+    assert!(
+        order.windows(2).all(|w| w[0].1 < w[1].1),
+        "fences rise: {order:?}"
+    );
+    assert!(order[0].1 > first.fence);
+    let woken = wakeups() - before;
+    assert!(
+        woken <= 3 * WAITERS as u64,
+        "{woken} wake-ups for {WAITERS} hand-offs: releases wake more than the next waiter"
+    );
+}
+
 /// Generates one `#[test]` per lock conformance case. The argument is an async expression
 /// yielding `Option<SharedLockStore>` (`None` skips, for a backend without its server), or
 /// a tuple of that and a guard to keep alive.
