@@ -551,9 +551,11 @@ impl<'a> Lock<'a> {
                     fresh_only = Some(predecessor.key);
                     listing = Some(next);
                 }
+                // News of another key: read the queue again now.
+                Some(Ok(None)) => fresh_only = None,
                 // The watch ended without news (a compaction, a lost connection): read the
-                // queue again.
-                Some(Ok(None)) => {
+                // queue again after a pause.
+                Some(Err(e)) if e.is_transient() => {
                     fresh_only = None;
                     tokio::time::sleep(RETRY_AFTER).await;
                 }
@@ -599,8 +601,8 @@ impl<'a> Lock<'a> {
     }
 
     /// Watches the predecessor, read at revision `read_at`, until it changes: the revision
-    /// then and what it became (`None` if deleted); `Ok(None)` if the watch ended first, or
-    /// brought news of another key (the queue is read again). Every piece of news counts as a
+    /// then and what it became (`None` if deleted); `Ok(None)` if it brought news of another
+    /// key; a transient error if the watch ended first (the queue is read again). Every piece of news counts as a
     /// wake-up.
     ///
     /// The watch starts at the cluster's revision now, not at `read_at + 1`: etcd serves a
@@ -620,12 +622,11 @@ impl<'a> Lock<'a> {
         .map_err(|e| error("cannot watch a lock's key", e))?;
         let mut checked = false;
         loop {
-            let Ok(Some(answer)) = stream.message().await else {
-                return Ok(None);
+            let answer = match stream.message().await {
+                Ok(Some(answer)) if !answer.canceled() => answer,
+                Ok(_) => return Err(watch_ended()),
+                Err(e) => return Err(error("a lock's watch failed", e)),
             };
-            if answer.canceled() {
-                return Ok(None);
-            }
             if answer.created() && !checked {
                 checked = true;
                 let now = answer
@@ -786,6 +787,13 @@ enum NotTaken {
     Busy(Timestamp),
     /// The store failed.
     Failed(StoreError),
+}
+
+fn watch_ended() -> StoreError {
+    StoreError::unavailable(
+        "etcd: a lock's watch ended",
+        std::io::Error::other("watch ended"),
+    )
 }
 
 fn changing() -> StoreError {
