@@ -147,3 +147,51 @@ fn an_ensemble_losing_its_leader_keeps_holders_and_waiters() {
         assert!(later.fence > second.fence, "a new epoch's zxids are higher");
     });
 }
+
+/// A released holding stays releasable again by its owner until another owner takes the lock,
+/// also when that owner's own next acquire finds the lock busy (here: another owner's waiter,
+/// written by hand, first in line) and so takes nothing.
+#[test]
+fn a_release_stays_repeatable_after_the_owner_finds_the_lock_busy() {
+    idem_testkit::block_on(async {
+        let Some(zk) = server() else { return };
+        let locks = locks_on(zk, Duration::from_secs(10)).await;
+        let name = fresh_name("repeat");
+        let a = LockOwner::random().digest();
+        let lease = Duration::from_secs(60);
+        let Acquire::Acquired(held) = locks.acquire(&name, a, lease).await.unwrap() else {
+            panic!("a free lock was busy");
+        };
+        locks.release(&name, a, held.fence).await.unwrap();
+
+        let raw = zookeeper_client::Client::connect(&zk.hosts())
+            .await
+            .unwrap();
+        let waiter = format!(
+            "{}/locks/{}/{}-",
+            ZooKeeperOptions::default().root,
+            name.digest_hex(),
+            LockOwner::random().digest().to_hex()
+        );
+        let mode = zookeeper_client::CreateMode::EphemeralSequential
+            .with_acls(zookeeper_client::Acls::anyone_all());
+        let (_, seq) = raw.create(&waiter, b"w 60000", &mode).await.unwrap();
+
+        let again = locks.acquire(&name, a, lease).await.unwrap();
+        assert!(matches!(again, Acquire::Busy { .. }), "{again:?}");
+        locks
+            .release(&name, a, held.fence)
+            .await
+            .expect("no one took the lock since the release: it is released again");
+
+        raw.delete(&format!("{waiter}{seq}"), None).await.unwrap();
+        let Acquire::Acquired(next) = locks.acquire(&name, a, lease).await.unwrap() else {
+            panic!("the lock is free once the waiter left");
+        };
+        assert!(next.fence > held.fence);
+        assert!(
+            locks.release(&name, a, held.fence).await.is_err(),
+            "the earlier holding is over once the lock was taken again"
+        );
+    });
+}

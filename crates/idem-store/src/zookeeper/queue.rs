@@ -331,7 +331,10 @@ impl<'a> Lock<'a> {
                 let Some((entry, stat)) = self.read(&node.path).await? else {
                     break;
                 };
-                if entry.state == State::Waiting {
+                // A released node stays until the next holder's take deletes it: while it is
+                // there, a repeated release of that holding is still answered `Ok`, as on
+                // every backend, even when this acquire then finds the lock busy.
+                if matches!(entry.state, State::Waiting | State::Released) {
                     break;
                 }
                 let now = if entry.holds() {
