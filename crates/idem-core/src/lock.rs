@@ -396,6 +396,17 @@ pub trait LockStore: Send + Sync + 'static {
         None
     }
 
+    /// For a backend whose holdings belong to a session of the store's (ZooKeeper, etcd):
+    /// resolves once the holdings granted from now on may end before their lease does,
+    /// because the session they belong to ended, or lost touch with the service for long
+    /// enough that the service may have ended it. `None` for a backend whose holdings end by
+    /// their lease alone. Ask before acquiring, so that no ending is missed in between (a
+    /// session that ends before the acquire is answered resolves it at once: a holding is
+    /// given up too early, never kept too long).
+    fn session_end(&self) -> Option<BoxFuture<'static, ()>> {
+        None
+    }
+
     /// The locks held now (whose lease has not run out by the backend's clock), ordered by
     /// name, at most `limit` of them; `None` if the backend cannot list them. Which ones a
     /// backend shows when more are held is its own choice (the first by name, or the first it
@@ -449,6 +460,8 @@ pub trait DynLockStore: Send + Sync + 'static {
         lease: Duration,
         wait: Duration,
     ) -> Option<BoxFuture<'static, Result<Queued, StoreError>>>;
+    /// See [`LockStore::session_end`].
+    fn session_end(&self) -> Option<BoxFuture<'static, ()>>;
     /// See [`LockStore::held`].
     fn held(&self, limit: usize) -> BoxFuture<'_, Result<Option<Vec<HeldLock>>, StoreError>>;
 }
@@ -493,6 +506,9 @@ impl<L: LockStore> DynLockStore for L {
         wait: Duration,
     ) -> Option<BoxFuture<'static, Result<Queued, StoreError>>> {
         LockStore::acquire_queued(self, name, owner, lease, wait)
+    }
+    fn session_end(&self) -> Option<BoxFuture<'static, ()>> {
+        LockStore::session_end(self)
     }
     fn held(&self, limit: usize) -> BoxFuture<'_, Result<Option<Vec<HeldLock>>, StoreError>> {
         Box::pin(LockStore::held(self, limit))
@@ -544,6 +560,9 @@ impl<T: DynLockStore + ?Sized> LockStore for Arc<T> {
         wait: Duration,
     ) -> Option<BoxFuture<'static, Result<Queued, StoreError>>> {
         DynLockStore::acquire_queued(&**self, name, owner, lease, wait)
+    }
+    fn session_end(&self) -> Option<BoxFuture<'static, ()>> {
+        DynLockStore::session_end(&**self)
     }
     async fn held(&self, limit: usize) -> Result<Option<Vec<HeldLock>>, StoreError> {
         DynLockStore::held(&**self, limit).await
@@ -847,6 +866,10 @@ mod tests {
             };
             Some(Box::pin(std::future::ready(Ok(queued))))
         }
+        fn session_end(&self) -> Option<BoxFuture<'static, ()>> {
+            self.note("session_end".to_owned());
+            Some(Box::pin(std::future::ready(())))
+        }
         async fn held(&self, limit: usize) -> Result<Option<Vec<HeldLock>>, StoreError> {
             self.note(format!("held {limit}"));
             Ok(Some(vec![HeldLock {
@@ -916,6 +939,7 @@ mod tests {
                 asked: recorder.asked,
             }
         );
+        at_once(LockStore::session_end(&store).expect("the recorder's session"));
         let held = at_once(LockStore::held(&store, 10)).unwrap().unwrap();
         assert_eq!(held.len(), 1);
         assert_eq!((held[0].name.as_str(), held[0].fence), ("orders:42", 3));
@@ -928,6 +952,7 @@ mod tests {
                 format!("release orders:42 {o} 5"),
                 "listen".to_owned(),
                 format!("acquire_queued orders:42 {o} 1.5s 2s"),
+                "session_end".to_owned(),
                 "held 10".to_owned(),
             ]
         );

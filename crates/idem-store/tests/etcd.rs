@@ -224,3 +224,50 @@ fn a_cluster_losing_its_leader_keeps_holders_and_waiters() {
         assert!(later.fence > second.fence, "revisions only rise");
     });
 }
+
+/// The store's session is watched: a revoked session is heard at its next keep-alive, and one
+/// whose keep-alives stopped being answered when the cluster may drop it, without waiting for
+/// a holding's renewal, so a holder can stop before its keys are gone for good.
+#[test]
+fn a_session_end_is_heard_without_a_renewal() {
+    idem_testkit::block_on(async {
+        let Some(mut etcd) = Etcd::start() else {
+            return;
+        };
+        let options = EtcdOptions::default().session_ttl(Duration::from_secs(3));
+        let locks = EtcdLocks::connect(&etcd.endpoints(), options.clone())
+            .await
+            .unwrap();
+        let name = fresh_name("heard");
+        let who = LockOwner::random().digest();
+        let lease = Duration::from_secs(60);
+        let ended = LockStore::session_end(&locks).expect("etcd holdings have a session");
+        let Acquire::Acquired(_) = locks.acquire(&name, who, lease).await.unwrap() else {
+            panic!("a free lock was busy");
+        };
+        let mut ended = std::pin::pin!(ended);
+        assert!(
+            tokio::time::timeout(Duration::from_secs(4), &mut ended)
+                .await
+                .is_err(),
+            "a session kept alive lasts past its length"
+        );
+        assert!(etcd.revoke_leases() > 0);
+        tokio::time::timeout(Duration::from_secs(3), ended)
+            .await
+            .expect("a revoked session is heard at its next keep-alive, a third of 3 s on");
+
+        // Cut off: heard once no keep-alive was answered for the session's length.
+        let locks = EtcdLocks::connect(&etcd.endpoints(), options)
+            .await
+            .unwrap();
+        let ended = LockStore::session_end(&locks).expect("etcd holdings have a session");
+        let Acquire::Acquired(_) = locks.acquire(&name, who, lease).await.unwrap() else {
+            panic!("the lock of a revoked session is free");
+        };
+        etcd.kill(0);
+        tokio::time::timeout(Duration::from_secs(5), ended)
+            .await
+            .expect("a session unanswered for its 3 s is given up");
+    });
+}

@@ -195,3 +195,37 @@ fn a_release_stays_repeatable_after_the_owner_finds_the_lock_busy() {
         );
     });
 }
+
+/// The store's session is watched: its end is heard as soon as the session loses touch with
+/// the ensemble (here the server is killed), without waiting for a renewal, so a holder can
+/// stop before the ensemble gives its lock to the next owner.
+#[test]
+fn a_session_that_loses_touch_is_heard_at_once() {
+    idem_testkit::block_on(async {
+        let Some(mut zk) = ZooKeeper::start() else {
+            return;
+        };
+        let locks = locks_on(&zk, Duration::from_secs(10)).await;
+        let name = fresh_name("touch");
+        let who = LockOwner::random().digest();
+        let ended = LockStore::session_end(&locks).expect("ZooKeeper holdings have a session");
+        let Acquire::Acquired(_) = locks
+            .acquire(&name, who, Duration::from_secs(60))
+            .await
+            .unwrap()
+        else {
+            panic!("a free lock was busy");
+        };
+        let mut ended = std::pin::pin!(ended);
+        assert!(
+            tokio::time::timeout(Duration::from_millis(300), &mut ended)
+                .await
+                .is_err(),
+            "the session is still connected"
+        );
+        zk.kill(0);
+        tokio::time::timeout(Duration::from_secs(5), ended)
+            .await
+            .expect("the lost connection is heard well before the session's 10 s");
+    });
+}

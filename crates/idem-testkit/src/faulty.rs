@@ -430,6 +430,10 @@ impl<S: LockStore> LockStore for FaultyStore<S> {
         self.inner.listen()
     }
 
+    fn session_end(&self) -> Option<idem_core::BoxFuture<'static, ()>> {
+        self.inner.session_end()
+    }
+
     /// The wrapped store's listing of held locks, without faults, as for `admin`.
     async fn held(&self, limit: usize) -> Result<Option<Vec<idem_core::HeldLock>>, StoreError> {
         self.inner.held(limit).await

@@ -60,7 +60,7 @@ use std::time::Duration;
 
 use crate::cancel::finishing;
 use idem_core::{
-    Acquire, DynLockStore, Held, LockError, LockName, LockOwner, OwnerDigest, Queued,
+    Acquire, BoxFuture, DynLockStore, Held, LockError, LockName, LockOwner, OwnerDigest, Queued,
     ReleaseListener, SharedLockStore, StoreError, Timestamp,
 };
 use tokio::sync::watch;
@@ -190,6 +190,8 @@ impl Locks {
         let name = LockName::new(name)?;
         let digest = owner.digest();
         let deadline = far(Instant::now(), wait);
+        // Asked before the acquire, so that a session ending in between is not missed.
+        let session = (*self.store).session_end();
         if !wait.is_zero()
             && let Some(answer) = self.acquire_in_queue(&name, digest, lease, deadline).await
         {
@@ -202,7 +204,8 @@ impl Locks {
                 held,
                 asked,
                 lease,
-            ));
+            )
+            .watching(session));
         }
         let mut listener = if wait.is_zero() {
             None
@@ -231,7 +234,8 @@ impl Locks {
                         held,
                         asked,
                         lease,
-                    ));
+                    )
+                    .watching(session));
                 }
                 Acquire::Busy { until } => until,
             };
@@ -467,6 +471,8 @@ pub struct LockGuard {
     shared: Arc<Shared>,
     lease: Duration,
     renewer: Option<JoinHandle<()>>,
+    /// Marks the holding lost when the store's session ends (ZooKeeper, etcd).
+    session: Option<JoinHandle<()>>,
     released: bool,
 }
 
@@ -506,8 +512,27 @@ impl LockGuard {
             }),
             lease,
             renewer: None,
+            session: None,
             released: false,
         }
+    }
+
+    /// Marks the holding lost once `session` (the store's [`session_end`]) resolves: a holding
+    /// that belongs to a session ends with it, whatever its lease says, since the service
+    /// frees it for the next owner then.
+    ///
+    /// [`session_end`]: idem_core::LockStore::session_end
+    fn watching(mut self, session: Option<BoxFuture<'static, ()>>) -> Self {
+        self.session = session.map(|ended| {
+            let shared = Arc::downgrade(&self.shared);
+            tokio::spawn(async move {
+                ended.await;
+                if let Some(shared) = shared.upgrade() {
+                    shared.mark_lost();
+                }
+            })
+        });
+        self
     }
 
     /// The lock's name.
@@ -530,8 +555,9 @@ impl LockGuard {
         self.shared.view.borrow().expires_at
     }
 
-    /// Whether the lock is lost: its lease ran out (by this process's clock) or a renewal was
-    /// refused. Once true, it stays true.
+    /// Whether the lock is lost: its lease ran out (by this process's clock), a renewal was
+    /// refused, or the store's session it belongs to ended or lost touch with the service
+    /// (ZooKeeper, etcd). Once true, it stays true.
     pub fn is_lost(&self) -> bool {
         self.shared.check_lost()
     }
@@ -592,6 +618,7 @@ impl LockGuard {
     /// ([`Locks::renew`], [`Locks::release`]): the guard stops renewing, and dropping it no
     /// longer releases the lock.
     pub fn detach(mut self) -> (LockOwner, Held) {
+        self.stop_watching();
         if let Some(task) = self.renewer.take() {
             task.abort();
         }
@@ -604,9 +631,16 @@ impl LockGuard {
     }
 
     async fn stop_renewing(&mut self) {
+        self.stop_watching();
         if let Some(task) = self.renewer.take() {
             task.abort();
             let _ = task.await;
+        }
+    }
+
+    fn stop_watching(&mut self) {
+        if let Some(task) = self.session.take() {
+            task.abort();
         }
     }
 }
@@ -630,6 +664,7 @@ async fn renew_loop(shared: Arc<Shared>, lease: Duration) {
 
 impl Drop for LockGuard {
     fn drop(&mut self) {
+        self.stop_watching();
         if self.released {
             return;
         }

@@ -1,6 +1,6 @@
 //! Locks on every backend: mutual exclusion under contention, a paused holder fenced out,
-//! renewal, release on drop, waiters woken by releases, and a Redis restarted while a lock is
-//! held. Server backends are skipped (with a note) when their server is missing, except under
+//! renewal, release on drop, waiters woken by releases, a Redis restarted while a lock is
+//! held, and a holding lost with its ZooKeeper session. Server backends are skipped (with a note) when their server is missing, except under
 //! `CI=true`.
 
 #![allow(clippy::unwrap_used)]
@@ -339,6 +339,27 @@ async fn a_lease_that_ends_is_lost_for_good() {
         .unwrap();
     assert!(guard.is_lost());
     assert!(matches!(guard.renew(LONG).await, Err(LockError::Lost)));
+    assert!(guard.is_lost());
+}
+
+/// A holding in ZooKeeper is lost as soon as the store's session loses touch with the
+/// ensemble (here its server is killed): long before its lease would end, and without a
+/// renewal to find out, since the ensemble may give the lock to the next owner meanwhile.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_holding_is_lost_with_its_zookeeper_session() {
+    let Some(mut zk) = idem_testkit::coordination::ZooKeeper::start() else {
+        return;
+    };
+    let store = idem_store::ZooKeeperLocks::connect(&zk.hosts(), Default::default())
+        .await
+        .unwrap();
+    let locks = Locks::new(store);
+    let guard = locks.try_acquire("session", LONG).await.unwrap();
+    assert!(!guard.is_lost());
+    zk.kill(0);
+    tokio::time::timeout(Duration::from_secs(5), guard.lost())
+        .await
+        .expect("the guard hears its session lose touch, well before its minute's lease");
     assert!(guard.is_lost());
 }
 

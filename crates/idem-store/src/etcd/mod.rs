@@ -96,8 +96,9 @@ struct Inner {
     endpoints: String,
     options: EtcdOptions,
     client: etcd::Client,
-    /// The session's etcd lease; replaced by a new one once it has ended.
-    session: std::sync::Mutex<i64>,
+    /// The session: its etcd lease (replaced by a new one once it has ended), and until when
+    /// the cluster keeps it at least, as its last answered keep-alive says.
+    session: tokio::sync::watch::Sender<Vouched>,
     /// Tells the keep-alive task that an operation found the session's lease gone.
     lost: Arc<tokio::sync::Notify>,
     /// Numbers this store's keys apart.
@@ -153,14 +154,14 @@ impl EtcdLocks {
         let client = etcd::Client::connect(&list, Some(connect))
             .await
             .map_err(|e| error(&format!("cannot connect to {endpoints}"), e))?;
-        let lease = grant(&client, options.session_ttl)
+        let session = grant(&client, options.session_ttl)
             .await
             .map_err(|e| error(&format!("cannot open a session with {endpoints}"), e))?;
         let inner = Arc::new(Inner {
             endpoints: endpoints.to_owned(),
             options,
             client,
-            session: std::sync::Mutex::new(lease),
+            session: tokio::sync::watch::Sender::new(session),
             lost: Arc::new(tokio::sync::Notify::new()),
             next_key: AtomicU64::new(0),
             seen: quick_cache::sync::Cache::new(REMEMBERED),
@@ -207,11 +208,7 @@ impl EtcdLocks {
 
     /// The session's lease now.
     fn session(&self) -> i64 {
-        *self
-            .inner
-            .session
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner)
+        self.inner.session.borrow().lease
     }
 
     /// Waits (up to 5 s) for the keep-alive task to open a session after `ended`; whether it
@@ -238,10 +235,7 @@ impl Drop for Inner {
     /// Ends the session, so that what it holds is free at once rather than when its lease
     /// runs out. Outside a runtime the lease runs out by itself.
     fn drop(&mut self) {
-        let lease = *self
-            .session
-            .get_mut()
-            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        let lease = self.session.borrow().lease;
         let mut leases = self.client.lease_client();
         if let Ok(runtime) = tokio::runtime::Handle::try_current() {
             runtime.spawn(async move {
@@ -251,10 +245,31 @@ impl Drop for Inner {
     }
 }
 
+/// A session's lease, and until when the cluster keeps it at least: the moment the request
+/// that last granted or extended it was sent, plus the length the cluster answered. The
+/// cluster counts from when it took the request, which is later.
+#[derive(Debug, Clone, Copy)]
+struct Vouched {
+    lease: i64,
+    until: Instant,
+}
+
+impl Vouched {
+    fn new(lease: i64, sent: Instant, ttl_secs: i64) -> Self {
+        let secs = u64::try_from(ttl_secs).unwrap_or(0);
+        Self {
+            lease,
+            until: sent.checked_add(Duration::from_secs(secs)).unwrap_or(sent),
+        }
+    }
+}
+
 /// Grants a session lease of `ttl`.
-async fn grant(client: &etcd::Client, ttl: Duration) -> Result<i64, etcd::Error> {
+async fn grant(client: &etcd::Client, ttl: Duration) -> Result<Vouched, etcd::Error> {
     let secs = i64::try_from(ttl.as_secs()).unwrap_or(i64::MAX).max(1);
-    Ok(client.lease_client().grant(secs, None).await?.id())
+    let sent = Instant::now();
+    let granted = client.lease_client().grant(secs, None).await?;
+    Ok(Vouched::new(granted.id(), sent, granted.ttl()))
 }
 
 /// Keeps the session's lease alive (a keep-alive a third of its length apart), and grants a
@@ -273,6 +288,7 @@ async fn keep_alive(inner: std::sync::Weak<Inner>) {
             Ok((mut keeper, mut stream)) => {
                 drop(locks);
                 loop {
+                    let sent = Instant::now();
                     let answer = async {
                         keeper.keep_alive().await?;
                         stream.message().await
@@ -280,6 +296,16 @@ async fn keep_alive(inner: std::sync::Weak<Inner>) {
                     match answer.await {
                         Ok(Some(answer)) if answer.ttl() > 0 => {
                             backoff = Duration::from_millis(100);
+                            if let Some(strong) = inner.upgrade() {
+                                strong.session.send_if_modified(|v| {
+                                    let now = Vouched::new(lease, sent, answer.ttl());
+                                    let later = v.lease == lease && now.until > v.until;
+                                    if later {
+                                        *v = now;
+                                    }
+                                    later
+                                });
+                            }
                         }
                         // The cluster says the lease is gone.
                         Ok(Some(_)) => break true,
@@ -321,11 +347,7 @@ async fn keep_alive(inner: std::sync::Weak<Inner>) {
             match grant(&locks.inner.client, locks.inner.options.session_ttl).await {
                 Ok(new) => {
                     tracing::warn!("etcd session ended; opened a new one");
-                    *locks
-                        .inner
-                        .session
-                        .lock()
-                        .unwrap_or_else(std::sync::PoisonError::into_inner) = new;
+                    locks.inner.session.send_replace(new);
                     continue;
                 }
                 Err(e) => tracing::debug!(error = %e, "cannot open a new etcd session"),
@@ -425,6 +447,30 @@ impl LockStore for EtcdLocks {
     fn listen(&self) -> Option<Box<dyn idem_core::ReleaseListener>> {
         // Waiters wait in the queue (`acquire_queued`), woken by their predecessor.
         None
+    }
+
+    /// Resolves once the session's lease is gone, or no keep-alive was answered for as long
+    /// as the cluster keeps it: from then on the cluster may have deleted its keys.
+    fn session_end(&self) -> Option<idem_core::BoxFuture<'static, ()>> {
+        let mut session = self.inner.session.subscribe();
+        let lease = session.borrow_and_update().lease;
+        Some(Box::pin(async move {
+            loop {
+                let now = *session.borrow_and_update();
+                if now.lease != lease || Instant::now() >= now.until {
+                    return;
+                }
+                tokio::select! {
+                    changed = session.changed() => {
+                        // The store was dropped: its session is revoked.
+                        if changed.is_err() {
+                            return;
+                        }
+                    }
+                    () = tokio::time::sleep_until(now.until.into()) => {}
+                }
+            }
+        }))
     }
 
     fn acquire_queued(

@@ -94,6 +94,8 @@ struct Inner {
     options: ZooKeeperOptions,
     /// The session; replaced by a new one once it has ended (expired or closed).
     client: tokio::sync::Mutex<zk::Client>,
+    /// The state of the session in `client`, replaced with it.
+    state: std::sync::Mutex<zk::StateWatcher>,
     /// How many times a waiter was woken by its watch.
     wakeups: AtomicU64,
     /// The holdings this store granted or renewed: their node and its version, so that a
@@ -141,6 +143,7 @@ impl ZooKeeperLocks {
         let inner = Arc::new(Inner {
             hosts: hosts.to_owned(),
             options,
+            state: std::sync::Mutex::new(client.state_watcher()),
             client: tokio::sync::Mutex::new(client),
             wakeups: AtomicU64::new(0),
             holdings: quick_cache::sync::Cache::new(HOLDINGS),
@@ -180,6 +183,11 @@ impl ZooKeeperLocks {
         if client.state().is_terminated() {
             tracing::warn!("ZooKeeper session ended; opening a new one");
             *client = session(&self.inner.hosts, self.inner.options.session_timeout).await?;
+            *self
+                .inner
+                .state
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner) = client.state_watcher();
         }
         Ok(client.clone())
     }
@@ -288,6 +296,24 @@ impl LockStore for ZooKeeperLocks {
     fn listen(&self) -> Option<Box<dyn idem_core::ReleaseListener>> {
         // Waiters wait in the queue (`acquire_queued`), woken by their predecessor.
         None
+    }
+
+    /// Resolves once the session is no longer connected: ended (expired, closed), or cut off
+    /// from the ensemble, which may end it meanwhile and give its nodes to the next owner
+    /// before the client hears. A holding is given up at a disconnection that the session
+    /// would have survived, never kept past one it did not.
+    fn session_end(&self) -> Option<idem_core::BoxFuture<'static, ()>> {
+        let mut state = self
+            .inner
+            .state
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .clone();
+        Some(Box::pin(async move {
+            while state.peek_state() == zk::SessionState::SyncConnected {
+                state.changed().await;
+            }
+        }))
     }
 
     fn acquire_queued(
