@@ -49,6 +49,8 @@ mod replay_cache;
 mod reread;
 #[cfg(any(feature = "sqlite", feature = "postgres", feature = "mysql"))]
 mod row;
+#[cfg(any(feature = "zookeeper", feature = "etcd"))]
+mod session;
 #[cfg(any(feature = "postgres", feature = "mysql"))]
 mod sql;
 #[cfg(feature = "sqlite")]

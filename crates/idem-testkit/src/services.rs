@@ -182,6 +182,20 @@ impl Supervised {
             .is_ok_and(|s| s.success())
     }
 
+    /// Sends `signal` (`STOP`, `CONT`) to the server and its children.
+    pub(crate) fn signal(&self, signal: &str) {
+        let children = std::process::Command::new("pgrep")
+            .args(["-P", &self.pid])
+            .output()
+            .map(|o| String::from_utf8_lossy(&o.stdout).into_owned())
+            .unwrap_or_default();
+        let _ = std::process::Command::new("kill")
+            .arg(format!("-{signal}"))
+            .arg(&self.pid)
+            .args(children.split_whitespace())
+            .status();
+    }
+
     /// Kills the server and its children, and waits (up to 10 s) until they are gone: a
     /// PostgreSQL started again while its killed postmaster is still a zombie, or its backends
     /// still hold its shared memory, refuses to start.

@@ -190,12 +190,10 @@ impl Locks {
         let name = LockName::new(name)?;
         let digest = owner.digest();
         let deadline = far(Instant::now(), wait);
-        // Asked before the acquire, so that a session ending in between is not missed.
-        let session = (*self.store).session_end();
         if !wait.is_zero()
             && let Some(answer) = self.acquire_in_queue(&name, digest, lease, deadline).await
         {
-            let (held, asked) = answer?;
+            let (held, asked, session) = answer?;
             return Ok(LockGuard::new(
                 Arc::clone(&self.store),
                 name,
@@ -214,6 +212,9 @@ impl Locks {
         };
         loop {
             let asked = Instant::now();
+            // Asked before each attempt, so that a session ending in between is not missed,
+            // and one replaced before a retry does not count against the new holding.
+            let session = (*self.store).session_end();
             let answer = match self.acquire_once(&name, digest, lease, give_back).await {
                 // A store that is briefly away (a restart, a failover) is tried again while
                 // the wait lasts; the owner id makes a repeated attempt safe.
@@ -260,8 +261,9 @@ impl Locks {
     }
 
     /// Waits in the backend's own queue, for a backend that keeps one (see
-    /// [`LockStore::acquire_queued`](idem_core::LockStore::acquire_queued)): the holding and
-    /// when it was asked for, or `None` for a backend without a queue. Store failures that may
+    /// [`LockStore::acquire_queued`](idem_core::LockStore::acquire_queued)): the holding, when
+    /// it was asked for and the end of the session it belongs to, or `None` for a backend
+    /// without a queue. Store failures that may
     /// pass are retried while the wait lasts. Dropped, the backend's future takes back its
     /// place in the queue and any holding it got for a caller who is gone.
     async fn acquire_in_queue(
@@ -270,10 +272,11 @@ impl Locks {
         digest: OwnerDigest,
         lease: Duration,
         deadline: Instant,
-    ) -> Option<Result<(Held, Instant), LockError>> {
+    ) -> Option<Result<(Held, Instant, Option<BoxFuture<'static, ()>>), LockError>> {
         loop {
             let asked = Instant::now();
             let wait = deadline.saturating_duration_since(asked);
+            let session = (*self.store).session_end();
             let answer = (*self.store)
                 .acquire_queued(name, digest, lease, wait)?
                 .await;
@@ -281,7 +284,7 @@ impl Locks {
                 Ok(Queued {
                     answer: Acquire::Acquired(held),
                     asked,
-                }) => Ok((held, Instant::from_std(asked))),
+                }) => Ok((held, Instant::from_std(asked), session)),
                 Ok(Queued {
                     answer: Acquire::Busy { .. },
                     ..
@@ -523,7 +526,13 @@ impl LockGuard {
     ///
     /// [`session_end`]: idem_core::LockStore::session_end
     fn watching(mut self, session: Option<BoxFuture<'static, ()>>) -> Self {
-        self.session = session.map(|ended| {
+        // Polled by a task of its own from the start (some clients' futures keep only the
+        // first waker they are polled with): a session that has ended already is heard as
+        // soon as the runtime runs that task.
+        let Some(ended) = session else {
+            return self;
+        };
+        self.session = Some({
             let shared = Arc::downgrade(&self.shared);
             tokio::spawn(async move {
                 ended.await;

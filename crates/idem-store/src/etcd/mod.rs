@@ -49,6 +49,8 @@ use idem_core::{
     Acquire, HeldLock, LockError, LockName, LockStore, OwnerDigest, Queued, StoreError, Timestamp,
 };
 
+use crate::session::{self, Vouched};
+
 /// How an [`EtcdLocks`] connects.
 #[derive(Debug, Clone, PartialEq, Eq)]
 #[non_exhaustive]
@@ -208,7 +210,7 @@ impl EtcdLocks {
 
     /// The session's lease now.
     fn session(&self) -> i64 {
-        self.inner.session.borrow().lease
+        self.inner.session.borrow().id
     }
 
     /// Waits (up to 5 s) for the keep-alive task to open a session after `ended`; whether it
@@ -235,7 +237,7 @@ impl Drop for Inner {
     /// Ends the session, so that what it holds is free at once rather than when its lease
     /// runs out. Outside a runtime the lease runs out by itself.
     fn drop(&mut self) {
-        let lease = self.session.borrow().lease;
+        let lease = self.session.borrow().id;
         let mut leases = self.client.lease_client();
         if let Ok(runtime) = tokio::runtime::Handle::try_current() {
             runtime.spawn(async move {
@@ -245,23 +247,9 @@ impl Drop for Inner {
     }
 }
 
-/// A session's lease, and until when the cluster keeps it at least: the moment the request
-/// that last granted or extended it was sent, plus the length the cluster answered. The
-/// cluster counts from when it took the request, which is later.
-#[derive(Debug, Clone, Copy)]
-struct Vouched {
-    lease: i64,
-    until: Instant,
-}
-
-impl Vouched {
-    fn new(lease: i64, sent: Instant, ttl_secs: i64) -> Self {
-        let secs = u64::try_from(ttl_secs).unwrap_or(0);
-        Self {
-            lease,
-            until: sent.checked_add(Duration::from_secs(secs)).unwrap_or(sent),
-        }
-    }
+/// A lease's length as the cluster answered it, in seconds.
+fn ttl_of(secs: i64) -> Duration {
+    Duration::from_secs(u64::try_from(secs).unwrap_or(0))
 }
 
 /// Grants a session lease of `ttl`.
@@ -269,7 +257,7 @@ async fn grant(client: &etcd::Client, ttl: Duration) -> Result<Vouched, etcd::Er
     let secs = i64::try_from(ttl.as_secs()).unwrap_or(i64::MAX).max(1);
     let sent = Instant::now();
     let granted = client.lease_client().grant(secs, None).await?;
-    Ok(Vouched::new(granted.id(), sent, granted.ttl()))
+    Ok(Vouched::new(granted.id(), sent, ttl_of(granted.ttl())))
 }
 
 /// Keeps the session's lease alive (a keep-alive a third of its length apart), and grants a
@@ -297,14 +285,7 @@ async fn keep_alive(inner: std::sync::Weak<Inner>) {
                         Ok(Some(answer)) if answer.ttl() > 0 => {
                             backoff = Duration::from_millis(100);
                             if let Some(strong) = inner.upgrade() {
-                                strong.session.send_if_modified(|v| {
-                                    let now = Vouched::new(lease, sent, answer.ttl());
-                                    let later = v.lease == lease && now.until > v.until;
-                                    if later {
-                                        *v = now;
-                                    }
-                                    later
-                                });
+                                session::extend(&strong.session, lease, sent, ttl_of(answer.ttl()));
                             }
                         }
                         // The cluster says the lease is gone.
@@ -344,6 +325,9 @@ async fn keep_alive(inner: std::sync::Weak<Inner>) {
                 Ok(answer) if answer.ttl() <= 0
             );
         if gone {
+            // Its keys are gone already: its holders hear it now, not when it would have run
+            // out, whether or not a new session can be had.
+            session::end(&locks.inner.session, lease);
             match grant(&locks.inner.client, locks.inner.options.session_ttl).await {
                 Ok(new) => {
                     tracing::warn!("etcd session ended; opened a new one");
@@ -452,25 +436,7 @@ impl LockStore for EtcdLocks {
     /// Resolves once the session's lease is gone, or no keep-alive was answered for as long
     /// as the cluster keeps it: from then on the cluster may have deleted its keys.
     fn session_end(&self) -> Option<idem_core::BoxFuture<'static, ()>> {
-        let mut session = self.inner.session.subscribe();
-        let lease = session.borrow_and_update().lease;
-        Some(Box::pin(async move {
-            loop {
-                let now = *session.borrow_and_update();
-                if now.lease != lease || Instant::now() >= now.until {
-                    return;
-                }
-                tokio::select! {
-                    changed = session.changed() => {
-                        // The store was dropped: its session is revoked.
-                        if changed.is_err() {
-                            return;
-                        }
-                    }
-                    () = tokio::time::sleep_until(now.until.into()) => {}
-                }
-            }
-        }))
+        Some(session::ended(&self.inner.session))
     }
 
     fn acquire_queued(

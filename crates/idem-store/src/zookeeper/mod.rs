@@ -40,12 +40,14 @@ mod queue;
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use idem_core::{
     Acquire, HeldLock, LockError, LockName, LockStore, OwnerDigest, Queued, StoreError, Timestamp,
 };
 use zookeeper_client as zk;
+
+use crate::session::{self, Vouched};
 
 /// How a [`ZooKeeperLocks`] connects.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -94,8 +96,9 @@ struct Inner {
     options: ZooKeeperOptions,
     /// The session; replaced by a new one once it has ended (expired or closed).
     client: tokio::sync::Mutex<zk::Client>,
-    /// The state of the session in `client`, replaced with it.
-    state: std::sync::Mutex<zk::StateWatcher>,
+    /// The session in `client`, and until when the ensemble keeps it at least (see
+    /// [`vouch`]); replaced with it.
+    session: tokio::sync::watch::Sender<Vouched>,
     /// How many times a waiter was woken by its watch.
     wakeups: AtomicU64,
     /// The holdings this store granted or renewed: their node and its version, so that a
@@ -139,11 +142,12 @@ impl ZooKeeperLocks {
             root: root.to_owned(),
             ..options
         };
+        let sent = Instant::now();
         let client = session(hosts, options.session_timeout).await?;
         let inner = Arc::new(Inner {
             hosts: hosts.to_owned(),
             options,
-            state: std::sync::Mutex::new(client.state_watcher()),
+            session: tokio::sync::watch::Sender::new(vouched(&client, sent)),
             client: tokio::sync::Mutex::new(client),
             wakeups: AtomicU64::new(0),
             holdings: quick_cache::sync::Cache::new(HOLDINGS),
@@ -159,6 +163,7 @@ impl ZooKeeperLocks {
             .await
             .map_err(|e| error("cannot create the locks' node", e))?;
         tokio::spawn(sweep(Arc::downgrade(&locks.inner)));
+        tokio::spawn(vouch(Arc::downgrade(&locks.inner)));
         Ok(locks)
     }
 
@@ -182,12 +187,9 @@ impl ZooKeeperLocks {
         let mut client = self.inner.client.lock().await;
         if client.state().is_terminated() {
             tracing::warn!("ZooKeeper session ended; opening a new one");
+            let sent = Instant::now();
             *client = session(&self.inner.hosts, self.inner.options.session_timeout).await?;
-            *self
-                .inner
-                .state
-                .lock()
-                .unwrap_or_else(std::sync::PoisonError::into_inner) = client.state_watcher();
+            self.inner.session.send_replace(vouched(&client, sent));
         }
         Ok(client.clone())
     }
@@ -208,6 +210,47 @@ impl ZooKeeperLocks {
         }
         .map_err(|e| error("cannot read the ensemble's time", e))?;
         Ok(stat.mtime)
+    }
+}
+
+/// How long after a request of its own was sent the ensemble keeps `client`'s session at
+/// least: the negotiated timeout, less a fifth for the member it talks to, which hears the
+/// request, to pass it on to the leader, which expires sessions.
+fn keeps(client: &zk::Client) -> Duration {
+    let timeout = client.session_timeout();
+    timeout - timeout / 5
+}
+
+/// `client`'s session, kept at least until [`keeps`] after `sent`.
+fn vouched(client: &zk::Client, sent: Instant) -> Vouched {
+    Vouched::new(client.session_id().0, sent, keeps(client))
+}
+
+/// Asks the ensemble a third of the session apart whether it still has the session: a `sync`,
+/// which the member the client talks to passes on to the leader, so that a member cut off from
+/// the leader does not answer for it. Each answer keeps the session's holdings until
+/// [`keeps`] after it was sent; a session that found none for that long is over for its
+/// holders ([`LockStore::session_end`]), whatever the client library says of its connection
+/// (it may go on reporting a connection as up well past the session's end).
+async fn vouch(inner: std::sync::Weak<Inner>) {
+    loop {
+        let Some(strong) = inner.upgrade() else {
+            return;
+        };
+        let locks = ZooKeeperLocks { inner: strong };
+        let every = locks.inner.options.session_timeout / 3;
+        if let Ok(client) = locks.client().await {
+            let (id, keeps) = (client.session_id().0, keeps(&client));
+            let sent = Instant::now();
+            let dir = locks.locks_dir();
+            match tokio::time::timeout(every, client.sync(&dir)).await {
+                Ok(Ok(())) => session::extend(&locks.inner.session, id, sent, keeps),
+                Ok(Err(zk::Error::SessionExpired)) => session::end(&locks.inner.session, id),
+                _ => {}
+            }
+        }
+        drop(locks);
+        tokio::time::sleep(every).await;
     }
 }
 
@@ -298,22 +341,11 @@ impl LockStore for ZooKeeperLocks {
         None
     }
 
-    /// Resolves once the session is no longer connected: ended (expired, closed), or cut off
-    /// from the ensemble, which may end it meanwhile and give its nodes to the next owner
-    /// before the client hears. A holding is given up at a disconnection that the session
-    /// would have survived, never kept past one it did not.
+    /// Resolves once the session was replaced, or no `sync` reached the leader for as long as
+    /// the ensemble keeps a session it hears nothing from (see [`vouch`]): from then on the
+    /// ensemble may have expired it and given its nodes' locks to the next owners.
     fn session_end(&self) -> Option<idem_core::BoxFuture<'static, ()>> {
-        let mut state = self
-            .inner
-            .state
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner)
-            .clone();
-        Some(Box::pin(async move {
-            while state.peek_state() == zk::SessionState::SyncConnected {
-                state.changed().await;
-            }
-        }))
+        Some(session::ended(&self.inner.session))
     }
 
     fn acquire_queued(
