@@ -526,9 +526,8 @@ impl LockGuard {
     ///
     /// [`session_end`]: idem_core::LockStore::session_end
     fn watching(mut self, session: Option<BoxFuture<'static, ()>>) -> Self {
-        // Polled by a task of its own from the start (some clients' futures keep only the
-        // first waker they are polled with): a session that has ended already is heard as
-        // soon as the runtime runs that task.
+        // Polled by a task of its own: a session that has ended already is heard as soon as
+        // the runtime runs that task.
         let Some(ended) = session else {
             return self;
         };
