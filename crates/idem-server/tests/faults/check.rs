@@ -21,8 +21,9 @@ pub(crate) enum Event {
     },
     /// The nemesis struck.
     Fault { fault: String, gateway: usize },
-    /// The fault that struck last is over.
-    Healed,
+    /// The fault that struck last is over; what it reached on the way to the store (chunks
+    /// held or delayed, connections cut), for the kinds that strike there.
+    Healed { touched: u64 },
     /// What happened in a relay run (`relay.rs`).
     Relay(RelayEvent),
     /// What a burst of large answers at gateway `gateway`, its store stalled, cost it: the
@@ -102,6 +103,19 @@ impl History {
     }
 }
 
+/// What one kind of fault did in a run.
+#[derive(Debug, Default)]
+pub(crate) struct Struck {
+    /// How many times it struck.
+    pub(crate) times: usize,
+    /// Requests answered 5xx, or not in time, while it lasted or within [`AFTERMATH`] of its
+    /// end (a 409, 425 or 429 is the protocol at work, faults or not, and is not counted).
+    pub(crate) failed: usize,
+    /// What it reached on the way to the store: chunks held or delayed, connections cut, a
+    /// burst's answers kept.
+    pub(crate) touched: u64,
+}
+
 /// What a run shows.
 #[derive(Debug, Default)]
 pub(crate) struct Report {
@@ -124,9 +138,8 @@ pub(crate) struct Report {
     pub(crate) rss_growth: usize,
     /// Answers by status (0: none in time).
     pub(crate) statuses: BTreeMap<u16, usize>,
-    /// Per kind of fault: how many struck, and how many requests answered other than 2xx, or
-    /// not in time, while it lasted or within [`AFTERMATH`] of its end.
-    pub(crate) kinds: BTreeMap<String, (usize, usize)>,
+    /// Per kind of fault, what it did.
+    pub(crate) kinds: BTreeMap<String, Struck>,
     pub(crate) violations: Vec<String>,
 }
 
@@ -162,7 +175,12 @@ impl fmt::Display for Report {
         let kinds: Vec<String> = self
             .kinds
             .iter()
-            .map(|(k, (struck, hit))| format!("{k} {struck}× ({hit} requests disturbed)"))
+            .map(|(k, s)| {
+                format!(
+                    "{k} {}× ({} requests failed, {} reached at the store)",
+                    s.times, s.failed, s.touched
+                )
+            })
             .collect();
         write!(f, "; faults: {}", kinds.join(", "))?;
         if self.bursts > 0 {
@@ -213,12 +231,13 @@ pub(crate) fn check(history: &History, ledger: &Entries) -> Report {
             Event::Invoke { .. } => r.requests += 1,
             Event::Fault { fault, .. } => {
                 r.faults += 1;
-                r.kinds.entry(fault.clone()).or_default().0 += 1;
+                r.kinds.entry(fault.clone()).or_default().times += 1;
                 window = Some((fault, at, None));
             }
-            Event::Healed => {
-                if let Some((_, _, end)) = &mut window {
+            Event::Healed { touched } => {
+                if let Some((kind, _, end)) = &mut window {
                     *end = Some(at);
+                    r.kinds.entry(kind.clone()).or_default().touched += touched;
                 }
             }
             Event::Relay(_) => {}
@@ -234,6 +253,10 @@ pub(crate) fn check(history: &History, ledger: &Entries) -> Report {
                 r.bursts += 1;
                 r.kept_peak = r.kept_peak.max(kept_peak);
                 r.rss_growth = r.rss_growth.max(grown);
+                if let Some((kind, _, _)) = &window {
+                    r.kinds.entry(kind.clone()).or_default().touched +=
+                        u64::try_from(kept_peak).unwrap_or(u64::MAX);
+                }
                 // The stall outlasts the gateway's store timeout (1 s): answers on their way
                 // back find the store stalled and are kept to offer again.
                 if kept_peak == 0 {
@@ -263,9 +286,9 @@ pub(crate) fn check(history: &History, ledger: &Entries) -> Report {
                     .as_ref()
                     .filter(|(_, _, end)| end.is_none_or(|end| at <= end + AFTERMATH));
                 if let Some((kind, _, _)) = within
-                    && !(200..=299).contains(&status)
+                    && matches!(status, 0 | 500..=599)
                 {
-                    r.kinds.entry(kind.clone()).or_default().1 += 1;
+                    r.kinds.entry(kind.clone()).or_default().failed += 1;
                 }
                 if let Some((status, _, body)) = answer.as_ref().filter(|a| !expected(a.0)) {
                     r.violations
@@ -300,6 +323,17 @@ pub(crate) fn check(history: &History, ledger: &Entries) -> Report {
     r.superseded = per_key.values().map(|n| n - 1).sum();
     r.refused = ledger.refused.len();
     r.keys = per_key.len();
+    // A fault that changed nothing shows nothing about the guarantees: every kind that struck
+    // must have failed a request or reached the store's traffic.
+    for (kind, s) in &r.kinds {
+        if s.failed == 0 && s.touched == 0 {
+            r.violations.push(format!(
+                "{kind} struck {}× without effect: no request failed while it lasted, and it \
+                 reached nothing on the way to the store",
+                s.times
+            ));
+        }
+    }
     for (key, bodies) in &answers {
         let Some(first) = bodies.first() else {
             r.unknown += 1;
@@ -458,6 +492,36 @@ mod planted {
             key: key.to_owned(),
             answer: Some((201, false, body.to_owned())),
         });
+    }
+
+    /// A kind that failed no request and reached nothing at the store is flagged; one that
+    /// did either is not, nor are 409s (the protocol at work, faults or not).
+    #[test]
+    fn a_kind_that_struck_without_effect_is_flagged() {
+        let h = History::default();
+        let strike = |kind: &str, touched: u64, answer: Option<u16>| {
+            h.push(Event::Fault {
+                fault: kind.into(),
+                gateway: 0,
+            });
+            if let Some(status) = answer {
+                h.push(Event::Complete {
+                    key: "busy".into(),
+                    answer: Some((status, false, "in_progress".into())),
+                });
+            }
+            h.push(Event::Healed { touched });
+        };
+        strike("cut", 3, None);
+        strike("kill", 0, Some(503));
+        strike("jitter", 0, Some(409));
+        let r = check(&h, &ledger(&[]));
+        assert_eq!(r.violations.len(), 1, "{r}");
+        assert!(
+            r.violations[0].starts_with("jitter struck 1× without effect"),
+            "{r}"
+        );
+        assert_eq!((r.kinds["cut"].touched, r.kinds["kill"].failed), (3, 1));
     }
 
     #[test]

@@ -18,8 +18,8 @@
 //! Every operation goes to a history; the checker reads it with the ledger and reports, per
 //! key, the violations of the stated guarantees (see docs/guarantees.md).
 //!
-//! `IDEM_FAULTS_SECS` sets how long the run lasts at least (default 20; it lasts until every
-//! kind of fault has struck), `IDEM_FAULTS_STORE` the store (default a Redis of the run's own,
+//! `IDEM_FAULTS_SECS` sets how long the run lasts at least (default 20, and 60 for gateways and
+//! API servers under `CI=true`; it lasts until every kind of fault has struck), `IDEM_FAULTS_STORE` the store (default a Redis of the run's own,
 //! and for gateways, API servers, locks and the relays on RabbitMQ a Valkey 9 of the run's own
 //! too; `own-postgres`, `own-mariadb` or `own-valkey` for one of those; `sqlite` for a file; or
 //! any store URL, a server the run never restarts), `IDEM_FAULTS_HISTORY` a file to keep each
@@ -325,11 +325,23 @@ impl Schedule {
     }
 }
 
+/// How long a run lasts at least: `IDEM_FAULTS_SECS`, else 20 s.
 fn seconds() -> u64 {
+    asked_seconds().unwrap_or(20)
+}
+
+fn asked_seconds() -> Option<u64> {
     std::env::var("IDEM_FAULTS_SECS")
         .ok()
         .and_then(|s| s.parse().ok())
-        .unwrap_or(20)
+}
+
+/// How long a run of `work` lasts at least: `IDEM_FAULTS_SECS`, else, under `CI=true`, 60 s for
+/// the gateways and API servers (every kind of fault strikes several times, in several orders),
+/// else 20 s.
+fn seconds_of(work: Work) -> u64 {
+    let long = std::env::var("CI").as_deref() == Ok("true") && work != Work::Locks;
+    asked_seconds().unwrap_or(if long { 60 } else { 20 })
 }
 
 /// The faults this machine and store allow, and a note for each kind that is left out:
@@ -358,10 +370,13 @@ pub(crate) fn fault_kinds(
     (kinds, left_out)
 }
 
-/// One fault of kind `fault` at gateway `victim` (or at the store).
-fn strike(c: &mut Cluster, fault: &str, victim: usize) {
+/// One fault of kind `fault` at gateway `victim` (or at the store): what it reached on the
+/// way to the store, for the kinds that strike there (chunks held or delayed, connections
+/// cut); 0 for the others, whose effect the clients see.
+fn strike(c: &mut Cluster, fault: &str, victim: usize) -> u64 {
     // Past the lease: another gateway takes the keys the victim held over.
     let past_lease = cluster::LEASE + Duration::from_millis(800);
+    let slowed = |c: &Cluster| c.proxy(victim).slowed();
     match fault {
         "pause" => {
             let pid = c.pid(victim);
@@ -374,16 +389,23 @@ fn strike(c: &mut Cluster, fault: &str, victim: usize) {
         "clock" => c.kill_and_restart(victim, Some(cluster::LEASE + Duration::from_secs(1))),
         "kill" => c.kill_and_restart(victim, None),
         "partition" => c.partition(victim, past_lease),
-        "stall" => c.stall(victim, past_lease),
+        "stall" => {
+            let before = slowed(c);
+            c.stall(victim, past_lease);
+            return slowed(c) - before;
+        }
         "jitter" => {
+            let before = slowed(c);
             c.proxy(victim).set(proxy::Mode::Jitter(300));
             std::thread::sleep(Duration::from_secs(3));
             c.proxy(victim).set(proxy::Mode::Pass);
+            return slowed(c) - before;
         }
-        "cut" => c.proxy(victim).cut(),
+        "cut" => return c.proxy(victim).cut(),
         "store" => assert!(c.store.crash_and_restart(Duration::from_millis(500))),
         other => unreachable!("no fault {other}"),
     }
+    0
 }
 
 /// What the clients do.
@@ -594,7 +616,7 @@ fn run(work: Work, chosen: &str) {
         "nemesis seed {} (IDEM_FAULTS_SEED replays it)",
         schedule.seed
     );
-    while started.elapsed() < Duration::from_secs(seconds()) || !schedule.rounds_done() {
+    while started.elapsed() < Duration::from_secs(seconds_of(work)) || !schedule.rounds_done() {
         std::thread::sleep(Duration::from_millis(500 + schedule.dice.below(1000)));
         let victim = schedule.dice.pick(addrs.len());
         let fault = schedule.next();
@@ -602,12 +624,13 @@ fn run(work: Work, chosen: &str) {
             fault: fault.to_owned(),
             gateway: victim,
         });
-        if fault == "burst" {
+        let touched = if fault == "burst" {
             burst(&cluster, victim, &history, &burst_keys, run);
+            0
         } else {
-            strike(&mut cluster, fault, victim);
-        }
-        history.push(Event::Healed);
+            strike(&mut cluster, fault, victim)
+        };
+        history.push(Event::Healed { touched });
     }
     // Quiet: every key settles, then each is asked once more through every instance.
     stop.store(true, Ordering::Relaxed);

@@ -27,6 +27,10 @@ struct Shared {
     /// Bumped by [`Proxy::cut`]: every connection opened before it closes.
     generation: AtomicU64,
     seed: AtomicU64,
+    /// Directions of connections closed by a cut so far (two per connection).
+    severed: AtomicU64,
+    /// Chunks held or delayed so far.
+    slowed: AtomicU64,
 }
 
 pub(crate) struct Proxy {
@@ -43,6 +47,8 @@ impl Proxy {
             mode: Mutex::new(Mode::Pass),
             generation: AtomicU64::new(0),
             seed: AtomicU64::new(0x2545_f491_4f6c_dd1d),
+            severed: AtomicU64::new(0),
+            slowed: AtomicU64::new(0),
         });
         let (s, target) = (shared.clone(), target.to_owned());
         std::thread::spawn(move || {
@@ -66,9 +72,18 @@ impl Proxy {
         *self.shared.mode.lock().unwrap() = mode;
     }
 
-    /// Closes every open connection (new ones go through).
-    pub(crate) fn cut(&self) {
+    /// Closes every open connection (new ones go through): how many it closed, counted by
+    /// the connections themselves as they see the cut (within a read timeout).
+    pub(crate) fn cut(&self) -> u64 {
+        let before = self.shared.severed.load(Ordering::SeqCst);
         self.shared.generation.fetch_add(1, Ordering::SeqCst);
+        std::thread::sleep(Duration::from_millis(200));
+        (self.shared.severed.load(Ordering::SeqCst) - before).div_ceil(2)
+    }
+
+    /// How many chunks were held or delayed so far: what a stall or jitter reached.
+    pub(crate) fn slowed(&self) -> u64 {
+        self.shared.slowed.load(Ordering::SeqCst)
     }
 }
 
@@ -92,8 +107,13 @@ fn pump(mut from: TcpStream, mut to: TcpStream, s: &Shared, generation: u64) {
             }
             Err(_) => break,
         };
+        let mut slowed = false;
         loop {
             let mode = *s.mode.lock().unwrap();
+            if mode != Mode::Pass && !slowed {
+                slowed = true;
+                s.slowed.fetch_add(1, Ordering::SeqCst);
+            }
             match mode {
                 Mode::Hold => std::thread::sleep(Duration::from_millis(20)),
                 Mode::Jitter(most) => {
@@ -110,6 +130,9 @@ fn pump(mut from: TcpStream, mut to: TcpStream, s: &Shared, generation: u64) {
         if cut() || to.write_all(&buf[..n]).is_err() {
             break;
         }
+    }
+    if cut() {
+        s.severed.fetch_add(1, Ordering::SeqCst);
     }
     let _ = from.shutdown(Shutdown::Both);
     let _ = to.shutdown(Shutdown::Both);

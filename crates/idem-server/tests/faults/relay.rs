@@ -746,7 +746,9 @@ fn strike(relays: &mut Relays, store: &mut cluster::Store, fault: &str, victim: 
             relays.proxy(victim).set(Mode::Pass);
         }
         // Its store connections drop, answers in flight lost after the store did the work.
-        "cut" => relays.proxy(victim).cut(),
+        "cut" => {
+            relays.proxy(victim).cut();
+        }
         // Down long enough that a `complete` in flight fails through its retries: the
         // handled message's result is not recorded, and it must not be acked.
         "store" => assert!(store.crash_and_restart(Duration::from_millis(1500))),
