@@ -182,13 +182,18 @@ impl Supervised {
             .is_ok_and(|s| s.success())
     }
 
-    /// Sends `signal` (`STOP`, `CONT`) to the server and its children.
-    pub(crate) fn signal(&self, signal: &str) {
-        let children = std::process::Command::new("pgrep")
+    /// The server's child processes' ids, separated by white space.
+    fn children(&self) -> String {
+        std::process::Command::new("pgrep")
             .args(["-P", &self.pid])
             .output()
             .map(|o| String::from_utf8_lossy(&o.stdout).into_owned())
-            .unwrap_or_default();
+            .unwrap_or_default()
+    }
+
+    /// Sends `signal` (`STOP`, `CONT`) to the server and its children.
+    pub(crate) fn signal(&self, signal: &str) {
+        let children = self.children();
         let _ = std::process::Command::new("kill")
             .arg(format!("-{signal}"))
             .arg(&self.pid)
@@ -204,11 +209,7 @@ impl Supervised {
         if let Some(mut stdin) = self.watchdog.stdin.take() {
             let _ = stdin.write_all(b"keep\n");
         }
-        let children = std::process::Command::new("pgrep")
-            .args(["-P", &self.pid])
-            .output()
-            .map(|o| String::from_utf8_lossy(&o.stdout).into_owned())
-            .unwrap_or_default();
+        let children = self.children();
         let _ = std::process::Command::new("sh")
             .arg("-c")
             .arg(KILL_TREE)
