@@ -11,7 +11,7 @@ use idem_core::{
 use tokio::sync::watch;
 
 /// A store operation, for choosing where a [`Fault`] strikes.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum Op {
     /// `begin`
     Begin,
@@ -46,6 +46,9 @@ pub enum Op {
 pub enum Fault {
     /// The operation fails before it reaches the store: nothing changes.
     Unavailable,
+    /// The store refuses the operation with an error that retrying will not cure (not
+    /// transient): nothing changes.
+    Refused,
     /// The operation takes effect in the store, but its answer is lost: the caller sees an
     /// error (a timeout after the commit).
     LostReply,
@@ -179,6 +182,7 @@ pub struct FaultyStore<S> {
     inner: Arc<S>,
     plan: Arc<Mutex<VecDeque<(Op, Fault)>>>,
     down: Arc<AtomicBool>,
+    calls: Arc<Mutex<std::collections::HashMap<Op, usize>>>,
 }
 
 impl<S> Clone for FaultyStore<S> {
@@ -187,6 +191,7 @@ impl<S> Clone for FaultyStore<S> {
             inner: Arc::clone(&self.inner),
             plan: Arc::clone(&self.plan),
             down: Arc::clone(&self.down),
+            calls: Arc::clone(&self.calls),
         }
     }
 }
@@ -198,6 +203,7 @@ impl<S: Send + Sync + 'static> FaultyStore<S> {
             inner: Arc::new(inner),
             plan: Arc::default(),
             down: Arc::default(),
+            calls: Arc::default(),
         }
     }
 
@@ -219,12 +225,18 @@ impl<S: Send + Sync + 'static> FaultyStore<S> {
         self.down.store(down, Ordering::SeqCst);
     }
 
+    /// How many times `op` was called, failed or not.
+    pub fn calls(&self, op: Op) -> usize {
+        self.calls.lock().unwrap().get(&op).copied().unwrap_or(0)
+    }
+
     /// The wrapped store.
     pub fn inner(&self) -> &S {
         &self.inner
     }
 
     fn fault_for(&self, op: Op) -> Option<Fault> {
+        *self.calls.lock().unwrap().entry(op).or_default() += 1;
         if self.down.load(Ordering::SeqCst) {
             return Some(Fault::Unavailable);
         }
@@ -244,6 +256,11 @@ impl<S: Send + Sync + 'static> FaultyStore<S> {
         let run = run(Arc::clone(&self.inner));
         match self.fault_for(op) {
             Some(Fault::Unavailable) => Err(injected("store unavailable").into()),
+            Some(Fault::Refused) => Err(StoreError::backend(
+                "store refused the operation",
+                std::io::Error::other("injected"),
+            )
+            .into()),
             Some(Fault::LostReply) => {
                 // The effect happens; the answer does not arrive.
                 let _ = run.await;

@@ -385,3 +385,63 @@ async fn a_store_that_stalls_on_the_answer_is_waited_for_only_the_store_timeout(
     assert_eq!(replayed.body.len(), 400 << 10);
     assert_eq!(app.runs(), 1);
 }
+
+/// An answer the store refuses for good (an error retrying will not cure) is given up, not
+/// offered to it again and again: refused when the handler ends, it is never offered again;
+/// kept after failures that may pass, and refused when offered again, it is not offered a
+/// third time. The record stays in progress until its lease ends.
+#[tokio::test]
+async fn an_answer_the_store_refuses_for_good_is_not_offered_again() {
+    let store = Arc::new(FaultyStore::new(MemoryStore::new()));
+    let app = app_on(store.clone(), Policy::default());
+    store.fail_next(Op::Complete, Fault::Refused);
+    let first = app.send(post_with("/orders", "refused", "{}")).await;
+    assert_eq!(first.code(), "answer_not_stored", "{}", first.body);
+    tokio::time::sleep(Duration::from_millis(700)).await;
+    assert_eq!(
+        store.calls(Op::Complete),
+        1,
+        "offered again after a refusal"
+    );
+
+    // Three failures that may pass (the settle's own retries), then kept and offered again
+    // 100 ms on, and refused.
+    for _ in 0..3 {
+        store.fail_next(Op::Complete, Fault::Unavailable);
+    }
+    store.fail_next(Op::Complete, Fault::Refused);
+    let second = app.send(post_with("/orders", "refused-later", "{}")).await;
+    assert_eq!(second.code(), "answer_not_stored", "{}", second.body);
+    tokio::time::sleep(Duration::from_millis(1_000)).await;
+    assert_eq!(
+        store.calls(Op::Complete),
+        1 + 3 + 1,
+        "offered again after a refusal"
+    );
+}
+
+/// An answer kept for a store that is away is offered again less and less often (100 ms,
+/// doubling to 2 s): a second of outage costs the store a few reads, not a stream of them.
+#[tokio::test]
+async fn a_kept_answer_is_offered_again_with_backoff() {
+    let store = Arc::new(FaultyStore::new(MemoryStore::new()));
+    let app = app_on(store.clone(), Policy::default());
+    for _ in 0..3 {
+        store.fail_next(Op::Complete, Fault::Unavailable);
+    }
+    let reply = app.send(post_with("/orders", "backoff", "{}")).await;
+    assert_eq!(reply.code(), "answer_not_stored", "{}", reply.body);
+    store.set_down(true);
+    let before = store.calls(Op::Get);
+    tokio::time::sleep(Duration::from_millis(1_000)).await;
+    let asked = store.calls(Op::Get) - before;
+    store.set_down(false);
+    // At 100, 300 and 700 ms; a little slack for a slow machine's timers.
+    assert!((2..=5).contains(&asked), "asked {asked} times in a second");
+}
+
+/// The default budget for answers the store has not taken is the documented 64 MiB.
+#[test]
+fn the_default_budget_for_unstored_answers_is_64_mib() {
+    assert_eq!(idem_http::DEFAULT_UNSTORED_BYTES, 64 * 1024 * 1024);
+}
