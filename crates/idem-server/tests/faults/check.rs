@@ -28,7 +28,8 @@ pub(crate) enum Event {
     Relay(RelayEvent),
     /// What a burst of large answers at gateway `gateway`, its store stalled, cost it: the
     /// bytes the burst asked for, the gateway's budget for unstored answers, its resident
-    /// memory before and at most during the stall, and the most its gauge said it kept.
+    /// memory before and at most during the stall, the most its gauge said it kept, and what
+    /// the gauge still said some seconds after the store came back.
     Memory {
         gateway: usize,
         asked: usize,
@@ -36,6 +37,7 @@ pub(crate) enum Event {
         rss_before: usize,
         rss_peak: usize,
         kept_peak: usize,
+        kept_after: usize,
     },
 }
 
@@ -248,6 +250,7 @@ pub(crate) fn check(history: &History, ledger: &Entries) -> Report {
                 rss_before,
                 rss_peak,
                 kept_peak,
+                kept_after,
             } => {
                 let grown = rss_peak.saturating_sub(rss_before);
                 r.bursts += 1;
@@ -263,6 +266,12 @@ pub(crate) fn check(history: &History, ledger: &Entries) -> Report {
                     r.violations.push(format!(
                         "gateway {gateway} kept nothing for a store stalled past its store \
                          timeout"
+                    ));
+                }
+                if kept_after > 0 {
+                    r.violations.push(format!(
+                        "gateway {gateway} still counted {kept_after} bytes kept for its store \
+                         after the store came back"
                     ));
                 }
                 if kept_peak > budget {
@@ -571,25 +580,28 @@ mod planted {
     #[test]
     fn a_gateway_keeping_nothing_past_its_budget_or_growing_without_bound_is_flagged() {
         let h = History::default();
-        let burst = |kept_peak, rss_peak| Event::Memory {
+        let burst = |kept_peak, rss_peak, kept_after| Event::Memory {
             gateway: 0,
             asked: 6 << 20,
             budget: 1 << 20,
             rss_before: 40 << 20,
             rss_peak,
             kept_peak,
+            kept_after,
         };
-        h.push(burst(1 << 20, 70 << 20));
+        h.push(burst(1 << 20, 70 << 20, 0));
         let r = check(&h, &ledger(&[]));
         assert!(r.violations.is_empty(), "{r}");
-        h.push(burst((1 << 20) + 1, 70 << 20));
-        h.push(burst(1, 120 << 20));
-        h.push(burst(0, 40 << 20));
+        h.push(burst((1 << 20) + 1, 70 << 20, 0));
+        h.push(burst(1, 120 << 20, 0));
+        h.push(burst(0, 40 << 20, 0));
+        h.push(burst(1 << 20, 70 << 20, 4096));
         let r = check(&h, &ledger(&[]));
-        assert_eq!(r.violations.len(), 3, "{r}");
+        assert_eq!(r.violations.len(), 4, "{r}");
         assert!(r.violations[0].contains("past its budget"), "{r}");
         assert!(r.violations[1].contains("grew by 80 MiB"), "{r}");
         assert!(r.violations[2].contains("kept nothing"), "{r}");
+        assert!(r.violations[3].contains("still counted 4096 bytes"), "{r}");
     }
 
     fn published(history: &History, ids: &[&str]) {

@@ -95,6 +95,10 @@ const BURST: usize = 24;
 /// the ledger, past the store timeout and the lease: what the gateway keeps for the store is
 /// read from its gauge, and its memory from /proc, every 50 ms. The answers go to `history`,
 /// the keys to `burst_keys` (to be asked again at the end), what was read as `Event::Memory`.
+/// How long after its store is back a gateway may still count answers kept for it: they are
+/// offered every 100 ms doubling to 2 s.
+const KEPT_LET_GO: Duration = Duration::from_secs(10);
+
 fn burst(
     c: &Cluster,
     victim: usize,
@@ -134,6 +138,13 @@ fn burst(
     for client in clients {
         client.join().unwrap();
     }
+    // The store is back: what was kept for it is stored (or marked unknown) and let go.
+    let settled = Instant::now() + KEPT_LET_GO;
+    let mut kept_after = kept_bytes(&addr);
+    while kept_after > 0 && Instant::now() < settled {
+        std::thread::sleep(Duration::from_millis(100));
+        kept_after = kept_bytes(&addr);
+    }
     history.push(Event::Memory {
         gateway: victim,
         asked: BURST * ledger::BIG,
@@ -141,6 +152,7 @@ fn burst(
         rss_before,
         rss_peak,
         kept_peak,
+        kept_after,
     });
 }
 
