@@ -341,9 +341,10 @@ impl LockStore for ZooKeeperLocks {
         None
     }
 
-    /// Resolves once the session was replaced, or no `sync` reached the leader for as long as
-    /// the ensemble keeps a session it hears nothing from (see [`vouch`]): from then on the
-    /// ensemble may have expired it and given its nodes' locks to the next owners.
+    /// Resolves once the session was replaced, or no `sync` (sent a third of the session
+    /// apart, passed on to the leader) was answered for as long as the ensemble surely keeps a
+    /// session it hears nothing from: from then on the ensemble may have expired it and given
+    /// its nodes' locks to the next owners.
     fn session_end(&self) -> Option<idem_core::BoxFuture<'static, ()>> {
         Some(session::ended(&self.inner.session))
     }
