@@ -85,11 +85,13 @@ fn fences_rise_past_an_ended_session() {
 /// A holder whose session's lease ended (its process stopped answering for the session's
 /// length: here the lease is revoked) has lost the lock: another owner takes it with a higher
 /// fence, the old holder's renewal and release are refused, and its store goes on with a new
-/// session at its next write.
+/// session at its next write. On a server of its own: revoking every lease would end the
+/// sessions of the tests running beside it.
 #[test]
 fn a_holder_whose_session_ended_has_lost_the_lock() {
     idem_testkit::block_on(async {
-        let Some(etcd) = server() else { return };
+        let Some(etcd) = Etcd::start() else { return };
+        let etcd = &etcd;
         let old = locks_on(etcd).await;
         let name = fresh_name("revoked");
         let (a, b) = (LockOwner::random().digest(), LockOwner::random().digest());
@@ -226,12 +228,13 @@ fn a_cluster_losing_its_leader_keeps_holders_and_waiters() {
 }
 
 /// The store's session is watched: a revoked session is heard at its next keep-alive, and one
-/// whose keep-alives stopped being answered when the cluster may drop it, without waiting for
-/// a holding's renewal, so a holder can stop before its keys are gone for good.
+/// whose keep-alives stopped being answered (the server stopped, SIGSTOP) when the cluster may
+/// drop it, without waiting for a holding's renewal, so a holder can stop before its keys are
+/// gone for good.
 #[test]
 fn a_session_end_is_heard_without_a_renewal() {
     idem_testkit::block_on(async {
-        let Some(mut etcd) = Etcd::start() else {
+        let Some(etcd) = Etcd::start() else {
             return;
         };
         let options = EtcdOptions::default().session_ttl(Duration::from_secs(3));
@@ -265,9 +268,9 @@ fn a_session_end_is_heard_without_a_renewal() {
         let Acquire::Acquired(_) = locks.acquire(&name, who, lease).await.unwrap() else {
             panic!("the lock of a revoked session is free");
         };
-        etcd.kill(0);
-        tokio::time::timeout(Duration::from_secs(5), ended)
-            .await
-            .expect("a session unanswered for its 3 s is given up");
+        etcd.pause(0);
+        let heard = tokio::time::timeout(Duration::from_secs(5), ended).await;
+        etcd.resume(0);
+        heard.expect("a session unanswered for its 3 s is given up");
     });
 }

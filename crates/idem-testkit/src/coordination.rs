@@ -410,6 +410,21 @@ impl Etcd {
         self.members[i].stop();
     }
 
+    /// Stops member `i` (SIGSTOP): its connections stay open and nothing is answered, as
+    /// with a member cut off by the network, until [`resume`](Self::resume).
+    pub fn pause(&self, i: usize) {
+        if let Some(running) = &self.members[i].running {
+            running.signal("STOP");
+        }
+    }
+
+    /// Lets member `i` run again after [`pause`](Self::pause).
+    pub fn resume(&self, i: usize) {
+        if let Some(running) = &self.members[i].running {
+            running.signal("CONT");
+        }
+    }
+
     /// Starts member `i` again on its ports with its data, and waits until it serves.
     pub fn restart(&mut self, i: usize) {
         self.members[i].stop();
