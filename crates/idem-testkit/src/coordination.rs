@@ -34,6 +34,12 @@ impl Member {
             running.kill();
         }
     }
+
+    fn signal(&self, signal: &str) {
+        if let Some(running) = &self.running {
+            running.signal(signal);
+        }
+    }
 }
 
 impl Drop for Member {
@@ -199,16 +205,12 @@ impl ZooKeeper {
     /// Stops member `i` (SIGSTOP): its connections stay open and nothing is answered, as
     /// with a member cut off by the network, until [`resume`](Self::resume).
     pub fn pause(&self, i: usize) {
-        if let Some(running) = &self.members[i].running {
-            running.signal("STOP");
-        }
+        self.members[i].signal("STOP");
     }
 
     /// Lets member `i` run again after [`pause`](Self::pause).
     pub fn resume(&self, i: usize) {
-        if let Some(running) = &self.members[i].running {
-            running.signal("CONT");
-        }
+        self.members[i].signal("CONT");
     }
 
     /// Starts member `i` again on its port with its data, and waits until it serves.
@@ -413,16 +415,12 @@ impl Etcd {
     /// Stops member `i` (SIGSTOP): its connections stay open and nothing is answered, as
     /// with a member cut off by the network, until [`resume`](Self::resume).
     pub fn pause(&self, i: usize) {
-        if let Some(running) = &self.members[i].running {
-            running.signal("STOP");
-        }
+        self.members[i].signal("STOP");
     }
 
     /// Lets member `i` run again after [`pause`](Self::pause).
     pub fn resume(&self, i: usize) {
-        if let Some(running) = &self.members[i].running {
-            running.signal("CONT");
-        }
+        self.members[i].signal("CONT");
     }
 
     /// Starts member `i` again on its ports with its data, and waits until it serves.
