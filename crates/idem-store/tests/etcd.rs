@@ -124,7 +124,7 @@ fn a_holder_whose_session_ended_has_lost_the_lock() {
 }
 
 /// A waiting acquire dropped while its request to take a free lock is on its way takes the
-/// holding back: another owner gets the lock at once, not after the dropped one's lease (a
+/// holding back: another owner gets the lock within seconds, not after the dropped one's lease (a
 /// minute). The drop comes after 0 to 3 ms, across the round trip.
 #[test]
 fn a_waiting_acquire_dropped_mid_take_leaves_the_lock_free() {
@@ -144,14 +144,20 @@ fn a_waiting_acquire_dropped_mid_take_leaves_the_lock_free() {
                 };
                 locks.release(&name, who, held.fence).await.unwrap();
             }
-            // The key taken back in the background.
-            tokio::time::sleep(Duration::from_millis(300)).await;
+            // The key taken back in the background: the lock is free well within the dropped
+            // one's lease, however loaded the machine.
             let other = LockOwner::random().digest();
+            let free = tokio::time::timeout(Duration::from_secs(10), async {
+                loop {
+                    if let Acquire::Acquired(_) = locks.acquire(&name, other, long).await.unwrap() {
+                        return;
+                    }
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                }
+            })
+            .await;
             assert!(
-                matches!(
-                    locks.acquire(&name, other, long).await.unwrap(),
-                    Acquire::Acquired(_)
-                ),
+                free.is_ok(),
                 "round {round}: the dropped acquire still holds the lock"
             );
         }

@@ -282,6 +282,16 @@ impl<'a> Lock<'a> {
         }
     }
 
+    /// A [`Place`] for `key` (none: nothing to take back), written with the session now open.
+    fn place(&self, key: Option<Vec<u8>>) -> Place {
+        Place {
+            client: self.client(),
+            key,
+            released: encode(State::Released, 0, self.name),
+            session: self.locks.session(),
+        }
+    }
+
     fn holding_key(&self, fence: u64) -> (Vec<u8>, u64) {
         (format!("{}{}", self.parent, self.owner).into_bytes(), fence)
     }
@@ -342,10 +352,7 @@ impl<'a> Lock<'a> {
         };
         // A new key is taken back if this call is dropped, or fails, before it answers: the
         // holding it may have made is nobody's.
-        let mut place = Place {
-            client: self.client(),
-            key: fence.is_none().then(|| key.clone()),
-        };
+        let mut place = self.place(fence.is_none().then(|| key.clone()));
         let outcome = self.txn(when, then).await.map_err(NotTaken::Failed)?;
         place.keep();
         match outcome {
@@ -575,16 +582,16 @@ impl<'a> Lock<'a> {
             Write::Put(key.clone(), State::Waiting, waiting),
             Write::List,
         ];
-        let place = Place {
-            client: self.client(),
-            key: Some(key.clone()),
-        };
+        let place = self.place(Some(key.clone()));
+        // The key is new: only a call dropped before this request arrived has written it (its
+        // place marked released), and then nothing is put.
+        let new = Compare::create_revision(key.clone(), CompareOp::Equal, 0);
         let Outcome::Done {
             revision,
             mut answers,
-        } = self.txn(Vec::new(), then).await?
+        } = self.txn(vec![new], then).await?
         else {
-            unreachable!("a transaction that compares nothing goes through");
+            return Err(changing());
         };
         self.locks.inner.seen.insert((key.clone(), revision), sent);
         let Some(etcd::TxnOpResponse::Get(get)) = answers.pop() else {
@@ -810,11 +817,22 @@ struct Joined {
     place: Place,
 }
 
-/// A key that is deleted unless kept: the place (or holding) of a call that may be dropped
+/// A key that is taken back unless kept: the place (or holding) of a call that may be dropped
 /// before it answers.
+///
+/// Dropped, it is marked released (in the background) rather than deleted. The dropped call's
+/// request may still reach the cluster after the cleanup does: a delete that came first would
+/// delete nothing and leave the late request's key alive until its time ran out, holding the
+/// lock or a place ahead of every waiter. A released key written first makes the late request
+/// fail its comparison (a take compares the queue unchanged, a join its key new), and a released
+/// key is dead to everyone, deleted by the next take.
 struct Place {
     client: etcd::Client,
     key: Option<Vec<u8>>,
+    /// The key's value once released.
+    released: Vec<u8>,
+    /// The session the key was written with.
+    session: i64,
 }
 
 impl Place {
@@ -827,6 +845,28 @@ impl Place {
         if let Some(key) = self.key.clone() {
             delete_key(self.client.clone(), key).await;
             self.key = None;
+        }
+    }
+}
+
+/// Marks `key` released (see [`Place`]), trying again for a few seconds while the cluster does
+/// not answer.
+async fn release_key(mut client: etcd::Client, key: Vec<u8>, released: Vec<u8>, session: i64) {
+    let mut pause = Duration::from_millis(50);
+    for _ in 0..6 {
+        let options = PutOptions::new().with_lease(session);
+        match client
+            .put(key.clone(), released.clone(), Some(options))
+            .await
+        {
+            // The session ended: its keys went with it. A key written under a newer one (the
+            // dropped call had moved to it) is deleted.
+            Err(e) if lease_gone(&e) => return delete_key(client, key).await,
+            Err(e) if super::transient(&e) => {
+                tokio::time::sleep(pause).await;
+                pause *= 2;
+            }
+            _ => return,
         }
     }
 }
@@ -854,7 +894,13 @@ impl Drop for Place {
         };
         // Outside a runtime the key lives until its wait runs out or the session ends.
         if let Ok(runtime) = tokio::runtime::Handle::try_current() {
-            runtime.spawn(delete_key(self.client.clone(), key));
+            let released = std::mem::take(&mut self.released);
+            runtime.spawn(release_key(
+                self.client.clone(),
+                key,
+                released,
+                self.session,
+            ));
         }
     }
 }
