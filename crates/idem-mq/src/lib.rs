@@ -17,14 +17,22 @@ mod consumer;
 mod error;
 #[cfg(any(feature = "postgres", feature = "mysql"))]
 pub mod inbox;
+#[cfg(feature = "kafka")]
+pub mod kafka;
 pub mod key;
 pub mod memory;
 #[cfg(feature = "nats")]
 pub mod nats;
+pub mod offsets;
 #[cfg(feature = "redis-streams")]
 pub mod redis_streams;
 pub mod source;
-#[cfg(any(feature = "amqp", feature = "nats", feature = "redis-streams"))]
+#[cfg(any(
+    feature = "amqp",
+    feature = "nats",
+    feature = "redis-streams",
+    feature = "kafka"
+))]
 mod text;
 
 pub use consumer::{

@@ -14,7 +14,7 @@ pub(crate) fn cut(text: &str, max: usize) -> &str {
 
 /// `text` on one line (each control character a space, so that no line break ends a header
 /// early), cut to at most `max` bytes at a character boundary.
-#[cfg(any(feature = "nats", feature = "redis-streams"))]
+#[cfg(any(feature = "nats", feature = "redis-streams", feature = "kafka"))]
 pub(crate) fn one_line(text: &str, max: usize) -> String {
     let line: String = text
         .chars()

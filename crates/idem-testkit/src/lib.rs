@@ -21,6 +21,7 @@ pub mod chaos;
 pub mod conformance;
 pub mod coordination;
 mod faulty;
+pub mod kafka;
 #[cfg(feature = "load")]
 pub mod load;
 pub mod locks;
