@@ -1,6 +1,7 @@
 //! Models of idem's protocols, checked exhaustively with [`stateright`]: one key's record
 //! ([`record`]), a distributed lock with fences ([`lock`]), and a message's way from the broker
-//! through a consumer and back ([`delivery`]).
+//! through a consumer and back ([`delivery`]), and Kafka's offset rule over a group that
+//! rebalances ([`kafka`]).
 //!
 //! The model is a key's record in a store, several clients that retry one request against it
 //! (begin, a write to a fenced resource, a step, complete, release, crash at any point, pause
@@ -24,6 +25,7 @@
 //! promise.
 
 pub mod delivery;
+pub mod kafka;
 pub mod linearizable;
 pub mod lock;
 pub mod lock_spec;
