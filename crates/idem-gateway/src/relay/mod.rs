@@ -302,6 +302,15 @@ pub enum Broker {
         /// How long an entry stays pending without progress before another relay claims it.
         claim_idle: Duration,
     },
+    /// A Kafka consumer group on a topic (`kafka://host:port[,host:port…]`).
+    Kafka {
+        /// The bootstrap brokers, `host:port,…`.
+        brokers: String,
+        /// The topic.
+        topic: String,
+        /// The consumer group.
+        group: String,
+    },
 }
 
 /// What `--from` is read with: the flags that name what to consume.
@@ -315,8 +324,10 @@ pub struct Names<'a> {
     pub consumer: Option<&'a str>,
     /// `--subject` (NATS).
     pub subject: Option<&'a str>,
-    /// `--group` (Redis).
+    /// `--group` (Redis, Kafka).
     pub group: Option<&'a str>,
+    /// `--topic` (Kafka).
+    pub topic: Option<&'a str>,
 }
 
 /// The relay's durable consumer (NATS) or consumer group (Redis) unless named.
@@ -334,6 +345,7 @@ impl Broker {
                 ("--consumer", names.consumer),
                 ("--subject", names.subject),
                 ("--group", names.group),
+                ("--topic", names.topic),
             ];
             match given
                 .iter()
@@ -376,9 +388,28 @@ impl Broker {
                     claim_idle: Duration::from_secs(120),
                 })
             }
+            "kafka" if !cfg!(feature = "kafka") => {
+                Err("this idem was built without Kafka (build it with --features kafka)".to_owned())
+            }
+            "kafka" => {
+                let topic = names.topic.ok_or("--from kafka://… needs --topic NAME")?;
+                only(&["--topic", "--group"], scheme)?;
+                let brokers = url["kafka://".len()..].trim_end_matches('/');
+                if brokers.is_empty() || brokers.contains(['@', '/', '?']) {
+                    return Err(format!(
+                        "--from kafka:// takes host:port[,host:port…] and nothing else, not {:?}",
+                        idem_store::redact(url)
+                    ));
+                }
+                Ok(Broker::Kafka {
+                    brokers: brokers.to_owned(),
+                    topic: topic.to_owned(),
+                    group: names.group.unwrap_or(DEFAULT_CONSUMER).to_owned(),
+                })
+            }
             _ => Err(format!(
-                "--from must be an amqp://, amqps://, nats://, redis:// or redis+cluster:// \
-                 URL, not {:?}",
+                "--from must be an amqp://, amqps://, nats://, redis://, redis+cluster:// or \
+                 kafka:// URL, not {:?}",
                 idem_store::redact(url)
             )),
         }
@@ -410,6 +441,11 @@ impl Broker {
             Broker::Redis {
                 url, stream, group, ..
             } => format!("{} stream {stream} group {group}", idem_store::redact(url)),
+            Broker::Kafka {
+                brokers,
+                topic,
+                group,
+            } => format!("kafka://{brokers} topic {topic} group {group}"),
         }
     }
 
@@ -466,6 +502,22 @@ impl Broker {
                 let source = builder.connect(url).await?;
                 consumer.run(source, relay, shutdown).await
             }
+            #[cfg(feature = "kafka")]
+            Broker::Kafka {
+                brokers,
+                topic,
+                group,
+            } => {
+                let source = idem_mq::kafka::KafkaSource::builder(brokers, group, topic)
+                    .max_held(usize::from(prefetch))
+                    .connect()
+                    .await?;
+                consumer.run(source, relay, shutdown).await
+            }
+            #[cfg(not(feature = "kafka"))]
+            Broker::Kafka { .. } => Err(idem_mq::MqError::Config(
+                "this idem was built without Kafka (build it with --features kafka)".to_owned(),
+            )),
         }
     }
 }
@@ -530,5 +582,26 @@ mod tests {
         );
         let err = Broker::parse("kafka://u:pw@h", queue("q")).unwrap_err();
         assert!(!err.contains("pw"), "{err}");
+        #[cfg(feature = "kafka")]
+        {
+            let topic = |t| Names {
+                topic: Some(t),
+                ..Names::default()
+            };
+            let kafka = Broker::parse("kafka://127.0.0.1:9092,h2:9093/", topic("orders"))
+                .unwrap_or_else(|e| panic!("{e}"));
+            assert!(matches!(
+                kafka,
+                Broker::Kafka { ref brokers, ref group, ref topic }
+                    if brokers == "127.0.0.1:9092,h2:9093" && group == "idem-relay" && topic == "orders"
+            ));
+            assert!(Broker::parse("kafka://h:9092", Names::default()).is_err());
+            assert!(
+                Broker::parse("kafka://h:9092", with(topic("t"), |n| n.stream = Some("s")))
+                    .is_err()
+            );
+            let err = Broker::parse("kafka://u:pw@h:9092", topic("t")).unwrap_err();
+            assert!(!err.contains("pw"), "{err}");
+        }
     }
 }

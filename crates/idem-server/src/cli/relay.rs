@@ -15,7 +15,8 @@ use super::{open_store, with_causes};
 #[derive(clap::Args)]
 pub(crate) struct RelayArgs {
     /// The broker: amqp://user:password@host:5672/vhost (RabbitMQ), nats://host:4222 (NATS
-    /// JetStream), redis://host:6379 or redis+cluster://host:port,host:port (Redis Streams).
+    /// JetStream), redis://host:6379 or redis+cluster://host:port,host:port (Redis Streams),
+    /// kafka://host:9092[,host:port…] (Kafka, in a build with the kafka feature).
     #[arg(long, env = "IDEM_RELAY_FROM", value_name = "URL")]
     from: String,
 
@@ -35,8 +36,9 @@ pub(crate) struct RelayArgs {
     #[arg(long, env = "IDEM_RELAY_CONSUMER", value_name = "NAME")]
     consumer: Option<String>,
 
-    /// The Redis stream's consumer group (created if missing, reading from the stream's first
-    /// entry) [default: idem-relay].
+    /// The consumer group: a Redis stream's (created if missing, reading from the stream's
+    /// first entry), or Kafka's (a new group starts at the topic's first record)
+    /// [default: idem-relay].
     #[arg(long, env = "IDEM_RELAY_GROUP", value_name = "NAME")]
     group: Option<String>,
 
@@ -44,6 +46,10 @@ pub(crate) struct RelayArgs {
     /// consumer the relay creates.
     #[arg(long, env = "IDEM_RELAY_SUBJECT", value_name = "SUBJECT")]
     subject: Option<String>,
+
+    /// The Kafka topic to consume. Dead letters are produced to TOPIC.dead.
+    #[arg(long, env = "IDEM_RELAY_TOPIC", value_name = "NAME")]
+    topic: Option<String>,
 
     /// Where each message is POSTed: an http:// URL.
     #[arg(long, env = "IDEM_RELAY_TO", value_name = "URL")]
@@ -64,7 +70,7 @@ pub(crate) struct RelayArgs {
     key_json: Option<String>,
 
     /// The records' namespace [default: the broker's kind and names, each escaped:
-    /// amqp:QUEUE, nats:STREAM:CONSUMER or redis:STREAM:GROUP]. Relays given one namespace
+    /// amqp:QUEUE, nats:STREAM:CONSUMER, redis:STREAM:GROUP or kafka:GROUP:TOPIC]. Relays given one namespace
     /// share records.
     #[arg(long)]
     namespace: Option<String>,
@@ -141,6 +147,7 @@ pub(crate) async fn relay(args: RelayArgs) -> Result<(), String> {
             consumer: args.consumer.as_deref(),
             subject: args.subject.as_deref(),
             group: args.group.as_deref(),
+            topic: args.topic.as_deref(),
         },
     )?
     .with_lease(args.lease);
