@@ -28,6 +28,7 @@ chapters! {
     TypeScript = "docs/guide/typescript.md";
     AdminPage = "docs/guide/admin-page.md";
     Consumers = "docs/guide/consumers.md";
+    Kafka = "docs/guide/kafka.md";
     Relay = "docs/guide/relay.md";
     Client = "docs/guide/client.md";
     Guards = "docs/guide/guards.md";
