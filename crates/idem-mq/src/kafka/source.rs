@@ -93,9 +93,7 @@ impl KafkaSourceBuilder {
 
     fn client_config(&self) -> ClientConfig {
         let mut config = ClientConfig::new();
-        config
-            .set("bootstrap.servers", &self.brokers)
-            .set("queued.max.messages.kbytes", "16384");
+        config.set("bootstrap.servers", &self.brokers);
         for (k, v) in &self.config {
             config.set(k, v);
         }
@@ -116,8 +114,14 @@ impl KafkaSourceBuilder {
             .set("group.id", &self.group)
             .set("enable.auto.commit", "false")
             .set("enable.auto.offset.store", "false");
-        if !self.config.iter().any(|(k, _)| k == "auto.offset.reset") {
-            config.set("auto.offset.reset", "earliest");
+        for (key, value) in [
+            ("auto.offset.reset", "earliest"),
+            // librdkafka's prefetch queue per partition (its default is 64 MiB).
+            ("queued.max.messages.kbytes", "16384"),
+        ] {
+            if !self.config.iter().any(|(k, _)| k == key) {
+                config.set(key, value);
+            }
         }
         let context = Context { book: book.clone() };
         let consumer: StreamConsumer<Context> = config
