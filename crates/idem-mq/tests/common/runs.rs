@@ -28,6 +28,25 @@ pub(crate) fn timed_handler(runs: &Arc<Runs>, takes: Duration) -> impl Fn(Messag
     }
 }
 
+/// A handler that records each run in `runs` and fails by payload: `poison` for good
+/// ("malformed order"), `flaky` every time (retryable), `once` on its first run only;
+/// anything else succeeds.
+pub(crate) fn failing_handler(runs: &Arc<Runs>) -> impl Fn(Message) -> Run + use<> {
+    let runs = Arc::clone(runs);
+    move |msg: Message| {
+        let runs = Arc::clone(&runs);
+        Box::pin(async move {
+            let _run = runs.start(msg.message_id.as_deref().unwrap_or(""));
+            match &msg.payload[..] {
+                b"poison" => Err(Failure::Permanent("malformed order".to_owned())),
+                b"flaky" => Err(Failure::Retry("database down".to_owned())),
+                b"once" if msg.attempt == 1 => Err(Failure::Retry("blip".to_owned())),
+                _ => Ok(()),
+            }
+        })
+    }
+}
+
 pub(crate) fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|e| e.into_inner())
 }

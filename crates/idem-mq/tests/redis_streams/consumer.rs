@@ -5,8 +5,8 @@ use std::sync::Arc;
 use super::*;
 use crate::runs::*;
 use idem::RedisStore;
+use idem_mq::Consumer;
 use idem_mq::redis_streams::{DETAIL_FIELD, REASON_FIELD};
-use idem_mq::{Consumer, Failure, Message};
 use idem_testkit::{Op, PATIENCE};
 
 async fn store(url: &str) -> RedisStore {
@@ -111,22 +111,7 @@ async fn failures_are_retried_then_dead_lettered_with_their_reason() {
         .max_attempts(3)
         .backoff(Duration::from_millis(50), Duration::from_millis(200));
     let runs = Arc::new(Runs::default());
-    let handler = {
-        let runs = Arc::clone(&runs);
-        move |msg: Message| {
-            let runs = Arc::clone(&runs);
-            async move {
-                let id = msg.message_id.clone().unwrap_or_default();
-                let _run = runs.start(&id);
-                match &msg.payload[..] {
-                    b"poison" => Err(Failure::Permanent("malformed order".to_owned())),
-                    b"flaky" => Err(Failure::Retry("database down".to_owned())),
-                    b"once" if msg.attempt == 1 => Err(Failure::Retry("blip".to_owned())),
-                    _ => Ok(()),
-                }
-            }
-        }
-    };
+    let handler = failing_handler(&runs);
     let (stop, shutdown) = shutdown_switch();
     let run = tokio::spawn({
         let consumer = consumer.clone();
