@@ -310,6 +310,8 @@ pub enum Broker {
         topic: String,
         /// The consumer group.
         group: String,
+        /// librdkafka properties (`--kafka-config KEY=VALUE`): TLS, SASL, timeouts.
+        config: Vec<(String, String)>,
     },
 }
 
@@ -405,6 +407,7 @@ impl Broker {
                     brokers: brokers.to_owned(),
                     topic: topic.to_owned(),
                     group: names.group.unwrap_or(DEFAULT_CONSUMER).to_owned(),
+                    config: Vec::new(),
                 })
             }
             _ => Err(format!(
@@ -423,6 +426,26 @@ impl Broker {
             *claim_idle = lease.saturating_mul(2);
         }
         self
+    }
+
+    /// Sets librdkafka properties of a Kafka source, each `KEY=VALUE` (`security.protocol=SSL`,
+    /// `session.timeout.ms=10000`); refused for another broker, or when one is not `KEY=VALUE`.
+    pub fn with_kafka_config(mut self, properties: &[String]) -> Result<Self, String> {
+        if properties.is_empty() {
+            return Ok(self);
+        }
+        let Broker::Kafka { config, .. } = &mut self else {
+            return Err("--kafka-config is for --from kafka:// only".to_owned());
+        };
+        for property in properties {
+            let Some((key, value)) = property.split_once('=') else {
+                return Err(format!(
+                    "--kafka-config takes KEY=VALUE (a librdkafka property), not {property:?}"
+                ));
+            };
+            config.push((key.trim().to_owned(), value.trim().to_owned()));
+        }
+        Ok(self)
     }
 
     /// The broker's URL with any password hidden, for messages.
@@ -445,6 +468,7 @@ impl Broker {
                 brokers,
                 topic,
                 group,
+                ..
             } => format!("kafka://{brokers} topic {topic} group {group}"),
         }
     }
@@ -507,11 +531,14 @@ impl Broker {
                 brokers,
                 topic,
                 group,
+                config,
             } => {
-                let source = idem_mq::kafka::KafkaSource::builder(brokers, group, topic)
-                    .max_held(usize::from(prefetch))
-                    .connect()
-                    .await?;
+                let mut builder = idem_mq::kafka::KafkaSource::builder(brokers, group, topic)
+                    .max_held(usize::from(prefetch));
+                for (key, value) in config {
+                    builder = builder.set(key, value);
+                }
+                let source = builder.connect().await?;
                 consumer.run(source, relay, shutdown).await
             }
             #[cfg(not(feature = "kafka"))]
@@ -592,7 +619,7 @@ mod tests {
                 .unwrap_or_else(|e| panic!("{e}"));
             assert!(matches!(
                 kafka,
-                Broker::Kafka { ref brokers, ref group, ref topic }
+                Broker::Kafka { ref brokers, ref group, ref topic, .. }
                     if brokers == "127.0.0.1:9092,h2:9093" && group == "idem-relay" && topic == "orders"
             ));
             assert!(Broker::parse("kafka://h:9092", Names::default()).is_err());

@@ -51,6 +51,11 @@ pub(crate) struct RelayArgs {
     #[arg(long, env = "IDEM_RELAY_TOPIC", value_name = "NAME")]
     topic: Option<String>,
 
+    /// A librdkafka property of the Kafka consumer, as KEY=VALUE (repeatable):
+    /// security.protocol=SASL_SSL, sasl.mechanism=…, session.timeout.ms=10000.
+    #[arg(long, value_name = "KEY=VALUE")]
+    kafka_config: Vec<String>,
+
     /// Where each message is POSTed: an http:// URL.
     #[arg(long, env = "IDEM_RELAY_TO", value_name = "URL")]
     to: String,
@@ -150,7 +155,8 @@ pub(crate) async fn relay(args: RelayArgs) -> Result<(), String> {
             topic: args.topic.as_deref(),
         },
     )?
-    .with_lease(args.lease);
+    .with_lease(args.lease)
+    .with_kafka_config(&args.kafka_config)?;
     let mut target = relay::Target::parse(&args.to)?
         .timeout(args.timeout)
         .ack_4xx(args.ack_4xx && !args.dead_letter_4xx)
