@@ -287,8 +287,9 @@ impl<'a> Lock<'a> {
         Place {
             client: self.client(),
             key,
-            released: encode(State::Released, 0, self.name),
-            session: self.locks.session(),
+            // Released now, as a release writes it: swept an hour from now, not at once.
+            released: encode(State::Released, Timestamp::now().as_millis(), self.name),
+            locks: self.locks.clone(),
         }
     }
 
@@ -831,8 +832,8 @@ struct Place {
     key: Option<Vec<u8>>,
     /// The key's value once released.
     released: Vec<u8>,
-    /// The session the key was written with.
-    session: i64,
+    /// The store, for its session when the key is marked.
+    locks: EtcdLocks,
 }
 
 impl Place {
@@ -849,20 +850,18 @@ impl Place {
     }
 }
 
-/// Marks `key` released (see [`Place`]), trying again for a few seconds while the cluster does
-/// not answer.
-async fn release_key(mut client: etcd::Client, key: Vec<u8>, released: Vec<u8>, session: i64) {
+/// Marks `key` released (see [`Place`]), with the store's session, trying again for a few
+/// seconds while the cluster does not answer or a session is being opened again. Never a plain
+/// delete: that could reach the cluster before the dropped request, and leave its key alive.
+async fn release_key(mut client: etcd::Client, key: Vec<u8>, released: Vec<u8>, locks: EtcdLocks) {
     let mut pause = Duration::from_millis(50);
-    for _ in 0..6 {
-        let options = PutOptions::new().with_lease(session);
+    for _ in 0..8 {
+        let options = PutOptions::new().with_lease(locks.session());
         match client
             .put(key.clone(), released.clone(), Some(options))
             .await
         {
-            // The session ended: its keys went with it. A key written under a newer one (the
-            // dropped call had moved to it) is deleted.
-            Err(e) if lease_gone(&e) => return delete_key(client, key).await,
-            Err(e) if super::transient(&e) => {
+            Err(e) if lease_gone(&e) || super::transient(&e) => {
                 tokio::time::sleep(pause).await;
                 pause *= 2;
             }
@@ -899,7 +898,7 @@ impl Drop for Place {
                 self.client.clone(),
                 key,
                 released,
-                self.session,
+                self.locks.clone(),
             ));
         }
     }
