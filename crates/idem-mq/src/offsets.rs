@@ -196,11 +196,17 @@ impl<R> Book<R> {
     }
 
     /// Partition `tp` is no longer this source's: what it held is dropped (the next owner
-    /// fetches it again from the commit position), and the position to commit, if it moved
-    /// since the last commit, is returned.
+    /// fetches it again from the commit position), and the position to commit is returned,
+    /// whether or not it was committed before: a commit sent on the timer may not have
+    /// reached the broker, and committing one position twice is harmless.
     pub fn revoke(&mut self, tp: &Tp) -> Option<i64> {
-        let part = self.parts.remove(tp)?;
-        part.done_below.filter(|&at| Some(at) != part.committed)
+        self.parts.remove(tp)?.done_below
+    }
+
+    /// Every partition dropped, nothing to commit: the group's assignment failed, and this
+    /// member may own none of them.
+    pub fn revoke_all(&mut self) {
+        self.parts.clear();
     }
 
     /// The partitions assigned.
@@ -495,7 +501,11 @@ mod tests {
         book.assign(tp(0));
         book.push(&tp(0), 0, None, ());
         let old = ready(&mut book, now);
-        assert_eq!(book.revoke(&tp(0)), None, "nothing done: nothing to commit");
+        assert_eq!(
+            book.revoke(&tp(0)),
+            Some(0),
+            "nothing done: the position it started at"
+        );
         book.assign(tp(0));
         book.push(&tp(0), 0, None, ());
         assert!(!book.settle(&tp(0), old.generation, 0, Settled::Done));

@@ -1,5 +1,6 @@
 //! The source: its builder, the group membership, fetching and committing.
 
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
@@ -123,7 +124,11 @@ impl KafkaSourceBuilder {
                 config.set(key, value);
             }
         }
-        let context = Context { book: book.clone() };
+        let closed = Arc::new(AtomicBool::new(false));
+        let context = Context {
+            book: book.clone(),
+            closed: closed.clone(),
+        };
         let consumer: StreamConsumer<Context> = config
             .create_with_context(context)
             .map_err(|e| MqError::broker("the Kafka consumer's settings are not valid", e))?;
@@ -158,6 +163,7 @@ impl KafkaSourceBuilder {
             book,
             wake: Notify::new(),
             producer,
+            closed,
             dead_letter: self.dead_letter,
             group: self.group.clone(),
             max_requeue_delay: self.max_requeue_delay,
@@ -274,9 +280,7 @@ impl Source for KafkaSource {
             let take = {
                 let mut book = self.shared.book();
                 let take = book.take(Instant::now());
-                let flow = book.flow();
-                drop(book);
-                self.shared.flow(flow);
+                self.shared.flow(&mut book);
                 take
             };
             let due = match take {
@@ -305,11 +309,14 @@ impl Source for KafkaSource {
 
     async fn close(&mut self) {
         self.closed = true;
-        // Nothing more is fetched; what was held and not handed out is left for whoever
-        // reads the partitions next (it is not committed). Records still running settle and
-        // are committed until the source is dropped.
-        let assigned: Vec<Tp> = self.shared.book().assigned().cloned().collect();
-        self.shared.flow((assigned, Vec::new()));
+        // Nothing more is fetched (partitions assigned from now on are paused too); what was
+        // held and not handed out is left for whoever reads the partitions next (it is not
+        // committed). Records still running settle and are committed until the source is
+        // dropped.
+        self.shared.closed.store(true, Ordering::Relaxed);
+        let book = self.shared.book();
+        let assigned: Vec<Tp> = book.assigned().cloned().collect();
+        pause_or_resume(&self.shared.consumer, &assigned, true);
     }
 }
 
@@ -318,6 +325,8 @@ pub(crate) struct Shared {
     consumer: Arc<StreamConsumer<Context>>,
     book: Arc<Mutex<Book<Record>>>,
     wake: Notify,
+    /// Set at close: nothing more is fetched.
+    closed: Arc<AtomicBool>,
     producer: Option<FutureProducer>,
     pub(super) dead_letter: DeadLetterTarget,
     pub(super) group: String,
@@ -343,24 +352,14 @@ impl Shared {
         self.wake.notify_one();
     }
 
-    /// Pauses and resumes partitions as the book asks.
-    fn flow(&self, (pause, resume): (Vec<Tp>, Vec<Tp>)) {
-        for (list, paused) in [(pause, true), (resume, false)] {
-            if list.is_empty() {
-                continue;
-            }
-            let mut tpl = TopicPartitionList::new();
-            for (topic, partition) in &list {
-                tpl.add_partition(topic, *partition);
-            }
-            let done = if paused {
-                self.consumer.pause(&tpl)
-            } else {
-                self.consumer.resume(&tpl)
-            };
-            if let Err(e) = done {
-                tracing::warn!(error = %e, paused, "cannot pause or resume partitions");
-            }
+    /// Pauses and resumes partitions as the book asks. Called with the book locked, so that
+    /// what librdkafka is told follows the book's own order, and never lands on a later
+    /// assignment of a partition (rebalances take the lock too).
+    fn flow(&self, book: &mut Book<Record>) {
+        let (pause, resume) = book.flow();
+        pause_or_resume(&self.consumer, &pause, true);
+        if !self.closed.load(Ordering::Relaxed) {
+            pause_or_resume(&self.consumer, &resume, false);
         }
     }
 
@@ -378,6 +377,29 @@ impl Shared {
             }
             MqError::broker("cannot commit the offsets", e)
         })
+    }
+}
+
+/// Pauses (or resumes) fetching from `partitions`; librdkafka only queues the change.
+fn pause_or_resume<C: ConsumerContext>(
+    consumer: &StreamConsumer<C>,
+    partitions: &[Tp],
+    pause: bool,
+) {
+    if partitions.is_empty() {
+        return;
+    }
+    let mut tpl = TopicPartitionList::new();
+    for (topic, partition) in partitions {
+        tpl.add_partition(topic, *partition);
+    }
+    let done = if pause {
+        consumer.pause(&tpl)
+    } else {
+        consumer.resume(&tpl)
+    };
+    if let Err(e) = done {
+        tracing::warn!(error = %e, pause, "cannot pause or resume partitions");
     }
 }
 
@@ -403,13 +425,12 @@ async fn fetch(shared: Arc<Shared>, errors: mpsc::Sender<MqError>, every: Durati
                     let record = Record::of(&message);
                     let offset = message.offset();
                     drop(message);
-                    let flow = {
+                    {
                         let mut book = shared.book();
                         let key = record.key.clone();
                         book.push(&tp, offset, key, record);
-                        book.flow()
-                    };
-                    shared.flow(flow);
+                        shared.flow(&mut book);
+                    }
                     shared.wake.notify_one();
                 }
                 Err(e) => {
@@ -428,6 +449,7 @@ async fn fetch(shared: Arc<Shared>, errors: mpsc::Sender<MqError>, every: Durati
 /// The consumer's context: the book's side of a rebalance, and failed commits.
 struct Context {
     book: Arc<Mutex<Book<Record>>>,
+    closed: Arc<AtomicBool>,
 }
 
 impl Context {
@@ -440,8 +462,16 @@ impl ClientContext for Context {}
 
 impl ConsumerContext for Context {
     fn pre_rebalance(&self, consumer: &BaseConsumer<Self>, rebalance: &Rebalance<'_>) {
-        let Rebalance::Revoke(tpl) = rebalance else {
-            return;
+        let tpl = match rebalance {
+            Rebalance::Revoke(tpl) => tpl,
+            Rebalance::Error(e) => {
+                // librdkafka gives every partition up: so does the book, committing nothing
+                // (another member may own them now).
+                tracing::warn!(error = %e, "the group's rebalance failed; partitions dropped");
+                self.book().revoke_all();
+                return;
+            }
+            Rebalance::Assign(_) => return,
         };
         let moved: Vec<(Tp, i64)> = {
             let mut book = self.book();
@@ -462,11 +492,22 @@ impl ConsumerContext for Context {
         }
     }
 
-    fn post_rebalance(&self, _: &BaseConsumer<Self>, rebalance: &Rebalance<'_>) {
+    fn post_rebalance(&self, consumer: &BaseConsumer<Self>, rebalance: &Rebalance<'_>) {
         if let Rebalance::Assign(tpl) = rebalance {
             let mut book = self.book();
             for e in tpl.elements() {
                 book.assign((Arc::from(e.topic()), e.partition()));
+            }
+            // A partition paused before it was revoked stays paused in librdkafka when it
+            // comes back, while the book starts it afresh: resume it (or pause it, once the
+            // source is closed).
+            let done = if self.closed.load(Ordering::Relaxed) {
+                consumer.pause(tpl)
+            } else {
+                consumer.resume(tpl)
+            };
+            if let Err(e) = done {
+                tracing::warn!(error = %e, "cannot resume the assigned partitions");
             }
         }
     }

@@ -158,3 +158,43 @@ async fn an_unreachable_broker_is_a_clear_error_at_start() {
         .expect_err("no group");
     assert!(err.to_string().contains("needs a group"), "{err}");
 }
+
+/// A partition paused because it held too much, then revoked and given back in a rebalance,
+/// is fetched again: librdkafka keeps a pause across an assignment, the book does not.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_partition_paused_then_given_back_in_a_rebalance_is_fetched_again() {
+    let Some(broker) = tansu() else { return };
+    let topic = Topic::new(broker, 2).await;
+    for i in 0..6 {
+        for p in 0..2 {
+            topic.produce(p, Some(&format!("p{p}-{i}")), b"x").await;
+        }
+    }
+    let g = group("paused");
+    let mut first = topic
+        .source(&g)
+        .max_held(2)
+        .connect()
+        .await
+        .expect("source");
+    // The first record of each partition, then nothing more taken: both partitions fill up
+    // and are paused.
+    let held = vec![next(&mut first).await, next(&mut first).await];
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    // A second member joins: the group revokes both partitions and gives one back.
+    let mut second = topic.source(&g).connect().await.expect("source");
+    let joined = tokio::spawn(async move {
+        let d = next(&mut second).await;
+        (d.partition(), second)
+    });
+    let (theirs, _second) = joined.await.expect("task");
+    drop(held);
+    let mine = 1 - theirs;
+    let mut seen = std::collections::BTreeSet::new();
+    while seen.len() < 6 {
+        let d = next(&mut first).await;
+        assert_eq!(d.partition(), mine, "only the partition given back");
+        seen.insert(d.message_id().map(str::to_owned));
+        d.settle(ack()).await.expect("ack");
+    }
+}
