@@ -352,7 +352,8 @@ impl<R> Book<R> {
     }
 
     /// Records handed out and not yet settled.
-    pub fn running(&self) -> usize {
+    #[cfg(test)]
+    fn running(&self) -> usize {
         self.parts
             .values()
             .flat_map(|p| p.slots.values())
@@ -361,7 +362,8 @@ impl<R> Book<R> {
     }
 
     /// Records held and not running (fetched, or waiting for a retry).
-    pub fn held(&self) -> usize {
+    #[cfg(test)]
+    fn held(&self) -> usize {
         self.parts.values().map(|p| p.held).sum()
     }
 }

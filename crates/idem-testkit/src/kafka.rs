@@ -7,7 +7,7 @@
 //! `cargo install tansu --locked --features dynostore --root ~/.cache/idem/tansu`). Without it a
 //! suite is skipped with a note, or fails under `CI=true`.
 //!
-//! Records live in the broker's memory: a restart loses them. Tansu cannot serve a fetch that
+//! Records live in the broker's memory (it cannot be restarted with them). Tansu cannot serve a fetch that
 //! starts inside a stored batch, so tests produce one record per batch (`linger.ms` 0, one
 //! send at a time, or `batch.size` 1), as [`Tansu::producer_config`] says.
 
@@ -15,7 +15,7 @@ use std::net::TcpStream;
 use std::path::PathBuf;
 use std::time::Duration;
 
-use crate::services::{Supervised, cannot_run, free_port, wait_for};
+use crate::services::{Supervised, cannot_run, free_port, on_path, wait_for};
 
 /// A Tansu broker of the test's own.
 pub struct Tansu {
@@ -30,11 +30,7 @@ fn binary() -> std::io::Result<PathBuf> {
     if let Some(path) = std::env::var_os("IDEM_TANSU") {
         return Ok(PathBuf::from(path));
     }
-    if let Some(path) = std::env::var_os("PATH").and_then(|path| {
-        std::env::split_paths(&path)
-            .map(|dir| dir.join("tansu"))
-            .find(|p| p.is_file())
-    }) {
+    if let Some(path) = on_path("tansu") {
         return Ok(path);
     }
     let cached = std::env::var_os("HOME")
@@ -115,29 +111,6 @@ impl Tansu {
             ("batch.num.messages", "1"),
             ("enable.idempotence", "false"),
         ]
-    }
-
-    /// Stops the broker (SIGSTOP): it holds its connections and answers nothing.
-    pub fn pause(&self) {
-        if let Some(r) = &self.running {
-            r.signal("STOP");
-        }
-    }
-
-    /// Lets a paused broker go on.
-    pub fn resume(&self) {
-        if let Some(r) = &self.running {
-            r.signal("CONT");
-        }
-    }
-
-    /// Kills the broker and starts it again on the same port. Its memory engine starts empty:
-    /// topics, records and committed offsets are gone.
-    pub fn restart(&mut self) {
-        if let Some(r) = self.running.take() {
-            r.kill();
-        }
-        self.spawn().expect("restart the broker");
     }
 }
 

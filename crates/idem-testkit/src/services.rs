@@ -294,11 +294,17 @@ pub(crate) fn wait_for(
     )))
 }
 
+/// Where `program` is on the `PATH`, if it is.
+pub(crate) fn on_path(program: &str) -> Option<std::path::PathBuf> {
+    let path = std::env::var_os("PATH")?;
+    std::env::split_paths(&path)
+        .map(|dir| dir.join(program))
+        .find(|p| p.is_file())
+}
+
 /// Whether `program` runs (is on the `PATH` and executable).
 pub(crate) fn which(program: &str) -> std::io::Result<()> {
-    let found = std::env::var_os("PATH")
-        .is_some_and(|path| std::env::split_paths(&path).any(|dir| dir.join(program).is_file()));
-    if found {
+    if on_path(program).is_some() {
         Ok(())
     } else {
         Err(std::io::Error::new(

@@ -24,8 +24,8 @@ mod runs;
 mod adapter;
 mod consumer;
 
-/// One broker for the whole suite (each test on topics of its own).
-fn broker() -> Option<&'static Tansu> {
+/// One broker for the whole suite (each test on topics of its own), or a skip.
+fn tansu() -> Option<&'static Tansu> {
     static BROKER: OnceLock<Option<Tansu>> = OnceLock::new();
     BROKER.get_or_init(Tansu::start).as_ref()
 }
@@ -177,11 +177,6 @@ impl Topic {
 /// A fresh group name.
 fn group(what: &str) -> String {
     format!("idemt-{what}-{:08x}", rand::random::<u32>())
-}
-
-/// What every test starts with: the broker, or a skip.
-fn tansu() -> Option<&'static Tansu> {
-    broker()
 }
 
 /// A lease short enough that a test sees a claim run out.

@@ -394,20 +394,7 @@ async fn poison_keyless_and_exhausted_messages_reach_the_dead_letter() {
         .max_attempts(3)
         .backoff(Duration::from_millis(50), Duration::from_millis(200));
     let runs = Arc::new(Runs::default());
-    let handler = {
-        let runs = Arc::clone(&runs);
-        move |msg: Message| {
-            let runs = Arc::clone(&runs);
-            async move {
-                let _run = runs.start(msg.message_id.as_deref().unwrap_or(""));
-                match &msg.payload[..] {
-                    b"poison" => Err(Failure::Permanent("malformed order".to_owned())),
-                    b"flaky" => Err(Failure::Retry("database down".to_owned())),
-                    _ => Ok(()),
-                }
-            }
-        }
-    };
+    let handler = failing_handler(&runs);
     let (stop, shutdown) = shutdown_switch();
     let run = tokio::spawn({
         let consumer = consumer.clone();
