@@ -117,7 +117,7 @@ impl KafkaSourceBuilder {
             .set("enable.auto.offset.store", "false");
         for (key, value) in [
             ("auto.offset.reset", "earliest"),
-            // librdkafka's prefetch queue per partition (its default is 64 MiB).
+            // librdkafka's prefetch queue, one for the whole consumer (its default is 64 MiB).
             ("queued.max.messages.kbytes", "16384"),
         ] {
             if !self.config.iter().any(|(k, _)| k == key) {
